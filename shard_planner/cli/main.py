@@ -1,0 +1,74 @@
+"""``shard-planner``: the entry point. Sets up logging, dispatches to a command module, and turns a
+:class:`~shard_planner.errors.UserError` into one line on stderr and a non-zero exit."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import logging
+import os
+import sys
+
+from shard_planner.errors import UserError
+
+# In pipeline order; each is a module shard_planner.cli.<name> with add_parser() and run().
+COMMANDS = ("trace", "estimate", "calibrate", "plan", "run", "report", "export", "tune")
+
+
+def _available_commands() -> list:
+    return [
+        importlib.import_module(f"shard_planner.cli.{name}")
+        for name in COMMANDS
+        if importlib.util.find_spec(f"shard_planner.cli.{name}") is not None
+    ]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shard-planner",
+        description="Plan, check and run PyTorch FSDP2 sharding: wrap boundaries, prefetch, reshard, "
+        "activation checkpointing and micro-batch, for the fastest step that fits in memory.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module in _available_commands():
+        p = module.add_parser(sub)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def configure_logging(debug: bool) -> None:
+    """Configure the package logger (never the root logger), with the rank when there is one."""
+    rank = os.environ.get("RANK")
+    fmt = ("[rank%s] " % rank if rank is not None else "") + "%(levelname)s %(name)s: %(message)s"
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(fmt))
+    log = logging.getLogger("shard_planner")
+    log.handlers[:] = [handler]
+    log.setLevel(logging.DEBUG if debug else logging.WARNING)
+    log.propagate = False
+    if not debug:
+        # FakeTensorMode logs a whole traceback on a shape error; we report it in one line instead.
+        logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    configure_logging(args.debug)
+    try:
+        return int(args._run(args) or 0)
+    except UserError as exc:
+        if args.debug:
+            raise
+        print(f"shard-planner: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("shard-planner: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

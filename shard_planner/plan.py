@@ -1,0 +1,278 @@
+"""Plan: the sharding decisions for one model on one cluster, and what the cost model predicts.
+
+The JSON form is the contract every consumer reads (DESIGN.md, "What the plan file must contain").
+Everything is validated on construction (``__post_init__``) and on load (:func:`load_plan`), with
+errors that name the field.
+
+Units are listed in forward order. The root module (fqn ``""``) is always a unit of its own: FSDP2
+wraps it last and it owns every parameter no other unit owns. Nested units are allowed (a unit for
+``layers.0`` and one for ``layers.0.attention``); a parameter belongs to the innermost unit that
+contains it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from shard_planner.errors import PlanError
+from shard_planner.fileio import write_atomic
+
+PLAN_SCHEMA_VERSION = 1
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd_momentum")
+DTYPES = ("float32", "bfloat16", "float16")
+MEMORY_CATEGORIES = (
+    "sharded_params",
+    "unsharded_params",
+    "grads",
+    "optimizer_states",
+    "activations",
+    "temporaries",
+    "comm_buffers",
+    "overhead",
+)
+ROOT = ""
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise PlanError(message)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One ``fully_shard`` call: one module, or a contiguous run of siblings grouped in a list."""
+
+    modules: tuple[str, ...]
+    reshard_after_forward: bool | int = True  # int: reshard to that many ranks (a divisor of the shard group)
+    activation_checkpoint: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "modules", tuple(self.modules))
+        _require(len(self.modules) > 0, "a unit needs at least one module")
+        _require(len(set(self.modules)) == len(self.modules), f"unit {list(self.modules)} names a module twice")
+        _require(ROOT not in self.modules or len(self.modules) == 1, "the root module must be a unit of its own")
+        r = self.reshard_after_forward
+        _require(isinstance(r, bool) or (isinstance(r, int) and r >= 2),
+                 f"unit {self.name}: reshard_after_forward must be true, false or an int >= 2, got {r!r}")
+
+    @property
+    def name(self) -> str:
+        """A short label: the module, or ``first..last`` for a group; ``<root>`` for the root."""
+        if self.modules == (ROOT,):
+            return "<root>"
+        return self.modules[0] if len(self.modules) == 1 else f"{self.modules[0]}..{self.modules[-1]}"
+
+    @property
+    def is_root(self) -> bool:
+        return self.modules == (ROOT,)
+
+
+@dataclass(frozen=True)
+class Prefetch:
+    """How many units ahead all-gathers are issued explicitly (FSDP2 ``set_modules_to_*_prefetch``).
+
+    forward=0 and backward=1 are FSDP2's defaults (backward prefetches one unit implicitly)."""
+
+    forward: int = 0
+    backward: int = 1
+
+    def __post_init__(self):
+        for name in ("forward", "backward"):
+            v = getattr(self, name)
+            _require(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 8,
+                     f"prefetch.{name} must be an int from 0 to 8, got {v!r}")
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """shard: ranks one parameter is sharded over; replicate: HSDP replicas (1 = plain FSDP)."""
+
+    shard: int
+    replicate: int = 1
+
+    def __post_init__(self):
+        for name in ("shard", "replicate"):
+            v = getattr(self, name)
+            _require(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"mesh.{name} must be a positive int, got {v!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.shard * self.replicate
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus: int
+    gpus_per_node: int
+    profile: str  # a profile name (profiles/NAME.toml) or a path
+    mem_budget_bytes: int  # per GPU
+
+    def __post_init__(self):
+        _require(isinstance(self.gpus, int) and self.gpus >= 1, f"cluster.gpus must be a positive int, got {self.gpus!r}")
+        _require(isinstance(self.gpus_per_node, int) and self.gpus_per_node >= 1,
+                 f"cluster.gpus_per_node must be a positive int, got {self.gpus_per_node!r}")
+        _require(isinstance(self.mem_budget_bytes, int) and self.mem_budget_bytes > 0,
+                 f"cluster.mem_budget_bytes must be a positive int, got {self.mem_budget_bytes!r}")
+
+
+@dataclass(frozen=True)
+class Training:
+    micro_batch: int  # per GPU
+    optimizer: str = "adamw"
+    param_dtype: str = "bfloat16"  # MixedPrecisionPolicy.param_dtype: the compute dtype
+    reduce_dtype: str = "float32"  # MixedPrecisionPolicy.reduce_dtype: gradient reduce-scatter dtype
+    cpu_offload: bool = False  # CPUOffloadPolicy: sharded params, grads and optimizer states on the host
+    lr: float = 1e-3
+
+    def __post_init__(self):
+        _require(isinstance(self.micro_batch, int) and self.micro_batch >= 1,
+                 f"training.micro_batch must be a positive int, got {self.micro_batch!r}")
+        _require(self.optimizer in OPTIMIZERS, f"training.optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        for name in ("param_dtype", "reduce_dtype"):
+            _require(getattr(self, name) in DTYPES, f"training.{name} must be one of {', '.join(DTYPES)}")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    peak_bytes: int
+    step_time_s: float
+    memory_at_peak: dict[str, int]  # bytes by category, MEMORY_CATEGORIES
+    samples_per_s: float
+    tokens_per_s: float | None = None
+    exposed_comm_s: float = 0.0
+    mfu: float | None = None
+
+    def __post_init__(self):
+        unknown = set(self.memory_at_peak) - set(MEMORY_CATEGORIES)
+        _require(not unknown, f"predicted.memory_at_peak has unknown categories {sorted(unknown)}")
+
+
+@dataclass(frozen=True)
+class SolverInfo:
+    method: str  # "cp-sat", "dp", "brute-force", "hand-written", "given"
+    status: str  # "OPTIMAL", "FEASIBLE", ...
+    objective: float  # predicted step time in seconds of the chosen plan
+    seconds: float  # wall time of the search
+
+
+@dataclass(frozen=True)
+class FrontierPoint:
+    peak_bytes: int
+    step_time_s: float
+    description: str
+    fits: bool = True  # within the budget (baselines may not fit)
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    path: str
+    fingerprint: str
+    seq_len: int | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: ModelRef
+    cluster: Cluster
+    mesh: Mesh
+    training: Training
+    units: tuple[Unit, ...]
+    prefetch: Prefetch = field(default_factory=Prefetch)
+    predicted: Prediction | None = None
+    solver: SolverInfo | None = None
+    frontier: tuple[FrontierPoint, ...] = ()
+    baselines: tuple[FrontierPoint, ...] = ()
+    schema_version: int = PLAN_SCHEMA_VERSION
+
+    def __post_init__(self):
+        object.__setattr__(self, "units", tuple(self.units))
+        object.__setattr__(self, "frontier", tuple(self.frontier))
+        object.__setattr__(self, "baselines", tuple(self.baselines))
+        _require(self.schema_version == PLAN_SCHEMA_VERSION,
+                 f"plan schema_version {self.schema_version!r} is not {PLAN_SCHEMA_VERSION}: re-run shard-planner plan")
+        roots = [u for u in self.units if u.is_root]
+        _require(len(roots) == 1, "a plan needs exactly one unit for the root module (modules: [\"\"])")
+        seen: set[str] = set()
+        for u in self.units:
+            twice = sorted(seen.intersection(u.modules))
+            _require(not twice, f"module {twice[:1]} is in two units")
+            seen.update(u.modules)
+            r = u.reshard_after_forward
+            if not isinstance(r, bool):
+                _require(r < self.mesh.shard and self.mesh.shard % r == 0,
+                         f"unit {u.name}: reshard_after_forward={r} must divide the shard group size "
+                         f"{self.mesh.shard} and be smaller than it")
+        _require(self.mesh.world_size == self.cluster.gpus,
+                 f"mesh {self.mesh.replicate}x{self.mesh.shard} does not use the cluster's {self.cluster.gpus} GPUs")
+
+    @property
+    def root(self) -> Unit:
+        return next(u for u in self.units if u.is_root)
+
+    def with_world_size(self, world_size: int) -> "Plan":
+        """The same decisions on ``world_size`` ranks (plain FSDP); int reshard sizes that no longer
+        divide the group become True. Predictions are dropped: they were for the old size."""
+        units = tuple(
+            u if isinstance(u.reshard_after_forward, bool) or (
+                u.reshard_after_forward < world_size and world_size % u.reshard_after_forward == 0)
+            else replace(u, reshard_after_forward=True)
+            for u in self.units
+        )
+        return replace(
+            self,
+            cluster=replace(self.cluster, gpus=world_size, gpus_per_node=min(self.cluster.gpus_per_node, world_size)),
+            mesh=Mesh(shard=world_size),
+            units=units,
+            predicted=None,
+        )
+
+    # ---- JSON ----
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @staticmethod
+    def from_dict(d: dict) -> "Plan":
+        if not isinstance(d, dict):
+            raise PlanError("a plan must be a JSON object")
+        try:
+            return Plan(
+                model=ModelRef(**d["model"]),
+                cluster=Cluster(**d["cluster"]),
+                mesh=Mesh(**d["mesh"]),
+                training=Training(**d["training"]),
+                units=tuple(Unit(**u) for u in d["units"]),
+                prefetch=Prefetch(**d.get("prefetch", {})),
+                predicted=Prediction(**d["predicted"]) if d.get("predicted") else None,
+                solver=SolverInfo(**d["solver"]) if d.get("solver") else None,
+                frontier=tuple(FrontierPoint(**p) for p in d.get("frontier", ())),
+                baselines=tuple(FrontierPoint(**p) for p in d.get("baselines", ())),
+                schema_version=d.get("schema_version"),
+            )
+        except KeyError as exc:
+            raise PlanError(f"plan is missing the field {exc.args[0]!r}") from None
+        except TypeError as exc:  # unexpected or missing keyword in a section
+            raise PlanError(f"plan has a malformed section: {exc}") from None
+
+
+def load_plan(path: str | os.PathLike) -> Plan:
+    p = Path(path)
+    if not p.is_file():
+        raise PlanError(f"{path}: no such plan file")
+    try:
+        d = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"{path}: not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    try:
+        return Plan.from_dict(d)
+    except PlanError as exc:
+        raise PlanError(f"{path}: {exc}") from None
+
+
+def save_plan(plan: Plan, path: str | os.PathLike) -> None:
+    write_atomic(path, plan.to_json() + "\n")

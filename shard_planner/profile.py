@@ -1,0 +1,74 @@
+"""HardwareProfile: what the cost model needs to know about a device and its interconnect.
+
+Profiles are TOML files (profiles/NAME.toml, read with the standard library's tomllib); every number
+in them cites its source in a comment. ``load_profile`` takes a name from profiles/ or a path.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shard_planner.errors import ProfileError
+
+PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+DEFAULT_PROFILE = "h100-80gb"
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    """Ring collectives: time = latency_s * (p - 1) + (p - 1) / p * bytes / busbw (nccl-tests' busbw)."""
+
+    gpus_per_node: int
+    intra_node_latency_s: float
+    intra_node_busbw_bytes_per_s: float
+    inter_node_latency_s: float
+    inter_node_busbw_bytes_per_s: float  # per GPU
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    device: str  # "cuda" or "cpu"
+    memory_bytes: int  # per device
+    usable_fraction: float  # of memory_bytes the planner may fill (allocator fragmentation headroom)
+    reserved_bytes: int  # fixed per process: CUDA context, NCCL, allocator reserve
+    per_process_group_bytes: int  # each extra process group (int reshard) costs this (pytorch#153302)
+    peak_flops_per_s: dict[str, float]  # by compute dtype name ("bfloat16", "float32")
+    compute_efficiency: float  # achievable fraction of peak for training matmuls
+    memory_bandwidth_bytes_per_s: float  # HBM (optimizer step, elementwise)
+    host_to_device_bytes_per_s: float  # PCIe, for CPU offload
+    interconnect: Interconnect
+    source: str = ""  # where the numbers come from (file path)
+    notes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def usable_bytes(self) -> int:
+        return int(self.memory_bytes * self.usable_fraction)
+
+    def flops_per_s(self, dtype: str) -> float:
+        """Achievable FLOP/s in ``dtype``: peak x efficiency."""
+        try:
+            return self.peak_flops_per_s[dtype] * self.compute_efficiency
+        except KeyError:
+            raise ProfileError(f"profile {self.name} has no peak FLOP/s for {dtype}; add it under [peak_flops_per_s]") from None
+
+
+def load_profile(name_or_path: str) -> HardwareProfile:
+    """A profile by name (profiles/NAME.toml) or by path to a TOML file."""
+    path = Path(name_or_path)
+    if not (path.suffix == ".toml" or path.is_file()):
+        path = PROFILES_DIR / f"{name_or_path}.toml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in PROFILES_DIR.glob("*.toml"))) or "none"
+        raise ProfileError(f"no profile {name_or_path!r}: give a path to a TOML file or one of: {known}")
+    try:
+        d = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ProfileError(f"{path}: not valid TOML ({exc})") from None
+    try:
+        ic = d.pop("interconnect")
+        return HardwareProfile(interconnect=Interconnect(**ic), source=str(path), **d)
+    except (KeyError, TypeError) as exc:
+        raise ProfileError(f"{path}: malformed profile ({exc}); see profiles/h100-80gb.toml for the fields") from None

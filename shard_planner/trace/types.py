@@ -1,0 +1,188 @@
+"""ModelTrace: what the planner knows about a model, measured once without GPUs or real memory.
+
+Quantities that depend on the micro-batch are :class:`Affine` in the batch size, fitted from two
+traced batch sizes, so later stages vary the micro-batch without re-tracing. Per-module quantities
+named ``*_self`` belong to the module's own operations (not its children's): a subtree total is the sum
+over the subtree (:func:`ModelTrace.subtree`). Peaks (``*_peak_rise_bytes``) include the children,
+since a peak does not add up.
+
+All byte counts are per rank, for one micro-batch, in the trace's compute dtype, for the *unsharded*
+model: the cost model applies sharding, mixed precision and checkpointing on top.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
+
+TRACE_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Affine:
+    """A quantity linear in the micro-batch: ``value(b) = fixed + per_sample * b``."""
+
+    fixed: float = 0.0
+    per_sample: float = 0.0
+
+    def at(self, batch_size: int) -> float:
+        return self.fixed + self.per_sample * batch_size
+
+    @staticmethod
+    def fit(b1: int, v1: float, b2: int, v2: float) -> "Affine":
+        """The line through (b1, v1) and (b2, v2); b1 != b2."""
+        per_sample = (v2 - v1) / (b2 - b1)
+        return Affine(fixed=v1 - per_sample * b1, per_sample=per_sample)
+
+    def __add__(self, other: "Affine") -> "Affine":
+        return Affine(self.fixed + other.fixed, self.per_sample + other.per_sample)
+
+    def scaled(self, factor: float) -> "Affine":
+        return Affine(self.fixed * factor, self.per_sample * factor)
+
+
+ZERO = Affine()
+
+
+@dataclass(frozen=True)
+class ModuleTrace:
+    """One module (by fully qualified name; the root is ``""``)."""
+
+    fqn: str
+    type_name: str  # class name, e.g. "TransformerBlock"
+    parent: str | None  # None for the root
+    children: tuple[str, ...]  # direct children, in registration order
+    structural_hash: str  # equal for structurally identical modules (same classes, shapes, dtypes)
+    # Parameters registered directly on this module (recurse=False). A parameter shared by several
+    # modules (tied weights) is counted once, at the first module that registers it.
+    param_count: int
+    param_bytes_by_dtype: dict[str, int]  # dtype name ("float32") -> bytes, as built
+    buffer_bytes: int  # buffers registered directly on this module
+    calls: int  # forward calls in one step (0: never called, e.g. an unused module)
+    # Per micro-batch, in the compute dtype (Affine in the batch size):
+    input_bytes: Affine  # tensor inputs of its forward (what a checkpointed unit keeps)
+    output_bytes: Affine  # tensor outputs of its forward
+    saved_bytes_self: Affine  # tensors saved for backward by its own ops, deduplicated by storage
+    fwd_flops_self: Affine
+    bwd_flops_self: Affine
+    # Largest rise of live non-parameter bytes above the level at its entry, children included:
+    fwd_peak_rise_bytes: Affine  # during its forward (what it saves and outputs counts)
+    bwd_peak_rise_bytes: Affine  # during its backward (parameter gradients excluded)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(self.param_bytes_by_dtype.values())
+
+
+@dataclass(frozen=True)
+class ModelTrace:
+    """Everything the cost model and solver need about one model at one sequence length."""
+
+    model_path: str
+    model_class: str
+    compute_dtype: str  # "bfloat16" or "float32": dtype of activations in the traced step
+    batch_sizes: tuple[int, int]  # the two traced micro-batch sizes the Affines were fitted from
+    tokens_per_sample: int | None  # sequence length for token models, None otherwise
+    modules: tuple[ModuleTrace, ...]  # in named_modules() order, root first
+    forward_order: tuple[str, ...]  # fqns by first forward entry
+    backward_order: tuple[str, ...]  # fqns by first backward entry (gradient of an output arrives)
+    batch_input_bytes: Affine  # the batch's inputs and targets
+    loss_saved_bytes: Affine  # saved by loss_fn (outside every module)
+    loss_peak_rise_bytes: Affine  # transient peak of loss_fn forward+backward (e.g. fp32 logits)
+    loss_flops: Affine
+    trace_seconds: float = 0.0
+    reused_modules: int = 0  # modules whose numbers were copied from an identical traced twin
+    schema_version: int = TRACE_SCHEMA_VERSION
+
+    @cached_property
+    def _by_fqn(self) -> dict[str, ModuleTrace]:
+        return {m.fqn: m for m in self.modules}
+
+    def module(self, fqn: str) -> ModuleTrace:
+        try:
+            return self._by_fqn[fqn]
+        except KeyError:
+            raise KeyError(f"module {fqn!r} is not in the trace of {self.model_path}") from None
+
+    def __contains__(self, fqn: str) -> bool:
+        return fqn in self._by_fqn
+
+    def subtree(self, fqn: str) -> tuple[ModuleTrace, ...]:
+        """The module and all its descendants, in named_modules() order."""
+        out, stack = [], [fqn]
+        while stack:
+            m = self.module(stack.pop())
+            out.append(m)
+            stack.extend(reversed(m.children))
+        return tuple(out)
+
+    def subtree_param_count(self, fqn: str) -> int:
+        return sum(m.param_count for m in self.subtree(fqn))
+
+    def subtree_param_bytes(self, fqn: str) -> int:
+        return sum(m.param_bytes for m in self.subtree(fqn))
+
+    def subtree_sum(self, fqn: str, attr: str) -> Affine:
+        """Sum of an Affine ``*_self`` field over the subtree, e.g. ``subtree_sum("layers.0", "fwd_flops_self")``."""
+        total = ZERO
+        for m in self.subtree(fqn):
+            total = total + getattr(m, attr)
+        return total
+
+    @property
+    def param_count(self) -> int:
+        return sum(m.param_count for m in self.modules)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """Hash of the model's structure (names, classes, parameter shapes by dtype), not of numbers
+        measured; a plan records it so that the executor can tell a plan made for another model."""
+        h = hashlib.sha256()
+        for m in self.modules:
+            h.update(f"{m.fqn}|{m.type_name}|{m.structural_hash}|{m.param_count};".encode())
+        return h.hexdigest()[:16]
+
+    # ---- JSON ----
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["fingerprint"] = self.fingerprint
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+    @staticmethod
+    def from_dict(d: dict) -> "ModelTrace":
+        from shard_planner.errors import UserError
+
+        if d.get("schema_version") != TRACE_SCHEMA_VERSION:
+            raise UserError(
+                f"trace schema version {d.get('schema_version')!r} is not {TRACE_SCHEMA_VERSION}: re-run shard-planner trace"
+            )
+        d = dict(d)
+        d.pop("fingerprint", None)
+        modules = tuple(_module_from_dict(m) for m in d.pop("modules"))
+        affines = {k: Affine(**d.pop(k)) for k in list(d) if isinstance(d[k], dict) and set(d[k]) == {"fixed", "per_sample"}}
+        return ModelTrace(
+            modules=modules,
+            batch_sizes=tuple(d.pop("batch_sizes")),
+            forward_order=tuple(d.pop("forward_order")),
+            backward_order=tuple(d.pop("backward_order")),
+            **affines,
+            **d,
+        )
+
+    @staticmethod
+    def from_json(text: str) -> "ModelTrace":
+        return ModelTrace.from_dict(json.loads(text))
+
+
+def _module_from_dict(d: dict) -> ModuleTrace:
+    d = dict(d)
+    for k, v in list(d.items()):
+        if isinstance(v, dict) and set(v) == {"fixed", "per_sample"}:
+            d[k] = Affine(**v)
+    d["children"] = tuple(d["children"])
+    return ModuleTrace(**d)
