@@ -12,7 +12,6 @@ model: the cost model applies sharding, mixed precision and checkpointing on top
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
@@ -92,6 +91,7 @@ class ModelTrace:
     loss_saved_bytes: Affine  # saved by loss_fn (outside every module)
     loss_peak_rise_bytes: Affine  # transient peak of loss_fn forward+backward (e.g. fp32 logits)
     loss_flops: Affine
+    fingerprint: str  # trace.structure.model_fingerprint of the model: plans record it, the executor checks it
     trace_seconds: float = 0.0
     reused_modules: int = 0  # modules whose numbers were copied from an identical traced twin
     schema_version: int = TRACE_SCHEMA_VERSION
@@ -135,20 +135,9 @@ class ModelTrace:
     def param_count(self) -> int:
         return sum(m.param_count for m in self.modules)
 
-    @cached_property
-    def fingerprint(self) -> str:
-        """Hash of the model's structure (names, classes, parameter shapes by dtype), not of numbers
-        measured; a plan records it so that the executor can tell a plan made for another model."""
-        h = hashlib.sha256()
-        for m in self.modules:
-            h.update(f"{m.fqn}|{m.type_name}|{m.structural_hash}|{m.param_count};".encode())
-        return h.hexdigest()[:16]
-
     # ---- JSON ----
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["fingerprint"] = self.fingerprint
-        return d
+        return asdict(self)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
@@ -162,7 +151,6 @@ class ModelTrace:
                 f"trace schema version {d.get('schema_version')!r} is not {TRACE_SCHEMA_VERSION}: re-run shard-planner trace"
             )
         d = dict(d)
-        d.pop("fingerprint", None)
         modules = tuple(_module_from_dict(m) for m in d.pop("modules"))
         affines = {k: Affine(**d.pop(k)) for k in list(d) if isinstance(d[k], dict) and set(d[k]) == {"fixed", "per_sample"}}
         return ModelTrace(

@@ -1,0 +1,43 @@
+"""Structural identity of modules, without running them.
+
+``structural_hashes`` gives each module a hash of its class, its own parameter and buffer shapes and
+dtypes, and (recursively) its children's names and hashes: two transformer blocks of the same shape get
+the same hash, so the tracer traces one and reuses its numbers for the rest. ``model_fingerprint`` is
+the hash of the root plus every module's name, which a plan records and the executor checks against
+the real model it is applied to. Both work on meta, fake and real modules alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch.nn as nn
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def structural_hashes(model: nn.Module) -> dict[str, str]:
+    """fqn -> structural hash, for every module of ``model`` (the root is ``""``)."""
+    hashes: dict[str, str] = {}
+
+    def visit(fqn: str, module: nn.Module) -> str:
+        parts = [type(module).__module__ + "." + type(module).__qualname__]
+        for name, p in module.named_parameters(recurse=False):
+            parts.append(f"p:{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}")
+        for name, b in module.named_buffers(recurse=False):
+            parts.append(f"b:{name}:{tuple(b.shape)}:{b.dtype}")
+        for name, child in module.named_children():
+            parts.append(f"c:{name}:{visit(f'{fqn}.{name}' if fqn else name, child)}")
+        hashes[fqn] = _digest("|".join(parts))
+        return hashes[fqn]
+
+    visit("", model)
+    return hashes
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """A short hash of the whole model's structure: module names, classes, parameter shapes and dtypes."""
+    hashes = structural_hashes(model)
+    return _digest(";".join(f"{fqn}={h}" for fqn, h in sorted(hashes.items())))
