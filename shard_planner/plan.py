@@ -193,6 +193,8 @@ class Plan:
         object.__setattr__(self, "baselines", tuple(self.baselines))
         _require(self.schema_version == PLAN_SCHEMA_VERSION,
                  f"plan schema_version {self.schema_version!r} is not {PLAN_SCHEMA_VERSION}: re-run shard-planner plan")
+        _require(self.mesh.world_size == self.cluster.gpus,
+                 f"mesh {self.mesh.replicate}x{self.mesh.shard} does not use the cluster's {self.cluster.gpus} GPUs")
         roots = [u for u in self.units if u.is_root]
         _require(len(roots) == 1, "a plan needs exactly one unit for the root module (modules: [\"\"])")
         seen: set[str] = set()
@@ -205,8 +207,6 @@ class Plan:
                 _require(r < self.mesh.shard and self.mesh.shard % r == 0,
                          f"unit {u.name}: reshard_after_forward={r} must divide the shard group size "
                          f"{self.mesh.shard} and be smaller than it")
-        _require(self.mesh.world_size == self.cluster.gpus,
-                 f"mesh {self.mesh.replicate}x{self.mesh.shard} does not use the cluster's {self.cluster.gpus} GPUs")
 
     @property
     def root(self) -> Unit:
