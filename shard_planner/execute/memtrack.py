@@ -1,0 +1,210 @@
+"""Exact peak memory on CPU: a TorchDispatchMode that counts live tensor storages.
+
+The CPU allocator cannot be asked for a peak, and process RSS is 0.5-0.8 GiB off and too noisy to show
+a reshard difference (DESIGN.md, "FSDP2 facts"). :class:`StorageTracker` instead sees every tensor an
+operator returns, keys its *storage* by a weak reference (views share a storage and are counted once),
+and subtracts the storage's bytes when it is freed. It counts:
+
+- storages returned by any operator run while it is active (activations, gradients, temporaries,
+  all-gather and reduce-scatter buffers, lazily created optimizer states);
+- storages of the objects given as ``track=`` (a module's parameters, buffers and gradients, an
+  optimizer's states), counted once at entry, because they were allocated before it;
+- size changes made through ``torch.UntypedStorage.resize_``, which is not a dispatched operator and
+  which FSDP2 uses to free (``resize_(0)``) and refill unsharded parameters
+  (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, ``free_storage`` / ``alloc_storage``). The method
+  is patched while a tracker is active, as torch/distributed/_tools/mem_tracker.py does.
+
+DTensor wrappers are not counted: the mode declines DTensor operators, so DTensor desugars them into
+operators on its local tensors, which the mode then sees; the storages of a given DTensor are its local
+tensor's. Bytes are exact storage sizes (no allocator rounding).
+
+Usage::
+
+    tracker = StorageTracker(track=(model, optimizer))
+    with tracker:
+        tracker.phase = "forward"; loss = model(x).sum()
+        tracker.phase = "backward"; loss.backward()
+        tracker.phase = "optimizer"; optimizer.step()
+    tracker.peak_bytes, tracker.peak_phase
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_map_only
+from torch.utils.weak import WeakIdKeyDictionary
+
+logger = logging.getLogger(__name__)
+
+PHASES = ("setup", "forward", "backward", "optimizer")
+
+# Trackers that are active now (entered and not exited); the patched resize_ notifies each.
+_ACTIVE: list["StorageTracker"] = []
+_ORIG_RESIZE = None
+_PATCH_LOCK = threading.Lock()
+
+
+def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The untyped storages behind ``t``: its own, or its inner tensors' for a wrapper subclass."""
+    out, todo = [], [t]
+    while todo:
+        x = todo.pop()
+        if is_traceable_wrapper_subclass(x):
+            attrs, _ = x.__tensor_flatten__()
+            todo.extend(v for v in (getattr(x, a) for a in attrs) if isinstance(v, torch.Tensor))
+        else:
+            out.append(x.untyped_storage())
+    return out
+
+
+def _tensors_of(obj: Any) -> Iterable[torch.Tensor]:
+    """Tensors held by ``obj``: a tensor, a module (parameters, their grads, buffers), an optimizer
+    (its states), or a list/tuple/dict of those."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+        if obj.grad is not None:
+            yield obj.grad
+    elif isinstance(obj, torch.nn.Module):
+        for p in obj.parameters():
+            yield from _tensors_of(p)
+        yield from obj.buffers()
+    elif isinstance(obj, torch.optim.Optimizer):
+        for state in obj.state.values():
+            yield from _tensors_of(list(state.values()))
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors_of(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors_of(v)
+
+
+def _patched_resize(storage: torch.UntypedStorage, size: int):
+    result = _ORIG_RESIZE(storage, size)
+    for tracker in list(_ACTIVE):
+        tracker._on_resize(storage)
+    return result
+
+
+@dataclass
+class _Info:
+    nbytes: int
+    device_type: str
+
+
+class StorageTracker(TorchDispatchMode):
+    """Counts live tensor storages; see the module docstring.
+
+    ``device_type`` (e.g. "cpu", "cuda"): count only storages on devices of that type (None: all).
+    ``phase`` is a label the caller sets ("forward", "backward", "optimizer"); the peak records it.
+    """
+
+    def __init__(self, track: Iterable[Any] = (), device_type: str | None = None):
+        super().__init__()
+        self.device_type = device_type
+        self.phase = "setup"
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.peak_phase = "setup"
+        self._track_on_entry = tuple(track)
+        self._infos: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._refs: dict[int, weakref.ref] = {}  # keeps the finalising weakrefs alive
+        self._lock = threading.RLock()
+        self._depth = 0
+
+    # ---- public ----
+    def track(self, *objs: Any) -> None:
+        """Count the storages of tensors that exist already (modules, optimizers, tensors)."""
+        for t in _tensors_of(list(objs)):
+            self._add_tensor(t)
+
+    def reset_peak(self) -> None:
+        """Start a new peak from the bytes live now (e.g. after warm-up steps)."""
+        with self._lock:
+            self.peak_bytes = self.live_bytes
+            self.peak_phase = self.phase
+
+    # ---- the mode ----
+    def __enter__(self):
+        global _ORIG_RESIZE
+        if self._depth == 0:
+            with _PATCH_LOCK:
+                if not _ACTIVE:
+                    _ORIG_RESIZE = torch.UntypedStorage.resize_
+                    torch.UntypedStorage.resize_ = _patched_resize
+                _ACTIVE.append(self)
+            if self._track_on_entry:
+                self.track(*self._track_on_entry)
+                self._track_on_entry = ()
+            self._update_peak()
+        self._depth += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self._depth -= 1
+        if self._depth == 0:
+            with _PATCH_LOCK:
+                _ACTIVE.remove(self)
+                if not _ACTIVE:
+                    torch.UntypedStorage.resize_ = _ORIG_RESIZE
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor run its local ops, which come back here
+        res = func(*args, **(kwargs or {}))
+        tree_map_only(torch.Tensor, self._add_tensor, res)
+        return res
+
+    # ---- bookkeeping ----
+    def _add_tensor(self, t: torch.Tensor) -> None:
+        if self.device_type is not None and t.device.type != self.device_type:
+            return
+        for st in _storages(t):
+            self._add_storage(st, t.device.type)
+
+    def _add_storage(self, st: torch.UntypedStorage, device_type: str) -> None:
+        with self._lock:
+            info = self._infos.get(st)
+            if info is not None:
+                self._resize_known(info, st)
+                return
+            info = _Info(st.nbytes(), device_type)
+            self._infos[st] = info
+            key = id(info)
+            self._refs[key] = weakref.ref(st, lambda _ref, info=info, key=key: self._on_free(info, key))
+            self.live_bytes += info.nbytes
+            self._update_peak()
+
+    def _resize_known(self, info: _Info, st: torch.UntypedStorage) -> None:
+        nbytes = st.nbytes()
+        if nbytes != info.nbytes:
+            self.live_bytes += nbytes - info.nbytes
+            info.nbytes = nbytes
+            self._update_peak()
+
+    def _on_resize(self, st: torch.UntypedStorage) -> None:
+        with self._lock:
+            info = self._infos.get(st)
+            if info is not None:
+                self._resize_known(info, st)
+
+    def _on_free(self, info: _Info, key: int) -> None:
+        with self._lock:
+            self.live_bytes -= info.nbytes
+            info.nbytes = 0
+            self._refs.pop(key, None)
+
+    def _update_peak(self) -> None:
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+            self.peak_phase = self.phase
