@@ -18,12 +18,20 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def _class_module(cls: type) -> str:
+    """The class's module name, except for a model file imported by path: modelfile._import names it
+    ``_shard_planner_model_<hash of the path>``, with Python's per-process salted ``hash``, so that name
+    differs between processes (and between folders); the file's classes are named by qualname alone."""
+    name = cls.__module__
+    return "<model file>" if name.startswith("_shard_planner_model_") else name
+
+
 def structural_hashes(model: nn.Module) -> dict[str, str]:
     """fqn -> structural hash, for every module of ``model`` (the root is ``""``)."""
     hashes: dict[str, str] = {}
 
     def visit(fqn: str, module: nn.Module) -> str:
-        parts = [type(module).__module__ + "." + type(module).__qualname__]
+        parts = [_class_module(type(module)) + "." + type(module).__qualname__]
         for name, p in module.named_parameters(recurse=False):
             parts.append(f"p:{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}")
         for name, b in module.named_buffers(recurse=False):
