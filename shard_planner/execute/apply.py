@@ -1,0 +1,246 @@
+"""Apply a plan to a model with real FSDP2: exactly what the plan says, nothing more.
+
+Usable from any training script::
+
+    from shard_planner.execute import apply_plan, build_mesh
+    from shard_planner.plan import load_plan
+
+    plan = load_plan("plan.json")
+    mesh = build_mesh(plan, "cuda")          # 1-D (shard,) or 2-D (replicate, shard) for HSDP
+    model = apply_plan(build_model(), plan, mesh)
+
+Order of operations (torchtitan, torchtitan/distributed/fsdp.py, does the same):
+
+1. check that the plan matches the model (:func:`check_plan_matches`): fingerprint, every FQN, grouped
+   modules are contiguous siblings; a mismatch raises :class:`PlanError` naming what differs;
+2. activation checkpointing: the ``forward`` of every module of a checkpointed unit is replaced on the
+   instance by ``torch.utils.checkpoint.checkpoint(original_forward, use_reentrant=False)``. This is
+   what ``checkpoint_wrapper`` does, without inserting a wrapper module, so FQNs (and the plan, the
+   state dict and :func:`describe_sharding`) keep their names. FSDP2's hooks run outside the
+   checkpoint, as with ``checkpoint_wrapper`` applied before ``fully_shard``;
+3. ``fully_shard`` on each unit (a list for a grouped unit), deepest first, the root last, each with
+   its reshard policy, the plan's ``MixedPrecisionPolicy`` and offload policy;
+4. explicit prefetch lists (see [Note: prefetch order]).
+
+[Note: prefetch order]
+Forward order is the plan's unit order with the root first (its pre-forward runs before any other
+unit's); backward order is its reverse without the root (the root is the last to finish backward and
+its all-gather, when it reshards at all, is issued by its own pre-backward hook). With depth k, unit i
+prefetches the next k units of the order: ``set_modules_to_forward_prefetch`` /
+``set_modules_to_backward_prefetch``. FSDP2 always prefetches one unit in backward when a unit's
+explicit backward list is empty (``FSDPState._pre_backward``), so a backward depth of 0 cannot be
+expressed and behaves as 1; it is logged.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint
+
+from shard_planner.errors import PlanError
+from shard_planner.plan import ROOT, Plan, Unit
+from shard_planner.trace.structure import model_fingerprint
+
+logger = logging.getLogger(__name__)
+
+_CHECKPOINTED = "_shard_planner_checkpointed"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class UnitSharding(NamedTuple):
+    """What FSDP2 was actually told for one unit (read back from its state, not from the plan)."""
+
+    modules: tuple[str, ...]  # FQNs of the modules of one fully_shard call ("" is the root)
+    reshard_after_forward: bool | int
+    forward_prefetch: tuple[tuple[str, ...], ...]  # the units it prefetches in forward, in order
+    backward_prefetch: tuple[tuple[str, ...], ...]
+    activation_checkpoint: bool
+
+
+# ---- checks ----
+def check_plan_matches(model: nn.Module, plan: Plan) -> None:
+    """Raise :class:`PlanError` saying what differs when ``plan`` was not made for ``model``."""
+    modules = dict(model.named_modules())
+    missing = [fqn for u in plan.units for fqn in u.modules if fqn not in modules]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise PlanError(
+            f"the plan names modules this model does not have: {', '.join(repr(m) for m in missing[:3])}{more} "
+            f"(plan made for {plan.model.path}, fingerprint {plan.model.fingerprint})")
+    already = [fqn for fqn, m in modules.items() if isinstance(m, FSDPModule)]
+    if already:
+        raise PlanError(f"the model is already sharded (module {already[0]!r} is an FSDP module); apply a plan once")
+    fingerprint = model_fingerprint(model)
+    if fingerprint != plan.model.fingerprint:
+        raise PlanError(
+            f"the plan was made for a model with fingerprint {plan.model.fingerprint} but this model's is "
+            f"{fingerprint}: same module names, different classes, shapes or dtypes (was it built with "
+            f"another size, e.g. SHARD_PLANNER_SIZE, or a changed {plan.model.path}?); re-run shard-planner plan")
+    for unit in plan.units:
+        if len(unit.modules) > 1:
+            _check_group(model, unit)
+
+
+def _parent_and_name(fqn: str) -> tuple[str, str]:
+    parent, _, name = fqn.rpartition(".")
+    return parent, name
+
+
+def _check_group(model: nn.Module, unit: Unit) -> None:
+    parents = {_parent_and_name(fqn)[0] for fqn in unit.modules}
+    if len(parents) != 1:
+        raise PlanError(f"unit {unit.name}: grouped modules must be siblings, but they have parents "
+                        f"{sorted(repr(p) for p in parents)}")
+    parent = model.get_submodule(parents.pop())
+    order = [name for name, _ in parent.named_children()]
+    positions = [order.index(_parent_and_name(fqn)[1]) for fqn in unit.modules]
+    if positions != list(range(positions[0], positions[0] + len(positions))):
+        raise PlanError(f"unit {unit.name}: grouped modules must be a contiguous run of siblings in "
+                        f"registration order, got positions {positions}")
+
+
+# ---- mesh and policies ----
+def build_mesh(plan: Plan, device_type: str) -> DeviceMesh:
+    """The plan's mesh over the initialised default process group: 1-D ("shard",) for FSDP, 2-D
+    ("replicate", "shard") for HSDP."""
+    if plan.mesh.replicate == 1:
+        return init_device_mesh(device_type, (plan.mesh.shard,), mesh_dim_names=("shard",))
+    return init_device_mesh(device_type, (plan.mesh.replicate, plan.mesh.shard),
+                            mesh_dim_names=("replicate", "shard"))
+
+
+def _check_mesh(mesh: DeviceMesh, plan: Plan) -> None:
+    want = (plan.mesh.shard,) if plan.mesh.replicate == 1 else (plan.mesh.replicate, plan.mesh.shard)
+    if tuple(mesh.shape) != want:
+        shape = "x".join(str(s) for s in mesh.shape)
+        raise PlanError(f"the plan needs a mesh of shape {'x'.join(map(str, want))} "
+                        f"({'replicate x shard' if len(want) == 2 else 'shard'}), got {shape}")
+
+
+def mixed_precision_policy(plan: Plan) -> MixedPrecisionPolicy:
+    return MixedPrecisionPolicy(param_dtype=_DTYPES[plan.training.param_dtype],
+                                reduce_dtype=_DTYPES[plan.training.reduce_dtype])
+
+
+def offload_policy(plan: Plan, device_type: str) -> OffloadPolicy:
+    if not plan.training.cpu_offload:
+        return OffloadPolicy()
+    # Pinned host memory needs an accelerator (DESIGN.md, "FSDP2 facts").
+    return CPUOffloadPolicy(pin_memory=device_type != "cpu")
+
+
+# ---- apply ----
+def _checkpoint_forward(module: nn.Module) -> None:
+    if getattr(module, _CHECKPOINTED, False):
+        return
+    original = module.forward
+
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        return checkpoint(original, *args, use_reentrant=False, **kwargs)
+
+    module.forward = forward
+    setattr(module, _CHECKPOINTED, True)
+
+
+def _depth(unit: Unit) -> int:
+    return 0 if unit.is_root else unit.modules[0].count(".") + 1
+
+
+def apply_plan(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Module:
+    """Shard ``model`` in place as ``plan`` says and return it. ``mesh``: the plan's mesh (built from
+    the default process group with :func:`build_mesh` when None)."""
+    check_plan_matches(model, plan)
+    if mesh is None:
+        device_type = next((p.device.type for p in model.parameters()), "cpu")
+        mesh = build_mesh(plan, "cuda" if device_type == "cuda" else "cpu")
+    _check_mesh(mesh, plan)
+    modules = dict(model.named_modules())
+
+    for unit in plan.units:
+        if unit.activation_checkpoint:
+            for fqn in unit.modules:
+                _checkpoint_forward(modules[fqn])
+
+    mp = mixed_precision_policy(plan)
+    offload = offload_policy(plan, mesh.device_type)
+    # Deepest first so nested units are sharded before the units that contain them; the root last.
+    for unit in sorted(plan.units, key=_depth, reverse=True):
+        targets = [modules[fqn] for fqn in unit.modules]
+        fully_shard(targets if len(targets) > 1 else targets[0], mesh=mesh,
+                    reshard_after_forward=unit.reshard_after_forward, mp_policy=mp, offload_policy=offload)
+        logger.debug("fully_shard(%s, reshard_after_forward=%s)", unit.name, unit.reshard_after_forward)
+
+    _set_prefetch(plan, modules)
+    return model
+
+
+def prefetch_orders(plan: Plan) -> tuple[list[Unit], list[Unit]]:
+    """(forward order, backward order) of the units for explicit prefetch; see [Note: prefetch order]."""
+    inner = [u for u in plan.units if not u.is_root]
+    return [plan.root, *inner], list(reversed(inner))
+
+
+def _set_prefetch(plan: Plan, modules: dict[str, nn.Module]) -> None:
+    forward, backward = prefetch_orders(plan)
+
+    def handle(unit: Unit) -> FSDPModule:
+        return modules[unit.modules[0]]  # every module of a group shares the group's FSDP state
+
+    if plan.prefetch.forward > 0:
+        for i, unit in enumerate(forward):
+            nxt = forward[i + 1: i + 1 + plan.prefetch.forward]
+            if nxt:
+                handle(unit).set_modules_to_forward_prefetch([handle(u) for u in nxt])
+    if plan.prefetch.backward == 0:
+        logger.warning("prefetch.backward=0: FSDP2 always prefetches one unit in backward; it behaves as 1")
+    for i, unit in enumerate(backward):
+        nxt = backward[i + 1: i + 1 + plan.prefetch.backward]
+        if nxt:
+            handle(unit).set_modules_to_backward_prefetch([handle(u) for u in nxt])
+
+
+# ---- inspection ----
+def _reshard_of(state) -> bool | int:
+    group = state._fsdp_param_groups[0] if state._fsdp_param_groups else None
+    if group is None or group.post_forward_mesh_info is None:
+        return False
+    if group.post_forward_mesh_info is group.mesh_info or group.post_forward_mesh_info == group.mesh_info:
+        return True
+    return int(group.post_forward_mesh_info.shard_mesh_size)
+
+
+def describe_sharding(model: nn.Module) -> list[UnitSharding]:
+    """The FSDP2 units of a sharded model as FSDP2 holds them, in module (pre-)order, root first.
+
+    A unit's reshard setting is read from its parameter group (the root's becomes False at FSDP2's lazy
+    init, on the first forward, when it was None; ``apply_plan`` always passes the plan's value)."""
+    fqn_of = {id(m): fqn for fqn, m in model.named_modules()}
+    states, seen = [], set()
+    for fqn, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            state = module._get_fsdp_state()
+            if id(state) not in seen:
+                seen.add(id(state))
+                states.append(state)
+
+    def names(state) -> tuple[str, ...]:
+        return tuple(fqn_of[id(m)] for m in state._modules)
+
+    return [
+        UnitSharding(
+            modules=names(state),
+            reshard_after_forward=_reshard_of(state),
+            forward_prefetch=tuple(names(s) for s in state._states_to_forward_prefetch),
+            backward_prefetch=tuple(names(s) for s in state._states_to_backward_prefetch),
+            activation_checkpoint=all(getattr(m, _CHECKPOINTED, False) for m in state._modules),
+        )
+        for state in states
+    ]

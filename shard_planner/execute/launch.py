@@ -1,0 +1,243 @@
+"""Launch the ranks of a run on this machine, watch them, and end the whole run on the first failure.
+
+Each rank is a process running the worker entry point (``python -m shard_planner.execute.worker``), the
+one ``torchrun`` runs on several nodes, with the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR=127.0.0.1, MASTER_PORT: a free port). Each starts in its own session, so that
+``os.killpg`` ends it together with anything it started: a failed run leaves no process behind.
+
+[Note: naming the failing rank]
+Ranks report progress ("step 3") and failures (kind, one-line message) in files in a private run
+folder. When one rank raises, the others fail too a moment later, in a collective ("Connection closed
+by peer"); when one rank hangs, the others time out in a collective (the process group's timeout is
+half the run's, see :func:`collective_timeout_s`). Those are *communication* errors: they are
+consequences. The launcher therefore names the first rank whose error is not a communication error;
+failing that, at the run's timeout, the ranks still running with no error (they hung); failing that,
+the first communication error. A rank that dies without a report (killed, segfault) is named with its
+exit status.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from shard_planner.errors import RunError
+from shard_planner.measurement import Measurement, load_measurement
+from shard_planner.plan import Plan
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.1
+COMMUNICATION = "communication error"
+
+
+def resolve_device(device: str) -> str:
+    """"auto" -> "cuda" when CUDA is available, else "cpu"; "cuda" without CUDA is an error."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RunError("--device cuda: no CUDA device is available here; use --device cpu")
+    if device not in ("cpu", "cuda"):
+        raise RunError(f"--device must be cpu, cuda or auto, got {device!r}")
+    return device
+
+
+def resolve_model_path(plan: Plan, plan_path: str | os.PathLike | None = None) -> str:
+    """The plan's model file as an absolute path: as given (from the current folder), else relative to
+    the plan file's folder; an importable ``package.module`` is returned unchanged."""
+    given = Path(plan.model.path)
+    if given.is_file():
+        return str(given.resolve())
+    if plan_path is not None and not given.is_absolute():
+        beside = Path(plan_path).resolve().parent / given
+        if beside.is_file():
+            return str(beside)
+    return plan.model.path
+
+
+def collective_timeout_s(timeout_s: float) -> float:
+    """Timeout of every collective: half the run's, so ranks waiting on a hung rank report it first
+    (see [Note: naming the failing rank])."""
+    return max(5.0, timeout_s / 2)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    measurement: Measurement
+    pids: tuple[int, ...]
+
+
+class _World:
+    """The rank processes of one run, and their reports."""
+
+    def __init__(self, run_dir: Path, world_size: int, worker_args: list[str]):
+        self.run_dir = run_dir
+        self.world_size = world_size
+        port = free_port()
+        self.procs: list[subprocess.Popen] = []
+        for rank in range(world_size):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       PYTHONUNBUFFERED="1")
+            log = open(run_dir / f"rank{rank}.log", "wb")
+            args = [sys.executable, "-m", "shard_planner.execute.worker", *worker_args,
+                    "--status-dir", str(run_dir)]
+            if rank == 0:
+                args += ["--out", str(run_dir / "measurement.json")]
+            else:
+                args += ["--out", ""]
+            self.procs.append(subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                               stdin=subprocess.DEVNULL, start_new_session=True))
+            log.close()
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        return tuple(p.pid for p in self.procs)
+
+    def errors(self) -> dict[int, dict]:
+        out = {}
+        for rank in range(self.world_size):
+            f = self.run_dir / f"rank{rank}.error.json"
+            if f.is_file():
+                try:
+                    out[rank] = dict(json.loads(f.read_text()), mtime=f.stat().st_mtime)
+                except (OSError, json.JSONDecodeError):
+                    pass  # being written: read it next time
+        return out
+
+    def status(self, rank: int) -> str:
+        f = self.run_dir / f"rank{rank}.status"
+        try:
+            return f.read_text() or "starting"
+        except OSError:
+            return "starting"
+
+    def log_tail(self, rank: int, lines: int = 30) -> str:
+        try:
+            return "\n".join((self.run_dir / f"rank{rank}.log").read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """End every rank and whatever it started (each rank leads its own process group)."""
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL does not wait this long
+                logger.error("rank process %d did not end after SIGKILL", p.pid)
+        # Children of a rank that left its session are not ours to find; a rank's own process group is
+        # gone with SIGKILL above. Reap any leftover member of those groups too.
+        for p in self.procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def _describe_error(rank: int, err: dict) -> str:
+    return f"rank {rank} {err['kind']}: {err['message']}"
+
+
+def _exit_status(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def watch(world: _World, timeout_s: float) -> None:
+    """Wait for every rank; raise :class:`RunError` naming the failing rank (see [Note: naming the
+    failing rank]). Kills the world on any failure."""
+    start = time.monotonic()
+    while True:
+        codes = [p.poll() for p in world.procs]
+        errors = world.errors()
+        primary = sorted((e["mtime"], r) for r, e in errors.items() if e["kind"] != COMMUNICATION)
+        if primary:
+            rank = primary[0][1]
+            _debug_tracebacks(world, errors)
+            world.kill()
+            raise RunError(_describe_error(rank, errors[rank]))
+        for rank, code in enumerate(codes):
+            if code not in (None, 0) and rank not in errors:
+                tail = world.log_tail(rank)
+                logger.debug("rank %d output:\n%s", rank, tail)
+                world.kill()
+                last = tail.strip().splitlines()[-1] if tail.strip() else "no output"
+                raise RunError(f"rank {rank} {_exit_status(code)} during '{world.status(rank)}' (last output: {last})")
+        if all(code is not None for code in codes):
+            if errors:  # only communication errors, and everyone has stopped
+                rank = min(errors, key=lambda r: errors[r]["mtime"])
+                _debug_tracebacks(world, errors)
+                raise RunError(_describe_error(rank, errors[rank]))
+            return
+        if time.monotonic() - start > timeout_s:
+            hung = [r for r, code in enumerate(codes) if code is None and r not in errors]
+            statuses = {r: world.status(r) for r in range(world.world_size)}
+            _debug_tracebacks(world, errors)
+            world.kill()
+            if hung:
+                where = ", ".join(f"rank {r} at '{statuses[r]}'" for r in hung)
+                waited = f"; rank(s) {', '.join(map(str, sorted(errors)))} timed out waiting for it" if errors else ""
+                raise RunError(f"rank {hung[0]} hung: the run did not finish within --timeout {timeout_s:g} s "
+                               f"({where}{waited})")
+            rank = min(errors, key=lambda r: errors[r]["mtime"])
+            raise RunError(f"the run did not finish within --timeout {timeout_s:g} s; {_describe_error(rank, errors[rank])}")
+        time.sleep(POLL_S)
+
+
+def _debug_tracebacks(world: _World, errors: dict[int, dict]) -> None:
+    for rank, err in sorted(errors.items()):
+        logger.debug("rank %d: %s\n%s", rank, err["kind"], err.get("traceback", ""))
+
+
+def launch_local(plan_path: str | os.PathLike, *, world_size: int, steps: int, warmup: int, device: str,
+                 timeout_s: float, model_path: str) -> LaunchResult:
+    """Run ``plan_path`` on ``world_size`` local ranks; return the measurement (written by nobody:
+    the caller decides where it goes). Raises :class:`RunError` on any failure, with no rank left."""
+    run_dir = Path(tempfile.mkdtemp(prefix="shard-planner-run-"))
+    world = None
+    try:
+        worker_args = [str(plan_path), "--model", model_path, "--steps", str(steps), "--warmup", str(warmup),
+                       "--device", device, "--timeout", str(collective_timeout_s(timeout_s))]
+        world = _World(run_dir, world_size, worker_args)
+        logger.info("launched %d ranks: pids %s", world_size, world.pids)
+        try:
+            watch(world, timeout_s)
+        except RunError as exc:
+            exc.pids = world.pids
+            raise
+        out = run_dir / "measurement.json"
+        if not out.is_file():
+            raise RunError("rank 0 finished without writing a measurement")
+        return LaunchResult(load_measurement(out), world.pids)
+    finally:
+        if world is not None:
+            world.kill()  # a no-op when every rank has exited; the safety net on any other way out
+        shutil.rmtree(run_dir, ignore_errors=True)

@@ -1,0 +1,294 @@
+"""One rank of ``shard-planner run``: build, shard, train on synthetic batches, measure.
+
+The same entry point runs under the local launcher (shard_planner/execute/launch.py) and under
+``torchrun`` for several nodes; it reads the standard environment (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT)::
+
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        -m shard_planner.execute.worker plan.json --steps 10 --warmup 3
+
+Each rank seeds identically, builds the model from the plan's model file directly on its device,
+applies the plan and trains ``warmup + steps`` steps; the batch of step s on rank r is drawn with seed
+``SEED + 1000 * s + r`` so that a single process can replay the same global batch (the tests do). Rank
+0 gathers every rank's numbers and writes the measurement atomically; a failing rank writes none.
+
+Measurement (DESIGN.md, "Executor"):
+- step time: the timed steps after warm-up, each started after a barrier; wall clock on CPU, CUDA
+  events on GPU; per step the slowest rank's time;
+- peak memory: GPU: ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` over the timed steps
+  (stats reset after warm-up). CPU: the allocator has no peak, so one more steady-state step runs under
+  the :class:`StorageTracker` (not timed: the tracker slows every operator down).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import platform
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shard_planner.errors import RunError, UserError
+from shard_planner.execute.apply import apply_plan, build_mesh
+from shard_planner.execute.memtrack import StorageTracker
+from shard_planner.measurement import Measurement, RankMemory, plan_fingerprint, save_measurement
+from shard_planner.modelfile import ModelFile, load_model_file
+from shard_planner.plan import Plan, load_plan
+
+logger = logging.getLogger(__name__)
+
+SEED = 1234
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    steps: int = 5
+    warmup: int = 2
+    device: str = "cpu"  # "cpu" or "cuda" (resolved by the launcher)
+    timeout_s: float = 300.0  # for every collective (the process group's timeout)
+
+
+# ---- the pieces a run is made of (also used by the tests' single-process reference) ----
+def make_optimizer(plan: Plan, params) -> torch.optim.Optimizer:
+    """The plan's optimizer; the hyper-parameters that the plan does not carry are PyTorch defaults."""
+    lr = plan.training.lr
+    match plan.training.optimizer:
+        case "adamw":
+            return torch.optim.AdamW(params, lr=lr)
+        case "adam":
+            return torch.optim.Adam(params, lr=lr)
+        case "sgd":
+            return torch.optim.SGD(params, lr=lr)
+        case "sgd_momentum":
+            return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    raise RunError(f"unknown optimizer {plan.training.optimizer!r}")
+
+
+def make_step_batch(model_file: ModelFile, micro_batch: int, step: int, rank: int, device: torch.device):
+    """The synthetic batch of ``step`` on ``rank`` (seeded, so any process can replay it)."""
+    torch.manual_seed(SEED + 1000 * step + rank)
+    inputs, targets = model_file.batch(micro_batch)
+    return tuple(t.to(device) for t in inputs), targets.to(device)
+
+
+def build_on_device(model_file: ModelFile, device: torch.device) -> torch.nn.Module:
+    """Build the model directly on ``device``, seeded: every rank (and a reference run) gets the same
+    initial weights."""
+    torch.manual_seed(SEED)
+    with torch.device(device):
+        return model_file.build()
+
+
+def resolve_plan_world(plan: Plan, world_size: int) -> tuple[Plan, int | None]:
+    """The plan for ``world_size`` ranks: itself, or re-derived (and the old size) when they differ."""
+    if world_size == plan.mesh.world_size:
+        return plan, None
+    return plan.with_world_size(world_size), plan.mesh.world_size
+
+
+# ---- one rank ----
+class _Status:
+    """Per-rank progress and error files for the local launcher (none under torchrun)."""
+
+    def __init__(self, status_dir: str | None, rank: int):
+        self.dir = Path(status_dir) if status_dir else None
+        self.rank = rank
+
+    def progress(self, text: str) -> None:
+        if self.dir is not None:
+            (self.dir / f"rank{self.rank}.status").write_text(text)
+
+    def error(self, kind: str, message: str, tb: str) -> None:
+        if self.dir is not None:
+            tmp = self.dir / f".rank{self.rank}.error.tmp"
+            tmp.write_text(json.dumps({"rank": self.rank, "kind": kind, "message": message, "traceback": tb}))
+            os.replace(tmp, self.dir / f"rank{self.rank}.error.json")
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def run_rank(plan: Plan, model_path: str, options: RunOptions, out_path: str | None, status: _Status) -> None:
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    plan, rederived_from = resolve_plan_world(plan, world_size)
+    if options.device == "cuda":
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    status.progress("init_process_group")
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=options.timeout_s),
+                            **({"device_id": device} if device.type == "cuda" else {}))
+    try:
+        _train_and_measure(plan, model_path, options, out_path, status, rank, world_size, device, backend,
+                           rederived_from)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train_and_measure(plan, model_path, options, out_path, status, rank, world_size, device, backend,
+                       rederived_from) -> None:
+    model_file = load_model_file(model_path)
+    mesh = build_mesh(plan, device.type)
+    status.progress("build")
+    model = apply_plan(build_on_device(model_file, device), plan, mesh)
+    optimizer = make_optimizer(plan, model.parameters())
+    cuda = device.type == "cuda"
+
+    def step(s: int) -> torch.Tensor:
+        inputs, targets = make_step_batch(model_file, plan.training.micro_batch, s, rank, device)
+        optimizer.zero_grad(set_to_none=True)
+        if tracker is not None:
+            tracker.phase = "forward"
+        loss = model_file.loss(model(*inputs), targets)
+        if tracker is not None:
+            tracker.phase = "backward"
+        loss.backward()
+        if tracker is not None:
+            tracker.phase = "optimizer"
+        optimizer.step()
+        return loss.detach()
+
+    tracker = None
+    losses = []
+    for s in range(options.warmup):
+        status.progress(f"warm-up step {s}")
+        losses.append(step(s))
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    times_s = []
+    for s in range(options.warmup, options.warmup + options.steps):
+        dist.barrier()
+        status.progress(f"step {s}")
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            losses.append(step(s))
+            end.record()
+            end.synchronize()
+            times_s.append(start.elapsed_time(end) / 1000.0)
+        else:
+            t0 = time.perf_counter()
+            losses.append(step(s))
+            times_s.append(time.perf_counter() - t0)
+    if cuda:
+        memory = RankMemory(rank, torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device))
+    else:
+        s = options.warmup + options.steps
+        status.progress(f"memory step {s}")
+        dist.barrier()
+        tracker = StorageTracker(track=(model, optimizer), device_type="cpu")
+        with tracker:
+            losses.append(step(s))
+        memory = RankMemory(rank, tracker.peak_bytes, None, tracker.peak_phase)
+        tracker = None
+
+    status.progress("gather")
+    loss_avg = torch.stack(losses).float()
+    dist.all_reduce(loss_avg)
+    loss_avg = (loss_avg / world_size).tolist()
+    gathered: list = [None] * world_size
+    dist.all_gather_object(gathered, (memory, times_s))
+    if rank != 0:
+        return
+    mems = [g[0] for g in gathered]
+    slowest = [max(g[1][i] for g in gathered) for i in range(len(times_s))]
+    predicted = plan.predicted if rederived_from is None else None
+    measurement = Measurement(
+        plan_fingerprint=plan_fingerprint(plan),
+        model_path=plan.model.path,
+        world_size=world_size,
+        mesh_shard=plan.mesh.shard,
+        mesh_replicate=plan.mesh.replicate,
+        micro_batch=plan.training.micro_batch,
+        device=device.type,
+        device_name=_device_name(device),
+        backend=backend,
+        torch_version=torch.__version__,
+        memory_method="cuda max_memory_allocated" if cuda else "storage-tracker",
+        memory=tuple(mems),
+        step_time_s=tuple(slowest),
+        timing_method="cuda events" if cuda else "wall clock",
+        warmup_steps=options.warmup,
+        losses=tuple(loss_avg),
+        rederived_from_world_size=rederived_from,
+        predicted_peak_bytes=predicted.peak_bytes if predicted else None,
+        predicted_step_time_s=predicted.step_time_s if predicted else None,
+    )
+    if out_path:
+        save_measurement(measurement, out_path)
+    status.progress("done")
+
+
+_COMMUNICATION_SIGNS = ("connection closed by peer", "connection reset by peer", "timed out", "timeout",
+                        "broken pipe", "socket", "nccl")
+
+
+def _classify(exc: BaseException) -> str:
+    """A short kind for the launcher: "out of memory", "communication error" (a consequence of another
+    rank's failure, see [Note: naming the failing rank] in launch.py), or what was raised."""
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return "out of memory"
+    text = str(exc).lower()
+    if isinstance(exc, dist.DistError) or (
+            type(exc) is RuntimeError and any(sign in text for sign in _COMMUNICATION_SIGNS)):
+        from shard_planner.execute.launch import COMMUNICATION
+
+        return COMMUNICATION
+    if isinstance(exc, UserError):
+        return type(exc).__name__
+    return "raised " + type(exc).__name__
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m shard_planner.execute.worker",
+                                     description="One rank of shard-planner run (also under torchrun).")
+    parser.add_argument("plan")
+    parser.add_argument("--model", help="the model file (default: the plan's model.path)")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds any collective may wait")
+    parser.add_argument("--out", help="measurement file rank 0 writes (default: measurement.json beside the plan)")
+    parser.add_argument("--status-dir", help=argparse.SUPPRESS)  # the local launcher's
+    args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s", level=logging.WARNING)
+    status = _Status(args.status_dir, rank)
+    try:
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            raise RunError("RANK and WORLD_SIZE are not set: start this under torchrun or use shard-planner run")
+        plan = load_plan(args.plan)
+        from shard_planner.execute.launch import resolve_device, resolve_model_path
+
+        device = resolve_device(args.device)
+        out = args.out if args.out is not None else str(Path(args.plan).with_name("measurement.json"))
+        run_rank(plan, args.model or resolve_model_path(plan, args.plan),
+                 RunOptions(args.steps, args.warmup, device, args.timeout), out, status)
+        return 0
+    except BaseException as exc:  # report every failure, including KeyboardInterrupt/SystemExit
+        kind = _classify(exc)
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else "(no message)"
+        status.error(kind, message, traceback.format_exc())
+        print(f"[rank{rank}] shard-planner worker: {kind}: {message}", file=sys.stderr)
+        if not isinstance(exc, UserError):
+            traceback.print_exc()
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""Measurement: what a real FSDP2 run of a plan measured, and how (written by ``shard-planner run``).
+
+Peak memory is per rank; how it was measured is recorded because the methods differ:
+``"storage-tracker"`` (CPU: live tensor storages, exact, see shard_planner/execute/memtrack.py) or
+``"cuda max_memory_allocated"`` (GPU: the caching allocator's peak since ``reset_peak_memory_stats``,
+with ``max_memory_reserved`` beside it). Step times are samples after warm-up, one per step (the
+slowest rank's), with their median and spread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from shard_planner.errors import UserError
+from shard_planner.fileio import write_atomic
+from shard_planner.plan import Plan
+
+MEASUREMENT_SCHEMA_VERSION = 1
+MEMORY_METHODS = ("storage-tracker", "cuda max_memory_allocated")
+
+
+class MeasurementError(UserError):
+    """A measurement file is missing or malformed."""
+
+
+def plan_fingerprint(plan: Plan) -> str:
+    """A short hash of a plan's decisions (model, cluster, mesh, training, units, prefetch): two plans
+    with the same fingerprint run the same way, whatever their predictions say."""
+    d = plan.to_dict()
+    decisions = {k: d[k] for k in ("model", "cluster", "mesh", "training", "units", "prefetch")}
+    return hashlib.sha256(json.dumps(decisions, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    rank: int
+    peak_bytes: int  # storage-tracker peak (CPU) or torch.cuda.max_memory_allocated (GPU)
+    reserved_bytes: int | None = None  # torch.cuda.max_memory_reserved (GPU only)
+    peak_phase: str | None = None  # "forward", "backward" or "optimizer" (storage tracker only)
+
+
+@dataclass(frozen=True)
+class Measurement:
+    plan_fingerprint: str
+    model_path: str
+    world_size: int
+    mesh_shard: int
+    mesh_replicate: int
+    micro_batch: int
+    device: str  # "cpu" or "cuda"
+    device_name: str  # e.g. "NVIDIA H200" or the CPU's description
+    backend: str  # "gloo" or "nccl"
+    torch_version: str
+    memory_method: str  # one of MEMORY_METHODS
+    memory: tuple[RankMemory, ...]  # one per rank, by rank
+    step_time_s: tuple[float, ...]  # per timed step (after warm-up): the slowest rank's time
+    timing_method: str  # "wall clock" or "cuda events"
+    warmup_steps: int
+    losses: tuple[float, ...]  # per step run (warm-up included), averaged over ranks
+    rederived_from_world_size: int | None = None  # the plan's own world size when --world-size changed it
+    predicted_peak_bytes: int | None = None  # the plan's prediction, when it applies to this run
+    predicted_step_time_s: float | None = None
+    schema_version: int = MEASUREMENT_SCHEMA_VERSION
+
+    def __post_init__(self):
+        object.__setattr__(self, "memory", tuple(
+            m if isinstance(m, RankMemory) else RankMemory(**m) for m in self.memory))
+        object.__setattr__(self, "step_time_s", tuple(float(t) for t in self.step_time_s))
+        object.__setattr__(self, "losses", tuple(float(v) for v in self.losses))
+        if self.memory_method not in MEMORY_METHODS:
+            raise MeasurementError(f"measurement: memory_method must be one of {MEMORY_METHODS}")
+        if len(self.memory) != self.world_size:
+            raise MeasurementError(f"measurement: {len(self.memory)} ranks of memory for world size {self.world_size}")
+
+    # ---- summaries ----
+    @property
+    def peak_bytes(self) -> int:
+        """The largest peak over ranks (what must fit)."""
+        return max(m.peak_bytes for m in self.memory)
+
+    @property
+    def reserved_bytes(self) -> int | None:
+        values = [m.reserved_bytes for m in self.memory if m.reserved_bytes is not None]
+        return max(values) if values else None
+
+    @property
+    def step_time_median_s(self) -> float:
+        return statistics.median(self.step_time_s) if self.step_time_s else float("nan")
+
+    @property
+    def step_time_spread_s(self) -> float:
+        """max - min of the timed steps."""
+        return max(self.step_time_s) - min(self.step_time_s) if self.step_time_s else float("nan")
+
+    @property
+    def rederived(self) -> bool:
+        return self.rederived_from_world_size is not None
+
+    def comparison(self) -> list[tuple[str, float, float, float]]:
+        """(quantity, predicted, measured, error in percent of measured) for what the plan predicted."""
+        rows = []
+        if self.predicted_peak_bytes is not None:
+            rows.append(("peak_bytes", float(self.predicted_peak_bytes), float(self.peak_bytes)))
+        if self.predicted_step_time_s is not None:
+            rows.append(("step_time_s", float(self.predicted_step_time_s), self.step_time_median_s))
+        return [(name, p, m, (p - m) / m * 100.0 if m else float("nan")) for name, p, m in rows]
+
+    # ---- JSON ----
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["summary"] = {  # derived, for people reading the file; ignored on load
+            "peak_bytes": self.peak_bytes,
+            "reserved_bytes": self.reserved_bytes,
+            "step_time_median_s": self.step_time_median_s,
+            "step_time_spread_s": self.step_time_spread_s,
+        }
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @staticmethod
+    def from_dict(d: dict) -> "Measurement":
+        if not isinstance(d, dict):
+            raise MeasurementError("a measurement must be a JSON object")
+        d = {k: v for k, v in d.items() if k != "summary"}
+        if d.get("schema_version") != MEASUREMENT_SCHEMA_VERSION:
+            raise MeasurementError(f"measurement schema_version {d.get('schema_version')!r} is not "
+                                   f"{MEASUREMENT_SCHEMA_VERSION}")
+        try:
+            return Measurement(**d)
+        except TypeError as exc:
+            raise MeasurementError(f"measurement is malformed: {exc}") from None
+
+
+def measurement_path_for(plan_path: str | os.PathLike) -> Path:
+    """Where ``shard-planner run`` writes the measurement of a plan: ``measurement.json`` beside it."""
+    return Path(plan_path).with_name("measurement.json")
+
+
+def save_measurement(m: Measurement, path: str | os.PathLike) -> None:
+    write_atomic(path, m.to_json() + "\n")
+
+
+def load_measurement(path: str | os.PathLike) -> Measurement:
+    p = Path(path)
+    if not p.is_file():
+        raise MeasurementError(f"{path}: no such measurement file")
+    try:
+        d = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise MeasurementError(f"{path}: not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    try:
+        return Measurement.from_dict(d)
+    except MeasurementError as exc:
+        raise MeasurementError(f"{path}: {exc}") from None
