@@ -158,3 +158,18 @@ def test_grouped_units_read_higher_than_fsdp_mem_tracker(fake_world):
         mine, stock = _peaks(fake_world, grouped=True)
     assert mine > stock
     assert (mine - stock) / mine < 0.10, (mine, stock)
+
+
+def test_a_storage_from_before_entry_counts_once_refilled_by_resize():
+    p = torch.empty(256, dtype=torch.float32)
+    storage = p.untyped_storage()
+    storage.resize_(0)  # freed before the tracker starts, as FSDP2 leaves unsharded parameters
+    tracker = StorageTracker()
+    with tracker:
+        storage.resize_(1024)
+        assert tracker.live_bytes == 1024
+        q = p.view(-1) + 0  # an operator seeing it again does not count it twice
+        assert tracker.live_bytes == 2048
+        del q
+        storage.resize_(0)
+        assert tracker.live_bytes == 0

@@ -197,6 +197,10 @@ class StorageTracker(TorchDispatchMode):
             info = self._infos.get(st)
             if info is not None:
                 self._resize_known(info, st)
+            elif st.nbytes() > 0 and (self.device_type is None or st.device.type == self.device_type):
+                # A storage from before the tracker (FSDP2's all-gather buffers, freed with resize_(0)
+                # at the end of the previous step) is refilled: it is live memory from now on.
+                self._add_storage(st, st.device.type)
 
     def _on_free(self, info: _Info, key: int) -> None:
         with self._lock:
