@@ -29,10 +29,12 @@ class MeasurementError(UserError):
 
 
 def plan_fingerprint(plan: Plan) -> str:
-    """A short hash of a plan's decisions (model, cluster, mesh, training, units, prefetch): two plans
+    """A short hash of a plan's decisions (model fingerprint, cluster, mesh, training, units,
+    prefetch): two plans
     with the same fingerprint run the same way, whatever their predictions say."""
     d = plan.to_dict()
-    decisions = {k: d[k] for k in ("model", "cluster", "mesh", "training", "units", "prefetch")}
+    decisions = {k: d[k] for k in ("cluster", "mesh", "training", "units", "prefetch")}
+    decisions["model"] = {k: v for k, v in d["model"].items() if k != "path"}  # where the file lies does not matter
     return hashlib.sha256(json.dumps(decisions, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -16,7 +16,7 @@ import importlib
 
 _EXPORTS = {
     "apply_plan": "apply", "build_mesh": "apply", "describe_sharding": "apply", "check_plan_matches": "apply",
-    "UnitSharding": "apply", "run_plan": "runner", "run_plan_file": "runner", "launch_plan": "runner",
+    "UnitSharding": "apply", "run_plan": "runner", "run_plan_file": "runner", "launch_plans": "runner", "run_plans": "runner",
     "StorageTracker": "memtrack",
 }
 __all__ = sorted(_EXPORTS)

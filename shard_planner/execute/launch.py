@@ -81,8 +81,8 @@ def free_port() -> int:
 
 @dataclass(frozen=True)
 class LaunchResult:
-    measurement: Measurement
-    pids: tuple[int, ...]
+    measurements: tuple[Measurement, ...]  # one per plan, in order
+    pids: tuple[int, ...]  # the rank processes (all ended)
 
 
 class _World:
@@ -100,10 +100,6 @@ class _World:
             log = open(run_dir / f"rank{rank}.log", "wb")
             args = [sys.executable, "-m", "shard_planner.execute.worker", *worker_args,
                     "--status-dir", str(run_dir)]
-            if rank == 0:
-                args += ["--out", str(run_dir / "measurement.json")]
-            else:
-                args += ["--out", ""]
             self.procs.append(subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT,
                                                stdin=subprocess.DEVNULL, start_new_session=True))
             log.close()
@@ -217,15 +213,17 @@ def _debug_tracebacks(world: _World, errors: dict[int, dict]) -> None:
         logger.debug("rank %d: %s\n%s", rank, err["kind"], err.get("traceback", ""))
 
 
-def launch_local(plan_path: str | os.PathLike, *, world_size: int, steps: int, warmup: int, device: str,
-                 timeout_s: float, model_path: str) -> LaunchResult:
-    """Run ``plan_path`` on ``world_size`` local ranks; return the measurement (written by nobody:
-    the caller decides where it goes). Raises :class:`RunError` on any failure, with no rank left."""
+def launch_local(plan_paths: list[str | os.PathLike], *, world_size: int, steps: int, warmup: int,
+                 device: str, timeout_s: float) -> LaunchResult:
+    """Run the plans in ``plan_paths``, in turn, in one world of ``world_size`` local ranks; return
+    their measurements (written by nobody: the caller decides where they go). Raises
+    :class:`RunError` on any failure, with every rank ended."""
     run_dir = Path(tempfile.mkdtemp(prefix="shard-planner-run-"))
     world = None
     try:
-        worker_args = [str(plan_path), "--model", model_path, "--steps", str(steps), "--warmup", str(warmup),
-                       "--device", device, "--timeout", str(collective_timeout_s(timeout_s))]
+        worker_args = [*map(str, plan_paths), "--out-dir", str(run_dir), "--steps", str(steps),
+                       "--warmup", str(warmup), "--device", device,
+                       "--timeout", str(collective_timeout_s(timeout_s))]
         world = _World(run_dir, world_size, worker_args)
         logger.info("launched %d ranks: pids %s", world_size, world.pids)
         try:
@@ -233,10 +231,13 @@ def launch_local(plan_path: str | os.PathLike, *, world_size: int, steps: int, w
         except RunError as exc:
             exc.pids = world.pids
             raise
-        out = run_dir / "measurement.json"
-        if not out.is_file():
-            raise RunError("rank 0 finished without writing a measurement")
-        return LaunchResult(load_measurement(out), world.pids)
+        measurements = []
+        for i in range(len(plan_paths)):
+            out = run_dir / f"measurement-{i}.json"
+            if not out.is_file():
+                raise RunError(f"rank 0 finished without writing the measurement of plan {i + 1}")
+            measurements.append(load_measurement(out))
+        return LaunchResult(tuple(measurements), world.pids)
     finally:
         if world is not None:
             world.kill()  # a no-op when every rank has exited; the safety net on any other way out

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import logging
 import os
@@ -102,10 +103,11 @@ class _Status:
     def __init__(self, status_dir: str | None, rank: int):
         self.dir = Path(status_dir) if status_dir else None
         self.rank = rank
+        self.label = ""  # "plan 2/3: " when a world runs several plans
 
     def progress(self, text: str) -> None:
         if self.dir is not None:
-            (self.dir / f"rank{self.rank}.status").write_text(text)
+            (self.dir / f"rank{self.rank}.status").write_text(self.label + text)
 
     def error(self, kind: str, message: str, tb: str) -> None:
         if self.dir is not None:
@@ -120,10 +122,19 @@ def _device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
-def run_rank(plan: Plan, model_path: str, options: RunOptions, out_path: str | None, status: _Status) -> None:
+@dataclass(frozen=True)
+class Job:
+    """One plan to run in a world: the plan, its model file, where rank 0 writes the measurement."""
+
+    plan: Plan
+    model_path: str
+    out_path: str | None
+
+
+def run_rank(jobs: list[Job], options: RunOptions, status: _Status) -> None:
+    """Join the world from the environment and run each job in turn, in one process group."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    plan, rederived_from = resolve_plan_world(plan, world_size)
     if options.device == "cuda":
         torch.cuda.set_device(local_rank)
         device, backend = torch.device("cuda", local_rank), "nccl"
@@ -133,20 +144,31 @@ def run_rank(plan: Plan, model_path: str, options: RunOptions, out_path: str | N
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=options.timeout_s),
                             **({"device_id": device} if device.type == "cuda" else {}))
     try:
-        _train_and_measure(plan, model_path, options, out_path, status, rank, world_size, device, backend,
-                           rederived_from)
+        for i, job in enumerate(jobs):
+            status.label = f"plan {i + 1}/{len(jobs)}: " if len(jobs) > 1 else ""
+            measurement = train_and_measure(job.plan, job.model_path, options, device, status)
+            if rank == 0 and job.out_path:
+                save_measurement(measurement, job.out_path)
+            gc.collect()  # free this plan's model before the next one is measured
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        status.progress("done")
     finally:
         dist.destroy_process_group()
 
 
-def _train_and_measure(plan, model_path, options, out_path, status, rank, world_size, device, backend,
-                       rederived_from) -> None:
+def train_and_measure(plan: Plan, model_path: str, options: RunOptions, device: torch.device,
+                      status: _Status) -> Measurement | None:
+    """Run one plan in the initialised world; rank 0 returns the Measurement, the others None."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    plan, rederived_from = resolve_plan_world(plan, world_size)
     model_file = load_model_file(model_path)
     mesh = build_mesh(plan, device.type)
     status.progress("build")
     model = apply_plan(build_on_device(model_file, device), plan, mesh)
     optimizer = make_optimizer(plan, model.parameters())
     cuda = device.type == "cuda"
+    tracker: StorageTracker | None = None
 
     def step(s: int) -> torch.Tensor:
         inputs, targets = make_step_batch(model_file, plan.training.micro_batch, s, rank, device)
@@ -162,7 +184,6 @@ def _train_and_measure(plan, model_path, options, out_path, status, rank, world_
         optimizer.step()
         return loss.detach()
 
-    tracker = None
     losses = []
     for s in range(options.warmup):
         status.progress(f"warm-up step {s}")
@@ -189,8 +210,8 @@ def _train_and_measure(plan, model_path, options, out_path, status, rank, world_
         memory = RankMemory(rank, torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device))
     else:
         s = options.warmup + options.steps
-        status.progress(f"memory step {s}")
         dist.barrier()
+        status.progress(f"memory step {s}")
         tracker = StorageTracker(track=(model, optimizer), device_type="cpu")
         with tracker:
             losses.append(step(s))
@@ -198,17 +219,16 @@ def _train_and_measure(plan, model_path, options, out_path, status, rank, world_
         tracker = None
 
     status.progress("gather")
-    loss_avg = torch.stack(losses).float()
-    dist.all_reduce(loss_avg)
-    loss_avg = (loss_avg / world_size).tolist()
+    loss_sum = torch.stack(losses).float()
+    dist.all_reduce(loss_sum)
+    loss_avg = (loss_sum / world_size).tolist()
     gathered: list = [None] * world_size
     dist.all_gather_object(gathered, (memory, times_s))
+    del model, optimizer
     if rank != 0:
-        return
-    mems = [g[0] for g in gathered]
-    slowest = [max(g[1][i] for g in gathered) for i in range(len(times_s))]
+        return None
     predicted = plan.predicted if rederived_from is None else None
-    measurement = Measurement(
+    return Measurement(
         plan_fingerprint=plan_fingerprint(plan),
         model_path=plan.model.path,
         world_size=world_size,
@@ -217,11 +237,11 @@ def _train_and_measure(plan, model_path, options, out_path, status, rank, world_
         micro_batch=plan.training.micro_batch,
         device=device.type,
         device_name=_device_name(device),
-        backend=backend,
+        backend=dist.get_backend(),
         torch_version=torch.__version__,
         memory_method="cuda max_memory_allocated" if cuda else "storage-tracker",
-        memory=tuple(mems),
-        step_time_s=tuple(slowest),
+        memory=tuple(g[0] for g in gathered),
+        step_time_s=tuple(max(g[1][i] for g in gathered) for i in range(len(times_s))),
         timing_method="cuda events" if cuda else "wall clock",
         warmup_steps=options.warmup,
         losses=tuple(loss_avg),
@@ -229,9 +249,6 @@ def _train_and_measure(plan, model_path, options, out_path, status, rank, world_
         predicted_peak_bytes=predicted.peak_bytes if predicted else None,
         predicted_step_time_s=predicted.step_time_s if predicted else None,
     )
-    if out_path:
-        save_measurement(measurement, out_path)
-    status.progress("done")
 
 
 _COMMUNICATION_SIGNS = ("connection closed by peer", "connection reset by peer", "timed out", "timeout",
@@ -257,13 +274,14 @@ def _classify(exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m shard_planner.execute.worker",
                                      description="One rank of shard-planner run (also under torchrun).")
-    parser.add_argument("plan")
-    parser.add_argument("--model", help="the model file (default: the plan's model.path)")
+    parser.add_argument("plans", nargs="+", metavar="PLAN", help="plan files, run in turn in one world")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds any collective may wait")
-    parser.add_argument("--out", help="measurement file rank 0 writes (default: measurement.json beside the plan)")
+    parser.add_argument("--out", help="measurement file rank 0 writes, for one plan "
+                        "(default: measurement.json beside the plan)")
+    parser.add_argument("--out-dir", help="folder for measurement-<i>.json, one per plan (i from 0)")
     parser.add_argument("--status-dir", help=argparse.SUPPRESS)  # the local launcher's
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
@@ -272,18 +290,26 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             raise RunError("RANK and WORLD_SIZE are not set: start this under torchrun or use shard-planner run")
-        plan = load_plan(args.plan)
+        if args.out and len(args.plans) > 1:
+            raise RunError("--out names one file: use --out-dir with several plans")
         from shard_planner.execute.launch import resolve_device, resolve_model_path
 
-        device = resolve_device(args.device)
-        out = args.out if args.out is not None else str(Path(args.plan).with_name("measurement.json"))
-        run_rank(plan, args.model or resolve_model_path(plan, args.plan),
-                 RunOptions(args.steps, args.warmup, device, args.timeout), out, status)
+        jobs = []
+        for i, path in enumerate(args.plans):
+            plan = load_plan(path)
+            if args.out_dir:
+                out = str(Path(args.out_dir) / f"measurement-{i}.json")
+            elif len(args.plans) == 1:
+                out = args.out or str(Path(path).with_name("measurement.json"))
+            else:
+                out = str(Path(path).with_name(Path(path).stem + ".measurement.json"))
+            jobs.append(Job(plan, resolve_model_path(plan, path), out))
+        run_rank(jobs, RunOptions(args.steps, args.warmup, resolve_device(args.device), args.timeout), status)
         return 0
     except BaseException as exc:  # report every failure, including KeyboardInterrupt/SystemExit
         kind = _classify(exc)
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else "(no message)"
-        status.error(kind, message, traceback.format_exc())
+        status.error(kind, status.label + message, traceback.format_exc())
         print(f"[rank{rank}] shard-planner worker: {kind}: {message}", file=sys.stderr)
         if not isinstance(exc, UserError):
             traceback.print_exc()
