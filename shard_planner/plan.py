@@ -167,6 +167,20 @@ class FrontierPoint:
 
 
 @dataclass(frozen=True)
+class MeasuredPoint:
+    """One plan run for real by ``shard-planner tune``: a summary of its Measurement."""
+
+    description: str
+    plan_fingerprint: str  # shard_planner.measurement.plan_fingerprint of the plan that ran
+    world_size: int  # where it ran (the plan may have been re-derived for it)
+    peak_bytes: int  # measured, the largest over ranks
+    step_time_s: float  # measured, median of the timed steps
+    predicted_peak_bytes: int | None = None  # the cost model's, for the run's world size
+    predicted_step_time_s: float | None = None  # the cost model's with the fitted profile
+    chosen: bool = False  # the measured best, returned as the plan
+
+
+@dataclass(frozen=True)
 class ModelRef:
     path: str
     fingerprint: str
@@ -186,11 +200,13 @@ class Plan:
     frontier: tuple[FrontierPoint, ...] = ()
     baselines: tuple[FrontierPoint, ...] = ()
     schema_version: int = PLAN_SCHEMA_VERSION
+    measurements: tuple[MeasuredPoint, ...] = ()  # plans run by `shard-planner tune` (optional)
 
     def __post_init__(self):
         object.__setattr__(self, "units", tuple(self.units))
         object.__setattr__(self, "frontier", tuple(self.frontier))
         object.__setattr__(self, "baselines", tuple(self.baselines))
+        object.__setattr__(self, "measurements", tuple(self.measurements))
         _require(self.schema_version == PLAN_SCHEMA_VERSION,
                  f"plan schema_version {self.schema_version!r} is not {PLAN_SCHEMA_VERSION}: re-run shard-planner plan")
         _require(self.mesh.world_size == self.cluster.gpus,
@@ -253,6 +269,7 @@ class Plan:
                 frontier=tuple(FrontierPoint(**p) for p in d.get("frontier", ())),
                 baselines=tuple(FrontierPoint(**p) for p in d.get("baselines", ())),
                 schema_version=d.get("schema_version"),
+                measurements=tuple(MeasuredPoint(**p) for p in d.get("measurements", ())),
             )
         except KeyError as exc:
             raise PlanError(f"plan is missing the field {exc.args[0]!r}") from None
