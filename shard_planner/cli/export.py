@@ -1,0 +1,46 @@
+"""``shard-planner export plan.json --to fsdp2|accelerate|torchtitan|deepspeed [-o FILE]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from shard_planner.fileio import write_atomic
+from shard_planner.plan import load_plan
+from shard_planner.report.export import TARGETS, export_plan, model_info_from_trace
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "export", help="write the plan for a training stack: FSDP2 code, Accelerate, torchtitan or DeepSpeed config",
+        description="Export a plan for a training stack. fsdp2 writes a Python function apply_sharding(model, mesh) "
+                    "that needs only torch; accelerate, torchtitan and deepspeed write configs and list what the "
+                    "plan decides that the stack cannot express, with the nearest setting used.")
+    p.add_argument("plan", help="plan.json written by shard-planner plan")
+    p.add_argument("--to", required=True, choices=TARGETS, help="the training stack")
+    p.add_argument("-o", "--output", help="file to write (default: standard output)")
+    p.add_argument("--trace", metavar="TRACE_JSON",
+                   help="the plan's trace.json, for module classes and sizes (default: build the plan's model on "
+                        "the meta device)")
+    return p
+
+
+def run(args) -> int:
+    plan = load_plan(args.plan)
+    info = None
+    if args.trace and args.to in ("accelerate", "deepspeed"):
+        from shard_planner.trace.tracer import load_trace
+
+        info = model_info_from_trace(load_trace(args.trace))
+    result = export_plan(plan, args.to, info)
+    if args.output:
+        write_atomic(args.output, result.text)
+        print(f"wrote {args.output} ({args.to})")
+    else:
+        sys.stdout.write(result.text)
+    if result.notes:
+        print(f"{len(result.notes)} decision(s) of the plan cannot be expressed exactly for {args.to} "
+              "(nearest setting used; also written in the file):", file=sys.stderr)
+        for note in result.notes:
+            print(f"  - {note}", file=sys.stderr)
+    return 0

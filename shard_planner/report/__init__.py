@@ -1,0 +1,138 @@
+"""Reports: the pictures and tables people review before they spend a cluster on a plan.
+
+    write_report(plan, "reports/gpt2/", trace=trace, profile=profile, measurement=m) -> .../report.html
+
+writes into the folder:
+
+- ``report.html``: self-contained (every PNG embedded as a ``data:image/png;base64`` URI, CSS inline), so
+  it opens offline in any browser and can be mailed as one file;
+- ``report.md``: the same content, with the PNGs beside it;
+- the PNGs: ``frontier.png`` (memory vs throughput), ``memory_timeline.png`` (the chosen plan over one
+  step; ``memory_at_peak.png`` when there is no trace to simulate), ``units.png`` (per-unit bars, with a
+  trace), ``predicted_vs_measured.png`` (with a measurement).
+
+With a trace (and a profile, loaded from the plan's profile name when not given) the cost model is run
+once on the plan for the timeline and the per-unit times; without, the report draws what the plan file
+holds. A caller that already has the estimate passes it as ``estimate=``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from shard_planner.cost.types import Estimate
+from shard_planner.plan import Plan
+from shard_planner.profile import HardwareProfile, load_profile
+from shard_planner.report.measured import measured_figures, predictions_for
+from shard_planner.report.plots import (
+    figure_png, plot_frontier, plot_memory_at_peak, plot_memory_timeline, plot_predicted_vs_measured,
+    plot_units,
+)
+from shard_planner.report.render import ReportSection, render_html, render_markdown, summary_lines
+from shard_planner.report.rows import unit_rows
+from shard_planner.report.tables import frontier_table, units_table
+from shard_planner.trace.types import ModelTrace
+from shard_planner.units import format_bytes
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["write_report", "build_sections"]
+
+
+def _estimate(plan: Plan, trace: ModelTrace, profile: HardwareProfile | None) -> Estimate:
+    from shard_planner.cost import estimate  # the cost model; imported late: the report works without it
+
+    return estimate(trace, plan, profile if profile is not None else load_profile(plan.cluster.profile))
+
+
+def build_sections(plan: Plan, *, trace: ModelTrace | None = None, profile: HardwareProfile | None = None,
+                   measurement=None, estimate: Estimate | None = None) -> list[ReportSection]:
+    """The report's sections in order, each with its figure (if any) and table (if any)."""
+    if estimate is None and trace is not None:
+        estimate = _estimate(plan, trace, profile)
+    name = plan.model.path.rsplit("/", 1)[-1]
+    sections: list[ReportSection] = []
+
+    fig = plot_frontier(plan)
+    if fig is not None:
+        sections.append(ReportSection(
+            "Memory vs throughput", "frontier.png", fig,
+            "Each point is a plan of the same model, micro-batch and cluster, as the cost model predicts it. "
+            "The line joins the Pareto frontier (no other plan is both smaller and faster); the dashed line is "
+            "the per-GPU memory budget; the star is the chosen plan; the other markers are the usual "
+            "hand-written policies (an X: over the budget).",
+            frontier_table(plan)))
+
+    if estimate is not None:
+        sections.append(ReportSection(
+            "Memory over one step", "memory_timeline.png",
+            plot_memory_timeline(estimate.memory, plan.cluster.mem_budget_bytes,
+                                 f"Memory over one training step: {name}, chosen plan (predicted, per GPU)"),
+            "Live bytes on one GPU after each event of the FSDP2 schedule (all-gathers, unit forward and "
+            "backward, reduce-scatters, optimizer step), stacked by category."))
+    elif plan.predicted is not None:
+        sections.append(ReportSection(
+            "Memory at the peak", "memory_at_peak.png",
+            plot_memory_at_peak(plan.predicted, plan.cluster.mem_budget_bytes),
+            "The plan's predicted memory at its peak, by category (re-run with the model or its trace for "
+            "the whole timeline)."))
+
+    rows = unit_rows(plan, trace, estimate)
+    fig = plot_units(rows)
+    sections.append(ReportSection(
+        "Units", "units.png" if fig is not None else None, fig,
+        "One row per FSDP unit in forward order; identical consecutive units are folded into one row "
+        "(count), with figures per unit. Memory is per GPU at the plan's micro-batch.",
+        units_table(rows)))
+
+    if measurement is not None:
+        figures, predicted = measured_figures(measurement), predictions_for(plan, measurement)
+        where = (f"{measurement.world_size} ranks, {measurement.device} ({measurement.device_name}), "
+                 f"{measurement.backend}; memory by {measurement.memory_method}, time by {measurement.timing_method}")
+        if predicted is not None:
+            sections.append(ReportSection(
+                "Predicted vs measured", "predicted_vs_measured.png",
+                plot_predicted_vs_measured(*predicted, figures, f"Predicted vs measured: {name} ({where})"),
+                "Error = (predicted - measured) / measured. Measured peak is the largest over ranks; measured "
+                f"step time is the median of {len(figures.step_time_samples_s)} steps after "
+                f"{measurement.warmup_steps} warm-up steps. Run: {where}."))
+        else:
+            sections.append(ReportSection(
+                "Measured", None, None,
+                f"Measured peak {format_bytes(figures.peak_bytes)} per rank, step time {figures.step_time_s:.4g} s "
+                f"(median). The run used {measurement.world_size} ranks instead of the plan's "
+                f"{plan.cluster.gpus}, so the plan's prediction does not apply to it. Run: {where}."))
+    return sections
+
+
+def write_report(plan: Plan, out_dir: str | os.PathLike, *, trace: ModelTrace | None = None,
+                 profile: HardwareProfile | None = None, measurement=None,
+                 estimate: Estimate | None = None) -> Path:
+    """Write report.html, report.md and the PNGs into ``out_dir``; return the path of report.html."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sections = build_sections(plan, trace=trace, profile=profile, measurement=measurement, estimate=estimate)
+    pngs = {}
+    for s in sections:
+        if s.figure is not None:
+            pngs[s.image] = figure_png(s.figure)
+            _write_bytes_atomic(out / s.image, pngs[s.image])
+    measured = None
+    if measurement is not None and predictions_for(plan, measurement) is not None:
+        measured = (measured_figures(measurement), predictions_for(plan, measurement))
+    summary = summary_lines(plan, measured)
+    from shard_planner.fileio import write_atomic
+
+    write_atomic(out / "report.md", render_markdown(plan, summary, sections))
+    html_path = out / "report.html"
+    write_atomic(html_path, render_html(plan, summary, sections, pngs))
+    logger.info("report written to %s", html_path)
+    return html_path
+
+
+def _write_bytes_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)

@@ -1,0 +1,193 @@
+"""Export a plan as a short Python function that applies it with plain FSDP2 calls.
+
+The generated file imports only torch: users who will not depend on shard-planner in training paste it
+next to their model. It does exactly what ``shard_planner.execute.apply_plan`` does (checked in
+tests/test_export.py by comparing ``describe_sharding`` of both): checkpointing by replacing a module's
+``forward`` with a ``torch.utils.checkpoint`` call (no wrapper module, so names stay those of the plan),
+``fully_shard`` per unit (a list for a grouped unit) deepest first and the root last, each unit's
+reshard policy, the ``MixedPrecisionPolicy``, CPU offload, and the prefetch lists (forward order: the
+root, then the units; backward order: the units reversed).
+
+Runs of similar units are written as list comprehensions (``for i in range(0, 32)``) so an 80-layer
+plan stays a screenful.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from shard_planner import __version__
+from shard_planner.plan import Plan, Unit
+from shard_planner.report.export.common import split_number
+from shard_planner.units import format_bytes
+
+_TORCH_DTYPES = {"float32": "torch.float32", "bfloat16": "torch.bfloat16", "float16": "torch.float16"}
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One unit as a template: module k is prefix + (base + offsets[k]) + suffix."""
+
+    templates: tuple[tuple[str, int, str], ...]  # (prefix, offset from base, suffix) per module
+    base: int
+    reshard: bool | int
+    checkpoint: bool
+
+
+def _as_entry(unit: Unit) -> _Entry | None:
+    parsed = [split_number(m) for m in unit.modules]
+    if unit.is_root or any(p is None for p in parsed):
+        return None
+    base = parsed[0][1]
+    return _Entry(tuple((p[0], p[1] - base, p[2]) for p in parsed), base, unit.reshard_after_forward,
+                  unit.activation_checkpoint)
+
+
+def _literal(unit: Unit) -> str:
+    names = ", ".join(json.dumps(m) for m in unit.modules)
+    return f"([{names}], {unit.reshard_after_forward!r}, {unit.activation_checkpoint!r}),"
+
+
+def _period_expr(flags: list[bool], index: str) -> str | None:
+    """A Python condition on ``index`` (0, 1, 2, ... along the run) that is True exactly at ``flags``."""
+    if all(flags):
+        return "True"
+    if not any(flags):
+        return "False"
+    for period in range(2, len(flags) // 2 + 1):
+        if all(flags[j] == flags[j % period] for j in range(len(flags))):
+            hits = [j for j in range(period) if flags[j]]
+            cond = f"== {hits[0]}" if len(hits) == 1 else f"in {{{', '.join(map(str, hits))}}}"
+            return f"{index} % {period} {cond}"
+    return None
+
+
+def _comprehension(entries: list[_Entry]) -> str:
+    first = entries[0]
+    start, stride = first.base, entries[1].base - first.base
+    stop = entries[-1].base + stride
+    names = ", ".join(f'f"{p}{{i{f" + {o}" if o else ""}}}{s}"' for p, o, s in first.templates)
+    # k: the position along the run (0, 1, 2, ...), for a checkpointing pattern such as every other unit
+    k = {(True, True): "i", (False, True): f"(i - {start})", (True, False): f"i // {stride}"}.get(
+        (start == 0, stride == 1), f"(i - {start}) // {stride}")
+    cond = _period_expr([e.checkpoint for e in entries], k)
+    rng = f"range({start}, {stop})" if stride == 1 else f"range({start}, {stop}, {stride})"
+    return f"*[([{names}], {first.reshard!r}, {cond}) for i in {rng}],"
+
+
+def _same_shape(a: _Entry | None, b: _Entry | None) -> bool:
+    return a is not None and b is not None and a.templates == b.templates and a.reshard == b.reshard
+
+
+def _units_source(plan: Plan) -> list[str]:
+    """The lines of the UNITS list: literal tuples, with runs of 3+ units that differ only by a regular
+    step in their number (and a periodic checkpointing pattern) folded into a comprehension."""
+    units = list(plan.units)
+    entries = [_as_entry(u) for u in units]
+    lines: list[str] = []
+    i = 0
+    while i < len(units):
+        j = i + 1
+        if j < len(units) and _same_shape(entries[i], entries[j]) and entries[j].base > entries[i].base:
+            stride = entries[j].base - entries[i].base
+            while (j < len(units) and _same_shape(entries[i], entries[j])
+                   and entries[j].base - entries[j - 1].base == stride):
+                j += 1
+        run = entries[i:j]
+        if len(run) >= 3 and _period_expr([e.checkpoint for e in run], "i") is not None:
+            lines.append(_comprehension(run))
+        else:
+            lines.extend(_literal(u) for u in units[i:j])
+        i = j
+    return lines
+
+
+def export_fsdp2(plan: Plan) -> str:
+    """The Python source of ``apply_sharding(model, mesh)`` for ``plan``."""
+    t = plan.training
+    mesh_shape = f"({plan.mesh.shard},)" if plan.mesh.replicate == 1 else f"({plan.mesh.replicate}, {plan.mesh.shard})"
+    mesh_names = '("shard",)' if plan.mesh.replicate == 1 else '("replicate", "shard")'
+    predicted = ""
+    if plan.predicted is not None:
+        predicted = (f"\nPredicted by shard-planner: peak {format_bytes(plan.predicted.peak_bytes)} per GPU (budget "
+                     f"{format_bytes(plan.cluster.mem_budget_bytes)}), step {plan.predicted.step_time_s:.4g} s at "
+                     f"micro-batch {t.micro_batch} per GPU.")
+    units = "\n".join("    " + line for line in _units_source(plan))
+    fsdp_imports = ("CPUOffloadPolicy, " if t.cpu_offload else "") + "MixedPrecisionPolicy, fully_shard"
+    offload = ""
+    if t.cpu_offload:
+        offload = ('\n    # Sharded parameters, gradients and optimizer states live on the host; pinned memory needs'
+                   '\n    # an accelerator.\n    policy["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")')
+    return f'''"""FSDP2 sharding for {plan.model.path} on {plan.cluster.gpus} GPUs, generated by shard-planner {__version__}.
+
+Model fingerprint {plan.model.fingerprint}: build the model exactly as the plan's model file does.{predicted}
+
+Usage, in every rank after init_process_group:
+
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cuda", {mesh_shape}, mesh_dim_names={mesh_names})
+    model = apply_sharding(build_model(), mesh)
+    optimizer = torch.optim.{_optimizer_class(t.optimizer)}(model.parameters(), lr={t.lr!r})
+"""
+
+import functools
+
+import torch
+from torch.distributed.fsdp import {fsdp_imports}
+from torch.utils.checkpoint import checkpoint
+
+# One fully_shard call per unit, in forward order: (module names, reshard_after_forward, activation
+# checkpointing). Several names in one list are one unit: one all-gather and one reduce-scatter for all.
+# reshard_after_forward: True frees the gathered parameters after forward, False keeps them until
+# backward, an int keeps a copy sharded over that many ranks. "" is the root module.
+UNITS = [
+{units}
+]
+FORWARD_PREFETCH = {plan.prefetch.forward}  # all-gathers issued this many units ahead in forward (0: FSDP2's default)
+BACKWARD_PREFETCH = {plan.prefetch.backward}  # ... and in backward (FSDP2 prefetches 1 by default)
+
+
+def _checkpoint(module: torch.nn.Module) -> None:
+    """Activation checkpointing without a wrapper module, so module names stay those of the plan."""
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def checkpointed(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    module.forward = checkpointed
+
+
+def _depth(name: str) -> int:
+    return 0 if name == "" else name.count(".") + 1
+
+
+def apply_sharding(model: torch.nn.Module, mesh) -> torch.nn.Module:
+    """Shard ``model`` in place as planned and return it; ``mesh`` is the 1-D (or HSDP 2-D) DeviceMesh."""
+    policy = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype={_TORCH_DTYPES[t.param_dtype]},
+                                                            reduce_dtype={_TORCH_DTYPES[t.reduce_dtype]})){offload}
+    get = model.get_submodule
+    for names, _, checkpointed in UNITS:
+        if checkpointed:
+            for name in names:
+                _checkpoint(get(name))
+    # Deepest units first, so a nested unit is sharded before the unit that contains it; the root last.
+    for names, reshard, _ in sorted(UNITS, key=lambda unit: _depth(unit[0][0]), reverse=True):
+        modules = [get(name) for name in names]
+        fully_shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=reshard, **policy)
+    # Prefetch: forward order is the root then the units; backward order is the units reversed.
+    units = [get(names[0]) for names, _, _ in UNITS if names != [""]]
+    forward, backward = [model, *units], units[::-1]
+    for i, module in enumerate(forward):
+        if FORWARD_PREFETCH and forward[i + 1:i + 1 + FORWARD_PREFETCH]:
+            module.set_modules_to_forward_prefetch(forward[i + 1:i + 1 + FORWARD_PREFETCH])
+    for i, module in enumerate(backward):
+        if backward[i + 1:i + 1 + BACKWARD_PREFETCH]:
+            module.set_modules_to_backward_prefetch(backward[i + 1:i + 1 + BACKWARD_PREFETCH])
+    return model
+'''
+
+
+def _optimizer_class(name: str) -> str:
+    return {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD", "sgd_momentum": "SGD"}[name]

@@ -1,0 +1,80 @@
+"""What the exporters need to know about the model: module classes and parameter counts per unit.
+
+From a trace when there is one (``ModuleTrace.type_name``, ``param_count``); otherwise the model file is
+imported and the model built on the meta device (no memory, seconds even for 70B shapes) and checked
+against the plan's fingerprint, so a size mismatch (``SHARD_PLANNER_SIZE``) is caught, not exported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shard_planner.errors import PlanError
+from shard_planner.plan import Plan
+from shard_planner.report.rows import unit_owners
+from shard_planner.trace.types import ModelTrace
+
+
+@dataclass(frozen=True)
+class ModuleInfo:
+    fqn: str
+    type_name: str
+    parent: str | None
+    param_count: int  # parameters registered on this module itself (tied weights counted once)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    modules: tuple[ModuleInfo, ...]  # named_modules() order, root first
+
+    def type_of(self, fqn: str) -> str:
+        return next(m.type_name for m in self.modules if m.fqn == fqn)
+
+    def unit_param_counts(self, plan: Plan) -> list[int]:
+        """Parameters each unit of ``plan`` owns (innermost unit; the root owns the rest)."""
+        owners = unit_owners(plan, ((m.fqn, m.parent) for m in self.modules))
+        counts = [0] * len(plan.units)
+        for m in self.modules:
+            counts[owners[m.fqn]] += m.param_count
+        return counts
+
+    def owned_modules(self, plan: Plan, unit_index: int) -> list[ModuleInfo]:
+        owners = unit_owners(plan, ((m.fqn, m.parent) for m in self.modules))
+        return [m for m in self.modules if owners[m.fqn] == unit_index]
+
+
+def model_info_from_trace(trace: ModelTrace) -> ModelInfo:
+    return ModelInfo(tuple(ModuleInfo(m.fqn, m.type_name, m.parent, m.param_count) for m in trace.modules))
+
+
+def model_info_from_model(model) -> ModelInfo:
+    seen: set[int] = set()
+    out = []
+    for fqn, module in model.named_modules():
+        count = 0
+        for p in module.parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                count += p.numel()
+        parent = None if fqn == "" else fqn.rpartition(".")[0]
+        out.append(ModuleInfo(fqn, type(module).__name__, parent, count))
+    return ModelInfo(tuple(out))
+
+
+def model_info_for_plan(plan: Plan) -> ModelInfo:
+    """Build the plan's model on the meta device and check it is the model the plan was made for."""
+    import torch
+
+    from shard_planner.modelfile import load_model_file
+    from shard_planner.trace.structure import model_fingerprint
+
+    model_file = load_model_file(plan.model.path)
+    with torch.device("meta"):
+        model = model_file.build()
+    fingerprint = model_fingerprint(model)
+    if fingerprint != plan.model.fingerprint:
+        raise PlanError(
+            f"{plan.model.path} builds a model with fingerprint {fingerprint}, but the plan was made for "
+            f"{plan.model.fingerprint} (another size, e.g. SHARD_PLANNER_SIZE, or a changed file?); "
+            "re-run shard-planner plan, or pass --trace with the plan's trace")
+    return model_info_from_model(model)

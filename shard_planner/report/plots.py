@@ -1,0 +1,370 @@
+"""The report's pictures, one function per plot, each returning a matplotlib ``Figure``.
+
+Figures are built with ``matplotlib.figure.Figure`` (no pyplot: no global state, no GUI backend; PNGs are
+rendered by Agg), so tests can inspect the artists before anything is saved. Each plot puts its units in
+the axis labels (GiB, MiB, s, ms, tokens/s) and keeps legends outside the data so no text overlaps.
+Artists the tests look for carry a ``gid`` ("frontier", "chosen", "budget", "baseline:<name>", "peak").
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")  # the report never opens a window; harmless if a caller already chose Agg
+
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.ticker import FuncFormatter  # noqa: E402
+
+from shard_planner.cost.types import MemoryEstimate  # noqa: E402
+from shard_planner.plan import MEMORY_CATEGORIES, FrontierPoint, Plan, Prediction  # noqa: E402
+from shard_planner.report.rows import UnitRow  # noqa: E402
+
+GIB = 2**30
+# One colour per memory category, the same in every plot (matplotlib's tab10, colour-blind friendlier
+# than the default cycle when stacked).
+CATEGORY_COLORS = dict(zip(MEMORY_CATEGORIES, (
+    "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#d62728", "#8c564b", "#e377c2", "#7f7f7f")))
+CATEGORY_LABELS = {
+    "sharded_params": "sharded params",
+    "unsharded_params": "unsharded params (all-gathered)",
+    "grads": "gradients",
+    "optimizer_states": "optimizer states",
+    "activations": "activations",
+    "temporaries": "temporaries",
+    "comm_buffers": "communication buffers",
+    "overhead": "overhead (context, allocator)",
+}
+BASELINE_MARKERS = ("s", "D", "^", "v", "P", "p", "h", "<", ">")
+BASELINE_COLORS = ("#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f")
+
+
+def figure_png(fig: Figure, dpi: int = 110) -> bytes:
+    """The figure as PNG bytes (Agg)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    return buf.getvalue()
+
+
+def _byte_scale(max_bytes: float) -> tuple[float, str]:
+    """A divisor and its unit name so the largest value reads between 1 and 1024."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if max_bytes >= size:
+            return size, unit
+    return 1, "bytes"
+
+
+def _thousands(value, _pos) -> str:
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
+# ---- memory vs throughput ----
+
+@dataclass(frozen=True)
+class Throughput:
+    """How a step time becomes a throughput for one plan file: the work one step does, whole cluster."""
+
+    work_per_step: float
+    unit: str  # "tokens/s" or "samples/s"
+
+    def of(self, step_time_s: float) -> float:
+        return self.work_per_step / step_time_s
+
+
+def plan_throughput(plan: Plan) -> Throughput:
+    """Work per step from the prediction when there is one (tokens if the model has tokens), else from
+    the plan: micro-batch x data-parallel ranks (x sequence length). Every point of a frontier is a plan
+    of the same model at the same micro-batch, so the same work per step applies to all of them."""
+    p = plan.predicted
+    if p is not None and p.step_time_s > 0:
+        if p.tokens_per_s:
+            return Throughput(p.tokens_per_s * p.step_time_s, "tokens/s")
+        return Throughput(p.samples_per_s * p.step_time_s, "samples/s")
+    samples = plan.training.micro_batch * plan.mesh.world_size
+    if plan.model.seq_len:
+        return Throughput(samples * plan.model.seq_len, "tokens/s")
+    return Throughput(samples, "samples/s")
+
+
+def plot_frontier(plan: Plan) -> Figure | None:
+    """Peak memory per GPU (x) vs throughput (y): the Pareto frontier joined in memory order, the
+    budget line, the chosen plan (star), each hand-written policy labelled in the legend; points over
+    the budget are drawn hollow (frontier) or as an X (policies). None when the plan holds no point."""
+    if not plan.frontier and not plan.baselines and plan.predicted is None:
+        return None
+    tp = plan_throughput(plan)
+    budget_gib = plan.cluster.mem_budget_bytes / GIB
+    fig = Figure(figsize=(10, 5.6), layout="constrained")
+    ax = fig.add_subplot()
+
+    if plan.frontier:
+        pts = sorted(plan.frontier, key=lambda q: (q.peak_bytes, q.step_time_s))
+        xs = [q.peak_bytes / GIB for q in pts]
+        ys = [tp.of(q.step_time_s) for q in pts]
+        ax.plot(xs, ys, "-", color="#1f77b4", lw=1.5, zorder=2, gid="frontier",
+                label=f"Pareto frontier ({len(pts)} plans)")
+        fits = [q.fits and q.peak_bytes <= plan.cluster.mem_budget_bytes for q in pts]
+        ax.scatter([x for x, f in zip(xs, fits) if f], [y for y, f in zip(ys, fits) if f],
+                   s=36, color="#1f77b4", zorder=3, gid="frontier-fits")
+        over = [(x, y) for x, y, f in zip(xs, ys, fits) if not f]
+        if over:
+            ax.scatter(*zip(*over), s=36, facecolors="white", edgecolors="#1f77b4", zorder=3,
+                       gid="frontier-over", label="frontier plan over the budget")
+
+    for i, b in enumerate(plan.baselines):
+        color = BASELINE_COLORS[i % len(BASELINE_COLORS)]
+        fits = b.fits and b.peak_bytes <= plan.cluster.mem_budget_bytes
+        marker = BASELINE_MARKERS[i % len(BASELINE_MARKERS)] if fits else "X"
+        ax.scatter([b.peak_bytes / GIB], [tp.of(b.step_time_s)], s=70 if fits else 90, marker=marker,
+                   color=color, edgecolors="black", linewidths=0.6, zorder=4, gid=f"baseline:{b.description}",
+                   label=f"{b.description}" + ("" if fits else " (does not fit)"))
+
+    if plan.predicted is not None:
+        p = plan.predicted
+        ax.scatter([p.peak_bytes / GIB], [tp.of(p.step_time_s)], s=260, marker="*", color="gold",
+                   edgecolors="black", linewidths=0.8, zorder=5, gid="chosen",
+                   label=f"chosen plan: {p.peak_bytes / GIB:.2f} GiB, {tp.of(p.step_time_s):,.0f} {tp.unit}")
+
+    ax.axvline(budget_gib, color="#d62728", ls="--", lw=1.3, zorder=1, gid="budget",
+               label=f"memory budget {budget_gib:.1f} GiB")
+    ax.set_xlabel("predicted peak memory per GPU (GiB)")
+    ax.set_ylabel(f"predicted throughput, whole cluster ({tp.unit})")
+    ax.yaxis.set_major_formatter(FuncFormatter(_thousands))
+    xs_all = [q.peak_bytes / GIB for q in (*plan.frontier, *plan.baselines)]
+    xs_all += [plan.predicted.peak_bytes / GIB] if plan.predicted is not None else []
+    ax.set_xlim(left=0, right=max([budget_gib] + xs_all) * 1.08)
+    ax.grid(True, alpha=0.3)
+    ax.set_title(f"Memory vs throughput: {_model_name(plan)} on {plan.cluster.gpus} GPUs, "
+                 f"micro-batch {plan.training.micro_batch}")
+    fig.legend(loc="outside right upper", fontsize=8, frameon=False)
+    return fig
+
+
+def _model_name(plan: Plan) -> str:
+    return plan.model.path.rsplit("/", 1)[-1]
+
+
+# ---- memory timeline ----
+
+def _phase_spans(phases: Sequence[str]) -> list[tuple[str, int, int]]:
+    """Contiguous runs of one phase: (phase, first index, last index)."""
+    spans: list[tuple[str, int, int]] = []
+    for i, ph in enumerate(phases):
+        if spans and spans[-1][0] == ph:
+            spans[-1] = (ph, spans[-1][1], i)
+        else:
+            spans.append((ph, i, i))
+    return spans
+
+
+PHASE_SHADES = {"forward": "#e8f1fa", "backward": "#fdf0e6", "optimizer": "#eaf5ea"}
+
+
+def plot_memory_timeline(memory: MemoryEstimate, budget_bytes: int, title: str = "") -> Figure:
+    """Live bytes per rank after each event of one step, stacked by category; the peak marked and
+    labelled, the budget as a dashed line, forward/backward/optimizer phases shaded and named."""
+    events = memory.timeline
+    n = len(events)
+    cats = [c for c in MEMORY_CATEGORIES if any(e.bytes_by_category.get(c, 0) for e in events)]
+    ymax = max([memory.peak_bytes, budget_bytes] + [e.total_bytes for e in events])
+    scale, unit = _byte_scale(ymax)
+    # Memory is constant between events: draw each event as a step one unit wide centred on its index.
+    xs = [x for i in range(n) for x in (i - 0.5, i + 0.5)]
+    fig = Figure(figsize=(11, 5.4), layout="constrained")
+    ax = fig.add_subplot()
+
+    for ph, lo, hi in _phase_spans([e.phase for e in events]):
+        ax.axvspan(lo - 0.5, hi + 0.5, color=PHASE_SHADES.get(ph, "#f2f2f2"), zorder=0, lw=0)
+    ax.stackplot(xs, [[e.bytes_by_category.get(c, 0) / scale for e in events for _ in (0, 1)] for c in cats],
+                 labels=[CATEGORY_LABELS[c] for c in cats], colors=[CATEGORY_COLORS[c] for c in cats],
+                 alpha=0.9, zorder=2, gid="stack")
+
+    top = max(memory.peak_bytes, budget_bytes) / scale * 1.22
+    ax.set_ylim(0, top)
+    ax.set_xlim(-0.5, n - 0.5)
+    # Phase names in a band at the top of the axes; a narrow phase (the optimizer step is one or two
+    # events) is named one row lower, right-aligned, so it never runs into its neighbour's name.
+    for ph, lo, hi in _phase_spans([e.phase for e in events]):
+        narrow = (hi - lo + 1) / max(n, 1) < 0.12
+        x = hi + 0.5 if narrow else (lo + hi) / 2
+        ax.text(x, 0.985 if not narrow else 0.925, ph, transform=ax.get_xaxis_transform(),
+                ha="right" if narrow else "center", va="top", fontsize=9, fontweight="bold", color="#444444",
+                gid=f"phase:{ph}")
+
+    peak_i = max(range(n), key=lambda i: events[i].total_bytes) if n else 0
+    peak_y = events[peak_i].total_bytes / scale if n else memory.peak_bytes / scale
+    ax.plot([peak_i], [peak_y], marker="v", color="black", ms=9, zorder=5, ls="none", gid="peak",
+            label=f"peak {memory.peak_bytes / scale:.2f} {unit}")
+    left = peak_i > n / 2
+    ax.annotate(f"peak {memory.peak_bytes / scale:.2f} {unit}\n{memory.peak_event}", (peak_i, peak_y),
+                xytext=(-12 if left else 12, 14), textcoords="offset points", ha="right" if left else "left",
+                va="bottom", fontsize=8, zorder=6,
+                bbox=dict(boxstyle="round,pad=0.25", fc="white", ec="#999999", alpha=0.95))
+    ax.axhline(budget_bytes / scale, color="#d62728", ls="--", lw=1.3, zorder=4, gid="budget",
+               label=f"budget {budget_bytes / scale:.2f} {unit}")
+    ax.set_xlabel("event in one training step (index, in execution order)")
+    ax.set_ylabel(f"live memory per GPU ({unit})")
+    ax.set_title(title or "Memory over one training step (predicted)")
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.legend(loc="outside right upper", fontsize=8, frameon=False)
+    return fig
+
+
+def plot_memory_at_peak(prediction: Prediction, budget_bytes: int, title: str = "") -> Figure:
+    """What the plan file holds without a trace: memory at the peak by category, one stacked bar, and
+    the budget (drawn when no timeline can be simulated)."""
+    cats = [c for c in MEMORY_CATEGORIES if prediction.memory_at_peak.get(c, 0)]
+    scale, unit = _byte_scale(max(prediction.peak_bytes, budget_bytes))
+    fig = Figure(figsize=(9, 2.6), layout="constrained")
+    ax = fig.add_subplot()
+    left = 0.0
+    for c in cats:
+        v = prediction.memory_at_peak[c] / scale
+        ax.barh([0], [v], left=[left], height=0.5, color=CATEGORY_COLORS[c], label=CATEGORY_LABELS[c],
+                gid=f"cat:{c}")
+        left += v
+    ax.axvline(budget_bytes / scale, color="#d62728", ls="--", lw=1.3, gid="budget",
+               label=f"budget {budget_bytes / scale:.2f} {unit}")
+    ax.set_yticks([0], ["at the peak"])
+    ax.set_xlabel(f"predicted memory per GPU ({unit})")
+    ax.set_xlim(0, max(left, budget_bytes / scale) * 1.08)
+    ax.set_title(title or f"Memory at the predicted peak: {prediction.peak_bytes / scale:.2f} {unit}")
+    fig.legend(loc="outside right upper", fontsize=8, frameon=False)
+    return fig
+
+
+# ---- per unit ----
+
+def _time_scale(max_s: float) -> tuple[float, str]:
+    return (1.0, "s") if max_s >= 1.0 else (1e-3, "ms")
+
+
+def unit_label(row: UnitRow) -> str:
+    tags = []
+    if row.count > 1:
+        tags.append(f"x{row.count}")
+    if row.activation_checkpoint:
+        tags.append("AC")
+    if row.reshard_after_forward is not True:
+        tags.append("no reshard" if row.reshard_after_forward is False else f"reshard {row.reshard_after_forward}")
+    return row.label + (f"  [{', '.join(tags)}]" if tags else "")
+
+
+def plot_units(rows: Sequence[UnitRow], title: str = "") -> Figure | None:
+    """Horizontal bars per unit (identical consecutive units folded into one row, figures per unit):
+    left, sharded and unsharded parameter bytes and activations kept for backward; right, compute vs
+    communication time with the exposed part of communication hatched. None without per-unit sizes."""
+    rows = [r for r in rows if r.param_count is not None]
+    if not rows:
+        return None
+    has_time = all(r.compute_s is not None for r in rows)
+    n = len(rows)
+    fig = Figure(figsize=(12, 1.6 + 0.42 * n), layout="constrained")
+    axes = fig.subplots(1, 2 if has_time else 1, sharey=True, squeeze=False)[0]
+    ys = list(range(n))
+    h = 0.26
+
+    ax = axes[0]
+    scale, unit = _byte_scale(max(max(r.unsharded_param_bytes, r.activation_bytes, r.sharded_param_bytes) for r in rows))
+    series = (("sharded_param_bytes", "sharded params per rank", CATEGORY_COLORS["sharded_params"]),
+              ("unsharded_param_bytes", "unsharded params (while gathered)", CATEGORY_COLORS["unsharded_params"]),
+              ("activation_bytes", "activations kept for backward", CATEGORY_COLORS["activations"]))
+    for k, (attr, label, color) in enumerate(series):
+        ax.barh([y + (k - 1) * h for y in ys], [getattr(r, attr) / scale for r in rows], height=h,
+                color=color, label=label, gid=f"mem:{attr}")
+    ax.set_yticks(ys, [unit_label(r) for r in rows], fontsize=8)
+    ax.invert_yaxis()  # forward order from the top
+    ax.set_xlabel(f"memory per GPU, per unit ({unit})")
+    ax.set_title("Memory")
+    ax.grid(True, axis="x", alpha=0.3)
+
+    if has_time:
+        ax = axes[1]
+        tscale, tunit = _time_scale(max(max(r.compute_s, r.comm_s) for r in rows))
+        ax.barh([y - h / 2 for y in ys], [r.compute_s / tscale for r in rows], height=h, color="#17becf",
+                label="compute (fwd + bwd + recompute)", gid="time:compute")
+        ax.barh([y + h / 2 for y in ys], [r.comm_s / tscale for r in rows], height=h, color="#bcbd22",
+                label="communication (all-gather + reduce-scatter)", gid="time:comm")
+        ax.barh([y + h / 2 for y in ys], [r.exposed_comm_s / tscale for r in rows], height=h, color="none",
+                edgecolor="#d62728", hatch="////", lw=0.8, label="exposed communication", gid="time:exposed")
+        ax.set_xlabel(f"time per step, per unit ({tunit})")
+        ax.set_title("Time")
+        ax.grid(True, axis="x", alpha=0.3)
+    handles = [h for a in axes for h in a.get_legend_handles_labels()[0]]
+    fig.legend(handles=handles, loc="outside lower center", ncols=3, fontsize=8, frameon=False)
+    fig.suptitle(title or "Per FSDP unit (forward order; xN = N identical consecutive units, figures per unit)",
+                 fontsize=11)
+    return fig
+
+
+# ---- predicted vs measured ----
+
+@dataclass(frozen=True)
+class MeasuredFigures:
+    """What a Measurement says, reduced to what the comparison plot needs."""
+
+    peak_bytes_per_rank: tuple[int, ...]
+    step_time_samples_s: tuple[float, ...]
+    step_time_s: float  # the median the executor reports
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.peak_bytes_per_rank)
+
+
+def relative_error(predicted: float, measured: float) -> float:
+    """(predicted - measured) / measured: positive when the prediction is high."""
+    return (predicted - measured) / measured
+
+
+def plot_predicted_vs_measured(predicted_peak_bytes: int, predicted_step_time_s: float, measured: MeasuredFigures,
+                               title: str = "") -> Figure:
+    """Two panels: peak memory per GPU (predicted bar, measured max over ranks, each rank a dot) and
+    step time (predicted, measured median with the min..max of the samples); the error in each title."""
+    fig = Figure(figsize=(9, 4.2), layout="constrained")
+    ax_m, ax_t = fig.subplots(1, 2)
+
+    scale, unit = _byte_scale(max(predicted_peak_bytes, measured.peak_bytes))
+    err_m = relative_error(predicted_peak_bytes, measured.peak_bytes)
+    ax_m.bar([0, 1], [predicted_peak_bytes / scale, measured.peak_bytes / scale], color=["#1f77b4", "#ff7f0e"],
+             width=0.6, gid="peak-bars")
+    ax_m.scatter([1] * len(measured.peak_bytes_per_rank), [b / scale for b in measured.peak_bytes_per_rank],
+                 color="black", s=14, zorder=3, label="each rank", gid="peak-ranks")
+    ax_m.set_xticks([0, 1], ["predicted", "measured\n(max over ranks)"])
+    ax_m.set_ylabel(f"peak memory per GPU ({unit})")
+    ax_m.set_title(f"Peak memory: error {err_m:+.1%}", fontsize=10)
+    ax_m.legend(fontsize=8, loc="lower right")
+
+    samples = measured.step_time_samples_s or (measured.step_time_s,)
+    tscale, tunit = _time_scale(max(predicted_step_time_s, max(samples)))
+    err_t = relative_error(predicted_step_time_s, measured.step_time_s)
+    lo, hi = min(samples), max(samples)
+    ax_t.bar([0, 1], [predicted_step_time_s / tscale, measured.step_time_s / tscale], color=["#1f77b4", "#ff7f0e"],
+             width=0.6, gid="time-bars")
+    ax_t.errorbar([1], [measured.step_time_s / tscale],
+                  yerr=[[(measured.step_time_s - lo) / tscale], [(hi - measured.step_time_s) / tscale]],
+                  color="black", capsize=5, label="min .. max of steps", gid="time-spread")
+    ax_t.set_xticks([0, 1], ["predicted", "measured\n(median)"])
+    ax_t.set_ylabel(f"step time ({tunit})")
+    ax_t.set_title(f"Step time: error {err_t:+.1%}", fontsize=10)
+    ax_t.legend(fontsize=8, loc="lower right")
+    for ax in (ax_m, ax_t):
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(title or "Predicted vs measured", fontsize=11)
+    return fig
+
+
+def frontier_point_count(fig: Figure) -> int:
+    """Points on the frontier line of a :func:`plot_frontier` figure (for tests and checks)."""
+    line = next(ln for ax in fig.axes for ln in ax.lines if ln.get_gid() == "frontier")
+    return len(line.get_xdata())
+
+
+__all__ = [
+    "FrontierPoint", "MeasuredFigures", "Throughput", "figure_png", "frontier_point_count", "plan_throughput",
+    "plot_frontier", "plot_memory_at_peak", "plot_memory_timeline", "plot_predicted_vs_measured", "plot_units",
+    "relative_error", "unit_label",
+]

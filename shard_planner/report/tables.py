@@ -1,0 +1,105 @@
+"""The report's tables as pandas DataFrames, and their HTML and Markdown forms.
+
+Column names carry their units (``peak (GiB)``, ``step time (s)``). Markdown is written here rather than
+with ``DataFrame.to_markdown`` because that needs the optional ``tabulate`` package.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import pandas as pd
+
+from shard_planner.plan import Plan
+from shard_planner.report.plots import GIB, plan_throughput
+from shard_planner.report.rows import UnitRow
+
+MIB = 2**20
+
+
+def units_table(rows: Sequence[UnitRow]) -> pd.DataFrame:
+    """One line per row of :func:`~shard_planner.report.rows.unit_rows` (folded units: figures per unit)."""
+    records = []
+    for r in rows:
+        rec = {
+            "unit": r.label,
+            "count": r.count,
+            "modules per unit": len(r.modules),
+            "reshard after forward": r.reshard_text,
+            "activation checkpoint": "yes" if r.activation_checkpoint else "no",
+        }
+        if r.param_count is not None:
+            rec.update({
+                "params": r.param_count,
+                "sharded params/rank (MiB)": r.sharded_param_bytes / MIB,
+                "unsharded params (MiB)": r.unsharded_param_bytes / MIB,
+                "activations kept (MiB)": r.activation_bytes / MIB,
+            })
+        if r.compute_s is not None:
+            rec.update({
+                "compute (ms)": r.compute_s * 1e3,
+                "communication (ms)": r.comm_s * 1e3,
+                "exposed comm. (ms)": r.exposed_comm_s * 1e3,
+            })
+        records.append(rec)
+    return pd.DataFrame.from_records(records)
+
+
+def frontier_table(plan: Plan) -> pd.DataFrame:
+    """The chosen plan, the Pareto frontier and the hand-written policies, with throughput."""
+    tp = plan_throughput(plan)
+    budget = plan.cluster.mem_budget_bytes
+    records = []
+    if plan.predicted is not None:
+        p = plan.predicted
+        records.append(dict(kind="chosen", plan="chosen plan", peak_bytes=p.peak_bytes, step=p.step_time_s,
+                            fits=p.peak_bytes <= budget))
+    for q in sorted(plan.frontier, key=lambda q: q.peak_bytes):
+        records.append(dict(kind="frontier", plan=q.description, peak_bytes=q.peak_bytes, step=q.step_time_s,
+                            fits=q.fits and q.peak_bytes <= budget))
+    for q in plan.baselines:
+        records.append(dict(kind="hand-written", plan=q.description, peak_bytes=q.peak_bytes, step=q.step_time_s,
+                            fits=q.fits and q.peak_bytes <= budget))
+    return pd.DataFrame.from_records([
+        {
+            "kind": r["kind"],
+            "plan": r["plan"],
+            "peak (GiB)": r["peak_bytes"] / GIB,
+            "step time (s)": r["step"],
+            f"throughput ({tp.unit})": tp.of(r["step"]),
+            "fits the budget": "yes" if r["fits"] else "NO",
+        }
+        for r in records
+    ], columns=["kind", "plan", "peak (GiB)", "step time (s)", f"throughput ({tp.unit})", "fits the budget"])
+
+
+def _cell(value) -> str:
+    if hasattr(value, "item") and not isinstance(value, str):  # numpy scalar -> Python number
+        value = value.item()
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if value != value:  # NaN: a column this row has no figure for
+            return ""
+        if abs(value) >= 1000:
+            return f"{value:,.0f}"
+        return f"{value:.3f}" if abs(value) >= 0.01 or value == 0 else f"{value:.3g}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def to_markdown(df: pd.DataFrame) -> str:
+    """A GitHub-flavoured Markdown table; numbers right-aligned, ``|`` escaped."""
+    numeric = [pd.api.types.is_numeric_dtype(df[c]) for c in df.columns]
+    head = "| " + " | ".join(str(c).replace("|", "\\|") for c in df.columns) + " |"
+    rule = "|" + "|".join("---:" if num else "---" for num in numeric) + "|"
+    body = ["| " + " | ".join(_cell(v).replace("|", "\\|") for v in row) + " |"
+            for row in df.itertuples(index=False)]
+    return "\n".join([head, rule, *body])
+
+
+def to_html(df: pd.DataFrame) -> str:
+    """An HTML table with the same number formatting as the Markdown one."""
+    return df.to_html(index=False, border=0, classes="table", escape=True, na_rep="",
+                      formatters={c: _cell for c in df.columns})
