@@ -1,0 +1,91 @@
+"""``shard-planner tune``: plan, run the best few plans for real, fit the profile, return the measured best.
+
+    result = tune_model("examples/gpt2.py", gpus=8, mem_budget_bytes=40 * 2**30, profile="cpu-gloo",
+                        trials=3, world_size=2, profile_out="fitted.toml")
+    result.plan            # the measured best, with plan.measurements (every run)
+    result.fit.profile     # the fitted profile (also written to profile_out)
+
+The stages: :mod:`.candidates` (top-K distinct plans), :mod:`.tuner` (rounds of runs, early stop,
+choice), :mod:`.fit` (least squares of the profile's time parameters), :mod:`.profile_file` (the fitted
+profile as TOML).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from pathlib import Path
+
+from shard_planner.profile import HardwareProfile, load_profile
+from shard_planner.tune.candidates import Candidate, describe_plan, top_candidates
+from shard_planner.tune.fit import ProfileFit, fit_profile, scale_profile
+from shard_planner.tune.profile_file import write_profile
+from shard_planner.tune.tuner import Skipped, Trial, TuneResult, measurement_for_report, tune
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Candidate", "ProfileFit", "Skipped", "Trial", "TuneResult", "describe_plan", "fit_profile",
+           "scale_profile", "top_candidates", "tune", "tune_model", "write_fitted_profile"]
+
+
+def write_fitted_profile(result: TuneResult, prior: HardwareProfile, path: str | os.PathLike,
+                         model_path: str) -> None:
+    """Write ``result.fit.profile`` to ``path`` (atomically) with comments saying how it was fitted."""
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    header = [
+        f"Fitted by `shard-planner tune` on {stamp} from {len(result.trials)} real run(s) of {model_path} at world "
+        f"size {result.world_size} ({result.best.measurement.device}, {result.best.measurement.backend}, "
+        f"{result.best.measurement.device_name}).",
+        "Runs: " + "; ".join(f"{i + 1}: {t.candidate.description}" for i, t in enumerate(result.trials)),
+        "Factors (1 = the prior): " + ", ".join(f"{k} x{v:.4g}" for k, v in result.fit.factors.items()),
+    ]
+    write_profile(path, result.fit, prior, header)
+
+
+def tune_model(model_path: str, *, gpus: int, mem_budget_bytes: int, profile: str | HardwareProfile = "cpu-gloo",
+               trials: int = 3, world_size: int | None = None, gpus_per_node: int = 8,
+               micro_batch: int | None = None, per_launch: int | None = None, steps: int = 5, warmup: int = 2,
+               timeout_s: float = 600.0, device: str = "auto", trace=None,
+               profile_out: str | os.PathLike | None = None, report_dir: str | os.PathLike | None = None,
+               plan_kwargs: dict | None = None) -> TuneResult:
+    """Plan ``model_path`` for ``gpus`` GPUs within ``mem_budget_bytes`` each, run the top ``trials``
+    distinct plans for real (re-derived for ``world_size`` ranks when given), fit ``profile`` to what was
+    measured and return the measured best (see :mod:`shard_planner.tune.tuner`). Writes the fitted profile
+    to ``profile_out`` and a report into ``report_dir`` when given; the returned plan names the fitted
+    profile when it was written."""
+    from shard_planner.cost import estimate
+    from shard_planner.execute import run_plans
+    from shard_planner.solve import plan_model
+    from shard_planner.trace import trace_model
+
+    if trials < 1:
+        from shard_planner.errors import UserError
+
+        raise UserError(f"--trials must be at least 1, got {trials}")
+    prior = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
+    if trace is None:
+        trace = trace_model(model_path)
+    kwargs = dict(gpus=gpus, profile=prior, gpus_per_node=gpus_per_node, micro_batch=micro_batch,
+                  **(plan_kwargs or {}))
+    plan = plan_model(trace, mem_budget_bytes=mem_budget_bytes, **kwargs)
+    candidates = top_candidates(trace, plan, prior, trials, estimate=estimate,
+                                solve=lambda budget: plan_model(trace, mem_budget_bytes=budget, **kwargs))
+    result = tune(trace, candidates, prior, estimate=estimate, run_plans=run_plans, world_size=world_size,
+                  per_launch=per_launch, steps=steps, warmup=warmup, timeout_s=timeout_s, device=device)
+    if profile_out is not None:
+        write_fitted_profile(result, prior, profile_out, model_path)
+        result = _with_profile(result, str(profile_out))
+    if report_dir is not None:
+        from shard_planner.report import write_report
+
+        write_report(result.plan, Path(report_dir), trace=trace, profile=result.fit.profile,
+                     measurement=measurement_for_report(result))
+    return result
+
+
+def _with_profile(result: TuneResult, profile_path: str) -> TuneResult:
+    from dataclasses import replace
+
+    plan = result.plan
+    return replace(result, plan=replace(plan, cluster=replace(plan.cluster, profile=profile_path)))

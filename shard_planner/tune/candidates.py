@@ -1,0 +1,106 @@
+"""The candidate plans ``tune`` runs: the top-K *distinct* plans that fit, by predicted step time.
+
+Candidates come from two sources, pooled, deduplicated by what they decide
+(:func:`~shard_planner.measurement.plan_fingerprint`), checked against the budget with the cost model
+and ranked by predicted step time:
+
+1. the solver itself, re-solved under tighter budgets (each tighter budget forces a different
+   trade-off: more resharding, more checkpointing, smaller units), and
+2. the neighbours of the solver's plan that the solver does not vary per unit: other prefetch depths
+   (forward 0-2, backward 1-2), every unit resharding or every unit keeping its parameters.
+
+Every candidate keeps the caller's budget in its cluster section, whatever budget it was solved for.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from shard_planner.errors import InfeasibleError
+from shard_planner.measurement import plan_fingerprint
+from shard_planner.plan import Plan, Prefetch
+from shard_planner.profile import HardwareProfile
+from shard_planner.trace.types import ModelTrace
+
+logger = logging.getLogger(__name__)
+
+# Budgets the solver is re-run under, as fractions of the caller's budget.
+TIGHTER_BUDGET_FRACTIONS = (0.85, 0.7, 0.55, 0.4, 0.3)
+PREFETCH_VARIANTS = tuple(Prefetch(forward=f, backward=b) for f in (0, 1, 2) for b in (1, 2))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    plan: Plan  # with its prediction under the profile it was ranked with
+    source: str  # "solver", "solver at 70% budget", "prefetch f1/b2", ...
+
+    @property
+    def description(self) -> str:
+        return describe_plan(self.plan)
+
+
+def describe_plan(plan: Plan) -> str:
+    """A short label of a plan's decisions: units (grouped), reshard mix, AC, prefetch, micro-batch."""
+    units = [u for u in plan.units if not u.is_root]
+    grouped = sum(1 for u in units if len(u.modules) > 1)
+    reshard = {}
+    for u in units:
+        r = u.reshard_after_forward
+        key = ("T" if r else "F") if isinstance(r, bool) else str(r)
+        reshard[key] = reshard.get(key, 0) + 1
+    ac = sum(1 for u in plan.units if u.activation_checkpoint)
+    parts = [f"{len(units)}+root units" + (f" ({grouped} grouped)" if grouped else ""),
+             "reshard " + ",".join(f"{k}:{v}" for k, v in sorted(reshard.items())) if reshard else "root only",
+             f"AC {ac}", f"pf {plan.prefetch.forward}/{plan.prefetch.backward}", f"mb {plan.training.micro_batch}"]
+    if plan.training.cpu_offload:
+        parts.append("offload")
+    if plan.mesh.replicate > 1:
+        parts.append(f"HSDP {plan.mesh.replicate}x{plan.mesh.shard}")
+    return ", ".join(parts)
+
+
+def _neighbours(plan: Plan) -> list[tuple[Plan, str]]:
+    out = [(replace(plan, prefetch=p), f"prefetch {p.forward}/{p.backward}") for p in PREFETCH_VARIANTS
+           if p != plan.prefetch]
+    for keep in (True, False):
+        units = tuple(u if u.is_root else replace(u, reshard_after_forward=keep) for u in plan.units)
+        out.append((replace(plan, units=units), "all reshard" if keep else "all keep"))
+    return out
+
+
+def top_candidates(trace: ModelTrace, plan: Plan, profile: HardwareProfile, count: int, *,
+                   solve: Callable[[int], Plan] | None,
+                   estimate: Callable[[ModelTrace, Plan, HardwareProfile], object]) -> list[Candidate]:
+    """Up to ``count`` distinct candidates that fit ``plan.cluster.mem_budget_bytes`` as predicted, the
+    fastest predicted first; ``plan`` (the solver's answer) is always among them. ``solve(budget_bytes)``
+    re-runs the solver (None: no re-solving); ``estimate`` is :func:`shard_planner.cost.estimate`."""
+    budget = plan.cluster.mem_budget_bytes
+    pool: list[tuple[Plan, str]] = [(plan, "solver")]
+    if solve is not None:
+        for fraction in TIGHTER_BUDGET_FRACTIONS:
+            try:
+                tighter = solve(int(budget * fraction))
+            except InfeasibleError:
+                break  # tighter budgets are infeasible too
+            pool.append((replace(tighter, cluster=replace(tighter.cluster, mem_budget_bytes=budget)),
+                         f"solver at {fraction:.0%} budget"))
+    pool.extend(_neighbours(plan))
+
+    seen: set[str] = set()
+    ranked: list[Candidate] = []
+    for p, source in pool:
+        key = plan_fingerprint(p)
+        if key in seen:
+            continue
+        seen.add(key)
+        prediction = estimate(trace, p, profile).prediction()
+        if prediction.peak_bytes > budget and source != "solver":
+            logger.debug("candidate %s does not fit (%d > %d bytes)", source, prediction.peak_bytes, budget)
+            continue
+        ranked.append(Candidate(replace(p, predicted=prediction), source))
+    first, rest = ranked[0], sorted(ranked[1:], key=lambda c: c.plan.predicted.step_time_s)
+    # The solver's plan is kept even where another candidate is predicted faster (it is the answer to beat).
+    chosen = [first] + rest[: max(0, count - 1)]
+    return sorted(chosen, key=lambda c: c.plan.predicted.step_time_s)

@@ -1,0 +1,180 @@
+"""``tune``: confirm the planner's answer by running the best few plans, learn the profile from them.
+
+    plan -> top-K distinct candidates (predicted) -> run a round of them (one launch) -> fit the profile
+         -> re-rank what is left with the fitted profile -> stop, or run the next round
+         -> the measured best, with every measurement in the plan
+
+[Note: early stop]
+After each round the profile is fitted to every run so far and the largest relative error it leaves,
+``e = max_i |t_i - m_i| / m_i``, is the observed error. A remaining candidate with fitted prediction
+``t`` could still beat the measured best ``m*`` only if ``t * (1 - e) < m*``; when none can, tuning
+stops and the rest are reported as skipped, with the reason.
+
+[Note: world size of the runs]
+On a machine with fewer devices than the plan's GPUs (this CPU machine: gloo ranks), the candidates are
+planned for ``gpus`` and each is re-derived for ``world_size`` ranks (:meth:`Plan.with_world_size`) to
+run. Predictions compared with the runs are made for the re-derived plans; the plan returned is the
+``gpus`` plan whose re-derived run was fastest, with its prediction for ``gpus`` under the fitted
+profile. The measured ranking at ``world_size`` need not be the ranking at ``gpus``; the result says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from shard_planner.errors import InfeasibleError, UserError
+from shard_planner.measurement import Measurement, plan_fingerprint
+from shard_planner.plan import MeasuredPoint, Plan, SolverInfo
+from shard_planner.profile import HardwareProfile
+from shard_planner.trace.types import ModelTrace
+from shard_planner.tune.candidates import Candidate, describe_plan
+from shard_planner.tune.fit import ProfileFit, fit_profile
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One candidate run for real."""
+
+    candidate: Candidate  # planned for the cluster's gpus
+    run_plan: Plan  # what ran (re-derived for the run's world size when it differs)
+    measurement: Measurement
+    predicted_prior_s: float  # the run plan's step time under the prior profile
+    predicted_peak_bytes: int  # the run plan's peak (memory is not fitted)
+    round: int  # launch number, from 1
+
+    @property
+    def measured_s(self) -> float:
+        return self.measurement.step_time_median_s
+
+
+@dataclass(frozen=True)
+class Skipped:
+    candidate: Candidate
+    predicted_fitted_s: float  # at the run's world size, fitted profile
+    reason: str
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    plan: Plan  # the measured best, with every measurement
+    trials: tuple[Trial, ...]
+    skipped: tuple[Skipped, ...]
+    fit: ProfileFit
+    chosen: int  # index into trials
+    world_size: int  # where the runs ran
+    rederived: bool  # the runs used another world size than the plan's gpus
+    launches: int
+    seconds: float
+
+    @property
+    def best(self) -> Trial:
+        return self.trials[self.chosen]
+
+
+def _measured_best(trials: list[Trial], budget_bytes: int, rederived: bool) -> int:
+    """Index of the fastest run that fits the budget; a re-derived run is judged by the prediction for
+    the plan's own gpus (the candidates fit it), since its measured memory is for another world size."""
+    eligible = [i for i, t in enumerate(trials) if rederived or t.measurement.peak_bytes <= budget_bytes]
+    if not eligible:
+        peaks = ", ".join(f"{t.measurement.peak_bytes / 2**20:.1f} MiB" for t in trials)
+        raise InfeasibleError(f"every plan tune ran was over the {budget_bytes / 2**20:.1f} MiB budget "
+                              f"(measured peaks {peaks}): raise --mem or check the profile's memory figures")
+    return min(eligible, key=lambda i: trials[i].measured_s)
+
+
+def tune(trace: ModelTrace, candidates: list[Candidate], prior: HardwareProfile, *,
+         estimate: Callable, run_plans: Callable[..., list[Measurement]], world_size: int | None = None,
+         per_launch: int | None = None, steps: int = 5, warmup: int = 2, timeout_s: float = 600.0,
+         device: str = "auto") -> TuneResult:
+    """Run ``candidates`` (fastest predicted first) in rounds of ``per_launch`` plans per launch, fit the
+    profile after each round, stop early (see [Note: early stop]) and return the measured best.
+    ``estimate`` is :func:`shard_planner.cost.estimate`, ``run_plans`` :func:`shard_planner.execute.run_plans`."""
+    if not candidates:
+        raise UserError("tune needs at least one candidate plan")
+    start = time.perf_counter()
+    gpus = candidates[0].plan.cluster.gpus
+    budget = candidates[0].plan.cluster.mem_budget_bytes
+    world_size = gpus if world_size is None else world_size
+    rederived = world_size != gpus
+    per_launch = per_launch or max(1, math.ceil(len(candidates) / 2))
+    if per_launch < 1:
+        raise UserError(f"--per-launch must be at least 1, got {per_launch}")
+
+    def at_run_size(c: Candidate) -> Plan:
+        p = c.plan.with_world_size(world_size) if rederived else c.plan
+        return replace(p, predicted=estimate(trace, p, prior).prediction())
+
+    pending: list[tuple[Candidate, Plan]] = []
+    seen: set[str] = set()
+    for c in candidates:  # re-deriving can make two candidates equal (an int reshard becomes True)
+        rp = at_run_size(c)
+        key = plan_fingerprint(rp)
+        if key not in seen:
+            seen.add(key)
+            pending.append((c, rp))
+
+    trials: list[Trial] = []
+    skipped: list[Skipped] = []
+    fit: ProfileFit | None = None
+    launches = 0
+    while pending:
+        batch, pending = pending[:per_launch], pending[per_launch:]
+        launches += 1
+        logger.info("launch %d: running %d plan(s) at world size %d", launches, len(batch), world_size)
+        measured = run_plans([rp for _, rp in batch], world_size=world_size, steps=steps, warmup=warmup,
+                             timeout_s=timeout_s, device=device)
+        for (c, rp), m in zip(batch, measured):
+            trials.append(Trial(c, rp, m, rp.predicted.step_time_s, rp.predicted.peak_bytes, launches))
+        fit = fit_profile(prior, lambda prof: [estimate(trace, t.run_plan, prof).time.step_time_s for t in trials],
+                          [t.measured_s for t in trials])
+        if not pending:
+            break
+        best_s = trials[_measured_best(trials, budget, rederived)].measured_s
+        error = fit.max_abs_error_after
+        scored = sorted(((estimate(trace, rp, fit.profile).time.step_time_s, c, rp) for c, rp in pending),
+                        key=lambda x: x[0])
+        pending = []
+        for t, c, rp in scored:  # See [Note: early stop]
+            if t * (1 - error) < best_s:
+                pending.append((c, rp))
+            else:
+                skipped.append(Skipped(c, t, f"fitted prediction {t:.4g} s minus the observed error "
+                                             f"{error:.1%} is not below the measured best {best_s:.4g} s"))
+    assert fit is not None
+    chosen = _measured_best(trials, budget, rederived)
+    fitted_after = fit.predicted_after_s
+    points = tuple(
+        MeasuredPoint(description=t.candidate.description, plan_fingerprint=plan_fingerprint(t.run_plan),
+                      world_size=world_size, peak_bytes=t.measurement.peak_bytes, step_time_s=t.measured_s,
+                      predicted_peak_bytes=t.predicted_peak_bytes, predicted_step_time_s=fitted_after[i],
+                      chosen=i == chosen)
+        for i, t in enumerate(trials))
+    best = trials[chosen].candidate.plan
+    seconds = time.perf_counter() - start
+    predicted = estimate(trace, best, fit.profile).prediction()
+    plan = replace(
+        best,
+        predicted=predicted,
+        solver=SolverInfo(method="tune", status=f"measured best of {len(trials)} run(s)",
+                          objective=predicted.step_time_s, seconds=seconds),
+        measurements=points,
+    )
+    logger.info("tune: chose %s (%.4g s measured) after %d run(s) in %d launch(es)",
+                describe_plan(plan), trials[chosen].measured_s, len(trials), launches)
+    return TuneResult(plan=plan, trials=tuple(trials), skipped=tuple(skipped), fit=fit, chosen=chosen,
+                      world_size=world_size, rederived=rederived, launches=launches, seconds=seconds)
+
+
+def measurement_for_report(result: TuneResult) -> Measurement:
+    """The chosen run's measurement with the fitted prediction for what ran, marked re-derived when it
+    ran at another world size (so the report compares like with like)."""
+    t = result.best
+    return replace(t.measurement, predicted_peak_bytes=t.predicted_peak_bytes,
+                   predicted_step_time_s=result.fit.predicted_after_s[result.chosen],
+                   rederived_from_world_size=t.candidate.plan.cluster.gpus if result.rederived else None)
