@@ -41,9 +41,12 @@ logger = logging.getLogger(__name__)
 __all__ = ["write_report", "build_sections"]
 
 
-def _estimate(plan: Plan, trace: ModelTrace, profile: HardwareProfile | None) -> Estimate:
-    from shard_planner.cost import estimate  # the cost model; imported late: the report works without it
-
+def _estimate(plan: Plan, trace: ModelTrace, profile: HardwareProfile | None) -> Estimate | None:
+    try:
+        from shard_planner.cost import estimate  # imported late: the report draws what it can without it
+    except ImportError:
+        logger.warning("the cost model (shard_planner.cost.estimate) is not available: no memory timeline")
+        return None
     return estimate(trace, plan, profile if profile is not None else load_profile(plan.cluster.profile))
 
 

@@ -9,6 +9,7 @@ Artists the tests look for carry a ``gid`` ("frontier", "chosen", "budget", "bas
 from __future__ import annotations
 
 import io
+import textwrap
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -244,7 +245,7 @@ def _time_scale(max_s: float) -> tuple[float, str]:
 
 def unit_label(row: UnitRow) -> str:
     tags = []
-    if row.count > 1:
+    if row.count > 1 and not row.interleaved:  # an interleaved row's label already says "N of M"
         tags.append(f"x{row.count}")
     if row.activation_checkpoint:
         tags.append("AC")
@@ -329,31 +330,35 @@ def plot_predicted_vs_measured(predicted_peak_bytes: int, predicted_step_time_s:
 
     scale, unit = _byte_scale(max(predicted_peak_bytes, measured.peak_bytes))
     err_m = relative_error(predicted_peak_bytes, measured.peak_bytes)
-    ax_m.bar([0, 1], [predicted_peak_bytes / scale, measured.peak_bytes / scale], color=["#1f77b4", "#ff7f0e"],
-             width=0.6, gid="peak-bars")
+    bars = ax_m.bar([0, 1], [predicted_peak_bytes / scale, measured.peak_bytes / scale], color=["#1f77b4", "#ff7f0e"],
+                    width=0.6, gid="peak-bars")
+    ax_m.bar_label(bars, fmt=f"%.2f {unit}", label_type="center", color="white", fontsize=9, fontweight="bold")
     ax_m.scatter([1] * len(measured.peak_bytes_per_rank), [b / scale for b in measured.peak_bytes_per_rank],
                  color="black", s=14, zorder=3, label="each rank", gid="peak-ranks")
     ax_m.set_xticks([0, 1], ["predicted", "measured\n(max over ranks)"])
     ax_m.set_ylabel(f"peak memory per GPU ({unit})")
     ax_m.set_title(f"Peak memory: error {err_m:+.1%}", fontsize=10)
-    ax_m.legend(fontsize=8, loc="lower right")
+    ax_m.set_ylim(0, max(predicted_peak_bytes, measured.peak_bytes) / scale * 1.25)  # room for the legend
+    ax_m.legend(fontsize=8, loc="upper right")
 
     samples = measured.step_time_samples_s or (measured.step_time_s,)
     tscale, tunit = _time_scale(max(predicted_step_time_s, max(samples)))
     err_t = relative_error(predicted_step_time_s, measured.step_time_s)
     lo, hi = min(samples), max(samples)
-    ax_t.bar([0, 1], [predicted_step_time_s / tscale, measured.step_time_s / tscale], color=["#1f77b4", "#ff7f0e"],
-             width=0.6, gid="time-bars")
+    bars = ax_t.bar([0, 1], [predicted_step_time_s / tscale, measured.step_time_s / tscale],
+                    color=["#1f77b4", "#ff7f0e"], width=0.6, gid="time-bars")
+    ax_t.bar_label(bars, fmt=f"%.3g {tunit}", label_type="center", color="white", fontsize=9, fontweight="bold")
     ax_t.errorbar([1], [measured.step_time_s / tscale],
                   yerr=[[(measured.step_time_s - lo) / tscale], [(hi - measured.step_time_s) / tscale]],
                   color="black", capsize=5, label="min .. max of steps", gid="time-spread")
     ax_t.set_xticks([0, 1], ["predicted", "measured\n(median)"])
     ax_t.set_ylabel(f"step time ({tunit})")
     ax_t.set_title(f"Step time: error {err_t:+.1%}", fontsize=10)
-    ax_t.legend(fontsize=8, loc="lower right")
+    ax_t.set_ylim(0, max(predicted_step_time_s, hi) / tscale * 1.25)
+    ax_t.legend(fontsize=8, loc="upper right")
     for ax in (ax_m, ax_t):
         ax.grid(True, axis="y", alpha=0.3)
-    fig.suptitle(title or "Predicted vs measured", fontsize=11)
+    fig.suptitle("\n".join(textwrap.wrap(title or "Predicted vs measured", 100)), fontsize=10)
     return fig
 
 

@@ -11,12 +11,14 @@ else (plan.py's rule, the one FSDP2 applies). Per unit and per rank:
   modules, or, for a checkpointed unit, only the inputs of its modules (what checkpointing keeps);
 - compute, communication and exposed communication time: the cost model's ``UnitTime``.
 
-Identical consecutive units (same structural hashes, same reshard and checkpoint decision: the 80
-blocks of a 70B model) are folded into one row with their count, so plots and tables stay readable.
+Consecutive units of the same block (same structural hashes: the 80 blocks of a 70B model) are folded
+into one row per decision (reshard, checkpointing) with their count, figures per unit (times and kept
+activations averaged), so plots and tables stay readable.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -36,6 +38,7 @@ class UnitRow:
     modules: tuple[str, ...]  # the first unit's modules
     reshard_after_forward: bool | int
     activation_checkpoint: bool
+    interleaved: bool = False  # the row's units alternate with other rows' units (e.g. every other block)
     param_count: int | None = None  # per unit; None without a trace
     sharded_param_bytes: int | None = None  # per unit, per rank
     unsharded_param_bytes: int | None = None  # per unit, while gathered
@@ -79,9 +82,12 @@ def _unit_sizes(plan: Plan, trace: ModelTrace) -> list[dict]:
     return sizes
 
 
-def _fold_key(unit: Unit, hashes: dict[str, str] | None):
-    modules = tuple(hashes.get(f, f) for f in unit.modules) if hashes else unit.modules
-    return (modules, unit.reshard_after_forward, unit.activation_checkpoint)
+def _shape_key(unit: Unit, hashes: dict[str, str] | None):
+    """What makes two units the same block: their modules' structural hashes, or without a trace the
+    shape of their names (``blocks.3`` and ``blocks.4`` are both ``blocks.<n>``)."""
+    if hashes:
+        return tuple(hashes.get(f, f) for f in unit.modules)
+    return tuple(re.sub(r"(^|\.)\d+(?=\.|$)", r"\1<n>", f) for f in unit.modules)
 
 
 def _mean(values: list[float]) -> float:
@@ -96,31 +102,46 @@ def unit_rows(plan: Plan, trace: ModelTrace | None = None, estimate: Estimate | 
     times: dict[str, UnitTime] = {t.name: t for t in estimate.time.units} if estimate is not None else {}
     param_bytes = DTYPE_BYTES[plan.training.param_dtype]
 
-    # Runs of identical consecutive units (never the root, which owns the leftovers).
+    # Runs of consecutive units of the same block shape (never the root, which owns the leftovers).
     runs: list[list[int]] = []
     for i, u in enumerate(plan.units):
-        if (fold and runs and not u.is_root and not plan.units[runs[-1][-1]].is_root
-                and _fold_key(u, hashes) == _fold_key(plan.units[runs[-1][-1]], hashes)
-                and (sizes is None or sizes[i] == sizes[runs[-1][-1]])):
+        prev = plan.units[runs[-1][-1]] if runs else None
+        if (fold and prev is not None and not u.is_root and not prev.is_root
+                and _shape_key(u, hashes) == _shape_key(prev, hashes)):
             runs[-1].append(i)
         else:
             runs.append([i])
+    # Within a run, one row per decision (reshard, checkpoint): a run with one decision is one row; an
+    # interleaved run (every other block checkpointed) of 4+ units gets a row per decision; else a row per unit.
+    groups: list[tuple[list[int], bool, int]] = []  # (unit indices, interleaved, length of the run)
+    for run in runs:
+        decisions: dict[tuple, list[int]] = {}
+        for i in run:
+            decisions.setdefault((plan.units[i].reshard_after_forward, plan.units[i].activation_checkpoint), []).append(i)
+        if len(decisions) == 1:
+            groups.append((run, False, len(run)))
+        elif len(run) >= 4:
+            groups += [(members, True, len(run)) for members in decisions.values()]
+        else:
+            groups += [([i], False, 1) for i in run]
 
     rows = []
-    for run in runs:
-        first, last = plan.units[run[0]], plan.units[run[-1]]
-        label = first.name if len(run) == 1 else f"{first.name} .. {last.name}"
-        row = dict(label=label, count=len(run), modules=first.modules,
+    for members, interleaved, run_length in groups:
+        first, last = plan.units[members[0]], plan.units[members[-1]]
+        label = first.name if len(members) == 1 else f"{first.name} .. {last.name}"
+        if interleaved:
+            label = f"{label} ({len(members)} of {run_length})"
+        row = dict(label=label, count=len(members), interleaved=interleaved, modules=first.modules,
                    reshard_after_forward=first.reshard_after_forward,
                    activation_checkpoint=first.activation_checkpoint)
         if sizes is not None:
-            s = sizes[run[0]]
+            s = sizes[members[0]]
             row.update(param_count=s["params"],
                        sharded_param_bytes=-(-s["built_bytes"] // plan.mesh.shard),
                        unsharded_param_bytes=s["params"] * param_bytes,
-                       activation_bytes=int(s["saved_bytes"]))
-        unit_times = [times[plan.units[i].name] for i in run if plan.units[i].name in times]
-        if len(unit_times) == len(run):
+                       activation_bytes=int(_mean([sizes[i]["saved_bytes"] for i in members])))
+        unit_times = [times[plan.units[i].name] for i in members if plan.units[i].name in times]
+        if len(unit_times) == len(members):
             row.update(compute_s=_mean([t.fwd_compute_s + t.bwd_compute_s for t in unit_times]),
                        comm_s=_mean([t.all_gather_s + t.reduce_scatter_s for t in unit_times]),
                        exposed_comm_s=_mean([t.exposed_comm_s for t in unit_times]))

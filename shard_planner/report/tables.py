@@ -73,33 +73,49 @@ def frontier_table(plan: Plan) -> pd.DataFrame:
     ], columns=["kind", "plan", "peak (GiB)", "step time (s)", f"throughput ({tp.unit})", "fits the budget"])
 
 
-def _cell(value) -> str:
-    if hasattr(value, "item") and not isinstance(value, str):  # numpy scalar -> Python number
-        value = value.item()
+def _plain(value):
+    return value.item() if hasattr(value, "item") and not isinstance(value, str) else value
+
+
+def _column_format(values) -> str:
+    """One float format for a whole column, so its numbers line up: decimals by the column's magnitude."""
+    floats = [abs(v) for v in map(_plain, values) if isinstance(v, float) and v == v]
+    top = max(floats, default=0.0)
+    if top >= 1000:
+        return ",.0f"
+    if top >= 10:
+        return ",.1f"
+    if top >= 0.1:
+        return ".3f"
+    return ".3g"
+
+
+def _cell(value, float_format: str = ".3g") -> str:
+    value = _plain(value)
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, float):
-        if value != value:  # NaN: a column this row has no figure for
-            return ""
-        if abs(value) >= 1000:
-            return f"{value:,.0f}"
-        return f"{value:.3f}" if abs(value) >= 0.01 or value == 0 else f"{value:.3g}"
+        return "" if value != value else format(value, float_format)  # NaN: no figure for this row
     if isinstance(value, int):
         return f"{value:,}"
     return str(value)
 
 
+def _formatters(df: pd.DataFrame) -> dict:
+    return {c: (lambda v, f=_column_format(df[c]): _cell(v, f)) for c in df.columns}
+
+
 def to_markdown(df: pd.DataFrame) -> str:
     """A GitHub-flavoured Markdown table; numbers right-aligned, ``|`` escaped."""
     numeric = [pd.api.types.is_numeric_dtype(df[c]) for c in df.columns]
+    fmt = _formatters(df)
     head = "| " + " | ".join(str(c).replace("|", "\\|") for c in df.columns) + " |"
     rule = "|" + "|".join("---:" if num else "---" for num in numeric) + "|"
-    body = ["| " + " | ".join(_cell(v).replace("|", "\\|") for v in row) + " |"
+    body = ["| " + " | ".join(fmt[c](v).replace("|", "\\|") for c, v in zip(df.columns, row)) + " |"
             for row in df.itertuples(index=False)]
     return "\n".join([head, rule, *body])
 
 
 def to_html(df: pd.DataFrame) -> str:
     """An HTML table with the same number formatting as the Markdown one."""
-    return df.to_html(index=False, border=0, classes="table", escape=True, na_rep="",
-                      formatters={c: _cell for c in df.columns})
+    return df.to_html(index=False, border=0, classes="table", escape=True, na_rep="", formatters=_formatters(df))

@@ -1,0 +1,359 @@
+"""Reports: plot content checked on the Figure objects, per-unit figures exact, HTML self-contained with
+images and tables, Markdown with PNGs beside it, a report for every example model, CLI, progress line."""
+
+import base64
+import importlib.util
+import io
+import json
+import re
+
+import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.text import Text
+
+from models.report_fixtures import GIB, MIB, make_estimate, make_plan, make_trace
+from shard_planner.cli.main import main
+from shard_planner.measurement import Measurement, RankMemory, save_measurement
+from shard_planner.plan import MEMORY_CATEGORIES, Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit, save_plan
+from shard_planner.progress import Progress, progress, progress_enabled
+from shard_planner.report import build_sections, write_report
+from shard_planner.report.measured import measured_figures
+from shard_planner.report.plots import (
+    frontier_point_count, plan_throughput, plot_frontier, plot_memory_at_peak, plot_memory_timeline,
+    plot_predicted_vs_measured, plot_units,
+)
+from shard_planner.report.rows import unit_rows
+from shard_planner.report.tables import frontier_table, to_markdown, units_table
+
+EXAMPLES = ("gpt2", "llama", "vit", "encdec", "unet")
+HAS_COST = importlib.util.find_spec("shard_planner.cost") is not None and hasattr(
+    importlib.import_module("shard_planner.cost"), "estimate")
+
+
+def drawn_texts(fig) -> list[Text]:
+    """Every text the figure draws: suptitle, legends, and per axes its titles, labels, annotations and
+    the tick labels of the ticks inside the view (the ones Axis.draw draws)."""
+    texts = list(fig.texts) + [t for leg in fig.legends for t in leg.get_texts()]
+    for ax in fig.axes:
+        texts += [ax.title, ax._left_title, ax._right_title, ax.xaxis.label, ax.yaxis.label, *ax.texts]
+        if ax.get_legend() is not None:
+            texts += ax.get_legend().get_texts()
+        for axis in (ax.xaxis, ax.yaxis):
+            for tick in axis._update_ticks():
+                texts += [tick.label1, tick.label2]
+    return [t for t in texts if t.get_visible() and t.get_text().strip()]
+
+
+def texts_overlap(fig) -> list[tuple[str, str]]:
+    """Drawn texts (titles, labels, tick labels, legends, annotations) that overlap another or stick out of
+    the figure."""
+    FigureCanvasAgg(fig).draw()
+    renderer = fig.canvas.get_renderer()
+    boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in drawn_texts(fig)]
+    page = fig.bbox
+    clipped = [(a, "outside the figure") for a, box in boxes
+               if box.x0 < page.x0 - 1 or box.y0 < page.y0 - 1 or box.x1 > page.x1 + 1 or box.y1 > page.y1 + 1]
+    return clipped + [(a, b) for i, (a, ba) in enumerate(boxes) for b, bb in boxes[i + 1:]
+                      if ba.overlaps(bb) and ba.width > 0 and bb.width > 0]
+
+
+def gid_artists(fig, gid):
+    return list({id(a): a for a in fig.findobj() if getattr(a, "get_gid", lambda: None)() == gid}.values())
+
+
+def measurement(peaks=(30 * GIB, 31 * GIB), steps=(1.30, 1.25, 1.40), predicted=None) -> Measurement:
+    return Measurement(
+        plan_fingerprint="0" * 16, model_path="examples/gpt2.py", world_size=len(peaks), mesh_shard=len(peaks),
+        mesh_replicate=1, micro_batch=8, device="cuda", device_name="test", backend="nccl", torch_version="2.13",
+        memory_method="cuda max_memory_allocated", memory=tuple(RankMemory(i, b) for i, b in enumerate(peaks)),
+        step_time_s=steps, timing_method="cuda events", warmup_steps=2, losses=(1.0,) * 5,
+        predicted_peak_bytes=predicted[0] if predicted else None,
+        predicted_step_time_s=predicted[1] if predicted else None)
+
+
+# ---- plots ----
+
+def test_frontier_plot_content():
+    plan = make_plan(8)
+    fig = plot_frontier(plan)
+    ax = fig.axes[0]
+    assert frontier_point_count(fig) == len(plan.frontier) == 6
+    assert "(GiB)" in ax.get_xlabel() and "(tokens/s" in ax.get_ylabel()
+    (budget,) = gid_artists(fig, "budget")
+    assert budget.get_xdata()[0] == pytest.approx(40.0)
+    (chosen,) = gid_artists(fig, "chosen")
+    tp = plan_throughput(plan)
+    assert tuple(chosen.get_offsets()[0]) == pytest.approx((plan.predicted.peak_bytes / GIB, tp.of(plan.predicted.step_time_s)))
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    for b in plan.baselines:  # every hand-written policy has its own labelled marker
+        assert len(gid_artists(fig, f"baseline:{b.description}")) == 1
+        assert any(label.startswith(b.description) for label in labels)
+    assert "no reshard (ZeRO-2-like) (does not fit)" in labels
+    assert len(gid_artists(fig, "frontier-over")[0].get_offsets()) == 1  # 43 GiB > 40 GiB budget: hollow
+    assert not texts_overlap(fig)
+
+
+def test_frontier_throughput_in_samples_without_tokens():
+    plan = make_plan(4, predicted=False)
+    plan = Plan(**{**plan.__dict__, "model": ModelRef("examples/vit.py", "f" * 16)})
+    fig = plot_frontier(plan)
+    assert "(samples/s" in fig.axes[0].get_ylabel()
+    assert plan_throughput(plan).work_per_step == 8 * 8  # micro-batch x ranks
+    assert not gid_artists(fig, "chosen")
+
+
+def test_memory_timeline_content():
+    plan = make_plan(8)
+    est = make_estimate(plan)
+    fig = plot_memory_timeline(est.memory, plan.cluster.mem_budget_bytes)
+    ax = fig.axes[0]
+    used = [c for c in MEMORY_CATEGORIES if any(e.bytes_by_category[c] for e in est.memory.timeline)]
+    assert len(ax.collections) == len(used)  # one stacked band per category that is ever non-zero
+    (peak,) = gid_artists(fig, "peak")
+    i = max(range(len(est.memory.timeline)), key=lambda k: est.memory.timeline[k].total_bytes)
+    assert peak.get_xdata()[0] == i and peak.get_ydata()[0] == pytest.approx(est.memory.peak_bytes / GIB)
+    assert gid_artists(fig, "budget")[0].get_ydata()[0] == pytest.approx(40.0)
+    assert {t.get_text() for t in ax.texts} >= {"forward", "backward", "optimizer"}
+    assert "(GiB)" in ax.get_ylabel()
+    assert not texts_overlap(fig)
+
+
+def test_memory_at_peak_without_trace():
+    plan = make_plan(4)
+    fig = plot_memory_at_peak(plan.predicted, plan.cluster.mem_budget_bytes)
+    widths = {a.get_gid(): a.get_width() for a in fig.findobj() if str(a.get_gid()).startswith("cat:")}
+    assert sum(widths.values()) == pytest.approx(plan.predicted.peak_bytes / GIB)
+    assert not texts_overlap(fig)
+
+
+def test_unit_rows_exact_and_folded():
+    plan = make_plan(32, checkpoint_every=0)
+    trace = make_trace(32)
+    rows = unit_rows(plan, trace, make_estimate(plan))
+    assert [r.label for r in rows] == ["<root>", "wte", "blocks.0 .. blocks.31", "lm_head"]
+    blocks = rows[2]
+    assert blocks.count == 32 and blocks.param_count == 50_000_000
+    assert blocks.sharded_param_bytes == 50_000_000 * 4 // 8  # fp32 as built, over 8 ranks
+    assert blocks.unsharded_param_bytes == 50_000_000 * 2  # gathered in bf16
+    assert blocks.activation_bytes == 300 * MIB * 8  # saved per sample x micro-batch 8
+    assert rows[0].param_count == 2048  # the root owns ln_f (and the parameter-less ModuleList)
+    assert rows[0].activation_bytes == 24 * MIB * 8  # ln_f's saved tensors
+    assert blocks.compute_s == pytest.approx((0.020 + 0.021 + 0.022) / 3 + 0.040, rel=0.02)
+    checkpointed = unit_rows(make_plan(4, checkpoint_every=1), make_trace(4))
+    assert checkpointed[2].activation_checkpoint and checkpointed[2].activation_bytes == 24 * MIB * 8  # inputs only
+    assert len(unit_rows(plan, trace, fold=False)) == len(plan.units)
+    by_name = unit_rows(plan)  # no trace: blocks.<n> still fold by the shape of their names
+    assert [r.label for r in by_name] == ["<root>", "wte", "blocks.0 .. blocks.31", "lm_head"]
+    interleaved = unit_rows(make_plan(6, checkpoint_every=2), make_trace(6))
+    assert [(r.label, r.count, r.activation_checkpoint) for r in interleaved[2:4]] == [
+        ("blocks.0 .. blocks.4 (3 of 6)", 3, True), ("blocks.1 .. blocks.5 (3 of 6)", 3, False)]
+    three = unit_rows(make_plan(3, checkpoint_every=2), make_trace(3))  # too short to interleave: one row each
+    assert [r.label for r in three[2:5]] == ["blocks.0", "blocks.1", "blocks.2"]
+
+
+def test_units_plot_content():
+    plan = make_plan(8)
+    rows = unit_rows(plan, make_trace(8), make_estimate(plan))
+    fig = plot_units(rows)
+    mem_ax, time_ax = fig.axes
+    for gid in ("mem:sharded_param_bytes", "mem:unsharded_param_bytes", "mem:activation_bytes", "time:compute",
+                "time:comm", "time:exposed"):
+        assert len(gid_artists(fig, gid)) == len(rows)  # one bar per row
+    assert "(GiB)" in mem_ax.get_xlabel() or "(MiB)" in mem_ax.get_xlabel()
+    assert "(ms)" in time_ax.get_xlabel()
+    assert [t.get_text() for t in mem_ax.get_yticklabels()][2:4] == [  # every other block checkpointed
+        "blocks.0 .. blocks.6 (4 of 8)  [AC]", "blocks.1 .. blocks.7 (4 of 8)"]
+    assert not texts_overlap(fig)
+    assert plot_units(unit_rows(plan)) is None  # no trace: no sizes to draw
+
+
+def test_predicted_vs_measured_content():
+    m = measurement(peaks=(30 * GIB, 32 * GIB), steps=(1.0, 1.2, 1.1))
+    fig = plot_predicted_vs_measured(int(33.6 * GIB), 1.21, measured_figures(m),
+                                     "Predicted vs measured: gpt2.py (2 ranks, cuda (NVIDIA H200), nccl; memory by "
+                                     "cuda max_memory_allocated, time by cuda events)")
+    ax_m, ax_t = fig.axes
+    assert ax_m.get_title() == "Peak memory: error +5.0%"  # 33.6 vs 32 (max over ranks)
+    assert ax_t.get_title() == "Step time: error +10.0%"  # 1.21 vs the median 1.1
+    assert len(gid_artists(fig, "peak-ranks")[0].get_offsets()) == 2
+    assert "(GiB)" in ax_m.get_ylabel() and "(s)" in ax_t.get_ylabel()
+    assert not texts_overlap(fig)
+
+
+# ---- tables ----
+
+def test_tables_and_markdown():
+    plan = make_plan(8)
+    df = frontier_table(plan)
+    assert len(df) == 1 + len(plan.frontier) + len(plan.baselines)
+    assert list(df.columns) == ["kind", "plan", "peak (GiB)", "step time (s)", "throughput (tokens/s)", "fits the budget"]
+    md = to_markdown(df)
+    lines = md.splitlines()
+    assert len(lines) == len(df) + 2 and lines[1].startswith("|---|---|---:|")
+    assert "| chosen | chosen plan | 38.0 | 1.270 | 51,603 | yes |" in md
+    assert "| NO |" in md  # the baseline over the budget
+    units = units_table(unit_rows(make_plan(4, checkpoint_every=0, frontier=0), make_trace(4)))
+    assert list(units["count"]) == [1, 1, 4, 1]
+    assert "sharded params/rank (MiB)" in units.columns
+
+
+# ---- the report ----
+
+def test_write_report_self_contained(tmp_path):
+    plan = make_plan(16, group=2, checkpoint_every=0)
+    est = make_estimate(plan)
+    m = measurement(predicted=(plan.predicted.peak_bytes, plan.predicted.step_time_s))
+    html_path = write_report(plan, tmp_path / "r", trace=make_trace(16), estimate=est, measurement=m)
+    html = html_path.read_text()
+    pngs = sorted(p.name for p in (tmp_path / "r").glob("*.png"))
+    assert pngs == ["frontier.png", "memory_timeline.png", "predicted_vs_measured.png", "units.png"]
+    embedded = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', html)
+    assert len(embedded) == len(pngs)
+    assert all(base64.b64decode(e).startswith(b"\x89PNG") for e in embedded)
+    assert not re.search(r'(src|href)="(?!data:)', html), "report.html must not load anything"
+    assert html.count("<table") == 3  # summary, frontier, units
+    assert "prediction error" in html and "torchtitan default" in html
+    md = (tmp_path / "r" / "report.md").read_text()
+    for png in pngs:
+        assert f"]({png})" in md
+    assert md.count("\n|---") >= 3 and "| blocks.0..blocks.1 .. blocks.14..blocks.15 |" in md
+
+
+def test_write_report_from_plan_alone(tmp_path):
+    plan = make_plan(4)
+    write_report(plan, tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["frontier.png", "memory_at_peak.png"]
+    bare = Plan(**{**plan.__dict__, "predicted": None, "frontier": (), "baselines": ()})
+    html = write_report(bare, tmp_path / "bare").read_text()
+    assert "data:image" not in html and "<table" in html  # nothing to draw: the units table still renders
+
+
+def test_measurement_from_another_world_size_is_not_compared(tmp_path):
+    plan = make_plan(4)
+    m = Measurement(**{**measurement().__dict__, "rederived_from_world_size": 8})
+    titles = [s.title for s in build_sections(plan, measurement=m)]
+    assert "Measured" in titles and "Predicted vs measured" not in titles
+
+
+def _example_plan(trace, path):
+    """A plan for an example: one unit per block of its ModuleLists, every other one checkpointed."""
+    blocks = [m.fqn for m in trace.modules if m.parent is not None and trace.module(m.parent).type_name == "ModuleList"
+              and trace.subtree_param_count(m.fqn) > 0]
+    blocks = [b for b in blocks if not any(b.startswith(o + ".") for o in blocks)]  # outermost only
+    units = [Unit(("",), reshard_after_forward=False)] + [Unit((b,), True, i % 2 == 0) for i, b in enumerate(blocks)]
+    return Plan(ModelRef(path, trace.fingerprint, trace.tokens_per_sample), Cluster(8, 8, "h100-80gb", 8 * GIB),
+                Mesh(8), Training(micro_batch=2), tuple(units), Prefetch(1, 1))
+
+
+@pytest.fixture(scope="module")
+def example_traces():
+    from shard_planner.trace.tracer import trace_model
+
+    return {name: trace_model(f"examples/{name}.py") for name in EXAMPLES}
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_report_for_every_example(name, example_traces, tmp_path):
+    trace = example_traces[name]
+    plan = _example_plan(trace, f"examples/{name}.py")
+    assert len(plan.units) > 2, "the example has blocks to shard"
+    estimate = None
+    if HAS_COST:
+        from shard_planner.cost import estimate as estimate_fn
+        from shard_planner.profile import load_profile
+
+        profile = load_profile("h100-80gb")
+        estimate = estimate_fn(trace, plan, profile)
+        # A small frontier from real estimates: reshard / keep, checkpoint all / none.
+        variants = {"reshard, no AC": (True, False), "reshard, AC": (True, True), "keep, no AC": (False, False)}
+        points = []
+        from shard_planner.plan import FrontierPoint
+
+        for desc, (reshard, ac) in variants.items():
+            p = Plan(**{**plan.__dict__, "units": tuple(u if u.is_root else Unit(u.modules, reshard, ac) for u in plan.units)})
+            e = estimate_fn(trace, p, profile)
+            points.append(FrontierPoint(e.memory.peak_bytes, e.time.step_time_s, desc))
+        plan = Plan(**{**plan.__dict__, "predicted": estimate.prediction(), "baselines": tuple(points)})
+    html = write_report(plan, tmp_path, trace=trace, estimate=estimate).read_text()
+    assert "data:image/png;base64," in html and "<table" in html
+    assert (tmp_path / "units.png").exists()
+    rows = unit_rows(plan, trace, estimate)
+    assert sum(r.param_count * r.count for r in rows) == trace.param_count  # every parameter in one unit
+    for section in build_sections(plan, trace=trace, estimate=estimate):
+        if section.figure is not None:
+            assert not texts_overlap(section.figure), (name, section.title)
+
+
+# ---- CLI ----
+
+def test_report_cli(tmp_path, capsys):
+    plan = make_plan(8)
+    save_plan(plan, tmp_path / "plan.json")
+    m = measurement(predicted=(plan.predicted.peak_bytes, plan.predicted.step_time_s))
+    save_measurement(m, tmp_path / "measurement.json")
+    out = tmp_path / "out"
+    assert main(["report", str(tmp_path / "plan.json"), str(tmp_path / "measurement.json"), "-o", str(out),
+                 "--no-trace"]) == 0
+    assert "report.html" in capsys.readouterr().out
+    assert (out / "predicted_vs_measured.png").exists() and (out / "report.md").exists()
+    # The plan's model file is not here: one clear line, non-zero exit.
+    assert main(["report", str(tmp_path / "plan.json"), "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("shard-planner: error:") and "--no-trace" in err and len(err.splitlines()) == 1
+
+
+def test_report_cli_traces_the_plans_model(tmp_path, example_traces, capsys):
+    trace = example_traces["gpt2"]
+    (tmp_path / "trace.json").write_text(trace.to_json())
+    plan = _example_plan(trace, "examples/gpt2.py")
+    save_plan(plan, tmp_path / "plan.json")
+    assert main(["report", str(tmp_path / "plan.json"), "--trace", str(tmp_path / "trace.json"),
+                 "-o", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "units.png").exists()
+    wrong = Plan(**{**plan.__dict__, "model": ModelRef("examples/gpt2.py", "0" * 16, 64)})
+    save_plan(wrong, tmp_path / "wrong.json")
+    assert main(["report", str(tmp_path / "wrong.json"), "--trace", str(tmp_path / "trace.json"),
+                 "-o", str(tmp_path / "out2")]) == 2
+    assert "not the model the plan was made for" in capsys.readouterr().err
+
+
+# ---- progress ----
+
+class _Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_line_on_a_terminal(monkeypatch):
+    monkeypatch.delenv("CI", raising=False)
+    stream = _Tty()
+    clock = iter(range(100))
+    p = Progress("solving", total=4, stream=stream, clock=lambda: float(next(clock)))
+    assert p.enabled
+    for _ in range(4):
+        p.advance(detail="budget")
+    p.close()
+    text = stream.getvalue()
+    assert text.startswith("\rsolving: 1/4 [ 25%]") and text.endswith("\n")
+    assert "\rsolving: 4/4 [100%]" in text
+
+
+def test_progress_quiet_in_ci_and_pipes(monkeypatch):
+    monkeypatch.setenv("CI", "1")
+    stream = _Tty()
+    with progress("tracing", total=3, stream=stream) as p:
+        p.advance(3)
+    assert stream.getvalue() == "" and p.done == 3
+    monkeypatch.delenv("CI")
+    assert not progress_enabled(io.StringIO())  # piped: not a terminal
+    assert progress_enabled(_Tty())
+
+
+def test_progress_finishes_the_line_on_error(monkeypatch):
+    monkeypatch.delenv("CI", raising=False)
+    stream = _Tty()
+    with pytest.raises(RuntimeError):
+        with progress("running steps", stream=stream) as p:
+            p.advance()
+            raise RuntimeError("boom")
+    assert stream.getvalue().endswith("\n") and "running steps: 1" in stream.getvalue()
