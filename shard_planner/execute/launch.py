@@ -8,12 +8,12 @@ MASTER_ADDR=127.0.0.1, MASTER_PORT: a free port). Each starts in its own session
 [Note: naming the failing rank]
 Ranks report progress ("step 3") and failures (kind, one-line message) in files in a private run
 folder. When one rank raises, the others fail too a moment later, in a collective ("Connection closed
-by peer"); when one rank hangs, the others time out in a collective (the process group's timeout is
-half the run's, see :func:`collective_timeout_s`). Those are *communication* errors: they are
-consequences. The launcher therefore names the first rank whose error is not a communication error;
-failing that, at the run's timeout, the ranks still running with no error (they hung); failing that,
-the first communication error. A rank that dies without a report (killed, segfault) is named with its
-exit status.
+by peer", a gloo timeout): those are *communication* errors, consequences. The launcher names the first
+rank whose error is not a communication error. At the run's timeout it asks every rank still running
+for its Python stack (faulthandler on SIGUSR1): a rank whose innermost frame is inside
+torch.distributed waits in a collective; the first rank that does not is the one that hung, and the
+message says where it is. Failing those, the first communication error is named. A rank that dies
+without a report (killed, segfault) is named with its exit status.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -68,9 +69,9 @@ def resolve_model_path(plan: Plan, plan_path: str | os.PathLike | None = None) -
 
 
 def collective_timeout_s(timeout_s: float) -> float:
-    """Timeout of every collective: half the run's, so ranks waiting on a hung rank report it first
-    (see [Note: naming the failing rank])."""
-    return max(5.0, timeout_s / 2)
+    """Timeout of every collective in a local run: the run's own (the launcher ends a hung run itself;
+    see [Note: naming the failing rank])."""
+    return timeout_s
 
 
 def free_port() -> int:
@@ -194,18 +195,78 @@ def watch(world: _World, timeout_s: float) -> None:
                 raise RunError(_describe_error(rank, errors[rank]))
             return
         if time.monotonic() - start > timeout_s:
-            hung = [r for r, code in enumerate(codes) if code is None and r not in errors]
-            statuses = {r: world.status(r) for r in range(world.world_size)}
             _debug_tracebacks(world, errors)
+            message = _timeout_message(world, codes, errors, timeout_s)
             world.kill()
-            if hung:
-                where = ", ".join(f"rank {r} at '{statuses[r]}'" for r in hung)
-                waited = f"; rank(s) {', '.join(map(str, sorted(errors)))} timed out waiting for it" if errors else ""
-                raise RunError(f"rank {hung[0]} hung: the run did not finish within --timeout {timeout_s:g} s "
-                               f"({where}{waited})")
-            rank = min(errors, key=lambda r: errors[r]["mtime"])
-            raise RunError(f"the run did not finish within --timeout {timeout_s:g} s; {_describe_error(rank, errors[rank])}")
+            raise RunError(message)
         time.sleep(POLL_S)
+
+
+def _timeout_message(world: _World, codes: list, errors: dict[int, dict], timeout_s: float) -> str:
+    """Name the hung rank: of the ranks still running with no error, the first one that is not waiting
+    inside torch.distributed (read from a stack dump, see :func:`_innermost_frames`)."""
+    running = [r for r, code in enumerate(codes) if code is None and r not in errors]
+    frames = _innermost_frames(world, running)
+    waiting = sorted(set(errors) | {r for r in running if frames.get(r) and _in_collective(frames[r])})
+    hung = [r for r in running if r not in waiting]
+    if not hung and not running:
+        rank = min(errors, key=lambda r: errors[r]["mtime"])
+        return f"the run did not finish within --timeout {timeout_s:g} s; {_describe_error(rank, errors[rank])}"
+    rank = (hung or running)[0]
+    where = f"at '{world.status(rank)}'"
+    frame = next((f for f in frames.get(rank, []) if "site-packages" not in f[0] and "/lib/python" not in f[0]),
+                 frames.get(rank, [None])[0])
+    if frame:
+        where += f", in {frame[2]} ({frame[0]}:{frame[1]})"
+    others = [r for r in waiting if r != rank]
+    also = (f"; rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} "
+            f"{'wait' if len(others) > 1 else 'waits'} for it in a collective" if others else "")
+    return f"rank {rank} hung: the run did not finish within --timeout {timeout_s:g} s ({where}){also}"
+
+
+_FRAME = re.compile(r'^\s*File "(.*)", line (\d+) in (\S+)')
+
+
+def _innermost_frames(world: _World, ranks: list[int], wait_s: float = 3.0) -> dict[int, list[tuple[str, int, str]]]:
+    """Ask each rank for its main thread's Python stack (the worker registers faulthandler on SIGUSR1,
+    writing to its log) and return the frames, innermost first."""
+    sizes = {}
+    for r in ranks:
+        sizes[r] = _log_size(world, r)
+        try:
+            os.kill(world.procs[r].pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    frames: dict[int, list] = {}
+    seen: set[int] = set()
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and len(frames) < len(ranks):
+        time.sleep(POLL_S)
+        for r in ranks:
+            text = _log_text(world, r)[sizes[r]:]
+            if r in frames or "most recent call first" not in text:
+                continue
+            if r not in seen:  # parse on the next poll, once the dump is whole
+                seen.add(r)
+                continue
+            dump = text.split("most recent call first", 1)[1].splitlines()[1:]
+            frames[r] = [(f, int(n), fn) for f, n, fn in (m.groups() for m in map(_FRAME.match, dump) if m)]
+    return frames
+
+
+def _in_collective(frames: list[tuple[str, int, str]]) -> bool:
+    return bool(frames) and "torch/distributed" in frames[0][0].replace(os.sep, "/")
+
+
+def _log_size(world: _World, rank: int) -> int:
+    return len(_log_text(world, rank))
+
+
+def _log_text(world: _World, rank: int) -> str:
+    try:
+        return (world.run_dir / f"rank{rank}.log").read_text(errors="replace")
+    except OSError:
+        return ""
 
 
 def _debug_tracebacks(world: _World, errors: dict[int, dict]) -> None:

@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import gc
 import json
 import logging
 import os
 import platform
+import signal
 import sys
 import time
 import traceback
@@ -285,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--status-dir", help=argparse.SUPPRESS)  # the local launcher's
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
+    if hasattr(signal, "SIGUSR1"):  # the launcher asks a rank that seems hung where it is
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=False)
     logging.basicConfig(format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     status = _Status(args.status_dir, rank)
     try:

@@ -1,0 +1,88 @@
+"""``shard-planner run plan.json``: run a plan with real FSDP2, measure it, compare with the prediction.
+
+Launches the ranks on this machine (one process each; under ``torchrun`` this command is one rank),
+trains on the model file's synthetic batches and writes ``measurement.json`` beside the plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from shard_planner.errors import UserError
+from shard_planner.units import format_bytes
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "run", help="run a plan with real FSDP2 and measure peak memory and step time",
+        description="Run a plan with real FSDP2 on this machine: one process per rank (GPUs with NCCL, or CPU "
+                    "with gloo when there are none), synthetic batches from the model file, the planned "
+                    "optimizer. Measures peak memory per rank and step time after warm-up, writes "
+                    "measurement.json beside the plan and prints predicted vs measured. Under torchrun "
+                    "(several nodes) this command runs as one rank.")
+    p.add_argument("plan", help="plan.json written by shard-planner plan")
+    p.add_argument("--steps", type=int, default=5, help="timed steps after warm-up (default 5)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    p.add_argument("--world-size", type=int,
+                   help="ranks to run (default: the plan's GPUs); fewer re-derive the plan for that size")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds the whole run may take before it is ended as hung (default 300)")
+    p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto",
+                   help="auto: CUDA when available, else CPU/gloo")
+    p.add_argument("-o", "--output", help="measurement file (default: measurement.json beside the plan)")
+    return p
+
+
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def run(args) -> int:
+    if _under_torchrun():  # one rank of a torchrun job: the worker entry point does the work
+        from shard_planner.execute.worker import main as worker_main
+
+        argv = [args.plan, "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,
+                "--timeout", str(args.timeout)]
+        return worker_main(argv + (["--out", args.output] if args.output else []))
+
+    from shard_planner.execute.launch import resolve_device
+    from shard_planner.execute.runner import run_plan_file
+    from shard_planner.plan import load_plan
+
+    plan = load_plan(args.plan)
+    device = resolve_device(args.device)
+    world_size = args.world_size if args.world_size is not None else plan.mesh.world_size
+    if world_size < 1:
+        raise UserError(f"--world-size must be at least 1, got {world_size}")
+    where = ("CUDA/NCCL" if device == "cuda" else
+             "CPU/gloo (no GPU used: peak memory by the storage tracker, step time by wall clock)")
+    print(f"running {args.plan} on {world_size} rank{'s' if world_size > 1 else ''}, {where}")
+    if world_size != plan.mesh.world_size:
+        print(f"re-derived: the plan is for {plan.mesh.world_size} GPUs "
+              f"(mesh {plan.mesh.replicate}x{plan.mesh.shard}); running the same units on {world_size} "
+              f"rank{'s' if world_size > 1 else ''} (plain FSDP, Plan.with_world_size); its predictions do not apply")
+    m, out = run_plan_file(args.plan, out=args.output, world_size=world_size, steps=args.steps,
+                           warmup=args.warmup, timeout_s=args.timeout, device=device)
+    per_rank = ", ".join(f"rank {r.rank} {format_bytes(r.peak_bytes)}" + (f" ({r.peak_phase})" if r.peak_phase else "")
+                         for r in m.memory)
+    print(f"peak memory: {format_bytes(m.peak_bytes)} max over ranks [{m.memory_method}]: {per_rank}")
+    if m.reserved_bytes is not None:
+        print(f"reserved by the allocator: {format_bytes(m.reserved_bytes)} (max_memory_reserved)")
+    print(f"step time: median {m.step_time_median_s:.4f} s, spread {m.step_time_spread_s:.4f} s over "
+          f"{len(m.step_time_s)} steps after {m.warmup_steps} warm-up [{m.timing_method}]")
+    print("losses: " + " ".join(f"{v:.4f}" for v in m.losses))
+    rows = m.comparison()
+    if rows:
+        print(f"{'':14}{'predicted':>14}{'measured':>14}{'error':>9}")
+        for name, predicted, measured, err_pct in rows:
+            if name == "peak_bytes":
+                print(f"{'peak memory':14}{format_bytes(predicted):>14}{format_bytes(measured):>14}{err_pct:+8.1f}%")
+            else:
+                print(f"{'step time':14}{predicted:>12.4f} s{measured:>12.4f} s{err_pct:+8.1f}%")
+        if device == "cpu" and "cpu" not in plan.cluster.profile.lower():
+            print(f"note: the predicted step time is for profile {plan.cluster.profile!r}, not this CPU")
+    elif plan.predicted is None:
+        print("the plan holds no prediction to compare with")
+    print(f"wrote {out}")
+    return 0
