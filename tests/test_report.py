@@ -14,16 +14,18 @@ from matplotlib.text import Text
 from models.report_fixtures import GIB, MIB, make_estimate, make_plan, make_trace
 from shard_planner.cli.main import main
 from shard_planner.measurement import Measurement, RankMemory, save_measurement
-from shard_planner.plan import MEMORY_CATEGORIES, Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit, save_plan
+from shard_planner.plan import (
+    MEMORY_CATEGORIES, Cluster, MeasuredPoint, Mesh, ModelRef, Plan, Prefetch, Training, Unit, save_plan,
+)
 from shard_planner.progress import Progress, progress, progress_enabled
 from shard_planner.report import build_sections, write_report
 from shard_planner.report.measured import measured_figures
 from shard_planner.report.plots import (
-    frontier_point_count, plan_throughput, plot_frontier, plot_memory_at_peak, plot_memory_timeline,
-    plot_predicted_vs_measured, plot_units,
+    frontier_point_count, plan_throughput, plot_frontier, plot_measured_plans, plot_memory_at_peak,
+    plot_memory_timeline, plot_predicted_vs_measured, plot_units,
 )
 from shard_planner.report.rows import unit_rows
-from shard_planner.report.tables import frontier_table, to_markdown, units_table
+from shard_planner.report.tables import frontier_table, measurements_table, to_markdown, units_table
 
 EXAMPLES = ("gpt2", "llama", "vit", "encdec", "unet")
 HAS_COST = importlib.util.find_spec("shard_planner.cost") is not None and hasattr(
@@ -226,6 +228,24 @@ def test_write_report_from_plan_alone(tmp_path):
     bare = Plan(**{**plan.__dict__, "predicted": None, "frontier": (), "baselines": ()})
     html = write_report(bare, tmp_path / "bare").read_text()
     assert "data:image" not in html and "<table" in html  # nothing to draw: the units table still renders
+
+
+def test_plans_run_by_tune(tmp_path):
+    plan = make_plan(8)
+    runs = ((True, 37.1, 1.31, 38.0, 1.27), (False, 27.5, 1.45, 28.0, 1.41), (False, 33.0, 1.36, None, None))
+    points = tuple(MeasuredPoint(f"plan {i}", "0" * 16, 8, int(pk * GIB), st,
+                                 int(pp * GIB) if pp else None, ps, chosen=c)
+                   for i, (c, pk, st, pp, ps) in enumerate(runs))
+    plan = Plan(**{**plan.__dict__, "measurements": points})
+    fig = plot_measured_plans(plan)
+    assert len(gid_artists(fig, "run:plan 0")) == 1 and not gid_artists(fig, "run:plan 2")  # no prediction: no point
+    assert "(GiB)" in fig.axes[0].get_xlabel() and "(s)" in fig.axes[1].get_ylabel()
+    assert not texts_overlap(fig)
+    md = to_markdown(measurements_table(plan))
+    assert "| plan 0 (chosen) | 8 | 38.0 | 37.1 | +2.4 | 1.270 | 1.310 | -3.1 |" in md
+    assert "| plan 2 | 8 |  | 33.0 |  |" in md
+    write_report(plan, tmp_path)
+    assert (tmp_path / "tune_runs.png").exists()
 
 
 def test_measurement_from_another_world_size_is_not_compared(tmp_path):

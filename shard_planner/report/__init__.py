@@ -9,7 +9,7 @@ writes into the folder:
 - ``report.md``: the same content, with the PNGs beside it;
 - the PNGs: ``frontier.png`` (memory vs throughput), ``memory_timeline.png`` (the chosen plan over one
   step; ``memory_at_peak.png`` when there is no trace to simulate), ``units.png`` (per-unit bars, with a
-  trace), ``predicted_vs_measured.png`` (with a measurement).
+  trace), ``predicted_vs_measured.png`` (with a measurement), ``tune_runs.png`` (plans ``tune`` ran).
 
 With a trace (and a profile, loaded from the plan's profile name when not given) the cost model is run
 once on the plan for the timeline and the per-unit times; without, the report draws what the plan file
@@ -27,12 +27,12 @@ from shard_planner.plan import Plan
 from shard_planner.profile import HardwareProfile, load_profile
 from shard_planner.report.measured import measured_figures, predictions_for
 from shard_planner.report.plots import (
-    figure_png, plot_frontier, plot_memory_at_peak, plot_memory_timeline, plot_predicted_vs_measured,
-    plot_units,
+    figure_png, plot_frontier, plot_measured_plans, plot_memory_at_peak, plot_memory_timeline,
+    plot_predicted_vs_measured, plot_units,
 )
 from shard_planner.report.render import ReportSection, render_html, render_markdown, summary_lines
 from shard_planner.report.rows import unit_rows
-from shard_planner.report.tables import frontier_table, units_table
+from shard_planner.report.tables import frontier_table, measurements_table, units_table
 from shard_planner.trace.types import ModelTrace
 from shard_planner.units import format_bytes
 
@@ -89,6 +89,15 @@ def build_sections(plan: Plan, *, trace: ModelTrace | None = None, profile: Hard
         "One row per FSDP unit in forward order; identical consecutive units are folded into one row "
         "(count), with figures per unit. Memory is per GPU at the plan's micro-batch.",
         units_table(rows)))
+
+    if plan.measurements:
+        fig = plot_measured_plans(plan)
+        sections.append(ReportSection(
+            "Plans run by tune", "tune_runs.png" if fig is not None else None, fig,
+            "Plans shard-planner tune ran for real, each at the world size it ran on: measured peak (largest over "
+            "ranks) and median step time against the cost model's prediction for that run. "
+            "Error = (predicted - measured) / measured.",
+            measurements_table(plan)))
 
     if measurement is not None:
         figures, predicted = measured_figures(measurement), predictions_for(plan, measurement)

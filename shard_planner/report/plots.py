@@ -373,3 +373,43 @@ __all__ = [
     "plot_frontier", "plot_memory_at_peak", "plot_memory_timeline", "plot_predicted_vs_measured", "plot_units",
     "relative_error", "unit_label",
 ]
+
+
+# ---- plans run by tune ----
+
+def plot_measured_plans(plan: Plan) -> Figure | None:
+    """The plans ``shard-planner tune`` ran: measured (y) vs predicted (x) peak memory and step time, each
+    plan its own marker in the legend, the diagonal where prediction = measurement. None when no run of
+    the plan file has predictions to compare."""
+    points = [m for m in plan.measurements
+              if m.predicted_peak_bytes is not None and m.predicted_step_time_s is not None]
+    if not points:
+        return None
+    fig = Figure(figsize=(11, 4.6), layout="constrained")
+    ax_m, ax_t = fig.subplots(1, 2)
+    scale, unit = _byte_scale(max(max(m.peak_bytes, m.predicted_peak_bytes) for m in points))
+    tscale, tunit = _time_scale(max(max(m.step_time_s, m.predicted_step_time_s) for m in points))
+    for i, m in enumerate(points):
+        style = dict(marker="*", s=220, color="gold") if m.chosen else dict(
+            marker=BASELINE_MARKERS[i % len(BASELINE_MARKERS)], s=60, color=BASELINE_COLORS[i % len(BASELINE_COLORS)])
+        label = m.description + (" (chosen)" if m.chosen and "chosen" not in m.description else "")
+        ax_m.scatter([m.predicted_peak_bytes / scale], [m.peak_bytes / scale], edgecolors="black", linewidths=0.6,
+                     zorder=3, label=label, gid=f"run:{m.description}", **style)
+        ax_t.scatter([m.predicted_step_time_s / tscale], [m.step_time_s / tscale], edgecolors="black",
+                     linewidths=0.6, zorder=3, **style)
+    for ax, values, u in ((ax_m, [v for m in points for v in (m.peak_bytes, m.predicted_peak_bytes)], scale),
+                          (ax_t, [v for m in points for v in (m.step_time_s, m.predicted_step_time_s)], tscale)):
+        lo, hi = min(values) / u * 0.9, max(values) / u * 1.1
+        ax.plot([lo, hi], [lo, hi], ls="--", color="#888888", lw=1, zorder=1, gid="diagonal")
+        ax.set_xlim(lo, hi)
+        ax.set_ylim(lo, hi)
+        ax.grid(True, alpha=0.3)
+    ax_m.set_xlabel(f"predicted peak memory per GPU ({unit})")
+    ax_m.set_ylabel(f"measured peak memory per GPU ({unit})")
+    ax_m.set_title("Peak memory", fontsize=10)
+    ax_t.set_xlabel(f"predicted step time ({tunit})")
+    ax_t.set_ylabel(f"measured step time ({tunit})")
+    ax_t.set_title("Step time", fontsize=10)
+    fig.suptitle(f"Plans run by tune: measured vs predicted (dashed: equal), {_model_name(plan)}", fontsize=11)
+    fig.legend(loc="outside right upper", fontsize=8, frameon=False)
+    return fig

@@ -77,8 +77,11 @@ def _plain(value):
     return value.item() if hasattr(value, "item") and not isinstance(value, str) else value
 
 
-def _column_format(values) -> str:
-    """One float format for a whole column, so its numbers line up: decimals by the column's magnitude."""
+def _column_format(values, name: str = "") -> str:
+    """One float format for a whole column, so its numbers line up: decimals by the column's magnitude;
+    errors in percent signed with one decimal."""
+    if name.endswith("(%)"):
+        return "+.1f"
     floats = [abs(v) for v in map(_plain, values) if isinstance(v, float) and v == v]
     top = max(floats, default=0.0)
     if top >= 1000:
@@ -102,7 +105,7 @@ def _cell(value, float_format: str = ".3g") -> str:
 
 
 def _formatters(df: pd.DataFrame) -> dict:
-    return {c: (lambda v, f=_column_format(df[c]): _cell(v, f)) for c in df.columns}
+    return {c: (lambda v, f=_column_format(df[c], str(c)): _cell(v, f)) for c in df.columns}
 
 
 def to_markdown(df: pd.DataFrame) -> str:
@@ -119,3 +122,23 @@ def to_markdown(df: pd.DataFrame) -> str:
 def to_html(df: pd.DataFrame) -> str:
     """An HTML table with the same number formatting as the Markdown one."""
     return df.to_html(index=False, border=0, classes="table", escape=True, na_rep="", formatters=_formatters(df))
+
+
+def measurements_table(plan: Plan) -> pd.DataFrame:
+    """The plans ``shard-planner tune`` ran, predicted vs measured, with the errors in percent."""
+    def err(p, m):
+        return float("nan") if p is None or not m else 100.0 * (p - m) / m
+
+    return pd.DataFrame.from_records([
+        {
+            "plan": m.description + (" (chosen)" if m.chosen and "chosen" not in m.description else ""),
+            "ranks": m.world_size,
+            "predicted peak (GiB)": m.predicted_peak_bytes / GIB if m.predicted_peak_bytes is not None else float("nan"),
+            "measured peak (GiB)": m.peak_bytes / GIB,
+            "peak error (%)": err(m.predicted_peak_bytes, m.peak_bytes),
+            "predicted step (s)": m.predicted_step_time_s if m.predicted_step_time_s is not None else float("nan"),
+            "measured step (s)": m.step_time_s,
+            "step error (%)": err(m.predicted_step_time_s, m.step_time_s),
+        }
+        for m in plan.measurements
+    ])
