@@ -86,8 +86,9 @@ def build_sections(plan: Plan, *, trace: ModelTrace | None = None, profile: Hard
     fig = plot_units(rows)
     sections.append(ReportSection(
         "Units", "units.png" if fig is not None else None, fig,
-        "One row per FSDP unit in forward order; identical consecutive units are folded into one row "
-        "(count), with figures per unit. Memory is per GPU at the plan's micro-batch.",
+        "One row per FSDP unit in forward order; consecutive units of the same block are folded into one row "
+        "per decision (reshard, checkpointing), with their count and figures per unit (\"N of M\": every "
+        "other block, say). Memory is per GPU at the plan's micro-batch; times are per step.",
         units_table(rows)))
 
     if plan.measurements:

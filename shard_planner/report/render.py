@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+from collections import Counter
 import html
 from dataclasses import dataclass
 from typing import Any
@@ -12,7 +13,7 @@ import pandas as pd
 from shard_planner import __version__
 from shard_planner.plan import Plan
 from shard_planner.report.plots import GIB, MeasuredFigures, plan_throughput, relative_error
-from shard_planner.report.tables import to_html, to_markdown
+from shard_planner.report.tables import md_escape, to_html, to_markdown
 from shard_planner.units import format_bytes
 
 
@@ -37,7 +38,7 @@ def summary_lines(plan: Plan, measured: tuple[MeasuredFigures, tuple[int, float]
     inner = [u for u in plan.units if not u.is_root]
     grouped = sum(1 for u in inner if len(u.modules) > 1)
     checkpointed = sum(1 for u in inner if u.activation_checkpoint)
-    reshard = sorted({_reshard_text(u.reshard_after_forward) for u in inner}) or ["-"]
+    reshard = [f"{_reshard_text(r)} for {n}" for r, n in Counter(u.reshard_after_forward for u in inner).most_common()]
     lines = [
         ("model", f"{plan.model.path} (fingerprint {plan.model.fingerprint})"),
         ("cluster", f"{c.gpus} GPUs, {c.gpus_per_node} per node, profile {c.profile}; "
@@ -46,7 +47,7 @@ def summary_lines(plan: Plan, measured: tuple[MeasuredFigures, tuple[int, float]
         ("training", f"micro-batch {t.micro_batch} per GPU, {t.optimizer}, params in {t.param_dtype}, "
                      f"gradients reduced in {t.reduce_dtype}" + (", CPU offload" if t.cpu_offload else "")),
         ("units", f"{len(inner)} units + root ({grouped} grouped, {checkpointed} checkpointed); "
-                  f"reshard after forward: {', '.join(reshard)}; root: {_reshard_text(plan.root.reshard_after_forward)}"),
+                  f"reshard after forward: {', '.join(reshard) or '-'}; root: {_reshard_text(plan.root.reshard_after_forward)}"),
         ("prefetch", f"forward {plan.prefetch.forward}, backward {plan.prefetch.backward} unit(s) ahead"),
     ]
     p = plan.predicted
@@ -86,7 +87,7 @@ def _title(plan: Plan) -> str:
 
 def render_markdown(plan: Plan, summary: list[tuple[str, str]], sections: list[ReportSection]) -> str:
     out = [f"# {_title(plan)}", "", "| | |", "|---|---|"]
-    out += [f"| {k} | {v.replace('|', '/')} |" for k, v in summary]
+    out += [f"| {k} | {md_escape(v)} |" for k, v in summary]
     for s in sections:
         out += ["", f"## {s.title}", ""]
         if s.image:

@@ -108,13 +108,18 @@ def _formatters(df: pd.DataFrame) -> dict:
     return {c: (lambda v, f=_column_format(df[c], str(c)): _cell(v, f)) for c in df.columns}
 
 
+def md_escape(text: str) -> str:
+    """A cell's text as Markdown shows it literally: ``|`` escaped, ``<root>`` not taken for an HTML tag."""
+    return text.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+
+
 def to_markdown(df: pd.DataFrame) -> str:
     """A GitHub-flavoured Markdown table; numbers right-aligned, ``|`` escaped."""
     numeric = [pd.api.types.is_numeric_dtype(df[c]) for c in df.columns]
     fmt = _formatters(df)
-    head = "| " + " | ".join(str(c).replace("|", "\\|") for c in df.columns) + " |"
+    head = "| " + " | ".join(md_escape(str(c)) for c in df.columns) + " |"
     rule = "|" + "|".join("---:" if num else "---" for num in numeric) + "|"
-    body = ["| " + " | ".join(fmt[c](v).replace("|", "\\|") for c, v in zip(df.columns, row)) + " |"
+    body = ["| " + " | ".join(md_escape(fmt[c](v)) for c, v in zip(df.columns, row)) + " |"
             for row in df.itertuples(index=False)]
     return "\n".join([head, rule, *body])
 
