@@ -121,7 +121,7 @@ def plot_frontier(plan: Plan) -> Figure | None:
         marker = BASELINE_MARKERS[i % len(BASELINE_MARKERS)] if fits else "X"
         ax.scatter([b.peak_bytes / GIB], [tp.of(b.step_time_s)], s=70 if fits else 90, marker=marker,
                    color=color, edgecolors="black", linewidths=0.6, zorder=4, gid=f"baseline:{b.description}",
-                   label=f"{b.description}" + ("" if fits else " (does not fit)"))
+                   label=_wrap(b.description + ("" if fits else " (does not fit)")))
 
     if plan.predicted is not None:
         p = plan.predicted
@@ -142,6 +142,11 @@ def plot_frontier(plan: Plan) -> Figure | None:
                  f"micro-batch {plan.training.micro_batch}")
     fig.legend(loc="outside right upper", fontsize=8, frameon=False)
     return fig
+
+
+def _wrap(label: str, width: int = 44) -> str:
+    """A legend label on several lines, so a long policy name does not squeeze the plot."""
+    return "\n".join(textwrap.wrap(label, width)) or label
 
 
 def _model_name(plan: Plan) -> str:
