@@ -40,6 +40,13 @@ class HardwareProfile:
     memory_bandwidth_bytes_per_s: float  # HBM (optimizer step, elementwise)
     host_to_device_bytes_per_s: float  # PCIe, for CPU offload
     interconnect: Interconnect
+    # Extra bytes a backend allocates inside one collective, as a fraction of the collective's input
+    # (reduce-scatter) or output (all-gather). NCCL: 0. gloo on CPU copies the flat reduce-scatter input
+    # (measured with the storage tracker: one input-size storage more during reduce_scatter_single).
+    reduce_scatter_temp_fraction: float = 0.0
+    all_gather_temp_fraction: float = 0.0
+    # Host memory bandwidth, for the optimizer step under CPU offload (None: memory_bandwidth_bytes_per_s).
+    host_memory_bandwidth_bytes_per_s: float | None = None
     source: str = ""  # where the numbers come from (file path)
     notes: dict[str, str] = field(default_factory=dict)
 

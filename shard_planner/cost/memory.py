@@ -1,0 +1,417 @@
+"""Per-rank memory of one FSDP2 training step, simulated event by event.
+
+``simulate_memory(trace, plan, profile)`` replays forward, loss, backward and the optimizer step of
+one rank as FSDP2 (torch 2.13) runs them, tracks live bytes in the categories of
+``plan.MEMORY_CATEGORIES``, and returns the peak, its breakdown and the whole timeline.
+
+Model state (ZeRO, Rajbhandari et al. SC'20, §5). ZeRO-3 with mixed-precision Adam holds
+``(2 + 2 + K)Ψ / N`` bytes per rank with K = 12: 16-bit parameters (2), 16-bit gradients (2), and fp32
+master parameters, momentum and variance (12). FSDP2 realises the same 16Ψ/N with a different split —
+see [Note: FSDP2 model state]. Sharded bytes divide by the shard group (``plan.mesh.shard``), not by
+the world size: HSDP replicas each hold a full sharded copy.
+
+The rest follows the FSDP2 source (torch/distributed/fsdp/_fully_shard/, cited per note) and was
+checked against storage-tracked real runs on CPU/gloo (tests/test_cost_realrun.py); every finding is
+a note below.
+
+[Note: FSDP2 model state]
+  The sharded parameters stay in the dtype the model was built in (fp32) — they are the master
+  weights; ``MixedPrecisionPolicy(param_dtype=bf16)`` only changes the all-gathered copy. Sharded
+  gradients are always cast back to that dtype (``_fsdp_collectives.foreach_reduce``:
+  ``_to_dtype_if_needed(reduce_output, orig_dtype)``), so they are fp32 whatever the reduce dtype.
+  AdamW adds two fp32 states. Per rank: 4Ψ/N params + 4Ψ/N grads + 8Ψ/N states = 16Ψ/N, which equals
+  ZeRO's (2 + 2 + 12)Ψ/N: FSDP2 keeps no 16-bit sharded copies, and its fp32 gradient takes the place
+  of ZeRO's 16-bit gradient plus... nothing: ZeRO's 2Ψ of 16-bit params and 2Ψ of 16-bit grads become
+  4Ψ of fp32 grads, and ZeRO's fp32 master copy is FSDP2's sharded parameter. Tested for N = 1..4096.
+
+[Note: All-gather buffers]
+  ``foreach_all_gather`` allocates one flat output of the unit's unsharded size in the param dtype
+  (the rank's input is a view into it); with mixed precision it first casts the fp32 shard into a
+  flat param-dtype copy (1/N of the unit, freed once copied in). ``foreach_all_gather_copy_out``
+  then allocates the unsharded parameters (another unit-size) and copies into them. In *forward* the
+  flat output is not freed after the copy-out: ``wait_for_unshard`` keeps it as ``all_gather_state``
+  until the *next* unit's ``wait_for_unshard`` returns (the root's post-forward frees the last one),
+  so while a unit computes in forward its parameters are live twice. The previous unit's output is
+  dropped from ``comm_ctx`` before the copy-out but still referenced by the local
+  ``prev_all_gather_state`` until the function returns, so during a copy-out in forward THREE
+  unit-size buffers are live: the previous output, this output and this unit's parameters (measured
+  on tests/models/cost_mlp.py at world size 2: 4 x 32 KiB extra storages at blocks.0's copy-out, one
+  more than at its compute). In backward the output is freed right after the copy-out.
+
+[Note: Prefetch holds all-gather outputs, not parameters]
+  An explicitly prefetched unit (``set_modules_to_forward_prefetch``, depth k) has its all-gather
+  issued in the current unit's pre-forward; its flat output stays pending until that unit's own
+  pre-forward copies it out. So prefetch depth k adds k pending unit-size buffers, in
+  ``comm_buffers``. Backward always prefetches at least one unit (FSDP2's default when no explicit
+  list is set; an empty list means "default"), so backward depth 0 behaves as 1.
+
+[Note: Reshard to a smaller group]
+  ``reshard_after_forward=r`` (an int) keeps a clone of this rank's 1/r of the param-dtype unsharded
+  parameters after forward (``FSDPParam.to_sharded_post_forward``: ``.clone()``); backward
+  all-gathers from it over r ranks (another flat param-dtype copy of 1/r, then a unit-size output).
+  The clone is freed when the unit is unsharded again. Each distinct r creates a process group,
+  costing ``profile.per_process_group_bytes`` (pytorch#153302).
+
+[Note: Reduce-scatter buffers]
+  ``post_backward`` reshards the parameters, then ``foreach_reduce`` allocates a flat reduce-scatter
+  input of the unit's unsharded size in the reduce dtype, copies the unsharded gradients into it and
+  clears its list of them, which frees them — all but one: the gradient autograd produced last for the
+  unit (that of its first module in forward order) is still referenced from C++ until post-backward
+  returns (measured: one block-size bf16 storage more than expected during the collective when each
+  unit has one parameter, and exactly one of 2 or 5 gradients when a unit has 2 or 5). It then
+  allocates the 1/N output, which *becomes* the sharded gradient (views into it), or is cast to the
+  built dtype when the reduce dtype differs. So during the collective: that gradient + input + output
+  (+ the backend's temporary: gloo copies the input, ``profile.reduce_scatter_temp_fraction``). The flat input is kept (``reduce_scatter_states``, at most
+  one) until the next unit's post-backward, and the last one until the end of backward.
+
+[Note: The root's gradients live through backward]
+  The root's own modules (embeddings, final norm, head) run their backward first, but the root's
+  post-backward — which reduce-scatters and frees their unsharded gradients — runs last, from the
+  final callback. Their param-dtype gradients are live during the whole backward.
+
+[Note: Activations]
+  Saved tensors are attributed to the module that first saves them (the tracer's contract), so the
+  live activation level after a block is the batch, plus everything saved so far, plus the block's
+  output (the tensor flowing to the next block). Inside a block the level rises by the traced
+  ``fwd_peak_rise_bytes`` above the level at its entry. In backward the traced ``bwd_peak_rise_bytes``
+  excludes parameter gradients, and adding them on top over-estimates: they are produced as the
+  block's saved tensors and output gradient are released (measured on tests/models/cost_mlp.py in
+  fp32: the peak inside a block's backward is its entry level + X, not + X + its 2X weight gradient).
+  The model takes max(rise, change of level at the block's end + its parameter gradients). A checkpointed block keeps only its input in forward and recomputes its
+  saved tensors at the start of its backward (``torch.utils.checkpoint``, non-reentrant). Activations
+  are traced in one compute dtype and scaled by the element size of the plan's param dtype.
+
+[Note: Optimizer step]
+  Optimizer states are created at the first step and live from then on (the simulated step is a
+  steady-state one). The foreach AdamW/Adam step allocates one temporary the size of the sharded
+  parameters (``torch._foreach_sqrt(exp_avg_sqs)`` in torch/optim/adamw.py ``_multi_tensor_adamw``);
+  foreach SGD (with or without momentum, no weight decay) allocates none. Gradients are freed by
+  ``zero_grad(set_to_none=True)`` before the next forward.
+
+[Note: CPU offload]
+  With ``CPUOffloadPolicy`` the sharded parameters, gradients and optimizer states live on the host,
+  and the optimizer steps there. On a GPU profile they leave the device, but every all-gather first
+  copies the unit's fp32 shard to the device (1/N, transient). On a CPU profile (``device == "cpu"``)
+  the host is the device: nothing moves and offloaded state still counts.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from shard_planner.cost.tables import FLOAT_DTYPES, CostTables, cost_tables, dtype_bytes
+from shard_planner.cost.types import MemoryEstimate, MemoryEvent
+from shard_planner.plan import MEMORY_CATEGORIES, Plan
+from shard_planner.profile import HardwareProfile
+from shard_planner.trace.types import ModelTrace
+
+logger = logging.getLogger(__name__)
+
+# Optimizer states per parameter element, in the sharded (built) dtype (torch/optim: AdamW and Adam
+# keep exp_avg and exp_avg_sq; SGD with momentum keeps momentum_buffer; plain SGD nothing).
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
+# Temporaries of the foreach step, in sharded-parameter sizes. See [Note: Optimizer step].
+OPTIMIZER_TEMPORARIES = {"adamw": 1, "adam": 1, "sgd_momentum": 0, "sgd": 0}
+
+_SP, _UP, _GR, _OS, _AC, _TM, _CB, _OV = range(8)  # indices into the category vector
+
+
+def optimizer_state_count(optimizer: str) -> int:
+    return OPTIMIZER_STATES[optimizer]
+
+
+class _UnitBytes:
+    """Per-unit byte sizes under one plan (sharded, unsharded, reduce-scatter)."""
+
+    __slots__ = ("sharded", "unsharded", "rs_input", "rs_output", "sharded_grad", "cast_input",
+                 "post_forward", "reshard", "resharded", "grad_cast", "last_grad", "mp")
+
+
+def _unit_bytes(t: CostTables, plan: Plan) -> list[_UnitBytes]:
+    n = plan.mesh.shard
+    param_dtype, reduce_dtype = plan.training.param_dtype, plan.training.reduce_dtype
+    out = []
+    for u, numel, first in zip(plan.units, t.unit_param_numel, t.unit_first_param_numel):
+        b = _UnitBytes()
+        b.last_grad = sum(k * dtype_bytes(param_dtype) for dt, k in first.items() if dt in FLOAT_DTYPES)
+        built = sum(k * dtype_bytes(dt) for dt, k in numel.items())
+        # Mixed precision applies to floating parameters whose dtype differs from param_dtype.
+        mp = any(dt in FLOAT_DTYPES and dt != param_dtype for dt in numel)
+        unsharded = sum(k * (dtype_bytes(param_dtype) if dt in FLOAT_DTYPES else dtype_bytes(dt))
+                        for dt, k in numel.items())
+        grad_elems = sum(k for dt, k in numel.items() if dt in FLOAT_DTYPES)
+        # reduce_dtype equal to param_dtype means "no cast" (FSDPParam.init_dtype_attrs).
+        rs_elem = dtype_bytes(reduce_dtype)
+        b.sharded = built / n
+        b.unsharded = unsharded
+        b.rs_input = grad_elems * rs_elem
+        b.rs_output = grad_elems * rs_elem / n
+        b.sharded_grad = sum(k * dtype_bytes(dt) for dt, k in numel.items() if dt in FLOAT_DTYPES) / n
+        b.grad_cast = b.rs_output != b.sharded_grad  # reduce dtype differs from built: cast after
+        b.mp = mp
+        b.cast_input = unsharded / n if mp else 0.0
+        r = u.reshard_after_forward
+        b.reshard = r is not False
+        b.post_forward = unsharded / r if (not isinstance(r, bool)) else 0.0
+        b.resharded = False
+        out.append(b)
+    return out
+
+
+def simulate_memory(trace: ModelTrace, plan: Plan, profile: HardwareProfile,
+                    *, timeline: bool = True) -> MemoryEstimate:
+    """Peak live bytes of one rank over one steady-state training step (see the module docstring).
+
+    ``timeline=False`` skips building the per-event timeline (the solver only needs the peak)."""
+    t = cost_tables(trace, plan.units)
+    ub = _unit_bytes(t, plan)
+    training = plan.training
+    b = training.micro_batch
+    n_units = len(plan.units)
+    act_scale = dtype_bytes(training.param_dtype) / dtype_bytes(trace.compute_dtype)
+    offload_off_device = training.cpu_offload and profile.device != "cpu"
+
+    sharded_total = sum(x.sharded for x in ub)
+    states = OPTIMIZER_STATES[training.optimizer] * sum(x.sharded_grad for x in ub)
+    int_sizes = {u.reshard_after_forward for u in plan.units if not isinstance(u.reshard_after_forward, bool)}
+    overhead = profile.reserved_bytes + profile.per_process_group_bytes * len(int_sizes)
+
+    cat = [0.0] * 8
+    cat[_SP] = 0.0 if offload_off_device else sharded_total
+    cat[_OS] = 0.0 if offload_off_device else states
+    cat[_OV] = float(overhead)
+    batch_bytes = trace.batch_input_bytes.at(b)
+    cat[_AC] = batch_bytes
+
+    events: list[tuple[str, str, tuple]] = []
+    peak = [-1.0, None]  # total, event tuple
+
+    def record(label: str, phase: str, extra_temp: float = 0.0, extra_comm: float = 0.0) -> None:
+        total = cat[0] + cat[1] + cat[2] + cat[3] + cat[4] + cat[5] + cat[6] + cat[7] + extra_temp + extra_comm
+        if timeline or total > peak[0]:
+            snap = (cat[0], cat[1], cat[2], cat[3], cat[4], cat[5] + extra_temp, cat[6] + extra_comm, cat[7])
+            if timeline:
+                events.append((label, phase, snap))
+            if total > peak[0]:
+                peak[0] = total
+                peak[1] = (label, phase, snap)
+
+    name = [u.name for u in plan.units]
+    unsharded = [False] * n_units
+    pending = [0.0] * n_units  # all-gather outputs issued and not yet copied out
+    ag_state = [0.0]  # forward: the last copied-out unit's all-gather output (freed at the next copy-out)
+    offload_copy = [x.sharded if offload_off_device else 0.0 for x in ub]
+
+    def issue_all_gather(u: int, phase: str) -> None:
+        x = ub[u]
+        if pending[u] or unsharded[u]:
+            return
+        # the flat param-dtype copy of the all-gather input (mixed precision, or a post-forward shard)
+        cast = (x.post_forward if x.resharded else x.cast_input) if x.mp else 0.0
+        cat[_CB] += x.unsharded
+        pending[u] = x.unsharded
+        record(f"{phase}: all-gather {name[u]}", phase, extra_temp=cast + (0.0 if x.resharded else offload_copy[u]))
+
+    def wait_all_gather(u: int, phase: str) -> None:
+        x = ub[u]
+        if unsharded[u]:
+            return
+        if not pending[u]:
+            issue_all_gather(u, phase)
+        cat[_UP] += x.unsharded
+        record(f"{phase}: copy-out {name[u]}", phase)
+        if phase == "forward" and ag_state[0]:
+            # freed only when wait_for_unshard returns: see [Note: All-gather buffers]
+            cat[_CB] -= ag_state[0]
+            ag_state[0] = 0.0
+        if phase == "forward":
+            ag_state[0] = pending[u]  # stays in comm_buffers
+        else:
+            cat[_CB] -= pending[u]
+        pending[u] = 0.0
+        if x.resharded:
+            cat[_UP] -= x.post_forward
+            x.resharded = False
+        unsharded[u] = True
+
+    def reshard_after_forward(u: int) -> None:
+        x = ub[u]
+        if not x.reshard or not unsharded[u]:
+            return
+        if x.post_forward:
+            cat[_UP] += x.post_forward
+            record(f"forward: reshard {name[u]} to 1/{plan.units[u].reshard_after_forward}", "forward")
+            x.resharded = True
+        cat[_UP] -= x.unsharded
+        unsharded[u] = False
+
+    fwd_units = t.forward_units
+    fwd_pos = {u: i for i, u in enumerate(fwd_units)}
+    d_fwd = plan.prefetch.forward
+    d_bwd = max(1, plan.prefetch.backward)
+    blocks = t.blocks
+    ckpt = [plan.units[blk.unit].activation_checkpoint and blk.unit_module for blk in blocks]
+    root = next(i for i, u in enumerate(plan.units) if u.is_root)
+
+    def pre_forward(u: int) -> None:
+        wait_all_gather(u, "forward")
+        i = fwd_pos[u]
+        for v in fwd_units[i + 1: i + 1 + d_fwd]:
+            issue_all_gather(v, "forward")
+
+    # ---- forward ----
+    # activations = batch + saved so far + flow (the tensor flowing into / out of the current block)
+    saved_sum = 0.0
+    flow = 0.0
+    pre_forward(root)
+    for i, blk in enumerate(blocks):
+        rise = blk.fwd_rise.at(b) * act_scale
+        saved = blk.saved.at(b) * act_scale
+        is_self = blk.fqn.endswith(":self")
+        if not is_self:
+            flow = blk.input.at(b) * act_scale
+        cat[_AC] = batch_bytes + saved_sum + flow
+        for u in (blk.unit, *blk.nested):
+            if t.unit_first_block[u] == i and u != root:
+                pre_forward(u)
+        if ckpt[i]:
+            out = blk.output.at(b) * act_scale
+            record(f"forward: {blk.fqn} (checkpointed)", "forward", extra_temp=max(out, rise - saved))
+            saved_sum += blk.input.at(b) * act_scale
+        else:
+            record(f"forward: {blk.fqn}", "forward", extra_temp=rise)
+            saved_sum += saved
+        if not is_self:
+            flow = blk.output.at(b) * act_scale
+        cat[_AC] = batch_bytes + saved_sum + flow
+        for u in (*blk.nested, blk.unit):
+            if t.unit_last_block[u] == i and u != root:
+                reshard_after_forward(u)
+    if plan.units[root].reshard_after_forward is not False:
+        reshard_after_forward(root)
+    if ag_state[0]:
+        cat[_CB] -= ag_state[0]
+        ag_state[0] = 0.0
+    record("forward: end", "forward")
+
+    # ---- loss ----
+    loss_rise = trace.loss_peak_rise_bytes.at(b)
+    record("loss forward+backward", "backward", extra_temp=loss_rise)
+    flow = blocks[-1].output.at(b) * act_scale if blocks else 0.0
+
+    # ---- backward ----
+    bwd_units = tuple(reversed(fwd_units))
+    bwd_pos = {u: i for i, u in enumerate(bwd_units)}
+    grad_unsharded = [0.0] * n_units
+    rs_state = [0.0]
+    rs_temp = profile.reduce_scatter_temp_fraction
+    param_elem = dtype_bytes(training.param_dtype)
+
+    def pre_backward(u: int) -> None:
+        wait_all_gather(u, "backward")
+        i = bwd_pos[u]
+        for v in bwd_units[i + 1: i + 1 + d_bwd]:
+            issue_all_gather(v, "backward")
+
+    def post_backward(u: int) -> None:
+        x = ub[u]
+        if unsharded[u]:
+            cat[_UP] -= x.unsharded
+            unsharded[u] = False
+        if rs_state[0]:
+            cat[_CB] -= rs_state[0]
+            rs_state[0] = 0.0
+        cat[_CB] += x.rs_input
+        record(f"backward: reduce-scatter copy-in {name[u]}", "backward")
+        # the copied-in gradients are freed, but the last one autograd produced stays referenced until
+        # post_backward returns; the 1/N output is allocated before the collective runs (it becomes the
+        # sharded gradient). See [Note: Reduce-scatter buffers].
+        held = min(x.last_grad, grad_unsharded[u])
+        cat[_GR] -= grad_unsharded[u] - held
+        record(f"backward: reduce-scatter {name[u]}", "backward",
+               extra_temp=x.rs_input * rs_temp, extra_comm=x.rs_output)
+        cat[_GR] -= held
+        grad_unsharded[u] = 0.0
+        rs_state[0] = x.rs_input
+        if x.grad_cast:
+            record(f"backward: reduce-scatter output {name[u]}", "backward", extra_temp=x.rs_output + x.sharded_grad)
+        if not offload_off_device:
+            cat[_GR] += x.sharded_grad
+        if plan.mesh.replicate > 1 and x.grad_cast:
+            cat[_CB] += x.rs_output  # kept for the replica all-reduce (FSDPParamGroup._all_reduce_state)
+
+    pre_backward(root)
+    started = {root}
+    for i in range(len(blocks) - 1, -1, -1):
+        blk = blocks[i]
+        for u in (blk.unit, *blk.nested):
+            if u not in started and t.unit_last_block[u] == i:
+                pre_backward(u)
+                started.add(u)
+        saved = blk.saved.at(b) * act_scale
+        is_self = blk.fqn.endswith(":self")
+        if not is_self:
+            flow = blk.output.at(b) * act_scale  # the gradient of the block's output
+        cat[_AC] = batch_bytes + saved_sum + flow
+        if ckpt[i]:
+            kept = blk.input.at(b) * act_scale
+            record(f"backward: recompute {blk.fqn}", "backward", extra_temp=blk.fwd_rise.at(b) * act_scale)
+            saved_sum += saved - kept
+            cat[_AC] = batch_bytes + saved_sum + flow
+        own_grads = sum(k for dt, k in blk.own_param_numel.items() if dt in FLOAT_DTYPES) * param_elem
+        # The traced rise excludes parameter gradients; they appear as the block's saved tensors and
+        # output gradient are released. See [Note: Activations].
+        end_change = (blk.input.at(b) - blk.output.at(b)) * act_scale - saved if not is_self else -saved
+        rise = max(blk.bwd_rise.at(b) * act_scale, end_change + own_grads)
+        cat[_GR] += own_grads
+        record(f"backward: {blk.fqn}", "backward", extra_temp=rise - own_grads)
+        grad_unsharded[blk.unit] += own_grads
+        for v in blk.nested:
+            g = sum(k for dt, k in t.unit_param_numel[v].items() if dt in FLOAT_DTYPES) * param_elem
+            cat[_GR] += g
+            grad_unsharded[v] += g
+        saved_sum -= saved
+        if not is_self:
+            flow = blk.input.at(b) * act_scale  # the gradient of the block's input
+        cat[_AC] = batch_bytes + saved_sum + flow
+        for u in (*blk.nested, blk.unit):
+            if u != root and t.unit_first_block[u] == i:
+                post_backward(u)
+    flow = 0.0
+    cat[_AC] = batch_bytes + max(saved_sum, 0.0)
+    post_backward(root)
+    if rs_state[0]:
+        cat[_CB] -= rs_state[0]
+        rs_state[0] = 0.0
+    record("backward: end", "backward")
+
+    # ---- optimizer step ----
+    if not offload_off_device:
+        temp = OPTIMIZER_TEMPORARIES[training.optimizer] * sum(x.sharded_grad for x in ub)
+        record("optimizer step", "optimizer", extra_temp=temp)
+    cat[_GR] = 0.0
+    record("zero_grad", "optimizer")
+
+    def to_dict(snap: tuple) -> dict[str, int]:
+        return {c: int(round(v)) for c, v in zip(MEMORY_CATEGORIES, snap)}
+
+    label, _phase, snap = peak[1]
+    at_peak = to_dict(snap)
+    return MemoryEstimate(
+        peak_bytes=sum(at_peak.values()),
+        memory_at_peak=at_peak,
+        peak_event=label,
+        timeline=tuple(MemoryEvent(lb, ph, to_dict(s)) for lb, ph, s in events) if timeline else (),
+    )
+
+
+def model_state_bytes(trace: ModelTrace, plan: Plan) -> dict[str, int]:
+    """Sharded parameters, gradients and optimizer states per rank (the ZeRO model state)."""
+    t = cost_tables(trace, plan.units)
+    ub = _unit_bytes(t, plan)
+    grads = sum(x.sharded_grad for x in ub)
+    return {
+        "sharded_params": int(round(sum(x.sharded for x in ub))),
+        "grads": int(round(grads)),
+        "optimizer_states": int(round(OPTIMIZER_STATES[plan.training.optimizer] * grads)),
+    }

@@ -1,0 +1,239 @@
+"""Per-trace and per-segmentation tables the memory and time simulators read.
+
+The simulators are called thousands of times by the solver with plans that differ only in their
+decisions, so everything that depends on the trace and the choice of units alone is computed once here
+and cached: which unit owns each parameter, and the *block sequence* of one forward pass.
+
+A **block** is a stretch of forward computation with one owner unit:
+
+- every module of a unit (a grouped unit ``fully_shard([m1, m2])`` gives one block per module, in
+  forward order), with any units nested inside it folded in (their parameters are gathered when the
+  block starts and resharded when it ends: a slight over-estimate of how long they are live);
+- every maximal subtree the root owns that contains no unit (embeddings, a final norm, a head);
+- the own operations of a container module that holds units (the root's ``forward`` body, a
+  ``Sequential`` of blocks), placed after its children.
+
+Blocks are in forward order (the trace's ``forward_order``); backward runs them in reverse.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from shard_planner.errors import PlanError
+from shard_planner.plan import ROOT, Unit
+from shard_planner.trace.types import ZERO, Affine, ModelTrace
+
+logger = logging.getLogger(__name__)
+
+# Element sizes of the dtypes a trace or plan may name (torch.<dtype>.itemsize).
+DTYPE_BYTES = {
+    "float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8,
+}
+FLOAT_DTYPES = ("float64", "float32", "bfloat16", "float16")
+
+
+def dtype_bytes(dtype: str) -> int:
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise PlanError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}") from None
+
+
+@dataclass(frozen=True)
+class Block:
+    """One stretch of forward computation owned by one unit (see the module docstring)."""
+
+    fqn: str  # the module (for a container's own operations: "<fqn>:self")
+    unit: int  # index into the plan's units of the owner
+    nested: tuple[int, ...]  # units nested inside this block's module
+    unit_module: bool  # the block is a module listed in its unit (activation checkpointing applies)
+    own_param_numel: dict[str, int]  # parameters of this block the owner unit holds, by built dtype
+    saved: Affine  # bytes saved for backward by the subtree (nested units included)
+    input: Affine
+    output: Affine
+    fwd_rise: Affine
+    bwd_rise: Affine
+    fwd_flops: Affine
+    bwd_flops: Affine
+
+
+@dataclass(frozen=True)
+class CostTables:
+    """What the simulators need about a trace under one segmentation into units."""
+
+    units: tuple[Unit, ...]
+    blocks: tuple[Block, ...]
+    unit_param_numel: tuple[dict[str, int], ...]  # per unit, parameters it owns: dtype -> elements
+    # per unit, the parameters of its first module in forward order that holds some: their gradient
+    # is the last one autograd produces for the unit (see memory.py, [Note: Reduce-scatter buffers])
+    unit_first_param_numel: tuple[dict[str, int], ...]
+    unit_first_block: tuple[int, ...]  # -1 for a unit that never runs (kept for its parameters)
+    unit_last_block: tuple[int, ...]
+    forward_units: tuple[int, ...]  # units in pre-forward order (the root first)
+    built_dtype: str  # the dtype most parameter bytes were built in (FSDP2's sharded dtype)
+    total_param_numel: int
+    model_fwd_flops: Affine  # the whole model (the loss excluded: trace.loss_flops), per micro-batch
+    model_bwd_flops: Affine
+
+
+_CACHE: dict[tuple, tuple[ModelTrace, CostTables]] = {}
+_CACHE_MAX = 64
+
+
+def cost_tables(trace: ModelTrace, units: tuple[Unit, ...]) -> CostTables:
+    """The tables for ``trace`` segmented into ``units`` (cached by trace identity and unit modules)."""
+    key = (id(trace), tuple(u.modules for u in units))
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0] is trace:
+        return hit[1]
+    tables = build_tables(trace, units)
+    if len(_CACHE) >= _CACHE_MAX:
+        _CACHE.pop(next(iter(_CACHE)))
+    _CACHE[key] = (trace, tables)  # the trace is kept alive with its key: ids are not reused
+    return tables
+
+
+def build_tables(trace: ModelTrace, units: tuple[Unit, ...]) -> CostTables:
+    module_unit: dict[str, int] = {}
+    root_index = -1
+    for i, u in enumerate(units):
+        for fqn in u.modules:
+            if fqn not in trace:
+                raise PlanError(f"unit {u.name}: module {fqn!r} is not in the model ({trace.model_path})")
+            module_unit[fqn] = i
+        if u.is_root:
+            root_index = i
+    if root_index < 0:
+        raise PlanError("a plan needs a unit for the root module")
+
+    # Owner of each module: the innermost unit containing it.
+    owner: dict[str, int] = {}
+    contains_unit: dict[str, bool] = {}
+
+    def visit_owner(fqn: str, inherited: int) -> bool:
+        m = trace.module(fqn)
+        own = module_unit.get(fqn, inherited)
+        owner[fqn] = own
+        below = False
+        for c in m.children:
+            below = visit_owner(c, own) or below
+        contains_unit[fqn] = below
+        return below or (fqn in module_unit and fqn != ROOT)
+
+    visit_owner(ROOT, root_index)
+
+    n_units = len(units)
+    unit_numel: list[dict[str, int]] = [{} for _ in range(n_units)]
+    dtype_totals: dict[str, int] = {}
+    for m in trace.modules:
+        for dt, nbytes in m.param_bytes_by_dtype.items():
+            numel = nbytes // dtype_bytes(dt)
+            d = unit_numel[owner[m.fqn]]
+            d[dt] = d.get(dt, 0) + numel
+            dtype_totals[dt] = dtype_totals.get(dt, 0) + nbytes
+    built_dtype = max(dtype_totals, key=dtype_totals.get) if dtype_totals else "float32"
+
+    fwd_index = {fqn: i for i, fqn in enumerate(trace.forward_order)}
+
+    def called_children(fqn: str) -> list[str]:
+        """Children that run, looking through containers that are never called (a ModuleList)."""
+        kids: list[str] = []
+        for c in trace.module(fqn).children:
+            if trace.module(c).calls > 0 and c in fwd_index:
+                kids.append(c)
+            elif contains_unit[c] or any(trace.module(g.fqn).calls > 0 for g in trace.subtree(c)):
+                kids.extend(called_children(c))
+        return sorted(kids, key=fwd_index.__getitem__)
+
+    sums: dict[tuple[str, str], Affine] = {}
+
+    def subtree_sum(fqn: str, attr: str) -> Affine:
+        key = (fqn, attr)
+        if key not in sums:
+            m = trace.module(fqn)
+            total = getattr(m, attr)
+            for c in m.children:
+                total = total + subtree_sum(c, attr)
+            sums[key] = total
+        return sums[key]
+
+    def own_numel(fqn: str, unit: int) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for m in trace.subtree(fqn):
+            if owner[m.fqn] != unit:
+                continue
+            for dt, nbytes in m.param_bytes_by_dtype.items():
+                out[dt] = out.get(dt, 0) + nbytes // dtype_bytes(dt)
+        return out
+
+    def nested_units(fqn: str) -> tuple[int, ...]:
+        found = []
+        for m in trace.subtree(fqn)[1:]:
+            if m.fqn in module_unit and module_unit[m.fqn] not in found:
+                found.append(module_unit[m.fqn])
+        return tuple(found)
+
+    blocks: list[Block] = []
+
+    def whole_block(fqn: str, unit: int, unit_module: bool) -> Block:
+        m = trace.module(fqn)
+        return Block(
+            fqn=fqn, unit=unit, nested=nested_units(fqn), unit_module=unit_module,
+            own_param_numel=own_numel(fqn, unit),
+            saved=subtree_sum(fqn, "saved_bytes_self"), input=m.input_bytes, output=m.output_bytes,
+            fwd_rise=m.fwd_peak_rise_bytes, bwd_rise=m.bwd_peak_rise_bytes,
+            fwd_flops=subtree_sum(fqn, "fwd_flops_self"), bwd_flops=subtree_sum(fqn, "bwd_flops_self"),
+        )
+
+    def decompose(fqn: str) -> None:
+        if fqn != ROOT and fqn in module_unit:
+            blocks.append(whole_block(fqn, module_unit[fqn], True))
+            return
+        if not contains_unit[fqn]:
+            if fqn != ROOT or not blocks:
+                blocks.append(whole_block(fqn, owner[fqn], False))
+            return
+        for c in called_children(fqn):
+            decompose(c)
+        m = trace.module(fqn)
+        own = {dt: nb // dtype_bytes(dt) for dt, nb in m.param_bytes_by_dtype.items()}
+        blocks.append(Block(
+            fqn=f"{fqn}:self", unit=owner[fqn], nested=(), unit_module=False, own_param_numel=own,
+            saved=m.saved_bytes_self, input=ZERO, output=ZERO, fwd_rise=ZERO, bwd_rise=ZERO,
+            fwd_flops=m.fwd_flops_self, bwd_flops=m.bwd_flops_self,
+        ))
+
+    decompose(ROOT)
+    # Parameters of modules that never run (calls == 0) still belong to their unit but no block touches
+    # them; the root block list keeps them in the unit totals only.
+
+    first_params: list[dict[str, int]] = [{} for _ in range(n_units)]
+    for fqn in trace.forward_order:
+        m = trace.module(fqn)
+        u = owner[fqn]
+        if m.param_bytes_by_dtype and not first_params[u]:
+            first_params[u] = {dt: nb // dtype_bytes(dt) for dt, nb in m.param_bytes_by_dtype.items()}
+
+    first = [-1] * n_units
+    last = [-1] * n_units
+    for i, b in enumerate(blocks):
+        for u in (b.unit, *b.nested):
+            if first[u] < 0:
+                first[u] = i
+            last[u] = i
+    first[root_index], last[root_index] = 0, len(blocks) - 1
+    forward_units = tuple(sorted((u for u in range(n_units) if first[u] >= 0),
+                                 key=lambda u: (first[u], u != root_index)))
+
+    fwd_total = subtree_sum(ROOT, "fwd_flops_self")
+    bwd_total = subtree_sum(ROOT, "bwd_flops_self")
+    return CostTables(
+        units=tuple(units), blocks=tuple(blocks), unit_param_numel=tuple(unit_numel),
+        unit_first_param_numel=tuple(first_params),
+        unit_first_block=tuple(first), unit_last_block=tuple(last), forward_units=forward_units,
+        built_dtype=built_dtype, total_param_numel=sum(sum(d.values()) for d in unit_numel),
+        model_fwd_flops=fwd_total, model_bwd_flops=bwd_total,
+    )
