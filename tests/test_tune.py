@@ -232,3 +232,63 @@ def test_cli_rejects_bad_arguments(capsys):
     assert "--trials must be at least 1" in capsys.readouterr().err
     assert main(["tune", model, "--gpus", "0", "--mem", "1GB"]) == 2
     assert "--gpus must be at least 1" in capsys.readouterr().err
+
+
+# ---- candidates ----
+def test_top_candidates_are_distinct_fit_and_include_the_solvers_plan():
+    from shard_planner.tune.candidates import top_candidates
+
+    solver_plan = replace(make_plan(keep=4), predicted=synthetic_estimate(None, make_plan(keep=4), PRIOR).prediction())
+    budgets = []
+
+    def solve(budget_bytes):  # a tighter budget: fewer units keep their parameters (synthetic peak 100 + 10/unit MiB)
+        budgets.append(budget_bytes)
+        keep = int((budget_bytes / 2**20 - 100) // 10)
+        if keep < 0:
+            raise InfeasibleError("too tight")
+        return make_plan(keep=min(4, keep))
+
+    cands = top_candidates(None, solver_plan, PRIOR, 4, solve=solve, estimate=synthetic_estimate)
+    keys = [plan_fingerprint(c.plan) for c in cands]
+    assert len(cands) == 4 and len(set(keys)) == 4
+    assert plan_fingerprint(solver_plan) in keys
+    assert all(c.plan.predicted.peak_bytes <= solver_plan.cluster.mem_budget_bytes for c in cands)
+    times = [c.plan.predicted.step_time_s for c in cands]
+    assert times == sorted(times)
+    assert budgets and max(budgets) < solver_plan.predicted.peak_bytes  # re-solved below the plan's peak
+    assert all(c.plan.cluster.mem_budget_bytes == solver_plan.cluster.mem_budget_bytes for c in cands)
+
+
+# ---- the real thing: tune at world size 2 over gloo ----
+@pytest.mark.multiprocess
+def test_tune_gpt2_world_size_2_three_trials(tmp_path, capsys):
+    from shard_planner.cli.main import main
+
+    out = tmp_path / "plan.json"
+    fitted = tmp_path / "fitted.toml"
+    rc = main(["tune", str(ROOT_DIR / "examples" / "gpt2.py"), "--gpus", "2", "--mem", "1GB", "--trials", "3",
+               "--world-size", "2", "--per-launch", "3", "--steps", "3", "--warmup", "1", "--device", "cpu",
+               "-o", str(out), "--profile-out", str(fitted), "--report", str(tmp_path / "report")])
+    text = capsys.readouterr()
+    assert rc == 0, text.err
+    plan = load_plan(out)
+    runs = plan.measurements
+    assert 1 <= len(runs) <= 3 and len({r.plan_fingerprint for r in runs}) == len(runs)
+    chosen = [r for r in runs if r.chosen]
+    assert len(chosen) == 1
+    # the returned plan is the measured best of those it ran, and it is the plan that ran
+    assert chosen[0].step_time_s == min(r.step_time_s for r in runs)
+    # (the runs were planned with the prior profile; the returned plan names the fitted one)
+    ran_as = {plan_fingerprint(replace(plan, cluster=replace(plan.cluster, profile=name)))
+              for name in ("cpu-gloo", PRIOR.source)}
+    assert chosen[0].plan_fingerprint in ran_as
+    assert all(r.peak_bytes <= plan.cluster.mem_budget_bytes for r in runs)
+    assert plan.solver.method == "tune"
+    # a calibrated profile: loads, says it was fitted, and the plan now names it
+    profile = load_profile(str(fitted))
+    body = fitted.read_text()
+    assert "Fitted by `shard-planner tune`" in body and body.count("# fitted (") == 5
+    assert profile.compute_efficiency > 0 and profile.interconnect.intra_node_busbw_bytes_per_s > 0
+    assert plan.cluster.profile == str(fitted)
+    assert (tmp_path / "report" / "report.html").is_file()
+    assert "chosen: run" in text.out

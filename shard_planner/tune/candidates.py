@@ -4,8 +4,8 @@ Candidates come from two sources, pooled, deduplicated by what they decide
 (:func:`~shard_planner.measurement.plan_fingerprint`), checked against the budget with the cost model
 and ranked by predicted step time:
 
-1. the solver itself, re-solved under tighter budgets (each tighter budget forces a different
-   trade-off: more resharding, more checkpointing, smaller units), and
+1. the solver itself, re-solved under budgets below its plan's predicted peak (each tighter budget
+   forces a different trade-off: more resharding, more checkpointing, smaller units), and
 2. the neighbours of the solver's plan that the solver does not vary per unit: other prefetch depths
    (forward 0-2, backward 1-2), every unit resharding or every unit keeping its parameters.
 
@@ -26,8 +26,8 @@ from shard_planner.trace.types import ModelTrace
 
 logger = logging.getLogger(__name__)
 
-# Budgets the solver is re-run under, as fractions of the caller's budget.
-TIGHTER_BUDGET_FRACTIONS = (0.85, 0.7, 0.55, 0.4, 0.3)
+# Budgets the solver is re-run under, as fractions of its plan's predicted peak.
+TIGHTER_BUDGET_FRACTIONS = (0.9, 0.75, 0.6, 0.45, 0.3)
 PREFETCH_VARIANTS = tuple(Prefetch(forward=f, backward=b) for f in (0, 1, 2) for b in (1, 2))
 
 
@@ -79,13 +79,14 @@ def top_candidates(trace: ModelTrace, plan: Plan, profile: HardwareProfile, coun
     budget = plan.cluster.mem_budget_bytes
     pool: list[tuple[Plan, str]] = [(plan, "solver")]
     if solve is not None:
+        peak = plan.predicted.peak_bytes if plan.predicted is not None else budget
         for fraction in TIGHTER_BUDGET_FRACTIONS:
             try:
-                tighter = solve(int(budget * fraction))
+                tighter = solve(int(min(peak, budget) * fraction))
             except InfeasibleError:
                 break  # tighter budgets are infeasible too
             pool.append((replace(tighter, cluster=replace(tighter.cluster, mem_budget_bytes=budget)),
-                         f"solver at {fraction:.0%} budget"))
+                         f"solver at {fraction:.0%} of its peak"))
     pool.extend(_neighbours(plan))
 
     seen: set[str] = set()
