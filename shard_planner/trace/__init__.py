@@ -1,5 +1,7 @@
 """Tracing: run one forward + backward without real memory and record what the planner needs."""
 
+from shard_planner.trace.graph import graph
+from shard_planner.trace.tracer import load_trace, trace_model, trace_or_load
 from shard_planner.trace.types import Affine, ModelTrace, ModuleTrace
 
-__all__ = ["Affine", "ModelTrace", "ModuleTrace"]
+__all__ = ["Affine", "ModelTrace", "ModuleTrace", "graph", "load_trace", "trace_model", "trace_or_load"]

@@ -1,0 +1,121 @@
+"""``shard-planner trace model.py``: trace a model file, write trace.json, print a per-module summary."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from shard_planner.errors import UserError
+from shard_planner.fileio import write_atomic
+from shard_planner.trace.types import ModelTrace
+from shard_planner.units import format_bytes
+
+TABLE_ROWS = 20  # modules shown in the summary; the rest are counted in one line
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    model: str
+    batch_size: int | None  # the micro-batch the table shows (default: TRAINING["micro_batch"] or 1)
+    dtype: str
+    output: Path
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "trace",
+        help="trace a model file under FakeTensorMode (no GPU, no real memory) and write trace.json",
+        description="Run one forward + loss + backward of the model file at two micro-batch sizes under "
+        "FakeTensorMode, record per-module parameters, saved activations, peaks and FLOPs, write them "
+        "to a trace.json, and print a per-module summary.",
+    )
+    p.add_argument("model", help="model file (path/to/model.py or package.module)")
+    p.add_argument("--batch-size", type=int, default=None, metavar="N",
+                   help="micro-batch shown in the table (default: the model file's TRAINING micro_batch, else 1); "
+                   "the trace itself is fitted from batch sizes 1 and 2")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "bfloat16", "fp32", "float32"),
+                   help="compute dtype (FSDP2 mixed-precision param dtype); default bf16")
+    p.add_argument("-o", "--output", default="trace.json", help="where to write the trace (default: trace.json)")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from shard_planner.trace.tracer import trace_model
+
+    if args.batch_size is not None and args.batch_size < 1:
+        raise UserError(f"--batch-size must be a positive integer, got {args.batch_size}")
+    req = TraceRequest(args.model, args.batch_size, args.dtype, Path(args.output))
+    trace = trace_model(req.model, dtype=req.dtype)
+    write_atomic(req.output, trace.to_json())
+    from shard_planner.modelfile import load_model_file  # already imported by trace_model: cheap
+
+    batch = req.batch_size or load_model_file(req.model).training.get("micro_batch", 1)
+    print(summary_table(trace, batch))
+    print(f"wrote {req.output}")
+    return 0
+
+
+def summary_rows(trace: ModelTrace) -> list[str]:
+    """The modules the table lists: the root's children, with containers that never run
+    (ModuleList, ModuleDict) replaced by their children, largest parameter bytes first."""
+    rows, stack = [], list(trace.module("").children)
+    while stack:
+        fqn = stack.pop()
+        m = trace.module(fqn)
+        if m.calls == 0 and m.children:
+            stack.extend(m.children)
+        else:
+            rows.append(fqn)
+    order = {fqn: i for i, fqn in enumerate(trace.forward_order)}
+    return sorted(rows, key=lambda f: (-trace.subtree_param_bytes(f), order.get(f, len(order))))
+
+
+def summary_table(trace: ModelTrace, batch: int) -> str:
+    """A readable table: per listed module (largest first) and in total, at micro-batch ``batch``."""
+    header = ("module", "type", "params", "param bytes", f"saved act (b={batch})", f"fwd GFLOP (b={batch})")
+    lines = []
+
+    def row(fqn: str, label: str, type_name: str) -> tuple:
+        saved = trace.subtree_sum(fqn, "saved_bytes_self").at(batch)
+        flops = trace.subtree_sum(fqn, "fwd_flops_self").at(batch)
+        return (label, type_name, f"{trace.subtree_param_count(fqn):,}", format_bytes(trace.subtree_param_bytes(fqn)),
+                format_bytes(saved), f"{flops / 1e9:,.2f}")
+
+    fqns = summary_rows(trace)
+    for fqn in fqns[:TABLE_ROWS]:
+        lines.append(row(fqn, fqn, trace.module(fqn).type_name))
+    more = len(fqns) - TABLE_ROWS
+    total = row("", "total", trace.model_class)
+    loss = ("loss_fn", "", "", "", format_bytes(trace.loss_saved_bytes.at(batch)),
+            f"{trace.loss_flops.at(batch) / 1e9:,.2f} (fwd+bwd)")
+    widths = [max(len(str(r[i])) for r in [header, total, loss, *lines]) for i in range(len(header))]
+
+    def fmt(r) -> str:
+        cells = [str(r[0]).ljust(widths[0]), str(r[1]).ljust(widths[1])]
+        cells += [str(c).rjust(w) for c, w in zip(r[2:], widths[2:])]
+        return "  ".join(cells).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    tokens = f", {trace.tokens_per_sample} tokens/sample" if trace.tokens_per_sample else ""
+    root = trace.module("")
+    out = [
+        f"{trace.model_class} from {trace.model_path}: {trace.param_count:,} parameters, compute dtype "
+        f"{trace.compute_dtype}{tokens}; traced in {trace.trace_seconds:.2f} s "
+        f"({trace.reused_modules} modules reused from identical blocks)",
+        fmt(header), rule, *map(fmt, lines),
+    ]
+    if more > 0:
+        out.append(f"... {more} more modules")
+    out += [
+        rule, fmt(total), fmt(loss),
+        f"forward peak above entry {format_bytes(root.fwd_peak_rise_bytes.at(batch))}, loss peak "
+        f"{format_bytes(trace.loss_peak_rise_bytes.at(batch))}, backward FLOPs "
+        f"{trace.subtree_sum('', 'bwd_flops_self').at(batch) / 1e9:,.2f} G (b={batch})",
+    ]
+    return "\n".join(out)
+
+
+if __name__ == "__main__":  # pragma: no cover - the entry point is shard_planner.cli.main
+    sys.exit("run: shard-planner trace ...")
