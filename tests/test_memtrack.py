@@ -173,3 +173,31 @@ def test_a_storage_from_before_entry_counts_once_refilled_by_resize():
         del q
         storage.resize_(0)
         assert tracker.live_bytes == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_agrees_with_the_cuda_allocator():
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = _Net().to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(64, 128, 64, device=device)
+    model(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    tracker = StorageTracker(track=(model, opt, x), device_type="cuda")
+    with tracker:
+        at_entry = tracker.live_bytes
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize()
+    allocator_rise = torch.cuda.max_memory_allocated() - base
+    tracker_rise = tracker.peak_bytes - at_entry
+    assert tracker_rise > 10 * MiB
+    # The allocator rounds each block up to 512 bytes: the rises agree within a little.
+    assert abs(allocator_rise - tracker_rise) <= 0.02 * tracker_rise + 2 * MiB, (allocator_rise, tracker_rise)

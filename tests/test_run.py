@@ -181,3 +181,19 @@ def test_a_hanging_rank_is_named_after_the_timeout(monkeypatch):
     assert msg.startswith("rank 1 hung: the run did not finish within --timeout 30 s"), msg
     assert "exec_faulty.py" in msg and "rank 0 waits for it in a collective" in msg, msg
     _assert_all_ended(info.value.pids)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_run_measures_the_cuda_allocator_and_matches_the_cpu_losses():
+    units = [Unit(("",), False), Unit(("blocks.0", "blocks.1")), *(Unit((b,), True, True) for b in BLOCKS[2:])]
+    world_size = min(2, torch.cuda.device_count())
+    plan = make_plan(units, world_size, prefetch=(1, 2))
+    m = launch_plans([plan], steps=2, warmup=1, device="cuda", timeout_s=180).measurements[0]
+    assert m.device == "cuda" and m.backend == "nccl" and m.timing_method == "cuda events"
+    assert m.memory_method == "cuda max_memory_allocated"
+    assert all(r.reserved_bytes >= r.peak_bytes > 0 for r in m.memory)
+    assert m.losses == pytest.approx(reference_losses(plan, world_size, 3), rel=1e-3)  # TF32/cuBLAS vs CPU
