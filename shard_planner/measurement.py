@@ -65,7 +65,9 @@ class Measurement:
     warmup_steps: int
     losses: tuple[float, ...]  # per step run (warm-up included), averaged over ranks
     rederived_from_world_size: int | None = None  # the plan's own world size when --world-size changed it
-    predicted_peak_bytes: int | None = None  # the plan's prediction, when it applies to this run
+    # The plan's prediction, when it applies to this run (for a re-derived plan: the cost model's
+    # re-estimate for this world size, or None).
+    predicted_peak_bytes: int | None = None
     predicted_step_time_s: float | None = None
     schema_version: int = MEASUREMENT_SCHEMA_VERSION
 

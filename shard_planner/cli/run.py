@@ -58,12 +58,17 @@ def run(args) -> int:
     where = ("CUDA/NCCL" if device == "cuda" else
              "CPU/gloo (no GPU used: peak memory by the storage tracker, step time by wall clock)")
     print(f"running {args.plan} on {world_size} rank{'s' if world_size > 1 else ''}, {where}")
-    if world_size != plan.mesh.world_size:
+    rederived = world_size != plan.mesh.world_size
+    if rederived:
         print(f"re-derived: the plan is for {plan.mesh.world_size} GPUs "
               f"(mesh {plan.mesh.replicate}x{plan.mesh.shard}); running the same units on {world_size} "
-              f"rank{'s' if world_size > 1 else ''} (plain FSDP, Plan.with_world_size); its predictions do not apply")
+              f"rank{'s' if world_size > 1 else ''} (plain FSDP, Plan.with_world_size); its predictions do not "
+              "apply: re-estimating with the cost model where it is available")
     m, out = run_plan_file(args.plan, out=args.output, world_size=world_size, steps=args.steps,
-                           warmup=args.warmup, timeout_s=args.timeout, device=device)
+                           warmup=args.warmup, timeout_s=args.timeout, device=device, reestimate_rederived=True)
+    if rederived:
+        print("predictions re-estimated for this world size" if m.predicted_peak_bytes is not None
+              else "no prediction for this world size (the cost model is not available)")
     per_rank = ", ".join(f"rank {r.rank} {format_bytes(r.peak_bytes)}" + (f" ({r.peak_phase})" if r.peak_phase else "")
                          for r in m.memory)
     print(f"peak memory: {format_bytes(m.peak_bytes)} max over ranks [{m.memory_method}]: {per_rank}")

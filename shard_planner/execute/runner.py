@@ -11,7 +11,7 @@ from pathlib import Path
 from shard_planner.errors import RunError
 from shard_planner.execute.launch import LaunchResult, launch_local, resolve_device, resolve_model_path
 from shard_planner.measurement import Measurement, measurement_path_for, save_measurement
-from shard_planner.plan import Plan, load_plan, save_plan
+from shard_planner.plan import Plan, Prediction, load_plan, save_plan
 
 logger = logging.getLogger(__name__)
 
@@ -28,12 +28,32 @@ def _check_world(world_size: int, device: str) -> None:
                            "use --world-size, --device cpu, or torchrun across nodes")
 
 
+def reestimate(plan: Plan, model_path: str) -> Prediction | None:
+    """The cost model's prediction for ``plan`` (e.g. re-derived for fewer ranks), or None when the cost
+    model is not available or cannot estimate it (logged)."""
+    try:
+        from shard_planner.cost import estimate
+        from shard_planner.profile import load_profile
+        from shard_planner.trace import trace_model
+    except ImportError:
+        return None
+    try:
+        return estimate(trace_model(model_path), plan, load_profile(plan.cluster.profile)).prediction()
+    except Exception as exc:  # an estimate is a bonus: the run goes on without it
+        logger.warning("could not re-estimate the plan for %d ranks: %s: %s", plan.mesh.world_size,
+                       type(exc).__name__, exc)
+        return None
+
+
 def launch_plans(plans: list[Plan], *, world_size: int | None = None, steps: int = 5, warmup: int = 2,
                  timeout_s: float = 300.0, device: str = "auto",
-                 plan_paths: list[str | os.PathLike | None] | None = None) -> LaunchResult:
+                 plan_paths: list[str | os.PathLike | None] | None = None,
+                 reestimate_rederived: bool = False) -> LaunchResult:
     """Run several plans in turn in one world (one launch: faster than one world each); returns their
     measurements and the ranks' process ids (all ended when it returns). ``plan_paths``: where each plan
-    was read from, to find a model file given relative to it."""
+    was read from, to find a model file given relative to it. A plan for another world size is
+    re-derived (``Plan.with_world_size``, recorded in ``rederived_from_world_size``); its prediction is
+    dropped, or re-estimated with the cost model when ``reestimate_rederived``."""
     if not plans:
         raise RunError("no plan to run")
     if steps < 1 or warmup < 0:
@@ -44,17 +64,25 @@ def launch_plans(plans: list[Plan], *, world_size: int | None = None, steps: int
     world_size = plans[0].mesh.world_size if world_size is None else world_size
     _check_world(world_size, device)
     plan_paths = plan_paths or [None] * len(plans)
+    runs = []  # (plan as run, the world size it was re-derived from or None)
+    for plan, source in zip(plans, plan_paths):
+        run = replace(plan, model=replace(plan.model, path=resolve_model_path(plan, source)))
+        if run.mesh.world_size != world_size:
+            run = run.with_world_size(world_size)
+            if reestimate_rederived:
+                run = replace(run, predicted=reestimate(run, run.model.path))
+        runs.append((run, plan.mesh.world_size if plan.mesh.world_size != world_size else None))
     with tempfile.TemporaryDirectory(prefix="shard-planner-plan-") as tmp:
         paths = []
-        for i, (plan, source) in enumerate(zip(plans, plan_paths)):
-            model = replace(plan.model, path=resolve_model_path(plan, source))
+        for i, (run, _) in enumerate(runs):
             paths.append(Path(tmp) / f"plan-{i}.json")
-            save_plan(replace(plan, model=model), paths[-1])
+            save_plan(run, paths[-1])
         result = launch_local(paths, world_size=world_size, steps=steps, warmup=warmup, device=device,
                               timeout_s=timeout_s)
-    # The ranks read an absolute model path; record the plan's own.
+    # The ranks read an absolute model path and the re-derived plan; record the plan's own path and size.
     return replace(result, measurements=tuple(
-        replace(m, model_path=p.model.path) for m, p in zip(result.measurements, plans)))
+        replace(m, model_path=p.model.path, rederived_from_world_size=r[1])
+        for m, p, r in zip(result.measurements, plans, runs)))
 
 
 def run_plan(plan: Plan, *, world_size: int | None = None, steps: int = 5, warmup: int = 2,
