@@ -86,6 +86,16 @@ class LaunchResult:
     pids: tuple[int, ...]  # the rank processes (all ended)
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: on Linux, ask for SIGKILL when the launcher dies, so that even a
+    launcher killed outright (no ``finally``) leaves no rank behind. Elsewhere a no-op."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 class _World:
     """The rank processes of one run, and their reports."""
 
@@ -102,7 +112,8 @@ class _World:
             args = [sys.executable, "-m", "shard_planner.execute.worker", *worker_args,
                     "--status-dir", str(run_dir)]
             self.procs.append(subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                               stdin=subprocess.DEVNULL, start_new_session=True))
+                                               stdin=subprocess.DEVNULL, start_new_session=True,
+                                               preexec_fn=_die_with_parent))
             log.close()
 
     @property

@@ -7,10 +7,17 @@ MASTER_ADDR, MASTER_PORT)::
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         -m shard_planner.execute.worker plan.json --steps 10 --warmup 3
 
+(``shard-planner run plan.json`` under torchrun, e.g. ``torchrun ... --no-python shard-planner run
+plan.json``, runs this too.) Several plans may be given: they run in turn in one process group, which
+saves a launch per plan (``run_plans``, ``tune``).
+
 Each rank seeds identically, builds the model from the plan's model file directly on its device,
 applies the plan and trains ``warmup + steps`` steps; the batch of step s on rank r is drawn with seed
 ``SEED + 1000 * s + r`` so that a single process can replay the same global batch (the tests do). Rank
-0 gathers every rank's numbers and writes the measurement atomically; a failing rank writes none.
+0 gathers every rank's numbers and writes the measurement atomically (``--out``, default
+measurement.json beside the plan; ``--out-dir`` with several plans); a failing run writes none. When
+WORLD_SIZE differs from the plan's GPUs the plan is re-derived (``Plan.with_world_size``) and the
+measurement says so.
 
 Measurement (DESIGN.md, "Executor"):
 - step time: the timed steps after warm-up, each started after a barrier; wall clock on CPU, CUDA
