@@ -73,11 +73,9 @@ a note below.
   Saved tensors are attributed to the module that first saves them (the tracer's contract), so the
   live activation level after a block is the batch, plus everything saved so far, plus the block's
   output (the tensor flowing to the next block). Inside a block the level rises by the traced
-  ``fwd_peak_rise_bytes`` above the level at its entry. In backward the traced ``bwd_peak_rise_bytes``
-  excludes parameter gradients, and adding them on top over-estimates: they are produced as the
-  block's saved tensors and output gradient are released (measured on tests/models/cost_mlp.py in
-  fp32: the peak inside a block's backward is its entry level + X, not + X + its 2X weight gradient).
-  The model takes max(rise, change of level at the block's end + its parameter gradients). A checkpointed block keeps only its input in forward and recomputes its
+  ``fwd_peak_rise_bytes`` above the level at its entry; in backward by ``bwd_peak_rise_bytes`` (which
+  excludes parameter gradients) plus the block's parameter gradients (measured on a Linear head: the
+  input gradient and the weight gradient are live together with the output gradient). A checkpointed block keeps only its input in forward and recomputes its
   saved tensors at the start of its backward (``torch.utils.checkpoint``, non-reentrant). Activations
   are traced in one compute dtype and scaled by the element size of the plan's param dtype.
 
@@ -300,7 +298,10 @@ def simulate_memory(trace: ModelTrace, plan: Plan, profile: HardwareProfile,
     flow = blocks[-1].output.at(b) * act_scale if blocks else 0.0
 
     # ---- backward ----
-    bwd_units = tuple(reversed(fwd_units))
+    # The root's pre-backward runs first (the gradient of its output arrives first) and prefetches
+    # one unit, FSDP2's default (the executor sets no explicit list on the root); then the other units
+    # in reverse forward order, each prefetching the next d_bwd.
+    bwd_units = (root, *reversed([u for u in fwd_units if u != root]))
     bwd_pos = {u: i for i, u in enumerate(bwd_units)}
     grad_unsharded = [0.0] * n_units
     rs_state = [0.0]
@@ -310,7 +311,7 @@ def simulate_memory(trace: ModelTrace, plan: Plan, profile: HardwareProfile,
     def pre_backward(u: int) -> None:
         wait_all_gather(u, "backward")
         i = bwd_pos[u]
-        for v in bwd_units[i + 1: i + 1 + d_bwd]:
+        for v in bwd_units[i + 1: i + 1 + (1 if u == root else d_bwd)]:
             issue_all_gather(v, "backward")
 
     def post_backward(u: int) -> None:
@@ -359,10 +360,8 @@ def simulate_memory(trace: ModelTrace, plan: Plan, profile: HardwareProfile,
             saved_sum += saved - kept
             cat[_AC] = batch_bytes + saved_sum + flow
         own_grads = sum(k for dt, k in blk.own_param_numel.items() if dt in FLOAT_DTYPES) * param_elem
-        # The traced rise excludes parameter gradients; they appear as the block's saved tensors and
-        # output gradient are released. See [Note: Activations].
-        end_change = (blk.input.at(b) - blk.output.at(b)) * act_scale - saved if not is_self else -saved
-        rise = max(blk.bwd_rise.at(b) * act_scale, end_change + own_grads)
+        # the traced rise excludes parameter gradients: add them on top. See [Note: Activations].
+        rise = blk.bwd_rise.at(b) * act_scale + own_grads
         cat[_GR] += own_grads
         record(f"backward: {blk.fqn}", "backward", extra_temp=rise - own_grads)
         grad_unsharded[blk.unit] += own_grads

@@ -11,6 +11,7 @@ costs 10-20 s on two cores.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import tempfile
@@ -70,6 +71,9 @@ def _rank_main(rank: int, world_size: int, port: int, plan_jsons: list[str], out
 
         for s in range(warmup):
             step(s)
+        # Reference cycles (autograd graph <-> FSDP hooks) are otherwise freed whenever the collector
+        # happens to run, which moves the measured peak by one activation from run to run.
+        gc.collect()
         if os.environ.get("COST_DEBUG"):
             import sys
             sys.path.insert(0, "/tmp/cost")

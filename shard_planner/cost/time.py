@@ -1,0 +1,235 @@
+"""Step time of one FSDP2 training step: compute from traced FLOPs, collectives from the ring model,
+and a two-stream simulation of their overlap.
+
+Compute: each block's traced forward and backward FLOPs at ``profile.flops_per_s(param dtype)`` (peak
+x efficiency); a checkpointed block runs its forward again before its backward; the loss's FLOPs run
+between forward and backward.
+
+Communication (shard_planner/cost/collectives.py): per unit, an all-gather of its unsharded bytes in
+the param dtype before its forward, another before its backward when it resharded after forward (over
+r ranks for ``reshard_after_forward=r``), and a reduce-scatter of its gradients in the reduce dtype
+after its backward (plus the replica all-reduce under HSDP). Under CPU offload every all-gather first
+copies the fp32 shard host-to-device and every reduce-scatter copies the sharded gradient back.
+
+Overlap (GPU): one compute stream and one communication stream, FIFO in the order the CPU issues
+work, with FSDP2's dependencies:
+
+- a unit computes only once its all-gather has finished;
+- forward: the all-gather of the k-th next unit is issued when the current unit starts
+  (``set_modules_to_forward_prefetch``, depth k); FSDP2's implicit prefetch — the CPU runs ahead and
+  issues the next unit's all-gather while the current one computes — gives an effective depth of 1
+  when k is 0;
+- backward: the root prefetches one unit (FSDP2's default); each unit prefetches the next
+  max(1, k) in backward order;
+- a reduce-scatter starts after its unit's backward; the optimizer step after the last one.
+
+On a CPU profile (gloo, synchronous collectives on the one thread that also computes) nothing
+overlaps: the step is the sum of compute, communication and the optimizer.
+
+The optimizer step is bound by memory bandwidth: bytes touched per sharded element by the foreach
+implementation (OPTIMIZER_BYTES_PER_ELEMENT) / ``memory_bandwidth_bytes_per_s`` (the host's under CPU
+offload, where the step runs on the host).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from shard_planner.cost.collectives import all_gather_time_s, reduce_scatter_time_s
+from shard_planner.cost.memory import _unit_bytes
+from shard_planner.cost.tables import FLOAT_DTYPES, cost_tables, dtype_bytes
+from shard_planner.cost.types import TimeEstimate, UnitTime
+from shard_planner.plan import Plan
+from shard_planner.profile import HardwareProfile
+from shard_planner.trace.types import ModelTrace
+
+logger = logging.getLogger(__name__)
+
+# Reads + writes per sharded parameter element of one foreach step, in state-dtype elements.
+# torch/optim/adamw.py _multi_tensor_adamw: mul_(params) 2, lerp_(exp_avgs, grads) 3, mul_(exp_avg_sqs)
+# 2, addcmul_(exp_avg_sqs, grads, grads) 3, sqrt(exp_avg_sqs) 2, div_ 2, add_(eps) 2,
+# addcdiv_(params, exp_avgs, denom) 4 = 20; Adam without weight decay skips the first: 18.
+# torch/optim/sgd.py _multi_tensor_sgd: momentum mul_ 2 + add_ 3, then add_(params, bufs) 3 = 8;
+# plain SGD: add_(params, grads) 3.
+OPTIMIZER_ACCESSES_PER_ELEMENT = {"adamw": 20, "adam": 18, "sgd_momentum": 8, "sgd": 3}
+
+
+def simulate_time(trace: ModelTrace, plan: Plan, profile: HardwareProfile) -> TimeEstimate:
+    """Predicted time of one training step on one rank, and what it is made of (module docstring)."""
+    t = cost_tables(trace, plan.units)
+    ub = _unit_bytes(t, plan)
+    training = plan.training
+    b = training.micro_batch
+    n = plan.mesh.shard
+    n_units = len(plan.units)
+    root = next(i for i, u in enumerate(plan.units) if u.is_root)
+    rate = profile.flops_per_s(training.param_dtype)
+    offload = training.cpu_offload
+    h2d = profile.host_to_device_bytes_per_s
+
+    # ---- per-unit collective times ----
+    ag_fwd = [0.0] * n_units
+    ag_bwd = [0.0] * n_units
+    rs = [0.0] * n_units
+    for u, (unit, x) in enumerate(zip(plan.units, ub)):
+        copy_in = x.sharded / h2d if offload else 0.0
+        ag_fwd[u] = all_gather_time_s(profile, x.unsharded, n) + copy_in
+        r = unit.reshard_after_forward
+        if r is True:
+            ag_bwd[u] = ag_fwd[u]
+        elif r is not False:
+            ag_bwd[u] = all_gather_time_s(profile, x.unsharded, r)
+        rs[u] = reduce_scatter_time_s(profile, x.rs_input, n, plan.mesh.replicate)
+        if offload:
+            rs[u] += x.sharded_grad / h2d
+    # the root never reshards unless the plan says so
+    needs_bwd_ag = [plan.units[u].reshard_after_forward is not False for u in range(n_units)]
+
+    blocks = t.blocks
+    fwd_s = [blk.fwd_flops.at(b) / rate for blk in blocks]
+    bwd_s = [blk.bwd_flops.at(b) / rate for blk in blocks]
+    ckpt = [plan.units[blk.unit].activation_checkpoint and blk.unit_module for blk in blocks]
+    loss_s = trace.loss_flops.at(b) / rate
+
+    unit_fwd = [0.0] * n_units
+    unit_bwd = [0.0] * n_units
+    for i, blk in enumerate(blocks):
+        unit_fwd[blk.unit] += fwd_s[i]
+        unit_bwd[blk.unit] += bwd_s[i] + (fwd_s[i] if ckpt[i] else 0.0)
+    compute_s = sum(unit_fwd) + sum(unit_bwd) + loss_s
+
+    # ---- optimizer ----
+    sharded_elems = sum(sum(k for dt, k in numel.items() if dt in FLOAT_DTYPES) for numel in t.unit_param_numel) / n
+    state_bytes = dtype_bytes(t.built_dtype)
+    opt_bytes = OPTIMIZER_ACCESSES_PER_ELEMENT[training.optimizer] * sharded_elems * state_bytes
+    bw = (profile.host_memory_bandwidth_bytes_per_s or profile.memory_bandwidth_bytes_per_s) if offload \
+        else profile.memory_bandwidth_bytes_per_s
+    optimizer_s = opt_bytes / bw
+
+    comm_s = sum(ag_fwd) + sum(ag_bwd[u] for u in range(n_units) if needs_bwd_ag[u]) + sum(rs)
+    exposed = [0.0] * n_units
+
+    if profile.device == "cpu":
+        # gloo collectives are synchronous on the thread that computes: nothing overlaps.
+        for u in range(n_units):
+            exposed[u] = ag_fwd[u] + (ag_bwd[u] if needs_bwd_ag[u] else 0.0) + rs[u]
+        step_s = compute_s + comm_s + optimizer_s
+    else:
+        step_s = _overlap(t, plan, root, blocks, fwd_s, bwd_s, ckpt, loss_s, ag_fwd, ag_bwd, rs,
+                          needs_bwd_ag, exposed) + optimizer_s
+
+    samples = b * plan.mesh.world_size
+    model_flops = (t.model_fwd_flops.at(b) + t.model_bwd_flops.at(b) + trace.loss_flops.at(b))
+    peak = profile.peak_flops_per_s.get(training.param_dtype) or rate
+    units = tuple(
+        UnitTime(name=plan.units[u].name, fwd_compute_s=unit_fwd[u], bwd_compute_s=unit_bwd[u],
+                 all_gather_s=ag_fwd[u] + (ag_bwd[u] if needs_bwd_ag[u] else 0.0),
+                 reduce_scatter_s=rs[u], exposed_comm_s=exposed[u])
+        for u in range(n_units)
+    )
+    return TimeEstimate(
+        step_time_s=step_s,
+        compute_s=compute_s,
+        comm_s=comm_s,
+        exposed_comm_s=max(0.0, step_s - compute_s - optimizer_s),
+        optimizer_s=optimizer_s,
+        samples_per_s=samples / step_s if step_s > 0 else 0.0,
+        tokens_per_s=samples * trace.tokens_per_sample / step_s if trace.tokens_per_sample and step_s > 0 else None,
+        mfu=model_flops / (step_s * peak) if step_s > 0 else 0.0,
+        units=units,
+    )
+
+
+def _overlap(t, plan, root, blocks, fwd_s, bwd_s, ckpt, loss_s, ag_fwd, ag_bwd, rs, needs_bwd_ag,
+             exposed) -> float:
+    """Two streams, FIFO communication; returns the time the last reduce-scatter and the last compute
+    have both finished. ``exposed[u]`` accumulates the compute stream's wait for unit u's all-gather."""
+    comp = 0.0  # compute stream: free from this time on
+    comm = 0.0  # communication stream
+    fwd_units = t.forward_units
+    d_fwd = max(1, plan.prefetch.forward)
+    d_bwd = max(1, plan.prefetch.backward)
+    n_units = len(plan.units)
+
+    # ---- forward ----
+    ag_end = [-1.0] * n_units
+    start = [0.0] * n_units  # compute start of each unit (its pre-forward)
+    pos = {u: i for i, u in enumerate(fwd_units)}
+    issued = 0  # fwd_units[:issued] have their all-gather issued
+
+    def issue_forward_until(j: int) -> None:
+        nonlocal comm, issued
+        while issued <= min(j, len(fwd_units) - 1):
+            u = fwd_units[issued]
+            k = issued - d_fwd  # the unit whose pre-forward issues this all-gather
+            ready = start[fwd_units[k]] if k >= 0 else 0.0
+            begin = max(comm, ready)
+            comm = begin + ag_fwd[u]
+            ag_end[u] = comm
+            issued += 1
+
+    def enter(u: int) -> None:
+        nonlocal comp
+        i = pos[u]
+        issue_forward_until(i)
+        wait = max(0.0, ag_end[u] - comp)
+        exposed[u] += wait
+        comp += wait
+        start[u] = comp
+        issue_forward_until(i + d_fwd)
+
+    enter(root)
+    for i, blk in enumerate(blocks):
+        for u in (blk.unit, *blk.nested):
+            if t.unit_first_block[u] == i and u != root:
+                enter(u)
+        comp += fwd_s[i]
+    comp += loss_s
+
+    # ---- backward ----
+    bwd_units = (root, *reversed([u for u in fwd_units if u != root]))
+    bpos = {u: i for i, u in enumerate(bwd_units)}
+    ag_end = [-1.0] * n_units
+    bstart = [0.0] * n_units
+    done = [False] * n_units
+
+    def issue_ag(u: int, ready: float) -> None:
+        nonlocal comm
+        if done[u] or not needs_bwd_ag[u]:
+            done[u] = True
+            return
+        comm = max(comm, ready) + ag_bwd[u]
+        ag_end[u] = comm
+        done[u] = True
+
+    def enter_bwd(u: int) -> None:
+        nonlocal comp
+        issue_ag(u, comp)
+        if needs_bwd_ag[u]:
+            wait = max(0.0, ag_end[u] - comp)
+            exposed[u] += wait
+            comp += wait
+        bstart[u] = comp
+        i = bpos[u]
+        for v in bwd_units[i + 1: i + 1 + (1 if u == root else d_bwd)]:
+            issue_ag(v, comp)
+
+    def reduce(u: int) -> None:
+        nonlocal comm
+        comm = max(comm, comp) + rs[u]
+
+    enter_bwd(root)
+    started = {root}
+    for i in range(len(blocks) - 1, -1, -1):
+        blk = blocks[i]
+        for u in (blk.unit, *blk.nested):
+            if u not in started and t.unit_last_block[u] == i:
+                enter_bwd(u)
+                started.add(u)
+        comp += bwd_s[i] + (fwd_s[i] if ckpt[i] else 0.0)
+        for u in (*blk.nested, blk.unit):
+            if u != root and t.unit_first_block[u] == i:
+                reduce(u)
+    reduce(root)
+    exposed[root] += max(0.0, comm - comp)  # the optimizer waits for the last reduce-scatter (the root's)
+    return max(comp, comm)
