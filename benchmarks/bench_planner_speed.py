@@ -1,0 +1,125 @@
+"""Planner speed: trace, solve and frontier times for Llama-style 1B, 8B, 70B and 405B shapes.
+
+Each size is traced (FakeTensorMode: no real memory, repeated blocks traced once), then planned for a
+cluster of its usual scale on H100 80GB (examples/llama.py, sequence 4096, its micro-batch), each in a
+fresh process so that one size's caches do not speed up the next:
+
+    size  GPUs  budget per GPU
+    1b    8     70 GiB
+    8b    8     70 GiB
+    70b   64    70 GiB
+    405b  256   70 GiB
+
+Reported: trace wall time, the search (solver) time the plan records, the whole plan_model wall time
+(search, the Pareto frontier sweep and the hand-written baselines), the frontier's size, and the peer
+reference for one estimate (FSDPMemTracker in fake mode: 25-45 s for ONE 7-8B configuration,
+REFERENCE.md).
+
+    python benchmarks/bench_planner_speed.py                # all four sizes (~5 min here)
+    python benchmarks/bench_planner_speed.py --sizes 1b 8b
+
+Writes reports/benchmarks/planner_speed.csv and planner_speed.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+
+CASES = {"1b": 8, "8b": 8, "70b": 64, "405b": 256}
+BUDGET = "70GiB"
+PROFILE = "h100-80gb"
+
+
+def measure_one(size: str, gpus: int) -> dict:
+    """Trace and plan one size in this process; returns the timings (called in a child process)."""
+    common.quiet_logs()
+    common.set_model_size(size)
+    from shard_planner.solve import plan_model
+    from shard_planner.trace import trace_model
+    from shard_planner.profile import load_profile
+    from shard_planner.units import parse_bytes
+
+    profile = load_profile(PROFILE)
+    path = str(common.EXAMPLES / "llama.py")
+    t0 = time.perf_counter()
+    trace = trace_model(path)
+    trace_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    plan = plan_model(trace, gpus=gpus, mem_budget_bytes=parse_bytes(BUDGET), profile=profile, gpus_per_node=8)
+    plan_s = time.perf_counter() - t0
+    return dict(size=size, params_b=trace.param_count / 1e9, layers=sum(1 for m in trace.modules if m.fqn.count(".") == 1
+                                                                       and m.fqn.startswith("layers.")),
+                gpus=gpus, trace_s=trace_s, reused_modules=trace.reused_modules, solve_s=plan.solver.seconds,
+                solver_status=plan.solver.status, plan_total_s=plan_s, frontier_points=len(plan.frontier),
+                units=len(plan.units), micro_batch=plan.training.micro_batch,
+                pred_peak_gib=plan.predicted.peak_bytes / 2**30 if plan.predicted else float("nan"),
+                pred_step_s=plan.predicted.step_time_s if plan.predicted else float("nan"))
+
+
+def plot(rows: list[dict]):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    x = range(len(rows))
+    w = 0.27
+    ax.bar([i - w for i in x], [r["trace_s"] for r in rows], w, label="trace")
+    ax.bar(list(x), [r["solve_s"] for r in rows], w, label="search (solver)")
+    ax.bar([i + w for i in x], [r["plan_total_s"] for r in rows], w, label="plan total (search + frontier + baselines)")
+    ax.axhspan(25, 45, color="grey", alpha=0.2, label="FSDPMemTracker, ONE 7-8B config (REFERENCE.md)")
+    ax.set_xticks(list(x), [f"{r['size']}\n{r['gpus']} GPUs" for r in rows])
+    ax.set_ylabel("seconds (wall)")
+    ax.set_yscale("log")
+    ax.set_title("Planner speed, Llama-style shapes (CPU, 2 cores)")
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    return fig
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", nargs="+", default=list(CASES), choices=list(CASES))
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one size, print JSON
+    args = ap.parse_args(argv)
+    if args.one:
+        print("RESULT " + json.dumps(measure_one(args.one, CASES[args.one])))
+        return 0
+    start = time.perf_counter()
+    rows = []
+    for size in args.sizes:
+        proc = subprocess.run([sys.executable, __file__, "--one", size], capture_output=True, text=True,
+                              env=dict(os.environ, CI="1"))
+        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if proc.returncode != 0 or line is None:
+            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            print(f"  {size}: failed ({tail})", flush=True)
+            rows.append(dict(size=size, gpus=CASES[size], error=tail))
+            continue
+        rows.append(json.loads(line[len("RESULT "):]))
+        print(f"  {size}: trace {rows[-1]['trace_s']:.1f} s, plan {rows[-1]['plan_total_s']:.1f} s", flush=True)
+    columns = ["size", "params_b", "layers", "gpus", "trace_s", "reused_modules", "solve_s", "solver_status",
+               "plan_total_s", "frontier_points", "units", "micro_batch", "pred_peak_gib", "pred_step_s", "error"]
+    common.print_table(rows, title=f"Planner speed (budget {BUDGET} per GPU, {PROFILE})", columns=columns)
+    common.write_csv(rows, "planner_speed", columns=columns)
+    ok = [r for r in rows if "trace_s" in r]
+    if ok:
+        common.save_figure(plot(ok), "planner_speed")
+    print(f"\nbench_planner_speed: {time.perf_counter() - start:.0f} s; outputs in {common.OUT_DIR}")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("CI", "1")
+    sys.exit(main())
