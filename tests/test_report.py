@@ -18,7 +18,7 @@ from shard_planner.plan import (
     MEMORY_CATEGORIES, Cluster, MeasuredPoint, Mesh, ModelRef, Plan, Prefetch, Training, Unit, save_plan,
 )
 from shard_planner.progress import Progress, progress, progress_enabled
-from shard_planner.report import build_sections, write_report
+from shard_planner.report import build_sections, write_report, write_sections
 from shard_planner.report.measured import measured_figures
 from shard_planner.report.plots import (
     frontier_point_count, plan_throughput, plot_frontier, plot_measured_plans, plot_memory_at_peak,
@@ -294,14 +294,17 @@ def test_report_for_every_example(name, example_traces, tmp_path):
             e = estimate_fn(trace, p, profile)
             points.append(FrontierPoint(e.memory.peak_bytes, e.time.step_time_s, desc))
         plan = Plan(**{**plan.__dict__, "predicted": estimate.prediction(), "baselines": tuple(points)})
-    html = write_report(plan, tmp_path, trace=trace, estimate=estimate).read_text()
-    assert "data:image/png;base64," in html and "<table" in html
-    assert (tmp_path / "units.png").exists()
-    rows = unit_rows(plan, trace, estimate)
-    assert sum(r.param_count * r.count for r in rows) == trace.param_count  # every parameter in one unit
-    for section in build_sections(plan, trace=trace, estimate=estimate):
+    sections = build_sections(plan, trace=trace, estimate=estimate)
+    for section in sections:
         if section.figure is not None:
             assert not texts_overlap(section.figure), (name, section.title)
+    html = write_sections(plan, sections, tmp_path).read_text()
+    assert "data:image/png;base64," in html and "<table" in html
+    assert (tmp_path / "units.png").exists()
+    if HAS_COST:
+        assert (tmp_path / "memory_timeline.png").exists() and (tmp_path / "frontier.png").exists()
+    rows = unit_rows(plan, trace, estimate)
+    assert sum(r.param_count * r.count for r in rows) == trace.param_count  # every parameter in one unit
 
 
 # ---- CLI ----

@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 
 from shard_planner.cost.types import Estimate
+from shard_planner.fileio import write_atomic
 from shard_planner.plan import Plan
 from shard_planner.profile import HardwareProfile, load_profile
 from shard_planner.report.measured import measured_figures, predictions_for
@@ -38,7 +39,7 @@ from shard_planner.units import format_bytes
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["write_report", "build_sections"]
+__all__ = ["build_sections", "write_report", "write_sections"]
 
 
 def _estimate(plan: Plan, trace: ModelTrace, profile: HardwareProfile | None) -> Estimate | None:
@@ -124,9 +125,15 @@ def write_report(plan: Plan, out_dir: str | os.PathLike, *, trace: ModelTrace | 
                  profile: HardwareProfile | None = None, measurement=None,
                  estimate: Estimate | None = None) -> Path:
     """Write report.html, report.md and the PNGs into ``out_dir``; return the path of report.html."""
+    sections = build_sections(plan, trace=trace, profile=profile, measurement=measurement, estimate=estimate)
+    return write_sections(plan, sections, out_dir, measurement=measurement)
+
+
+def write_sections(plan: Plan, sections: list[ReportSection], out_dir: str | os.PathLike, *,
+                   measurement=None) -> Path:
+    """Write already built sections (:func:`build_sections`) as the report; return report.html's path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    sections = build_sections(plan, trace=trace, profile=profile, measurement=measurement, estimate=estimate)
     pngs = {}
     for s in sections:
         if s.figure is not None:
@@ -136,8 +143,6 @@ def write_report(plan: Plan, out_dir: str | os.PathLike, *, trace: ModelTrace | 
     if measurement is not None and predictions_for(plan, measurement) is not None:
         measured = (measured_figures(measurement), predictions_for(plan, measurement))
     summary = summary_lines(plan, measured)
-    from shard_planner.fileio import write_atomic
-
     write_atomic(out / "report.md", render_markdown(plan, summary, sections))
     html_path = out / "report.html"
     write_atomic(html_path, render_html(plan, summary, sections, pngs))

@@ -301,8 +301,8 @@ def plot_units(rows: Sequence[UnitRow], title: str = "") -> Figure | None:
         ax.grid(True, axis="x", alpha=0.3)
     handles = [h for a in axes for h in a.get_legend_handles_labels()[0]]
     fig.legend(handles=handles, loc="outside lower center", ncols=3, fontsize=8, frameon=False)
-    fig.suptitle(title or "Per FSDP unit (forward order; xN = N identical consecutive units, figures per unit)",
-                 fontsize=11)
+    fig.suptitle(title or "Per FSDP unit, in forward order (xN: N identical consecutive units; N of M: every other "
+                 "unit of a run, say; figures per unit)", fontsize=10)
     return fig
 
 
