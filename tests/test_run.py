@@ -72,7 +72,8 @@ def test_loss_matches_single_process_world_size_2():
     for name, plan, m in zip(names, plans, result.measurements):
         ref = reference_losses(plan, 2, n_steps)
         assert len(m.losses) == n_steps, name
-        tol = 3e-2 if name == "bf16" else 1e-5  # bf16 compute vs an fp32 reference
+        # bf16 compute vs an fp32 reference: measured 2e-4; one skipped optimizer step moves it 2e-3.
+        tol = 1e-3 if name == "bf16" else 1e-5
         assert m.losses == pytest.approx(ref, rel=tol), name
         assert m.world_size == 2 and m.device == "cpu" and m.backend == "gloo", name
         assert m.memory_method == "storage-tracker" and len(m.memory) == 2, name
