@@ -1,0 +1,93 @@
+"""``shard-planner estimate model.py --plan plan.json``: predicted peak memory (with its breakdown) and
+step time of a plan, from the cost model."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, replace
+
+from shard_planner.errors import PlanError, UserError
+from shard_planner.plan import MEMORY_CATEGORIES, Plan, load_plan, save_plan
+from shard_planner.units import format_bytes
+
+
+@dataclass(frozen=True)
+class EstimateRequest:
+    model: str  # a model file, or a trace.json
+    plan: str
+    profile: str | None  # None: the plan's cluster.profile
+    gpus: int | None  # None: the plan's
+    micro_batch: int | None
+    write: bool  # store the prediction in the plan file
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "estimate",
+        help="predict a plan's per-GPU peak memory (by category) and step time",
+        description="Simulate one FSDP2 training step of the plan on the model (traced now, or read from a "
+        "trace.json) and print the predicted per-GPU peak memory, its breakdown by category, and the "
+        "step time with its compute, communication and optimizer parts.",
+    )
+    p.add_argument("model", help="model file (path/to/model.py) or a trace.json from shard-planner trace")
+    p.add_argument("--plan", required=True, help="plan.json")
+    p.add_argument("--profile", default=None,
+                   help="hardware profile: a name in profiles/ (h100-80gb, a100-40gb, ..., cpu-gloo) or a TOML "
+                   "path (default: the plan's cluster.profile)")
+    p.add_argument("--gpus", type=int, default=None, metavar="N",
+                   help="estimate the plan's decisions on N GPUs instead (plain FSDP over N ranks)")
+    p.add_argument("--micro-batch", type=int, default=None, metavar="B", help="override the plan's micro-batch")
+    p.add_argument("--write", action="store_true", help="store the prediction in the plan file's 'predicted'")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from shard_planner.cost import estimate
+    from shard_planner.profile import load_profile
+    from shard_planner.trace.tracer import trace_or_load
+
+    for flag, value in (("--gpus", args.gpus), ("--micro-batch", args.micro_batch)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be a positive integer, got {value}")
+    req = EstimateRequest(args.model, args.plan, args.profile, args.gpus, args.micro_batch, args.write)
+    plan = load_plan(req.plan)
+    if req.gpus is not None and req.gpus != plan.cluster.gpus:
+        plan = plan.with_world_size(req.gpus)
+    if req.micro_batch is not None:
+        plan = replace(plan, training=replace(plan.training, micro_batch=req.micro_batch), predicted=None)
+    profile = load_profile(req.profile or plan.cluster.profile)
+    trace = trace_or_load(req.model, dtype=plan.training.param_dtype)
+    if plan.model.fingerprint not in (trace.fingerprint, ""):
+        raise PlanError(f"{req.plan} was made for a model with fingerprint {plan.model.fingerprint}, but "
+                        f"{req.model} has {trace.fingerprint}: a different model or size")
+    est = estimate(trace, plan, profile)
+    print(report(plan, profile, est))
+    if req.write:
+        save_plan(replace(plan, predicted=est.prediction()), req.plan)
+        print(f"wrote the prediction into {req.plan}")
+    return 0
+
+
+def report(plan: Plan, profile, est) -> str:
+    mem, t = est.memory, est.time
+    tr = plan.training
+    budget = min(plan.cluster.mem_budget_bytes, profile.usable_bytes)
+    fits = "fits" if mem.peak_bytes <= budget else "DOES NOT FIT"
+    lines = [
+        f"plan: {len(plan.units)} units on {plan.mesh.replicate}x{plan.mesh.shard} ranks (replicate x shard), "
+        f"micro-batch {tr.micro_batch}, {tr.optimizer}, params {tr.param_dtype} / reduce {tr.reduce_dtype}"
+        f"{', CPU offload' if tr.cpu_offload else ''}; profile {profile.name}",
+        f"peak memory per GPU: {format_bytes(mem.peak_bytes)} at \"{mem.peak_event}\" — {fits} in "
+        f"{format_bytes(budget)} (budget {format_bytes(plan.cluster.mem_budget_bytes)}, usable "
+        f"{format_bytes(profile.usable_bytes)})",
+    ]
+    for cat in MEMORY_CATEGORIES:
+        v = mem.memory_at_peak.get(cat, 0)
+        share = 100 * v / mem.peak_bytes if mem.peak_bytes else 0.0
+        lines.append(f"  {cat:18s} {format_bytes(v):>12s}  {share:5.1f}%")
+    lines.append(
+        f"step time: {t.step_time_s * 1e3:.2f} ms (compute {t.compute_s * 1e3:.2f} ms, communication "
+        f"{t.comm_s * 1e3:.2f} ms of which exposed {t.exposed_comm_s * 1e3:.2f} ms, optimizer {t.optimizer_s * 1e3:.2f} ms)")
+    rate = f"{t.tokens_per_s:,.0f} tokens/s" if t.tokens_per_s else f"{t.samples_per_s:,.1f} samples/s"
+    lines.append(f"throughput: {rate} over {plan.mesh.world_size} GPUs, MFU {100 * t.mfu:.1f}%")
+    return "\n".join(lines)

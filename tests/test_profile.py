@@ -1,0 +1,108 @@
+"""Hardware profiles: every shipped profile loads, is sane and cites a source for every number;
+bad names and files give one clear ProfileError; calibrate's fit and its TOML round-trip."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from shard_planner.errors import ProfileError
+from shard_planner.profile import PROFILES_DIR, load_profile
+
+SHIPPED = ("a100-40gb", "a100-80gb", "h100-80gb", "h200", "l4", "mi300x", "cpu-gloo")
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_profile_loads_and_is_sane(name):
+    p = load_profile(name)
+    assert p.name == name
+    assert p.device in ("cuda", "cpu")
+    assert p.memory_bytes > 2**30 and 0 < p.usable_fraction <= 1
+    assert p.flops_per_s("bfloat16") > 0 and p.flops_per_s("float32") > 0
+    assert 0 < p.compute_efficiency <= 1
+    ic = p.interconnect
+    assert ic.gpus_per_node >= 1
+    assert ic.intra_node_busbw_bytes_per_s >= ic.inter_node_busbw_bytes_per_s > 0
+    if p.device == "cuda":
+        assert ic.gpus_per_node == 8
+        assert p.reserved_bytes > 0 and p.per_process_group_bytes > 0
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_number_cites_its_source(name):
+    for line in (PROFILES_DIR / f"{name}.toml").read_text().splitlines():
+        if re.match(r"\s*[a-z_0-9]+\s*=\s*[0-9.e+-]+\s*(#.*)?$", line):
+            assert "#" in line and len(line.split("#", 1)[1].strip()) > 5, f"{name}: no source for: {line}"
+
+
+def test_gpu_figures_match_the_reference():
+    """REFERENCE.md: datasheet HBM bandwidth and bf16 peak, nccl-tests busbw."""
+    h100, h200, a100 = load_profile("h100-80gb"), load_profile("h200"), load_profile("a100-40gb")
+    assert h100.peak_flops_per_s["bfloat16"] == 989e12 and h100.memory_bandwidth_bytes_per_s == 3.35e12
+    assert h200.memory_bandwidth_bytes_per_s == 4.8e12 and h200.memory_bytes > h100.memory_bytes
+    assert a100.peak_flops_per_s["bfloat16"] == 312e12 and a100.memory_bandwidth_bytes_per_s == 1.555e12
+    assert h100.interconnect.intra_node_busbw_bytes_per_s == 3.7e11
+
+
+def test_profile_by_path(tmp_path):
+    text = (PROFILES_DIR / "h100-80gb.toml").read_text().replace('name = "h100-80gb"', 'name = "mine"')
+    path = tmp_path / "mine.toml"
+    path.write_text(text)
+    assert load_profile(str(path)).name == "mine"
+
+
+def test_unknown_profile_names_the_choices():
+    with pytest.raises(ProfileError, match="h100-80gb") as exc:
+        load_profile("h900")
+    assert "\n" not in str(exc.value)
+
+
+def test_malformed_profile(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "x"\ndevice = "cuda"\n[interconnect]\ngpus_per_node = 8\n')
+    with pytest.raises(ProfileError, match="malformed"):
+        load_profile(str(bad))
+    bad.write_text("name = \n")
+    with pytest.raises(ProfileError, match="not valid TOML"):
+        load_profile(str(bad))
+
+
+def test_missing_dtype_is_a_profile_error():
+    with pytest.raises(ProfileError, match="float64"):
+        load_profile("h100-80gb").flops_per_s("float64")
+
+
+def test_ring_fit_recovers_alpha_and_busbw():
+    from shard_planner.execute.calibrate import fit_ring
+
+    for p in (2, 4, 8):
+        alpha, busbw = 2e-5, 3e9
+        samples = [(b, alpha * (p - 1) + (p - 1) / p * b / busbw) for b in (2**16, 2**20, 2**24)]
+        fit = fit_ring(samples, p)
+        assert fit.latency_s == pytest.approx(alpha, rel=1e-6)
+        assert fit.busbw_bytes_per_s == pytest.approx(busbw, rel=1e-6)
+
+
+@pytest.mark.multiprocess
+def test_calibrate_cli_writes_a_loadable_profile(tmp_path, capsys):
+    from shard_planner.cli.main import main
+
+    out = tmp_path / "local.toml"
+    assert main(["calibrate", "--world-size", "2", "--device", "cpu", "-o", str(out)]) == 0
+    p = load_profile(str(out))
+    assert p.name == "local" and p.device == "cpu"
+    assert p.flops_per_s("bfloat16") > 1e8 and p.memory_bandwidth_bytes_per_s > 1e8
+    assert p.interconnect.intra_node_busbw_bytes_per_s > 1e6
+    assert "wrote" in capsys.readouterr().out
+    for line in out.read_text().splitlines():
+        if re.match(r"[a-z_0-9]+\s*=\s*[0-9.e+-]+", line):
+            assert "#" in line
+
+
+def test_calibrate_cli_rejects_bad_arguments(capsys):
+    from shard_planner.cli.main import main
+
+    assert main(["calibrate", "--world-size", "1"]) != 0
+    assert main(["calibrate", "-o", "profile.json"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(line.startswith("shard-planner: error:") for line in err)
