@@ -42,16 +42,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    from shard_planner.modelfile import load_model_file
     from shard_planner.trace.tracer import trace_model
 
     if args.batch_size is not None and args.batch_size < 1:
         raise UserError(f"--batch-size must be a positive integer, got {args.batch_size}")
     req = TraceRequest(args.model, args.batch_size, args.dtype, Path(args.output))
-    trace = trace_model(req.model, dtype=req.dtype)
+    model_file = load_model_file(req.model)
+    trace = trace_model(model_file, dtype=req.dtype)
     write_atomic(req.output, trace.to_json())
-    from shard_planner.modelfile import load_model_file  # already imported by trace_model: cheap
-
-    batch = req.batch_size or load_model_file(req.model).training.get("micro_batch", 1)
+    batch = req.batch_size or model_file.training.get("micro_batch", 1)
     print(summary_table(trace, batch))
     print(f"wrote {req.output}")
     return 0

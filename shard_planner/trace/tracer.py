@@ -187,8 +187,8 @@ def _under(fqn: str, base: str) -> bool:
 class _TwinFn(torch.autograd.Function):
     """Stands in for a twin's forward: outputs laid out as the template's; input gradients in backward.
 
-    See [Note: twins] in the module docstring. Parameters are passed as inputs only so that outputs
-    require grad exactly when the template's did; they get no gradient (gradients are excluded anyway).
+    See [Note: twins] in the module docstring. One parameter is passed as an input only so that outputs
+    require grad exactly when the template's did; it gets no gradient (gradients are excluded anyway).
     """
 
     @staticmethod
@@ -524,7 +524,7 @@ class _Step:
     def _run_twin(self, call: _Call, template: _Call, module: nn.Module, in_tensors):
         call.template = template
         info = template.twin_info
-        params = [p for p in module.parameters() if p.requires_grad]
+        params = [p for p in module.parameters() if p.requires_grad][:1]  # one is enough to require grad
         self.in_twin = True
         try:
             outs = _TwinFn.apply(info, len(in_tensors), *in_tensors, *params)
@@ -789,7 +789,8 @@ def trace_model(
     if b1 < 1 or b2 < 1 or b1 == b2:
         raise UserError(f"batch_sizes must be two different positive sizes, got {tuple(batch_sizes)}")
     with _quiet_fake_tensor_logger():
-        fake_mode = FakeTensorMode()
+        # Tensors a model file made at import time, outside the mode, are converted when first used.
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         with fake_mode:
             model = mf.build()
         modules = list(model.named_modules())
