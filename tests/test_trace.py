@@ -331,3 +331,39 @@ def test_bad_arguments():
         trace_model(example("unet"), dtype="int8")
     with pytest.raises(UserError, match="two different"):
         trace_model(example("unet"), batch_sizes=(2, 2))
+
+
+# ---- live-memory peaks against a real CPU run ---------------------------------------------------
+
+
+def real_forward_peak_rise(path: str, dtype: torch.dtype, batch: int) -> int:
+    """Peak of live storages during the real forward (input cast included) above the level at its start,
+    with the repository's StorageTracker (shard_planner/execute/memtrack.py), independent of the tracer."""
+    from shard_planner.execute.memtrack import StorageTracker
+
+    mf = load_model_file(path)
+    torch.manual_seed(0)
+    model = mf.build()
+    for p in model.parameters():
+        if p.is_floating_point():
+            p.data = p.data.to(dtype)
+    inputs, targets = mf.batch(batch)
+    tracker = StorageTracker(track=(model, inputs, targets))
+    with tracker:
+        entry = tracker.live_bytes
+        tracker.reset_peak()
+        out = model(*(x.to(dtype) if x.is_floating_point() else x for x in inputs))
+        peak = tracker.peak_bytes
+    del out
+    return peak - entry
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_forward_peak_matches_real_run(name, dtype):
+    batch = 3
+    trace = traced(name, dtype)
+    want = real_forward_peak_rise(example(name), DTYPES[dtype], batch)
+    got = trace.module("").fwd_peak_rise_bytes.at(batch)
+    assert want > 0
+    assert abs(got - want) <= 0.02 * want, (got, want)
