@@ -61,22 +61,16 @@ def exhaustive_space(trace, base) -> list[tuple[str, object]]:
 
 
 def hand_written(trace, base) -> list[tuple[str, object]]:
-    """The policies people write by hand."""
-    blocks = common.layout(trace, "per-block")
-    last = len(blocks) - 1
-    return [
-        # torchtitan (torchtitan/models/llama3/infra/parallelize.py, apply_fsdp, default policy): one unit
-        # per block, reshard after forward except the last block (its backward needs it straight away).
-        ("policy: torchtitan", replace(base, units=common.make_units(blocks, reshard=lambda i: i < last))),
-        # Accelerate FSDP, TRANSFORMER_BASED_WRAP + FULL_SHARD: one unit per block, every one resharded.
-        ("policy: accelerate FULL_SHARD", replace(base, units=common.make_units(blocks))),
-        # Accelerate / FSDP1 SHARD_GRAD_OP (ZeRO-2 like): one unit per block, parameters kept after forward.
-        ("policy: SHARD_GRAD_OP", replace(base, units=common.make_units(blocks, reshard=False))),
-        # Memory first: one unit per block, resharded, every block activation-checkpointed.
-        ("policy: per-block + full AC", replace(base, units=common.make_units(blocks, ac=True))),
-        # No wrapping: the whole model one FSDP unit (the root).
-        ("policy: root only", base),
-    ]
+    """The policies people write by hand, as the solver defines them for its report
+    (shard_planner/solve/baselines.py: torchtitan default, Accelerate TRANSFORMER_BASED_WRAP and
+    SIZE_BASED_WRAP, ZeRO-2-like, full activation checkpointing), plus the whole model as one unit."""
+    from shard_planner.solve.baselines import POLICIES
+    from shard_planner.solve.space import build_space
+
+    space = build_space(trace, shard_group=base.mesh.shard, gpus_per_node=base.cluster.gpus_per_node)
+    out = [(f"policy: {name}", replace(base, units=make(space))) for name, make in POLICIES]
+    out.append(("policy: root only (no wrapping)", base))
+    return out
 
 
 def measure(plans, *, repeats: int, steps: int, warmup: int, timeout_s: float):

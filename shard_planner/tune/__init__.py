@@ -56,6 +56,7 @@ def tune_model(model_path: str, *, gpus: int, mem_budget_bytes: int, profile: st
     profile when it was written."""
     from shard_planner.cost import estimate
     from shard_planner.execute import run_plans
+    from shard_planner.modelfile import load_model_file
     from shard_planner.solve import plan_model
     from shard_planner.trace import trace_model
 
@@ -66,11 +67,15 @@ def tune_model(model_path: str, *, gpus: int, mem_budget_bytes: int, profile: st
     prior = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
     if trace is None:
         trace = trace_model(model_path)
-    kwargs = dict(gpus=gpus, profile=prior, gpus_per_node=gpus_per_node, micro_batch=micro_batch,
-                  **(plan_kwargs or {}))
+    training = load_model_file(model_path).training  # the model file's micro-batch and optimizer
+    kwargs = dict(gpus=gpus, profile=prior, gpus_per_node=gpus_per_node,
+                  micro_batch=micro_batch or int(training.get("micro_batch", 1)),
+                  optimizer=training.get("optimizer", "adamw"), model_path=model_path,
+                  profile_name=profile if isinstance(profile, str) else None, **(plan_kwargs or {}))
     plan = plan_model(trace, mem_budget_bytes=mem_budget_bytes, **kwargs)
     candidates = top_candidates(trace, plan, prior, trials, estimate=estimate,
-                                solve=lambda budget: plan_model(trace, mem_budget_bytes=budget, **kwargs))
+                                solve=lambda budget: plan_model(trace, mem_budget_bytes=budget, **kwargs),
+                                extra=hand_written_plans(trace, plan))
     result = tune(trace, candidates, prior, estimate=estimate, run_plans=run_plans, world_size=world_size,
                   per_launch=per_launch, steps=steps, warmup=warmup, timeout_s=timeout_s, device=device)
     if profile_out is not None:
@@ -82,6 +87,17 @@ def tune_model(model_path: str, *, gpus: int, mem_budget_bytes: int, profile: st
         write_report(result.plan, Path(report_dir), trace=trace, profile=result.fit.profile,
                      measurement=measurement_for_report(result))
     return result
+
+
+def hand_written_plans(trace, plan) -> list[tuple]:
+    """The hand-written policies (shard_planner/solve/baselines.py) with ``plan``'s global choices."""
+    from dataclasses import replace
+
+    from shard_planner.solve.baselines import POLICIES
+    from shard_planner.solve.space import build_space
+
+    space = build_space(trace, shard_group=plan.mesh.shard, gpus_per_node=plan.cluster.gpus_per_node)
+    return [(replace(plan, units=make(space)), f"policy: {name}") for name, make in POLICIES]
 
 
 def _with_profile(result: TuneResult, profile_path: str) -> TuneResult:

@@ -7,7 +7,13 @@ and ranked by predicted step time:
 1. the solver itself, re-solved under budgets below its plan's predicted peak (each tighter budget
    forces a different trade-off: more resharding, more checkpointing, smaller units), and
 2. the neighbours of the solver's plan that the solver does not vary per unit: other prefetch depths
-   (forward 0-2, backward 1-2), every unit resharding or every unit keeping its parameters.
+   (forward 0-2, backward 1-2), every unit resharding or every unit keeping its parameters, and
+3. whatever else the caller adds (``tune_model`` adds the hand-written policies of
+   :mod:`shard_planner.solve.baselines` with the plan's global choices).
+
+Plans the cost model cannot tell apart (same predicted peak and step time) teach the fit nothing and
+differ, measured, only by noise: a candidate predicted exactly like a better-ranked one is taken only
+when there are not ``count`` candidates without such a twin.
 
 Every candidate keeps the caller's budget in its cluster section, whatever budget it was solved for.
 """
@@ -72,7 +78,8 @@ def _neighbours(plan: Plan) -> list[tuple[Plan, str]]:
 
 def top_candidates(trace: ModelTrace, plan: Plan, profile: HardwareProfile, count: int, *,
                    solve: Callable[[int], Plan] | None,
-                   estimate: Callable[[ModelTrace, Plan, HardwareProfile], object]) -> list[Candidate]:
+                   estimate: Callable[[ModelTrace, Plan, HardwareProfile], object],
+                   extra: list[tuple[Plan, str]] = ()) -> list[Candidate]:
     """Up to ``count`` distinct candidates that fit ``plan.cluster.mem_budget_bytes`` as predicted, the
     fastest predicted first; ``plan`` (the solver's answer) is always among them. ``solve(budget_bytes)``
     re-runs the solver (None: no re-solving); ``estimate`` is :func:`shard_planner.cost.estimate`."""
@@ -83,11 +90,13 @@ def top_candidates(trace: ModelTrace, plan: Plan, profile: HardwareProfile, coun
         for fraction in TIGHTER_BUDGET_FRACTIONS:
             try:
                 tighter = solve(int(min(peak, budget) * fraction))
-            except InfeasibleError:
-                break  # tighter budgets are infeasible too
+            except InfeasibleError as exc:
+                logger.debug("no plan at %.0f%% of the peak: %s", fraction * 100, exc)
+                continue
             pool.append((replace(tighter, cluster=replace(tighter.cluster, mem_budget_bytes=budget)),
                          f"solver at {fraction:.0%} of its peak"))
     pool.extend(_neighbours(plan))
+    pool.extend(extra)
 
     seen: set[str] = set()
     ranked: list[Candidate] = []
@@ -103,5 +112,13 @@ def top_candidates(trace: ModelTrace, plan: Plan, profile: HardwareProfile, coun
         ranked.append(Candidate(replace(p, predicted=prediction), source))
     first, rest = ranked[0], sorted(ranked[1:], key=lambda c: c.plan.predicted.step_time_s)
     # The solver's plan is kept even where another candidate is predicted faster (it is the answer to beat).
-    chosen = [first] + rest[: max(0, count - 1)]
+    chosen, twins = [first], []
+    for c in rest:
+        (twins if any(_twin(c, k) for k in chosen) else chosen).append(c)
+    chosen = (chosen + twins)[:count]
     return sorted(chosen, key=lambda c: c.plan.predicted.step_time_s)
+
+
+def _twin(a: Candidate, b: Candidate) -> bool:
+    pa, pb = a.plan.predicted, b.plan.predicted
+    return pa.peak_bytes == pb.peak_bytes and abs(pa.step_time_s - pb.step_time_s) <= 1e-9 * max(pb.step_time_s, 1e-12)
