@@ -111,7 +111,9 @@ OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
 # Temporaries of the foreach step, in sharded-parameter sizes. See [Note: Optimizer step].
 OPTIMIZER_TEMPORARIES = {"adamw": 1, "adam": 1, "sgd_momentum": 0, "sgd": 0}
 
-_SP, _UP, _GR, _OS, _AC, _TM, _CB, _OV = range(8)  # indices into the category vector
+_SP, _UP, _GR, _OS, _AC, _TM, _CB, _OV = range(8)  # indices into the category vector (MEMORY_CATEGORIES order)
+assert MEMORY_CATEGORIES == ("sharded_params", "unsharded_params", "grads", "optimizer_states", "activations",
+                             "temporaries", "comm_buffers", "overhead")
 
 
 def optimizer_state_count(optimizer: str) -> int:
@@ -128,23 +130,23 @@ class _UnitBytes:
 def _unit_bytes(t: CostTables, plan: Plan) -> list[_UnitBytes]:
     n = plan.mesh.shard
     param_dtype, reduce_dtype = plan.training.param_dtype, plan.training.reduce_dtype
+    pd_elem, rs_elem = dtype_bytes(param_dtype), dtype_bytes(reduce_dtype)
     out = []
-    for u, numel, first in zip(plan.units, t.unit_param_numel, t.unit_first_param_numel):
+    for i, u in enumerate(plan.units):
         b = _UnitBytes()
-        b.last_grad = sum(k * dtype_bytes(param_dtype) for dt, k in first.items() if dt in FLOAT_DTYPES)
-        built = sum(k * dtype_bytes(dt) for dt, k in numel.items())
+        float_numel = t.unit_float_numel[i]
+        float_built = t.unit_float_built_bytes[i]
+        other = t.unit_other_bytes[i]
+        b.last_grad = t.unit_first_float_numel[i] * pd_elem
         # Mixed precision applies to floating parameters whose dtype differs from param_dtype.
-        mp = any(dt in FLOAT_DTYPES and dt != param_dtype for dt in numel)
-        unsharded = sum(k * (dtype_bytes(param_dtype) if dt in FLOAT_DTYPES else dtype_bytes(dt))
-                        for dt, k in numel.items())
-        grad_elems = sum(k for dt, k in numel.items() if dt in FLOAT_DTYPES)
-        # reduce_dtype equal to param_dtype means "no cast" (FSDPParam.init_dtype_attrs).
-        rs_elem = dtype_bytes(reduce_dtype)
-        b.sharded = built / n
+        mp = any(dt != param_dtype for dt in t.unit_float_dtypes[i])
+        unsharded = float_numel * pd_elem + other
+        b.sharded = (float_built + other) / n
         b.unsharded = unsharded
-        b.rs_input = grad_elems * rs_elem
-        b.rs_output = grad_elems * rs_elem / n
-        b.sharded_grad = sum(k * dtype_bytes(dt) for dt, k in numel.items() if dt in FLOAT_DTYPES) / n
+        # reduce_dtype equal to param_dtype means "no cast" (FSDPParam.init_dtype_attrs): same bytes.
+        b.rs_input = float_numel * rs_elem
+        b.rs_output = b.rs_input / n
+        b.sharded_grad = float_built / n
         b.grad_cast = b.rs_output != b.sharded_grad  # reduce dtype differs from built: cast after
         b.mp = mp
         b.cast_input = unsharded / n if mp else 0.0
@@ -184,17 +186,18 @@ def simulate_memory(trace: ModelTrace, plan: Plan, profile: HardwareProfile,
     events: list[tuple[str, str, tuple]] = []
     peak = [-1.0, None]  # total, event tuple
 
-    def record(label: str, phase: str, extra_temp: float = 0.0, extra_comm: float = 0.0) -> None:
+    def record(what: str, who: str, phase: str, extra_temp: float = 0.0, extra_comm: float = 0.0) -> None:
+        """One event; its label is "<phase>: <what> <who>", built only when kept."""
         total = cat[0] + cat[1] + cat[2] + cat[3] + cat[4] + cat[5] + cat[6] + cat[7] + extra_temp + extra_comm
         if timeline or total > peak[0]:
             snap = (cat[0], cat[1], cat[2], cat[3], cat[4], cat[5] + extra_temp, cat[6] + extra_comm, cat[7])
             if timeline:
-                events.append((label, phase, snap))
+                events.append((what, who, phase, snap))
             if total > peak[0]:
                 peak[0] = total
-                peak[1] = (label, phase, snap)
+                peak[1] = (what, who, phase, snap)
 
-    name = [u.name for u in plan.units]
+    name = t.unit_names
     unsharded = [False] * n_units
     pending = [0.0] * n_units  # all-gather outputs issued and not yet copied out
     ag_state = [0.0]  # forward: the last copied-out unit's all-gather output (freed at the next copy-out)
@@ -208,7 +211,7 @@ def simulate_memory(trace: ModelTrace, plan: Plan, profile: HardwareProfile,
         cast = (x.post_forward if x.resharded else x.cast_input) if x.mp else 0.0
         cat[_CB] += x.unsharded
         pending[u] = x.unsharded
-        record(f"{phase}: all-gather {name[u]}", phase, extra_temp=cast + (0.0 if x.resharded else offload_copy[u]))
+        record("all-gather", name[u], phase, extra_temp=cast + (0.0 if x.resharded else offload_copy[u]))
 
     def wait_all_gather(u: int, phase: str) -> None:
         x = ub[u]
@@ -217,7 +220,7 @@ def simulate_memory(trace: ModelTrace, plan: Plan, profile: HardwareProfile,
         if not pending[u]:
             issue_all_gather(u, phase)
         cat[_UP] += x.unsharded
-        record(f"{phase}: copy-out {name[u]}", phase)
+        record("copy-out", name[u], phase)
         if phase == "forward" and ag_state[0]:
             # freed only when wait_for_unshard returns: see [Note: All-gather buffers]
             cat[_CB] -= ag_state[0]
@@ -238,7 +241,7 @@ def simulate_memory(trace: ModelTrace, plan: Plan, profile: HardwareProfile,
             return
         if x.post_forward:
             cat[_UP] += x.post_forward
-            record(f"forward: reshard {name[u]} to 1/{plan.units[u].reshard_after_forward}", "forward")
+            record("reshard to a smaller group", name[u], "forward")
             x.resharded = True
         cat[_UP] -= x.unsharded
         unsharded[u] = False
@@ -274,10 +277,10 @@ def simulate_memory(trace: ModelTrace, plan: Plan, profile: HardwareProfile,
                 pre_forward(u)
         if ckpt[i]:
             out = blk.output.at(b) * act_scale
-            record(f"forward: {blk.fqn} (checkpointed)", "forward", extra_temp=max(out, rise - saved))
+            record("checkpointed", blk.fqn, "forward", extra_temp=max(out, rise - saved))
             saved_sum += blk.input.at(b) * act_scale
         else:
-            record(f"forward: {blk.fqn}", "forward", extra_temp=rise)
+            record("", blk.fqn, "forward", extra_temp=rise)
             saved_sum += saved
         if not is_self:
             flow = blk.output.at(b) * act_scale
@@ -290,11 +293,11 @@ def simulate_memory(trace: ModelTrace, plan: Plan, profile: HardwareProfile,
     if ag_state[0]:
         cat[_CB] -= ag_state[0]
         ag_state[0] = 0.0
-    record("forward: end", "forward")
+    record("end", "", "forward")
 
     # ---- loss ----
     loss_rise = trace.loss_peak_rise_bytes.at(b)
-    record("loss forward+backward", "backward", extra_temp=loss_rise)
+    record("loss forward+backward", "", "backward", extra_temp=loss_rise)
     flow = blocks[-1].output.at(b) * act_scale if blocks else 0.0
 
     # ---- backward ----
@@ -323,19 +326,19 @@ def simulate_memory(trace: ModelTrace, plan: Plan, profile: HardwareProfile,
             cat[_CB] -= rs_state[0]
             rs_state[0] = 0.0
         cat[_CB] += x.rs_input
-        record(f"backward: reduce-scatter copy-in {name[u]}", "backward")
+        record("reduce-scatter copy-in", name[u], "backward")
         # the copied-in gradients are freed, but the last one autograd produced stays referenced until
         # post_backward returns; the 1/N output is allocated before the collective runs (it becomes the
         # sharded gradient). See [Note: Reduce-scatter buffers].
         held = min(x.last_grad, grad_unsharded[u])
         cat[_GR] -= grad_unsharded[u] - held
-        record(f"backward: reduce-scatter {name[u]}", "backward",
+        record("reduce-scatter", name[u], "backward",
                extra_temp=x.rs_input * rs_temp, extra_comm=x.rs_output)
         cat[_GR] -= held
         grad_unsharded[u] = 0.0
         rs_state[0] = x.rs_input
         if x.grad_cast:
-            record(f"backward: reduce-scatter output {name[u]}", "backward", extra_temp=x.rs_output + x.sharded_grad)
+            record("reduce-scatter output", name[u], "backward", extra_temp=x.rs_output + x.sharded_grad)
         if not offload_off_device:
             cat[_GR] += x.sharded_grad
         if plan.mesh.replicate > 1 and x.grad_cast:
@@ -356,17 +359,17 @@ def simulate_memory(trace: ModelTrace, plan: Plan, profile: HardwareProfile,
         cat[_AC] = batch_bytes + saved_sum + flow
         if ckpt[i]:
             kept = blk.input.at(b) * act_scale
-            record(f"backward: recompute {blk.fqn}", "backward", extra_temp=blk.fwd_rise.at(b) * act_scale)
+            record("recompute", blk.fqn, "backward", extra_temp=blk.fwd_rise.at(b) * act_scale)
             saved_sum += saved - kept
             cat[_AC] = batch_bytes + saved_sum + flow
-        own_grads = sum(k for dt, k in blk.own_param_numel.items() if dt in FLOAT_DTYPES) * param_elem
+        own_grads = blk.own_float_numel * param_elem
         # the traced rise excludes parameter gradients: add them on top. See [Note: Activations].
         rise = blk.bwd_rise.at(b) * act_scale + own_grads
         cat[_GR] += own_grads
-        record(f"backward: {blk.fqn}", "backward", extra_temp=rise - own_grads)
+        record("", blk.fqn, "backward", extra_temp=rise - own_grads)
         grad_unsharded[blk.unit] += own_grads
         for v in blk.nested:
-            g = sum(k for dt, k in t.unit_param_numel[v].items() if dt in FLOAT_DTYPES) * param_elem
+            g = t.unit_float_numel[v] * param_elem
             cat[_GR] += g
             grad_unsharded[v] += g
         saved_sum -= saved
@@ -382,25 +385,36 @@ def simulate_memory(trace: ModelTrace, plan: Plan, profile: HardwareProfile,
     if rs_state[0]:
         cat[_CB] -= rs_state[0]
         rs_state[0] = 0.0
-    record("backward: end", "backward")
+    record("end", "", "backward")
 
     # ---- optimizer step ----
     if not offload_off_device:
         temp = OPTIMIZER_TEMPORARIES[training.optimizer] * sum(x.sharded_grad for x in ub)
-        record("optimizer step", "optimizer", extra_temp=temp)
+        record("step", "", "optimizer", extra_temp=temp)
     cat[_GR] = 0.0
-    record("zero_grad", "optimizer")
+    record("zero_grad", "", "optimizer")
 
-    def to_dict(snap: tuple) -> dict[str, int]:
-        return {c: int(round(v)) for c, v in zip(MEMORY_CATEGORIES, snap)}
+    def to_dict(s: tuple) -> dict[str, int]:  # MEMORY_CATEGORIES, in order (a literal: this is hot)
+        return {"sharded_params": int(s[0] + 0.5), "unsharded_params": int(s[1] + 0.5), "grads": int(s[2] + 0.5),
+                "optimizer_states": int(s[3] + 0.5), "activations": int(s[4] + 0.5),
+                "temporaries": int(s[5] + 0.5), "comm_buffers": int(s[6] + 0.5), "overhead": int(s[7] + 0.5)}
 
-    label, _phase, snap = peak[1]
+    def label(what: str, who: str, phase: str) -> str:
+        if phase == "optimizer":
+            return "optimizer step" if what == "step" else what
+        if what.startswith("loss"):
+            return what
+        if not what:
+            return f"{phase}: {who or '<root>'}"
+        return f"{phase}: {what} {who}" if who else f"{phase}: {what}"
+
+    what, who, phase, snap = peak[1]
     at_peak = to_dict(snap)
     return MemoryEstimate(
         peak_bytes=sum(at_peak.values()),
         memory_at_peak=at_peak,
-        peak_event=label,
-        timeline=tuple(MemoryEvent(lb, ph, to_dict(s)) for lb, ph, s in events) if timeline else (),
+        peak_event=label(what, who, phase),
+        timeline=tuple(MemoryEvent(label(w, o, ph), ph, to_dict(sn)) for w, o, ph, sn in events) if timeline else (),
     )
 
 

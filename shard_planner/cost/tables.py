@@ -51,6 +51,7 @@ class Block:
     nested: tuple[int, ...]  # units nested inside this block's module
     unit_module: bool  # the block is a module listed in its unit (activation checkpointing applies)
     own_param_numel: dict[str, int]  # parameters of this block the owner unit holds, by built dtype
+    own_float_numel: int  # of those, floating-point elements (they get gradients)
     saved: Affine  # bytes saved for backward by the subtree (nested units included)
     input: Affine
     output: Affine
@@ -74,6 +75,13 @@ class CostTables:
     unit_last_block: tuple[int, ...]
     forward_units: tuple[int, ...]  # units in pre-forward order (the root first)
     built_dtype: str  # the dtype most parameter bytes were built in (FSDP2's sharded dtype)
+    # per unit, precomputed for the simulators' inner loops
+    unit_names: tuple[str, ...]
+    unit_float_numel: tuple[int, ...]  # floating-point parameter elements
+    unit_float_built_bytes: tuple[int, ...]  # their bytes as built
+    unit_other_bytes: tuple[int, ...]  # non-floating parameters (never cast, no gradient)
+    unit_float_dtypes: tuple[frozenset, ...]
+    unit_first_float_numel: tuple[int, ...]
     total_param_numel: int
     model_fwd_flops: Affine  # the whole model (the loss excluded: trace.loss_flops), per micro-batch
     model_bwd_flops: Affine
@@ -180,9 +188,10 @@ def build_tables(trace: ModelTrace, units: tuple[Unit, ...]) -> CostTables:
 
     def whole_block(fqn: str, unit: int, unit_module: bool) -> Block:
         m = trace.module(fqn)
+        own = own_numel(fqn, unit)
         return Block(
             fqn=fqn, unit=unit, nested=nested_units(fqn), unit_module=unit_module,
-            own_param_numel=own_numel(fqn, unit),
+            own_param_numel=own, own_float_numel=sum(k for dt, k in own.items() if dt in FLOAT_DTYPES),
             saved=subtree_sum(fqn, "saved_bytes_self"), input=m.input_bytes, output=m.output_bytes,
             fwd_rise=m.fwd_peak_rise_bytes, bwd_rise=m.bwd_peak_rise_bytes,
             fwd_flops=subtree_sum(fqn, "fwd_flops_self"), bwd_flops=subtree_sum(fqn, "bwd_flops_self"),
@@ -202,6 +211,7 @@ def build_tables(trace: ModelTrace, units: tuple[Unit, ...]) -> CostTables:
         own = {dt: nb // dtype_bytes(dt) for dt, nb in m.param_bytes_by_dtype.items()}
         blocks.append(Block(
             fqn=f"{fqn}:self", unit=owner[fqn], nested=(), unit_module=False, own_param_numel=own,
+            own_float_numel=sum(k for dt, k in own.items() if dt in FLOAT_DTYPES),
             saved=m.saved_bytes_self, input=ZERO, output=ZERO, fwd_rise=ZERO, bwd_rise=ZERO,
             fwd_flops=m.fwd_flops_self, bwd_flops=m.bwd_flops_self,
         ))
@@ -234,6 +244,15 @@ def build_tables(trace: ModelTrace, units: tuple[Unit, ...]) -> CostTables:
         units=tuple(units), blocks=tuple(blocks), unit_param_numel=tuple(unit_numel),
         unit_first_param_numel=tuple(first_params),
         unit_first_block=tuple(first), unit_last_block=tuple(last), forward_units=forward_units,
-        built_dtype=built_dtype, total_param_numel=sum(sum(d.values()) for d in unit_numel),
+        built_dtype=built_dtype,
+        unit_names=tuple(u.name for u in units),
+        unit_float_numel=tuple(sum(k for dt, k in d.items() if dt in FLOAT_DTYPES) for d in unit_numel),
+        unit_float_built_bytes=tuple(sum(k * dtype_bytes(dt) for dt, k in d.items() if dt in FLOAT_DTYPES)
+                                     for d in unit_numel),
+        unit_other_bytes=tuple(sum(k * dtype_bytes(dt) for dt, k in d.items() if dt not in FLOAT_DTYPES)
+                               for d in unit_numel),
+        unit_float_dtypes=tuple(frozenset(dt for dt in d if dt in FLOAT_DTYPES) for d in unit_numel),
+        unit_first_float_numel=tuple(sum(k for dt, k in d.items() if dt in FLOAT_DTYPES) for d in first_params),
+        total_param_numel=sum(sum(d.values()) for d in unit_numel),
         model_fwd_flops=fwd_total, model_bwd_flops=bwd_total,
     )

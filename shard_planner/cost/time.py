@@ -37,7 +37,7 @@ import logging
 
 from shard_planner.cost.collectives import all_gather_time_s, reduce_scatter_time_s
 from shard_planner.cost.memory import _unit_bytes
-from shard_planner.cost.tables import FLOAT_DTYPES, cost_tables, dtype_bytes
+from shard_planner.cost.tables import cost_tables, dtype_bytes
 from shard_planner.cost.types import TimeEstimate, UnitTime
 from shard_planner.plan import Plan
 from shard_planner.profile import HardwareProfile
@@ -99,7 +99,7 @@ def simulate_time(trace: ModelTrace, plan: Plan, profile: HardwareProfile) -> Ti
     compute_s = sum(unit_fwd) + sum(unit_bwd) + loss_s
 
     # ---- optimizer ----
-    sharded_elems = sum(sum(k for dt, k in numel.items() if dt in FLOAT_DTYPES) for numel in t.unit_param_numel) / n
+    sharded_elems = sum(t.unit_float_numel) / n
     state_bytes = dtype_bytes(t.built_dtype)
     opt_bytes = OPTIMIZER_ACCESSES_PER_ELEMENT[training.optimizer] * sharded_elems * state_bytes
     bw = (profile.host_memory_bandwidth_bytes_per_s or profile.memory_bandwidth_bytes_per_s) if offload \
