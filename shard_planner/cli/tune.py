@@ -96,7 +96,7 @@ def run(args) -> int:
               f"{result.fit.predicted_after_s[i]:>9.4g}  {format_bytes(t.measurement.peak_bytes):>11}  "
               f"{format_bytes(t.predicted_peak_bytes):>11}  {t.candidate.description}")
     for s in result.skipped:
-        print(f" -  {'skipped':>6}  {'':>10}  {s.candidate.plan.predicted.step_time_s:>9.4g}  "
+        print(f" -  {'skipped':>6}  {'':>10}  {s.predicted_prior_s:>9.4g}  "
               f"{s.predicted_fitted_s:>9.4g}  {'':>11}  {'':>11}  {s.candidate.description}: {s.reason}")
     fit = result.fit
     print(f"fit: {', '.join(f'{k} x{v:.3g}' for k, v in fit.factors.items())}; step-time error "

@@ -56,6 +56,7 @@ class Trial:
 @dataclass(frozen=True)
 class Skipped:
     candidate: Candidate
+    predicted_prior_s: float  # at the run's world size, prior profile
     predicted_fitted_s: float  # at the run's world size, fitted profile
     reason: str
 
@@ -144,7 +145,7 @@ def tune(trace: ModelTrace, candidates: list[Candidate], prior: HardwareProfile,
             if t * (1 - error) < best_s:
                 pending.append((c, rp))
             else:
-                skipped.append(Skipped(c, t, f"fitted prediction {t:.4g} s minus the observed error "
+                skipped.append(Skipped(c, rp.predicted.step_time_s, t, f"fitted prediction {t:.4g} s minus the observed error "
                                              f"{error:.1%} is not below the measured best {best_s:.4g} s"))
     assert fit is not None
     chosen = _measured_best(trials, budget, rederived)
