@@ -1,0 +1,158 @@
+"""``shard-planner plan model.py --gpus 8 --mem 40GB``: the fastest FSDP2 plan that fits, written to
+plan.json (with the frontier and the hand-written baselines), a terminal summary, and a report."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from shard_planner.errors import UserError
+from shard_planner.plan import Plan, save_plan
+from shard_planner.units import format_bytes, parse_bytes
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+          "fp32": "float32", "float32": "float32"}
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    model: str  # a model file or a trace.json
+    gpus: int
+    mem_budget_bytes: int
+    profile: str
+    gpus_per_node: int
+    micro_batch: int | None
+    search_batch: bool
+    dtype: str
+    output: str
+    time_limit_s: float
+    report: bool
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "plan",
+        help="find the fastest FSDP2 plan that fits a per-GPU memory budget",
+        description="Trace the model, search wrap boundaries, reshard and checkpointing per unit, prefetch "
+        "depth, mesh and micro-batch with CP-SAT, check every answer with the cost model's simulators, and "
+        "write plan.json with the memory-vs-time frontier and the usual hand-written policies beside it.",
+    )
+    p.add_argument("model", help="model file (path/to/model.py) or a trace.json from shard-planner trace")
+    p.add_argument("--gpus", type=int, required=True, metavar="N", help="number of GPUs")
+    p.add_argument("--mem", required=True, metavar="SIZE", help="memory budget per GPU, e.g. 40GB (GB = GiB)")
+    p.add_argument("--profile", default="h100-80gb",
+                   help="hardware profile: a name in profiles/ or a TOML path (default: h100-80gb)")
+    p.add_argument("--gpus-per-node", type=int, default=None, metavar="K",
+                   help="GPUs per node (default: the profile's)")
+    batch = p.add_mutually_exclusive_group()
+    batch.add_argument("--batch-size", type=int, default=None, metavar="B",
+                       help="micro-batch per GPU (default: the model file's TRAINING['micro_batch'], else 1)")
+    batch.add_argument("--search-batch", action="store_true",
+                       help="also choose the micro-batch that maximises throughput")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="mixed-precision param dtype (default bf16)")
+    p.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default plan.json)")
+    p.add_argument("--time-limit", type=float, default=2.0, metavar="S",
+                   help="CP-SAT time limit per solve in seconds (default 2; the planner runs a few dozen solves)")
+    p.add_argument("--no-report", dest="report", action="store_false",
+                   help="skip the report (reports/<plan name>/ beside the plan)")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from shard_planner.profile import load_profile
+    from shard_planner.solve import plan_model
+    from shard_planner.trace import trace_or_load
+
+    if args.gpus < 1:
+        raise UserError(f"--gpus must be a positive integer, got {args.gpus}")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise UserError(f"--batch-size must be a positive integer, got {args.batch_size}")
+    if args.time_limit <= 0:
+        raise UserError(f"--time-limit must be positive, got {args.time_limit}")
+    profile = load_profile(args.profile)
+    gpn = args.gpus_per_node or profile.interconnect.gpus_per_node
+    if gpn < 1:
+        raise UserError(f"--gpus-per-node must be a positive integer, got {gpn}")
+    req = PlanRequest(model=args.model, gpus=args.gpus, mem_budget_bytes=parse_bytes(args.mem), profile=args.profile,
+                      gpus_per_node=gpn, micro_batch=args.batch_size, search_batch=args.search_batch,
+                      dtype=DTYPES[args.dtype], output=args.output, time_limit_s=args.time_limit, report=args.report)
+
+    trace = trace_or_load(req.model, dtype=req.dtype)
+    micro_batch = req.micro_batch or (None if req.search_batch else _default_micro_batch(req.model))
+    plan = plan_model(trace, gpus=req.gpus, mem_budget_bytes=req.mem_budget_bytes, profile=profile,
+                      gpus_per_node=req.gpus_per_node, micro_batch=micro_batch, search_batch=req.search_batch,
+                      param_dtype=req.dtype, optimizer=_default_optimizer(req.model),
+                      time_limit_s=req.time_limit_s, model_path=req.model, profile_name=req.profile)
+    save_plan(plan, req.output)
+    print(summary(plan, profile))
+    print(f"wrote {req.output}")
+    if req.report:
+        out = _write_report(plan, req.output, trace, profile)
+        if out is not None:
+            print(f"report: {out}")
+    return 0
+
+
+def _model_training(model: str) -> dict:
+    if model.endswith(".json"):
+        return {}
+    from shard_planner.modelfile import load_model_file
+
+    return dict(load_model_file(model).training)
+
+
+def _default_micro_batch(model: str) -> int:
+    return int(_model_training(model).get("micro_batch", 1))
+
+
+def _default_optimizer(model: str) -> str:
+    return str(_model_training(model).get("optimizer", "adamw"))
+
+
+def _write_report(plan: Plan, output: str, trace, profile):
+    try:
+        from shard_planner.report import write_report
+    except ImportError:
+        logger.warning("the report module is not available: skipping the report")
+        return None
+    out_dir = Path("reports") / Path(output).stem
+    return write_report(plan, out_dir, trace=trace, profile=profile)
+
+
+def summary(plan: Plan, profile) -> str:
+    """The chosen plan in a few lines, predicted peak vs budget, step time and throughput, and how it
+    compares with the best hand-written policy that fits."""
+    from shard_planner.solve import summarize_units
+
+    pr = plan.predicted
+    budget = plan.cluster.mem_budget_bytes
+    tr = plan.training
+    mesh = (f"HSDP {plan.mesh.replicate} replicas x {plan.mesh.shard}" if plan.mesh.replicate > 1
+            else f"FSDP over {plan.mesh.shard} GPUs")
+    lines = [f"plan for {plan.model.path}: {len(plan.units)} FSDP units, {mesh}, micro-batch {tr.micro_batch}, "
+             f"prefetch forward {plan.prefetch.forward} / backward {plan.prefetch.backward}"
+             f"{', CPU offload' if tr.cpu_offload else ''}"]
+    lines += [f"  {line}" for line in summarize_units(plan.units)]
+    lines.append(f"predicted peak {format_bytes(pr.peak_bytes)} per GPU of {format_bytes(budget)} budget "
+                 f"({100 * pr.peak_bytes / budget:.0f}%), at the peak: " + ", ".join(
+                     f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in sorted(
+                         pr.memory_at_peak.items(), key=lambda kv: -kv[1])[:3]))
+    rate = f"{pr.tokens_per_s:,.0f} tokens/s" if pr.tokens_per_s else f"{pr.samples_per_s:,.1f} samples/s"
+    mfu = f", MFU {100 * pr.mfu:.0f}%" if pr.mfu else ""
+    lines.append(f"predicted step {pr.step_time_s * 1e3:.1f} ms, {rate} on {plan.cluster.gpus} GPUs{mfu}")
+    fitting = [b for b in plan.baselines if b.fits]
+    if fitting:
+        best = min(fitting, key=lambda b: b.step_time_s)
+        gain = best.step_time_s / pr.step_time_s - 1
+        lines.append(f"vs best hand-written policy that fits ({best.description}: {best.step_time_s * 1e3:.1f} ms, "
+                     f"{format_bytes(best.peak_bytes)}): {100 * gain:+.1f}% throughput")
+    elif plan.baselines:
+        lines.append("no hand-written policy fits this budget: " + ", ".join(
+            f"{b.description} needs {format_bytes(b.peak_bytes)}" for b in plan.baselines[:3]))
+    s = plan.solver
+    lines.append(f"solver: {s.method}, {s.status}, {s.seconds:.1f} s; frontier of {len(plan.frontier)} plans in the file")
+    return "\n".join(lines)

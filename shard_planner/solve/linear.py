@@ -1,0 +1,340 @@
+"""The solver's linear model: per candidate unit, integer memory terms (MiB) and a time term (µs).
+
+The cost model (:mod:`shard_planner.cost`) simulates a plan event by event; the solver needs the same
+quantities as *coefficients* of a linear program. This module computes them once per global choice
+(micro-batch, prefetch depths, mesh, offload) from the trace and the profile. The program itself, and
+how these terms combine into the peak, is stated in :mod:`shard_planner.solve.cpsat`;
+:func:`evaluate` computes the same peak and time for one assignment directly, and is what the DP, the
+brute force and the tests compare against.
+
+Memory per rank (bytes, then MiB rounded *up* so the linear model never under-counts by rounding):
+
+- ``base``: the profile's fixed overhead, sharded state (ZeRO §5: params + grads + optimizer states,
+  each ``/ shard``), parameters no item owns (the root unit's own: gathered once, kept — FSDP2 does
+  not reshard the root), activations saved outside every item, the batch, the loss' saved tensors.
+- per candidate ``c`` (a run of items with one option), following the FSDP2 schedule the cost model
+  simulates (:mod:`shard_planner.cost.memory`, its notes cited by name):
+  ``stack``  — what stays live from its forward until its backward: saved activations (checkpointed:
+  only each module's inputs, Korthikanti et al. 2022 §4 "full recomputation keeps the layer input"),
+  plus unsharded parameters it keeps (reshard False: all of them; int ``r``: ``1/r`` of them);
+  ``fwd``    — its own rise while it computes forward: its parameters twice (the all-gather output
+  stays until the next unit's copy-out, [Note: All-gather buffers]) and the largest traced
+  ``fwd_peak_rise_bytes`` of its modules above what it has already saved;
+  ``copy``   — its own rise at its copy-out: the parameters twice (the previous unit's output adds
+  ``prev_out`` of that unit);
+  ``bwd``    — its own rise while it computes backward: gathered parameters, unsharded gradients in the
+  param dtype, its saved activations (re-materialised when checkpointed, one module at a time) and
+  the traced ``bwd_peak_rise_bytes`` (the next unit's reduce-scatter input ``rs_in`` is still live,
+  [Note: Reduce-scatter buffers]);
+  ``rs``     — its own rise at its reduce-scatter: the input in the reduce dtype and the 1/N output;
+  ``gather`` — the all-gather output a neighbour's prefetch adds ([Note: Prefetch holds all-gather
+  outputs]); ``regather`` — the same in backward (0 when it kept its parameters).
+
+Time per candidate (seconds, then µs rounded): forward and backward compute from traced FLOPs at the
+profile's achievable FLOP/s, recomputation when checkpointed, and *exposed* communication,
+linearised per unit as ``max(0, comm - overlap x compute)``: the all-gathers and reduce-scatters of a
+unit hide behind compute of the neighbouring units; the unit's own compute stands in for its
+neighbours' (exact for uniform stacks of blocks), and the prefetch depth sets how many neighbours
+(``overlap = max(1, depth)``: FSDP2's implicit prefetch overlaps one unit even at depth 0; on a
+CPU profile nothing overlaps). Collectives use the ring
+model ``alpha (p-1) + (p-1)/p x bytes / busbw`` (nccl-tests' bus bandwidth, DESIGN.md "Time model").
+The constant part (loss, modules outside items, optimizer step) does not change the argmin but is
+added so the linear step time is comparable with the simulator's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from shard_planner.plan import Mesh, Prefetch, Training
+from shard_planner.profile import HardwareProfile
+from shard_planner.solve.space import Candidate, SearchSpace
+from shard_planner.trace.types import ModelTrace
+
+MIB = 2**20
+TIE_BREAK_S_PER_COLLECTIVE = 1e-6  # 1 µs: the smallest step of the objective's integer scale
+US_PER_S = 1_000_000
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+# fp32 optimizer states per parameter: AdamW/Adam keep exp_avg and exp_avg_sq, SGD with momentum one
+# buffer (torch.optim docs; ZeRO §5 counts them in K).
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
+
+
+def _optimizer_touches(states: int) -> int:
+    """Element sizes the optimizer step reads and writes per parameter: param r/w, grad r, each state
+    r/w (an elementwise, memory-bound update: time = bytes touched / HBM bandwidth)."""
+    return 3 + 2 * states
+
+
+@dataclass(frozen=True)
+class GlobalChoice:
+    """The decisions the solver loops over outside the program."""
+
+    micro_batch: int
+    prefetch: Prefetch
+    mesh: Mesh
+    cpu_offload: bool = False
+
+    @property
+    def label(self) -> str:
+        mesh = f"{self.mesh.replicate}x{self.mesh.shard} HSDP" if self.mesh.replicate > 1 else f"FSDP {self.mesh.shard}"
+        off = ", CPU offload" if self.cpu_offload else ""
+        return f"micro-batch {self.micro_batch}, prefetch fwd {self.prefetch.forward}/bwd {self.prefetch.backward}, {mesh}{off}"
+
+
+@dataclass(frozen=True)
+class Coeffs:
+    """Integer terms of one candidate (MiB, µs); see the module docstring."""
+
+    stack_mib: int
+    fwd_mib: int
+    copy_mib: int
+    bwd_mib: int
+    rs_mib: int
+    gather_mib: int
+    prev_out_mib: int
+    regather_mib: int
+    rs_in_mib: int
+    root_mib: int  # parameters (and their gradients) added to the root unit when the option is "in root"
+    uses_int_reshard: bool
+    time_us: int
+
+
+@dataclass(frozen=True)
+class LinearModel:
+    space: SearchSpace
+    choice: GlobalChoice
+    coeffs: tuple[Coeffs, ...]  # parallel to space.candidates
+    base_mib: int
+    loss_mib: int  # transient of the loss, on top of every saved activation
+    optimizer_mib: int  # the optimizer step: overhead + sharded state + the foreach temporary (a constant)
+    process_group_mib: int  # one extra process group when any unit reshards to an int
+    const_time_us: int
+
+    @property
+    def forward_depth(self) -> int:
+        return self.choice.prefetch.forward
+
+    @property
+    def backward_depth(self) -> int:
+        # FSDP2 always prefetches one unit in backward (DESIGN.md "FSDP2 facts").
+        return max(1, self.choice.prefetch.backward)
+
+
+@dataclass(frozen=True)
+class LinearResult:
+    peak_mib: int
+    time_us: int
+
+
+def _mib(nbytes: float) -> int:
+    return max(0, math.ceil(nbytes / MIB))
+
+
+def _us(seconds: float) -> int:
+    return max(0, round(seconds * US_PER_S))
+
+
+def ring_time_s(nbytes: float, ranks: int, latency_s: float, busbw_bytes_per_s: float, *, collectives: int = 1) -> float:
+    """All-gather / reduce-scatter on a ring of ``ranks`` (nccl-tests: alpha (p-1) + (p-1)/p bytes/busbw)."""
+    if ranks <= 1:
+        return 0.0
+    return collectives * latency_s * (ranks - 1) + (ranks - 1) / ranks * nbytes / busbw_bytes_per_s
+
+
+def _link(profile: HardwareProfile, ranks: int) -> tuple[float, float]:
+    ic = profile.interconnect
+    if ranks <= ic.gpus_per_node:
+        return ic.intra_node_latency_s, ic.intra_node_busbw_bytes_per_s
+    return ic.inter_node_latency_s, ic.inter_node_busbw_bytes_per_s
+
+
+def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoice, training: Training,
+                       profile: HardwareProfile) -> LinearModel:
+    b = choice.micro_batch
+    shard = choice.mesh.shard
+    param_elem = sum(m.param_bytes for m in trace.modules) / max(trace.param_count, 1)  # stored bytes per param
+    bp = DTYPE_BYTES[training.param_dtype]  # unsharded (all-gathered) parameters and their gradients
+    br = DTYPE_BYTES[training.reduce_dtype]  # reduce-scatter buffers
+    act_scale = bp / DTYPE_BYTES.get(trace.compute_dtype, bp)  # activations follow the compute dtype
+    flops_per_s = profile.flops_per_s(training.param_dtype)
+    states = OPTIMIZER_STATES[training.optimizer]
+
+    # ---- per item, in bytes / FLOPs at micro-batch b ----
+    items = space.items
+    saved = [trace.subtree_sum(it.fqn, "saved_bytes_self").at(b) * act_scale for it in items]
+    inputs = [trace.module(it.fqn).input_bytes.at(b) * act_scale for it in items]
+    fwd_rise = [trace.module(it.fqn).fwd_peak_rise_bytes.at(b) * act_scale for it in items]
+    bwd_rise = [trace.module(it.fqn).bwd_peak_rise_bytes.at(b) * act_scale for it in items]
+    fwd_flops = [trace.subtree_sum(it.fqn, "fwd_flops_self").at(b) for it in items]
+    bwd_flops = [trace.subtree_sum(it.fqn, "bwd_flops_self").at(b) for it in items]
+
+    lat, bw = _link(profile, shard)
+    replicas = choice.mesh.replicate
+    inter_lat, inter_bw = profile.interconnect.inter_node_latency_s, profile.interconnect.inter_node_busbw_bytes_per_s
+    # Overlap windows in units of the unit's own compute: FSDP2's implicit prefetch (the CPU runs
+    # ahead) already overlaps one unit in forward when the explicit depth is 0, and backward always
+    # prefetches one (DESIGN.md "FSDP2 facts"; cost/time.py models the same).
+    d_f = max(1, choice.prefetch.forward)
+    d_b = max(1, choice.prefetch.backward)
+    overlap = profile.device != "cpu"
+
+    leading = next((i for i, it in enumerate(items) if not it.may_join_root), len(items))
+    coeffs = []
+    for c in space.candidates:
+        coeffs.append(_candidate_coeffs(
+            c, space, saved, inputs, fwd_rise, bwd_rise, fwd_flops, bwd_flops, bp=bp, br=br, shard=shard,
+            replicas=replicas, lat=lat, bw=bw, inter_lat=inter_lat, inter_bw=inter_bw,
+            profile=profile, flops_per_s=flops_per_s, d_f=d_f, d_b=d_b, overlap=overlap, trace=trace,
+            leading_root_items=leading))
+
+    # ---- constants ----
+    # Sharded state (ZeRO §5, stage 3): params + grads in their stored dtype + optimizer states, / shard.
+    sharded_state = trace.param_count * param_elem * (2 + states) / shard
+    if choice.cpu_offload:
+        sharded_state = 0.0  # CPUOffloadPolicy keeps sharded params, grads and states on the host
+    item_saved_total = sum(saved)
+    all_saved = trace.subtree_sum("", "saved_bytes_self").at(b) * act_scale
+    outside_saved = max(0.0, all_saved - item_saved_total)
+    root_params = space.root_only_params
+    base = (profile.reserved_bytes + sharded_state + root_params * (2 * bp + br)
+            + outside_saved + trace.batch_input_bytes.at(b) + trace.loss_saved_bytes.at(b) * act_scale)
+    loss = trace.loss_peak_rise_bytes.at(b) * act_scale
+    # foreach AdamW/Adam allocate one temporary of the sharded parameters' size (torch/optim/adamw.py
+    # _multi_tensor_adamw: torch._foreach_sqrt(exp_avg_sqs)); SGD none.
+    opt_temp = (trace.param_count * param_elem / shard) if states == 2 and not choice.cpu_offload else 0.0
+    optimizer = profile.reserved_bytes + sharded_state + opt_temp
+
+    total_fwd = trace.subtree_sum("", "fwd_flops_self").at(b)
+    total_bwd = trace.subtree_sum("", "bwd_flops_self").at(b)
+    outside_flops = max(0.0, total_fwd + total_bwd - sum(fwd_flops) - sum(bwd_flops)) + trace.loss_flops.at(b)
+    root_comm = 2 * ring_time_s(root_params * bp, shard, lat, bw)  # root all-gather at the start, reduce-scatter at the end
+    opt_bytes = trace.param_count * param_elem * _optimizer_touches(states) / shard
+    const_s = outside_flops / flops_per_s + root_comm + opt_bytes / profile.memory_bandwidth_bytes_per_s
+    if choice.cpu_offload:
+        # sharded params to the device before each all-gather, gradients back (PCIe, profile).
+        const_s += 2 * trace.param_count * param_elem / shard / profile.host_to_device_bytes_per_s
+    return LinearModel(
+        space=space, choice=choice, coeffs=tuple(coeffs), base_mib=_mib(base), loss_mib=_mib(loss), optimizer_mib=_mib(optimizer),
+        process_group_mib=_mib(profile.per_process_group_bytes), const_time_us=_us(const_s),
+    )
+
+
+def _candidate_coeffs(c: Candidate, space: SearchSpace, saved, inputs, fwd_rise, bwd_rise, fwd_flops, bwd_flops, *,
+                      bp, br, shard, replicas, lat, bw, inter_lat, inter_bw, profile, flops_per_s, d_f, d_b,
+                      overlap, trace, leading_root_items) -> Coeffs:
+    o = c.option
+    idx = range(c.start, c.stop)
+    count = sum(space.items[i].param_count for i in idx)
+    if o.nested:
+        it = space.items[c.start]
+        kids = [trace.subtree_param_count(k) for k in it.nested_children]
+        live_count = (count - sum(kids)) + max(kids)  # the outer unit's own + one inner unit at a time
+        n_collectives = 1 + len(kids)
+    else:
+        live_count = count
+        n_collectives = 1
+    gather = count * bp
+    gather_live = live_count * bp
+
+    # activations: cumulative saved within the run; checkpointed modules keep their inputs only
+    kept_act = [inputs[i] if o.activation_checkpoint else saved[i] for i in idx]
+    act_stack = sum(kept_act)
+    fwd_act, cum = 0.0, 0.0
+    for k, i in enumerate(idx):
+        fwd_act = max(fwd_act, cum + fwd_rise[i])
+        cum += kept_act[k]
+    if o.activation_checkpoint:
+        bwd_act = act_stack + max(saved[i] + bwd_rise[i] for i in idx)
+    else:
+        bwd_act = act_stack + max(bwd_rise[i] for i in idx)
+
+    r = o.reshard_after_forward
+    if o.in_root:  # the root's parameters and gradients live all step: in ``root`` (see [Note: The root's gradients])
+        kept_params, regather, root_bytes = 0.0, 0.0, count * (2 * bp + br)
+        fwd_mem, copy_mem, bwd_mem, rs_mem, next_gather, rs_in = fwd_act, 0.0, bwd_act, 0.0, 0.0, 0.0
+    else:
+        kept_params = 0.0 if r is True else (gather if r is False else gather / r)
+        regather = 0.0 if r is False else gather_live
+        root_bytes = 0.0
+        fwd_mem = 2 * gather_live + fwd_act
+        copy_mem = 2 * gather_live
+        bwd_mem = gather_live + live_count * bp + bwd_act
+        rs_in = live_count * br
+        rs_mem = rs_in + rs_in / shard
+        next_gather = gather_live
+
+    # ---- time ----
+    cf = sum(fwd_flops[i] for i in idx) / flops_per_s
+    cb = sum(bwd_flops[i] for i in idx) / flops_per_s
+    rc = cf if o.activation_checkpoint else 0.0
+    ar = 0.0
+    if replicas > 1:  # HSDP: all-reduce of the sharded gradients across replicas (2 ring passes)
+        ar = 2 * ring_time_s(count * br / shard, replicas, inter_lat, inter_bw, collectives=n_collectives)
+    if o.in_root:
+        ag_f = ring_time_s(gather, shard, 0.0, bw)  # joins the root's all-gather: no extra latency
+        rs = ring_time_s(count * br, shard, 0.0, bw)
+        exposed = ag_f + rs + ar  # at the very start and the very end of the step: nothing to hide behind
+    else:
+        ag_f = ring_time_s(gather, shard, lat, bw, collectives=n_collectives)
+        if r is True:
+            ag_b = ag_f
+        elif r is False:
+            ag_b = 0.0
+        else:
+            r_lat, r_bw = _link(profile, r)
+            ag_b = ring_time_s(gather, r, r_lat, r_bw, collectives=n_collectives)
+        rs = ring_time_s(count * br, shard, lat, bw, collectives=n_collectives)
+        if not overlap:  # gloo on CPU: collectives run on the thread that computes
+            exposed = ag_f + ag_b + rs + ar
+        elif c.start <= leading_root_items:
+            # the first unit (only one-off modules before it, which may join the root): its forward
+            # all-gather follows the root's with no compute before it to hide behind, and its
+            # reduce-scatter is the last one of backward (cost/time.py simulates the same)
+            exposed = ag_f + max(0.0, ag_b - d_b * (cb + rc)) + rs + ar
+        else:
+            exposed = max(0.0, ag_f - d_f * cf) + max(0.0, ag_b + rs + ar - d_b * (cb + rc))
+        # Tie-break: among covers the model finds equally fast, prefer fewer collectives (each costs a
+        # launch and a synchronisation that the ring model does not see; FSDP paper §3.2: finer units
+        # cost throughput through more, smaller collectives).
+        exposed += TIE_BREAK_S_PER_COLLECTIVE * n_collectives * (3 if r is True else 2)
+    return Coeffs(
+        stack_mib=_mib(act_stack + kept_params), fwd_mib=_mib(fwd_mem), copy_mib=_mib(copy_mem), bwd_mib=_mib(bwd_mem),
+        rs_mib=_mib(rs_mem), gather_mib=_mib(next_gather), prev_out_mib=_mib(next_gather),
+        regather_mib=_mib(regather), rs_in_mib=_mib(rs_in), root_mib=_mib(root_bytes),
+        uses_int_reshard=not o.in_root and not isinstance(r, bool), time_us=_us(cf + cb + rc + exposed),
+    )
+
+
+def evaluate(lm: LinearModel, chosen: list[int] | tuple[int, ...]) -> LinearResult:
+    """Peak (MiB) and step time (µs) of one exact cover under the linear model, computed directly:
+    the same quantities the CP-SAT program and the DP constrain (see :mod:`.cpsat`)."""
+    cands = lm.space.candidates
+    seq = sorted(chosen, key=lambda k: cands[k].start)
+    pos = 0
+    for k in seq:
+        if cands[k].start != pos:
+            raise ValueError(f"candidates {seq} do not cover the items exactly")
+        pos = cands[k].stop
+    if pos != lm.space.n:
+        raise ValueError(f"candidates {seq} do not cover the items exactly")
+    co = [lm.coeffs[k] for k in seq]
+    shared = lm.base_mib + sum(c.root_mib for c in co) + (lm.process_group_mib if any(c.uses_int_reshard for c in co) else 0)
+    gmax = max((c.gather_mib for c in co), default=0)
+    extra_f = max(0, lm.forward_depth - 1) * gmax
+    extra_b = (lm.backward_depth - 1) * gmax
+    peak = max(lm.optimizer_mib, shared + lm.loss_mib + sum(c.stack_mib for c in co))
+    stack = 0
+    for j, c in enumerate(co):
+        nxt = co[j + 1] if j + 1 < len(co) else None
+        prev = co[j - 1] if j > 0 else None
+        base = shared + stack
+        fwd = base + c.fwd_mib + extra_f + (nxt.gather_mib if nxt and lm.forward_depth >= 1 else 0)
+        copy = base + c.copy_mib + extra_f + (prev.prev_out_mib if prev else 0)
+        regather = prev.regather_mib if prev else 0
+        bwd = base + c.bwd_mib + regather + extra_b + (nxt.rs_in_mib if nxt else 0)
+        rs = base + c.rs_mib + regather + extra_b
+        peak = max(peak, fwd, copy, bwd, rs)
+        stack += c.stack_mib
+    return LinearResult(peak_mib=peak, time_us=lm.const_time_us + sum(c.time_us for c in co))

@@ -1,0 +1,332 @@
+"""``plan_model``: the fastest plan that fits, the frontier, the baselines — a thin orchestrator.
+
+1. Global choices (outer loops): mesh (plain FSDP over every GPU, or HSDP with the node as the shard
+   group when the cluster spans nodes), micro-batch (given, or every power of two with
+   ``search_batch``), prefetch depths (``PREFETCH_CHOICES``), and CPU offload only when nothing fits
+   without it.
+2. For each: the linear model (:mod:`.linear`), the CP-SAT program (:mod:`.cpsat`) with a greedy hint,
+   then the simulator check (:func:`_solve_checked`): the simulators' peak must fit the budget; when it
+   does not, the budget given to the program is tightened by the observed gap and the rejected cover is
+   cut off, a bounded number of times. The simulator wins.
+3. The best checked plan by simulated throughput; the frontier by a budget sweep at its global choice;
+   the hand-written policies (:mod:`.baselines`) beside it.
+4. Nothing fits: :class:`InfeasibleError` with the smallest budget any plan in the space needs, that
+   plan, and what dominates memory there.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, replace
+
+from shard_planner.errors import InfeasibleError, UserError
+from shard_planner.plan import (
+    Cluster, FrontierPoint, Mesh, Plan, Prefetch, SolverInfo, Training, Unit,
+)
+from shard_planner.profile import HardwareProfile
+from shard_planner.solve import cpsat
+from shard_planner.solve.baselines import POLICIES
+from shard_planner.solve.linear import MIB, GlobalChoice, LinearModel, build_linear_model, evaluate
+from shard_planner.solve.simulate import cover_units, make_plan, simulate
+from shard_planner.solve.space import DEFAULT_MAX_GROUP_SIZE, SearchSpace, build_space
+from shard_planner.trace.types import ModelTrace
+from shard_planner.units import format_bytes
+
+logger = logging.getLogger(__name__)
+
+# (forward, backward) prefetch depths tried: FSDP2's default, one explicit unit ahead, two both ways.
+PREFETCH_CHOICES = (Prefetch(0, 1), Prefetch(1, 1), Prefetch(2, 2))
+MAX_RECHECKS = 4  # re-solves when the simulator rejects the program's cover
+MAX_SEARCH_BATCH = 1024
+DEFAULT_FRONTIER_POINTS = 5
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A cover the simulators accepted (or the best they saw), with its numbers."""
+
+    choice: GlobalChoice
+    units: tuple[Unit, ...]
+    peak_bytes: int
+    step_time_s: float
+    samples_per_s: float
+    status: str  # the solver's status, or the policy's name for a hand-written plan
+    linear_peak_mib: int
+    plan: Plan
+    estimate: object  # cost.types.Estimate
+    method: str = "cp-sat"
+    cover: tuple[int, ...] | None = None  # candidate indices (None for hand-written plans)
+
+
+def plan_model(trace: ModelTrace, *, gpus: int, mem_budget_bytes: int, profile: HardwareProfile,
+               gpus_per_node: int = 8, micro_batch: int | None = None, search_batch: bool = False,
+               optimizer: str = "adamw", param_dtype: str = "bfloat16", reduce_dtype: str = "float32",
+               time_limit_s: float = cpsat.DEFAULT_TIME_LIMIT_S, max_group_size: int = DEFAULT_MAX_GROUP_SIZE,
+               frontier_points: int = DEFAULT_FRONTIER_POINTS, allow_offload: bool = True,
+               model_path: str | None = None, profile_name: str | None = None) -> Plan:
+    """The fastest plan for ``trace`` on ``gpus`` GPUs whose simulated peak fits ``mem_budget_bytes``
+    per GPU, with the frontier and the hand-written baselines. Pure: no files, no printing."""
+    t0 = time.perf_counter()
+    if gpus < 1 or gpus_per_node < 1:
+        raise UserError(f"--gpus and --gpus-per-node must be positive, got {gpus} and {gpus_per_node}")
+    if micro_batch is not None and micro_batch < 1:
+        raise UserError(f"--batch-size must be a positive int, got {micro_batch}")
+    budget = mem_budget_bytes
+    if budget > profile.usable_bytes:
+        logger.warning("budget %s exceeds what %s can use (%s): planning for %s", format_bytes(budget),
+                       profile.name, format_bytes(profile.usable_bytes), format_bytes(profile.usable_bytes))
+        budget = profile.usable_bytes
+    training = Training(micro_batch=micro_batch or 1, optimizer=optimizer, param_dtype=param_dtype,
+                        reduce_dtype=reduce_dtype)
+    cluster = Cluster(gpus=gpus, gpus_per_node=min(gpus_per_node, gpus), profile=profile_name or profile.name,
+                      mem_budget_bytes=mem_budget_bytes)
+    ctx = _Context(trace, profile, training, cluster, budget, time_limit_s, max_group_size, model_path)
+
+    batches = [micro_batch or 1] if not search_batch else _batch_ladder()
+    offloads = (False, True) if allow_offload and profile.device != "cpu" else (False,)
+    found: list[Checked] = []
+    for offload in offloads:
+        for mb in batches:
+            best_at_batch = None
+            for mesh in _meshes(gpus, cluster.gpus_per_node):
+                space = ctx.space(mesh)
+                for pf in PREFETCH_CHOICES:
+                    checked = _solve_checked(ctx, space, GlobalChoice(mb, pf, mesh, offload),
+                                             hints=tuple(c.cover for c in found if c.choice.mesh == mesh))
+                    if checked is not None:
+                        found.append(checked)
+                        if best_at_batch is None or checked.samples_per_s > best_at_batch.samples_per_s:
+                            best_at_batch = checked
+            if search_batch and best_at_batch is None:
+                break  # a larger micro-batch only needs more memory
+        if found:
+            if offload:
+                logger.warning("no plan fits without CPU offload; offloading sharded state to the host")
+            break
+    if not found:
+        raise _infeasible(ctx, batches[0])
+
+    best = max(found, key=_speed)
+    evaluated = _sweep(ctx, best, frontier_points) + _hand_written(ctx, best.choice)
+    pool = found + [c for c in evaluated if c.peak_bytes <= ctx.budget_bytes]
+    chosen = max(pool, key=_speed)  # the simulators' numbers decide
+    frontier = _pareto(ctx, found + evaluated)
+    baselines = [FrontierPoint(peak_bytes=c.peak_bytes, step_time_s=c.step_time_s, description=c.status,
+                               fits=c.peak_bytes <= ctx.budget_bytes)
+                 for c in evaluated if c.method == "hand-written"]
+    seconds = time.perf_counter() - t0
+    return replace(
+        chosen.plan,
+        predicted=chosen.estimate.prediction(),
+        solver=SolverInfo(method=chosen.method, status=chosen.status if chosen.method == "cp-sat"
+                          else f"{best.status}; the simulators found {chosen.status} faster",
+                          objective=chosen.step_time_s, seconds=seconds),
+        frontier=tuple(frontier),
+        baselines=tuple(baselines),
+    )
+
+
+def _speed(c: "Checked"):
+    return (c.samples_per_s, -c.peak_bytes)
+
+
+class _Context:
+    """What every solve shares: the request, and caches of search spaces."""
+
+    def __init__(self, trace, profile, training, cluster, budget, time_limit_s, max_group_size, model_path):
+        self.trace, self.profile, self.training, self.cluster = trace, profile, training, cluster
+        self.budget_bytes = budget
+        self.budget_mib = budget // MIB
+        self.time_limit_s = time_limit_s
+        self.max_group_size = max_group_size
+        self.model_path = model_path
+        self._spaces: dict[int, SearchSpace] = {}
+
+    def space(self, mesh: Mesh) -> SearchSpace:
+        if mesh.shard not in self._spaces:
+            self._spaces[mesh.shard] = build_space(self.trace, shard_group=mesh.shard,
+                                                   gpus_per_node=self.cluster.gpus_per_node,
+                                                   max_group_size=self.max_group_size)
+            if not self._spaces[mesh.shard].items:
+                raise UserError(f"{self.trace.model_path}: the model has no modules with parameters to shard")
+        return self._spaces[mesh.shard]
+
+    def linear(self, space: SearchSpace, choice: GlobalChoice) -> LinearModel:
+        return build_linear_model(self.trace, space, choice, self.training, self.profile)
+
+    def check(self, lm: LinearModel, chosen: tuple[int, ...], status: str) -> Checked:
+        units = cover_units(lm, chosen)
+        return replace(self.check_units(units, lm.choice, status, evaluate(lm, chosen).peak_mib), cover=chosen)
+
+    def check_units(self, units, choice: GlobalChoice, status: str, linear_peak_mib: int = -1,
+                    method: str = "cp-sat") -> Checked:
+        plan = make_plan(self.trace, units, choice, training=self.training, cluster=self.cluster,
+                         model_path=self.model_path)
+        est = simulate(self.trace, plan, self.profile)
+        return Checked(choice=choice, units=units, peak_bytes=est.memory.peak_bytes,
+                       step_time_s=est.time.step_time_s, samples_per_s=est.time.samples_per_s, status=status,
+                       linear_peak_mib=linear_peak_mib, plan=plan, estimate=est, method=method)
+
+
+def _batch_ladder() -> list[int]:
+    return [2**k for k in range(int(math.log2(MAX_SEARCH_BATCH)) + 1)]
+
+
+def _meshes(gpus: int, gpus_per_node: int) -> list[Mesh]:
+    """Plain FSDP over every GPU; and HSDP with one node per shard group when there are several nodes."""
+    meshes = [Mesh(shard=gpus)]
+    if gpus > gpus_per_node and gpus % gpus_per_node == 0:
+        meshes.append(Mesh(shard=gpus_per_node, replicate=gpus // gpus_per_node))
+    return meshes
+
+
+def _solve_checked(ctx: _Context, space: SearchSpace, choice: GlobalChoice, budget_mib: int | None = None,
+                   budget_bytes: int | None = None, hints: tuple = ()) -> Checked | None:
+    """CP-SAT at the budget, then the simulators; while they reject the cover, tighten the program's
+    budget by the gap they observed and cut the cover off (at most MAX_RECHECKS times)."""
+    budget_mib = ctx.budget_mib if budget_mib is None else budget_mib
+    budget_bytes = ctx.budget_bytes if budget_bytes is None else budget_bytes
+    lm = ctx.linear(space, choice)
+    effective = budget_mib
+    forbidden: list[tuple[int, ...]] = []
+    for attempt in range(MAX_RECHECKS + 1):
+        hint = cpsat.greedy_cover(lm, effective)
+        res = cpsat.solve_min_time(lm, effective, time_limit_s=ctx.time_limit_s, hint=hint, forbidden=forbidden,
+                                   extra_hints=hints)
+        if res.chosen is None:
+            return None
+        checked = ctx.check(lm, res.chosen, res.status)
+        if checked.peak_bytes <= budget_bytes:
+            if attempt:
+                logger.info("%s: the simulator accepted the cover after %d re-solve(s)", choice.label, attempt)
+            return checked
+        sim_mib = math.ceil(checked.peak_bytes / MIB)
+        gap = sim_mib - checked.linear_peak_mib
+        logger.debug("%s: simulator peak %d MiB > budget %d MiB (linear said %d): re-solving", choice.label,
+                     sim_mib, budget_mib, checked.linear_peak_mib)
+        forbidden.append(res.chosen)
+        effective = min(effective - 1, budget_mib - max(gap, 0) - 1)
+        if effective <= 0:
+            return None
+    return None
+
+
+def _sweep(ctx: _Context, best: Checked, points: int) -> list[Checked]:
+    """Solve at ``points`` budgets from the smallest peak to that of the fastest cover, at the chosen
+    global choice, and check each with the simulators."""
+    space = ctx.space(best.choice.mesh)
+    lm = ctx.linear(space, best.choice)
+    evaluated = []
+    low = cpsat.solve_min_peak(lm, time_limit_s=ctx.time_limit_s)
+    if low.chosen is not None:
+        evaluated.append(ctx.check(lm, low.chosen, low.status))
+    fastest = cpsat.solve_min_time(lm, 2**40 // MIB, time_limit_s=ctx.time_limit_s)
+    if fastest.chosen is not None:
+        evaluated.append(ctx.check(lm, fastest.chosen, fastest.status))
+    if low.chosen is not None and fastest.chosen is not None and points > 2:
+        lo, hi = low.objective, evaluate(lm, fastest.chosen).peak_mib
+        for j in range(1, points - 1):
+            b = lo + (hi - lo) * j // (points - 1)
+            res = cpsat.solve_min_time(lm, b, time_limit_s=ctx.time_limit_s, hint=cpsat.greedy_cover(lm, b),
+                                       extra_hints=tuple(c.cover for c in evaluated) + (best.cover,))
+            if res.chosen is not None:
+                evaluated.append(ctx.check(lm, res.chosen, res.status))
+    return evaluated
+
+
+def _pareto(ctx: _Context, evaluated: list[Checked]) -> list[FrontierPoint]:
+    """The Pareto set of (peak, step time) by the simulators' numbers over every plan evaluated."""
+    pareto: list[Checked] = []
+    for c in sorted(evaluated, key=lambda c: (c.peak_bytes, c.step_time_s)):
+        if not pareto or c.step_time_s < pareto[-1].step_time_s:
+            pareto.append(c)
+    return [FrontierPoint(peak_bytes=c.peak_bytes, step_time_s=c.step_time_s,
+                          description=(c.status + ": " if c.method == "hand-written" else "")
+                          + describe_choice(c.units, c.choice), fits=c.peak_bytes <= ctx.budget_bytes)
+            for c in pareto]
+
+
+def _hand_written(ctx: _Context, choice: GlobalChoice) -> list[Checked]:
+    """The hand-written policies at the chosen micro-batch and mesh, FSDP2's default prefetch."""
+    space = ctx.space(choice.mesh)
+    base_choice = replace(choice, prefetch=Prefetch())
+    return [ctx.check_units(policy(space), base_choice, name, method="hand-written") for name, policy in POLICIES]
+
+
+def describe_choice(units: tuple[Unit, ...], choice: GlobalChoice) -> str:
+    """One line: units in compressed form and the global choices."""
+    return f"{summarize_units(units, max_lines=3, sep='; ')}; {choice.label}"
+
+
+def summarize_units(units: tuple[Unit, ...], *, max_lines: int = 8, sep: str | None = None):
+    """Units compressed: runs of consecutive units with the same decisions and the same shape of name
+    become one line, e.g. ``layers.0..31: 32 units, reshard True, no AC``. A list of lines, or one
+    string joined by ``sep``."""
+    import re
+
+    def key(u: Unit):
+        shape = tuple(re.sub(r"\d+", "#", m) for m in u.modules)
+        return shape, u.reshard_after_forward, u.activation_checkpoint
+
+    runs: list[list[Unit]] = []
+    for u in units:
+        if u.is_root:
+            continue
+        if runs and key(runs[-1][-1]) == key(u):
+            runs[-1].append(u)
+        else:
+            runs.append([u])
+    lines = []
+    for run in runs:
+        first, last = run[0], run[-1]
+        name = first.name if len(run) == 1 else f"{first.modules[0]}..{last.modules[-1]}"
+        size = f"{len(run)} unit{'s' if len(run) > 1 else ''}"
+        if len(first.modules) > 1:
+            size += f" of {len(first.modules)} modules"
+        r = first.reshard_after_forward
+        lines.append(f"{name}: {size}, reshard {r}, {'AC' if first.activation_checkpoint else 'no AC'}")
+    root = next((u for u in units if u.is_root), None)
+    if root is not None:
+        lines.append(f"<root>: reshard {root.reshard_after_forward}")
+    if len(lines) > max_lines:
+        lines = lines[:max_lines - 1] + [f"... {len(lines) - max_lines + 1} more runs"]
+    return sep.join(lines) if sep is not None else lines
+
+
+def _infeasible(ctx: _Context, micro_batch: int) -> InfeasibleError:
+    """The smallest budget any plan in the space needs (by the simulators), that plan, and what
+    dominates memory there."""
+    best: Checked | None = None
+    for mesh in _meshes(ctx.cluster.gpus, ctx.cluster.gpus_per_node):
+        space = ctx.space(mesh)
+        for offload in ((False, True) if ctx.profile.device != "cpu" else (False,)):
+            for pf in PREFETCH_CHOICES[:1]:  # deeper prefetch only adds memory
+                lm = ctx.linear(space, GlobalChoice(micro_batch, pf, mesh, offload))
+                res = cpsat.solve_min_peak(lm, time_limit_s=ctx.time_limit_s)
+                if res.chosen is None:
+                    continue
+                c = ctx.check(lm, res.chosen, res.status)
+                if best is None or c.peak_bytes < best.peak_bytes:
+                    best = c
+    if best is None:
+        return InfeasibleError(f"no plan fits {format_bytes(ctx.budget_bytes)} per GPU and the solver found no plan at all")
+    at_peak = best.estimate.memory.memory_at_peak
+    top = max(at_peak, key=at_peak.get)
+    advice = {
+        "activations": f"try a smaller --batch-size than {micro_batch}" + (
+            "" if any(u.activation_checkpoint for u in best.units) else " or allow checkpointing"),
+        "temporaries": f"try a smaller --batch-size than {micro_batch}",
+        "sharded_params": "add GPUs (sharded state divides by the shard group)",
+        "optimizer_states": "add GPUs or use a lighter optimizer (sgd keeps no states)",
+        "grads": "add GPUs",
+        "unsharded_params": "add GPUs or split the largest unit",
+        "comm_buffers": "lower the prefetch depth or split the largest unit",
+        "overhead": "use a device with more memory",
+    }.get(top, "add GPUs")
+    return InfeasibleError(
+        f"no plan fits {format_bytes(ctx.budget_bytes)} per GPU; the smallest budget any plan needs is "
+        f"{format_bytes(best.peak_bytes)} ({describe_choice(best.units, best.choice)}); at its peak "
+        f"{top.replace('_', ' ')} take {format_bytes(at_peak[top])} at micro-batch {micro_batch}: {advice}"
+    )

@@ -1,0 +1,60 @@
+"""The one place the solver calls the cost model's simulators, and turns covers into Plans.
+
+Every plan the solver returns, every frontier point and every baseline is judged here by the full
+simulators (:func:`shard_planner.cost.estimate`): when they and the linear model disagree, these
+numbers win (see :mod:`shard_planner.solve.planner`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from shard_planner.cost.types import Estimate
+from shard_planner.plan import ROOT, Cluster, ModelRef, Plan, Training, Unit
+from shard_planner.profile import HardwareProfile
+from shard_planner.solve.linear import GlobalChoice, LinearModel
+from shard_planner.trace.types import ModelTrace
+
+logger = logging.getLogger(__name__)
+
+
+def simulate(trace: ModelTrace, plan: Plan, profile: HardwareProfile) -> Estimate:
+    """Peak memory and step time of ``plan`` by the cost model's event simulators."""
+    from shard_planner.cost import estimate  # the cost model; imported here so the solver's pure parts load without it
+
+    return estimate(trace, plan, profile)
+
+
+def cover_units(lm: LinearModel, chosen: tuple[int, ...]) -> tuple[Unit, ...]:
+    """The plan's units for one cover, in forward order, the root first (reshard False: FSDP2's
+    default for the root, which it keeps gathered through the step)."""
+    units = [Unit((ROOT,), reshard_after_forward=False)]
+    items = lm.space.items
+    for k in sorted(chosen, key=lambda k: lm.space.candidates[k].start):
+        c = lm.space.candidates[k]
+        o = c.option
+        if o.in_root:
+            continue
+        modules = tuple(items[i].fqn for i in range(c.start, c.stop))
+        units.append(Unit(modules, reshard_after_forward=o.reshard_after_forward,
+                          activation_checkpoint=o.activation_checkpoint))
+        if o.nested:
+            units.extend(Unit((kid,), reshard_after_forward=o.reshard_after_forward)
+                         for kid in items[c.start].nested_children)
+    return tuple(units)
+
+
+def make_plan(trace: ModelTrace, units: tuple[Unit, ...], choice: GlobalChoice, *, training: Training,
+              cluster: Cluster, model_path: str | None = None) -> Plan:
+    """A plan without prediction: the decisions only."""
+    from dataclasses import replace
+
+    return Plan(
+        model=ModelRef(path=model_path or trace.model_path, fingerprint=trace.fingerprint,
+                       seq_len=trace.tokens_per_sample),
+        cluster=cluster,
+        mesh=choice.mesh,
+        training=replace(training, micro_batch=choice.micro_batch, cpu_offload=choice.cpu_offload),
+        units=units,
+        prefetch=choice.prefetch,
+    )

@@ -1,0 +1,180 @@
+"""The search space: which modules can become FSDP units, and the options each candidate unit has.
+
+Built from the trace's module tree, without running anything:
+
+- **Items** are the modules the planner may wrap, in forward order. Starting from the root, a module
+  is *expanded* into its children when it is a container that carries a large share of the
+  parameters (``EXPAND_SHARE``), has (almost) no parameters of its own and is not one of several
+  identical siblings — the root, a decoder, a ``ModuleList`` of blocks, but not a block. What remains after expansion are the items: embeddings, the blocks,
+  the final norm, the head. Parameter-less modules (dropout, activations) are not items.
+- **Segments** are contiguous runs of items that are siblings (same parent), at most
+  ``max_group_size`` long: one ``fully_shard([m1, m2, ...])`` call each.
+- **Options** per segment: ``reshard_after_forward`` in {True, False, an int divisor of the shard
+  group}, activation checkpointing on or off, *nested* (a single item whose large children become
+  units of their own inside it, e.g. a block's attention and MLP), or *in root* (a single item left
+  to the root unit: gathered at the start of the step and kept, as FSDP2 does with the root's own
+  parameters).
+
+Global choices (prefetch depths, micro-batch, mesh, CPU offload) are not part of a segment: the
+solver loops over them (:mod:`shard_planner.solve.planner`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+from shard_planner.plan import ROOT
+from shard_planner.trace.types import ModelTrace
+
+logger = logging.getLogger(__name__)
+
+# A container is expanded into its children when its subtree holds at least this share of the
+# model's parameters (a decoder, the list of blocks), so that what remains are blocks-sized items.
+EXPAND_SHARE = 0.25
+# ... and when its own parameters are at most this share of its subtree (else it is a block).
+OWN_PARAM_SHARE = 0.01
+# A single item can be split into nested units when its children with parameters hold at least this
+# share of its parameters (a block's attention and MLP).
+NESTED_CHILD_SHARE = 0.5
+# Children below this share of the item stay with the item's own unit when nesting.
+NESTED_MIN_CHILD_SHARE = 0.1
+DEFAULT_MAX_GROUP_SIZE = 4
+
+
+@dataclass(frozen=True)
+class Item:
+    """A module the planner may wrap, in forward order."""
+
+    fqn: str
+    parent: str
+    param_count: int  # the whole subtree
+    nested_children: tuple[str, ...]  # children that become units when the item is nested; () if not nestable
+    may_join_root: bool  # a one-off module (embedding, norm, head), not a repeated block
+
+
+@dataclass(frozen=True)
+class Option:
+    """What one candidate unit does. ``in_root``: the segment is left to the root unit."""
+
+    reshard_after_forward: bool | int = True
+    activation_checkpoint: bool = False
+    nested: bool = False
+    in_root: bool = False
+
+    @property
+    def label(self) -> str:
+        if self.in_root:
+            return "in root"
+        r = self.reshard_after_forward
+        parts = [f"reshard {r}" if not isinstance(r, bool) else ("reshard" if r else "keep")]
+        if self.activation_checkpoint:
+            parts.append("AC")
+        if self.nested:
+            parts.append("nested")
+        return "+".join(parts)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One segment ``items[start:stop]`` with one option: one boolean of the program."""
+
+    start: int
+    stop: int
+    option: Option
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    items: tuple[Item, ...]
+    candidates: tuple[Candidate, ...]
+    root_only_params: int  # parameters no item owns (root's own, expanded containers' own, unused modules)
+
+    @property
+    def n(self) -> int:
+        return len(self.items)
+
+
+def find_items(trace: ModelTrace) -> tuple[Item, ...]:
+    """The modules the planner may wrap, in forward order (see the module docstring)."""
+    total = max(trace.param_count, 1)
+    order = {fqn: i for i, fqn in enumerate(trace.forward_order)}
+
+    def first_call(fqn: str) -> float:
+        """Forward position of the module, or of its first called descendant (a ModuleList is never called)."""
+        return min((order[m.fqn] for m in trace.subtree(fqn) if m.fqn in order), default=math.inf)
+
+    def with_params(fqns):
+        return [c for c in fqns if trace.subtree_param_count(c) > 0 and first_call(c) < math.inf]
+
+    def expandable(fqn: str) -> bool:
+        m = trace.module(fqn)
+        sub = trace.subtree_param_count(fqn)
+        kids = with_params(m.children)
+        if fqn == ROOT:
+            return bool(kids)
+        twins = sum(1 for c in trace.module(m.parent).children if trace.module(c).structural_hash == m.structural_hash)
+        return (len(kids) >= 2 and sub >= EXPAND_SHARE * total and m.param_count <= OWN_PARAM_SHARE * sub
+                and twins == 1)  # a block of a stack stays whole (nesting splits it instead)
+
+    items: list[str] = []
+    parents: dict[str, str] = {}
+
+    def visit(fqn: str) -> None:
+        for c in sorted(with_params(trace.module(fqn).children), key=first_call):
+            if expandable(c):
+                visit(c)
+            else:
+                items.append(c)
+                parents[c] = fqn
+
+    if expandable(ROOT):
+        visit(ROOT)
+    hash_counts = Counter(trace.module(f).structural_hash for f in items)
+    out = []
+    for fqn in items:
+        sub = trace.subtree_param_count(fqn)
+        kids = [c for c in with_params(trace.module(fqn).children)
+                if trace.subtree_param_count(c) >= NESTED_MIN_CHILD_SHARE * sub]
+        kids.sort(key=first_call)
+        nestable = len(kids) >= 2 and sum(trace.subtree_param_count(c) for c in kids) >= NESTED_CHILD_SHARE * sub
+        out.append(Item(
+            fqn=fqn, parent=parents[fqn], param_count=sub,
+            nested_children=tuple(kids) if nestable else (),
+            may_join_root=hash_counts[trace.module(fqn).structural_hash] == 1,
+        ))
+    return tuple(out)
+
+
+def reshard_choices(shard_group: int, gpus_per_node: int) -> tuple[bool | int, ...]:
+    """True, False, and the int divisors worth trying: the node size when the group spans nodes
+    (re-gather inside the node over NVLink instead of across the network in backward)."""
+    ints = [gpus_per_node] if 1 < gpus_per_node < shard_group and shard_group % gpus_per_node == 0 else []
+    return (True, False, *ints)
+
+
+def build_space(trace: ModelTrace, *, shard_group: int, gpus_per_node: int,
+                max_group_size: int = DEFAULT_MAX_GROUP_SIZE, allow_checkpointing: bool = True,
+                allow_nested: bool = True) -> SearchSpace:
+    """Every candidate segment x option for ``trace`` on a shard group of ``shard_group`` ranks."""
+    items = find_items(trace)
+    reshards = reshard_choices(shard_group, gpus_per_node)
+    acs = (False, True) if allow_checkpointing else (False,)
+    candidates: list[Candidate] = []
+    for start, first in enumerate(items):
+        for stop in range(start + 1, min(start + max_group_size, len(items)) + 1):
+            if items[stop - 1].parent != first.parent:
+                break
+            for r in reshards:
+                for ac in acs:
+                    candidates.append(Candidate(start, stop, Option(r, ac)))
+                    if stop == start + 1 and allow_nested and first.nested_children:
+                        candidates.append(Candidate(start, stop, Option(r, ac, nested=True)))
+            if stop == start + 1 and first.may_join_root:
+                candidates.append(Candidate(start, stop, Option(False, False, in_root=True)))
+    owned = sum(it.param_count for it in items)
+    space = SearchSpace(items=items, candidates=tuple(candidates), root_only_params=trace.param_count - owned)
+    logger.debug("search space: %d items, %d candidates", space.n, len(candidates))
+    return space
