@@ -102,8 +102,16 @@ class _World:
     def __init__(self, run_dir: Path, world_size: int, worker_args: list[str]):
         self.run_dir = run_dir
         self.world_size = world_size
-        port = free_port()
+        self.port = free_port()  # not reserved: another process could take it before rank 0 binds it
         self.procs: list[subprocess.Popen] = []
+        try:
+            self._start(worker_args, self.port)
+        except BaseException:
+            self.kill()  # the ranks already started
+            raise
+
+    def _start(self, worker_args: list[str], port: int) -> None:
+        world_size, run_dir = self.world_size, self.run_dir
         for rank in range(world_size):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -232,7 +240,11 @@ def _timeout_message(world: _World, codes: list, errors: dict[int, dict], timeou
     others = [r for r in waiting if r != rank]
     also = (f"; rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} "
             f"{'wait' if len(others) > 1 else 'waits'} for it in a collective" if others else "")
-    return f"rank {rank} hung: the run did not finish within --timeout {timeout_s:g} s ({where}){also}"
+    hint = ""
+    if world.status(rank) in ("starting", "init_process_group"):
+        hint = (f"; the ranks never met: is MASTER_PORT {world.port} on 127.0.0.1 taken by another process, "
+                "or is the machine too loaded to start them in time?")
+    return f"rank {rank} hung: the run did not finish within --timeout {timeout_s:g} s ({where}){also}{hint}"
 
 
 _FRAME = re.compile(r'^\s*File "(.*)", line (\d+) in (\S+)')
