@@ -367,3 +367,34 @@ def test_forward_peak_matches_real_run(name, dtype):
     got = trace.module("").fwd_peak_rise_bytes.at(batch)
     assert want > 0
     assert abs(got - want) <= 0.02 * want, (got, want)
+
+
+# ---- a model that stresses reuse: kwargs, tuple outputs, a shared block, a flag that differs -------
+
+TWINS = str(ROOT / "tests" / "models" / "trace_twins.py")
+
+
+def test_twins_model_reuse_equals_full_trace():
+    fast, full = trace_model(TWINS), trace_model(TWINS, reuse=False)
+    # blocks.0 is called twice (shared): it is neither a template nor a twin; blocks.1 is the template
+    # of blocks.2 and blocks.3; "odd" has the same parameters but another flag, so it is not a twin.
+    assert fast.reused_modules == 2 * 4
+    assert fast.module("blocks.0").calls == 2 and fast.module("odd").calls == 1
+    assert fast.modules == full.modules
+    for f in fields(ModelTrace):
+        if f.name not in ("trace_seconds", "reused_modules"):
+            assert getattr(fast, f.name) == getattr(full, f.name), f.name
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_twins_model_matches_real_run(dtype):
+    batch = 3
+    trace = trace_model(TWINS, dtype=dtype)
+    model = load_model_file(TWINS).build()
+    assert trace.param_count == sum(p.numel() for p in model.parameters())
+    real = real_saved_bytes(TWINS, DTYPES[dtype], batch)
+    for m in trace.modules:
+        got, want = m.saved_bytes_self.at(batch), real.get(m.fqn, 0)
+        assert abs(got - want) <= 0.02 * want, (m.fqn, got, want)
+    want = real_forward_peak_rise(TWINS, DTYPES[dtype], batch)
+    assert abs(trace.module("").fwd_peak_rise_bytes.at(batch) - want) <= 0.02 * want

@@ -102,6 +102,7 @@ class _Call:
     __slots__ = (
         "fqn", "parent", "children", "fwd", "bwd", "bwd_open", "template", "twin_info",
         "saved_bytes", "fwd_flops", "bwd_flops", "input_bytes", "output_bytes", "save_adjust", "input_sids",
+        "param_ids",
     )
 
     def __init__(self, fqn: str | None, parent: "_Call | None"):
@@ -115,6 +116,7 @@ class _Call:
         self.saved_bytes = self.fwd_flops = self.bwd_flops = self.input_bytes = self.output_bytes = 0
         self.save_adjust: list[tuple[str, int]] = []  # (path relative to the twin, bytes) corrections
         self.input_sids: frozenset = frozenset()  # for a template: the storages of its inputs
+        self.param_ids: frozenset = frozenset()  # for a template: ids of its subtree's parameters
 
 
 @dataclass(frozen=True)
@@ -242,7 +244,7 @@ class _Step:
     """One traced forward + loss + backward at one batch size."""
 
     def __init__(self, model: nn.Module, model_file: ModelFile, compute_dtype: torch.dtype,
-                 hashes: dict[str, str], reuse: bool, flops: FlopCounter):
+                 hashes: dict[str, str], reuse: bool, flops: FlopCounter, banned: set[str] = frozenset()):
         self.model, self.mf, self.compute_dtype = model, model_file, compute_dtype
         self.hashes = hashes
         counts: dict[str, int] = defaultdict(int)
@@ -251,7 +253,12 @@ class _Step:
         # Only modules with children are reused: a leaf runs one or two ops (nothing to save), and its
         # backward peak depends on how its input's gradient accumulates with its siblings'.
         self.twin_hashes = {h for h, n in counts.items() if n > 1} if reuse else set()
+        self.banned = banned
+        self.calls_by_fqn: dict[str, int] = defaultdict(int)
         self.leaves = {fqn for fqn, m in model.named_modules() if next(m.children(), None) is None}
+        self.param_ids = {
+            fqn: frozenset(id(p) for p in m.parameters()) for fqn, m in model.named_modules() if fqn not in self.leaves
+        }
         self.attr_sigs = _attribute_signatures(model)
         self.flops = flops
         self.log: list[tuple] = []
@@ -266,6 +273,7 @@ class _Step:
         self.bwd_stack: list[_Call] = []
         self.phase: str | None = None
         self.templates: dict[tuple, _Call] = {}
+        self._twin_calls: list[_Call] = []
         self.closed = False
         self.in_twin = False  # inside _TwinFn.apply: its own saves are the template's, counted apart
         self.unattributed_flops = 0
@@ -403,6 +411,7 @@ class _Step:
     def _call_module(self, module, fqn, orig, args, kwargs):
         parent = self.fwd_stack[-1] if self.fwd_stack else None
         call = _Call(fqn, parent)
+        self.calls_by_fqn[fqn] += 1
         if parent is not None:
             parent.children.append(call)
         else:
@@ -413,10 +422,14 @@ class _Step:
         key = None
         if self.hashes.get(fqn) in self.twin_hashes and fqn != "" and fqn not in self.leaves:
             key = (self.hashes[fqn], self.attr_sigs[fqn], _signature(leaves, spec))
-        template = self.templates.get(key) if key is not None else None
-        if template is not None and template.input_sids & {self.sid(t) for t in in_tensors if t.requires_grad}:
-            # It shares an input that needs a gradient with its template: that gradient accumulates
-            # across both, so their backward peaks differ. Trace it for real.
+        template = self.templates.get(key) if key is not None and fqn not in self.banned else None
+        if template is not None and (
+            template.input_sids & {self.sid(t) for t in in_tensors if t.requires_grad}
+            or template.param_ids & self.param_ids[fqn]
+        ):
+            # It shares an input that needs a gradient, or parameters (a module called twice, tied
+            # weights), with its template: gradients accumulate across both, so their backward peaks
+            # differ. Trace it for real.
             template = None
         self._open(call, "fwd")
         try:
@@ -437,11 +450,12 @@ class _Step:
         out_tensors = [x for x in out_leaves if isinstance(x, torch.Tensor)]
         call.output_bytes = self.storage_bytes(out_tensors)
         self._hook_backward(call, in_tensors, out_tensors)
-        if key is not None and template is None and key not in self.templates:
+        if key is not None and template is None and key not in self.templates and fqn not in self.banned:
             info = self._twin_info(call, in_tensors, out_leaves, out_spec)
             if info is not None:
                 call.twin_info = info
                 call.input_sids = frozenset(self.sid(t) for t in in_tensors)
+                call.param_ids = self.param_ids[fqn]
                 self.templates[key] = call
         return out
 
@@ -523,6 +537,7 @@ class _Step:
 
     def _run_twin(self, call: _Call, template: _Call, module: nn.Module, in_tensors):
         call.template = template
+        self._twin_calls.append(call)
         info = template.twin_info
         params = [p for p in module.parameters() if p.requires_grad][:1]  # one is enough to require grad
         self.in_twin = True
@@ -590,6 +605,19 @@ class _Step:
         self.closed = True
         if self.unattributed_flops:
             logger.debug("%d FLOPs ran outside every module and the loss", self.unattributed_flops)
+
+    def tainted_templates(self) -> set[str]:
+        """Templates and twins whose subtree ran more than once (a shared module): its parameter
+        gradients accumulate across calls, so a twin would not match the real run. They are traced for
+        real on a second try."""
+        shared = {fqn for fqn, n in self.calls_by_fqn.items() if n > 1}
+
+        def runs_shared(fqn: str) -> bool:
+            return any(_under(s, fqn) for s in shared)
+
+        out = {c.fqn for c in self._twin_calls if runs_shared(c.fqn)}
+        out |= {c.template.fqn for c in self._twin_calls if runs_shared(c.template.fqn)}
+        return out
 
     # ---- post-processing ----
     def span_stats(self, span: _Span | None) -> tuple[int, int]:
@@ -804,19 +832,26 @@ def trace_model(
         flops = FlopCounter()
         results = []
         try:
+            banned: set[str] = set()  # modules that turned out not to be faithful templates
             for b in (b1, b2):
-                with fake_mode:
-                    inputs, targets = mf.batch(b)
-                step = _Step(model, mf, compute, hashes, reuse, flops)
-                for fqn, module in modules:
-                    step.wrap(module, fqn)
-                with fake_mode:
-                    step.run(inputs, targets)
-                del inputs, targets
+                while True:
+                    with fake_mode:
+                        inputs, targets = mf.batch(b)
+                    step = _Step(model, mf, compute, hashes, reuse, flops, banned)
+                    for fqn, module in modules:
+                        step.wrap(module, fqn)
+                    with fake_mode:
+                        step.run(inputs, targets)
+                    del inputs, targets
+                    for p in model.parameters():
+                        p.grad = None
+                    _unwrap(modules)
+                    tainted = step.tainted_templates()
+                    if not tainted:
+                        break
+                    logger.debug("re-tracing batch %d without templates %s (shared modules)", b, sorted(tainted))
+                    banned |= tainted
                 results.append(step.result())
-                for p in model.parameters():
-                    p.grad = None
-                _unwrap(modules)
         finally:
             _unwrap(modules)
     r1, r2 = results
