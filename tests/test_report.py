@@ -2,6 +2,7 @@
 images and tables, Markdown with PNGs beside it, a report for every example model, CLI, progress line."""
 
 import base64
+import dataclasses
 import importlib.util
 import io
 import json
@@ -11,7 +12,7 @@ import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.text import Text
 
-from models.report_fixtures import GIB, MIB, make_estimate, make_plan, make_trace
+from models.report_fixtures import GIB, MIB, _module, make_estimate, make_plan, make_trace
 from shard_planner.cli.main import main
 from shard_planner.measurement import Measurement, RankMemory, save_measurement
 from shard_planner.plan import (
@@ -149,6 +150,14 @@ def test_unit_rows_exact_and_folded():
     interleaved = unit_rows(make_plan(6, checkpoint_every=2), make_trace(6))
     assert [(r.label, r.count, r.activation_checkpoint) for r in interleaved[2:4]] == [
         ("blocks.0 .. blocks.4 (3 of 6)", 3, True), ("blocks.1 .. blocks.5 (3 of 6)", 3, False)]
+    nested = make_plan(2, checkpoint_every=1)
+    nested = Plan(**{**nested.__dict__, "units": nested.units + (Unit(("blocks.1.mlp",)),)})
+    nested_trace = make_trace(2)
+    mlp = _module("blocks.1.mlp", "MLP", "blocks.1", [], "mlp", 1000, saved=100 * MIB, inp=MIB)
+    nested_trace = dataclasses.replace(nested_trace, modules=nested_trace.modules + (mlp,))
+    rows = {r.label: r for r in unit_rows(nested, nested_trace, fold=False)}
+    assert rows["blocks.1.mlp"].activation_bytes == 0  # recomputed with its checkpointed parent blocks.1
+    assert rows["blocks.1"].param_count == 50_000_000  # the nested unit owns the MLP's parameters
     three = unit_rows(make_plan(3, checkpoint_every=2), make_trace(3))  # too short to interleave: one row each
     assert [r.label for r in three[2:5]] == ["blocks.0", "blocks.1", "blocks.2"]
 

@@ -103,12 +103,12 @@ def build_sections(plan: Plan, *, trace: ModelTrace | None = None, profile: Hard
 
     if measurement is not None:
         figures, predicted = measured_figures(measurement), predictions_for(plan, measurement)
-        where = (f"{measurement.world_size} ranks, {measurement.device} ({measurement.device_name}), "
-                 f"{measurement.backend}; memory by {measurement.memory_method}, time by {measurement.timing_method}")
+        ran_on = f"{measurement.world_size} ranks, {measurement.device} ({measurement.device_name}), {measurement.backend}"
+        where = f"{ran_on}; memory by {measurement.memory_method}, time by {measurement.timing_method}"
         if predicted is not None:
             sections.append(ReportSection(
                 "Predicted vs measured", "predicted_vs_measured.png",
-                plot_predicted_vs_measured(*predicted, figures, f"Predicted vs measured: {name} ({where})"),
+                plot_predicted_vs_measured(*predicted, figures, f"Predicted vs measured: {name} ({ran_on})"),
                 "Error = (predicted - measured) / measured. Measured peak is the largest over ranks; measured "
                 f"step time is the median of {len(figures.step_time_samples_s)} steps after "
                 f"{measurement.warmup_steps} warm-up steps. Run: {where}."))

@@ -76,10 +76,19 @@ def _unit_sizes(plan: Plan, trace: ModelTrace) -> list[dict]:
         s["params"] += m.param_count
         s["built_bytes"] += m.param_bytes
         s["saved_bytes"] += m.saved_bytes_self.at(b)
+    checkpointed = {f for u in plan.units if u.activation_checkpoint for f in u.modules}
     for i, u in enumerate(plan.units):
-        if u.activation_checkpoint:  # a checkpointed unit keeps only its inputs until its backward
+        if any(_inside(f, checkpointed) for f in u.modules):  # nested in a checkpointed unit: recomputed too
+            sizes[i]["saved_bytes"] = 0
+        elif u.activation_checkpoint:  # a checkpointed unit keeps only its inputs until its backward
             sizes[i]["saved_bytes"] = sum(trace.module(f).input_bytes.at(b) for f in u.modules)
     return sizes
+
+
+def _inside(fqn: str, ancestors: set[str]) -> bool:
+    """``fqn`` is a proper descendant of one of ``ancestors`` (the root, "", contains everything)."""
+    parts = fqn.split(".") if fqn else []
+    return fqn != "" and ("" in ancestors or any(".".join(parts[:k]) in ancestors for k in range(1, len(parts))))
 
 
 def _shape_key(unit: Unit, hashes: dict[str, str] | None):
