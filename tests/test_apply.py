@@ -114,7 +114,7 @@ def test_mixed_precision_and_offload_policies(fake_world):
     model, fp = model_and_fingerprint()
     plan = make_plan(UNITS[:1], fake_world, fp, param_dtype="bfloat16", reduce_dtype="float32", cpu_offload=True)
     apply_plan(model, plan, build_mesh(plan, "cpu"))
-    group = model._get_fsdp_state()._fsdp_param_groups[0]
+    group = model._get_fsdp_state()._fsdp_param_group
     assert group.mp_policy.param_dtype == torch.bfloat16 and group.mp_policy.reduce_dtype == torch.float32
     assert type(group.offload_policy).__name__ == "CPUOffloadPolicy" and group.offload_policy.pin_memory is False
 

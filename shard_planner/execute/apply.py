@@ -208,8 +208,17 @@ def _set_prefetch(plan: Plan, modules: dict[str, nn.Module]) -> None:
 
 
 # ---- inspection ----
+def _param_groups(state) -> list:
+    groups = getattr(state, "_fsdp_param_groups", None)  # torch >= 2.13; one group before
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    return groups
+
+
 def _reshard_of(state) -> bool | int:
-    group = state._fsdp_param_groups[0] if state._fsdp_param_groups else None
+    groups = _param_groups(state)
+    group = groups[0] if groups else None
     if group is None or group.post_forward_mesh_info is None:
         return False
     if group.post_forward_mesh_info is group.mesh_info or group.post_forward_mesh_info == group.mesh_info:

@@ -128,6 +128,13 @@ class _Status:
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
+    try:  # Linux: the CPU's model name
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
     return platform.processor() or platform.machine() or "cpu"
 
 
