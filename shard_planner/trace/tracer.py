@@ -22,15 +22,28 @@ How it works (one traced step, :class:`_Step`):
   span's peak rise (``max(live) - live at entry``) and net change are recomputed from the log
   (:meth:`_Step.span_stats`).
 
-Repeated identical blocks ([Note: twins]): a module whose structural hash and input signature (shapes,
-dtypes, requires_grad, non-tensor arguments) equal those of a module already traced in this step is not
-run; :class:`_TwinFn` returns fresh tensors of the recorded output layout and, in backward, gradients
-of its inputs. Its numbers are the template's, with fqns remapped; in the log replay its spans count as
-the template's rise and net change, so the enclosing modules' peaks are those of the real run. Saved
-tensors shared across the boundary (an input the block saves, e.g. rotary cos/sin that the first
-layer already saved) are re-deduplicated against the twin's actual inputs.
+Repeated identical blocks ([Note: twins]): a module with children whose structural hash, plain
+attributes (flags such as ``is_causal``) and input signature (shapes, strides, dtypes, requires_grad,
+non-tensor arguments) equal those of a module already traced in this step is not run; :class:`_TwinFn`
+returns fresh tensors of the recorded output layout (storages of the same sizes) and, in backward,
+gradients of its inputs. Its numbers are the template's, with fqns remapped; in the log replay its spans
+count as the template's rise and net change, so the enclosing modules' peaks are those of the real run.
+Tensors saved across the boundary are handled explicitly: inputs and outputs the template saved are kept
+alive until the twin's backward, and re-deduplicated against the twin's actual inputs (rotary cos/sin,
+saved by the first layer only). Not reused, because the real numbers would differ: leaves (one or two
+ops; their backward peak depends on how a shared input's gradient accumulates), a module sharing an
+input that needs a gradient or a parameter with its template, and any module whose subtree runs more
+than once in the step (parameter gradients accumulate across calls; detected after the step, which is
+then traced again without those templates). ``trace_model(..., reuse=False)`` traces everything.
 
-Two traced batch sizes give every per-micro-batch quantity as an :class:`Affine` in the batch size.
+A module called several times in a step (a shared module) sums its calls' bytes and FLOPs and keeps
+the largest peak. The loss (``loss_*``) is its own span: saved tensors of ``loss_fn``, and its peak rise
+from the loss's forward until the model's backward begins (the fp32 logits and their gradient).
+``forward_order`` is by first entry into the wrapped ``forward`` (where a forward-pre-hook would fire),
+``backward_order`` by the first gradient of an output. Two traced batch sizes give every per-micro-batch
+quantity as an :class:`Affine` in the batch size (exact where the bytes are linear in it; a batch maker
+whose batch-1 tensors are views of a larger storage, e.g. ``tokens[:, :-1].contiguous()``, bends the
+line by those few bytes).
 """
 
 from __future__ import annotations
