@@ -8,15 +8,14 @@ import pytest
 import torch
 
 from shard_planner.cli.main import main as cli_main
-from shard_planner.errors import RunError
+from shard_planner.errors import RunError, UserError
 from shard_planner.execute import launch_plans
 from shard_planner.execute.worker import build_on_device, make_optimizer, make_step_batch
-from shard_planner.measurement import load_measurement
+from shard_planner.measurement import (Measurement, RankMemory, load_measurement, plan_fingerprint,
+                                       save_measurement)
 from shard_planner.modelfile import load_model_file
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prediction, Prefetch, Training, Unit, save_plan
 from shard_planner.trace.structure import model_fingerprint
-
-pytestmark = pytest.mark.multiprocess
 
 MODEL = "tests/models/exec_net.py"
 FAULTY = "tests/models/exec_faulty.py"
@@ -68,6 +67,7 @@ PLANS_2 = {
 }
 
 
+@pytest.mark.multiprocess
 def test_loss_matches_single_process_world_size_2():
     names = list(PLANS_2)
     plans = [make_plan(world_size=2, **PLANS_2[n]) for n in names]
@@ -94,6 +94,7 @@ def test_loss_matches_single_process_world_size_2():
             os.kill(pid, 0)
 
 
+@pytest.mark.multiprocess
 def test_loss_matches_single_process_world_size_4_int_reshard_and_hsdp():
     plans = [
         # reshard to 2 of 4 ranks after forward (a divisor of the shard group)
@@ -111,12 +112,44 @@ def test_loss_matches_single_process_world_size_4_int_reshard_and_hsdp():
     assert hsdp.peak_bytes > 0 and flat.peak_bytes > 0
 
 
+def test_measurement_json_round_trip_and_comparison_without_overhead(tmp_path):
+    m = Measurement(plan_fingerprint="f" * 16, model_path="m.py", world_size=2, mesh_shard=2, mesh_replicate=1,
+                    micro_batch=4, device="cuda", device_name="GPU", backend="nccl", torch_version="2.13",
+                    memory_method="cuda max_memory_allocated",
+                    memory=(RankMemory(0, 900, 1000), RankMemory(1, 1100, 1200)),
+                    step_time_s=(0.3, 0.1, 0.2), timing_method="cuda events", warmup_steps=1,
+                    losses=(2.0, 1.5), predicted_peak_bytes=1300, predicted_step_time_s=0.25,
+                    predicted_overhead_bytes=200)
+    save_measurement(m, tmp_path / "measurement.json")
+    back = load_measurement(tmp_path / "measurement.json")
+    assert back == m
+    assert (back.peak_bytes, back.reserved_bytes) == (1100, 1200)
+    assert back.step_time_median_s == 0.2 and back.step_time_spread_s == pytest.approx(0.2)
+    assert back.comparison() == [("peak_bytes", 1100.0, 1100.0, 0.0),
+                                 ("step_time_s", 0.25, 0.2, pytest.approx(25.0))]
+    with pytest.raises(UserError, match="2 ranks of memory for world size 3"):
+        Measurement.from_dict({**m.to_dict(), "world_size": 3})
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(UserError, match="not valid JSON"):
+        load_measurement(tmp_path / "bad.json")
+
+
+def test_plan_fingerprint_ignores_where_the_model_file_is_and_predictions():
+    plan = make_plan([Unit(("",))], 2)
+    moved = Plan.from_dict({**plan.to_dict(), "model": {**plan.to_dict()["model"], "path": "/elsewhere/net.py"}})
+    predicted = Plan.from_dict({**plan.to_dict(), "predicted": {
+        "peak_bytes": 1, "step_time_s": 1.0, "memory_at_peak": {}, "samples_per_s": 1.0}})
+    assert plan_fingerprint(plan) == plan_fingerprint(moved) == plan_fingerprint(predicted)
+    assert plan_fingerprint(plan) != plan_fingerprint(plan.with_world_size(1))
+
+
 def _write(tmp_path, plan, name="plan.json"):
     path = tmp_path / name
     save_plan(plan, path)
     return path
 
 
+@pytest.mark.multiprocess
 def test_cli_run_prints_predicted_vs_measured_and_writes_measurement(tmp_path, capsys):
     units = [Unit(("",), False), *(Unit((b,)) for b in BLOCKS)]
     predicted = Prediction(peak_bytes=700_000, step_time_s=0.05, memory_at_peak={}, samples_per_s=160.0)
@@ -134,6 +167,7 @@ def test_cli_run_prints_predicted_vs_measured_and_writes_measurement(tmp_path, c
     assert json.loads((tmp_path / "measurement.json").read_text())["summary"]["peak_bytes"] == m.peak_bytes
 
 
+@pytest.mark.multiprocess
 def test_cli_run_on_fewer_ranks_rederives_the_plan(tmp_path, capsys):
     units = [Unit(("",), False), Unit(("blocks.0", "blocks.1"), 2), Unit(("head",))]
     predicted = Prediction(peak_bytes=1, step_time_s=1.0, memory_at_peak={}, samples_per_s=1.0)
@@ -167,6 +201,7 @@ def _faulty_plan():
     return make_plan([Unit(("",), False), *(Unit((b,)) for b in BLOCKS)], 2, model=os.path.abspath(FAULTY))
 
 
+@pytest.mark.multiprocess
 def test_a_rank_that_raises_ends_the_run_with_its_name_and_cause(monkeypatch):
     monkeypatch.setenv("SHARD_PLANNER_TEST_FAULT", "raise@1")
     with pytest.raises(RunError) as info:
@@ -175,6 +210,7 @@ def test_a_rank_that_raises_ends_the_run_with_its_name_and_cause(monkeypatch):
     _assert_all_ended(info.value.pids)
 
 
+@pytest.mark.multiprocess
 def test_cli_a_rank_out_of_memory_one_line_exit_code_and_no_measurement(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SHARD_PLANNER_TEST_FAULT", "oom@0")
     path = _write(tmp_path, _faulty_plan())
@@ -186,6 +222,7 @@ def test_cli_a_rank_out_of_memory_one_line_exit_code_and_no_measurement(tmp_path
     assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]  # no measurement, no partial file
 
 
+@pytest.mark.multiprocess
 def test_a_hanging_rank_is_named_after_the_timeout(monkeypatch):
     monkeypatch.setenv("SHARD_PLANNER_TEST_FAULT", "hang@1")
     with pytest.raises(RunError) as info:
@@ -200,6 +237,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 @pytest.mark.gpu
+@pytest.mark.multiprocess
 @needs_cuda
 def test_gpu_run_measures_the_cuda_allocator_and_matches_the_cpu_losses():
     units = [Unit(("",), False), Unit(("blocks.0", "blocks.1")), *(Unit((b,), True, True) for b in BLOCKS[2:])]

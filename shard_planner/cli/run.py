@@ -85,6 +85,10 @@ def run(args) -> int:
                 print(f"{'peak memory':14}{format_bytes(predicted):>14}{format_bytes(measured):>14}{err_pct:+8.1f}%")
             else:
                 print(f"{'step time':14}{predicted:>12.4f} s{measured:>12.4f} s{err_pct:+8.1f}%")
+        if m.predicted_overhead_bytes:
+            print(f"(predicted peak memory without the {format_bytes(m.predicted_overhead_bytes)} of overhead "
+                  "- CUDA context, NCCL buffers - that the allocator does not see; with it: "
+                  f"{format_bytes(m.predicted_peak_bytes)})")
         if device == "cpu" and "cpu" not in plan.cluster.profile.lower():
             print(f"note: the predicted step time is for profile {plan.cluster.profile!r}, not this CPU")
     elif plan.predicted is None:

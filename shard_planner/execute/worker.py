@@ -264,6 +264,7 @@ def train_and_measure(plan: Plan, model_path: str, options: RunOptions, device: 
         rederived_from_world_size=rederived_from,
         predicted_peak_bytes=predicted.peak_bytes if predicted else None,
         predicted_step_time_s=predicted.step_time_s if predicted else None,
+        predicted_overhead_bytes=int(predicted.memory_at_peak.get("overhead", 0)) if predicted else 0,
     )
 
 
