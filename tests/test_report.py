@@ -242,16 +242,17 @@ def test_write_report_from_plan_alone(tmp_path):
 def test_plans_run_by_tune(tmp_path):
     plan = make_plan(8)
     runs = ((True, 37.1, 1.31, 38.0, 1.27), (False, 27.5, 1.45, 28.0, 1.41), (False, 33.0, 1.36, None, None))
-    points = tuple(MeasuredPoint(f"plan {i}", "0" * 16, 8, int(pk * GIB), st,
+    long = "4+root units, reshard F:4, AC 0, pf 0/1, mb 8, and a description as long as tune writes them"
+    points = tuple(MeasuredPoint(f"plan {i}" if i else f"plan 0 {long}", "0" * 16, 8, int(pk * GIB), st,
                                  int(pp * GIB) if pp else None, ps, chosen=c)
                    for i, (c, pk, st, pp, ps) in enumerate(runs))
     plan = Plan(**{**plan.__dict__, "measurements": points})
     fig = plot_measured_plans(plan)
-    assert len(gid_artists(fig, "run:plan 0")) == 1 and not gid_artists(fig, "run:plan 2")  # no prediction: no point
+    assert len(gid_artists(fig, f"run:plan 0 {long}")) == 1 and not gid_artists(fig, "run:plan 2")  # no prediction: no point
     assert "(GiB)" in fig.axes[0].get_xlabel() and "(s)" in fig.axes[1].get_ylabel()
     assert not texts_overlap(fig)
     md = to_markdown(measurements_table(plan))
-    assert "| plan 0 (chosen) | 8 | 38.0 | 37.1 | +2.4 | 1.270 | 1.310 | -3.1 |" in md
+    assert f"| plan 0 {long} (chosen) | 8 | 38.0 | 37.1 | +2.4 | 1.270 | 1.310 | -3.1 |" in md
     assert "| plan 2 | 8 |  | 33.0 |  |" in md
     write_report(plan, tmp_path)
     assert (tmp_path / "tune_runs.png").exists()

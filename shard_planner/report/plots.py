@@ -397,7 +397,7 @@ def plot_measured_plans(plan: Plan) -> Figure | None:
     for i, m in enumerate(points):
         style = dict(marker="*", s=220, color="gold") if m.chosen else dict(
             marker=BASELINE_MARKERS[i % len(BASELINE_MARKERS)], s=60, color=BASELINE_COLORS[i % len(BASELINE_COLORS)])
-        label = m.description + (" (chosen)" if m.chosen and "chosen" not in m.description else "")
+        label = _wrap(m.description + (" (chosen)" if m.chosen and "chosen" not in m.description else ""), 70)
         ax_m.scatter([m.predicted_peak_bytes / scale], [m.peak_bytes / scale], edgecolors="black", linewidths=0.6,
                      zorder=3, label=label, gid=f"run:{m.description}", **style)
         ax_t.scatter([m.predicted_step_time_s / tscale], [m.step_time_s / tscale], edgecolors="black",
@@ -416,5 +416,5 @@ def plot_measured_plans(plan: Plan) -> Figure | None:
     ax_t.set_ylabel(f"measured step time ({tunit})")
     ax_t.set_title("Step time", fontsize=10)
     fig.suptitle(f"Plans run by tune: measured vs predicted (dashed: equal), {_model_name(plan)}", fontsize=11)
-    fig.legend(loc="outside right upper", fontsize=8, frameon=False)
+    fig.legend(loc="outside lower center", ncols=2, fontsize=8, frameon=False)
     return fig
