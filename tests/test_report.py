@@ -234,6 +234,8 @@ def test_write_report_from_plan_alone(tmp_path):
     plan = make_plan(4)
     write_report(plan, tmp_path)
     assert sorted(p.name for p in tmp_path.glob("*.png")) == ["frontier.png", "memory_at_peak.png"]
+    alone = Plan(**{**plan.__dict__, "frontier": (), "baselines": ()})
+    assert plot_frontier(alone) is None  # a single point is not a trade-off
     bare = Plan(**{**plan.__dict__, "predicted": None, "frontier": (), "baselines": ()})
     html = write_report(bare, tmp_path / "bare").read_text()
     assert "data:image" not in html and "<table" in html  # nothing to draw: the units table still renders

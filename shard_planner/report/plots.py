@@ -93,8 +93,9 @@ def plan_throughput(plan: Plan) -> Throughput:
 def plot_frontier(plan: Plan) -> Figure | None:
     """Peak memory per GPU (x) vs throughput (y): the Pareto frontier joined in memory order, the
     budget line, the chosen plan (star), each hand-written policy labelled in the legend; points over
-    the budget are drawn hollow (frontier) or as an X (policies). None when the plan holds no point."""
-    if not plan.frontier and not plan.baselines and plan.predicted is None:
+    the budget are drawn hollow (frontier) or as an X (policies). None when the plan holds no point to
+    compare the chosen plan with (no frontier, no policies)."""
+    if not plan.frontier and not plan.baselines:
         return None
     tp = plan_throughput(plan)
     budget_gib = plan.cluster.mem_budget_bytes / GIB
