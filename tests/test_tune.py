@@ -292,3 +292,13 @@ def test_tune_gpt2_world_size_2_three_trials(tmp_path, capsys):
     assert plan.cluster.profile == str(fitted)
     assert (tmp_path / "report" / "report.html").is_file()
     assert "chosen: run" in text.out
+
+
+def test_tune_keeps_running_while_nothing_measured_fits():
+    plans = [make_plan(keep=4), make_plan(keep=0), make_plan(keep=2, ac=2)]
+    cands = candidates_of(plans)
+    over = {plan_fingerprint(cands[0].plan): 300 * 2**20}  # the first round's only plan is over budget
+    calls = []
+    result = tune(None, cands, PRIOR, estimate=synthetic_estimate, run_plans=fake_run_plans(calls, peaks=over),
+                  per_launch=1)
+    assert len(calls) >= 2 and result.best.measurement.peak_bytes <= cands[0].plan.cluster.mem_budget_bytes

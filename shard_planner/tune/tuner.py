@@ -136,7 +136,10 @@ def tune(trace: ModelTrace, candidates: list[Candidate], prior: HardwareProfile,
                           [t.measured_s for t in trials])
         if not pending:
             break
-        best_s = trials[_measured_best(trials, budget, rederived)].measured_s
+        fitting = [t.measured_s for t in trials if rederived or t.measurement.peak_bytes <= budget]
+        if not fitting:
+            continue  # nothing measured fits yet: run the next round as ranked
+        best_s = min(fitting)
         error = fit.max_abs_error_after
         scored = sorted(((estimate(trace, rp, fit.profile).time.step_time_s, c, rp) for c, rp in pending),
                         key=lambda x: x[0])
