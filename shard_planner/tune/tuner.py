@@ -103,7 +103,8 @@ def tune(trace: ModelTrace, candidates: list[Candidate], prior: HardwareProfile,
     budget = candidates[0].plan.cluster.mem_budget_bytes
     world_size = gpus if world_size is None else world_size
     rederived = world_size != gpus
-    per_launch = per_launch or max(1, math.ceil(len(candidates) / 2))
+    if per_launch is None:
+        per_launch = max(1, math.ceil(len(candidates) / 2))
     if per_launch < 1:
         raise UserError(f"--per-launch must be at least 1, got {per_launch}")
 
