@@ -125,8 +125,8 @@ def main() -> int:
         print(f"{name:40} {plans[name].training.micro_batch:>3} "
               f"{format_bytes(p_alloc) if p else '-':>11} {format_bytes(m.peak_bytes):>11} {peak_err:>7} "
               f"{format_bytes(m.reserved_bytes) if m.reserved_bytes else '-':>11} "
-              f"{f'{p.step_time_s:.4f}' if p else '-':>10} {m.step_time_median_s:>10.4f} "
-              f"{m.step_time_spread_s:>8.4f} {step_err:>7}")
+              f"{f'{p.step_time_s:.4g}' if p else '-':>10} {m.step_time_median_s:>10.4g} "
+              f"{m.step_time_spread_s:>8.2g} {step_err:>7}")
         rows.append({"plan": name, "micro_batch": plans[name].training.micro_batch,
                      "predicted_peak_bytes": p.peak_bytes if p else None,
                      "predicted_overhead_bytes": p.memory_at_peak.get("overhead", 0) if p else None,

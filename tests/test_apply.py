@@ -25,7 +25,7 @@ def model_and_fingerprint():
 
 def make_plan(units, world_size, fingerprint, *, replicate=1, prefetch=(0, 1), **training):
     mesh = Mesh(shard=world_size // replicate, replicate=replicate)
-    return Plan(ModelRef(MODEL, fingerprint), Cluster(world_size, 8, "h100", 80 * 2**30), mesh,
+    return Plan(ModelRef(MODEL, fingerprint), Cluster(world_size, 8, "h100-80gb", 80 * 2**30), mesh,
                 Training(4, **training), tuple(units), Prefetch(*prefetch))
 
 

@@ -25,7 +25,7 @@ STEPS, WARMUP = 2, 1
 def make_plan(units, world_size, *, model=MODEL, replicate=1, prefetch=(0, 1), predicted=None, **training):
     fp = model_fingerprint(load_model_file(model).build())
     training = {"param_dtype": "float32", **training}
-    return Plan(ModelRef(model, fp), Cluster(world_size, 8, "cpu", 2**30),
+    return Plan(ModelRef(model, fp), Cluster(world_size, 8, "cpu-gloo", 2**30),
                 Mesh(shard=world_size // replicate, replicate=replicate), Training(4, **training),
                 tuple(units), Prefetch(*prefetch), predicted=predicted)
 

@@ -68,7 +68,7 @@ def run(args) -> int:
                            warmup=args.warmup, timeout_s=args.timeout, device=device, reestimate_rederived=True)
     if rederived:
         print("predictions re-estimated for this world size" if m.predicted_peak_bytes is not None
-              else "no prediction for this world size (the cost model is not available)")
+              else "no prediction for this world size (the cost model is missing or could not estimate it)")
     per_rank = ", ".join(f"rank {r.rank} {format_bytes(r.peak_bytes)}" + (f" ({r.peak_phase})" if r.peak_phase else "")
                          for r in m.memory)
     print(f"peak memory: {format_bytes(m.peak_bytes)} max over ranks [{m.memory_method}]: {per_rank}")

@@ -116,6 +116,8 @@ class _World:
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                        PYTHONUNBUFFERED="1")
+            if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: ranks must not oversubscribe the cores
+                env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world_size))
             log = open(run_dir / f"rank{rank}.log", "wb")
             args = [sys.executable, "-m", "shard_planner.execute.worker", *worker_args,
                     "--status-dir", str(run_dir)]
