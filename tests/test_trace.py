@@ -22,6 +22,7 @@ from shard_planner.modelfile import load_model_file
 from shard_planner.trace import graph, load_trace, trace_model, trace_or_load
 from shard_planner.trace.flops import EXTRA_FLOP_FORMULAS, FlopCounter
 from shard_planner.trace.graph import edges_of_kind
+from shard_planner.trace.tracer import compare_with_real_run
 from shard_planner.trace.types import ModelTrace
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -398,3 +399,32 @@ def test_twins_model_matches_real_run(dtype):
         assert abs(got - want) <= 0.02 * want, (m.fqn, got, want)
     want = real_forward_peak_rise(TWINS, DTYPES[dtype], batch)
     assert abs(trace.module("").fwd_peak_rise_bytes.at(batch) - want) <= 0.02 * want
+
+
+# ---- the same instruments on a real step: fake mode changes nothing for the examples ------------------
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_real_step_with_the_same_instruments_agrees(name):
+    """Every traced number (saved, output, FLOPs, forward and backward peaks, loss) of the fake-mode trace,
+    twins included, is what the same instruments measure in a real CPU step."""
+    trace = traced(name)
+    assert compare_with_real_run(example(name), trace, batch_size=3) == ()
+
+
+def test_real_step_check_finds_code_that_branches_on_fake_tensors(tmp_path, capsys):
+    path = str(ROOT / "tests" / "models" / "trace_fake_branch.py")
+    trace = trace_model(path, dtype="fp32")
+    diffs = {(d.fqn, d.quantity): d for d in compare_with_real_run(path, trace, batch_size=2)}
+    saved = diffs[("attn", "saved_bytes_self")]
+    # the (B, H, T, T) mask, converted by SDPA to an additive fp32 mask and saved, under fake mode only
+    assert saved.traced - saved.real == 2 * 4 * 32 * 32 * 4
+    assert ("head", "saved_bytes_self") not in diffs
+    assert main(["trace", path, "--dtype", "fp32", "--check", "2", "-o", str(tmp_path / "t.json")]) == 0
+    out = capsys.readouterr().out
+    assert "3 numbers differ" in out and "attn: saved_bytes_self" in out
+
+
+def test_real_step_check_rejects_another_model(tmp_path):
+    with pytest.raises(UserError, match="fingerprints differ"):
+        compare_with_real_run(example("gpt2"), traced("llama"))

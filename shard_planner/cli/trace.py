@@ -21,6 +21,7 @@ class TraceRequest:
     batch_size: int | None  # the micro-batch the table shows (default: TRAINING["micro_batch"] or 1)
     dtype: str
     output: Path
+    check_batch: int | None  # run a real step at this micro-batch and compare
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -38,23 +39,44 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bf16", choices=("bf16", "bfloat16", "fp32", "float32"),
                    help="compute dtype (FSDP2 mixed-precision param dtype); default bf16")
     p.add_argument("-o", "--output", default="trace.json", help="where to write the trace (default: trace.json)")
+    p.add_argument("--check", type=int, default=None, metavar="B",
+                   help="also run one real training step on this CPU at micro-batch B with the same instruments "
+                   "and list where the fake-mode trace differs (builds the model for real: small sizes only)")
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     from shard_planner.modelfile import load_model_file
-    from shard_planner.trace.tracer import trace_model
+    from shard_planner.trace.tracer import compare_with_real_run, trace_model
 
-    if args.batch_size is not None and args.batch_size < 1:
-        raise UserError(f"--batch-size must be a positive integer, got {args.batch_size}")
-    req = TraceRequest(args.model, args.batch_size, args.dtype, Path(args.output))
+    for flag, value in (("--batch-size", args.batch_size), ("--check", args.check)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be a positive integer, got {value}")
+    req = TraceRequest(args.model, args.batch_size, args.dtype, Path(args.output), args.check)
     model_file = load_model_file(req.model)
     trace = trace_model(model_file, dtype=req.dtype)
     write_atomic(req.output, trace.to_json())
     batch = req.batch_size or model_file.training.get("micro_batch", 1)
     print(summary_table(trace, batch))
     print(f"wrote {req.output}")
+    if req.check_batch is not None:
+        diffs = compare_with_real_run(model_file, trace, batch_size=req.check_batch)
+        print(check_report(diffs, req.check_batch))
     return 0
+
+
+def check_report(diffs, batch: int) -> str:
+    """Lines saying where a real step at micro-batch ``batch`` differs from the trace (or that it does not)."""
+    if not diffs:
+        return f"real-run check at micro-batch {batch}: every module's bytes, peaks and FLOPs agree within 2%"
+    lines = [f"real-run check at micro-batch {batch}: {len(diffs)} numbers differ by more than 2% "
+             "(code that behaves differently under fake tensors, or another kernel):"]
+    for d in diffs:
+        scale = 1e9 if "flops" in d.quantity else 1
+        unit = "GFLOP" if scale != 1 else "bytes"
+        lines.append(f"  {d.fqn or '<root>'}: {d.quantity} traced {d.traced / scale:,.6g} vs real "
+                     f"{d.real / scale:,.6g} {unit}")
+    return "\n".join(lines)
 
 
 def summary_rows(trace: ModelTrace) -> list[str]:
