@@ -1,7 +1,17 @@
 """Tracing: run one forward + backward without real memory and record what the planner needs."""
 
 from shard_planner.trace.graph import graph
-from shard_planner.trace.tracer import load_trace, trace_model, trace_or_load
+from shard_planner.trace.tracer import Difference, compare_with_real_run, load_trace, trace_model, trace_or_load
 from shard_planner.trace.types import Affine, ModelTrace, ModuleTrace
 
-__all__ = ["Affine", "ModelTrace", "ModuleTrace", "graph", "load_trace", "trace_model", "trace_or_load"]
+__all__ = [
+    "Affine",
+    "Difference",
+    "ModelTrace",
+    "ModuleTrace",
+    "compare_with_real_run",
+    "graph",
+    "load_trace",
+    "trace_model",
+    "trace_or_load",
+]
