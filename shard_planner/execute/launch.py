@@ -274,9 +274,23 @@ def _innermost_frames(world: _World, ranks: list[int], wait_s: float = 3.0) -> d
             if r not in seen:  # parse on the next poll, once the dump is whole
                 seen.add(r)
                 continue
-            dump = text.split("most recent call first", 1)[1].splitlines()[1:]
-            frames[r] = [(f, int(n), fn) for f, n, fn in (m.groups() for m in map(_FRAME.match, dump) if m)]
+            frames[r] = _main_thread_frames(text)
     return frames
+
+
+def _main_thread_frames(dump: str) -> list[tuple[str, int, str]]:
+    """From a faulthandler dump of every thread, the frames of the main thread (the one whose
+    outermost frame is a module's top level), innermost first."""
+    threads, current = [], None
+    for line in dump.splitlines():
+        if "most recent call first" in line:
+            current = []
+            threads.append(current)
+        elif current is not None and (m := _FRAME.match(line)):
+            f, n, fn = m.groups()
+            current.append((f, int(n), fn))
+    main = [t for t in threads if t and t[-1][2] == "<module>"]
+    return (main or threads or [[]])[0]
 
 
 def _in_collective(frames: list[tuple[str, int, str]]) -> bool:

@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     if hasattr(signal, "SIGUSR1"):  # the launcher asks a rank that seems hung where it is
-        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=False)
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     logging.basicConfig(format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     status = _Status(args.status_dir, rank)
     try:
