@@ -4,6 +4,8 @@ DeepSpeed JSON that parse, hold the expected keys, and say what they cannot expr
 import json
 import tomllib
 
+from pathlib import Path
+
 import pytest
 
 from models.report_fixtures import make_plan, make_trace
@@ -17,6 +19,13 @@ from shard_planner.report.export.deepspeed import derive_zero3
 from shard_planner.trace.structure import model_fingerprint
 
 GPT2 = "examples/gpt2.py"
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _in_repository_root(monkeypatch):
+    """Plans name their model file relative to the repository root (examples/...), as the CLI is run."""
+    monkeypatch.chdir(REPO)
 
 
 def gpt2_plan(units, prefetch=Prefetch(2, 2), world=8, **training) -> Plan:

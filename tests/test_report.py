@@ -3,10 +3,11 @@ images and tables, Markdown with PNGs beside it, a report for every example mode
 
 import base64
 import dataclasses
-import importlib.util
 import io
 import json
 import re
+
+from pathlib import Path
 
 import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -29,8 +30,13 @@ from shard_planner.report.rows import unit_rows
 from shard_planner.report.tables import frontier_table, measurements_table, to_markdown, units_table
 
 EXAMPLES = ("gpt2", "llama", "vit", "encdec", "unet")
-HAS_COST = importlib.util.find_spec("shard_planner.cost") is not None and hasattr(
-    importlib.import_module("shard_planner.cost"), "estimate")
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _in_repository_root(monkeypatch):
+    """Plans name their model file relative to the repository root (examples/...), as the CLI is run."""
+    monkeypatch.chdir(REPO)
 
 
 def drawn_texts(fig) -> list[Text]:
@@ -286,37 +292,34 @@ def example_traces():
 
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_report_for_every_example(name, example_traces, tmp_path):
-    trace = example_traces[name]
-    plan = _example_plan(trace, f"examples/{name}.py")
-    assert len(plan.units) > 2, "the example has blocks to shard"
-    estimate = None
-    if HAS_COST:
-        from shard_planner.cost import estimate as estimate_fn
-        from shard_planner.profile import load_profile
+    """The solver's plan for each example (frontier, hand-written policies, chosen plan: real planner
+    output), and a multi-unit plan of the same model estimated by the cost model (tiny models fit
+    unsharded, so the solver's own plan is often the root alone): both reports render, with every
+    parameter in exactly one unit and no overlapping text."""
+    from shard_planner.cost import estimate as estimate_fn
+    from shard_planner.profile import load_profile
+    from shard_planner.solve import plan_model
 
-        profile = load_profile("h100-80gb")
-        estimate = estimate_fn(trace, plan, profile)
-        # A small frontier from real estimates: reshard / keep, checkpoint all / none.
-        variants = {"reshard, no AC": (True, False), "reshard, AC": (True, True), "keep, no AC": (False, False)}
-        points = []
-        from shard_planner.plan import FrontierPoint
-
-        for desc, (reshard, ac) in variants.items():
-            p = Plan(**{**plan.__dict__, "units": tuple(u if u.is_root else Unit(u.modules, reshard, ac) for u in plan.units)})
-            e = estimate_fn(trace, p, profile)
-            points.append(FrontierPoint(e.memory.peak_bytes, e.time.step_time_s, desc))
-        plan = Plan(**{**plan.__dict__, "predicted": estimate.prediction(), "baselines": tuple(points)})
-    sections = build_sections(plan, trace=trace, estimate=estimate)
-    for section in sections:
-        if section.figure is not None:
-            assert not texts_overlap(section.figure), (name, section.title)
-    html = write_sections(plan, sections, tmp_path).read_text()
-    assert "data:image/png;base64," in html and "<table" in html
-    assert (tmp_path / "units.png").exists()
-    if HAS_COST:
-        assert (tmp_path / "memory_timeline.png").exists() and (tmp_path / "frontier.png").exists()
-    rows = unit_rows(plan, trace, estimate)
-    assert sum(r.param_count * r.count for r in rows) == trace.param_count  # every parameter in one unit
+    trace, path = example_traces[name], f"examples/{name}.py"
+    profile = load_profile("h100-80gb")
+    solved = plan_model(trace, gpus=8, mem_budget_bytes=8 * GIB, profile=profile, model_path=path, time_limit_s=5)
+    hand = _example_plan(trace, path)
+    assert len(hand.units) > 2, "the example has blocks to shard"
+    hand_estimate = estimate_fn(trace, hand, profile)
+    hand = Plan(**{**hand.__dict__, "predicted": hand_estimate.prediction(), "frontier": solved.frontier,
+                   "baselines": solved.baselines})
+    for plan, estimate, out in ((solved, None, tmp_path / "solved"), (hand, hand_estimate, tmp_path / "hand")):
+        sections = build_sections(plan, trace=trace, profile=profile, estimate=estimate)
+        for section in sections:
+            if section.figure is not None:
+                assert not texts_overlap(section.figure), (name, section.title)
+        html = write_sections(plan, sections, out).read_text()
+        assert html.count("data:image/png;base64,") == 3 and "<table" in html  # frontier, timeline, units
+        assert {p.name for p in out.glob("*.png")} == {"frontier.png", "memory_timeline.png", "units.png"}
+        rows = unit_rows(plan, trace, estimate_fn(trace, plan, profile))
+        assert sum(r.param_count * r.count for r in rows) == trace.param_count  # every parameter in one unit
+        frontier = next(s.figure for s in sections if s.image == "frontier.png")
+        assert frontier_point_count(frontier) == len(solved.frontier)
 
 
 # ---- CLI ----
@@ -345,6 +348,9 @@ def test_report_cli_traces_the_plans_model(tmp_path, example_traces, capsys):
     assert main(["report", str(tmp_path / "plan.json"), "--trace", str(tmp_path / "trace.json"),
                  "-o", str(tmp_path / "out")]) == 0
     assert (tmp_path / "out" / "units.png").exists()
+    # Without --trace the plan's own model file is traced (examples/gpt2.py, from the repository root).
+    assert main(["report", str(tmp_path / "plan.json"), "-o", str(tmp_path / "default")]) == 0
+    assert (tmp_path / "default" / "memory_timeline.png").exists()
     wrong = Plan(**{**plan.__dict__, "model": ModelRef("examples/gpt2.py", "0" * 16, 64)})
     save_plan(wrong, tmp_path / "wrong.json")
     assert main(["report", str(tmp_path / "wrong.json"), "--trace", str(tmp_path / "trace.json"),
