@@ -30,6 +30,7 @@ Usage::
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import weakref
@@ -59,7 +60,7 @@ def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
         if is_traceable_wrapper_subclass(x):
             attrs, _ = x.__tensor_flatten__()
             todo.extend(v for v in (getattr(x, a) for a in attrs) if isinstance(v, torch.Tensor))
-        else:
+        elif x.layout == torch.strided:  # sparse and other layouts have no single storage
             out.append(x.untyped_storage())
     return out
 
@@ -84,6 +85,13 @@ def _tensors_of(obj: Any) -> Iterable[torch.Tensor]:
     elif isinstance(obj, (list, tuple)):
         for v in obj:
             yield from _tensors_of(v)
+
+
+@functools.cache
+def _dtensor_type() -> type:
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
 
 
 def _patched_resize(storage: torch.UntypedStorage, size: int):
@@ -157,9 +165,7 @@ class StorageTracker(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.distributed.tensor import DTensor
-
-        if any(issubclass(t, DTensor) for t in types):
+        if any(issubclass(t, _dtensor_type()) for t in types):
             return NotImplemented  # let DTensor run its local ops, which come back here
         res = func(*args, **(kwargs or {}))
         tree_map_only(torch.Tensor, self._add_tensor, res)
