@@ -83,7 +83,8 @@ def fake_world():
 
 
 def test_fsdp2_export_shards_like_apply_plan(fake_world):
-    """Grouped units, an int reshard (2 of 8), no reshard, checkpointing, a nested unit, prefetch depth 2."""
+    """Grouped units, an int reshard (2 of 8), no reshard, checkpointing, a nested unit, prefetch depth 2,
+    CPU offload, bf16 mixed precision."""
     import torch
 
     from shard_planner.execute.apply import apply_plan, describe_sharding
@@ -94,7 +95,7 @@ def test_fsdp2_export_shards_like_apply_plan(fake_world):
         Unit(("blocks.2",), reshard_after_forward=False),
         Unit(("blocks.3",), activation_checkpoint=True),
         Unit(("blocks.3.mlp",)),
-    ])
+    ], cpu_offload=True)
     mf = load_model_file(GPT2)
     reference = describe_sharding(apply_plan(mf.build(), plan, fake_world))
 
@@ -110,6 +111,8 @@ def test_fsdp2_export_shards_like_apply_plan(fake_world):
     assert len(exported) == len(plan.units)
     checkpointed = {fqn for fqn, m in model.named_modules() if "forward" in vars(m)}
     assert checkpointed == {"blocks.0", "blocks.1", "blocks.3"}
+    group = model.blocks[2]._get_fsdp_state()._fsdp_param_groups[0]
+    assert type(group.offload_policy).__name__ == "CPUOffloadPolicy" and group.mp_policy.param_dtype == torch.bfloat16
     # It runs: one forward and backward under the fake process group.
     inputs, targets = mf.batch(2)
     mf.loss(model(*inputs), targets).backward()

@@ -4,7 +4,6 @@ images and tables, Markdown with PNGs beside it, a report for every example mode
 import base64
 import dataclasses
 import io
-import json
 import re
 
 from pathlib import Path

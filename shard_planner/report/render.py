@@ -12,7 +12,7 @@ import pandas as pd
 
 from shard_planner import __version__
 from shard_planner.plan import Plan
-from shard_planner.report.plots import GIB, MeasuredFigures, plan_throughput, relative_error
+from shard_planner.report.plots import MeasuredFigures, plan_throughput, relative_error
 from shard_planner.report.tables import md_escape, to_html, to_markdown
 from shard_planner.units import format_bytes
 
