@@ -1,9 +1,10 @@
 """Tier 3: predicted peak vs the peak of real FSDP2 runs (CPU/gloo), measured by the executor's
 StorageTracker over one steady-state step, for many plans in two launches (world size 2 and 4).
 
-The model is tests/models/cost_mlp.py with its hand-written trace (exact by construction), so a miss
-is the memory simulator's, not the tracer's. Every plan must be within 3%; most are exact to the
-28 bytes of AdamW step scalars the simulator does not model.
+Two models: tests/models/cost_mlp.py with its hand-written trace (exact by construction, so a miss is
+the memory simulator's, not the tracer's; most plans are exact to the 28 bytes of AdamW step scalars
+the simulator does not model), and examples/gpt2.py (tiny) with the tracer's trace — the whole
+pipeline. Every plan must be within 3%.
 """
 
 import sys
@@ -23,6 +24,7 @@ from shard_planner.profile import load_profile  # noqa: E402
 from shard_planner.trace.structure import model_fingerprint  # noqa: E402
 
 MODEL = str(Path(__file__).parent / "models" / "cost_mlp.py")
+GPT2 = str(Path(__file__).parent.parent / "examples" / "gpt2.py")
 L = cost_mlp.LAYERS
 TOLERANCE = 0.03
 
@@ -64,17 +66,45 @@ def _configs(ws, fp):
     }
 
 
+def _gpt2_configs(ws):
+    fp = model_fingerprint(load_model_file(GPT2).build())
+    blocks = [f"blocks.{i}" for i in range(4)]
+
+    def plan(mb, pd="bfloat16", reshard=True, ckpt=False, fwd=0, group=1):
+        units = [Unit(("",), False)] + [Unit(tuple(blocks[i:i + group]), reshard, ckpt) for i in range(0, 4, group)]
+        return Plan(ModelRef(GPT2, fp), Cluster(ws, ws, "cpu-gloo", 2**30), Mesh(ws), Training(mb, "adamw", pd),
+                    tuple(units), Prefetch(fwd, 1))
+
+    return {
+        "gpt2 tiny (traced), bf16": plan(8),
+        "gpt2 tiny (traced), fp32": plan(8, "float32"),
+        "gpt2 tiny (traced), checkpointing": plan(32, ckpt=True),
+        "gpt2 tiny (traced), reshard False, prefetch 1, 2 blocks/unit": plan(16, reshard=False, fwd=1, group=2),
+    }
+
+
 def _compare(ws):
+    from shard_planner.trace import trace_model
+
     fp = model_fingerprint(load_model_file(MODEL).build())
     configs = _configs(ws, fp)
+    if ws == 2:
+        configs.update(_gpt2_configs(ws))
     profile = load_profile("cpu-gloo")
     measured = measure_peaks(list(configs.values()), world_size=ws)
+    gpt2 = {}
     rows = []
     for (name, plan), (peak, phase) in zip(configs.items(), measured):
-        trace = cost_mlp.analytic_trace(compute_dtype=plan.training.param_dtype)
+        dtype = plan.training.param_dtype
+        if plan.model.path == GPT2:
+            if dtype not in gpt2:
+                gpt2[dtype] = trace_model(GPT2, dtype=dtype)
+            trace = gpt2[dtype]
+        else:
+            trace = cost_mlp.analytic_trace(compute_dtype=dtype)
         est = simulate_memory(trace, plan, profile)
         rows.append((name, peak, phase, est.peak_bytes, est.peak_event, (est.peak_bytes - peak) / peak))
-    report = "\n".join(f"{n:40s} measured {m:9d} ({ph}) predicted {p:9d} ({ev}) {100 * e:+.2f}%"
+    report = "\n".join(f"{n:62s} measured {m:9d} ({ph}) predicted {p:9d} ({ev}) {100 * e:+.2f}%"
                        for n, m, ph, p, ev, e in rows)
     print(report)
     return rows, report

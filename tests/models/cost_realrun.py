@@ -41,10 +41,6 @@ def _rank_main(rank: int, world_size: int, port: int, plan_jsons: list[str], out
 
     results = []
     meshes = {}
-    if os.environ.get("COST_PROBE") and rank == 0:
-        import sys
-        sys.path.insert(0, "/tmp/cost")
-        import probe  # noqa: F401
     for text in plan_jsons:
         plan = Plan.from_dict(json.loads(text))
         key = (plan.mesh.shard, plan.mesh.replicate)
@@ -74,21 +70,10 @@ def _rank_main(rank: int, world_size: int, port: int, plan_jsons: list[str], out
         # Reference cycles (autograd graph <-> FSDP hooks) are otherwise freed whenever the collector
         # happens to run, which moves the measured peak by one activation from run to run.
         gc.collect()
-        if os.environ.get("COST_DEBUG"):
-            import sys
-            sys.path.insert(0, "/tmp/cost")
-            from debugtracker import DebugTracker
-            tracker = DebugTracker(track=(model, optimizer), device_type="cpu")
-        else:
-            tracker = StorageTracker(track=(model, optimizer), device_type="cpu")
+        tracker = StorageTracker(track=(model, optimizer), device_type="cpu")
         with tracker:
             step(warmup)
         results.append((tracker.peak_bytes, tracker.peak_phase))
-        if os.environ.get("COST_DEBUG") and rank == 0:
-            live, phase, sizes, stack = tracker.snap
-            print("PEAK", live, phase, "sizes", sizes, flush=True)
-            if os.environ.get("COST_DEBUG") == "2":
-                tracker.dump()
         tracker = None
         del model, optimizer
         dist.barrier()
