@@ -14,7 +14,8 @@ from matplotlib.text import Text
 
 from models.report_fixtures import GIB, MIB, _module, make_estimate, make_plan, make_trace
 from shard_planner.cli.main import main
-from shard_planner.measurement import Measurement, RankMemory, save_measurement
+from shard_planner.errors import UserError
+from shard_planner.measurement import Measurement, RankMemory, plan_fingerprint, save_measurement
 from shard_planner.plan import (
     MEMORY_CATEGORIES, Cluster, MeasuredPoint, Mesh, ModelRef, Plan, Prefetch, Training, Unit, save_plan,
 )
@@ -69,9 +70,9 @@ def gid_artists(fig, gid):
     return list({id(a): a for a in fig.findobj() if getattr(a, "get_gid", lambda: None)() == gid}.values())
 
 
-def measurement(peaks=(30 * GIB, 31 * GIB), steps=(1.30, 1.25, 1.40), predicted=None) -> Measurement:
+def measurement(peaks=(30 * GIB, 31 * GIB), steps=(1.30, 1.25, 1.40), predicted=None, plan=None) -> Measurement:
     return Measurement(
-        plan_fingerprint="0" * 16, model_path="examples/gpt2.py", world_size=len(peaks), mesh_shard=len(peaks),
+        plan_fingerprint=plan_fingerprint(plan) if plan is not None else "0" * 16, model_path="examples/gpt2.py", world_size=len(peaks), mesh_shard=len(peaks),
         mesh_replicate=1, micro_batch=8, device="cuda", device_name="test", backend="nccl", torch_version="2.13",
         memory_method="cuda max_memory_allocated", memory=tuple(RankMemory(i, b) for i, b in enumerate(peaks)),
         step_time_s=steps, timing_method="cuda events", warmup_steps=2, losses=(1.0,) * 5,
@@ -218,7 +219,7 @@ def test_tables_and_markdown():
 def test_write_report_self_contained(tmp_path):
     plan = make_plan(16, group=2, checkpoint_every=0)
     est = make_estimate(plan)
-    m = measurement(predicted=(plan.predicted.peak_bytes, plan.predicted.step_time_s))
+    m = measurement(predicted=(plan.predicted.peak_bytes, plan.predicted.step_time_s), plan=plan.with_world_size(2))
     html_path = write_report(plan, tmp_path / "r", trace=make_trace(16), estimate=est, measurement=m)
     html = html_path.read_text()
     pngs = sorted(p.name for p in (tmp_path / "r").glob("*.png"))
@@ -267,9 +268,11 @@ def test_plans_run_by_tune(tmp_path):
 
 def test_measurement_from_another_world_size_is_not_compared(tmp_path):
     plan = make_plan(4)
-    m = Measurement(**{**measurement().__dict__, "rederived_from_world_size": 8})
+    m = Measurement(**{**measurement(plan=plan.with_world_size(2)).__dict__, "rederived_from_world_size": 8})
     titles = [s.title for s in build_sections(plan, measurement=m)]
     assert "Measured" in titles and "Predicted vs measured" not in titles
+    with pytest.raises(UserError, match="measurement is of another plan"):
+        build_sections(plan, measurement=measurement(plan=make_plan(5).with_world_size(2)))
 
 
 def _example_plan(trace, path):
@@ -326,7 +329,7 @@ def test_report_for_every_example(name, example_traces, tmp_path):
 def test_report_cli(tmp_path, capsys):
     plan = make_plan(8)
     save_plan(plan, tmp_path / "plan.json")
-    m = measurement(predicted=(plan.predicted.peak_bytes, plan.predicted.step_time_s))
+    m = measurement(predicted=(plan.predicted.peak_bytes, plan.predicted.step_time_s), plan=plan.with_world_size(2))
     save_measurement(m, tmp_path / "measurement.json")
     out = tmp_path / "out"
     assert main(["report", str(tmp_path / "plan.json"), str(tmp_path / "measurement.json"), "-o", str(out),

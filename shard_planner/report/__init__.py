@@ -26,7 +26,7 @@ from shard_planner.cost.types import Estimate
 from shard_planner.fileio import write_atomic
 from shard_planner.plan import Plan
 from shard_planner.profile import HardwareProfile, load_profile
-from shard_planner.report.measured import measured_figures, predictions_for
+from shard_planner.report.measured import check_measurement_matches, measured_figures, predictions_for
 from shard_planner.report.plots import (
     figure_png, plot_frontier, plot_measured_plans, plot_memory_at_peak, plot_memory_timeline,
     plot_predicted_vs_measured, plot_units,
@@ -102,6 +102,7 @@ def build_sections(plan: Plan, *, trace: ModelTrace | None = None, profile: Hard
             measurements_table(plan)))
 
     if measurement is not None:
+        check_measurement_matches(plan, measurement)
         figures, predicted = measured_figures(measurement), predictions_for(plan, measurement)
         ran_on = f"{measurement.world_size} ranks, {measurement.device} ({measurement.device_name}), {measurement.backend}"
         where = f"{ran_on}; memory by {measurement.memory_method}, time by {measurement.timing_method}"

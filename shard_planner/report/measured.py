@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from shard_planner.measurement import Measurement
+from shard_planner.errors import UserError
+from shard_planner.measurement import Measurement, plan_fingerprint
 from shard_planner.plan import Plan
 from shard_planner.report.plots import MeasuredFigures
 
@@ -26,3 +27,14 @@ def predictions_for(plan: Plan, measurement: Measurement) -> tuple[int, float] |
     if plan.predicted is not None and not measurement.rederived:
         return plan.predicted.peak_bytes, plan.predicted.step_time_s
     return None
+
+
+def check_measurement_matches(plan: Plan, measurement: Measurement) -> None:
+    """Raise UserError when the measurement is of another plan (its decisions' fingerprint differs from
+    the plan's, and from the plan re-derived for the world size the run used)."""
+    mine = {plan_fingerprint(plan)}
+    if measurement.world_size != plan.cluster.gpus:
+        mine.add(plan_fingerprint(plan.with_world_size(measurement.world_size)))
+    if measurement.plan_fingerprint not in mine:
+        raise UserError(f"the measurement is of another plan (plan fingerprint {measurement.plan_fingerprint}, this "
+                        f"plan's {plan_fingerprint(plan)}): run shard-planner run on this plan, or report without it")
