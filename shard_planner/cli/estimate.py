@@ -68,6 +68,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.4g} ms"
+
+
 def report(plan: Plan, profile, est) -> str:
     mem, t = est.memory, est.time
     tr = plan.training
@@ -86,8 +90,8 @@ def report(plan: Plan, profile, est) -> str:
         share = 100 * v / mem.peak_bytes if mem.peak_bytes else 0.0
         lines.append(f"  {cat:18s} {format_bytes(v):>12s}  {share:5.1f}%")
     lines.append(
-        f"step time: {t.step_time_s * 1e3:.2f} ms (compute {t.compute_s * 1e3:.2f} ms, communication "
-        f"{t.comm_s * 1e3:.2f} ms of which exposed {t.exposed_comm_s * 1e3:.2f} ms, optimizer {t.optimizer_s * 1e3:.2f} ms)")
+        f"step time: {_ms(t.step_time_s)} (compute {_ms(t.compute_s)}, communication {_ms(t.comm_s)} of which "
+        f"exposed {_ms(t.exposed_comm_s)}, optimizer {_ms(t.optimizer_s)})")
     rate = f"{t.tokens_per_s:,.0f} tokens/s" if t.tokens_per_s else f"{t.samples_per_s:,.1f} samples/s"
     lines.append(f"throughput: {rate} over {plan.mesh.world_size} GPUs, MFU {100 * t.mfu:.1f}%")
     return "\n".join(lines)
