@@ -302,3 +302,14 @@ def test_estimate_gives_the_plans_prediction(synth, h100):
     assert pred.step_time_s == est.time.step_time_s
     fast = estimate(synth, synth_plan(synth, 8), h100, timeline=False)
     assert fast.memory.peak_bytes == est.memory.peak_bytes and fast.memory.timeline == ()
+
+
+def test_buffers_are_replicated_not_sharded(mlp, gloo):
+    """FSDP2 shards parameters only: a 1000-byte buffer costs 1000 bytes on every rank at any N."""
+    m = mlp.modules[2]
+    with_buffer = dataclasses.replace(mlp, modules=(*mlp.modules[:2], dataclasses.replace(m, buffer_bytes=1000),
+                                                    *mlp.modules[3:]))
+    for n in (2, 4):
+        a = simulate_memory(mlp, mlp_plan(n), gloo).memory_at_peak["sharded_params"]
+        b = simulate_memory(with_buffer, mlp_plan(n), gloo).memory_at_peak["sharded_params"]
+        assert b - a == 1000

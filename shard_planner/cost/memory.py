@@ -15,6 +15,7 @@ checked against storage-tracked real runs on CPU/gloo (tests/test_cost_realrun.p
 a note below.
 
 [Note: FSDP2 model state]
+  (Module buffers are not sharded: every rank holds all of them, counted with the sharded parameters.)
   The sharded parameters stay in the dtype the model was built in (fp32) — they are the master
   weights; ``MixedPrecisionPolicy(param_dtype=bf16)`` only changes the all-gathered copy. Sharded
   gradients are always cast back to that dtype (``_fsdp_collectives.foreach_reduce``:
@@ -177,7 +178,8 @@ def simulate_memory(trace: ModelTrace, plan: Plan, profile: HardwareProfile,
     overhead = profile.reserved_bytes + profile.per_process_group_bytes * len(int_sizes)
 
     cat = [0.0] * 8
-    cat[_SP] = 0.0 if offload_off_device else sharded_total
+    # buffers are not sharded and stay on the device under CPU offload (FSDP2 moves only parameters)
+    cat[_SP] = (0.0 if offload_off_device else sharded_total) + t.buffer_bytes
     cat[_OS] = 0.0 if offload_off_device else states
     cat[_OV] = float(overhead)
     batch_bytes = trace.batch_input_bytes.at(b)

@@ -83,6 +83,7 @@ class CostTables:
     unit_float_dtypes: tuple[frozenset, ...]
     unit_first_float_numel: tuple[int, ...]
     total_param_numel: int
+    buffer_bytes: int  # every module's buffers: not sharded by FSDP2, resident on every rank
     model_fwd_flops: Affine  # the whole model (the loss excluded: trace.loss_flops), per micro-batch
     model_bwd_flops: Affine
 
@@ -253,6 +254,7 @@ def build_tables(trace: ModelTrace, units: tuple[Unit, ...]) -> CostTables:
                                for d in unit_numel),
         unit_float_dtypes=tuple(frozenset(dt for dt in d if dt in FLOAT_DTYPES) for d in unit_numel),
         unit_first_float_numel=tuple(sum(k for dt, k in d.items() if dt in FLOAT_DTYPES) for d in first_params),
+        buffer_bytes=sum(m.buffer_bytes for m in trace.modules),
         total_param_numel=sum(sum(d.values()) for d in unit_numel),
         model_fwd_flops=fwd_total, model_bwd_flops=bwd_total,
     )
