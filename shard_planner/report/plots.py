@@ -230,8 +230,8 @@ def plot_memory_at_peak(prediction: Prediction, budget_bytes: int, title: str = 
     left = 0.0
     for c in cats:
         v = prediction.memory_at_peak[c] / scale
-        ax.barh([0], [v], left=[left], height=0.5, color=CATEGORY_COLORS[c], label=CATEGORY_LABELS[c],
-                gid=f"cat:{c}")
+        ax.barh([0], [v], left=[left], height=0.5, color=CATEGORY_COLORS[c],
+                label=f"{CATEGORY_LABELS[c]}: {v:.2f} {unit}", gid=f"cat:{c}")
         left += v
     ax.axvline(budget_bytes / scale, color="#d62728", ls="--", lw=1.3, gid="budget",
                label=f"budget {budget_bytes / scale:.2f} {unit}")
