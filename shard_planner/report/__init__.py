@@ -119,6 +119,12 @@ def build_sections(plan: Plan, *, trace: ModelTrace | None = None, profile: Hard
                 f"Measured peak {format_bytes(figures.peak_bytes)} per rank, step time {figures.step_time_s:.4g} s "
                 f"(median). The run used {measurement.world_size} ranks instead of the plan's "
                 f"{plan.cluster.gpus}, so the plan's prediction does not apply to it. Run: {where}."))
+    sections.append(ReportSection(
+        "Use the plan", None, None,
+        "Check it for real: shard-planner run plan.json (CPU/gloo or GPUs; measured vs predicted). Apply it in your "
+        "own training script: shard_planner.execute.apply_plan(model, plan, mesh), or without shard-planner: "
+        "shard-planner export plan.json --to fsdp2 -o apply_sharding.py. For a training stack: --to accelerate, "
+        "torchtitan or deepspeed (each export lists what that stack cannot express, with the nearest setting)."))
     return sections
 
 
