@@ -82,9 +82,14 @@ a note below.
 
 [Note: Optimizer step]
   Optimizer states are created at the first step and live from then on (the simulated step is a
-  steady-state one). The foreach AdamW/Adam step allocates one temporary the size of the sharded
-  parameters (``torch._foreach_sqrt(exp_avg_sqs)`` in torch/optim/adamw.py ``_multi_tensor_adamw``);
-  foreach SGD (with or without momentum, no weight decay) allocates none. Gradients are freed by
+  steady-state one). On GPU torch.optim defaults to the foreach implementation: AdamW/Adam allocate
+  one temporary the size of all sharded parameters (``torch._foreach_sqrt(exp_avg_sqs)`` in
+  torch/optim/adamw.py ``_multi_tensor_adamw``). On CPU tensors it takes the single-tensor path
+  (``_default_to_fused_or_foreach`` picks foreach for CUDA only), whose temporaries are per parameter:
+  measured with the storage tracker, AdamW's step peaks 2x one parameter above its states with one
+  parameter and 3x the parameter size with 2 to 8 equal ones (``sqrt`` and ``div`` of this one, the
+  previous ``denom`` not yet released) — modelled as 3x the largest module's parameter shard. SGD
+  (with or without momentum, no weight decay) allocates none either way. Gradients are freed by
   ``zero_grad(set_to_none=True)`` before the next forward.
 
 [Note: CPU offload]
@@ -109,8 +114,10 @@ logger = logging.getLogger(__name__)
 # Optimizer states per parameter element, in the sharded (built) dtype (torch/optim: AdamW and Adam
 # keep exp_avg and exp_avg_sq; SGD with momentum keeps momentum_buffer; plain SGD nothing).
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
-# Temporaries of the foreach step, in sharded-parameter sizes. See [Note: Optimizer step].
+# Temporaries of the step. See [Note: Optimizer step]. GPU (foreach): in sizes of all sharded
+# parameters together; CPU (single-tensor): in sizes of the largest one parameter shard.
 OPTIMIZER_TEMPORARIES = {"adamw": 1, "adam": 1, "sgd_momentum": 0, "sgd": 0}
+OPTIMIZER_TEMPORARIES_SINGLE_TENSOR = {"adamw": 3, "adam": 3, "sgd_momentum": 0, "sgd": 0}
 
 _SP, _UP, _GR, _OS, _AC, _TM, _CB, _OV = range(8)  # indices into the category vector (MEMORY_CATEGORIES order)
 assert MEMORY_CATEGORIES == ("sharded_params", "unsharded_params", "grads", "optimizer_states", "activations",
@@ -391,7 +398,10 @@ def simulate_memory(trace: ModelTrace, plan: Plan, profile: HardwareProfile,
 
     # ---- optimizer step ----
     if not offload_off_device:
-        temp = OPTIMIZER_TEMPORARIES[training.optimizer] * sum(x.sharded_grad for x in ub)
+        if profile.device == "cpu":
+            temp = OPTIMIZER_TEMPORARIES_SINGLE_TENSOR[training.optimizer] * t.largest_module_float_bytes / plan.mesh.shard
+        else:
+            temp = OPTIMIZER_TEMPORARIES[training.optimizer] * sum(x.sharded_grad for x in ub)
         record("step", "", "optimizer", extra_temp=temp)
     cat[_GR] = 0.0
     record("zero_grad", "", "optimizer")

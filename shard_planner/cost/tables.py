@@ -84,6 +84,7 @@ class CostTables:
     unit_first_float_numel: tuple[int, ...]
     total_param_numel: int
     buffer_bytes: int  # every module's buffers: not sharded by FSDP2, resident on every rank
+    largest_module_float_bytes: int  # the largest one module's own floating parameters, as built
     model_fwd_flops: Affine  # the whole model (the loss excluded: trace.loss_flops), per micro-batch
     model_bwd_flops: Affine
 
@@ -255,6 +256,8 @@ def build_tables(trace: ModelTrace, units: tuple[Unit, ...]) -> CostTables:
         unit_float_dtypes=tuple(frozenset(dt for dt in d if dt in FLOAT_DTYPES) for d in unit_numel),
         unit_first_float_numel=tuple(sum(k for dt, k in d.items() if dt in FLOAT_DTYPES) for d in first_params),
         buffer_bytes=sum(m.buffer_bytes for m in trace.modules),
+        largest_module_float_bytes=max((sum(nb for dt, nb in m.param_bytes_by_dtype.items() if dt in FLOAT_DTYPES)
+                                        for m in trace.modules), default=0),
         total_param_numel=sum(sum(d.values()) for d in unit_numel),
         model_fwd_flops=fwd_total, model_bwd_flops=bwd_total,
     )
