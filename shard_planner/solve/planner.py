@@ -83,9 +83,10 @@ def plan_model(trace: ModelTrace, *, gpus: int, mem_budget_bytes: int, profile: 
     cluster = Cluster(gpus=gpus, gpus_per_node=min(gpus_per_node, gpus), profile=profile_name or profile.name,
                       mem_budget_bytes=mem_budget_bytes)
     ctx = _Context(trace, profile, training, cluster, budget, time_limit_s, max_group_size, model_path)
+    ctx.allow_offload = allow_offload and profile.device != "cpu"
 
     batches = [micro_batch or 1] if not search_batch else _batch_ladder()
-    offloads = (False, True) if allow_offload and profile.device != "cpu" else (False,)
+    offloads = (False, True) if ctx.allow_offload else (False,)
     found: list[Checked] = []
     for offload in offloads:
         for mb in batches:
@@ -143,6 +144,7 @@ class _Context:
         self.max_group_size = max_group_size
         self.model_path = model_path
         self._spaces: dict[int, SearchSpace] = {}
+        self.allow_offload = False
 
     def space(self, mesh: Mesh) -> SearchSpace:
         if mesh.shard not in self._spaces:
@@ -182,35 +184,55 @@ def _meshes(gpus: int, gpus_per_node: int) -> list[Mesh]:
     return meshes
 
 
-def _solve_checked(ctx: _Context, space: SearchSpace, choice: GlobalChoice, budget_mib: int | None = None,
-                   budget_bytes: int | None = None, hints: tuple = ()) -> Checked | None:
-    """CP-SAT at the budget, then the simulators; while they reject the cover, tighten the program's
-    budget by the gap they observed and cut the cover off (at most MAX_RECHECKS times)."""
-    budget_mib = ctx.budget_mib if budget_mib is None else budget_mib
-    budget_bytes = ctx.budget_bytes if budget_bytes is None else budget_bytes
+def _solve_checked(ctx: _Context, space: SearchSpace, choice: GlobalChoice, hints: tuple = ()) -> Checked | None:
+    """CP-SAT at the budget, then the simulators, which have the last word (bounded iterations):
+
+    - the simulators reject the cover (peak over budget): cut it off and tighten the program's budget
+      by the gap they observed;
+    - they accept it with room to spare, or the program finds no cover at all: the linear model
+      over-estimated; loosen the program's budget by the observed slack once (for no cover: by the
+      over-estimate on the leanest cover, which must itself fit) and keep the faster accepted plan.
+    """
+    budget_mib, budget_bytes = ctx.budget_mib, ctx.budget_bytes
     lm = ctx.linear(space, choice)
     effective = budget_mib
     forbidden: list[tuple[int, ...]] = []
+    best: Checked | None = None
+    loosened = False
     for attempt in range(MAX_RECHECKS + 1):
         hint = cpsat.greedy_cover(lm, effective)
         res = cpsat.solve_min_time(lm, effective, time_limit_s=ctx.time_limit_s, hint=hint, forbidden=forbidden,
-                                   extra_hints=hints)
+                                   extra_hints=hints + ((best.cover,) if best else ()))
         if res.chosen is None:
-            return None
+            if loosened or best is not None:
+                break
+            low = cpsat.solve_min_peak(lm, time_limit_s=ctx.time_limit_s)
+            if low.chosen is None:
+                break
+            lean = ctx.check(lm, low.chosen, low.status)
+            if lean.peak_bytes > budget_bytes:
+                break  # not even the leanest cover fits
+            best, loosened = lean, True
+            effective = budget_mib + max(0, low.objective - math.ceil(lean.peak_bytes / MIB))
+            continue
         checked = ctx.check(lm, res.chosen, res.status)
-        if checked.peak_bytes <= budget_bytes:
-            if attempt:
-                logger.info("%s: the simulator accepted the cover after %d re-solve(s)", choice.label, attempt)
-            return checked
         sim_mib = math.ceil(checked.peak_bytes / MIB)
-        gap = sim_mib - checked.linear_peak_mib
+        if checked.peak_bytes <= budget_bytes:
+            if best is None or _speed(checked) > _speed(best):
+                best = checked
+            slack = budget_mib - sim_mib
+            if loosened or slack <= max(1, budget_mib // 100):
+                break
+            loosened = True
+            effective = effective + slack
+            continue
         logger.debug("%s: simulator peak %d MiB > budget %d MiB (linear said %d): re-solving", choice.label,
                      sim_mib, budget_mib, checked.linear_peak_mib)
         forbidden.append(res.chosen)
-        effective = min(effective - 1, budget_mib - max(gap, 0) - 1)
+        effective = min(effective - 1, budget_mib - max(sim_mib - checked.linear_peak_mib, 0) - 1)
         if effective <= 0:
-            return None
-    return None
+            break
+    return best
 
 
 def _sweep(ctx: _Context, best: Checked, points: int) -> list[Checked]:
@@ -301,7 +323,7 @@ def _infeasible(ctx: _Context, micro_batch: int) -> InfeasibleError:
     best: Checked | None = None
     for mesh in _meshes(ctx.cluster.gpus, ctx.cluster.gpus_per_node):
         space = ctx.space(mesh)
-        for offload in ((False, True) if ctx.profile.device != "cpu" else (False,)):
+        for offload in ((False, True) if ctx.allow_offload else (False,)):
             for pf in PREFETCH_CHOICES[:1]:  # deeper prefetch only adds memory
                 lm = ctx.linear(space, GlobalChoice(micro_batch, pf, mesh, offload))
                 res = cpsat.solve_min_peak(lm, time_limit_s=ctx.time_limit_s)
@@ -313,11 +335,12 @@ def _infeasible(ctx: _Context, micro_batch: int) -> InfeasibleError:
     if best is None:
         return InfeasibleError(f"no plan fits {format_bytes(ctx.budget_bytes)} per GPU and the solver found no plan at all")
     at_peak = best.estimate.memory.memory_at_peak
-    top = max(at_peak, key=at_peak.get)
+    # what dominates among what a plan can change (the profile's fixed overhead cannot)
+    top = max((k for k in at_peak if k != "overhead"), key=at_peak.get)
     advice = {
-        "activations": f"try a smaller --batch-size than {micro_batch}" + (
+        "activations": (f"try --batch-size {max(1, micro_batch // 2)}" if micro_batch > 1 else "add GPUs") + (
             "" if any(u.activation_checkpoint for u in best.units) else " or allow checkpointing"),
-        "temporaries": f"try a smaller --batch-size than {micro_batch}",
+        "temporaries": f"try --batch-size {max(1, micro_batch // 2)}" if micro_batch > 1 else "add GPUs",
         "sharded_params": "add GPUs (sharded state divides by the shard group)",
         "optimizer_states": "add GPUs or use a lighter optimizer (sgd keeps no states)",
         "grads": "add GPUs",

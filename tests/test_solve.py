@@ -1,0 +1,254 @@
+"""Tier 1: the solver on hand-written traces (tests/models/solve_traces.py) — no tracer, no profiles/.
+
+- the search space finds the blocks, the one-off modules and the nestable blocks;
+- CP-SAT = DP = brute force on tiny models, across budgets and prefetch depths;
+- known optima: with no memory pressure nothing is checkpointed and every block keeps its parameters;
+  at the smallest budget every block is checkpointed and resharded;
+- plan_model: the chosen plan never exceeds the budget in the simulators, whatever the budget;
+  budgets no plan fits raise InfeasibleError with the smallest budget that fits;
+- the same inputs give the same plan.
+"""
+
+from dataclasses import replace
+
+import pytest
+
+from models.solve_traces import GIB, MIB, profile, stack_trace
+from shard_planner.errors import InfeasibleError
+from shard_planner.plan import Cluster, Mesh, Prefetch, Training
+from shard_planner.solve import plan_model
+from shard_planner.solve.cpsat import greedy_cover, lagrangian_cover, solve_min_peak, solve_min_time
+from shard_planner.solve.exact import all_covers, solve_brute_force, solve_dp
+from shard_planner.solve.linear import GlobalChoice, build_linear_model, evaluate
+from shard_planner.solve.simulate import cover_units, make_plan, simulate
+from shard_planner.solve.space import build_space, find_items
+from shard_planner.units import parse_bytes
+
+
+def tiny_model(n_layers=2, prefetch=Prefetch(0, 1), shard=16, gpn=8, max_group=2, **trace_kw):
+    trace = stack_trace(n_layers, **trace_kw)
+    space = build_space(trace, shard_group=shard, gpus_per_node=gpn, max_group_size=max_group)
+    lm = build_linear_model(trace, space, GlobalChoice(4, prefetch, Mesh(shard)), Training(4), profile(gpus_per_node=gpn))
+    return trace, space, lm
+
+
+def test_items_are_blocks_and_one_off_modules():
+    items = find_items(stack_trace(3))
+    assert [it.fqn for it in items] == ["embed", "layers.0", "layers.1", "layers.2", "norm", "head"]
+    assert [it.may_join_root for it in items] == [True, False, False, False, True, True]
+    assert items[1].nested_children == ("layers.1.attn", "layers.1.mlp")[:0] + ("layers.0.attn", "layers.0.mlp")
+    assert items[1].parent == "layers" and items[0].parent == ""
+
+
+def test_segments_are_runs_of_siblings():
+    space = build_space(stack_trace(3), shard_group=16, gpus_per_node=8, max_group_size=4)
+    for c in space.candidates:
+        assert len({space.items[i].parent for i in range(c.start, c.stop)}) == 1
+        assert c.stop - c.start <= 4
+    # int reshard to the node size only when the shard group spans nodes
+    assert any(c.option.reshard_after_forward == 8 for c in space.candidates)
+    single_node = build_space(stack_trace(3), shard_group=8, gpus_per_node=8)
+    assert all(isinstance(c.option.reshard_after_forward, bool) for c in single_node.candidates)
+
+
+@pytest.mark.parametrize("prefetch", [Prefetch(0, 1), Prefetch(1, 1), Prefetch(2, 2)])
+def test_cpsat_equals_dp_equals_brute_force(prefetch):
+    _, space, lm = tiny_model(prefetch=prefetch, shard=8)  # no int reshard: a smaller space for the brute force
+    results = [evaluate(lm, c) for c in all_covers(lm)]
+    assert len(results) > 1000
+    low = solve_min_peak(lm, relative_gap=0.0)
+    assert low.status == "OPTIMAL"
+    assert low.objective == min(r.peak_mib for r in results)
+    best_time = min(r.time_us for r in results)
+    fastest = min(r.peak_mib for r in results if r.time_us == best_time)
+    for budget in (low.objective - 1, low.objective, low.objective + 40, low.objective + 150, fastest, 10**7):
+        cp = solve_min_time(lm, budget, relative_gap=0.0, hint=greedy_cover(lm, budget))
+        dp = solve_dp(lm, budget)
+        bf = solve_brute_force(lm, budget)
+        if bf is None:
+            assert cp.chosen is None and cp.status == "INFEASIBLE" and dp is None
+            continue
+        assert cp.status == "OPTIMAL"
+        assert cp.objective == dp[1] == bf[1], budget
+        for cover in (cp.chosen, dp[0], bf[0]):
+            res = evaluate(lm, cover)
+            assert res.peak_mib <= budget and res.time_us == bf[1]
+
+
+def test_cpsat_equals_dp_with_int_reshard_and_nesting():
+    _, space, lm = tiny_model(n_layers=3, shard=16, max_group=1)
+    assert any(c.option.nested for c in space.candidates) and any(
+        c.option.reshard_after_forward == 8 for c in space.candidates)
+    low = solve_min_peak(lm, relative_gap=0.0).objective
+    for budget in (low, low + 100, low + 400, 10**7):
+        cp = solve_min_time(lm, budget, relative_gap=0.0)
+        dp = solve_dp(lm, budget)
+        assert cp.objective == dp[1]
+        assert evaluate(lm, cp.chosen).peak_mib <= budget
+
+
+def test_known_optimum_without_memory_pressure():
+    """Communication hides behind compute, so checkpointing only costs recomputation and resharding
+    only costs collectives: the fastest plan checkpoints nothing and keeps every block's parameters."""
+    _, space, lm = tiny_model(n_layers=4, shard=8, max_group=1)
+    res = solve_min_time(lm, 10**7, relative_gap=0.0)
+    opts = [space.candidates[k].option for k in res.chosen]
+    assert not any(o.activation_checkpoint for o in opts)
+    blocks = [space.candidates[k].option for k in res.chosen if space.items[space.candidates[k].start].fqn.startswith("layers.")]
+    assert blocks and all(o.reshard_after_forward is False and not o.nested for o in blocks)
+    # its time is the compute of every block plus the constant part, with no recomputation
+    assert res.objective == evaluate(lm, res.chosen).time_us
+
+
+def test_known_optimum_at_the_smallest_budget():
+    """At the smallest budget every block but the last is checkpointed (each keeps 8 MiB of input
+    instead of 128 MiB of activations) and resharded (keeping parameters costs 64 MiB per block). The
+    last block's choice is free: its activations are live only at its own backward, where
+    re-materialising them would put them back, so the peak does not depend on it."""
+    _, space, lm = tiny_model(n_layers=4, shard=8, max_group=1)
+    low = solve_min_peak(lm, relative_gap=0.0)
+    res = solve_min_time(lm, low.objective, relative_gap=0.0)
+    blocks = [space.candidates[k].option for k in res.chosen if space.items[space.candidates[k].start].fqn.startswith("layers.")]
+    assert len(blocks) == 4
+    assert all(o.activation_checkpoint and o.reshard_after_forward is not False for o in blocks[:-1])
+    assert res.objective < min(evaluate(lm, c).time_us for c in [res.chosen]) + 1  # what CP-SAT reports is the cover's time
+
+
+def test_budget_between_buys_exactly_the_checkpoints_it_must():
+    """Each checkpointed block saves 120 MiB of stack at micro-batch 4 and costs 8 ms of recompute:
+    with room for all but ~1.5 blocks' worth of activations, exactly two blocks are checkpointed."""
+    _, space, lm = tiny_model(n_layers=4, shard=8, max_group=1)
+    free = solve_min_time(lm, 10**7, relative_gap=0.0)
+    lean = _lean_peak(lm)  # the leanest plan without checkpointing
+    res = solve_min_time(lm, lean - 180, relative_gap=0.0)
+    n_ac = sum(space.candidates[k].option.activation_checkpoint for k in res.chosen
+               if space.items[space.candidates[k].start].fqn.startswith("layers."))
+    assert n_ac == 2  # (checkpointing the norm costs almost nothing: the solver may do it too)
+    assert res.objective > free.objective
+
+
+def _lean_peak(lm):
+    """The smallest linear peak without checkpointing: min-peak over the space without AC options."""
+    keep = [k for k, c in enumerate(lm.space.candidates) if not c.option.activation_checkpoint]
+    sub = replace(lm, space=replace(lm.space, candidates=tuple(lm.space.candidates[k] for k in keep)),
+                  coeffs=tuple(lm.coeffs[k] for k in keep))
+    return solve_min_peak(sub, relative_gap=0.0).objective
+
+
+def test_hints_fit_and_are_covers():
+    _, _, lm = tiny_model(n_layers=6, shard=16, max_group=4)
+    low = solve_min_peak(lm).objective
+    for budget in (low, low + 300, 10**7):
+        for heuristic in (greedy_cover, lagrangian_cover):
+            cover = heuristic(lm, budget)
+            assert cover is not None and evaluate(lm, cover).peak_mib <= budget
+
+
+# ---- plan_model: the simulators have the last word ----
+
+PROFILE = profile()
+
+
+def _plan(trace, budget_bytes, **kw):
+    kw.setdefault("micro_batch", 4)
+    kw.setdefault("frontier_points", 3)
+    return plan_model(trace, gpus=8, mem_budget_bytes=budget_bytes, profile=PROFILE, gpus_per_node=8,
+                      time_limit_s=2.0, **kw)
+
+
+@pytest.fixture(scope="module")
+def trace8():
+    return stack_trace(8)
+
+
+@pytest.fixture(scope="module")
+def roomy_plan(trace8):
+    return _plan(trace8, 3 * GIB)
+
+
+def test_plan_fits_in_the_simulator_and_beats_hand_written(trace8, roomy_plan):
+    plan = roomy_plan
+    est = simulate(trace8, replace(plan, predicted=None), PROFILE)
+    assert est.memory.peak_bytes == plan.predicted.peak_bytes <= 3 * GIB
+    assert plan.solver.method in ("cp-sat", "hand-written") and plan.solver.seconds > 0
+    fitting = [b for b in plan.baselines if b.fits]
+    assert fitting and plan.predicted.step_time_s <= min(b.step_time_s for b in fitting)
+    assert {b.description for b in plan.baselines} >= {"torchtitan default (per block, reshard)",
+                                                      "full activation checkpointing"}
+    # the frontier is a Pareto set: peaks rise as step times fall
+    pts = plan.frontier
+    assert len(pts) >= 2
+    assert all(a.peak_bytes < b.peak_bytes and a.step_time_s > b.step_time_s for a, b in zip(pts, pts[1:]))
+
+
+@pytest.fixture(scope="module")
+def tight_plan(trace8):
+    return _plan(trace8, 1700 * MIB)
+
+
+@pytest.mark.parametrize("budget_mib", [1700, 2300])
+def test_chosen_plan_never_exceeds_the_budget(trace8, tight_plan, budget_mib):
+    plan = tight_plan if budget_mib == 1700 else _plan(trace8, budget_mib * MIB)
+    assert plan.predicted.peak_bytes <= budget_mib * MIB
+    est = simulate(trace8, plan, PROFILE)
+    assert est.memory.peak_bytes <= budget_mib * MIB
+
+
+def test_tighter_budget_never_faster(tight_plan, roomy_plan):
+    assert tight_plan.predicted.step_time_s >= roomy_plan.predicted.step_time_s
+
+
+def test_infeasible_budget_names_the_smallest_that_fits(trace8):
+    with pytest.raises(InfeasibleError) as info:
+        _plan(trace8, 600 * MIB, allow_offload=False)
+    msg = str(info.value)
+    assert "no plan fits 600.00 MiB" in msg and "the smallest budget any plan needs is" in msg
+    assert "micro-batch 4" in msg and "\n" not in msg
+    # the budget it names does fit
+    smallest = parse_bytes(msg.split("needs is ")[1].split(" (")[0])
+    plan = _plan(trace8, smallest + 8 * MIB, allow_offload=False)  # + the rounding of the message's 2 decimals
+    assert plan.predicted.peak_bytes <= smallest + 8 * MIB
+
+
+def test_activations_dominate_advice(trace8):
+    with pytest.raises(InfeasibleError, match="activations"):
+        _plan(stack_trace(8, saved_per_sample=512 * MIB, input_per_sample=64 * MIB), 1 * GIB,
+              allow_offload=False, micro_batch=8)
+
+
+def test_same_inputs_same_plan(trace8, roomy_plan):
+    again = _plan(trace8, 3 * GIB)
+    strip = lambda p: replace(p, solver=replace(p.solver, seconds=0.0)).to_dict()  # noqa: E731
+    assert strip(again) == strip(roomy_plan)
+
+
+def test_search_batch_maximises_throughput():
+    trace = stack_trace(3)
+    plan = _plan(trace, 2 * GIB, micro_batch=None, search_batch=True, frontier_points=2)
+    assert plan.training.micro_batch >= 2
+    fixed = _plan(trace, 2 * GIB, micro_batch=1, frontier_points=2)
+    assert plan.predicted.samples_per_s >= fixed.predicted.samples_per_s
+
+
+def test_hsdp_considered_across_nodes():
+    trace = stack_trace(4)
+    plan = plan_model(trace, gpus=32, mem_budget_bytes=4 * GIB, profile=PROFILE, gpus_per_node=8,
+                      micro_batch=2, time_limit_s=5.0, frontier_points=2)
+    assert plan.mesh.world_size == 32 and plan.mesh.shard in (8, 32)
+    assert plan.predicted.peak_bytes <= 4 * GIB
+
+
+def test_cover_units_nested_and_root():
+    trace, space, lm = tiny_model(n_layers=2, shard=8, max_group=1)
+    nested = next(k for k, c in enumerate(space.candidates) if c.option.nested and c.start == 1)
+    rest = [next(k for k, c in enumerate(space.candidates) if c.start == i and c.stop == i + 1 and c.option.in_root)
+            if space.items[i].may_join_root else
+            next(k for k, c in enumerate(space.candidates) if c.start == i and c.stop == i + 1) for i in range(space.n)]
+    rest[1] = nested
+    units = cover_units(lm, tuple(rest))
+    names = [u.modules for u in units]
+    assert names[0] == ("",)
+    assert ("layers.0",) in names and ("layers.0.attn",) in names and ("layers.0.mlp",) in names
+    assert ("embed",) not in names  # left to the root
+    plan = make_plan(trace, units, lm.choice, training=Training(4), cluster=Cluster(8, 8, "test", GIB))
+    assert plan.training.micro_batch == 4
