@@ -55,8 +55,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                        help="also choose the micro-batch that maximises throughput")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="mixed-precision param dtype (default bf16)")
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default plan.json)")
-    p.add_argument("--time-limit", type=float, default=2.0, metavar="S",
-                   help="CP-SAT time limit per solve in seconds (default 2; the planner runs a few dozen solves)")
+    p.add_argument("--time-limit", type=float, default=1.0, metavar="S",
+                   help="CP-SAT time limit per solve in seconds (default 1; the planner runs a dozen or more "
+                   "solves; the plan's solver status says whether the answer was proven optimal)")
     p.add_argument("--no-report", dest="report", action="store_false",
                    help="skip the report (reports/<plan name>/ beside the plan)")
     return p

@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 PREFETCH_CHOICES = (Prefetch(0, 1), Prefetch(1, 1), Prefetch(2, 2))
 MAX_RECHECKS = 4  # re-solves when the simulator rejects the program's cover
 MAX_SEARCH_BATCH = 1024
-DEFAULT_FRONTIER_POINTS = 5
+DEFAULT_FRONTIER_POINTS = 4
 
 
 @dataclass(frozen=True)
@@ -221,7 +221,7 @@ def _solve_checked(ctx: _Context, space: SearchSpace, choice: GlobalChoice, hint
             if best is None or _speed(checked) > _speed(best):
                 best = checked
             slack = budget_mib - sim_mib
-            if loosened or slack <= max(1, budget_mib // 100):
+            if loosened or slack <= max(1, budget_mib // 50):  # within 2%: not worth a re-solve
                 break
             loosened = True
             effective = effective + slack
