@@ -1,5 +1,6 @@
-"""Tier 3: predicted peak vs the peak of real FSDP2 runs (CPU/gloo), measured by the executor's
-StorageTracker over one steady-state step, for many plans in two launches (world size 2 and 4).
+"""Tier 3: predicted peak vs the peak of real FSDP2 runs (CPU/gloo): the executor's run_plans (one
+launch per world size for many plans: world size 2 and 4), whose workers measure a steady-state step
+with the StorageTracker.
 
 Two models: tests/models/cost_mlp.py with its hand-written trace (exact by construction, so a miss is
 the memory simulator's, not the tracer's; most plans are exact to the 28 bytes of AdamW step scalars
@@ -15,9 +16,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "models"))
 
 import cost_mlp  # noqa: E402
-from cost_realrun import measure_peaks  # noqa: E402
 
 from shard_planner.cost import simulate_memory  # noqa: E402
+from shard_planner.execute import run_plans  # noqa: E402
 from shard_planner.modelfile import load_model_file  # noqa: E402
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit  # noqa: E402
 from shard_planner.profile import load_profile  # noqa: E402
@@ -91,7 +92,8 @@ def _compare(ws):
     if ws == 2:
         configs.update(_gpt2_configs(ws))
     profile = load_profile("cpu-gloo")
-    measured = measure_peaks(list(configs.values()), world_size=ws)
+    runs = run_plans(list(configs.values()), world_size=ws, steps=1, warmup=2, device="cpu", timeout_s=600)
+    measured = [max(((m.peak_bytes, m.peak_phase) for m in run.memory), key=lambda x: x[0]) for run in runs]
     gpt2 = {}
     rows = []
     for (name, plan), (peak, phase) in zip(configs.items(), measured):
