@@ -96,7 +96,8 @@ a note below.
   Repeated real runs of the same plan measure peaks that differ by one activation-sized storage now
   and then (e.g. 966684 vs 999452 B for tests/models/cost_mlp.py with forward prefetch 2): some
   tensors are held by reference cycles (autograd graph <-> FSDP2 hooks) and freed whenever Python's
-  cyclic collector happens to run. The simulator predicts the prompt-free case; tests allow 3%.
+  cyclic collector happens to run. The simulator predicts the case where they are freed promptly;
+  tests allow 3%.
 
 [Note: CPU offload]
   With ``CPUOffloadPolicy`` the sharded parameters, gradients and optimizer states live on the host,
