@@ -12,16 +12,16 @@ Step-time errors are given twice: with the profile as shipped, and with the prof
 ``shard-planner tune`` fits it (compute efficiency, collective bandwidth and latency), leave one model out:
 each model predicted with the profile fitted to the other models' runs.
 
-Part 2 (fake process group): our prediction vs FSDPMemTracker under FakeTensorMode for Llama 7-8B and
-70B shapes at world size 8 and 64, with both wall times: delegated to benchmarks/bench_vs_memtracker.py
-(the cost model's benchmark), imported, not duplicated.
+Part 2 (fake process group): our prediction vs FSDPMemTracker under FakeTensorMode for Llama 8B and
+70B shapes at world size 8 and 64, with both wall times: the plans and the tracker's harness of
+benchmarks/bench_vs_memtracker.py (the cost model's benchmark, 8B), imported, not duplicated; 70B added.
 
     python benchmarks/bench_accuracy.py                  # everything (~10-15 min here)
-    python benchmarks/bench_accuracy.py --models gpt2    # one model, no world size 4
+    python benchmarks/bench_accuracy.py --models gpt2 --ws4    # one model, world size 2 only
     python benchmarks/bench_accuracy.py --skip-memtracker
 
-Writes reports/benchmarks/accuracy_runs.csv, accuracy_runs.png, accuracy_memtracker.csv (and the PNG
-bench_vs_memtracker writes). Targets: peak memory error under 3% median and 5% max; FSDPMemTracker
+Writes reports/benchmarks/accuracy_runs.csv, accuracy_runs.png, accuracy_summary.csv,
+accuracy_memtracker.csv. Targets: peak memory error under 3% median and 5% max; FSDPMemTracker
 agreement within 5%.
 """
 
@@ -39,6 +39,7 @@ import common  # noqa: E402
 
 MODELS = ("gpt2", "llama", "vit", "encdec", "unet")
 PEAK_TARGET_MEDIAN_PCT, PEAK_TARGET_MAX_PCT = 3.0, 5.0
+MEMTRACKER_TARGET_PCT = 5.0
 
 
 def _run_all(plans, *, world_size: int, steps: int, warmup: int, timeout_s: float):
@@ -176,11 +177,49 @@ def summary_rows(rows: list[dict]) -> list[dict]:
     return out
 
 
-def run_memtracker_part() -> list[dict]:
-    """Our prediction vs FSDPMemTracker (fake PG) for 7-8B and 70B Llama shapes at world size 8 and 64."""
-    import bench_vs_memtracker  # the cost engineer's benchmark (benchmarks/bench_vs_memtracker.py)
+# (size, world sizes, how many of bench_vs_memtracker's plans): 70B runs only the first, torchtitan's (each
+# FSDPMemTracker estimate of 70B takes minutes here).
+MEMTRACKER_CASES = (("8b", (8, 64), None), ("70b", (8, 64), 1))
 
-    return bench_vs_memtracker.compare(sizes=("8b", "70b"), world_sizes=(8, 64))
+
+def run_memtracker_part(cases=MEMTRACKER_CASES) -> list[dict]:
+    """Our prediction vs FSDPMemTracker (fake process group, FakeTensorMode) for Llama 8B and 70B shapes
+    at world size 8 and 64, with both wall times. The plans, the profile without fixed overhead and the
+    tracker's harness are bench_vs_memtracker's (the cost model's benchmark), imported; this adds 70B."""
+    import dataclasses
+
+    import bench_vs_memtracker as peer
+    from cost_memtracker import memtracker_peaks  # tests/models/, put on the path by bench_vs_memtracker
+
+    from shard_planner.cost import simulate_memory
+    from shard_planner.profile import load_profile
+    from shard_planner.trace import trace_model
+
+    profile = dataclasses.replace(load_profile("h100-80gb"), reserved_bytes=0, per_process_group_bytes=0)
+    rows = []
+    for size, world_sizes, count in cases:
+        env = {"SHARD_PLANNER_SIZE": size}
+        common.set_model_size(size)
+        t0 = time.perf_counter()
+        trace = trace_model(peer.MODEL)
+        trace_s = time.perf_counter() - t0
+        for ws in world_sizes:
+            named = list(peer.plans(trace, ws).items())[:count]
+            for name, (plan, held) in named:
+                t0 = time.perf_counter()
+                theirs = memtracker_peaks(peer.MODEL, [plan], env=env)[0]
+                theirs_s = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                ours = simulate_memory(trace, plan, profile).peak_bytes
+                ours_s = time.perf_counter() - t0
+                rows.append(dict(model=f"llama {size}", world_size=ws, plan=name, ours_gib=ours / 2**30,
+                                 memtracker_gib=theirs / 2**30, diff_pct=common.error_pct(ours, theirs),
+                                 held_to_target=held, ours_trace_s=trace_s, ours_estimate_ms=ours_s * 1e3,
+                                 memtracker_s=theirs_s))
+                print(f"  llama {size}, world size {ws}, {name}: ours {ours / 2**30:.2f} GiB, FSDPMemTracker "
+                      f"{theirs / 2**30:.2f} GiB ({theirs_s:.0f} s)", flush=True)
+    common.set_model_size(None)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,6 +269,10 @@ def main(argv: list[str] | None = None) -> int:
         mt_rows = run_memtracker_part()
         common.print_table(mt_rows, title="Our prediction vs FSDPMemTracker (fake process group)")
         common.write_csv(mt_rows, "accuracy_memtracker")
+        held = [abs(r["diff_pct"]) for r in mt_rows if r["held_to_target"]]
+        print(f"FSDPMemTracker agreement target (within {MEMTRACKER_TARGET_PCT}% on ungrouped plans): "
+              f"{'met' if held and max(held) <= MEMTRACKER_TARGET_PCT else 'MISSED'} (max {max(held, default=float('nan')):.2f}%; "
+              "grouped plans are reported, not held: the tracker reads low on them, DESIGN.md)")
     print(f"\nbench_accuracy: {time.perf_counter() - start:.0f} s; outputs in {common.OUT_DIR}")
     return 0
 
