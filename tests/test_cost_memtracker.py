@@ -3,7 +3,6 @@ process group — a small shape of benchmarks/bench_vs_memtracker.py (which runs
 8 and 64): examples/llama.py tiny at world size 8, three ungrouped plans, within 5%."""
 
 import dataclasses
-import os
 import sys
 from pathlib import Path
 

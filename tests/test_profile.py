@@ -2,7 +2,6 @@
 bad names and files give one clear ProfileError; calibrate's fit and its TOML round-trip."""
 
 import re
-from pathlib import Path
 
 import pytest
 

@@ -110,7 +110,7 @@ from __future__ import annotations
 
 import logging
 
-from shard_planner.cost.tables import FLOAT_DTYPES, CostTables, cost_tables, dtype_bytes
+from shard_planner.cost.tables import CostTables, cost_tables, dtype_bytes
 from shard_planner.cost.types import MemoryEstimate, MemoryEvent
 from shard_planner.plan import MEMORY_CATEGORIES, Plan
 from shard_planner.profile import HardwareProfile
