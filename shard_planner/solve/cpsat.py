@@ -209,6 +209,10 @@ class _Program:
         # A stronger LP relaxation of the enforced memory constraints: on an 80-block stack it closes
         # the gap to ~0.1% in seconds where the default level stalls at ~20%.
         solver.parameters.linearization_level = 2
+        # Presolve (probing above all) spends seconds on this model and gains nothing the boundary cuts
+        # have not given already: on Llama 8B at 40GB, 1 s without presolve reaches a 0.02% gap, with
+        # it no solution at all.
+        solver.parameters.cp_model_presolve = False
         status = solver.solve(self.m)
         name = solver.status_name(status)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):

@@ -5,10 +5,12 @@ Built from the trace's module tree, without running anything:
 - **Items** are the modules the planner may wrap, in forward order. Starting from the root, a module
   is *expanded* into its children when it is a container that carries a large share of the
   parameters (``EXPAND_SHARE``), has (almost) no parameters of its own and is not one of several
-  identical siblings — the root, a decoder, a ``ModuleList`` of blocks, but not a block. What remains after expansion are the items: embeddings, the blocks,
-  the final norm, the head. Parameter-less modules (dropout, activations) are not items.
+  identical siblings — the root, a decoder, a ``ModuleList`` of blocks, but not a block. What
+  remains after expansion are the items: embeddings, the blocks, the final norm, the head.
+  Parameter-less modules (dropout, activations) are not items.
 - **Segments** are contiguous runs of items that are siblings (same parent), at most
-  ``max_group_size`` long: one ``fully_shard([m1, m2, ...])`` call each.
+  ``max_group_size`` long (2 for models of more than ``LONG_SEQUENCE_ITEMS`` items): one
+  ``fully_shard([m1, m2, ...])`` call each.
 - **Options** per segment: ``reshard_after_forward`` in {True, False, an int divisor of the shard
   group}, activation checkpointing on or off, *nested* (a single item whose large children become
   units of their own inside it, e.g. a block's attention and MLP), or *in root* (a single item left
@@ -42,6 +44,10 @@ NESTED_CHILD_SHARE = 0.5
 # Children below this share of the item stay with the item's own unit when nesting.
 NESTED_MIN_CHILD_SHARE = 0.1
 DEFAULT_MAX_GROUP_SIZE = 4
+# Deep models (more items than this) group at most 2 siblings per unit: the candidates grow with the
+# group size, and with 80+ blocks a group of 2 already amortises the collectives' latency.
+LONG_SEQUENCE_ITEMS = 40
+LONG_SEQUENCE_MAX_GROUP_SIZE = 2
 
 
 @dataclass(frozen=True)
@@ -160,6 +166,8 @@ def build_space(trace: ModelTrace, *, shard_group: int, gpus_per_node: int,
                 allow_nested: bool = True) -> SearchSpace:
     """Every candidate segment x option for ``trace`` on a shard group of ``shard_group`` ranks."""
     items = find_items(trace)
+    if len(items) > LONG_SEQUENCE_ITEMS:
+        max_group_size = min(max_group_size, LONG_SEQUENCE_MAX_GROUP_SIZE)
     reshards = reshard_choices(shard_group, gpus_per_node)
     acs = (False, True) if allow_checkpointing else (False,)
     candidates: list[Candidate] = []
