@@ -3,7 +3,8 @@
 1. Global choices (outer loops): mesh (plain FSDP over every GPU, or HSDP with the node as the shard
    group when the cluster spans nodes), micro-batch (given, or every power of two with
    ``search_batch``), prefetch depths (``PREFETCH_CHOICES``), and CPU offload only when nothing fits
-   without it.
+   without it. Mesh x prefetch are screened by the simulated speed of a heuristic cover; the best
+   ``SCREEN_KEEP`` get a CP-SAT solve (:func:`_screen`).
 2. For each: the linear model (:mod:`.linear`), the CP-SAT program (:mod:`.cpsat`) with a greedy hint,
    then the simulator check (:func:`_solve_checked`): the simulators' peak must fit the budget; when it
    does not, the budget given to the program is tightened by the observed gap and the rejected cover is
@@ -39,6 +40,7 @@ logger = logging.getLogger(__name__)
 # (forward, backward) prefetch depths tried: FSDP2's default, one explicit unit ahead, two both ways.
 PREFETCH_CHOICES = (Prefetch(0, 1), Prefetch(1, 1), Prefetch(2, 2))
 MAX_RECHECKS = 4  # re-solves when the simulator rejects the program's cover
+SCREEN_KEEP = 2  # global choices (mesh x prefetch) solved with CP-SAT after screening
 MAX_SEARCH_BATCH = 1024
 DEFAULT_FRONTIER_POINTS = 4
 
@@ -91,15 +93,15 @@ def plan_model(trace: ModelTrace, *, gpus: int, mem_budget_bytes: int, profile: 
     for offload in offloads:
         for mb in batches:
             best_at_batch = None
-            for mesh in _meshes(gpus, cluster.gpus_per_node):
-                space = ctx.space(mesh)
-                for pf in PREFETCH_CHOICES:
-                    checked = _solve_checked(ctx, space, GlobalChoice(mb, pf, mesh, offload),
-                                             hints=tuple(c.cover for c in found if c.choice.mesh == mesh))
-                    if checked is not None:
-                        found.append(checked)
-                        if best_at_batch is None or checked.samples_per_s > best_at_batch.samples_per_s:
-                            best_at_batch = checked
+            choices = [GlobalChoice(mb, pf, mesh, offload)
+                       for mesh in _meshes(gpus, cluster.gpus_per_node) for pf in PREFETCH_CHOICES]
+            for choice in _screen(ctx, choices):
+                checked = _solve_checked(ctx, ctx.space(choice.mesh), choice,
+                                         hints=tuple(c.cover for c in found if c.choice.mesh == choice.mesh))
+                if checked is not None:
+                    found.append(checked)
+                    if best_at_batch is None or checked.samples_per_s > best_at_batch.samples_per_s:
+                        best_at_batch = checked
             if search_batch and best_at_batch is None:
                 break  # a larger micro-batch only needs more memory
         if found:
@@ -182,6 +184,22 @@ def _meshes(gpus: int, gpus_per_node: int) -> list[Mesh]:
     if gpus > gpus_per_node and gpus % gpus_per_node == 0:
         meshes.append(Mesh(shard=gpus_per_node, replicate=gpus // gpus_per_node))
     return meshes
+
+
+def _screen(ctx: _Context, choices: list[GlobalChoice]) -> list[GlobalChoice]:
+    """The global choices worth a CP-SAT solve: rank them by the simulated speed of their heuristic
+    cover (:func:`cpsat.greedy_cover`, milliseconds each) and keep the best ``SCREEN_KEEP``; choices
+    whose heuristic cover does not fit the simulators come after, in case CP-SAT finds one that does."""
+    ranked = []
+    for order, choice in enumerate(choices):
+        lm = ctx.linear(ctx.space(choice.mesh), choice)
+        cover = cpsat.greedy_cover(lm, ctx.budget_mib)
+        c = ctx.check(lm, cover, "heuristic") if cover is not None else None
+        fits = c is not None and c.peak_bytes <= ctx.budget_bytes
+        ranked.append((0 if fits else 1, -c.samples_per_s if fits else 0.0, order, choice))
+    ranked.sort(key=lambda r: r[:3])
+    fitting = [r[3] for r in ranked if r[0] == 0]
+    return fitting[:SCREEN_KEEP] if fitting else [r[3] for r in ranked]
 
 
 def _solve_checked(ctx: _Context, space: SearchSpace, choice: GlobalChoice, hints: tuple = ()) -> Checked | None:
