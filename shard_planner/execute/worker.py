@@ -226,6 +226,10 @@ def train_and_measure(plan: Plan, model_path: str, options: RunOptions, device: 
         memory = RankMemory(rank, torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device))
     else:
         s = options.warmup + options.steps
+        # Tensors held by reference cycles of earlier steps (autograd graph <-> FSDP2 hooks) are freed
+        # whenever the cyclic collector happens to run: without this, the measured peak moved by one to
+        # four activations from run to run (cost-model real-run tests). Collect them first.
+        gc.collect()
         dist.barrier()
         status.progress(f"memory step {s}")
         tracker = StorageTracker(track=(model, optimizer), device_type="cpu")
