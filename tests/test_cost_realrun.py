@@ -57,6 +57,13 @@ def _configs(ws, fp):
             "SGD with momentum": _plan(ws, fp, opt="sgd_momentum"),
             "micro-batch 8": _plan(ws, fp, mb=8),
             "activation-bound, fp32": _plan(ws, fp, mb=512, pd="float32"),
+            "nested units (blocks.0 > blocks.0.fc)": _plan(ws, fp, units=[
+                Unit(("",), False), Unit(("blocks.0",)), Unit(("blocks.0.fc",)), Unit(("blocks.1",)),
+                Unit(("blocks.1.fc",)), Unit(("blocks.2",)), Unit(("blocks.3",))]),
+            "inner modules as units, root owns the head": _plan(ws, fp, units=[
+                Unit(("",), False)] + [Unit((f"blocks.{i}.fc",)) for i in range(L)]),
+            "head as a unit, root owns nothing": _plan(ws, fp, units=[
+                Unit(("",), False), Unit(("head",))] + [Unit((f"blocks.{i}",)) for i in range(L)]),
         }
     grouped_int = [Unit(("",), False), Unit(("blocks.0", "blocks.1"), 2), Unit(("blocks.2", "blocks.3"))]
     return {
@@ -94,6 +101,8 @@ def _compare(ws):
     profile = load_profile("cpu-gloo")
     runs = run_plans(list(configs.values()), world_size=ws, steps=1, warmup=2, device="cpu", timeout_s=600)
     measured = [max(((m.peak_bytes, m.peak_phase) for m in run.memory), key=lambda x: x[0]) for run in runs]
+    per_rank = [[m.peak_bytes for m in run.memory] for run in runs]
+    print("per-rank peaks:", per_rank)
     gpt2 = {}
     rows = []
     for (name, plan), (peak, phase) in zip(configs.items(), measured):
