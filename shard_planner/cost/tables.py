@@ -90,7 +90,7 @@ class CostTables:
 
 
 _CACHE: dict[tuple, tuple[ModelTrace, CostTables]] = {}
-_CACHE_MAX = 64
+_CACHE_MAX = 256
 
 
 def cost_tables(trace: ModelTrace, units: tuple[Unit, ...]) -> CostTables:
@@ -104,6 +104,20 @@ def cost_tables(trace: ModelTrace, units: tuple[Unit, ...]) -> CostTables:
         _CACHE.pop(next(iter(_CACHE)))
     _CACHE[key] = (trace, tables)  # the trace is kept alive with its key: ids are not reused
     return tables
+
+
+_SUMS: dict[int, tuple[ModelTrace, dict]] = {}
+
+
+def _trace_sums(trace: ModelTrace) -> dict[tuple[str, str], Affine]:
+    hit = _SUMS.get(id(trace))
+    if hit is not None and hit[0] is trace:
+        return hit[1]
+    if len(_SUMS) >= _CACHE_MAX:
+        _SUMS.pop(next(iter(_SUMS)))
+    sums: dict[tuple[str, str], Affine] = {}
+    _SUMS[id(trace)] = (trace, sums)
+    return sums
 
 
 def build_tables(trace: ModelTrace, units: tuple[Unit, ...]) -> CostTables:
@@ -158,7 +172,7 @@ def build_tables(trace: ModelTrace, units: tuple[Unit, ...]) -> CostTables:
                 kids.extend(called_children(c))
         return sorted(kids, key=fwd_index.__getitem__)
 
-    sums: dict[tuple[str, str], Affine] = {}
+    sums = _trace_sums(trace)  # subtree sums do not depend on the units: shared by every segmentation
 
     def subtree_sum(fqn: str, attr: str) -> Affine:
         key = (fqn, attr)
