@@ -35,12 +35,12 @@ TIMING = [  # (label, example, size, gpus, budget, target_s)
     ("Llama 8B, 8 GPUs, 40GB", "llama", "8b", 8, "40GB", 5.0),
     ("Llama 70B, 64 GPUs, 80GB", "llama", "70b", 64, "80GB", 15.0),
 ]
-SPEEDUP = [  # (example, size, gpus, tight budget, roomy budget)
-    ("gpt2", "xl", 8, "12GB", "40GB"),
+SPEEDUP = [  # (example, size, gpus, tight budget, roomy budget): tight makes the hand-written policies choose
+    ("gpt2", "xl", 8, "7GB", "12GB"),
     ("llama", "8b", 8, "30GB", "70GB"),
-    ("vit", "large", 8, "8GB", "24GB"),
-    ("encdec", "base", 8, "6GB", "24GB"),
-    ("unet", "base", 8, "8GB", "24GB"),
+    ("vit", "large", 8, "5GB", "8GB"),
+    ("encdec", "base", 8, "4GB", "6GB"),
+    ("unet", "base", 8, "2.2GB", "4GB"),
 ]
 
 
