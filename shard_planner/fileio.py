@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -26,3 +27,16 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def read_json(path: str | os.PathLike, error: type[Exception], what: str):
+    """Parse a JSON file, or raise ``error`` with one line: no such file, or where the JSON breaks."""
+    p = Path(path)
+    if not p.is_file():
+        raise error(f"{path}: no such {what} file")
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise error(f"{path}: not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    except UnicodeDecodeError:
+        raise error(f"{path}: not a text file; expected a {what} in JSON") from None

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from shard_planner.errors import UserError
-from shard_planner.fileio import write_atomic
+from shard_planner.fileio import read_json, write_atomic
 from shard_planner.plan import Plan
 
 MEASUREMENT_SCHEMA_VERSION = 1
@@ -159,13 +159,7 @@ def save_measurement(m: Measurement, path: str | os.PathLike) -> None:
 
 
 def load_measurement(path: str | os.PathLike) -> Measurement:
-    p = Path(path)
-    if not p.is_file():
-        raise MeasurementError(f"{path}: no such measurement file")
-    try:
-        d = json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise MeasurementError(f"{path}: not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    d = read_json(path, MeasurementError, "measurement")
     try:
         return Measurement.from_dict(d)
     except MeasurementError as exc:

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from shard_planner.errors import PlanError
-from shard_planner.fileio import write_atomic
+from shard_planner.fileio import read_json, write_atomic
 
 PLAN_SCHEMA_VERSION = 1
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd_momentum")
@@ -278,13 +278,7 @@ class Plan:
 
 
 def load_plan(path: str | os.PathLike) -> Plan:
-    p = Path(path)
-    if not p.is_file():
-        raise PlanError(f"{path}: no such plan file")
-    try:
-        d = json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise PlanError(f"{path}: not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    d = read_json(path, PlanError, "plan")
     try:
         return Plan.from_dict(d)
     except PlanError as exc:
