@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 
 from shard_planner.errors import PlanError
 from shard_planner.fileio import read_json, write_atomic
