@@ -302,3 +302,23 @@ def test_tune_keeps_running_while_nothing_measured_fits():
     result = tune(None, cands, PRIOR, estimate=synthetic_estimate, run_plans=fake_run_plans(calls, peaks=over),
                   per_launch=1)
     assert len(calls) >= 2 and result.best.measurement.peak_bytes <= cands[0].plan.cluster.mem_budget_bytes
+
+
+def test_tune_reports_a_candidate_that_fails_to_run_and_goes_on():
+    from shard_planner.errors import RunError
+
+    plans = [make_plan(keep=4), make_plan(keep=0), make_plan(keep=2, ac=2)]
+    cands = candidates_of(plans)
+    bad = plan_fingerprint(cands[1].plan)
+    inner = fake_run_plans([])
+
+    def run_plans(ps, **kw):
+        if any(plan_fingerprint(p) == bad for p in ps):
+            raise RunError("rank 0 raised ValueError: shared parameter")
+        return inner(ps, **kw)
+
+    result = tune(None, cands, PRIOR, estimate=synthetic_estimate, run_plans=run_plans, per_launch=3)
+    assert len(result.trials) == 2 and plan_fingerprint(result.best.run_plan) != bad
+    assert [s.reason for s in result.skipped] == ["failed to run: rank 0 raised ValueError: shared parameter"]
+    with pytest.raises(RunError, match="no candidate plan ran"):
+        tune(None, [cands[1]], PRIOR, estimate=synthetic_estimate, run_plans=run_plans)

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from shard_planner.errors import InfeasibleError, UserError
+from shard_planner.errors import InfeasibleError, RunError, UserError
 from shard_planner.measurement import Measurement, plan_fingerprint
 from shard_planner.plan import MeasuredPoint, Plan, SolverInfo
 from shard_planner.profile import HardwareProfile
@@ -125,14 +125,33 @@ def tune(trace: ModelTrace, candidates: list[Candidate], prior: HardwareProfile,
     skipped: list[Skipped] = []
     fit: ProfileFit | None = None
     launches = 0
-    while pending:
-        batch, pending = pending[:per_launch], pending[per_launch:]
+
+    def run_batch(batch: list[tuple[Candidate, Plan]]) -> None:
+        """Run ``batch`` in one launch; when the launch fails, each plan alone, so that a plan the
+        executor rejects is reported as failed instead of ending the tuning."""
+        nonlocal launches
         launches += 1
         logger.info("launch %d: running %d plan(s) at world size %d", launches, len(batch), world_size)
-        measured = run_plans([rp for _, rp in batch], world_size=world_size, steps=steps, warmup=warmup,
-                             timeout_s=timeout_s, device=device)
+        try:
+            measured = run_plans([rp for _, rp in batch], world_size=world_size, steps=steps, warmup=warmup,
+                                 timeout_s=timeout_s, device=device)
+        except RunError as exc:
+            if len(batch) == 1:
+                c, rp = batch[0]
+                logger.warning("candidate %s failed to run: %s", c.description, exc)
+                skipped.append(Skipped(c, rp.predicted.step_time_s, float("nan"), f"failed to run: {exc}"))
+                return
+            for item in batch:
+                run_batch([item])
+            return
         for (c, rp), m in zip(batch, measured):
             trials.append(Trial(c, rp, m, rp.predicted.step_time_s, rp.predicted.peak_bytes, launches))
+
+    while pending:
+        batch, pending = pending[:per_launch], pending[per_launch:]
+        run_batch(batch)
+        if not trials:
+            continue
         fit = fit_profile(prior, lambda prof: [estimate(trace, t.run_plan, prof).time.step_time_s for t in trials],
                           [t.measured_s for t in trials])
         if not pending:
@@ -151,7 +170,8 @@ def tune(trace: ModelTrace, candidates: list[Candidate], prior: HardwareProfile,
             else:
                 skipped.append(Skipped(c, rp.predicted.step_time_s, t, f"fitted prediction {t:.4g} s minus the observed error "
                                              f"{error:.1%} is not below the measured best {best_s:.4g} s"))
-    assert fit is not None
+    if fit is None:
+        raise RunError("no candidate plan ran: " + "; ".join(s.reason for s in skipped))
     chosen = _measured_best(trials, budget, rederived)
     fitted_after = fit.predicted_after_s
     points = tuple(
