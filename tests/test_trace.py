@@ -285,6 +285,21 @@ def test_json_round_trip(name, tmp_path):
         trace_or_load(path, dtype="fp32")
 
 
+def test_op_counts_and_traces_without_them_load():
+    trace = traced("gpt2")
+    block = trace.subtree("h.0") if "h.0" in trace else trace.subtree(trace.modules[0].children[-1])
+    assert sum(m.fwd_ops_self for m in trace.modules) > 0 and sum(m.bwd_ops_self for m in trace.modules) > 0
+    assert sum(m.fwd_ops_self for m in block) > 0
+    assert trace.loss_ops > 0
+    old = json.loads(trace.to_json())  # a trace written before op counts existed
+    del old["loss_ops"]
+    for m in old["modules"]:
+        del m["fwd_ops_self"], m["bwd_ops_self"]
+    loaded = ModelTrace.from_dict(old)
+    assert loaded.loss_ops == 0 and all(m.fwd_ops_self == m.bwd_ops_self == 0 for m in loaded.modules)
+    assert loaded.modules[0].fwd_flops_self == trace.modules[0].fwd_flops_self
+
+
 def test_load_trace_errors(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")

@@ -115,7 +115,7 @@ class _Call:
     __slots__ = (
         "fqn", "parent", "children", "fwd", "bwd", "bwd_open", "template", "twin_info",
         "saved_bytes", "fwd_flops", "bwd_flops", "input_bytes", "output_bytes", "save_adjust", "input_sids",
-        "param_ids",
+        "param_ids", "fwd_ops", "bwd_ops",
     )
 
     def __init__(self, fqn: str | None, parent: "_Call | None"):
@@ -127,6 +127,7 @@ class _Call:
         self.template: _Call | None = None  # set for a twin: the call whose numbers it reuses
         self.twin_info: _TwinInfo | None = None  # set for a call that can serve as a template
         self.saved_bytes = self.fwd_flops = self.bwd_flops = self.input_bytes = self.output_bytes = 0
+        self.fwd_ops = self.bwd_ops = 0  # aten ops dispatched by its own code (per-op overhead)
         self.save_adjust: list[tuple[str, int]] = []  # (path relative to the twin, bytes) corrections
         self.input_sids: frozenset = frozenset()  # for a template: the storages of its inputs
         self.param_ids: frozenset = frozenset()  # for a template: ids of its subtree's parameters
@@ -171,6 +172,8 @@ class _Rec:
     bwd_rise: int = 0
     fwd_key: tuple | None = None
     bwd_key: tuple | None = None
+    fwd_ops: int = 0
+    bwd_ops: int = 0
 
 
 @dataclass(frozen=True)
@@ -185,6 +188,7 @@ class _StepResult:
     loss_peak_rise_bytes: int
     loss_flops: int
     reused_modules: int
+    loss_ops: int = 0
 
 
 def _rel(fqn: str, base: str) -> str:
@@ -245,6 +249,8 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         step = self.step
+        if func.namespace != "prim":  # prim.device etc.: metadata queries, no kernel runs
+            step.add_op()
         if func._overloadpacket in step.flops:
             step.add_flops(step.flops.count(func, args, kwargs, out))
         for t in tree_leaves(out):
@@ -382,6 +388,13 @@ class _Step:
         call.bwd.end = len(self.log)
         call.bwd_open = False
         self.log.append((_EXIT, call.bwd))
+
+    def add_op(self) -> None:
+        """One aten op dispatched, for the innermost open call (like FLOPs; per-op overhead)."""
+        if self.phase == "fwd" and self.fwd_stack:
+            self.fwd_stack[-1].fwd_ops += 1
+        elif self.phase == "bwd" and self.bwd_stack:
+            self.bwd_stack[-1].bwd_ops += 1
 
     def add_flops(self, n: int) -> None:
         if self.phase == "fwd" and self.fwd_stack:
@@ -679,6 +692,7 @@ class _Step:
                 input_bytes=call.input_bytes, output_bytes=call.output_bytes,
                 fwd_rise=self.span_stats(call.fwd)[0], bwd_rise=self.span_stats(call.bwd)[0],
                 fwd_key=(call.fwd.start,), bwd_key=(call.bwd.start,) if call.bwd is not None else None,
+                fwd_ops=call.fwd_ops, bwd_ops=call.bwd_ops,
             )
             out = [own]
             for child in call.children:
@@ -693,6 +707,7 @@ class _Step:
                     r.fwd_rise, r.bwd_rise,
                     (call.fwd.start,) + r.fwd_key if r.fwd_key is not None else None,
                     (call.bwd.start,) + r.bwd_key if call.bwd is not None and r.bwd_key is not None else None,
+                    r.fwd_ops, r.bwd_ops,
                 ))
         for rel, nbytes in call.save_adjust:
             out.append(_Rec(_join(call.fqn, rel), saved=nbytes))
@@ -708,6 +723,8 @@ class _Step:
             agg.saved += r.saved
             agg.fwd_flops += r.fwd_flops
             agg.bwd_flops += r.bwd_flops
+            agg.fwd_ops += r.fwd_ops
+            agg.bwd_ops += r.bwd_ops
             agg.input_bytes += r.input_bytes
             agg.output_bytes += r.output_bytes
             agg.fwd_rise = max(agg.fwd_rise, r.fwd_rise)
@@ -730,6 +747,7 @@ class _Step:
             loss_peak_rise_bytes=loss_rise,
             loss_flops=loss.fwd_flops + loss.bwd_flops,
             reused_modules=reused,
+            loss_ops=loss.fwd_ops + loss.bwd_ops,
         )
 
 
@@ -899,6 +917,8 @@ def trace_model(
             bwd_flops_self=field("bwd_flops"),
             fwd_peak_rise_bytes=field("fwd_rise"),
             bwd_peak_rise_bytes=field("bwd_rise"),
+            fwd_ops_self=rec1.fwd_ops if rec1 else 0,  # op counts do not depend on the batch size
+            bwd_ops_self=rec1.bwd_ops if rec1 else 0,
         ))
     seq_len = mf.training.get("seq_len")
     return ModelTrace(
@@ -917,6 +937,7 @@ def trace_model(
         fingerprint=fingerprint,
         trace_seconds=time.perf_counter() - started,
         reused_modules=r1.reused_modules,
+        loss_ops=r1.loss_ops,
     )
 
 

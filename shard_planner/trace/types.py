@@ -69,6 +69,11 @@ class ModuleTrace:
     # Largest rise of live non-parameter bytes above the level at its entry, children included:
     fwd_peak_rise_bytes: Affine  # during its forward (what it saves and outputs counts)
     bwd_peak_rise_bytes: Affine  # during its backward (parameter gradients excluded)
+    # aten ops its own code dispatches in one step (its calls together), forward and backward: the
+    # per-op framework overhead (dispatcher, kernel launch) the time model adds. Not batch-dependent.
+    # Defaults: traces written before op counting load with none.
+    fwd_ops_self: int = 0
+    bwd_ops_self: int = 0
 
     @property
     def param_bytes(self) -> int:
@@ -94,6 +99,7 @@ class ModelTrace:
     fingerprint: str  # trace.structure.model_fingerprint of the model: plans record it, the executor checks it
     trace_seconds: float = 0.0
     reused_modules: int = 0  # modules whose numbers were copied from an identical traced twin
+    loss_ops: int = 0  # aten ops of loss_fn, forward and backward (0 in traces older than op counts)
     schema_version: int = TRACE_SCHEMA_VERSION
 
     @cached_property
