@@ -291,10 +291,11 @@ def test_op_counts_and_traces_without_them_load():
     assert sum(m.fwd_ops_self for m in trace.modules) > 0 and sum(m.bwd_ops_self for m in trace.modules) > 0
     assert sum(m.fwd_ops_self for m in block) > 0
     assert trace.loss_ops > 0
+    assert sum(m.param_tensors for m in trace.modules) == len(list(load_model_file(example("gpt2")).build().parameters()))
     old = json.loads(trace.to_json())  # a trace written before op counts existed
     del old["loss_ops"]
     for m in old["modules"]:
-        del m["fwd_ops_self"], m["bwd_ops_self"]
+        del m["fwd_ops_self"], m["bwd_ops_self"], m["param_tensors"]
     loaded = ModelTrace.from_dict(old)
     assert loaded.loss_ops == 0 and all(m.fwd_ops_self == m.bwd_ops_self == 0 for m in loaded.modules)
     assert loaded.modules[0].fwd_flops_self == trace.modules[0].fwd_flops_self

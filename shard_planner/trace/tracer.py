@@ -917,6 +917,7 @@ def trace_model(
             bwd_flops_self=field("bwd_flops"),
             fwd_peak_rise_bytes=field("fwd_rise"),
             bwd_peak_rise_bytes=field("bwd_rise"),
+            param_tensors=static["param_tensors"][fqn],
             fwd_ops_self=rec1.fwd_ops if rec1 else 0,  # op counts do not depend on the batch size
             bwd_ops_self=rec1.bwd_ops if rec1 else 0,
         ))
@@ -949,20 +950,21 @@ def _unwrap(modules) -> None:
 def _static_facts(model: nn.Module, modules) -> dict:
     """Parameter counts and bytes (a shared parameter at its first module), buffer bytes, as built."""
     seen: set[int] = set()
-    param_count, param_bytes, buffer_bytes = {}, {}, {}
+    param_count, param_bytes, buffer_bytes, param_tensors = {}, {}, {}, {}
     for fqn, module in modules:
-        count, by_dtype = 0, {}
+        count, by_dtype, tensors = 0, {}, 0
         for p in module.parameters(recurse=False):
             if id(p) in seen:
                 continue
             seen.add(id(p))
             count += p.numel()
+            tensors += 1
             name = str(p.dtype).removeprefix("torch.")
             by_dtype[name] = by_dtype.get(name, 0) + p.numel() * p.element_size()
-        param_count[fqn], param_bytes[fqn] = count, by_dtype
+        param_count[fqn], param_bytes[fqn], param_tensors[fqn] = count, by_dtype, tensors
         buffer_bytes[fqn] = sum(b.numel() * b.element_size() for b in module.buffers(recurse=False))
     return {"fqns": {fqn for fqn, _ in modules}, "param_count": param_count, "param_bytes": param_bytes,
-            "buffer_bytes": buffer_bytes}
+            "buffer_bytes": buffer_bytes, "param_tensors": param_tensors}
 
 
 # ---------------------------------------------------------------------------------------------------

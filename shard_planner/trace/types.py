@@ -74,6 +74,7 @@ class ModuleTrace:
     # Defaults: traces written before op counting load with none.
     fwd_ops_self: int = 0
     bwd_ops_self: int = 0
+    param_tensors: int = 0  # parameter tensors registered directly (counted like param_count; optimizer overhead)
 
     @property
     def param_bytes(self) -> int:
