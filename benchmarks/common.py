@@ -129,9 +129,7 @@ def base_plan(model_path: str, trace, *, world_size: int, mem_budget_bytes: int 
 def item_runs(trace) -> tuple[list[list[str]], list[str]]:
     """(blocks as runs of contiguous siblings, other items) of the planner's search space: the repeated
     blocks (or every item, for a model without repeated blocks) and the one-off modules."""
-    from shard_planner.solve.space import find_items
-
-    items = find_items(trace)
+    items = runnable_items(trace)
     blocks = [i for i in items if not i.may_join_root] or list(items)
     others = [i.fqn for i in items if i not in blocks]
     runs: list[list[str]] = []
@@ -141,6 +139,28 @@ def item_runs(trace) -> tuple[list[list[str]], list[str]]:
         else:
             runs.append([i.fqn])
     return runs, others
+
+
+# Containers without a forward of their own: fully_shard rejects them ("does not support containers that
+# do not implement forward"), so their children are wrapped instead.
+NO_FORWARD_CONTAINERS = ("ModuleList", "ModuleDict")
+
+
+def runnable_items(trace) -> list:
+    """The planner's items (shard_planner.solve.space.find_items), with a container that has no forward
+    (a ModuleList of a U-Net's down blocks) replaced by its children that hold parameters."""
+    from shard_planner.solve.space import Item, find_items
+
+    out = []
+    for it in find_items(trace):
+        m = trace.module(it.fqn)
+        if m.type_name in NO_FORWARD_CONTAINERS:
+            out += [Item(fqn=c, parent=it.fqn, param_count=trace.subtree_param_count(c), nested_children=(),
+                         may_join_root=it.may_join_root)
+                    for c in m.children if trace.subtree_param_count(c) > 0]
+        else:
+            out.append(it)
+    return out
 
 
 def _siblings_before(items, item) -> set[str]:
@@ -158,10 +178,8 @@ def layout(trace, kind: str) -> list[tuple[str, ...]]:
     if kind == "per-block":
         return [(b,) for b in blocks]
     if kind == "per-item":  # every item, except those holding a parameter tied to another module's
-        from shard_planner.solve.space import find_items
-
         tied = tied_modules(trace.model_path)
-        return [(i.fqn,) for i in find_items(trace)
+        return [(i.fqn,) for i in runnable_items(trace)
                 if not any(t == i.fqn or t.startswith(i.fqn + ".") for t in tied)]
     if kind == "pairs":
         return [tuple(run[k:k + 2]) for run in runs for k in range(0, len(run), 2)]
