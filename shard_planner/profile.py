@@ -47,6 +47,13 @@ class HardwareProfile:
     all_gather_temp_fraction: float = 0.0
     # Host memory bandwidth, for the optimizer step under CPU offload (None: memory_bandwidth_bytes_per_s).
     host_memory_bandwidth_bytes_per_s: float | None = None
+    # Framework overheads (shard_planner/cost/time.py; 0 in profiles written before they were modelled):
+    # per aten op of forward/backward (CPU: Python + dispatcher + autograd; GPU: kernel launch), per FSDP
+    # unit per training step (pre/post-forward and -backward hooks, all-gather copy-in/copy-out,
+    # reduce-scatter copies), and per parameter tensor of the optimizer step.
+    per_op_overhead_s: float = 0.0
+    per_unit_overhead_s: float = 0.0
+    per_param_tensor_optimizer_overhead_s: float = 0.0
     source: str = ""  # where the numbers come from (file path)
     notes: dict[str, str] = field(default_factory=dict)
 

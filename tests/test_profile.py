@@ -82,6 +82,49 @@ def test_ring_fit_recovers_alpha_and_busbw():
         assert fit.busbw_bytes_per_s == pytest.approx(busbw, rel=1e-6)
 
 
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_profiles_have_framework_overheads(name):
+    p = load_profile(name)
+    # per op: microseconds (GPU launch ~5 us, CPU dispatcher + autograd tens of us); per FSDP unit more
+    assert 1e-7 < p.per_op_overhead_s < 1e-3
+    assert p.per_op_overhead_s < p.per_unit_overhead_s < 0.1
+    assert 0 < p.per_param_tensor_optimizer_overhead_s < 0.01
+
+
+def test_profile_without_overheads_loads_with_zero(tmp_path):
+    text = "\n".join(line for line in (PROFILES_DIR / "h100-80gb.toml").read_text().splitlines()
+                     if "overhead_s" not in line)
+    path = tmp_path / "old.toml"
+    path.write_text(text)
+    p = load_profile(str(path))
+    assert p.per_op_overhead_s == p.per_unit_overhead_s == p.per_param_tensor_optimizer_overhead_s == 0.0
+
+
+def test_overheads_from_samples_subtract_the_units_collectives():
+    from shard_planner.execute.calibrate import OVERHEAD_LAYERS, OVERHEAD_UNITS, OVERHEAD_WIDTH, overheads_from
+
+    p, alpha, busbw, per_unit, base = 2, 1e-4, 1e9, 3e-3, 0.02
+    unit_bytes = OVERHEAD_LAYERS // OVERHEAD_UNITS[-1] * (OVERHEAD_WIDTH + 1) * OVERHEAD_WIDTH * 4
+    comm = 3 * (alpha * (p - 1) + (p - 1) / p * unit_bytes / busbw)
+    samples = {"unit_samples": tuple((u, base + u * (per_unit + comm)) for u in OVERHEAD_UNITS),
+               "optimizer_samples": ((32, 32 * 2e-4),)}
+    over = overheads_from(samples, (1e-5, 200, 2e-3), alpha, busbw, p)
+    assert over.per_unit_s == pytest.approx(per_unit, rel=1e-9)
+    assert over.unit_comm_s == pytest.approx(comm, rel=1e-12)
+    assert over.per_tensor_s == pytest.approx(2e-4) and over.per_op_s == 1e-5
+    samples["unit_samples"] = tuple((u, base) for u in OVERHEAD_UNITS)  # flat: no overhead, clamped at 0
+    assert overheads_from(samples, (1e-5, 200, 2e-3), alpha, busbw, p).per_unit_s == 0.0
+
+
+def test_per_op_overhead_measurement_counts_ops():
+    import torch
+
+    from shard_planner.execute.calibrate import measure_per_op_overhead_s
+
+    per_op, ops, step_s = measure_per_op_overhead_s(torch.device("cpu"), repeats=3)
+    assert ops > 100 and per_op > 0 and per_op * ops == pytest.approx(step_s)
+
+
 @pytest.mark.multiprocess
 def test_calibrate_cli_writes_a_loadable_profile(tmp_path, capsys):
     from shard_planner.cli.main import main
@@ -92,6 +135,8 @@ def test_calibrate_cli_writes_a_loadable_profile(tmp_path, capsys):
     assert p.name == "local" and p.device == "cpu"
     assert p.flops_per_s("bfloat16") > 1e8 and p.memory_bandwidth_bytes_per_s > 1e8
     assert p.interconnect.intra_node_busbw_bytes_per_s > 1e6
+    assert p.per_op_overhead_s > 0 and p.per_param_tensor_optimizer_overhead_s > 0
+    assert p.per_unit_overhead_s >= 0  # clamped at 0 when the collectives explain the whole slope
     assert "wrote" in capsys.readouterr().out
     for line in out.read_text().splitlines():
         if re.match(r"[a-z_0-9]+\s*=\s*[0-9.e+-]+", line):

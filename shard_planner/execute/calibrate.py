@@ -9,6 +9,20 @@ fitted to the ring model the cost model uses (shard_planner/cost/collectives.py)
 
 by least squares: the intercept gives alpha (per ring step), the slope gives busbw. Every number in the
 written file says how it was measured.
+
+Framework overheads (the time model's per-op, per-unit and per-tensor terms, shard_planner/cost/time.py):
+
+- per aten op: forward + backward of a stack of tiny Linear + GELU layers (FLOPs negligible), divided
+  by the aten ops it dispatches (counted as the tracer counts them: every non-``prim`` op). This
+  includes what an op costs in a training step on top of its kernel: Python module calls, the
+  dispatcher, autograd graph construction and the backward engine.
+- per FSDP unit: in the spawned world, OVERHEAD_LAYERS tiny Linear layers grouped into U units
+  (``fully_shard`` on each group, then the root) for U in OVERHEAD_UNITS; the least-squares slope of
+  the fastest step time (forward, backward, optimizer; other processes only add time) against U, less the ring model's time of the unit's
+  three collectives (all-gather before forward and before backward, reduce-scatter after backward),
+  which the time model counts apart. The op count is the same for every U, so ops do not enter the slope.
+- per optimizer parameter tensor: AdamW's ``step()`` over the sharded (DTensor) parameters of the
+  finest model, divided by the tensors (bandwidth is negligible at these sizes).
 """
 
 from __future__ import annotations
@@ -32,6 +46,9 @@ logger = logging.getLogger(__name__)
 MATMUL_N = {"cpu": 1024, "cuda": 8192}
 COPY_BYTES = {"cpu": 64 * 2**20, "cuda": 1 * 2**30}
 COLLECTIVE_BYTES = {"cpu": (2**16, 2**18, 2**20, 4 * 2**20), "cuda": (2**20, 16 * 2**20, 128 * 2**20, 512 * 2**20)}
+OVERHEAD_WIDTH = 16  # features of the tiny Linear layers of the overhead measurements
+OVERHEAD_LAYERS = 16
+OVERHEAD_UNITS = (1, 2, 4, 8, 16)  # units the OVERHEAD_LAYERS layers are grouped into
 
 
 @dataclass(frozen=True)
@@ -72,6 +89,103 @@ def measure_copy_bytes_per_s(device: torch.device, repeats: int = 5) -> float:
     src = torch.empty(numel, device=device)
     dst = torch.empty_like(src)
     return 2 * numel * 4 / _time(lambda: dst.copy_(src), device, repeats)
+
+
+class _OpCounter:
+    """Counts the aten ops dispatched, as the tracer does (shard_planner/trace/tracer.py: non-prim ops)."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.namespace != "prim":
+                    counter.ops += 1
+                return func(*args, **(kwargs or {}))
+
+        self.ops = 0
+        self.mode = Mode()
+
+
+def _tiny_stack(layers: int, device: torch.device) -> torch.nn.Module:
+    with torch.device(device):
+        return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(OVERHEAD_WIDTH, OVERHEAD_WIDTH),
+                                                         torch.nn.GELU()) for _ in range(layers)])
+
+
+def measure_per_op_overhead_s(device: torch.device, repeats: int = 30) -> tuple[float, int, float]:
+    """Seconds per aten op of a training step's forward + backward on tiny tensors: (per op, ops, step s)."""
+    model = _tiny_stack(OVERHEAD_LAYERS, device)
+    x = torch.randn(4, OVERHEAD_WIDTH, device=device)
+
+    def step():
+        model(x).sum().backward()
+
+    counter = _OpCounter()
+    with counter.mode:
+        step()
+    for p in model.parameters():
+        p.grad = None
+    t = min(_time(step, device, repeats) for _ in range(3))  # min of medians: the machine is shared
+    return t / counter.ops, counter.ops, t
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Ordinary least squares y = a + b x: (a, b)."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    return my - b * mx, b
+
+
+def _overhead_samples(world_size: int, device: torch.device, repeats: int) -> list[str]:
+    """Step time of OVERHEAD_LAYERS tiny layers in U FSDP2 units, for U in OVERHEAD_UNITS; and AdamW's
+    step time over the finest model's sharded parameters (lines for the rank-0 file)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    lines = []
+    for units in OVERHEAD_UNITS:
+        per = OVERHEAD_LAYERS // units
+        with torch.device(device):
+            model = torch.nn.Sequential(*[_tiny_stack(per, device) for _ in range(units)])
+        for group in model:
+            fully_shard(group)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x = torch.randn(4, OVERHEAD_WIDTH, device=device)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            model(x).sum().backward()
+            opt.step()
+
+        for _ in range(3):
+            step()
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            _sync(device)
+            t0 = time.perf_counter()
+            step()
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        # the fastest step: on a shared machine other processes only ever add time
+        lines.append(f"unit {units} {min(times)}")
+        if units == OVERHEAD_UNITS[-1]:
+            tensors = sum(1 for _ in model.parameters())
+            opt_times = []
+            for _ in range(repeats):
+                _sync(device)
+                t0 = time.perf_counter()
+                opt.step()
+                _sync(device)
+                opt_times.append(time.perf_counter() - t0)
+            lines.append(f"optimizer {tensors} {min(opt_times)}")
+    return lines
 
 
 def fit_ring(samples: list[tuple[int, float]], world_size: int) -> CollectiveFit:
@@ -134,6 +248,7 @@ def _collective_rank(rank: int, world_size: int, port: int, device_type: str, ou
                 _sync(device)
                 times.append(time.perf_counter() - t0)
             lines.append(f"{kind} {numel * 4} {statistics.median(times)}")
+    lines += _overhead_samples(world_size, device, repeats=max(repeats, 15))
     if rank == 0:
         with open(os.path.join(out_dir, "collectives.txt"), "w") as f:
             f.write("\n".join(lines) + "\n")
@@ -158,7 +273,41 @@ def measure_collectives(world_size: int, device_type: str, repeats: int = 5) -> 
     for kind in ("all_gather", "reduce_scatter"):
         samples = [(int(b), float(t)) for k, b, t in rows if k == kind]
         out[kind] = fit_ring(samples, world_size)
+    out["unit_samples"] = tuple((int(u), float(t)) for k, u, t in rows if k == "unit")
+    out["optimizer_samples"] = tuple((int(n), float(t)) for k, n, t in rows if k == "optimizer")
     return out
+
+
+@dataclass(frozen=True)
+class Overheads:
+    per_op_s: float
+    per_op_ops: int  # ops of the measured forward + backward
+    per_op_step_s: float
+    per_unit_s: float
+    unit_slope_s: float  # the raw slope of step time against units
+    unit_comm_s: float  # the ring model's collectives of one tiny unit, subtracted from the slope
+    unit_samples: tuple[tuple[int, float], ...]
+    per_tensor_s: float
+    optimizer_samples: tuple[tuple[int, float], ...]
+
+
+def overheads_from(samples: dict, per_op: tuple[float, int, float], latency_s: float, busbw: float,
+                   world_size: int) -> Overheads:
+    """Per-unit and per-tensor overheads from the world's samples (see the module docstring)."""
+    units = samples["unit_samples"]
+    _, slope = fit_line([float(u) for u, _ in units], [t for _, t in units])
+    p = world_size
+    unit_bytes = OVERHEAD_LAYERS // units[-1][0] * (OVERHEAD_WIDTH + 1) * OVERHEAD_WIDTH * 4  # the finest unit
+    one = latency_s * (p - 1) + (p - 1) / p * unit_bytes / busbw  # ring model, as cost/collectives.py
+    comm = 3 * one
+    per_unit = max(0.0, slope - comm)
+    if slope - comm < 0:
+        logger.warning("calibrate: per-unit step time slope %.3g s is below the collectives' %.3g s; "
+                       "per-unit overhead set to 0", slope, comm)
+    n, t = samples["optimizer_samples"][0]
+    return Overheads(per_op_s=per_op[0], per_op_ops=per_op[1], per_op_step_s=per_op[2], per_unit_s=per_unit,
+                     unit_slope_s=slope, unit_comm_s=comm, unit_samples=tuple(units), per_tensor_s=t / n,
+                     optimizer_samples=tuple(samples["optimizer_samples"]))
 
 
 def _host_memory_bytes() -> int:
@@ -179,11 +328,14 @@ def calibrate(world_size: int = 2, device: str = "auto", name: str = "local") ->
     flops = {"float32": measure_matmul_flops_per_s(dev, torch.float32),
              "bfloat16": measure_matmul_flops_per_s(dev, torch.bfloat16)}
     copy_bw = measure_copy_bytes_per_s(dev)
+    per_op = measure_per_op_overhead_s(dev)
     logger.info("calibrate: collectives over %d ranks", world_size)
-    fits = measure_collectives(world_size, device)
+    samples = measure_collectives(world_size, device)
+    fits = {k: samples[k] for k in ("all_gather", "reduce_scatter")}
     # the slower of the two collectives: FSDP runs both
     latency = max(f.latency_s for f in fits.values())
     busbw = min(f.busbw_bytes_per_s for f in fits.values())
+    over = overheads_from(samples, per_op, latency, busbw, world_size)
     if device == "cuda":
         props = torch.cuda.get_device_properties(dev)
         memory = props.total_memory
@@ -208,11 +360,21 @@ def calibrate(world_size: int = 2, device: str = "auto", name: str = "local") ->
                                   intra_node_busbw_bytes_per_s=busbw, inter_node_latency_s=latency,
                                   inter_node_busbw_bytes_per_s=busbw),
         reduce_scatter_temp_fraction=1.0 if device == "cpu" else 0.0,
+        per_op_overhead_s=over.per_op_s, per_unit_overhead_s=over.per_unit_s,
+        per_param_tensor_optimizer_overhead_s=over.per_tensor_s,
     )
-    return profile, to_toml(profile, fits, world_size)
+    return profile, to_toml(profile, fits, world_size, over)
 
 
-def to_toml(p: HardwareProfile, fits: dict[str, CollectiveFit], world_size: int) -> str:
+def _load_note() -> str:
+    try:
+        return "load average %.2f, %.2f, %.2f (1, 5, 15 min)" % os.getloadavg()
+    except OSError:
+        return "load average unknown"
+
+
+def to_toml(p: HardwareProfile, fits: dict[str, CollectiveFit], world_size: int,
+            over: Overheads | None = None) -> str:
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     n, backend = MATMUL_N[p.device], "nccl" if p.device == "cuda" else "gloo"
     samples = "; ".join(f"{k}: " + ", ".join(f"{b // 1024} KiB {t * 1e3:.2f} ms" for b, t in f.samples)
@@ -221,6 +383,7 @@ def to_toml(p: HardwareProfile, fits: dict[str, CollectiveFit], world_size: int)
     lines = [
         f"# Measured by `shard-planner calibrate --world-size {world_size}` on {when} (torch {torch.__version__}).",
         f"# Collective samples ({backend}, {world_size} ranks): {samples}",
+        f"# Machine load when the measurement ended: {_load_note()}.",
         f'name = "{p.name}"',
         f'device = "{p.device}"',
         f"memory_bytes = {p.memory_bytes}  # {'torch.cuda.get_device_properties().total_memory' if p.device == 'cuda' else 'host physical memory (sysconf)'}",
@@ -231,6 +394,19 @@ def to_toml(p: HardwareProfile, fits: dict[str, CollectiveFit], world_size: int)
         f"memory_bandwidth_bytes_per_s = {p.memory_bandwidth_bytes_per_s:.4g}  # measured: {COPY_BYTES[p.device] // 2**20} MiB tensor copy, read + write",
         f"host_to_device_bytes_per_s = {p.host_to_device_bytes_per_s:.4g}  # measured: {'pinned host-to-device copy' if p.device == 'cuda' else 'the host is the device (copy bandwidth)'}",
         f"reduce_scatter_temp_fraction = {p.reduce_scatter_temp_fraction}  # {'gloo copies the reduce-scatter input (storage tracker)' if p.device == 'cpu' else 'NCCL allocates no tensor'}",
+    ]
+    if over is not None:
+        units = ", ".join(f"{u}: {t * 1e3:.2f} ms" for u, t in over.unit_samples)
+        lines += [
+            f"per_op_overhead_s = {p.per_op_overhead_s:.4g}  # measured: fwd+bwd of {OVERHEAD_LAYERS} tiny Linear+GELU layers, "
+            f"{over.per_op_step_s * 1e3:.2f} ms / {over.per_op_ops} aten ops",
+            f"per_unit_overhead_s = {p.per_unit_overhead_s:.4g}  # measured: slope of FSDP2 step time vs units "
+            f"({over.unit_slope_s * 1e3:.3f} ms/unit; units {units}) less the ring model's 3 collectives "
+            f"({over.unit_comm_s * 1e3:.3f} ms)",
+            f"per_param_tensor_optimizer_overhead_s = {p.per_param_tensor_optimizer_overhead_s:.4g}  # measured: "
+            f"AdamW step over {over.optimizer_samples[0][0]} tiny sharded tensors, {over.optimizer_samples[0][1] * 1e3:.2f} ms",
+        ]
+    lines += [
         "",
         "[peak_flops_per_s]",
         f"float32 = {p.peak_flops_per_s['float32']:.4g}  # measured: {n}^3 fp32 matmul",
