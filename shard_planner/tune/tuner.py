@@ -200,6 +200,9 @@ def measurement_for_report(result: TuneResult) -> Measurement:
     """The chosen run's measurement with the fitted prediction for what ran, marked re-derived when it
     ran at another world size (so the report compares like with like)."""
     t = result.best
-    return replace(t.measurement, predicted_peak_bytes=t.predicted_peak_bytes,
+    # The returned plan names the fitted profile, which changes its fingerprint but not one decision
+    # that ran: the measurement is re-labelled with the returned plan's fingerprint (re-derived like the run).
+    ran_as = result.plan.with_world_size(result.world_size) if result.rederived else result.plan
+    return replace(t.measurement, plan_fingerprint=plan_fingerprint(ran_as), predicted_peak_bytes=t.predicted_peak_bytes,
                    predicted_step_time_s=result.fit.predicted_after_s[result.chosen],
                    rederived_from_world_size=t.candidate.plan.cluster.gpus if result.rederived else None)
