@@ -272,6 +272,8 @@ def test_gpu_overlap_is_bounded(synth, h100):
 
 
 def test_checkpointing_adds_a_forward_to_backward(synth, h100):
+    # FSDP2's hooks do not run again in the recomputation: without them the whole forward is added
+    h100 = dataclasses.replace(h100, per_unit_overhead_s=0.0)
     base = simulate_time(synth, synth_plan(synth, 8), h100)
     ck = simulate_time(synth, synth_plan(synth, 8, ckpt={0, 1}), h100)
     fwd = [u.fwd_compute_s for u in base.units]
@@ -344,3 +346,72 @@ def test_cpu_adamw_temporaries_as_measured():
         base = tracker.live_bytes
         opt.step()
     assert tracker.peak_bytes - base == OPTIMIZER_TEMPORARIES_SINGLE_TENSOR["adamw"] * 128 * 128 * 4
+
+
+# ---- framework overhead: per aten op, per FSDP unit, per optimizer tensor ----
+def _with_ops(trace, fwd_ops=2, bwd_ops=3, loss_ops=4):
+    """Every module that runs dispatches fwd_ops / bwd_ops aten ops; every module with parameters holds
+    one parameter tensor (the MLP's Linears have no bias)."""
+    modules = tuple(dataclasses.replace(m, fwd_ops_self=fwd_ops if m.calls else 0, bwd_ops_self=bwd_ops if m.calls else 0,
+                                        param_tensors=1 if m.param_count else 0) for m in trace.modules)
+    return dataclasses.replace(trace, modules=modules, loss_ops=loss_ops)
+
+
+def _round_overheads(profile, **kw):
+    return dataclasses.replace(profile, per_op_overhead_s=1e-5, per_unit_overhead_s=1e-3,
+                               per_param_tensor_optimizer_overhead_s=1e-4, **kw)
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_cpu_step_time_with_overheads_by_hand(mlp, gloo, ckpt):
+    trace = _with_ops(mlp)
+    prof = _round_overheads(gloo, peak_flops_per_s={"bfloat16": 1e9, "float32": 1e9}, compute_efficiency=1.0,
+                            memory_bandwidth_bytes_per_s=1e9)
+    t = simulate_time(trace, mlp_plan(1, ckpt=ckpt), prof)  # one rank: no collectives
+    # 14 modules run (root, blocks.i, blocks.i.fc, blocks.i.act, head; the ModuleList "blocks" never
+    # runs): 28 forward ops, 42 backward ops, 4 loss ops at 10 us. FLOPs at micro-batch 64, 1 GFLOP/s:
+    # 5 Linears x 2 x 128^2 x 64 forward = 10,485,760; backward twice that; the loss 384 x 64 = 24,576.
+    # 5 units (the root and 4 blocks) x 1 ms of hooks.
+    compute = (10_485_760 + 20_971_520 + 24_576) / 1e9 + (28 + 42 + 4) * 1e-5 + 5 * 1e-3
+    if ckpt:
+        # each block's forward again: 2 x 128^2 x 64 FLOPs, 3 modules x 2 ops; FSDP2's hooks do not run again
+        compute += 4 * (2_097_152 / 1e9 + 6 * 1e-5)
+    # AdamW: 20 accesses x 81,920 fp32 elements x 4 bytes at 1 GB/s, plus 5 tensors x 100 us
+    optimizer = 20 * 81_920 * 4 / 1e9 + 5 * 1e-4
+    assert t.compute_s == pytest.approx(compute, rel=1e-12)
+    assert t.optimizer_s == pytest.approx(optimizer, rel=1e-12)
+    assert t.comm_s == 0
+    assert t.step_time_s == pytest.approx(compute + optimizer, rel=1e-12)
+
+
+def test_gpu_overhead_is_hidden_behind_big_kernels_and_bounds_small_ones(mlp, h100):
+    trace = _with_ops(mlp)
+    fast = simulate_time(trace, mlp_plan(1, profile="h100-80gb"), _round_overheads(h100))
+    # the MLP's kernels take nanoseconds on an H100: every block and the loss take their host time.
+    # Blocks: blocks.0-3 (3 modules each: 6 forward, 9 backward ops, 1 ms of hooks per unit), head (2 / 3
+    # ops), the root's own ops (2 / 3) with the root unit's hooks (1 ms).
+    compute = 4 * ((6 + 9) * 1e-5 + 1e-3) + (2 + 3) * 1e-5 + (2 + 3) * 1e-5 + 1e-3 + 4 * 1e-5
+    assert fast.compute_s == pytest.approx(compute, rel=1e-9)
+    assert fast.optimizer_s == pytest.approx(20 * 81_920 * 4 / h100.memory_bandwidth_bytes_per_s + 5 * 1e-4)
+    # slow kernels (1 kFLOP/s): the host's overhead is hidden behind every block with FLOPs; the root's
+    # own operations have none, so its ops (2 + 3) and the root unit's backward hooks (half of 1 ms,
+    # issued at the last block, the root's own) still show
+    slow = dataclasses.replace(h100, peak_flops_per_s={"bfloat16": 1e3, "float32": 1e3}, compute_efficiency=1.0)
+    hidden = simulate_time(trace, mlp_plan(1, profile="h100-80gb"), _round_overheads(slow))
+    flops = 10_485_760 + 20_971_520 + 24_576
+    assert hidden.compute_s == pytest.approx(flops / 1e3 + (2 + 3) * 1e-5 + 0.5e-3, rel=1e-12)
+
+
+def test_overheads_grow_with_units_ops_and_tensors(mlp, gloo):
+    trace = _with_ops(mlp)
+    prof = _round_overheads(gloo)
+    many = simulate_time(trace, mlp_plan(2), prof)
+    one = simulate_time(trace, mlp_plan(2, units=[Unit(("",), False)]), prof)
+    assert many.compute_s - one.compute_s == pytest.approx(4 * 1e-3, rel=1e-9)  # 4 more units' hooks
+    more_ops = simulate_time(_with_ops(mlp, fwd_ops=3), mlp_plan(2), prof)
+    assert more_ops.compute_s - many.compute_s == pytest.approx(14 * 1e-5, rel=1e-9)
+    # a trace without op counts (written before they existed) and a profile without overheads agree
+    bare = dataclasses.replace(gloo, per_op_overhead_s=0.0, per_unit_overhead_s=0.0,
+                               per_param_tensor_optimizer_overhead_s=0.0)
+    assert simulate_time(trace, mlp_plan(2), bare).step_time_s == pytest.approx(
+        simulate_time(mlp, mlp_plan(2), bare).step_time_s, rel=1e-12)

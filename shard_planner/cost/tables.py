@@ -59,6 +59,8 @@ class Block:
     bwd_rise: Affine
     fwd_flops: Affine
     bwd_flops: Affine
+    fwd_ops: int = 0  # aten ops of the block's forward (subtree, nested units included), per step
+    bwd_ops: int = 0
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,7 @@ class CostTables:
     largest_module_float_bytes: int  # the largest one module's own floating parameters, as built
     model_fwd_flops: Affine  # the whole model (the loss excluded: trace.loss_flops), per micro-batch
     model_bwd_flops: Affine
+    param_tensors: int = 0  # parameter tensors of the model (the optimizer's per-tensor overhead)
 
 
 _CACHE: dict[tuple, tuple[ModelTrace, CostTables]] = {}
@@ -211,6 +214,7 @@ def build_tables(trace: ModelTrace, units: tuple[Unit, ...]) -> CostTables:
             saved=subtree_sum(fqn, "saved_bytes_self"), input=m.input_bytes, output=m.output_bytes,
             fwd_rise=m.fwd_peak_rise_bytes, bwd_rise=m.bwd_peak_rise_bytes,
             fwd_flops=subtree_sum(fqn, "fwd_flops_self"), bwd_flops=subtree_sum(fqn, "bwd_flops_self"),
+            fwd_ops=subtree_sum(fqn, "fwd_ops_self"), bwd_ops=subtree_sum(fqn, "bwd_ops_self"),
         )
 
     def decompose(fqn: str) -> None:
@@ -230,6 +234,7 @@ def build_tables(trace: ModelTrace, units: tuple[Unit, ...]) -> CostTables:
             own_float_numel=sum(k for dt, k in own.items() if dt in FLOAT_DTYPES),
             saved=m.saved_bytes_self, input=ZERO, output=ZERO, fwd_rise=ZERO, bwd_rise=ZERO,
             fwd_flops=m.fwd_flops_self, bwd_flops=m.bwd_flops_self,
+            fwd_ops=m.fwd_ops_self, bwd_ops=m.bwd_ops_self,
         ))
 
     decompose(ROOT)
@@ -274,4 +279,5 @@ def build_tables(trace: ModelTrace, units: tuple[Unit, ...]) -> CostTables:
                                         for m in trace.modules), default=0),
         total_param_numel=sum(sum(d.values()) for d in unit_numel),
         model_fwd_flops=fwd_total, model_bwd_flops=bwd_total,
+        param_tensors=sum(m.param_tensors for m in trace.modules),
     )

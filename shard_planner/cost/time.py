@@ -26,9 +26,24 @@ work, with FSDP2's dependencies:
 On a CPU profile (gloo, synchronous collectives on the one thread that also computes) nothing
 overlaps: the step is the sum of compute, communication and the optimizer.
 
+Framework overhead (the profile's ``per_op_overhead_s``, ``per_unit_overhead_s``,
+``per_param_tensor_optimizer_overhead_s``; measured by ``shard-planner calibrate``, see
+shard_planner/execute/calibrate.py). Each block has a *host* time: its traced aten ops
+(``fwd_ops_self`` / ``bwd_ops_self`` summed over the block) x per-op overhead, plus half the per-unit
+overhead of every unit whose pre-forward runs at the block (FSDP2's pre/post-forward hooks and
+all-gather copy-out) and, in backward, the other half at the block where the unit's backward starts
+(pre/post-backward hooks, reduce-scatter copies). The loss adds its ops. On a CPU profile the host is
+the device: a block takes FLOPs / throughput + host time. On a GPU the host launches asynchronously and
+runs ahead, so a block takes max(FLOPs / throughput, host time): the overhead shows only where the
+kernels are too small to hide it (small models, small micro-batches). A checkpointed block's
+recomputation runs its forward ops again but not FSDP2's hooks (its pre-forward returns at once during
+backward: torch/distributed/fsdp/_fully_shard/_fsdp_state.py, _pre_forward). The optimizer step adds per-tensor
+overhead x the model's parameter tensors (each rank steps every tensor, sharded). Traces written
+before op counts (all zero) get no overhead.
+
 The optimizer step is bound by memory bandwidth: bytes touched per sharded element by the foreach
 implementation (OPTIMIZER_BYTES_PER_ELEMENT) / ``memory_bandwidth_bytes_per_s`` (the host's under CPU
-offload, where the step runs on the host).
+offload, where the step runs on the host), plus its per-tensor overhead (below).
 """
 
 from __future__ import annotations
@@ -86,16 +101,36 @@ def simulate_time(trace: ModelTrace, plan: Plan, profile: HardwareProfile) -> Ti
     needs_bwd_ag = [plan.units[u].reshard_after_forward is not False for u in range(n_units)]
 
     blocks = t.blocks
-    fwd_s = [blk.fwd_flops.at(b) / rate for blk in blocks]
-    bwd_s = [blk.bwd_flops.at(b) / rate for blk in blocks]
+    n_blocks = len(blocks)
+    op_s = profile.per_op_overhead_s
+    half_unit_s = profile.per_unit_overhead_s / 2
+    ops_fwd = [blk.fwd_ops * op_s for blk in blocks]
+    host_fwd = list(ops_fwd)
+    host_bwd = [blk.bwd_ops * op_s for blk in blocks]
+    if half_unit_s:
+        for u in t.forward_units:  # units that run: their hooks fire once per step each way
+            host_fwd[t.unit_first_block[u]] += half_unit_s
+            host_bwd[t.unit_last_block[u]] += half_unit_s
+    dev_fwd = [blk.fwd_flops.at(b) / rate for blk in blocks]
+    dev_bwd = [blk.bwd_flops.at(b) / rate for blk in blocks]
+    loss_dev, loss_host = trace.loss_flops.at(b) / rate, trace.loss_ops * op_s
     ckpt = [plan.units[blk.unit].activation_checkpoint and blk.unit_module for blk in blocks]
-    loss_s = trace.loss_flops.at(b) / rate
+    if profile.device == "cpu":  # the host computes: overhead adds up
+        rec_s = [dev_fwd[i] + ops_fwd[i] if ckpt[i] else 0.0 for i in range(n_blocks)]
+        fwd_s = [dev_fwd[i] + host_fwd[i] for i in range(n_blocks)]
+        bwd_s = [dev_bwd[i] + host_bwd[i] for i in range(n_blocks)]
+        loss_s = loss_dev + loss_host
+    else:  # asynchronous launch: the slower of the GPU's work and the host's issuing it
+        rec_s = [max(dev_fwd[i], ops_fwd[i]) if ckpt[i] else 0.0 for i in range(n_blocks)]
+        fwd_s = [max(dev_fwd[i], host_fwd[i]) for i in range(n_blocks)]
+        bwd_s = [max(dev_bwd[i], host_bwd[i]) for i in range(n_blocks)]
+        loss_s = max(loss_dev, loss_host)
 
     unit_fwd = [0.0] * n_units
     unit_bwd = [0.0] * n_units
     for i, blk in enumerate(blocks):
         unit_fwd[blk.unit] += fwd_s[i]
-        unit_bwd[blk.unit] += bwd_s[i] + (fwd_s[i] if ckpt[i] else 0.0)
+        unit_bwd[blk.unit] += bwd_s[i] + rec_s[i]
     compute_s = sum(unit_fwd) + sum(unit_bwd) + loss_s
 
     # ---- optimizer ----
@@ -104,7 +139,7 @@ def simulate_time(trace: ModelTrace, plan: Plan, profile: HardwareProfile) -> Ti
     opt_bytes = OPTIMIZER_ACCESSES_PER_ELEMENT[training.optimizer] * sharded_elems * state_bytes
     bw = (profile.host_memory_bandwidth_bytes_per_s or profile.memory_bandwidth_bytes_per_s) if offload \
         else profile.memory_bandwidth_bytes_per_s
-    optimizer_s = opt_bytes / bw
+    optimizer_s = opt_bytes / bw + t.param_tensors * profile.per_param_tensor_optimizer_overhead_s
 
     comm_s = sum(ag_fwd) + sum(ag_bwd[u] for u in range(n_units) if needs_bwd_ag[u]) + sum(rs)
     exposed = [0.0] * n_units
@@ -115,7 +150,7 @@ def simulate_time(trace: ModelTrace, plan: Plan, profile: HardwareProfile) -> Ti
             exposed[u] = ag_fwd[u] + (ag_bwd[u] if needs_bwd_ag[u] else 0.0) + rs[u]
         step_s = compute_s + comm_s + optimizer_s
     else:
-        step_s = _overlap(t, plan, root, blocks, fwd_s, bwd_s, ckpt, loss_s, ag_fwd, ag_bwd, rs,
+        step_s = _overlap(t, plan, root, blocks, fwd_s, bwd_s, rec_s, loss_s, ag_fwd, ag_bwd, rs,
                           needs_bwd_ag, exposed) + optimizer_s
 
     samples = b * plan.mesh.world_size
@@ -140,7 +175,7 @@ def simulate_time(trace: ModelTrace, plan: Plan, profile: HardwareProfile) -> Ti
     )
 
 
-def _overlap(t, plan, root, blocks, fwd_s, bwd_s, ckpt, loss_s, ag_fwd, ag_bwd, rs, needs_bwd_ag,
+def _overlap(t, plan, root, blocks, fwd_s, bwd_s, rec_s, loss_s, ag_fwd, ag_bwd, rs, needs_bwd_ag,
              exposed) -> float:
     """Two streams, FIFO communication; returns the time the last reduce-scatter and the last compute
     have both finished. ``exposed[u]`` accumulates the compute stream's wait for unit u's all-gather."""
@@ -226,7 +261,7 @@ def _overlap(t, plan, root, blocks, fwd_s, bwd_s, ckpt, loss_s, ag_fwd, ag_bwd, 
             if u not in started and t.unit_last_block[u] == i:
                 enter_bwd(u)
                 started.add(u)
-        comp += bwd_s[i] + (fwd_s[i] if ckpt[i] else 0.0)
+        comp += bwd_s[i] + rec_s[i]
         for u in (*blk.nested, blk.unit):
             if u != root and t.unit_first_block[u] == i:
                 reduce(u)
