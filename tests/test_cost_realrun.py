@@ -7,6 +7,9 @@ the memory simulator's, not the tracer's; most plans are exact to the 28 bytes o
 the simulator does not model), and examples/gpt2.py (tiny) with the tracer's trace — the whole
 pipeline. Every plan must be within 3% on its cleanest rank (ranks are symmetric here) and within 6% on
 its worst (garbage held by reference cycles adds a storage or two on a rank at random).
+
+Step time (the last test): gpt2 tiny plans with 1 to 9 units against the time model with its framework
+overheads; a loose bound only (the machine is shared), and the ranking of plans far apart.
 """
 
 import sys
@@ -143,3 +146,60 @@ def test_predicted_peak_within_3_percent_world_size_4_int_reshard():
     rows, report = _compare(4)
     bad = [r for r in rows if abs(r[-2]) > TOLERANCE or abs(r[-1]) > GC_TOLERANCE]
     assert not bad, report
+
+
+# ---- step time: predicted vs measured (CPU/gloo, examples/gpt2.py tiny, world size 2) ----------------
+# The machine is shared and loaded (other test runs): measured step times move by tens of percent, at
+# times 2x, from run to run, and profiles/cpu-gloo.toml was calibrated at the quietest moment found. So
+# this checks only a loose bound on the fastest timed step, and the ranking of plans whose measured
+# times differ a lot. The errors are printed, with those of the same model without framework overheads.
+TIME_FACTOR = 4.0  # predicted within [measured / 4, measured * 4]
+RANK_MARGIN = 0.25  # the ranking must agree when the measured times differ by more than this fraction
+
+
+def _gpt2_time_configs():
+    fp = model_fingerprint(load_model_file(GPT2).build())
+    blocks = [f"blocks.{i}" for i in range(4)]
+
+    def plan(units, mb=4, pd="float32"):
+        return Plan(ModelRef(GPT2, fp), Cluster(2, 2, "cpu-gloo", 2**30), Mesh(2), Training(mb, "adamw", pd),
+                    tuple(units), Prefetch(0, 1))
+
+    root = Unit(("",), False)
+    return {
+        "1 unit (the root)": plan([root]),
+        "5 units (a block each)": plan([root] + [Unit((b,)) for b in blocks]),
+        "9 units (attention and MLP each)": plan([root] + [Unit((f"{b}.{m}",)) for b in blocks for m in ("attn", "mlp")]),
+        "5 units, checkpointing": plan([root] + [Unit((b,), True, True) for b in blocks]),
+    }
+
+
+@pytest.mark.multiprocess
+def test_predicted_step_time_within_a_loose_factor():
+    import dataclasses
+
+    from shard_planner.cost import simulate_time
+    from shard_planner.trace import trace_model
+
+    configs = _gpt2_time_configs()
+    profile = load_profile("cpu-gloo")
+    bare = dataclasses.replace(profile, per_op_overhead_s=0.0, per_unit_overhead_s=0.0,
+                               per_param_tensor_optimizer_overhead_s=0.0)
+    runs = run_plans(list(configs.values()), world_size=2, steps=5, warmup=2, device="cpu", timeout_s=600)
+    trace = trace_model(GPT2, dtype="float32")
+    rows = []
+    for (name, plan), run in zip(configs.items(), runs):
+        predicted = simulate_time(trace, plan, profile).step_time_s
+        without = simulate_time(trace, plan, bare).step_time_s
+        rows.append((name, predicted, min(run.step_time_s), without))  # fastest step: load only adds time
+    report = "\n".join(
+        f"{n:34s} predicted {p * 1e3:6.1f} ms, measured {m * 1e3:6.1f} ms ({100 * (p - m) / m:+.0f}%); "
+        f"without overheads {w * 1e3:6.1f} ms ({100 * (w - m) / m:+.0f}%)" for n, p, m, w in rows)
+    print(report)
+    assert all(m / TIME_FACTOR <= p <= m * TIME_FACTOR for _, p, m, _ in rows), report
+    by_name = {n: (p, m) for n, p, m, _ in rows}
+    for a, b in (("1 unit (the root)", "9 units (attention and MLP each)"),
+                 ("1 unit (the root)", "5 units (a block each)")):
+        (pa, ma), (pb, mb) = by_name[a], by_name[b]
+        if abs(ma - mb) > RANK_MARGIN * min(ma, mb):
+            assert (pa < pb) == (ma < mb), report
