@@ -16,7 +16,7 @@ Part 2 (fake process group): our prediction vs FSDPMemTracker under FakeTensorMo
 70B shapes at world size 8 and 64, with both wall times: the plans and the tracker's harness of
 benchmarks/bench_vs_memtracker.py (the cost model's benchmark, 8B), imported, not duplicated; 70B added.
 
-    python benchmarks/bench_accuracy.py                  # everything (~10-15 min here)
+    python benchmarks/bench_accuracy.py                  # everything (~15-20 min here)
     python benchmarks/bench_accuracy.py --models gpt2 --ws4    # one model, world size 2 only
     python benchmarks/bench_accuracy.py --skip-memtracker
 
@@ -177,9 +177,10 @@ def summary_rows(rows: list[dict]) -> list[dict]:
     return out
 
 
-# (size, world sizes, how many of bench_vs_memtracker's plans): 70B runs only the first, torchtitan's (each
+# (size, world sizes, how many of bench_vs_memtracker's plans): 8B its first three (ungrouped; the rest are in
+# bench_vs_memtracker itself), 70B only the first, torchtitan's (each
 # FSDPMemTracker estimate of 70B takes minutes here).
-MEMTRACKER_CASES = (("8b", (8, 64), None), ("70b", (8, 64), 1))
+MEMTRACKER_CASES = (("8b", (8, 64), 3), ("70b", (8, 64), 1))
 
 
 def run_memtracker_part(cases=MEMTRACKER_CASES) -> list[dict]:
