@@ -24,7 +24,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="measure matmul throughput, memory bandwidth and collective latency/bandwidth; write a profile",
         description="Measure this machine (gloo on CPU, NCCL on GPU): matmul FLOP/s in fp32 and bf16, memory "
         "bandwidth, and all-gather / reduce-scatter times over several sizes in a spawned world, fitted "
-        "to the ring model (latency per step and bus bandwidth). Writes a profile TOML for --profile.",
+        "to the ring model (latency per step and bus bandwidth); and the framework overheads of the time model: "
+        "per aten op, per FSDP2 unit and step, per optimizer parameter tensor. Writes a profile TOML for --profile.",
     )
     p.add_argument("--world-size", type=int, default=2, metavar="N", help="ranks for the collectives (default 2)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="default: cuda if available")
@@ -56,5 +57,7 @@ def run(args: argparse.Namespace) -> int:
           f"memory {format_bytes(profile.memory_bytes)}")
     print(f"collectives over {req.world_size} ranks: latency {ic.intra_node_latency_s * 1e6:.1f} us per step, "
           f"busbw {ic.intra_node_busbw_bytes_per_s / 1e9:.3f} GB/s")
+    print(f"overheads: {profile.per_op_overhead_s * 1e6:.1f} us per op, {profile.per_unit_overhead_s * 1e3:.2f} ms per "
+          f"FSDP unit and step, {profile.per_param_tensor_optimizer_overhead_s * 1e6:.0f} us per optimizer tensor")
     print(f"wrote {req.output}")
     return 0
