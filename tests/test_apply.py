@@ -140,3 +140,56 @@ def test_mismatches_are_plan_errors_that_say_what_differs(fake_world):
     apply_plan(model, plan, mesh)
     with pytest.raises(PlanError, match="already sharded"):
         apply_plan(model, plan, mesh)
+
+
+def _example_plan(path, units, world_size):
+    model = load_model_file(path).build()
+    plan = Plan(ModelRef(path, model_fingerprint(model)), Cluster(world_size, world_size, "cpu-gloo", 2**30),
+                Mesh(shard=world_size), Training(2, param_dtype="float32"), tuple(units), Prefetch(0, 1))
+    return model, plan
+
+
+def _train_step(path, model, batch_size=2):
+    mf = load_model_file(path)
+    inputs, targets = mf.batch(batch_size)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss = mf.loss(model(*inputs), targets)
+        loss.backward()
+    return loss
+
+
+@pytest.mark.parametrize("fake_world", [2], indirect=True)
+def test_plan_splitting_tied_weights_is_a_plan_error(fake_world):
+    path = "examples/gpt2.py"
+    mesh = init_device_mesh("cpu", (2,))
+    for split in (Unit(("wte",)), Unit(("lm_head",))):
+        model, plan = _example_plan(path, (Unit(("",)), split), 2)
+        assert model.lm_head.weight is model.wte.weight
+        with pytest.raises(PlanError, match="splits tied weights") as info:
+            apply_plan(model, plan, mesh)
+        assert "'wte'" in str(info.value) and "'lm_head'" in str(info.value)
+    # both in the root unit, blocks in their own: applies and trains
+    model, plan = _example_plan(path, (Unit(("",)), *(Unit((f"blocks.{i}",)) for i in range(len(
+        load_model_file(path).build().blocks)))), 2)
+    apply_plan(model, plan, mesh)
+    assert torch.isfinite(_train_step(path, model))
+
+
+@pytest.mark.parametrize("fake_world", [2], indirect=True)
+def test_planned_unet_applies_and_trains(fake_world):
+    """Plans for a model with a ModuleList that is never called (unet's ``downs``) wrap only modules
+    whose forward runs; the plan applies and one forward/backward goes through FSDP2's hooks."""
+    from shard_planner.profile import load_profile
+    from shard_planner.solve import plan_model
+    from shard_planner.trace.tracer import trace_model
+
+    path = "examples/unet.py"
+    trace = trace_model(path)
+    plan = plan_model(trace, gpus=2, gpus_per_node=2, mem_budget_bytes=2 * 2**20, profile=load_profile("cpu-gloo"),
+                      micro_batch=2, param_dtype="float32", model_path=path, frontier_points=2)
+    assert all(trace.module(m).calls >= 1 for u in plan.units for m in u.modules)
+    assert any(m.startswith("downs.") for u in plan.units for m in u.modules)  # a tight budget: many units
+    model = load_model_file(path).build()
+    apply_plan(model, plan, build_mesh(plan, "cpu"))
+    assert torch.isfinite(_train_step(path, model))

@@ -252,3 +252,106 @@ def test_cover_units_nested_and_root():
     assert ("embed",) not in names  # left to the root
     plan = make_plan(trace, units, lm.choice, training=Training(4), cluster=Cluster(8, 8, "test", GIB))
     assert plan.training.micro_batch == 4
+
+
+# ---- the planner on traced example models: tied weights, containers without forward, consistency ----
+@pytest.fixture(scope="module")
+def example_traces():
+    from shard_planner.trace.tracer import trace_model
+
+    return {name: trace_model(f"examples/{name}.py") for name in ("gpt2", "llama", "unet")}
+
+
+def _cpu_gloo():
+    from shard_planner.profile import load_profile
+
+    return load_profile("cpu-gloo")
+
+
+def _unit_of(trace, units, fqn):
+    """The innermost unit holding ``fqn`` (the root unit, or None when nothing wraps it)."""
+    wrapped = {m: u for u in units for m in u.modules}
+    while fqn not in wrapped:
+        if fqn == "":
+            return None
+        fqn = trace.module(fqn).parent
+    return wrapped[fqn]
+
+
+def _every_plans_units(trace, budgets_mib, micro_batches):
+    from shard_planner.solve.baselines import POLICIES
+    from shard_planner.solve.space import build_space
+
+    prof = _cpu_gloo()
+    out = [policy(build_space(trace, shard_group=2, gpus_per_node=2))
+           for _name, policy in POLICIES]
+    for mb in micro_batches:
+        for mib in budgets_mib:
+            try:
+                out.append(plan_model(trace, gpus=2, gpus_per_node=2, mem_budget_bytes=mib * MIB, profile=prof,
+                                      micro_batch=mb, frontier_points=3).units)
+            except InfeasibleError:
+                pass
+    return out
+
+
+def test_gpt2_tied_weights_never_split(example_traces):
+    from shard_planner.solve.space import build_space, splits_ties
+
+    trace = example_traces["gpt2"]
+    assert trace.module("wte").tied_with == ("lm_head",) and trace.module("lm_head").tied_with == ("wte",)
+    space = build_space(trace, shard_group=2, gpus_per_node=2)
+    for c in space.candidates:
+        for it in space.items[c.start:c.stop]:
+            assert not splits_ties(trace, it.fqn), it.fqn
+            assert all(not splits_ties(trace, k) for k in it.nested_children)
+    all_units = _every_plans_units(trace, (2, 3, 4, 6, 8, 12), (1, 8))
+    assert len(all_units) > len(space.items) // 2  # plans were found, not only baselines
+    for units in all_units:
+        assert _unit_of(trace, units, "wte") is _unit_of(trace, units, "lm_head"), units
+
+
+def test_containers_without_forward_are_never_units(example_traces):
+    from shard_planner.solve.space import find_items
+
+    trace = example_traces["unet"]
+    never_called = {m.fqn for m in trace.modules if m.calls == 0}
+    assert "downs" in never_called
+    assert not {it.fqn for it in find_items(trace)} & never_called
+    assert any(it.parent == "downs" for it in find_items(trace))  # its children may be units
+    for units in _every_plans_units(trace, (2, 4, 8, 16, 64), (1, 4)):
+        for u in units:
+            for fqn in u.modules:
+                assert trace.module(fqn).calls >= 1, (fqn, units)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("micro_batch", [1, 8, 16])
+def test_plan_or_infeasible_is_consistent(example_traces, name, micro_batch):
+    """Either a plan whose simulated peak fits, or an InfeasibleError naming a larger budget."""
+    trace, prof = example_traces[name], _cpu_gloo()
+    for mib in range(4, 13):
+        budget = mib * MIB
+        try:
+            plan = plan_model(trace, gpus=2, mem_budget_bytes=budget, profile=prof, micro_batch=micro_batch,
+                              frontier_points=3)
+        except InfeasibleError as exc:
+            smallest = parse_bytes(str(exc).split("needs is ")[1].split(" (")[0])
+            assert smallest > budget, str(exc)
+        else:
+            assert simulate(trace, plan, prof).memory.peak_bytes <= budget
+
+
+def test_fitting_smallest_peak_plan_is_returned_not_refused(example_traces, monkeypatch):
+    """When the budget solves find nothing (time limit, or the linear model's error exhausting the
+    re-solves) but the smallest-peak plan fits in the simulators, that plan is the answer."""
+    import shard_planner.solve.planner as planner
+
+    monkeypatch.setattr(planner, "_solve_checked", lambda *a, **k: None)
+    trace, prof = example_traces["gpt2"], _cpu_gloo()
+    budget = int(7.69 * MIB)
+    plan = plan_model(trace, gpus=2, mem_budget_bytes=budget, profile=prof, micro_batch=8, frontier_points=3)
+    assert simulate(trace, plan, prof).memory.peak_bytes <= budget
+    with pytest.raises(InfeasibleError) as info:  # below every plan's peak: still refused, with a larger budget
+        plan_model(trace, gpus=2, mem_budget_bytes=MIB, profile=prof, micro_batch=8, frontier_points=3)
+    assert parse_bytes(str(info.value).split("needs is ")[1].split(" (")[0]) > MIB

@@ -301,6 +301,20 @@ def test_op_counts_and_traces_without_them_load():
     assert loaded.modules[0].fwd_flops_self == trace.modules[0].fwd_flops_self
 
 
+
+def test_tied_with_records_shared_parameters():
+    trace = traced("gpt2")  # lm_head.weight is wte.weight
+    assert trace.module("wte").tied_with == ("lm_head",) and trace.module("lm_head").tied_with == ("wte",)
+    assert [m.fqn for m in trace.modules if m.tied_with] == ["wte", "lm_head"]
+    assert trace.module("lm_head").param_count == 0  # the shared parameter counts once, at wte
+    assert all(not m.tied_with for m in traced("unet").modules)
+    d = json.loads(trace.to_json())
+    assert ModelTrace.from_dict(d).module("wte").tied_with == ("lm_head",)  # lists back to tuples
+    for m in d["modules"]:  # a trace written before tied_with existed
+        del m["tied_with"]
+    assert all(m.tied_with == () for m in ModelTrace.from_dict(d).modules)
+
+
 def test_load_trace_errors(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")

@@ -86,6 +86,34 @@ def check_plan_matches(model: nn.Module, plan: Plan) -> None:
     for unit in plan.units:
         if len(unit.modules) > 1:
             _check_group(model, unit)
+    _check_ties(modules, plan)
+
+
+def _check_ties(modules: dict[str, nn.Module], plan: Plan) -> None:
+    """FSDP2 shards each Parameter in exactly one unit: modules registering the same Parameter object
+    (tied weights) must end up in the same unit (the innermost plan unit holding the module)."""
+    wrapped = {fqn: unit for unit in plan.units for fqn in unit.modules}
+
+    def unit_of(fqn: str):
+        while fqn not in wrapped:
+            if fqn == "":
+                return None  # not wrapped at all (no root unit): stays unsharded
+            fqn = _parent_and_name(fqn)[0]
+        return wrapped[fqn]
+
+    owners: dict[int, list[str]] = {}
+    names: dict[int, str] = {}
+    for fqn, module in modules.items():
+        for name, p in module.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append(fqn)
+            names.setdefault(id(p), f"{fqn}.{name}" if fqn else name)
+    for key, fqns in owners.items():
+        units = {fqn: unit_of(fqn) for fqn in fqns}
+        if len({id(u) for u in units.values()}) > 1:
+            where = ", ".join(f"{fqn!r} in unit {u.name if u is not None else '(none)'}" for fqn, u in units.items())
+            raise PlanError(f"the plan splits tied weights: parameter {names[key]!r} is registered by {where}; "
+                            f"FSDP2 shards a parameter in one unit only, so these modules must share a unit "
+                            f"(re-run shard-planner plan)")
 
 
 def _parent_and_name(fqn: str) -> tuple[str, str]:

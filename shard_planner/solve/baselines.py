@@ -14,7 +14,10 @@ simulators, so the chosen plan can be placed beside them.
 - full activation checkpointing: the torchtitan units, every block checkpointed.
 
 "Blocks" are the repeated items of the search space (modules with a structurally identical sibling);
-a model without repeated blocks uses every item.
+a model without repeated blocks uses every item. Every policy wraps only the search space's items, so
+like the solver's plans it never wraps a module whose forward never runs (a ``ModuleList``) nor one
+that holds only part of a group of tied weights: those stay in the root unit (see
+:mod:`shard_planner.solve.space`).
 """
 
 from __future__ import annotations

@@ -11,8 +11,11 @@
    cut off, a bounded number of times. The simulator wins.
 3. The best checked plan by simulated throughput; the frontier by a budget sweep at its global choice;
    the hand-written policies (:mod:`.baselines`) beside it.
-4. Nothing fits: :class:`InfeasibleError` with the smallest budget any plan in the space needs, that
-   plan, and what dominates memory there.
+4. Nothing found: the smallest-peak plans (CP-SAT's minimum linear peak, and the hand-written
+   policies, per mesh and offload) are judged by the simulators; one that fits is returned (the budget
+   solves can miss it: time limits, re-solves exhausted by the linear model's error). Otherwise
+   :class:`InfeasibleError` with the smallest budget any of them needs (always larger than the asked
+   one), that plan, and what dominates memory there.
 """
 
 from __future__ import annotations
@@ -109,7 +112,13 @@ def plan_model(trace: ModelTrace, *, gpus: int, mem_budget_bytes: int, profile: 
                 logger.warning("no plan fits without CPU offload; offloading sharded state to the host")
             break
     if not found:
-        raise _infeasible(ctx, batches[0])
+        # The budget solves above work on the linear model, which can over-estimate the simulators'
+        # peak; the smallest-peak plans are judged by the simulators, and one that fits is a plan.
+        smallest = _smallest_peak(ctx, batches[0])
+        fitting = [c for c in smallest if c.peak_bytes <= ctx.budget_bytes]
+        if not fitting:
+            raise _infeasible(ctx, batches[0], smallest)
+        found = fitting
 
     best = max(found, key=_speed)
     evaluated = _sweep(ctx, best, frontier_points) + _hand_written(ctx, best.choice)
@@ -272,7 +281,8 @@ def _sweep(ctx: _Context, best: Checked, points: int) -> list[Checked]:
         for j in range(1, points - 1):
             b = lo + (hi - lo) * j // (points - 1)
             res = cpsat.solve_min_time(lm, b, time_limit_s=ctx.time_limit_s, hint=cpsat.greedy_cover(lm, b),
-                                       extra_hints=tuple(c.cover for c in evaluated) + (best.cover,))
+                                       extra_hints=tuple(c.cover for c in evaluated if c.cover is not None)
+                                       + ((best.cover,) if best.cover is not None else ()))
             if res.chosen is not None:
                 evaluated.append(ctx.check(lm, res.chosen, res.status))
     return evaluated
@@ -337,21 +347,28 @@ def summarize_units(units: tuple[Unit, ...], *, max_lines: int = 8, sep: str | N
     return sep.join(lines) if sep is not None else lines
 
 
-def _infeasible(ctx: _Context, micro_batch: int) -> InfeasibleError:
-    """The smallest budget any plan in the space needs (by the simulators), that plan, and what
-    dominates memory there."""
-    best: Checked | None = None
+def _smallest_peak(ctx: _Context, micro_batch: int) -> list[Checked]:
+    """Per mesh and offload setting, the plan of least linear-model peak, judged by the simulators;
+    with the hand-written baselines at the same choices (the linear model is an approximation, so
+    another plan may have the smallest simulated peak)."""
+    out: list[Checked] = []
     for mesh in _meshes(ctx.cluster.gpus, ctx.cluster.gpus_per_node):
         space = ctx.space(mesh)
         for offload in ((False, True) if ctx.allow_offload else (False,)):
             for pf in PREFETCH_CHOICES[:1]:  # deeper prefetch only adds memory
-                lm = ctx.linear(space, GlobalChoice(micro_batch, pf, mesh, offload))
+                choice = GlobalChoice(micro_batch, pf, mesh, offload)
+                lm = ctx.linear(space, choice)
                 res = cpsat.solve_min_peak(lm, time_limit_s=ctx.time_limit_s)
-                if res.chosen is None:
-                    continue
-                c = ctx.check(lm, res.chosen, res.status)
-                if best is None or c.peak_bytes < best.peak_bytes:
-                    best = c
+                if res.chosen is not None:
+                    out.append(ctx.check(lm, res.chosen, res.status))
+                out.extend(_hand_written(ctx, choice))
+    return out
+
+
+def _infeasible(ctx: _Context, micro_batch: int, smallest: list[Checked]) -> InfeasibleError:
+    """The smallest budget any plan in the space needs (by the simulators; larger than the asked
+    budget, else that plan would have been returned), that plan, and what dominates memory there."""
+    best = min(smallest, key=lambda c: c.peak_bytes, default=None)
     if best is None:
         return InfeasibleError(f"no plan fits {format_bytes(ctx.budget_bytes)} per GPU and the solver found no plan at all")
     at_peak = best.estimate.memory.memory_at_peak

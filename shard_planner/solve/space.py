@@ -7,7 +7,10 @@ Built from the trace's module tree, without running anything:
   parameters (``EXPAND_SHARE``), has (almost) no parameters of its own and is not one of several
   identical siblings — the root, a decoder, a ``ModuleList`` of blocks, but not a block. What
   remains after expansion are the items: embeddings, the blocks, the final norm, the head.
-  Parameter-less modules (dropout, activations) are not items.
+  Parameter-less modules (dropout, activations) are not items. Neither is a module whose forward
+  never runs (a ``ModuleList``: expanded into its children instead) nor one whose subtree holds only
+  part of a group of tied weights (``ModuleTrace.tied_with``; e.g. GPT-2's ``wte``/``lm_head``):
+  those parameters stay with the root unit, since FSDP2 shards each Parameter in one unit only.
 - **Segments** are contiguous runs of items that are siblings (same parent), at most
   ``max_group_size`` long (2 for models of more than ``LONG_SEQUENCE_ITEMS`` items): one
   ``fully_shard([m1, m2, ...])`` call each.
@@ -115,6 +118,11 @@ def find_items(trace: ModelTrace) -> tuple[Item, ...]:
     def with_params(fqns):
         return [c for c in fqns if trace.subtree_param_count(c) > 0 and first_call(c) < math.inf]
 
+    def wrappable(fqn: str) -> bool:
+        """May be a unit: its forward runs (FSDP2's hooks fire; a ModuleList's never do) and its
+        subtree holds all or none of every tie group (FSDP2 cannot shard one Parameter in two units)."""
+        return trace.module(fqn).calls >= 1 and not splits_ties(trace, fqn)
+
     def expandable(fqn: str) -> bool:
         m = trace.module(fqn)
         sub = trace.subtree_param_count(fqn)
@@ -130,9 +138,9 @@ def find_items(trace: ModelTrace) -> tuple[Item, ...]:
 
     def visit(fqn: str) -> None:
         for c in sorted(with_params(trace.module(fqn).children), key=first_call):
-            if expandable(c):
-                visit(c)
-            else:
+            if expandable(c) or (not wrappable(c) and with_params(trace.module(c).children)):
+                visit(c)  # a module that may not be a unit leaves its own parameters to the root
+            elif wrappable(c):
                 items.append(c)
                 parents[c] = fqn
 
@@ -143,7 +151,7 @@ def find_items(trace: ModelTrace) -> tuple[Item, ...]:
     for fqn in items:
         sub = trace.subtree_param_count(fqn)
         kids = [c for c in with_params(trace.module(fqn).children)
-                if trace.subtree_param_count(c) >= NESTED_MIN_CHILD_SHARE * sub]
+                if trace.subtree_param_count(c) >= NESTED_MIN_CHILD_SHARE * sub and wrappable(c)]
         kids.sort(key=first_call)
         nestable = len(kids) >= 2 and sum(trace.subtree_param_count(c) for c in kids) >= NESTED_CHILD_SHARE * sub
         out.append(Item(
@@ -152,6 +160,23 @@ def find_items(trace: ModelTrace) -> tuple[Item, ...]:
             may_join_root=hash_counts[trace.module(fqn).structural_hash] == 1,
         ))
     return tuple(out)
+
+
+def tie_groups(trace: ModelTrace) -> list[frozenset[str]]:
+    """The sets of modules that register a shared Parameter directly (ModuleTrace.tied_with)."""
+    groups: list[frozenset[str]] = []
+    for m in trace.modules:
+        if m.tied_with:
+            g = frozenset((m.fqn, *m.tied_with))
+            if g not in groups:
+                groups.append(g)
+    return groups
+
+
+def splits_ties(trace: ModelTrace, fqn: str) -> bool:
+    """Whether the subtree of ``fqn`` holds some but not all modules of a tie group."""
+    inside = {m.fqn for m in trace.subtree(fqn)}
+    return any(m.fqn in inside and not set(m.tied_with) <= inside for m in trace.modules if m.tied_with)
 
 
 def reshard_choices(shard_group: int, gpus_per_node: int) -> tuple[bool | int, ...]:

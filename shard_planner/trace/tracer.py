@@ -918,6 +918,7 @@ def trace_model(
             fwd_peak_rise_bytes=field("fwd_rise"),
             bwd_peak_rise_bytes=field("bwd_rise"),
             param_tensors=static["param_tensors"][fqn],
+            tied_with=static["tied_with"][fqn],
             fwd_ops_self=rec1.fwd_ops if rec1 else 0,  # op counts do not depend on the batch size
             bwd_ops_self=rec1.bwd_ops if rec1 else 0,
         ))
@@ -951,6 +952,12 @@ def _static_facts(model: nn.Module, modules) -> dict:
     """Parameter counts and bytes (a shared parameter at its first module), buffer bytes, as built."""
     seen: set[int] = set()
     param_count, param_bytes, buffer_bytes, param_tensors = {}, {}, {}, {}
+    owners: dict[int, list[str]] = {}  # id of a Parameter -> modules registering it directly
+    for fqn, module in modules:
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(fqn)
+    tied_with = {fqn: tuple(sorted({o for p in module.parameters(recurse=False) for o in owners[id(p)]} - {fqn}))
+                 for fqn, module in modules}
     for fqn, module in modules:
         count, by_dtype, tensors = 0, {}, 0
         for p in module.parameters(recurse=False):
@@ -964,7 +971,7 @@ def _static_facts(model: nn.Module, modules) -> dict:
         param_count[fqn], param_bytes[fqn], param_tensors[fqn] = count, by_dtype, tensors
         buffer_bytes[fqn] = sum(b.numel() * b.element_size() for b in module.buffers(recurse=False))
     return {"fqns": {fqn for fqn, _ in modules}, "param_count": param_count, "param_bytes": param_bytes,
-            "buffer_bytes": buffer_bytes, "param_tensors": param_tensors}
+            "buffer_bytes": buffer_bytes, "param_tensors": param_tensors, "tied_with": tied_with}
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -75,6 +75,10 @@ class ModuleTrace:
     fwd_ops_self: int = 0
     bwd_ops_self: int = 0
     param_tensors: int = 0  # parameter tensors registered directly (counted like param_count; optimizer overhead)
+    # Other modules that register one of this module's own Parameter objects directly (tied weights,
+    # e.g. GPT-2's lm_head.weight is wte.weight): FSDP2 needs all of them in one unit. Traces written
+    # before this field load with none.
+    tied_with: tuple[str, ...] = ()
 
     @property
     def param_bytes(self) -> int:
@@ -180,4 +184,5 @@ def _module_from_dict(d: dict) -> ModuleTrace:
         if isinstance(v, dict) and set(v) == {"fixed", "per_sample"}:
             d[k] = Affine(**v)
     d["children"] = tuple(d["children"])
+    d["tied_with"] = tuple(d.get("tied_with", ()))
     return ModuleTrace(**d)

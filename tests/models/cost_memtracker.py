@@ -77,19 +77,42 @@ def _child(model_path, plan_jsons, env, out):
 
 
 def memtracker_peaks(model_path: str, plans, env: dict | None = None, timeout_s: float = 1800) -> list[int]:
-    """FSDPMemTracker's peak per plan, computed in a spawned process (all plans: one world size)."""
+    """FSDPMemTracker's peak per plan, computed in a spawned process (all plans: one world size).
+
+    Raises RuntimeError when the child dies without an answer (killed, segfault: its exit code is in
+    the message) and TimeoutError when it runs past ``timeout_s``, instead of waiting forever."""
+    import queue
+    import time
+
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     p = ctx.Process(target=_child, args=(model_path, [x.to_json() for x in plans], env or {}, q))
     p.start()
+    deadline = time.monotonic() + timeout_s
     try:
-        result = q.get(timeout=timeout_s)
+        while True:
+            try:
+                result = q.get(timeout=1.0)
+                break
+            except queue.Empty:
+                pass
+            if not p.is_alive():
+                try:  # it may have answered just before exiting
+                    result = q.get(timeout=5.0)
+                    break
+                except queue.Empty:
+                    raise RuntimeError(f"the FSDPMemTracker process for {model_path} died without an answer "
+                                       f"(exit code {p.exitcode})") from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the FSDPMemTracker process for {model_path} gave no answer within "
+                                   f"{timeout_s:.0f} s")
     finally:
         p.join(timeout=10)
         if p.is_alive():
             p.kill()
+            p.join(timeout=10)
     if isinstance(result, BaseException):
         raise result
     return result
