@@ -121,7 +121,9 @@ def find_items(trace: ModelTrace) -> tuple[Item, ...]:
     def wrappable(fqn: str) -> bool:
         """May be a unit: its forward runs (FSDP2's hooks fire; a ModuleList's never do) and its
         subtree holds all or none of every tie group (FSDP2 cannot shard one Parameter in two units)."""
-        return trace.module(fqn).calls >= 1 and not splits_ties(trace, fqn)
+        return trace.module(fqn).calls >= 1 and not (tied and splits_ties(trace, fqn))
+
+    tied = any(m.tied_with for m in trace.modules)
 
     def expandable(fqn: str) -> bool:
         m = trace.module(fqn)
