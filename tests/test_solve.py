@@ -216,6 +216,13 @@ def test_activations_dominate_advice(trace8):
               allow_offload=False, micro_batch=8)
 
 
+def test_fixed_overhead_over_budget_says_so(trace8):
+    # The profile reserves 512 MiB (context, NCCL): no plan can fit 256 MiB, and the advice must say
+    # that, not point at the largest category a plan could change.
+    with pytest.raises(InfeasibleError, match="fixed overhead .* alone exceeds the budget"):
+        _plan(trace8, 256 * MIB, allow_offload=False)
+
+
 def test_same_inputs_same_plan(trace8, roomy_plan):
     again = _plan(trace8, 3 * GIB)
     strip = lambda p: replace(p, solver=replace(p.solver, seconds=0.0)).to_dict()  # noqa: E731

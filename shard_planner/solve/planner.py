@@ -372,8 +372,11 @@ def _infeasible(ctx: _Context, micro_batch: int, smallest: list[Checked]) -> Inf
     if best is None:
         return InfeasibleError(f"no plan fits {format_bytes(ctx.budget_bytes)} per GPU and the solver found no plan at all")
     at_peak = best.estimate.memory.memory_at_peak
-    # what dominates among what a plan can change (the profile's fixed overhead cannot)
-    top = max((k for k in at_peak if k != "overhead"), key=at_peak.get)
+    # What dominates among what a plan can change; the profile's fixed overhead (CUDA context, NCCL,
+    # allocator reserve) only when it alone fills the budget, since no plan can shrink it.
+    changeable = [k for k in at_peak if k != "overhead"]
+    fixed_bytes = at_peak.get("overhead", 0)
+    top = "overhead" if fixed_bytes >= ctx.budget_bytes or not changeable else max(changeable, key=at_peak.get)
     advice = {
         "activations": (f"try --batch-size {max(1, micro_batch // 2)}" if micro_batch > 1 else "add GPUs") + (
             "" if any(u.activation_checkpoint for u in best.units) else " or allow checkpointing"),
@@ -383,7 +386,8 @@ def _infeasible(ctx: _Context, micro_batch: int, smallest: list[Checked]) -> Inf
         "grads": "add GPUs",
         "unsharded_params": "add GPUs or split the largest unit",
         "comm_buffers": "lower the prefetch depth or split the largest unit",
-        "overhead": "use a device with more memory",
+        "overhead": "the profile's fixed overhead (context, NCCL, allocator reserve) alone exceeds the budget: "
+                    "raise --mem or use a profile that matches your device",
     }.get(top, "add GPUs")
     return InfeasibleError(
         f"no plan fits {format_bytes(ctx.budget_bytes)} per GPU; the smallest budget any plan needs is "
