@@ -4,8 +4,8 @@ with the StorageTracker.
 
 Two models: tests/models/cost_mlp.py with its hand-written trace (exact by construction, so a miss is
 the memory simulator's, not the tracer's; most plans are exact to the 28 bytes of AdamW step scalars
-the simulator does not model), and examples/gpt2.py (tiny) with the tracer's trace — the whole
-pipeline. Every plan must be within 3% on its cleanest rank (ranks are symmetric here) and within 6% on
+the simulator does not model), and examples/gpt2.py (tiny) and examples/unet.py (tiny, with
+checkpointing: skip connections) with the tracer's trace — the whole pipeline. Every plan must be within 3% on its cleanest rank (ranks are symmetric here) and within 6% on
 its worst (garbage held by reference cycles adds a storage or two on a rank at random).
 
 Step time (the last test): gpt2 tiny plans with 1 to 9 units against the time model with its framework
@@ -30,6 +30,7 @@ from shard_planner.trace.structure import model_fingerprint  # noqa: E402
 
 MODEL = str(Path(__file__).parent / "models" / "cost_mlp.py")
 GPT2 = str(Path(__file__).parent.parent / "examples" / "gpt2.py")
+UNET = str(Path(__file__).parent.parent / "examples" / "unet.py")
 L = cost_mlp.LAYERS
 TOLERANCE = 0.03
 GC_TOLERANCE = 0.06  # the worst rank: up to two extra storages of these small models held by garbage
@@ -96,6 +97,26 @@ def _gpt2_configs(ws):
     }
 
 
+def _unet_configs(ws):
+    """examples/unet.py (tiny) with checkpointing: the down blocks' outputs are both the next block's
+    input and a skip connection the up path concatenates, so a checkpointed up block's input is partly
+    held already (memory.py, [Note: Checkpointed inputs held elsewhere])."""
+    fp = model_fingerprint(load_model_file(UNET).build())
+    blocks = ["inc", "downs.0", "downs.1", "bottleneck", "ups.0.up", "ups.0.conv", "ups.1", "ups.2", "outc"]
+    pairs = [("inc",), ("downs.0", "downs.1"), ("bottleneck",), ("ups.0.up", "ups.0.conv"), ("ups.1", "ups.2"),
+             ("outc",)]  # grouped modules must be siblings
+
+    def plan(groups, reshard=True, fwd=0, bwd=1):
+        units = [Unit(("",), False)] + [Unit(g, reshard, True) for g in groups]
+        return Plan(ModelRef(UNET, fp), Cluster(ws, ws, "cpu-gloo", 2**30), Mesh(ws), Training(8, "adamw", "bfloat16"),
+                    tuple(units), Prefetch(fwd, bwd))
+
+    return {
+        "unet tiny (traced), per-block checkpointing": plan([(b,) for b in blocks]),
+        "unet tiny (traced), pairs, reshard False, checkpointing, prefetch 1/2": plan(pairs, reshard=False, fwd=1, bwd=2),
+    }
+
+
 def _compare(ws):
     from shard_planner.trace import trace_model
 
@@ -103,6 +124,7 @@ def _compare(ws):
     configs = _configs(ws, fp)
     if ws == 2:
         configs.update(_gpt2_configs(ws))
+        configs.update(_unet_configs(ws))
     profile = load_profile("cpu-gloo")
     runs = run_plans(list(configs.values()), world_size=ws, steps=1, warmup=2, device="cpu", timeout_s=600)
     # Ranks are symmetric here (every dimension divides the world size), so each rank's peak measures
@@ -112,14 +134,15 @@ def _compare(ws):
     measured = [min(((m.peak_bytes, m.peak_phase) for m in run.memory), key=lambda x: x[0]) for run in runs]
     worst = [max(m.peak_bytes for m in run.memory) for run in runs]
     print("per-rank peaks:", [[m.peak_bytes for m in run.memory] for run in runs])
-    gpt2 = {}
+    traced = {}
     rows = []
     for (name, plan), (peak, phase) in zip(configs.items(), measured):
         dtype = plan.training.param_dtype
-        if plan.model.path == GPT2:
-            if dtype not in gpt2:
-                gpt2[dtype] = trace_model(GPT2, dtype=dtype)
-            trace = gpt2[dtype]
+        if plan.model.path in (GPT2, UNET):
+            key = (plan.model.path, dtype)
+            if key not in traced:
+                traced[key] = trace_model(plan.model.path, dtype=dtype)
+            trace = traced[key]
         else:
             trace = cost_mlp.analytic_trace(compute_dtype=dtype)
         est = simulate_memory(trace, plan, profile)

@@ -315,6 +315,35 @@ def test_tied_with_records_shared_parameters():
     assert all(m.tied_with == () for m in ModelTrace.from_dict(d).modules)
 
 
+def test_input_shared_bytes_skip_connections():
+    """U-Net: the up blocks take a down block's input again as their skip connection (the same
+    storage); that part of their input is held already (what a checkpointed unit must not add twice)."""
+    trace = traced("unet")
+    b = 8
+    shared = {m.fqn: m.input_shared_bytes.at(b) for m in trace.modules if m.input_shared_bytes.at(b)}
+    # the root takes the batch's images; ups.{i} the input of downs.{1-i} again (ups.0 the bottleneck's)
+    assert 0 < shared.pop("") < trace.batch_input_bytes.at(b)
+    assert shared == {"ups.0": trace.module("bottleneck").input_bytes.at(b),
+                      "ups.1": trace.module("downs.1").input_bytes.at(b),
+                      "ups.2": trace.module("downs.0").input_bytes.at(b)}
+    assert shared["ups.2"] < trace.module("ups.2").input_bytes.at(b)  # the upsampled path is new
+    # a plain stack shares nothing but the batch's token ids, which the embedding takes
+    gpt2 = traced("gpt2")
+    assert {m.fqn for m in gpt2.modules if m.input_shared_bytes.at(b)} == {"", "wte"}
+    assert gpt2.module("wte").input_shared_bytes == gpt2.module("wte").input_bytes
+    # a trace written before the field loads with none
+    d = json.loads(trace.to_json())
+    for m in d["modules"]:
+        del m["input_shared_bytes"]
+    assert all(m.input_shared_bytes.at(b) == 0 for m in ModelTrace.from_dict(d).modules)
+
+
+def test_input_shared_bytes_counts_batch_tensors():
+    """fp32 (no input cast): the stem takes the batch's own image storage, held by the batch already."""
+    trace = traced("unet", dtype="float32")
+    assert trace.module("inc").input_shared_bytes.at(8) == trace.module("inc").input_bytes.at(8) > 0
+
+
 def test_load_trace_errors(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")

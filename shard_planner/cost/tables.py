@@ -61,6 +61,9 @@ class Block:
     bwd_flops: Affine
     fwd_ops: int = 0  # aten ops of the block's forward (subtree, nested units included), per step
     bwd_ops: int = 0
+    # of ``input``, storages already held elsewhere (ModuleTrace.input_shared_bytes): a checkpointed
+    # block keeps ``input - input_shared`` new bytes (memory.py, [Note: Checkpointed inputs held elsewhere])
+    input_shared: Affine = ZERO
 
 
 @dataclass(frozen=True)
@@ -215,6 +218,7 @@ def build_tables(trace: ModelTrace, units: tuple[Unit, ...]) -> CostTables:
             fwd_rise=m.fwd_peak_rise_bytes, bwd_rise=m.bwd_peak_rise_bytes,
             fwd_flops=subtree_sum(fqn, "fwd_flops_self"), bwd_flops=subtree_sum(fqn, "bwd_flops_self"),
             fwd_ops=subtree_sum(fqn, "fwd_ops_self"), bwd_ops=subtree_sum(fqn, "bwd_ops_self"),
+            input_shared=m.input_shared_bytes,
         )
 
     def decompose(fqn: str) -> None:

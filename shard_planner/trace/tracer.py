@@ -114,7 +114,8 @@ class _Call:
 
     __slots__ = (
         "fqn", "parent", "children", "fwd", "bwd", "bwd_open", "template", "twin_info",
-        "saved_bytes", "fwd_flops", "bwd_flops", "input_bytes", "output_bytes", "save_adjust", "input_sids",
+        "saved_bytes", "fwd_flops", "bwd_flops", "input_bytes", "input_shared_bytes", "output_bytes", "save_adjust",
+        "input_sids", "in_sids",
         "param_ids", "fwd_ops", "bwd_ops",
     )
 
@@ -127,6 +128,8 @@ class _Call:
         self.template: _Call | None = None  # set for a twin: the call whose numbers it reuses
         self.twin_info: _TwinInfo | None = None  # set for a call that can serve as a template
         self.saved_bytes = self.fwd_flops = self.bwd_flops = self.input_bytes = self.output_bytes = 0
+        self.input_shared_bytes = 0  # of input_bytes, storages already held (ModuleTrace.input_shared_bytes)
+        self.in_sids: frozenset = frozenset()  # the storages of its inputs
         self.fwd_ops = self.bwd_ops = 0  # aten ops dispatched by its own code (per-op overhead)
         self.save_adjust: list[tuple[str, int]] = []  # (path relative to the twin, bytes) corrections
         self.input_sids: frozenset = frozenset()  # for a template: the storages of its inputs
@@ -174,6 +177,7 @@ class _Rec:
     bwd_key: tuple | None = None
     fwd_ops: int = 0
     bwd_ops: int = 0
+    input_shared_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -287,6 +291,8 @@ class _Step:
         self._next_sid = 0
         self.static: set[int] = set()  # parameters and buffers
         self.saved: set[int] = set()
+        # sid -> the first call that took the storage as an input (None: a batch tensor)
+        self.input_owner: dict[int, _Call | None] = {}
         self.save_attempts: dict[int, list] = defaultdict(list)  # sid -> [(log pos, call, rel, counted, nbytes)]
         self.fwd_stack: list[_Call] = []
         self.bwd_stack: list[_Call] = []
@@ -445,6 +451,7 @@ class _Step:
         leaves, spec = tree_flatten((args, kwargs))
         in_tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         call.input_bytes = self.storage_bytes(in_tensors)
+        call.input_shared_bytes = self._shared_input_bytes(call, in_tensors)
         key = None
         if self.hashes.get(fqn) in self.twin_hashes and fqn != "" and fqn not in self.leaves:
             key = (self.hashes[fqn], self.attr_sigs[fqn], _signature(leaves, spec))
@@ -484,6 +491,27 @@ class _Step:
                 call.param_ids = self.param_ids[fqn]
                 self.templates[key] = call
         return out
+
+    def _shared_input_bytes(self, call: _Call, in_tensors) -> int:
+        """Bytes of the call's input storages already held elsewhere (ModuleTrace.input_shared_bytes):
+        batch tensors, and inputs of an earlier call that no ancestor of this one took as an input too
+        (a storage an ancestor took is counted at the outermost call taking it; this keeps a twin's
+        submodules, which copy their template's numbers, equal to a full trace's)."""
+        sids = {self.sid(t): t for t in in_tensors}
+        call.in_sids = frozenset(sids)
+        shared = []
+        for sid, t in sids.items():
+            if sid not in self.input_owner:
+                self.input_owner[sid] = call
+            elif self.input_owner[sid] is None:
+                shared.append(t)
+            else:
+                a = call.parent
+                while a is not None and sid not in a.in_sids:
+                    a = a.parent
+                if a is None:
+                    shared.append(t)
+        return self.storage_bytes(shared)
 
     def _hook_backward(self, call: _Call, in_tensors, out_tensors) -> None:
         outs = [t for t in out_tensors if t.requires_grad]
@@ -596,6 +624,9 @@ class _Step:
                 self.register_static(t)
         batch_tensors = list(inputs) + [targets]
         self.batch_input_bytes = self.storage_bytes(batch_tensors)
+        for t in batch_tensors:
+            if isinstance(t, torch.Tensor):
+                self.input_owner[self.sid(t)] = None
         self.loss_call = _Call(None, None)
         path = self.mf.path
         with self._resize_tracking(), _Recorder(self), saved_tensors_hooks(self._pack, lambda t: t):
@@ -692,7 +723,7 @@ class _Step:
                 input_bytes=call.input_bytes, output_bytes=call.output_bytes,
                 fwd_rise=self.span_stats(call.fwd)[0], bwd_rise=self.span_stats(call.bwd)[0],
                 fwd_key=(call.fwd.start,), bwd_key=(call.bwd.start,) if call.bwd is not None else None,
-                fwd_ops=call.fwd_ops, bwd_ops=call.bwd_ops,
+                fwd_ops=call.fwd_ops, bwd_ops=call.bwd_ops, input_shared_bytes=call.input_shared_bytes,
             )
             out = [own]
             for child in call.children:
@@ -708,6 +739,7 @@ class _Step:
                     (call.fwd.start,) + r.fwd_key if r.fwd_key is not None else None,
                     (call.bwd.start,) + r.bwd_key if call.bwd is not None and r.bwd_key is not None else None,
                     r.fwd_ops, r.bwd_ops,
+                    call.input_shared_bytes if r.fqn == t.fqn else r.input_shared_bytes,
                 ))
         for rel, nbytes in call.save_adjust:
             out.append(_Rec(_join(call.fqn, rel), saved=nbytes))
@@ -726,6 +758,7 @@ class _Step:
             agg.fwd_ops += r.fwd_ops
             agg.bwd_ops += r.bwd_ops
             agg.input_bytes += r.input_bytes
+            agg.input_shared_bytes += r.input_shared_bytes
             agg.output_bytes += r.output_bytes
             agg.fwd_rise = max(agg.fwd_rise, r.fwd_rise)
             agg.bwd_rise = max(agg.bwd_rise, r.bwd_rise)
@@ -911,6 +944,7 @@ def trace_model(
             buffer_bytes=static["buffer_bytes"][fqn],
             calls=rec1.calls if rec1 else 0,
             input_bytes=field("input_bytes"),
+            input_shared_bytes=field("input_shared_bytes"),
             output_bytes=field("output_bytes"),
             saved_bytes_self=field("saved"),
             fwd_flops_self=field("fwd_flops"),

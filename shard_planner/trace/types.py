@@ -79,6 +79,12 @@ class ModuleTrace:
     # e.g. GPT-2's lm_head.weight is wte.weight): FSDP2 needs all of them in one unit. Traces written
     # before this field load with none.
     tied_with: tuple[str, ...] = ()
+    # Of ``input_bytes``, the storages someone else already holds when the module is called: the batch,
+    # or an input of an earlier-called module that is not its ancestor (a U-Net skip connection: a down
+    # block's output is the next block's input and later the matching up block's; an encoder output
+    # every decoder block takes). A checkpointed unit keeps only the rest as new bytes (memory.py,
+    # [Note: Checkpointed inputs held elsewhere]). Traces written before this field load with none.
+    input_shared_bytes: Affine = ZERO
 
     @property
     def param_bytes(self) -> int:
