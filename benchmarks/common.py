@@ -129,7 +129,9 @@ def base_plan(model_path: str, trace, *, world_size: int, mem_budget_bytes: int 
 def item_runs(trace) -> tuple[list[list[str]], list[str]]:
     """(blocks as runs of contiguous siblings, other items) of the planner's search space: the repeated
     blocks (or every item, for a model without repeated blocks) and the one-off modules."""
-    items = runnable_items(trace)
+    from shard_planner.solve.space import find_items
+
+    items = find_items(trace)
     blocks = [i for i in items if not i.may_join_root] or list(items)
     others = [i.fqn for i in items if i not in blocks]
     runs: list[list[str]] = []
@@ -139,28 +141,6 @@ def item_runs(trace) -> tuple[list[list[str]], list[str]]:
         else:
             runs.append([i.fqn])
     return runs, others
-
-
-# Containers without a forward of their own: fully_shard rejects them ("does not support containers that
-# do not implement forward"), so their children are wrapped instead.
-NO_FORWARD_CONTAINERS = ("ModuleList", "ModuleDict")
-
-
-def runnable_items(trace) -> list:
-    """The planner's items (shard_planner.solve.space.find_items), with a container that has no forward
-    (a ModuleList of a U-Net's down blocks) replaced by its children that hold parameters."""
-    from shard_planner.solve.space import Item, find_items
-
-    out = []
-    for it in find_items(trace):
-        m = trace.module(it.fqn)
-        if m.type_name in NO_FORWARD_CONTAINERS:
-            out += [Item(fqn=c, parent=it.fqn, param_count=trace.subtree_param_count(c), nested_children=(),
-                         may_join_root=it.may_join_root)
-                    for c in m.children if trace.subtree_param_count(c) > 0]
-        else:
-            out.append(it)
-    return out
 
 
 def _siblings_before(items, item) -> set[str]:
@@ -177,31 +157,15 @@ def layout(trace, kind: str) -> list[tuple[str, ...]]:
         return []
     if kind == "per-block":
         return [(b,) for b in blocks]
-    if kind == "per-item":  # every item, except those holding a parameter tied to another module's
-        tied = tied_modules(trace.model_path)
-        return [(i.fqn,) for i in runnable_items(trace)
-                if not any(t == i.fqn or t.startswith(i.fqn + ".") for t in tied)]
+    if kind == "per-item":  # every item of the planner's space (it already keeps tied weights together)
+        from shard_planner.solve.space import find_items
+
+        return [(i.fqn,) for i in find_items(trace)]
     if kind == "pairs":
         return [tuple(run[k:k + 2]) for run in runs for k in range(0, len(run), 2)]
     if kind == "one-group":
         return [tuple(run) for run in runs]
     raise ValueError(f"unknown layout {kind!r}")
-
-
-def tied_modules(model_path: str) -> set[str]:
-    """Modules holding a parameter that another module holds too (tied embeddings): FSDP2 needs them in
-    one unit (or both left to the root)."""
-    import torch
-
-    from shard_planner.modelfile import load_model_file
-
-    with torch.device("meta"):
-        model = load_model_file(model_path).build()
-    owners: dict[int, set[str]] = {}
-    for name, mod in model.named_modules():
-        for p in mod.parameters(recurse=False):
-            owners.setdefault(id(p), set()).add(name)
-    return {m for names in owners.values() if len(names) > 1 for m in names}
 
 
 def make_units(groups, *, reshard=True, ac=False):
