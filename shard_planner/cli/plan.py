@@ -10,12 +10,10 @@ from pathlib import Path
 
 from shard_planner.errors import UserError
 from shard_planner.plan import Plan, save_plan
-from shard_planner.units import format_bytes, parse_bytes
+from shard_planner.units import DTYPE_NAMES, format_bytes, parse_bytes
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
-          "fp32": "float32", "float32": "float32"}
 
 
 @dataclass(frozen=True)
@@ -53,7 +51,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                        help="micro-batch per GPU (default: the model file's TRAINING['micro_batch'], else 1)")
     batch.add_argument("--search-batch", action="store_true",
                        help="also choose the micro-batch that maximises throughput")
-    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="mixed-precision param dtype (default bf16)")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_NAMES), help="mixed-precision param dtype (default bf16)")
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default plan.json)")
     p.add_argument("--time-limit", type=float, default=1.0, metavar="S",
                    help="CP-SAT time limit per solve in seconds (default 1; the planner runs a dozen or more "
@@ -80,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--gpus-per-node must be a positive integer, got {gpn}")
     req = PlanRequest(model=args.model, gpus=args.gpus, mem_budget_bytes=parse_bytes(args.mem), profile=args.profile,
                       gpus_per_node=gpn, micro_batch=args.batch_size, search_batch=args.search_batch,
-                      dtype=DTYPES[args.dtype], output=args.output, time_limit_s=args.time_limit, report=args.report)
+                      dtype=DTYPE_NAMES[args.dtype], output=args.output, time_limit_s=args.time_limit, report=args.report)
 
     trace = trace_or_load(req.model, dtype=req.dtype)
     micro_batch = req.micro_batch or (None if req.search_batch else _default_micro_batch(req.model))

@@ -72,18 +72,9 @@ from shard_planner.modelfile import ModelFile, load_model_file
 from shard_planner.trace.flops import FlopCounter
 from shard_planner.trace.structure import model_fingerprint, structural_hashes
 from shard_planner.trace.types import Affine, ModelTrace, ModuleTrace
+from shard_planner.units import DTYPE_NAMES
 
 logger = logging.getLogger(__name__)
-
-# Names people type -> the dtype name a trace records.
-DTYPE_NAMES = {
-    "bf16": "bfloat16",
-    "bfloat16": "bfloat16",
-    "fp32": "float32",
-    "float32": "float32",
-    "fp16": "float16",
-    "float16": "float16",
-}
 
 _ALLOC, _FREE, _RESIZE, _ENTER, _EXIT = range(5)
 
