@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from shard_planner.errors import ModelFileError
+from shard_planner.plan import OPTIMIZERS
 
 logger = logging.getLogger(__name__)
 
 TRAINING_KEYS = {"micro_batch": int, "seq_len": int, "optimizer": str, "lr": float}
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd_momentum")
 
 
 def default_loss_fn(output, targets):

@@ -20,7 +20,11 @@ from shard_planner.errors import PlanError
 from shard_planner.fileio import read_json, write_atomic
 
 PLAN_SCHEMA_VERSION = 1
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd_momentum")
+# Optimizer name -> (torch.optim class, keyword arguments beyond lr); the executor builds it, the FSDP2
+# export writes it. Other hyper-parameters are PyTorch's defaults.
+OPTIMIZER_TORCH = {"adamw": ("AdamW", {}), "adam": ("Adam", {}), "sgd": ("SGD", {}),
+                   "sgd_momentum": ("SGD", {"momentum": 0.9})}
+OPTIMIZERS = tuple(OPTIMIZER_TORCH)
 DTYPES = ("float32", "bfloat16", "float16")
 MEMORY_CATEGORIES = (
     "sharded_params",

@@ -3,6 +3,7 @@ DeepSpeed JSON that parse, hold the expected keys, and say what they cannot expr
 
 import json
 import tomllib
+from dataclasses import replace
 
 from pathlib import Path
 
@@ -131,6 +132,12 @@ def test_fsdp2_export_folds_runs_and_compiles():
     exec(units_src, ns)
     assert [(tuple(m), r, ac) for m, r, ac in ns["UNITS"]] == [
         (u.modules, u.reshard_after_forward, u.activation_checkpoint) for u in plan.units]
+
+
+def test_fsdp2_export_usage_builds_the_plans_optimizer():
+    plan = make_plan(2)
+    source = export_plan(replace(plan, training=replace(plan.training, optimizer="sgd_momentum")), "fsdp2").text
+    assert "torch.optim.SGD(model.parameters(), lr=0.001, momentum=0.9)" in source
 
 
 def test_fsdp2_export_irregular_units_stay_literal():

@@ -52,7 +52,7 @@ from shard_planner.execute.apply import apply_plan, build_mesh
 from shard_planner.execute.memtrack import StorageTracker
 from shard_planner.measurement import Measurement, RankMemory, plan_fingerprint, save_measurement
 from shard_planner.modelfile import ModelFile, load_model_file
-from shard_planner.plan import Plan, load_plan
+from shard_planner.plan import OPTIMIZER_TORCH, Plan, load_plan
 
 logger = logging.getLogger(__name__)
 
@@ -70,16 +70,9 @@ class RunOptions:
 # ---- the pieces a run is made of (also used by the tests' single-process reference) ----
 def make_optimizer(plan: Plan, params) -> torch.optim.Optimizer:
     """The plan's optimizer; the hyper-parameters that the plan does not carry are PyTorch defaults."""
-    lr = plan.training.lr
-    match plan.training.optimizer:
-        case "adamw":
-            return torch.optim.AdamW(params, lr=lr)
-        case "adam":
-            return torch.optim.Adam(params, lr=lr)
-        case "sgd":
-            return torch.optim.SGD(params, lr=lr)
-        case "sgd_momentum":
-            return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    if plan.training.optimizer in OPTIMIZER_TORCH:
+        cls, kwargs = OPTIMIZER_TORCH[plan.training.optimizer]
+        return getattr(torch.optim, cls)(params, lr=plan.training.lr, **kwargs)
     raise RunError(f"unknown optimizer {plan.training.optimizer!r}")
 
 

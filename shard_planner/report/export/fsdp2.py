@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 
 from shard_planner import __version__
-from shard_planner.plan import Plan, Unit
+from shard_planner.plan import OPTIMIZER_TORCH, Plan, Unit
 from shard_planner.report.export.common import split_number
 from shard_planner.units import format_bytes
 
@@ -128,7 +128,7 @@ Usage, in every rank after init_process_group:
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cuda", {mesh_shape}, mesh_dim_names={mesh_names})
     model = apply_sharding(build_model(), mesh)
-    optimizer = torch.optim.{_optimizer_class(t.optimizer)}(model.parameters(), lr={t.lr!r})
+    optimizer = {_optimizer_call(t)}
 """
 
 import functools
@@ -189,5 +189,7 @@ def apply_sharding(model: torch.nn.Module, mesh) -> torch.nn.Module:
 '''
 
 
-def _optimizer_class(name: str) -> str:
-    return {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD", "sgd_momentum": "SGD"}[name]
+def _optimizer_call(t) -> str:
+    cls, kwargs = OPTIMIZER_TORCH[t.optimizer]
+    extra = "".join(f", {k}={v!r}" for k, v in kwargs.items())
+    return f"torch.optim.{cls}(model.parameters(), lr={t.lr!r}{extra})"
