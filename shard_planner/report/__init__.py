@@ -145,10 +145,11 @@ def write_sections(plan: Plan, sections: list[ReportSection], out_dir: str | os.
     for s in sections:
         if s.figure is not None:
             pngs[s.image] = figure_png(s.figure)
-            _write_bytes_atomic(out / s.image, pngs[s.image])
+            write_atomic(out / s.image, pngs[s.image])
     measured = None
-    if measurement is not None and predictions_for(plan, measurement) is not None:
-        measured = (measured_figures(measurement), predictions_for(plan, measurement))
+    predicted = predictions_for(plan, measurement) if measurement is not None else None
+    if predicted is not None:
+        measured = (measured_figures(measurement), predicted)
     summary = summary_lines(plan, measured)
     write_atomic(out / "report.md", render_markdown(plan, summary, sections))
     html_path = out / "report.html"
@@ -156,8 +157,3 @@ def write_sections(plan: Plan, sections: list[ReportSection], out_dir: str | os.
     logger.info("report written to %s", html_path)
     return html_path
 
-
-def _write_bytes_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
