@@ -231,6 +231,11 @@ class Plan:
     def root(self) -> Unit:
         return next(u for u in self.units if u.is_root)
 
+    @property
+    def inner_units(self) -> tuple[Unit, ...]:
+        """Every unit but the root, in forward order."""
+        return tuple(u for u in self.units if not u.is_root)
+
     def with_world_size(self, world_size: int) -> "Plan":
         """The same decisions on ``world_size`` ranks (plain FSDP); int reshard sizes that no longer
         divide the group become True. Predictions are dropped: they were for the old size."""

@@ -212,7 +212,7 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> 
 
 def prefetch_orders(plan: Plan) -> tuple[list[Unit], list[Unit]]:
     """(forward order, backward order) of the units for explicit prefetch; see [Note: prefetch order]."""
-    inner = [u for u in plan.units if not u.is_root]
+    inner = list(plan.inner_units)
     return [plan.root, *inner], list(reversed(inner))
 
 

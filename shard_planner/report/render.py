@@ -35,7 +35,7 @@ def summary_lines(plan: Plan, measured: tuple[MeasuredFigures, tuple[int, float]
     """(field, value) pairs that say what the plan is and what it is predicted (and measured) to do."""
     c, t, m = plan.cluster, plan.training, plan.mesh
     mesh = f"{m.shard}-way sharding" + (f" x {m.replicate} replicas (HSDP)" if m.replicate > 1 else "")
-    inner = [u for u in plan.units if not u.is_root]
+    inner = list(plan.inner_units)
     grouped = sum(1 for u in inner if len(u.modules) > 1)
     checkpointed = sum(1 for u in inner if u.activation_checkpoint)
     reshard = [f"{_reshard_text(r)} for {n}" for r, n in Counter(u.reshard_after_forward for u in inner).most_common()]

@@ -49,7 +49,7 @@ class Candidate:
 
 def describe_plan(plan: Plan) -> str:
     """A short label of a plan's decisions: units (grouped), reshard mix, AC, prefetch, micro-batch."""
-    units = [u for u in plan.units if not u.is_root]
+    units = list(plan.inner_units)
     grouped = sum(1 for u in units if len(u.modules) > 1)
     reshard = {}
     for u in units:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from shard_planner import __version__
 from shard_planner.plan import Plan
 from shard_planner.report.export.common import (
-    Export, comment_block, emit_yaml, grouped_note, inner_units, prefetch_notes, uniform_reshard,
+    Export, comment_block, emit_yaml, grouped_note, prefetch_notes, uniform_reshard,
 )
 from shard_planner.report.export.model_info import ModelInfo
 
@@ -28,13 +28,13 @@ _MIXED_PRECISION = {"bfloat16": "bf16", "float16": "fp16", "float32": "no"}
 def wrap_classes(plan: Plan, info: ModelInfo) -> tuple[list[str], list[str]]:
     """Classes that name the plan's units exactly (every module of the class is a unit module), and notes
     for units whose class also occurs outside the plan's units (naming it would wrap those too)."""
-    unit_modules = {f for u in inner_units(plan) for f in u.modules}
+    unit_modules = {f for u in plan.inner_units for f in u.modules}
     by_class: dict[str, list[str]] = {}
     for m in info.modules:
         if m.fqn:
             by_class.setdefault(m.type_name, []).append(m.fqn)
     classes, notes = [], []
-    for u in inner_units(plan):
+    for u in plan.inner_units:
         for fqn in u.modules:
             cls = info.type_of(fqn)
             if cls in classes:
@@ -58,7 +58,7 @@ def export_accelerate(plan: Plan, info: ModelInfo) -> Export:
     if classes:
         fsdp["fsdp_auto_wrap_policy"] = "TRANSFORMER_BASED_WRAP"
         fsdp["fsdp_transformer_layer_cls_to_wrap"] = ",".join(classes)
-        wrapped = [u for u in inner_units(plan) if all(info.type_of(f) in classes for f in u.modules)]
+        wrapped = [u for u in plan.inner_units if all(info.type_of(f) in classes for f in u.modules)]
     else:
         counts = [c for u, c in zip(plan.units, info.unit_param_counts(plan)) if not u.is_root]
         smallest = min(counts) if counts else 0
@@ -67,7 +67,7 @@ def export_accelerate(plan: Plan, info: ModelInfo) -> Export:
             fsdp["fsdp_min_num_params"] = smallest
             notes.append(f"no class names the plan's units exactly: size-based wrapping at the smallest unit's "
                          f"{smallest:,} parameters approximates them (its units may differ from the plan's)")
-        wrapped = inner_units(plan)
+        wrapped = list(plan.inner_units)
 
     reshard, reshard_notes = uniform_reshard(plan)
     notes += reshard_notes
@@ -78,7 +78,7 @@ def export_accelerate(plan: Plan, info: ModelInfo) -> Export:
     if any(ac) and not all(ac):
         notes.append(f"the plan checkpoints {sum(ac)} of {len(ac)} wrapped units: Accelerate checkpoints all or none; "
                      "using all (less memory, more recomputation than the plan)")
-    unwrapped_ac = [u.name for u in inner_units(plan) if u.activation_checkpoint and u not in wrapped]
+    unwrapped_ac = [u.name for u in plan.inner_units if u.activation_checkpoint and u not in wrapped]
     if unwrapped_ac:
         notes.append(f"checkpointed unit(s) {', '.join(unwrapped_ac)} are not wrapped by class: not checkpointed here")
     notes += grouped_note(plan)

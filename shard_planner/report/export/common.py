@@ -21,16 +21,12 @@ class Export:
     notes: tuple[str, ...] = ()  # "what the plan says -> the nearest setting used"
 
 
-def inner_units(plan: Plan) -> list[Unit]:
-    return [u for u in plan.units if not u.is_root]
-
-
 def uniform_reshard(plan: Plan) -> tuple[bool, list[str]]:
     """One reshard_after_forward for all units (what config-driven stacks take), and notes.
 
     Nearest choice when the plan mixes settings: True, the setting that needs the least memory, so a
     plan that fits still fits (at the cost of the all-gathers the plan avoided)."""
-    values = Counter(u.reshard_after_forward for u in inner_units(plan))
+    values = Counter(u.reshard_after_forward for u in plan.inner_units)
     notes = []
     ints = sorted({v for v in values if not isinstance(v, bool)})
     if ints:
@@ -61,15 +57,15 @@ def block_units(plan: Plan) -> list[Unit]:
     """The units of the repeated blocks (``layers.0``, ``layers.1``, ...): the largest set of units whose
     first module is numbered under the same parent. All inner units when nothing is numbered."""
     by_prefix: dict[tuple[str, str], list[Unit]] = {}
-    for u in inner_units(plan):
+    for u in plan.inner_units:
         parsed = split_number(u.modules[0])
         if parsed is not None:
             by_prefix.setdefault((parsed[0], parsed[2]), []).append(u)
-    return max(by_prefix.values(), key=len) if by_prefix else inner_units(plan)
+    return max(by_prefix.values(), key=len) if by_prefix else list(plan.inner_units)
 
 
 def grouped_note(plan: Plan) -> list[str]:
-    grouped = [u for u in inner_units(plan) if len(u.modules) > 1]
+    grouped = [u for u in plan.inner_units if len(u.modules) > 1]
     if not grouped:
         return []
     return [f"{len(grouped)} unit(s) group several modules into one fully_shard call (e.g. {grouped[0].name}): "

@@ -17,7 +17,7 @@ from __future__ import annotations
 from shard_planner import __version__
 from shard_planner.plan import Plan
 from shard_planner.report.export.common import (
-    Export, block_units, comment_block, emit_toml, grouped_note, inner_units, prefetch_notes, uniform_reshard,
+    Export, block_units, comment_block, emit_toml, grouped_note, prefetch_notes, uniform_reshard,
 )
 
 
@@ -42,7 +42,7 @@ def export_torchtitan(plan: Plan) -> Export:
     notes: list[str] = []
     reshard, reshard_notes = uniform_reshard(plan)
     notes += reshard_notes
-    units = inner_units(plan)
+    units = plan.inner_units
     blocks = block_units(plan)
     ac, ac_notes = _ac_settings([u.activation_checkpoint for u in blocks])
     notes += ac_notes
