@@ -22,11 +22,10 @@ import re
 from dataclasses import dataclass
 from typing import Iterable
 
+from shard_planner.cost.tables import dtype_bytes
 from shard_planner.cost.types import Estimate, UnitTime
 from shard_planner.plan import Plan, Unit
 from shard_planner.trace.types import ModelTrace
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -109,7 +108,7 @@ def unit_rows(plan: Plan, trace: ModelTrace | None = None, estimate: Estimate | 
     sizes = _unit_sizes(plan, trace) if trace is not None else None
     hashes = {m.fqn: m.structural_hash for m in trace.modules} if trace is not None else None
     times: dict[str, UnitTime] = {t.name: t for t in estimate.time.units} if estimate is not None else {}
-    param_bytes = DTYPE_BYTES[plan.training.param_dtype]
+    param_bytes = dtype_bytes(plan.training.param_dtype)
 
     # Runs of consecutive units of the same block shape (never the root, which owns the leftovers).
     runs: list[list[int]] = []

@@ -47,6 +47,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from shard_planner.cost.tables import DTYPE_BYTES
 from shard_planner.plan import Mesh, Prefetch, Training
 from shard_planner.profile import HardwareProfile
 from shard_planner.solve.space import Candidate, SearchSpace
@@ -55,7 +56,6 @@ from shard_planner.trace.types import ModelTrace
 MIB = 2**20
 TIE_BREAK_S_PER_COLLECTIVE = 1e-6  # 1 µs: the smallest step of the objective's integer scale
 US_PER_S = 1_000_000
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 # fp32 optimizer states per parameter: AdamW/Adam keep exp_avg and exp_avg_sq, SGD with momentum one
 # buffer (torch.optim docs; ZeRO §5 counts them in K).
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
