@@ -10,7 +10,7 @@ from pathlib import Path
 from shard_planner.errors import UserError
 from shard_planner.fileio import write_atomic
 from shard_planner.trace.types import ModelTrace
-from shard_planner.units import format_bytes
+from shard_planner.units import DTYPE_NAMES, format_bytes
 
 TABLE_ROWS = 20  # modules shown in the summary; the rest are counted in one line
 
@@ -36,7 +36,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=None, metavar="N",
                    help="micro-batch shown in the table (default: the model file's TRAINING micro_batch, else 1); "
                    "the trace itself is fitted from batch sizes 1 and 2")
-    p.add_argument("--dtype", default="bf16", choices=("bf16", "bfloat16", "fp32", "float32"),
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_NAMES),
                    help="compute dtype (FSDP2 mixed-precision param dtype); default bf16")
     p.add_argument("-o", "--output", default="trace.json", help="where to write the trace (default: trace.json)")
     p.add_argument("--check", type=int, default=None, metavar="B",
