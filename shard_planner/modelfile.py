@@ -31,6 +31,15 @@ logger = logging.getLogger(__name__)
 TRAINING_KEYS = {"micro_batch": int, "seq_len": int, "optimizer": str, "lr": float}
 
 
+@dataclass(frozen=True)
+class TrainingDefaults:
+    """What a command uses where the user gives no value: the model file's TRAINING, else these (also for
+    a trace.json, which carries no TRAINING)."""
+
+    micro_batch: int = 1
+    optimizer: str = "adamw"
+
+
 def default_loss_fn(output, targets):
     """Cross-entropy over the last dimension, computed in fp32 (as language-model trainers do)."""
     import torch.nn.functional as F
@@ -47,6 +56,11 @@ class ModelFile:
     make_batch: Callable[[int], Any]
     loss_fn: Callable[[Any, Any], Any]
     training: dict = field(default_factory=dict)
+
+    @property
+    def defaults(self) -> TrainingDefaults:
+        """The TRAINING micro-batch and optimizer, with :class:`TrainingDefaults` where it names none."""
+        return TrainingDefaults(**{k: self.training[k] for k in ("micro_batch", "optimizer") if k in self.training})
 
     def build(self):
         """Call ``build_model()`` and check that it returns an nn.Module."""
@@ -124,6 +138,16 @@ def load_model_file(path: str) -> ModelFile:
     return ModelFile(path, build_model, make_batch, loss_fn, _check_training(path, training))
 
 
+def load_unless_trace(model: str) -> ModelFile | None:
+    """The model file behind a command's MODEL argument, loaded once; None for a trace.json."""
+    return None if str(model).endswith(".json") else load_model_file(model)
+
+
+def training_defaults(model_file: ModelFile | None) -> TrainingDefaults:
+    """The model file's defaults (:attr:`ModelFile.defaults`); :class:`TrainingDefaults` for a trace.json."""
+    return model_file.defaults if model_file is not None else TrainingDefaults()
+
+
 def _check_training(path: str, training: Any) -> dict:
     if not isinstance(training, dict):
         raise ModelFileError(f"{path}: TRAINING must be a dict, got {type(training).__name__}")
@@ -139,7 +163,7 @@ def _check_training(path: str, training: Any) -> dict:
         if not ok:
             wanted = "a string" if kind is str else f"a positive {kind.__name__}"
             raise ModelFileError(f"{path}: TRAINING[{key!r}] must be {wanted}, got {value!r}")
-    if training.get("optimizer", "adamw") not in OPTIMIZERS:
+    if training.get("optimizer", TrainingDefaults.optimizer) not in OPTIMIZERS:
         raise ModelFileError(f"{path}: TRAINING['optimizer'] must be one of {', '.join(OPTIMIZERS)}")
     return dict(training)
 

@@ -115,3 +115,52 @@ def test_a_good_file_traces(tmp_path):
     assert trace.tokens_per_sample is None
     assert trace.forward_order == ("", "0", "1", "2")
     assert trace.backward_order == ("", "2", "1", "0")
+
+
+def test_training_defaults(tmp_path):
+    from shard_planner.modelfile import TrainingDefaults, training_defaults
+
+    path = tmp_path / "good.py"
+    path.write_text(GOOD_MODEL + GOOD_BATCH + "\nTRAINING = {'micro_batch': 3, 'optimizer': 'sgd', 'lr': 0.1}\n")
+    assert training_defaults(load_model_file(str(path))) == TrainingDefaults(micro_batch=3, optimizer="sgd")
+    path.write_text(GOOD_MODEL + GOOD_BATCH + "\nTRAINING = {'micro_batch': 5}\n")
+    assert load_model_file(str(path)).defaults == TrainingDefaults(micro_batch=5, optimizer="adamw")
+    assert training_defaults(None) == TrainingDefaults(micro_batch=1, optimizer="adamw")  # a trace.json
+
+
+def test_plan_and_tune_load_the_model_file_once(tmp_path, monkeypatch):
+    """plan reads the TRAINING defaults from the file it traced; tune traces in the dtype asked."""
+    import shard_planner.modelfile as modelfile
+    import shard_planner.solve as solve
+    from shard_planner.tune import tune_model
+
+    path = tmp_path / "good.py"
+    path.write_text(GOOD_MODEL + GOOD_BATCH + "\nTRAINING = {'micro_batch': 3, 'optimizer': 'sgd'}\n")
+    imports = []
+    real_import = modelfile._import
+    monkeypatch.setattr(modelfile, "_import", lambda p: imports.append(p) or real_import(p))
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(path), "--gpus", "2", "--mem", "1GB", "--profile", "cpu-gloo", "--dtype", "fp32",
+                 "-o", str(out), "--no-report", "--time-limit", "1"]) == 0
+    from shard_planner.plan import load_plan
+
+    plan = load_plan(out)
+    assert (plan.training.micro_batch, plan.training.optimizer, plan.training.param_dtype) == (3, "sgd", "float32")
+    assert len(imports) == 1
+
+    class Stop(Exception):
+        pass
+
+    seen = {}
+
+    def fake_plan_model(trace, **kwargs):
+        seen.update(trace_dtype=trace.compute_dtype, **kwargs)
+        raise Stop
+
+    imports.clear()
+    monkeypatch.setattr(solve, "plan_model", fake_plan_model)
+    with pytest.raises(Stop):
+        tune_model(str(path), gpus=2, mem_budget_bytes=2**30, profile="cpu-gloo", dtype="float32")
+    assert seen["trace_dtype"] == seen["param_dtype"] == "float32"
+    assert (seen["micro_batch"], seen["optimizer"]) == (3, "sgd")
+    assert len(imports) == 1

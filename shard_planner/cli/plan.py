@@ -62,9 +62,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    from shard_planner.modelfile import load_unless_trace, training_defaults
     from shard_planner.profile import load_profile
     from shard_planner.solve import plan_model
-    from shard_planner.trace import trace_or_load
+    from shard_planner.trace import trace_model, trace_or_load
 
     if args.gpus < 1:
         raise UserError(f"--gpus must be a positive integer, got {args.gpus}")
@@ -80,11 +81,13 @@ def run(args: argparse.Namespace) -> int:
                       gpus_per_node=gpn, micro_batch=args.batch_size, search_batch=args.search_batch,
                       dtype=DTYPE_NAMES[args.dtype], output=args.output, time_limit_s=args.time_limit, report=args.report)
 
-    trace = trace_or_load(req.model, dtype=req.dtype)
-    micro_batch = req.micro_batch or (None if req.search_batch else _default_micro_batch(req.model))
+    model_file = load_unless_trace(req.model)
+    trace = trace_or_load(req.model, dtype=req.dtype) if model_file is None else trace_model(model_file, dtype=req.dtype)
+    defaults = training_defaults(model_file)
+    micro_batch = req.micro_batch or (None if req.search_batch else defaults.micro_batch)
     plan = plan_model(trace, gpus=req.gpus, mem_budget_bytes=req.mem_budget_bytes, profile=profile,
                       gpus_per_node=req.gpus_per_node, micro_batch=micro_batch, search_batch=req.search_batch,
-                      param_dtype=req.dtype, optimizer=_default_optimizer(req.model),
+                      param_dtype=req.dtype, optimizer=defaults.optimizer,
                       time_limit_s=req.time_limit_s, model_path=req.model, profile_name=req.profile)
     save_plan(plan, req.output)
     print(summary(plan, profile))
@@ -94,22 +97,6 @@ def run(args: argparse.Namespace) -> int:
         if out is not None:
             print(f"report: {out}")
     return 0
-
-
-def _model_training(model: str) -> dict:
-    if model.endswith(".json"):
-        return {}
-    from shard_planner.modelfile import load_model_file
-
-    return dict(load_model_file(model).training)
-
-
-def _default_micro_batch(model: str) -> int:
-    return int(_model_training(model).get("micro_batch", 1))
-
-
-def _default_optimizer(model: str) -> str:
-    return str(_model_training(model).get("optimizer", "adamw"))
 
 
 def _write_report(plan: Plan, output: str, trace, profile):

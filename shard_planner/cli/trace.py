@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     model_file = load_model_file(req.model)
     trace = trace_model(model_file, dtype=req.dtype)
     write_atomic(req.output, trace.to_json())
-    batch = req.batch_size or model_file.training.get("micro_batch", 1)
+    batch = req.batch_size or model_file.defaults.micro_batch
     print(summary_table(trace, batch))
     print(f"wrote {req.output}")
     if req.check_batch is not None:

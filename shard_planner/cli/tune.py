@@ -9,7 +9,7 @@ from pathlib import Path
 
 from shard_planner.errors import UserError
 from shard_planner.progress import progress
-from shard_planner.units import format_bytes, parse_bytes
+from shard_planner.units import DTYPE_NAMES, format_bytes, parse_bytes
 
 CPU_DEFAULT_WORLD_SIZE = 2  # gloo ranks on a CPU machine (DESIGN.md: 2-4 on two cores)
 
@@ -32,6 +32,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "re-derived for it when it differs from --gpus")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     p.add_argument("--micro-batch", type=int, help="micro-batch per GPU (default: the model file's)")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_NAMES),
+                   help="mixed-precision param dtype the model is traced, planned and run in (default bf16)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per plan (default 5)")
     p.add_argument("--warmup", type=int, default=2, help="warm-up steps per plan (default 2)")
     p.add_argument("--per-launch", type=int,
@@ -84,7 +86,7 @@ def run(args) -> int:
         result = tune_model(
             args.model, gpus=args.gpus, mem_budget_bytes=budget, profile=profile, trials=args.trials,
             world_size=world_size, gpus_per_node=args.gpus_per_node, micro_batch=args.micro_batch,
-            per_launch=args.per_launch, steps=args.steps, warmup=args.warmup, timeout_s=args.timeout,
+            dtype=DTYPE_NAMES[args.dtype],            per_launch=args.per_launch, steps=args.steps, warmup=args.warmup, timeout_s=args.timeout,
             device=device, profile_out=profile_out, report_dir=report_dir)
     save_plan(result.plan, out)
 

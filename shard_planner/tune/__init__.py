@@ -17,6 +17,7 @@ import logging
 import os
 from pathlib import Path
 
+from shard_planner.errors import UserError
 from shard_planner.profile import HardwareProfile, load_profile
 from shard_planner.tune.candidates import Candidate, describe_plan, top_candidates
 from shard_planner.tune.fit import ProfileFit, fit_profile, scale_profile
@@ -45,32 +46,36 @@ def write_fitted_profile(result: TuneResult, prior: HardwareProfile, path: str |
 
 def tune_model(model_path: str, *, gpus: int, mem_budget_bytes: int, profile: str | HardwareProfile = "cpu-gloo",
                trials: int = 3, world_size: int | None = None, gpus_per_node: int = 8,
-               micro_batch: int | None = None, per_launch: int | None = None, steps: int = 5, warmup: int = 2,
-               timeout_s: float = 600.0, device: str = "auto", trace=None,
+               micro_batch: int | None = None, dtype: str = "bfloat16", per_launch: int | None = None,
+               steps: int = 5, warmup: int = 2, timeout_s: float = 600.0, device: str = "auto", trace=None,
                profile_out: str | os.PathLike | None = None, report_dir: str | os.PathLike | None = None,
                plan_kwargs: dict | None = None) -> TuneResult:
     """Plan ``model_path`` for ``gpus`` GPUs within ``mem_budget_bytes`` each, run the top ``trials``
     distinct plans for real (re-derived for ``world_size`` ranks when given), fit ``profile`` to what was
     measured and return the measured best (see :mod:`shard_planner.tune.tuner`). Writes the fitted profile
     to ``profile_out`` and a report into ``report_dir`` when given; the returned plan names the fitted
-    profile when it was written."""
+    profile when it was written. ``dtype`` is the mixed-precision param dtype the model is traced and
+    planned in (``trace``, when given, must have been traced in it)."""
     from shard_planner.cost import estimate
     from shard_planner.execute import run_plans
     from shard_planner.modelfile import load_model_file
     from shard_planner.solve import plan_model
     from shard_planner.trace import trace_model
+    from shard_planner.trace.tracer import compute_dtype_name
 
     if trials < 1:
-        from shard_planner.errors import UserError
-
         raise UserError(f"--trials must be at least 1, got {trials}")
     prior = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
+    model_file = load_model_file(model_path)
+    param_dtype = compute_dtype_name(dtype)
     if trace is None:
-        trace = trace_model(model_path)
-    training = load_model_file(model_path).training  # the model file's micro-batch and optimizer
+        trace = trace_model(model_file, dtype=param_dtype)
+    elif trace.compute_dtype != param_dtype:
+        raise UserError(f"the trace given was made in {trace.compute_dtype}, but tune was asked for {param_dtype}")
+    defaults = model_file.defaults
     kwargs = dict(gpus=gpus, profile=prior, gpus_per_node=gpus_per_node,
-                  micro_batch=micro_batch or int(training.get("micro_batch", 1)),
-                  optimizer=training.get("optimizer", "adamw"), model_path=model_path,
+                  micro_batch=micro_batch or defaults.micro_batch, optimizer=defaults.optimizer,
+                  param_dtype=param_dtype, model_path=model_path,
                   profile_name=profile if isinstance(profile, str) else None, **(plan_kwargs or {}))
     plan = plan_model(trace, mem_budget_bytes=mem_budget_bytes, **kwargs)
     candidates = top_candidates(trace, plan, prior, trials, estimate=estimate,
