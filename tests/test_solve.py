@@ -362,3 +362,71 @@ def test_fitting_smallest_peak_plan_is_returned_not_refused(example_traces, monk
     with pytest.raises(InfeasibleError) as info:  # below every plan's peak: still refused, with a larger budget
         plan_model(trace, gpus=2, mem_budget_bytes=MIB, profile=prof, micro_batch=8, frontier_points=3)
     assert parse_bytes(str(info.value).split("needs is ")[1].split(" (")[0]) > MIB
+
+
+# ---- "no wrapping" and the root's reshard: candidates the program cannot express, judged by the simulators ----
+def _alternatives(trace, plan, budget_bytes, prof):
+    """Estimates (independent of the planner) of every plan it must beat that fits: the hand-written
+    policies, the whole model as one unit (root reshard False and True), and the chosen plan with its
+    root's reshard flipped."""
+    from shard_planner.cost import estimate
+    from shard_planner.plan import ROOT, Unit
+    from shard_planner.solve.baselines import POLICIES
+
+    space = build_space(trace, shard_group=plan.mesh.shard, gpus_per_node=plan.cluster.gpus_per_node)
+    base = replace(plan, predicted=None, prefetch=Prefetch())
+    alts = [replace(base, units=policy(space)) for _name, policy in POLICIES]
+    alts += [replace(base, units=(Unit((ROOT,), reshard_after_forward=r),)) for r in (False, True)]
+    alts.append(replace(plan, predicted=None, units=tuple(
+        replace(u, reshard_after_forward=u.reshard_after_forward is not True) if u.is_root else u for u in plan.units)))
+    ests = [estimate(trace, p, prof) for p in alts]
+    return [e for e in ests if e.memory.peak_bytes <= budget_bytes]
+
+
+def _solver_and_policies_only(trace, monkeypatch, **kw):
+    """The planner as it was before it judged "no wrapping" and the root's reshard: the solver's
+    result against the hand-written policies."""
+    import shard_planner.solve.planner as planner
+
+    with monkeypatch.context() as m:
+        m.setattr(planner, "_no_wrapping", lambda *a, **k: [])
+        m.setattr(planner, "_root_resharded", lambda *a, **k: [])
+        return plan_model(trace, **kw)
+
+
+def test_no_wrapping_chosen_when_fastest_with_room(example_traces, monkeypatch):
+    from shard_planner.cost import estimate
+
+    trace, prof = example_traces["gpt2"], _cpu_gloo()
+    kw = dict(gpus=2, gpus_per_node=2, mem_budget_bytes=64 * MIB, profile=prof, micro_batch=1, frontier_points=3)
+    plan = plan_model(trace, **kw)
+    est = estimate(trace, replace(plan, predicted=None), prof)
+    assert est.memory.peak_bytes == plan.predicted.peak_bytes <= 64 * MIB
+    assert est.time.step_time_s == pytest.approx(plan.predicted.step_time_s)
+    others = _alternatives(trace, plan, 64 * MIB, prof)
+    assert others and plan.predicted.step_time_s <= min(e.time.step_time_s for e in others) * (1 + 1e-9)
+    before = _solver_and_policies_only(trace, monkeypatch, **kw)
+    assert plan.predicted.step_time_s <= before.predicted.step_time_s * (1 + 1e-9)
+    # on gpt2 tiny on the cpu-gloo profile the simulators find one unit, the root kept gathered, fastest
+    assert [(u.modules, u.reshard_after_forward) for u in plan.units] == [(("",), False)]
+    assert plan.solver.method == "no-wrapping" and "no wrapping" in plan.solver.status
+    assert plan.predicted.step_time_s < before.predicted.step_time_s
+
+
+def test_no_wrapping_not_chosen_when_it_does_not_fit(example_traces, monkeypatch):
+    from shard_planner.cost import estimate
+    from shard_planner.plan import ROOT, Unit
+
+    trace, prof = example_traces["gpt2"], _cpu_gloo()
+    budget = 8 * MIB
+    kw = dict(gpus=2, gpus_per_node=2, mem_budget_bytes=budget, profile=prof, micro_batch=8, frontier_points=3)
+    plan = plan_model(trace, **kw)
+    root_only = [estimate(trace, replace(plan, predicted=None, prefetch=Prefetch(),
+                                         units=(Unit((ROOT,), reshard_after_forward=r),)), prof) for r in (False, True)]
+    assert min(e.memory.peak_bytes for e in root_only) > budget  # the premise: no wrapping needs more
+    assert len(plan.inner_units) >= 1 and plan.solver.method != "no-wrapping"
+    assert estimate(trace, replace(plan, predicted=None), prof).memory.peak_bytes <= budget
+    others = _alternatives(trace, plan, budget, prof)
+    assert plan.predicted.step_time_s <= min(e.time.step_time_s for e in others) * (1 + 1e-9)
+    before = _solver_and_policies_only(trace, monkeypatch, **kw)
+    assert plan.predicted.step_time_s <= before.predicted.step_time_s * (1 + 1e-9)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 from shard_planner.errors import InfeasibleError, UserError
 from shard_planner.plan import (
-    Cluster, FrontierPoint, Mesh, Plan, Prefetch, SolverInfo, Training, Unit,
+    ROOT, Cluster, FrontierPoint, Mesh, Plan, Prefetch, SolverInfo, Training, Unit,
 )
 from shard_planner.profile import HardwareProfile
 from shard_planner.solve import cpsat
@@ -121,7 +121,8 @@ def plan_model(trace: ModelTrace, *, gpus: int, mem_budget_bytes: int, profile: 
         found = fitting
 
     best = max(found, key=_speed)
-    evaluated = _sweep(ctx, best, frontier_points) + _hand_written(ctx, best.choice)
+    evaluated = (_sweep(ctx, best, frontier_points) + _root_resharded(ctx, found) + _no_wrapping(ctx, best.choice)
+                 + _hand_written(ctx, best.choice))
     pool = found + [c for c in evaluated if c.peak_bytes <= ctx.budget_bytes]
     chosen = max(pool, key=_speed)  # the simulators' numbers decide
     frontier = _pareto(ctx, found + evaluated)
@@ -132,7 +133,7 @@ def plan_model(trace: ModelTrace, *, gpus: int, mem_budget_bytes: int, profile: 
     return replace(
         chosen.plan,
         predicted=chosen.estimate.prediction(),
-        solver=SolverInfo(method=chosen.method, status=chosen.status if chosen.method == "cp-sat"
+        solver=SolverInfo(method=chosen.method, status=chosen.status if chosen is best or chosen.method == "cp-sat"
                           else f"{best.status}; by the simulators {chosen.status} is " + (
                               "faster" if chosen.step_time_s < best.step_time_s * (1 - 1e-9)
                               else "as fast and needs less memory"),
@@ -295,7 +296,7 @@ def _pareto(ctx: _Context, evaluated: list[Checked]) -> list[FrontierPoint]:
         if not pareto or c.step_time_s < pareto[-1].step_time_s:
             pareto.append(c)
     return [FrontierPoint(peak_bytes=c.peak_bytes, step_time_s=c.step_time_s,
-                          description=(c.status + ": " if c.method == "hand-written" else "")
+                          description=(c.status + ": " if c.method in ("hand-written", "no-wrapping") else "")
                           + describe_choice(c.units, c.choice), fits=c.peak_bytes <= ctx.budget_bytes)
             for c in pareto]
 
@@ -305,6 +306,35 @@ def _hand_written(ctx: _Context, choice: GlobalChoice) -> list[Checked]:
     space = ctx.space(choice.mesh)
     base_choice = replace(choice, prefetch=Prefetch())
     return [ctx.check_units(policy(space), base_choice, name, method="hand-written") for name, policy in POLICIES]
+
+
+def _root_resharded(ctx: _Context, found: list[Checked]) -> list[Checked]:
+    """The solver's plans with the root unit resharded after forward. The program keeps the root's
+    parameters (one-off modules left to it: embeddings, final norm, head) gathered all step, as FSDP2
+    does by default; resharding them frees that memory between forward and backward at the cost of one
+    more all-gather in backward. The simulators decide, like for every other candidate. Plans whose
+    root holds no parameters of its own are skipped (the variant would be the same plan)."""
+    out = []
+    for c in found:
+        space = ctx.space(c.choice.mesh)
+        in_root = any(space.candidates[k].option.in_root for k in c.cover or ())
+        if c.method != "cp-sat" or not (space.root_only_params or in_root):
+            continue
+        units = tuple(replace(u, reshard_after_forward=True) if u.is_root else u for u in c.units)
+        out.append(ctx.check_units(units, c.choice, f"{c.status}, root resharded after forward",
+                                   c.linear_peak_mib, method=c.method))
+    return out
+
+
+def _no_wrapping(ctx: _Context, choice: GlobalChoice) -> list[Checked]:
+    """The whole model as one unit, the root, with no inner units: the fewest collectives and no
+    per-unit hooks, often the fastest on small models; kept gathered from forward to backward (FSDP2's
+    default for the root) and resharded after forward. The program cannot express it (repeated blocks
+    are always units, :mod:`.space`), so it is judged here by the simulators, beside the policies."""
+    base_choice = replace(choice, prefetch=Prefetch())  # nothing to prefetch: one unit
+    return [ctx.check_units((Unit((ROOT,), reshard_after_forward=r),), base_choice,
+                            f"no wrapping (the whole model one unit, root reshard {r})", method="no-wrapping")
+            for r in (False, True)]
 
 
 def describe_choice(units: tuple[Unit, ...], choice: GlobalChoice) -> str:
