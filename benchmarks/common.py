@@ -112,7 +112,7 @@ def base_plan(model_path: str, trace, *, world_size: int, mem_budget_bytes: int 
     """A plan of ``model_path`` with only its root as a unit, the model file's training settings, for
     ``world_size`` ranks: the starting point of :func:`plan_variants`."""
     from shard_planner.modelfile import load_model_file
-    from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Training, Unit
+    from shard_planner.plan import ROOT, Cluster, Mesh, ModelRef, Plan, Training, Unit
 
     training = load_model_file(model_path).training
     return Plan(
@@ -122,7 +122,7 @@ def base_plan(model_path: str, trace, *, world_size: int, mem_budget_bytes: int 
         mesh=Mesh(shard=world_size),
         training=Training(micro_batch=int(training["micro_batch"]), optimizer=training.get("optimizer", "adamw"),
                           lr=float(training.get("lr", 1e-3))),
-        units=(Unit(("",), reshard_after_forward=False),),
+        units=(Unit((ROOT,), reshard_after_forward=False),),
     )
 
 
@@ -171,12 +171,12 @@ def layout(trace, kind: str) -> list[tuple[str, ...]]:
 def make_units(groups, *, reshard=True, ac=False):
     """Units for ``groups`` (root first, kept: FSDP2's default for the root). ``reshard``/``ac``: a value
     for every unit, or a function of the unit's index."""
-    from shard_planner.plan import Unit
+    from shard_planner.plan import ROOT, Unit
 
     def pick(v, i):
         return v(i) if callable(v) else v
 
-    return (Unit(("",), reshard_after_forward=False),) + tuple(
+    return (Unit((ROOT,), reshard_after_forward=False),) + tuple(
         Unit(tuple(g), reshard_after_forward=pick(reshard, i), activation_checkpoint=pick(ac, i))
         for i, g in enumerate(groups))
 
