@@ -11,3 +11,61 @@ from shard_planner.units import DTYPE_NAMES
 def test_every_dtype_name_is_accepted_by_trace_and_plan(command, dtype):
     args = build_parser().parse_args([*command, "--dtype", dtype])
     assert args.dtype == dtype
+
+
+# (command line without the flag, flag, a bad value, what the one line says)
+BAD_VALUES = [
+    (["plan", "m.py", "--mem", "40GB"], "--gpus", "0", "--gpus must be a positive integer, got '0'"),
+    (["plan", "m.py", "--gpus", "8"], "--mem", "forty", "--mem must be a positive memory size such as 40GB"),
+    (["plan", "m.py", "--gpus", "8"], "--mem", "0GB", "--mem must be a positive memory size"),
+    (["plan", "m.py", "--gpus", "8", "--mem", "40GB"], "--gpus-per-node", "-1", "--gpus-per-node must be a positive"),
+    (["plan", "m.py", "--gpus", "8", "--mem", "40GB"], "--batch-size", "two", "--batch-size must be a positive integer, got 'two'"),
+    (["plan", "m.py", "--gpus", "8", "--mem", "40GB"], "--time-limit", "0", "--time-limit must be a positive number, got '0'"),
+    (["plan", "m.py", "--gpus", "8", "--mem", "40GB"], "--time-limit", "nan", "--time-limit must be a positive number"),
+    (["estimate", "m.py", "--plan", "p.json"], "--gpus", "0", "--gpus must be a positive integer"),
+    (["estimate", "m.py", "--plan", "p.json"], "--micro-batch", "0", "--micro-batch must be a positive integer"),
+    (["trace", "m.py"], "--batch-size", "0", "--batch-size must be a positive integer"),
+    (["trace", "m.py"], "--check", "-2", "--check must be a positive integer"),
+    (["run", "p.json"], "--steps", "0", "--steps must be a positive integer"),
+    (["run", "p.json"], "--warmup", "-1", "--warmup must be a non-negative integer, got '-1'"),
+    (["run", "p.json"], "--world-size", "0", "--world-size must be a positive integer"),
+    (["run", "p.json"], "--timeout", "-5", "--timeout must be a positive number"),
+    (["tune", "m.py", "--mem", "1GB"], "--gpus", "0", "--gpus must be a positive integer"),
+    (["tune", "m.py", "--gpus", "2"], "--mem", "lots", "--mem must be a positive memory size"),
+    (["tune", "m.py", "--gpus", "2", "--mem", "1GB"], "--trials", "0", "--trials must be a positive integer"),
+    (["tune", "m.py", "--gpus", "2", "--mem", "1GB"], "--world-size", "0", "--world-size must be a positive integer"),
+    (["tune", "m.py", "--gpus", "2", "--mem", "1GB"], "--gpus-per-node", "0", "--gpus-per-node must be a positive"),
+    (["tune", "m.py", "--gpus", "2", "--mem", "1GB"], "--micro-batch", "0", "--micro-batch must be a positive integer"),
+    (["tune", "m.py", "--gpus", "2", "--mem", "1GB"], "--steps", "0", "--steps must be a positive integer"),
+    (["tune", "m.py", "--gpus", "2", "--mem", "1GB"], "--warmup", "-1", "--warmup must be a non-negative integer"),
+    (["tune", "m.py", "--gpus", "2", "--mem", "1GB"], "--per-launch", "0", "--per-launch must be a positive integer"),
+    (["tune", "m.py", "--gpus", "2", "--mem", "1GB"], "--timeout", "0", "--timeout must be a positive number"),
+]
+
+
+@pytest.mark.parametrize("argv, flag, value, message", BAD_VALUES)
+def test_a_bad_value_is_one_line_before_anything_runs(argv, flag, value, message, capsys):
+    from shard_planner.cli.main import main
+
+    assert main([*argv, flag, value]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("shard-planner: error: ") and captured.err.count("\n") == 1, captured.err
+    assert message in captured.err and captured.out == ""
+
+
+@pytest.mark.parametrize("argv, flag, value, message", BAD_VALUES)
+def test_good_values_parse_to_numbers(argv, flag, value, message):
+    good = {"--mem": ("80GiB", 80 * 2**30), "--warmup": ("0", 0), "--time-limit": ("0.5", 0.5),
+            "--timeout": ("2.5", 2.5)}.get(flag, ("3", 3))
+    args = build_parser().parse_args([*argv, flag, good[0]])
+    assert getattr(args, flag.lstrip("-").replace("-", "_")) == good[1]
+
+
+def test_other_argparse_errors_keep_the_usage(capsys):
+    from shard_planner.cli.main import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["plan", "m.py", "--gpus", "8"])  # --mem missing
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: shard-planner plan") and "the following arguments are required: --mem" in err

@@ -69,7 +69,7 @@ def test_infeasible_budget_exits_3_with_one_line(trace_json, tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--gpus", "0", "--mem", "40GB"], "--gpus must be a positive integer"),
-    (["--gpus", "8", "--mem", "forty"], "cannot read 'forty' as a memory size"),
+    (["--gpus", "8", "--mem", "forty"], "--mem must be a positive memory size such as 40GB, 80GiB or 512MB, got 'forty'"),
     (["--gpus", "8", "--mem", "40GB", "--profile", "nope"], "no profile 'nope'"),
     (["--gpus", "8", "--mem", "40GB", "--batch-size", "0"], "--batch-size must be a positive integer"),
 ])

@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, replace
 
-from shard_planner.errors import PlanError, UserError
+from shard_planner.cli.args import positive_int
+from shard_planner.errors import PlanError
 from shard_planner.plan import MEMORY_CATEGORIES, Plan, load_plan, save_plan
 from shard_planner.units import format_bytes
 
@@ -34,9 +35,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--profile", default=None,
                    help="hardware profile: a name in profiles/ (h100-80gb, a100-40gb, ..., cpu-gloo) or a TOML "
                    "path (default: the plan's cluster.profile)")
-    p.add_argument("--gpus", type=int, default=None, metavar="N",
+    p.add_argument("--gpus", type=positive_int, default=None, metavar="N",
                    help="estimate the plan's decisions on N GPUs instead (plain FSDP over N ranks)")
-    p.add_argument("--micro-batch", type=int, default=None, metavar="B", help="override the plan's micro-batch")
+    p.add_argument("--micro-batch", type=positive_int, default=None, metavar="B", help="override the plan's micro-batch")
     p.add_argument("--write", action="store_true", help="store the prediction in the plan file's 'predicted'")
     return p
 
@@ -46,9 +47,6 @@ def run(args: argparse.Namespace) -> int:
     from shard_planner.profile import load_profile
     from shard_planner.trace.tracer import trace_or_load
 
-    for flag, value in (("--gpus", args.gpus), ("--micro-batch", args.micro_batch)):
-        if value is not None and value < 1:
-            raise UserError(f"{flag} must be a positive integer, got {value}")
     req = EstimateRequest(args.model, args.plan, args.profile, args.gpus, args.micro_batch, args.write)
     plan = load_plan(req.plan)
     if req.gpus is not None and req.gpus != plan.cluster.gpus:

@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 
+from shard_planner.cli.args import Parser
 from shard_planner.errors import UserError
 
 # In pipeline order; each is a module shard_planner.cli.<name> with add_parser() and run().
@@ -25,7 +26,7 @@ def _available_commands() -> list:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="shard-planner",
         description="Plan, check and run PyTorch FSDP2 sharding: wrap boundaries, prefetch, reshard, "
         "activation checkpointing and micro-batch, for the fastest step that fits in memory.",
@@ -56,7 +57,11 @@ def configure_logging(debug: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except UserError as exc:  # a value out of range (shard_planner.cli.args): one line, like every error
+        print(f"shard-planner: error: {exc}", file=sys.stderr)
+        return exc.exit_code
     configure_logging(args.debug)
     try:
         return int(args._run(args) or 0)

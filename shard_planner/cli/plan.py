@@ -8,9 +8,9 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from shard_planner.errors import UserError
+from shard_planner.cli.args import byte_size, positive_float, positive_int
 from shard_planner.plan import Plan, save_plan
-from shard_planner.units import DTYPE_NAMES, format_bytes, parse_bytes
+from shard_planner.units import DTYPE_NAMES, format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -40,20 +40,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "write plan.json with the memory-vs-time frontier and the usual hand-written policies beside it.",
     )
     p.add_argument("model", help="model file (path/to/model.py) or a trace.json from shard-planner trace")
-    p.add_argument("--gpus", type=int, required=True, metavar="N", help="number of GPUs")
-    p.add_argument("--mem", required=True, metavar="SIZE", help="memory budget per GPU, e.g. 40GB (GB = GiB)")
+    p.add_argument("--gpus", type=positive_int, required=True, metavar="N", help="number of GPUs")
+    p.add_argument("--mem", type=byte_size, required=True, metavar="SIZE", help="memory budget per GPU, e.g. 40GB (GB = GiB)")
     p.add_argument("--profile", default="h100-80gb",
                    help="hardware profile: a name in profiles/ or a TOML path (default: h100-80gb)")
-    p.add_argument("--gpus-per-node", type=int, default=None, metavar="K",
+    p.add_argument("--gpus-per-node", type=positive_int, default=None, metavar="K",
                    help="GPUs per node (default: the profile's)")
     batch = p.add_mutually_exclusive_group()
-    batch.add_argument("--batch-size", type=int, default=None, metavar="B",
+    batch.add_argument("--batch-size", type=positive_int, default=None, metavar="B",
                        help="micro-batch per GPU (default: the model file's TRAINING['micro_batch'], else 1)")
     batch.add_argument("--search-batch", action="store_true",
                        help="also choose the micro-batch that maximises throughput")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_NAMES), help="mixed-precision param dtype (default bf16)")
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default plan.json)")
-    p.add_argument("--time-limit", type=float, default=1.0, metavar="S",
+    p.add_argument("--time-limit", type=positive_float, default=1.0, metavar="S",
                    help="CP-SAT time limit per solve in seconds (default 1; the planner runs a dozen or more "
                    "solves; the plan's solver status says whether the answer was proven optimal)")
     p.add_argument("--no-report", dest="report", action="store_false",
@@ -67,17 +67,9 @@ def run(args: argparse.Namespace) -> int:
     from shard_planner.solve import plan_model
     from shard_planner.trace import trace_model, trace_or_load
 
-    if args.gpus < 1:
-        raise UserError(f"--gpus must be a positive integer, got {args.gpus}")
-    if args.batch_size is not None and args.batch_size < 1:
-        raise UserError(f"--batch-size must be a positive integer, got {args.batch_size}")
-    if args.time_limit <= 0:
-        raise UserError(f"--time-limit must be positive, got {args.time_limit}")
     profile = load_profile(args.profile)
     gpn = args.gpus_per_node or profile.interconnect.gpus_per_node
-    if gpn < 1:
-        raise UserError(f"--gpus-per-node must be a positive integer, got {gpn}")
-    req = PlanRequest(model=args.model, gpus=args.gpus, mem_budget_bytes=parse_bytes(args.mem), profile=args.profile,
+    req = PlanRequest(model=args.model, gpus=args.gpus, mem_budget_bytes=args.mem, profile=args.profile,
                       gpus_per_node=gpn, micro_batch=args.batch_size, search_batch=args.search_batch,
                       dtype=DTYPE_NAMES[args.dtype], output=args.output, time_limit_s=args.time_limit, report=args.report)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from shard_planner.errors import UserError
+from shard_planner.cli.args import non_negative_int, positive_float, positive_int
 from shard_planner.units import format_bytes
 
 
@@ -22,11 +22,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "measurement.json beside the plan and prints predicted vs measured. Under torchrun "
                     "(several nodes) this command runs as one rank.")
     p.add_argument("plan", help="plan.json written by shard-planner plan")
-    p.add_argument("--steps", type=int, default=5, help="timed steps after warm-up (default 5)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
-    p.add_argument("--world-size", type=int,
+    p.add_argument("--steps", type=positive_int, default=5, help="timed steps after warm-up (default 5)")
+    p.add_argument("--warmup", type=non_negative_int, default=2, help="untimed steps first (default 2)")
+    p.add_argument("--world-size", type=positive_int,
                    help="ranks to run (default: the plan's GPUs); fewer re-derive the plan for that size")
-    p.add_argument("--timeout", type=float, default=300.0,
+    p.add_argument("--timeout", type=positive_float, default=300.0,
                    help="seconds the whole run may take before it is ended as hung (default 300)")
     p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto",
                    help="auto: CUDA when available, else CPU/gloo")
@@ -53,8 +53,6 @@ def run(args) -> int:
     plan = load_plan(args.plan)
     device = resolve_device(args.device)
     world_size = args.world_size if args.world_size is not None else plan.mesh.world_size
-    if world_size < 1:
-        raise UserError(f"--world-size must be at least 1, got {world_size}")
     where = ("CUDA/NCCL" if device == "cuda" else
              "CPU/gloo (no GPU used: peak memory by the storage tracker, step time by wall clock)")
     print(f"running {args.plan} on {world_size} rank{'s' if world_size > 1 else ''}, {where}")

@@ -7,7 +7,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from shard_planner.errors import UserError
+from shard_planner.cli.args import positive_int
 from shard_planner.fileio import write_atomic
 from shard_planner.trace.types import ModelTrace
 from shard_planner.units import DTYPE_NAMES, format_bytes
@@ -33,13 +33,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "to a trace.json, and print a per-module summary.",
     )
     p.add_argument("model", help="model file (path/to/model.py or package.module)")
-    p.add_argument("--batch-size", type=int, default=None, metavar="N",
+    p.add_argument("--batch-size", type=positive_int, default=None, metavar="N",
                    help="micro-batch shown in the table (default: the model file's TRAINING micro_batch, else 1); "
                    "the trace itself is fitted from batch sizes 1 and 2")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_NAMES),
                    help="compute dtype (FSDP2 mixed-precision param dtype); default bf16")
     p.add_argument("-o", "--output", default="trace.json", help="where to write the trace (default: trace.json)")
-    p.add_argument("--check", type=int, default=None, metavar="B",
+    p.add_argument("--check", type=positive_int, default=None, metavar="B",
                    help="also run one real training step on this CPU at micro-batch B with the same instruments "
                    "and list where the fake-mode trace differs (builds the model for real: small sizes only)")
     return p
@@ -49,9 +49,6 @@ def run(args: argparse.Namespace) -> int:
     from shard_planner.modelfile import load_model_file
     from shard_planner.trace.tracer import compare_with_real_run, trace_model
 
-    for flag, value in (("--batch-size", args.batch_size), ("--check", args.check)):
-        if value is not None and value < 1:
-            raise UserError(f"{flag} must be a positive integer, got {value}")
     req = TraceRequest(args.model, args.batch_size, args.dtype, Path(args.output), args.check)
     model_file = load_model_file(req.model)
     trace = trace_model(model_file, dtype=req.dtype)

@@ -7,9 +7,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from shard_planner.cli.args import byte_size, non_negative_int, positive_float, positive_int
 from shard_planner.errors import UserError
 from shard_planner.progress import progress
-from shard_planner.units import DTYPE_NAMES, format_bytes, parse_bytes
+from shard_planner.units import DTYPE_NAMES, format_bytes
 
 CPU_DEFAULT_WORLD_SIZE = 2  # gloo ranks on a CPU machine (DESIGN.md: 2-4 on two cores)
 
@@ -22,23 +23,23 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "re-rank, stop early when no remaining plan can beat the measured best, and write the "
                     "measured best (with every measurement) as the plan, the fitted profile and a report.")
     p.add_argument("model", help="model file (build_model, make_batch, loss_fn, TRAINING)")
-    p.add_argument("--gpus", type=int, required=True, help="GPUs to plan for")
-    p.add_argument("--mem", required=True, help="memory budget per GPU, e.g. 40GB")
-    p.add_argument("--trials", type=int, default=3, help="most plans to run for real (default 3)")
+    p.add_argument("--gpus", type=positive_int, required=True, help="GPUs to plan for")
+    p.add_argument("--mem", type=byte_size, required=True, help="memory budget per GPU, e.g. 40GB")
+    p.add_argument("--trials", type=positive_int, default=3, help="most plans to run for real (default 3)")
     p.add_argument("--profile", help="hardware profile name or TOML path (default: cpu-gloo on a machine "
                                      "without CUDA; required with CUDA)")
-    p.add_argument("--world-size", type=int,
+    p.add_argument("--world-size", type=positive_int,
                    help=f"ranks to run on (default: --gpus; {CPU_DEFAULT_WORLD_SIZE} on CPU): the plans are "
                         "re-derived for it when it differs from --gpus")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
-    p.add_argument("--micro-batch", type=int, help="micro-batch per GPU (default: the model file's)")
+    p.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--micro-batch", type=positive_int, help="micro-batch per GPU (default: the model file's)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_NAMES),
                    help="mixed-precision param dtype the model is traced, planned and run in (default bf16)")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per plan (default 5)")
-    p.add_argument("--warmup", type=int, default=2, help="warm-up steps per plan (default 2)")
-    p.add_argument("--per-launch", type=int,
+    p.add_argument("--steps", type=positive_int, default=5, help="timed steps per plan (default 5)")
+    p.add_argument("--warmup", type=non_negative_int, default=2, help="warm-up steps per plan (default 2)")
+    p.add_argument("--per-launch", type=positive_int,
                    help="plans run per launch (default: half of --trials, rounded up; a launch costs 10-20 s on CPU)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds one launch may take (default 600)")
+    p.add_argument("--timeout", type=positive_float, default=600.0, help="seconds one launch may take (default 600)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("-o", "--output", default="plan.json", help="plan file to write (default plan.json)")
     p.add_argument("--profile-out", help="fitted profile to write (default: <plan>-fitted.toml beside the plan)")
@@ -52,8 +53,6 @@ def _resolve(args) -> tuple[str, int, str]:
     from shard_planner.execute.launch import resolve_device
 
     device = resolve_device(args.device)
-    if args.gpus < 1:
-        raise UserError(f"--gpus must be at least 1, got {args.gpus}")
     profile = args.profile
     if profile is None:
         if device == "cuda":
@@ -62,8 +61,6 @@ def _resolve(args) -> tuple[str, int, str]:
     world_size = args.world_size
     if world_size is None:
         world_size = args.gpus if device == "cuda" else min(args.gpus, CPU_DEFAULT_WORLD_SIZE)
-    if world_size < 1:
-        raise UserError(f"--world-size must be at least 1, got {world_size}")
     return profile, world_size, device
 
 
@@ -71,10 +68,8 @@ def run(args) -> int:
     from shard_planner.plan import save_plan
     from shard_planner.tune import tune_model
 
-    budget = parse_bytes(args.mem)
+    budget = args.mem
     profile, world_size, device = _resolve(args)
-    if args.trials < 1:
-        raise UserError(f"--trials must be at least 1, got {args.trials}")
     out = Path(args.output)
     profile_out = Path(args.profile_out) if args.profile_out else out.with_name(f"{out.stem}-fitted.toml")
     report_dir = None if args.no_report else Path(args.report or Path("reports") / out.stem)
