@@ -105,6 +105,13 @@ class Mesh:
     def world_size(self) -> int:
         return self.shard * self.replicate
 
+    @property
+    def description(self) -> str:
+        """For people: ``FSDP over 8 GPUs``, or ``HSDP 2 replicas x 8 GPUs`` (replicate x shard)."""
+        if self.replicate == 1:
+            return f"FSDP over {self.shard} GPU{'s' if self.shard > 1 else ''}"
+        return f"HSDP {self.replicate} replicas x {self.shard} GPUs"
+
 
 @dataclass(frozen=True)
 class Cluster:
@@ -151,6 +158,11 @@ class Prediction:
     def __post_init__(self):
         unknown = set(self.memory_at_peak) - set(MEMORY_CATEGORIES)
         _require(not unknown, f"predicted.memory_at_peak has unknown categories {sorted(unknown)}")
+
+    @property
+    def throughput_text(self) -> str:
+        """For people: ``12,345 tokens/s`` for a model with tokens, else ``3.2 samples/s`` (whole cluster)."""
+        return f"{self.tokens_per_s:,.0f} tokens/s" if self.tokens_per_s else f"{self.samples_per_s:,.1f} samples/s"
 
 
 @dataclass(frozen=True)

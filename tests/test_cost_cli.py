@@ -47,7 +47,7 @@ def test_estimate_other_gpus_profile_and_write(files, capsys):
     assert main(["estimate", str(d / "trace.json"), "--plan", str(d / "plan.json"), "--profile", "h100-80gb",
                  "--gpus", "8", "--micro-batch", "4", "--write"]) == 0
     out = capsys.readouterr().out
-    assert "1x8 ranks" in out and "micro-batch 4" in out and "h100-80gb" in out
+    assert "FSDP over 8 GPUs" in out and "micro-batch 4" in out and "h100-80gb" in out
     saved = load_plan(d / "plan.json")
     want = estimate(trace, replace(plan.with_world_size(8), training=Training(4)), load_profile("h100-80gb"))
     assert saved.predicted.peak_bytes == want.memory.peak_bytes

@@ -124,3 +124,24 @@ def test_byte_sizes():
             parse_bytes(bad)
     assert format_bytes(3 * 2**30) == "3.00 GiB"
     assert format_bytes(10) == "10 B"
+
+
+def test_mesh_and_throughput_read_the_same_everywhere():
+    """One wording of the mesh and the throughput for the plan summary, estimate and tune's labels."""
+    from dataclasses import replace
+
+    from shard_planner.cli.plan import summary
+    from shard_planner.profile import load_profile
+    from shard_planner.tune.candidates import describe_plan
+
+    assert Mesh(shard=8).description == "FSDP over 8 GPUs"
+    assert Mesh(shard=1).description == "FSDP over 1 GPU"
+    assert Mesh(shard=8, replicate=2).description == "HSDP 2 replicas x 8 GPUs"
+    pred = make_plan().predicted
+    assert pred.throughput_text == "2,048 tokens/s"
+    assert replace(pred, tokens_per_s=None).throughput_text == "32.0 samples/s"
+    hsdp = make_plan(cluster=Cluster(gpus=16, gpus_per_node=8, profile="h100-80gb", mem_budget_bytes=40 * 2**30),
+                     mesh=Mesh(shard=8, replicate=2))
+    text = summary(hsdp, load_profile("h100-80gb"))
+    assert "HSDP 2 replicas x 8 GPUs" in text and "2,048 tokens/s on 16 GPUs" in text
+    assert describe_plan(hsdp).endswith(", HSDP 2 replicas x 8 GPUs")

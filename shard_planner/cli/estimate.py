@@ -76,7 +76,7 @@ def report(plan: Plan, profile, est) -> str:
     budget = min(plan.cluster.mem_budget_bytes, profile.usable_bytes)
     fits = "fits" if mem.peak_bytes <= budget else "DOES NOT FIT"
     lines = [
-        f"plan: {len(plan.units)} units on {plan.mesh.replicate}x{plan.mesh.shard} ranks (replicate x shard), "
+        f"plan: {len(plan.units)} units, {plan.mesh.description}, "
         f"micro-batch {tr.micro_batch}, {tr.optimizer}, params {tr.param_dtype} / reduce {tr.reduce_dtype}"
         f"{', CPU offload' if tr.cpu_offload else ''}; profile {profile.name}",
         f"peak memory per GPU: {format_bytes(mem.peak_bytes)} at \"{mem.peak_event}\" — {fits} in "
@@ -90,6 +90,6 @@ def report(plan: Plan, profile, est) -> str:
     lines.append(
         f"step time: {_ms(t.step_time_s)} (compute {_ms(t.compute_s)}, communication {_ms(t.comm_s)} of which "
         f"exposed {_ms(t.exposed_comm_s)}, optimizer {_ms(t.optimizer_s)})")
-    rate = f"{t.tokens_per_s:,.0f} tokens/s" if t.tokens_per_s else f"{t.samples_per_s:,.1f} samples/s"
-    lines.append(f"throughput: {rate} over {plan.mesh.world_size} GPUs, MFU {100 * t.mfu:.1f}%")
+    lines.append(f"throughput: {est.prediction().throughput_text} over {plan.mesh.world_size} GPUs, "
+                 f"MFU {100 * t.mfu:.1f}%")
     return "\n".join(lines)

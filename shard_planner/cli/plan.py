@@ -109,9 +109,8 @@ def summary(plan: Plan, profile) -> str:
     pr = plan.predicted
     budget = plan.cluster.mem_budget_bytes
     tr = plan.training
-    mesh = (f"HSDP {plan.mesh.replicate} replicas x {plan.mesh.shard}" if plan.mesh.replicate > 1
-            else f"FSDP over {plan.mesh.shard} GPUs")
-    lines = [f"plan for {plan.model.path}: {len(plan.units)} FSDP units, {mesh}, micro-batch {tr.micro_batch}, "
+    lines = [f"plan for {plan.model.path}: {len(plan.units)} FSDP units, {plan.mesh.description}, "
+             f"micro-batch {tr.micro_batch}, "
              f"prefetch forward {plan.prefetch.forward} / backward {plan.prefetch.backward}"
              f"{', CPU offload' if tr.cpu_offload else ''}"]
     lines += [f"  {line}" for line in summarize_units(plan.units)]
@@ -119,9 +118,8 @@ def summary(plan: Plan, profile) -> str:
                  f"({100 * pr.peak_bytes / budget:.0f}%), at the peak: " + ", ".join(
                      f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in sorted(
                          pr.memory_at_peak.items(), key=lambda kv: -kv[1])[:3]))
-    rate = f"{pr.tokens_per_s:,.0f} tokens/s" if pr.tokens_per_s else f"{pr.samples_per_s:,.1f} samples/s"
     mfu = f", MFU {100 * pr.mfu:.0f}%" if pr.mfu else ""
-    lines.append(f"predicted step {pr.step_time_s * 1e3:.1f} ms, {rate} on {plan.cluster.gpus} GPUs{mfu}")
+    lines.append(f"predicted step {pr.step_time_s * 1e3:.1f} ms, {pr.throughput_text} on {plan.cluster.gpus} GPUs{mfu}")
     fitting = [b for b in plan.baselines if b.fits]
     if fitting:
         best = min(fitting, key=lambda b: b.step_time_s)

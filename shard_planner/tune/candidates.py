@@ -63,7 +63,7 @@ def describe_plan(plan: Plan) -> str:
     if plan.training.cpu_offload:
         parts.append("offload")
     if plan.mesh.replicate > 1:
-        parts.append(f"HSDP {plan.mesh.replicate}x{plan.mesh.shard}")
+        parts.append(plan.mesh.description)
     return ", ".join(parts)
 
 
