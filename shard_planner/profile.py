@@ -7,10 +7,11 @@ in them cites its source in a comment. ``load_profile`` takes a name from profil
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from shard_planner.errors import ProfileError
+from shard_planner.timings import ModuleTimings
 
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 DEFAULT_PROFILE = "h100-80gb"
@@ -56,6 +57,16 @@ class HardwareProfile:
     per_param_tensor_optimizer_overhead_s: float = 0.0
     source: str = ""  # where the numbers come from (file path)
     notes: dict[str, str] = field(default_factory=dict)
+    # Per-module compute times measured on this device (`shard-planner calibrate --model`); blocks they
+    # cover are priced from them instead of FLOPs and per-op overhead (shard_planner/cost/time.py).
+    module_timings: ModuleTimings | None = None
+
+    def with_timings(self, timings: ModuleTimings | None) -> "HardwareProfile":
+        """A copy of this profile that prices compute from ``timings`` (None: from FLOPs again)."""
+        if timings is not None and timings.device != self.device:
+            raise ProfileError(f"module timings were measured on {timings.device} ({timings.device_name}), "
+                               f"profile {self.name} is for {self.device}; use a {timings.device} profile")
+        return replace(self, module_timings=timings)
 
     @property
     def usable_bytes(self) -> int:
