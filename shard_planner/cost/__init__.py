@@ -12,7 +12,7 @@ Tables that depend only on the trace and the segmentation into units are built o
 
 from __future__ import annotations
 
-from shard_planner.cost.memory import model_state_bytes, simulate_memory
+from shard_planner.cost.memory import UnitBytes, model_state_bytes, simulate_memory, unit_bytes
 from shard_planner.cost.tables import CostTables, cost_tables
 from shard_planner.cost.time import simulate_time
 from shard_planner.cost.types import Estimate, MemoryEstimate, MemoryEvent, TimeEstimate, UnitTime
@@ -23,12 +23,15 @@ from shard_planner.trace.types import ModelTrace
 
 def estimate(trace: ModelTrace, plan: Plan, profile: HardwareProfile, *, timeline: bool = True) -> Estimate:
     """Memory and time of ``plan`` for ``trace`` on ``profile``; ``.prediction()`` gives the plan's
-    ``predicted`` section. ``timeline=False`` skips the memory timeline (faster; the solver's case)."""
-    return Estimate(memory=simulate_memory(trace, plan, profile, timeline=timeline),
-                    time=simulate_time(trace, plan, profile))
+    ``predicted`` section. ``timeline=False`` skips the memory timeline (faster; the solver's case).
+    The per-unit byte table both simulators read is built once."""
+    ub = unit_bytes(cost_tables(trace, plan.units), plan)
+    return Estimate(memory=simulate_memory(trace, plan, profile, timeline=timeline, ub=ub),
+                    time=simulate_time(trace, plan, profile, ub=ub))
 
 
 __all__ = [
-    "CostTables", "Estimate", "MemoryEstimate", "MemoryEvent", "TimeEstimate", "UnitTime",
+    "CostTables", "Estimate", "UnitBytes", "MemoryEstimate", "MemoryEvent", "TimeEstimate", "UnitTime",
     "cost_tables", "estimate", "model_state_bytes", "simulate_memory", "simulate_time",
+    "unit_bytes",
 ]

@@ -149,20 +149,21 @@ def optimizer_state_count(optimizer: str) -> int:
     return OPTIMIZER_STATES[optimizer]
 
 
-class _UnitBytes:
-    """Per-unit byte sizes under one plan (sharded, unsharded, reduce-scatter)."""
+class UnitBytes:
+    """Per-unit byte sizes under one plan (sharded, unsharded, reduce-scatter): what the memory and the
+    time simulators both read. ``unit_bytes(tables, plan)`` builds them; ``estimate`` builds them once."""
 
     __slots__ = ("sharded", "unsharded", "rs_input", "rs_output", "sharded_grad", "cast_input",
                  "post_forward", "reshard", "resharded", "grad_cast", "last_grad", "mp")
 
 
-def _unit_bytes(t: CostTables, plan: Plan) -> list[_UnitBytes]:
+def unit_bytes(t: CostTables, plan: Plan) -> list[UnitBytes]:
     n = plan.mesh.shard
     param_dtype, reduce_dtype = plan.training.param_dtype, plan.training.reduce_dtype
     pd_elem, rs_elem = dtype_bytes(param_dtype), dtype_bytes(reduce_dtype)
     out = []
     for i, u in enumerate(plan.units):
-        b = _UnitBytes()
+        b = UnitBytes()
         float_numel = t.unit_float_numel[i]
         float_built = t.unit_float_built_bytes[i]
         other = t.unit_other_bytes[i]
@@ -188,12 +189,14 @@ def _unit_bytes(t: CostTables, plan: Plan) -> list[_UnitBytes]:
 
 
 def simulate_memory(trace: ModelTrace, plan: Plan, profile: HardwareProfile,
-                    *, timeline: bool = True) -> MemoryEstimate:
+                    *, timeline: bool = True, ub: list[UnitBytes] | None = None) -> MemoryEstimate:
     """Peak live bytes of one rank over one steady-state training step (see the module docstring).
 
-    ``timeline=False`` skips building the per-event timeline (the solver only needs the peak)."""
+    ``timeline=False`` skips building the per-event timeline (the solver only needs the peak); ``ub``:
+    ``unit_bytes(cost_tables(trace, plan.units), plan)`` when the caller has it already."""
     t = cost_tables(trace, plan.units)
-    ub = _unit_bytes(t, plan)
+    if ub is None:
+        ub = unit_bytes(t, plan)
     training = plan.training
     b = training.micro_batch
     n_units = len(plan.units)
@@ -455,7 +458,7 @@ def simulate_memory(trace: ModelTrace, plan: Plan, profile: HardwareProfile,
 def model_state_bytes(trace: ModelTrace, plan: Plan) -> dict[str, int]:
     """Sharded parameters, gradients and optimizer states per rank (the ZeRO model state)."""
     t = cost_tables(trace, plan.units)
-    ub = _unit_bytes(t, plan)
+    ub = unit_bytes(t, plan)
     grads = sum(x.sharded_grad for x in ub)
     return {
         "sharded_params": int(round(sum(x.sharded for x in ub))),

@@ -41,6 +41,17 @@ backward: torch/distributed/fsdp/_fully_shard/_fsdp_state.py, _pre_forward). The
 overhead x the model's parameter tensors (each rank steps every tensor, sharded). Traces written
 before op counts (all zero) get no overhead.
 
+Measured module times (``profile.module_timings``, from ``shard-planner calibrate --model``; see
+shard_planner/timings.py and shard_planner/execute/module_timing.py): a block whose module was timed on
+the device takes its measured forward and backward at the plan's micro-batch instead of FLOPs /
+throughput + ops x per-op overhead — the measurement holds both (a module block: its subtree's time; a
+container's ``:self`` block: the container less its nearest timed descendants). A checkpointed block
+recomputes with its measured forward; the loss takes its measured forward + backward. FSDP2's per-unit
+overhead, the collectives and the optimizer stay as above; blocks the timings lack fall back to FLOPs.
+The timings must be for the trace's model (structure fingerprint) and the plan's param dtype, else one
+ProfileError line. Per-block measured times are computed once per (tables, timings)
+(``measured_block_times``).
+
 The optimizer step is bound by memory bandwidth: bytes touched per sharded element by the foreach
 implementation (OPTIMIZER_BYTES_PER_ELEMENT) / ``memory_bandwidth_bytes_per_s`` (the host's under CPU
 offload, where the step runs on the host), plus its per-tensor overhead (below).
@@ -51,11 +62,12 @@ from __future__ import annotations
 import logging
 
 from shard_planner.cost.collectives import all_gather_time_s, reduce_scatter_time_s
-from shard_planner.cost.memory import _unit_bytes
-from shard_planner.cost.tables import cost_tables, dtype_bytes
+from shard_planner.cost.memory import UnitBytes, unit_bytes
+from shard_planner.cost.tables import CostTables, cost_tables, dtype_bytes
 from shard_planner.cost.types import TimeEstimate, UnitTime
 from shard_planner.plan import Plan
 from shard_planner.profile import HardwareProfile
+from shard_planner.timings import ModuleTime, ModuleTimings
 from shard_planner.trace.types import ModelTrace
 
 logger = logging.getLogger(__name__)
@@ -69,10 +81,39 @@ logger = logging.getLogger(__name__)
 OPTIMIZER_ACCESSES_PER_ELEMENT = {"adamw": 20, "adam": 18, "sgd_momentum": 8, "sgd": 3}
 
 
-def simulate_time(trace: ModelTrace, plan: Plan, profile: HardwareProfile) -> TimeEstimate:
-    """Predicted time of one training step on one rank, and what it is made of (module docstring)."""
+_MEASURED: dict[tuple[int, int], tuple[CostTables, ModuleTimings, tuple]] = {}
+_MEASURED_MAX = 256
+
+
+def measured_block_times(trace: ModelTrace, t: CostTables, timings: ModuleTimings) -> tuple[ModuleTime | None, ...]:
+    """Per block of ``t``, its measured time: a module block's subtree time, a ``<fqn>:self`` block's
+    container time less its nearest timed descendants' (``ModuleTimings.self_time``); None where the
+    timings lack the module (priced from FLOPs). Cached per (tables, timings): the solver evaluates
+    thousands of plans over the same segmentations."""
+    key = (id(t), id(timings))
+    hit = _MEASURED.get(key)
+    if hit is not None and hit[0] is t and hit[1] is timings:
+        return hit[2]
+    children = {m.fqn: m.children for m in trace.modules}
+    out = []
+    for blk in t.blocks:
+        if blk.fqn.endswith(":self"):
+            out.append(timings.self_time(blk.fqn[: -len(":self")], children))
+        else:
+            out.append(timings.modules.get(blk.fqn))
+    if len(_MEASURED) >= _MEASURED_MAX:
+        _MEASURED.pop(next(iter(_MEASURED)))
+    _MEASURED[key] = (t, timings, tuple(out))  # both kept alive with their key: ids are not reused
+    return _MEASURED[key][2]
+
+
+def simulate_time(trace: ModelTrace, plan: Plan, profile: HardwareProfile, *,
+                  ub: list[UnitBytes] | None = None) -> TimeEstimate:
+    """Predicted time of one training step on one rank, and what it is made of (module docstring).
+    ``ub``: ``unit_bytes(cost_tables(trace, plan.units), plan)`` when the caller has it already."""
     t = cost_tables(trace, plan.units)
-    ub = _unit_bytes(t, plan)
+    if ub is None:
+        ub = unit_bytes(t, plan)
     training = plan.training
     b = training.micro_batch
     n = plan.mesh.shard
@@ -104,16 +145,26 @@ def simulate_time(trace: ModelTrace, plan: Plan, profile: HardwareProfile) -> Ti
     n_blocks = len(blocks)
     op_s = profile.per_op_overhead_s
     half_unit_s = profile.per_unit_overhead_s / 2
-    ops_fwd = [blk.fwd_ops * op_s for blk in blocks]
+    timings = profile.module_timings
+    if timings is not None:
+        timings.check(trace.fingerprint, training.param_dtype, f"the trace of {trace.model_path}")
+        measured = measured_block_times(trace, t, timings)
+    else:
+        measured = (None,) * len(blocks)
+    # A measured block's time already holds its kernels and its per-op framework time: no op overhead.
+    ops_fwd = [0.0 if m is not None else blk.fwd_ops * op_s for blk, m in zip(blocks, measured)]
     host_fwd = list(ops_fwd)
-    host_bwd = [blk.bwd_ops * op_s for blk in blocks]
+    host_bwd = [0.0 if m is not None else blk.bwd_ops * op_s for blk, m in zip(blocks, measured)]
     if half_unit_s:
         for u in t.forward_units:  # units that run: their hooks fire once per step each way
             host_fwd[t.unit_first_block[u]] += half_unit_s
             host_bwd[t.unit_last_block[u]] += half_unit_s
-    dev_fwd = [blk.fwd_flops.at(b) / rate for blk in blocks]
-    dev_bwd = [blk.bwd_flops.at(b) / rate for blk in blocks]
-    loss_dev, loss_host = trace.loss_flops.at(b) / rate, trace.loss_ops * op_s
+    dev_fwd = [m.fwd_s.at(b) if m is not None else blk.fwd_flops.at(b) / rate for blk, m in zip(blocks, measured)]
+    dev_bwd = [m.bwd_s.at(b) if m is not None else blk.bwd_flops.at(b) / rate for blk, m in zip(blocks, measured)]
+    if timings is not None:
+        loss_dev, loss_host = timings.loss_fwd_s.at(b) + timings.loss_bwd_s.at(b), 0.0
+    else:
+        loss_dev, loss_host = trace.loss_flops.at(b) / rate, trace.loss_ops * op_s
     ckpt = [plan.units[blk.unit].activation_checkpoint and blk.unit_module for blk in blocks]
     if profile.device == "cpu":  # the host computes: overhead adds up
         rec_s = [dev_fwd[i] + ops_fwd[i] if ckpt[i] else 0.0 for i in range(n_blocks)]
