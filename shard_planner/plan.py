@@ -248,6 +248,13 @@ class Plan:
         """Every unit but the root, in forward order."""
         return tuple(u for u in self.units if not u.is_root)
 
+    def at_world_size(self, world_size: int) -> tuple["Plan", int | None]:
+        """The plan to run on ``world_size`` ranks, and the world size it was re-derived from: itself and
+        None when the sizes match, else :meth:`with_world_size` and the plan's own size."""
+        if world_size == self.mesh.world_size:
+            return self, None
+        return self.with_world_size(world_size), self.mesh.world_size
+
     def with_world_size(self, world_size: int) -> "Plan":
         """The same decisions on ``world_size`` ranks (plain FSDP); int reshard sizes that no longer
         divide the group become True. Predictions are dropped: they were for the old size."""

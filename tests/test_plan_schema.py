@@ -145,3 +145,12 @@ def test_mesh_and_throughput_read_the_same_everywhere():
     text = summary(hsdp, load_profile("h100-80gb"))
     assert "HSDP 2 replicas x 8 GPUs" in text and "2,048 tokens/s on 16 GPUs" in text
     assert describe_plan(hsdp).endswith(", HSDP 2 replicas x 8 GPUs")
+
+
+def test_at_world_size_rederives_only_another_size():
+    plan = make_plan()
+    assert plan.at_world_size(8) == (plan, None)
+    run, was = plan.at_world_size(2)
+    assert was == 8 and run == plan.with_world_size(2)
+    assert run.mesh == Mesh(shard=2) and run.predicted is None
+    assert run.units[1].reshard_after_forward is True  # reshard to 4 ranks does not divide 2

@@ -28,6 +28,16 @@ def _check_world(world_size: int, device: str) -> None:
                            "use --world-size, --device cpu, or torchrun across nodes")
 
 
+def with_prediction(measurement: Measurement, predicted: Prediction | None) -> Measurement:
+    """``measurement`` with the prediction it is compared against (None: nothing to compare)."""
+    return replace(
+        measurement,
+        predicted_peak_bytes=predicted.peak_bytes if predicted else None,
+        predicted_step_time_s=predicted.step_time_s if predicted else None,
+        predicted_overhead_bytes=int(predicted.memory_at_peak.get("overhead", 0)) if predicted else 0,
+    )
+
+
 def reestimate(plan: Plan, model_path: str) -> Prediction | None:
     """The cost model's prediction for ``plan`` (e.g. re-derived for fewer ranks), or None when the cost
     model is not available or cannot estimate it (logged)."""
@@ -51,9 +61,10 @@ def launch_plans(plans: list[Plan], *, world_size: int | None = None, steps: int
                  reestimate_rederived: bool = False) -> LaunchResult:
     """Run several plans in turn in one world (one launch: faster than one world each); returns their
     measurements and the ranks' process ids (all ended when it returns). ``plan_paths``: where each plan
-    was read from, to find a model file given relative to it. A plan for another world size is
-    re-derived (``Plan.with_world_size``, recorded in ``rederived_from_world_size``); its prediction is
-    dropped, or re-estimated with the cost model when ``reestimate_rederived``."""
+    was read from, to find a model file given relative to it. The ranks re-derive a plan for another
+    world size (``Plan.at_world_size`` in :func:`~shard_planner.execute.worker.train_and_measure`,
+    recorded in ``rederived_from_world_size``); its prediction is dropped, or re-estimated here with the
+    cost model when ``reestimate_rederived``."""
     if not plans:
         raise RunError("no plan to run")
     if steps < 1 or warmup < 0:
@@ -64,25 +75,23 @@ def launch_plans(plans: list[Plan], *, world_size: int | None = None, steps: int
     world_size = plans[0].mesh.world_size if world_size is None else world_size
     _check_world(world_size, device)
     plan_paths = plan_paths or [None] * len(plans)
-    runs = []  # (plan as run, the world size it was re-derived from or None)
-    for plan, source in zip(plans, plan_paths):
-        run = replace(plan, model=replace(plan.model, path=resolve_model_path(plan, source)))
-        if run.mesh.world_size != world_size:
-            run = run.with_world_size(world_size)
-            if reestimate_rederived:
-                run = replace(run, predicted=reestimate(run, run.model.path))
-        runs.append((run, plan.mesh.world_size if plan.mesh.world_size != world_size else None))
+    # The ranks read the model file by an absolute path.
+    runs = [replace(plan, model=replace(plan.model, path=resolve_model_path(plan, source)))
+            for plan, source in zip(plans, plan_paths)]
     with tempfile.TemporaryDirectory(prefix="shard-planner-plan-") as tmp:
         paths = []
-        for i, (run, _) in enumerate(runs):
+        for i, run in enumerate(runs):
             paths.append(Path(tmp) / f"plan-{i}.json")
             save_plan(run, paths[-1])
         result = launch_local(paths, world_size=world_size, steps=steps, warmup=warmup, device=device,
                               timeout_s=timeout_s)
-    # The ranks read an absolute model path and the re-derived plan; record the plan's own path and size.
-    return replace(result, measurements=tuple(
-        replace(m, model_path=p.model.path, rederived_from_world_size=r[1])
-        for m, p, r in zip(result.measurements, plans, runs)))
+    measurements = []
+    for m, plan, run in zip(result.measurements, plans, runs):
+        m = replace(m, model_path=plan.model.path)  # the plan's own path, as given
+        if m.rederived and reestimate_rederived:  # the prediction of the plan as the ranks re-derived it
+            m = with_prediction(m, reestimate(run.at_world_size(world_size)[0], run.model.path))
+        measurements.append(m)
+    return replace(result, measurements=tuple(measurements))
 
 
 def run_plan(plan: Plan, *, world_size: int | None = None, steps: int = 5, warmup: int = 2,

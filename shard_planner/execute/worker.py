@@ -50,6 +50,7 @@ import torch.distributed as dist
 from shard_planner.errors import RunError, UserError
 from shard_planner.execute.apply import apply_plan, build_mesh
 from shard_planner.execute.memtrack import StorageTracker
+from shard_planner.execute.runner import with_prediction
 from shard_planner.measurement import Measurement, RankMemory, plan_fingerprint, save_measurement
 from shard_planner.modelfile import ModelFile, load_model_file
 from shard_planner.plan import OPTIMIZER_TORCH, Plan, load_plan
@@ -89,13 +90,6 @@ def build_on_device(model_file: ModelFile, device: torch.device) -> torch.nn.Mod
     torch.manual_seed(SEED)
     with torch.device(device):
         return model_file.build()
-
-
-def resolve_plan_world(plan: Plan, world_size: int) -> tuple[Plan, int | None]:
-    """The plan for ``world_size`` ranks: itself, or re-derived (and the old size) when they differ."""
-    if world_size == plan.mesh.world_size:
-        return plan, None
-    return plan.with_world_size(world_size), plan.mesh.world_size
 
 
 # ---- one rank ----
@@ -170,7 +164,7 @@ def train_and_measure(plan: Plan, model_path: str, options: RunOptions, device: 
                       status: _Status) -> Measurement | None:
     """Run one plan in the initialised world; rank 0 returns the Measurement, the others None."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    plan, rederived_from = resolve_plan_world(plan, world_size)
+    plan, rederived_from = plan.at_world_size(world_size)  # the one place a run's plan is re-derived
     model_file = load_model_file(model_path)
     mesh = build_mesh(plan, device.type)
     status.progress("build")
@@ -240,8 +234,7 @@ def train_and_measure(plan: Plan, model_path: str, options: RunOptions, device: 
     del model, optimizer
     if rank != 0:
         return None
-    predicted = plan.predicted if rederived_from is None else None
-    return Measurement(
+    return with_prediction(Measurement(
         plan_fingerprint=plan_fingerprint(plan),
         model_path=plan.model.path,
         world_size=world_size,
@@ -259,10 +252,7 @@ def train_and_measure(plan: Plan, model_path: str, options: RunOptions, device: 
         warmup_steps=options.warmup,
         losses=tuple(loss_avg),
         rederived_from_world_size=rederived_from,
-        predicted_peak_bytes=predicted.peak_bytes if predicted else None,
-        predicted_step_time_s=predicted.step_time_s if predicted else None,
-        predicted_overhead_bytes=int(predicted.memory_at_peak.get("overhead", 0)) if predicted else 0,
-    )
+    ), plan.predicted)  # a re-derived plan has none: the plan's was for its own world size
 
 
 _COMMUNICATION_SIGNS = ("connection closed by peer", "connection reset by peer", "timed out", "timeout",
