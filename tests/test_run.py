@@ -248,3 +248,14 @@ def test_gpu_run_measures_the_cuda_allocator_and_matches_the_cpu_losses():
     assert m.memory_method == "cuda max_memory_allocated"
     assert all(r.reserved_bytes >= r.peak_bytes > 0 for r in m.memory)
     assert m.losses == pytest.approx(reference_losses(plan, world_size, 3), rel=1e-3)  # TF32/cuBLAS vs CPU
+
+
+def test_reestimate_traces_in_the_plans_dtype():
+    from shard_planner.cost import estimate
+    from shard_planner.execute.runner import reestimate
+    from shard_planner.profile import load_profile
+    from shard_planner.trace import trace_model
+
+    plan = make_plan([Unit(("",), False)], 1)  # param_dtype float32
+    want = estimate(trace_model(MODEL, dtype="float32"), plan, load_profile("cpu-gloo")).prediction()
+    assert reestimate(plan, MODEL) == want

@@ -48,7 +48,8 @@ def reestimate(plan: Plan, model_path: str) -> Prediction | None:
     except ImportError:
         return None
     try:
-        return estimate(trace_model(model_path), plan, load_profile(plan.cluster.profile)).prediction()
+        trace = trace_model(model_path, dtype=plan.training.param_dtype)  # traced as the plan computes
+        return estimate(trace, plan, load_profile(plan.cluster.profile)).prediction()
     except Exception as exc:  # an estimate is a bonus: the run goes on without it
         logger.warning("could not re-estimate the plan for %d ranks: %s: %s", plan.mesh.world_size,
                        type(exc).__name__, exc)
