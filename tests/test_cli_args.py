@@ -69,3 +69,12 @@ def test_other_argparse_errors_keep_the_usage(capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: shard-planner plan") and "the following arguments are required: --mem" in err
+
+
+def test_the_worker_entry_point_checks_its_counts_too(capsys):
+    """``python -m shard_planner.execute.worker`` (torchrun) rejects what ``run`` rejects, before joining a world."""
+    from shard_planner.execute.worker import main as worker_main
+
+    with pytest.raises(SystemExit) as info:
+        worker_main(["plan.json", "--steps", "0"])
+    assert info.value.code == 2 and "--steps: must be a positive integer, got '0'" in capsys.readouterr().err

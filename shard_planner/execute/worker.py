@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from shard_planner.cli.args import non_negative_int, positive_float, positive_int
 from shard_planner.errors import RunError, UserError
 from shard_planner.execute.apply import apply_plan, build_mesh
 from shard_planner.execute.memtrack import StorageTracker
@@ -279,10 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m shard_planner.execute.worker",
                                      description="One rank of shard-planner run (also under torchrun).")
     parser.add_argument("plans", nargs="+", metavar="PLAN", help="plan files, run in turn in one world")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=positive_int, default=5)
+    parser.add_argument("--warmup", type=non_negative_int, default=2)
     parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds any collective may wait")
+    parser.add_argument("--timeout", type=positive_float, default=300.0, help="seconds any collective may wait")
     parser.add_argument("--out", help="measurement file rank 0 writes, for one plan "
                         "(default: measurement.json beside the plan)")
     parser.add_argument("--out-dir", help="folder for measurement-<i>.json, one per plan (i from 0)")
