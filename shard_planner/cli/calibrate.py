@@ -1,4 +1,6 @@
-"""``shard-planner calibrate``: measure this machine and write a hardware profile (TOML)."""
+"""``shard-planner calibrate``: measure this machine and write a hardware profile (TOML); with
+``--model FILE``, measure that model's per-module forward/backward times instead and write them as JSON
+(shard_planner/timings.py), for ``profile.with_timings(load_timings(path))``."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+from shard_planner.cli.args import positive_int
 from shard_planner.errors import UserError
 from shard_planner.units import format_bytes
 
@@ -16,6 +19,17 @@ class CalibrateRequest:
     device: str
     output: Path
     name: str
+
+
+@dataclass(frozen=True)
+class TimingsRequest:
+    model: str
+    micro_batch: int | None
+    dtype: str
+    world_size: int
+    device: str
+    output: Path
+    profile: str | None  # for the FLOP model's column; None: cpu-gloo on CPU, the default profile on GPU
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -29,14 +43,28 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--world-size", type=int, default=2, metavar="N", help="ranks for the collectives (default 2)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="default: cuda if available")
-    p.add_argument("-o", "--output", default="profiles/local.toml", help="profile to write (default profiles/local.toml)")
+    p.add_argument("-o", "--output", default=None,
+                   help="file to write (default profiles/local.toml; with --model, timings.json)")
     p.add_argument("--name", default=None, help="profile name (default: the output file's stem)")
+    g = p.add_argument_group("module timings (--model)", "time every module's forward and backward of a "
+                             "model on this device (real training steps at micro-batches B and 2B, no FSDP; the "
+                             "whole model must fit on one device) and write them for the cost model")
+    g.add_argument("--model", default=None, metavar="FILE", help="model file to time (instead of writing a profile)")
+    g.add_argument("--micro-batch", type=positive_int, default=None, metavar="B",
+                   help="measure at B and 2B (default: the model file's TRAINING micro_batch, else 1)")
+    g.add_argument("--dtype", default="bf16", help="compute dtype the parameters are cast to: bf16, fp16, fp32 "
+                   "(default bf16; a plan uses timings of its param dtype)")
+    g.add_argument("--profile", default=None, help="profile for the FLOP-model column of the table (default: "
+                   "cpu-gloo on CPU, h100-80gb on GPU)")
     return p
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.model is not None:
+        return run_timings(args)
     from shard_planner.execute.calibrate import calibrate, write_profile
 
+    args.output = args.output or "profiles/local.toml"
     if args.world_size < 2:
         raise UserError(f"--world-size must be at least 2 (collectives need two ranks), got {args.world_size}")
     out = Path(args.output)
@@ -61,3 +89,65 @@ def run(args: argparse.Namespace) -> int:
           f"FSDP unit and step, {profile.per_param_tensor_optimizer_overhead_s * 1e6:.0f} us per optimizer tensor")
     print(f"wrote {req.output}")
     return 0
+
+
+def run_timings(args: argparse.Namespace) -> int:
+    from shard_planner.execute.module_timing import measure_module_timings
+    from shard_planner.profile import DEFAULT_PROFILE, load_profile
+    from shard_planner.timings import save_timings
+    from shard_planner.trace.tracer import trace_model
+    from shard_planner.units import DTYPE_NAMES
+
+    out = Path(args.output or "timings.json")
+    if out.suffix != ".json":
+        raise UserError(f"-o {out}: module timings are a .json file")
+    dtype = DTYPE_NAMES.get(args.dtype.lower())
+    if dtype is None:
+        raise UserError(f"--dtype {args.dtype}: choose one of bf16, fp16, fp32")
+    if args.world_size < 1:
+        raise UserError(f"--world-size must be at least 1, got {args.world_size}")
+    if args.micro_batch is not None and args.micro_batch < 1:
+        raise UserError(f"--micro-batch must be at least 1, got {args.micro_batch}")
+    req = TimingsRequest(args.model, args.micro_batch, dtype, args.world_size, args.device, out, args.profile)
+    timings = measure_module_timings(req.model, micro_batch=req.micro_batch, dtype=req.dtype,
+                                     world_size=req.world_size, device=req.device)
+    profile = load_profile(req.profile or ("cpu-gloo" if timings.device == "cpu" else DEFAULT_PROFILE))
+    trace = trace_model(req.model, dtype=req.dtype)
+    print(timings_table(timings, trace, profile))
+    save_timings(timings, req.output)
+    print(f"wrote {req.output}; use it with load_timings({str(req.output)!r}) and profile.with_timings(...)")
+    return 0
+
+
+def timings_table(timings, trace, profile) -> str:
+    """Per module kind (class): count, measured forward/backward ms (all modules of the kind, subtrees)
+    at the first measured micro-batch (the requested one), and what the FLOP model says (FLOPs / throughput + ops x per-op
+    overhead, shard_planner/cost/time.py)."""
+    b = timings.micro_batches[0]
+    rate = profile.flops_per_s(timings.param_dtype)
+    op_s = profile.per_op_overhead_s
+    rows: dict[str, list] = {}
+    for m in trace.modules:
+        t = timings.modules.get(m.fqn)
+        if t is None:
+            continue
+        kind = "<model> " + m.type_name if m.fqn == "" else m.type_name
+        r = rows.setdefault(kind, [0, 0.0, 0.0, 0.0, 0.0, False])
+        sub = trace.subtree(m.fqn)
+        r[0] += 1
+        r[1] += t.fwd_s.at(b)
+        r[2] += t.bwd_s.at(b)
+        r[3] += sum(x.fwd_flops_self.at(b) for x in sub) / rate + sum(x.fwd_ops_self for x in sub) * op_s
+        r[4] += sum(x.bwd_flops_self.at(b) for x in sub) / rate + sum(x.bwd_ops_self for x in sub) * op_s
+        r[5] = r[5] or t.bwd_source == "derived"
+    lines = [f"{timings.model_path}: module times on {timings.device} ({timings.device_name}), {timings.param_dtype}, "
+             f"micro-batch {b}, {timings.world_size} process(es) x {timings.threads_per_rank} thread(s); "
+             f"FLOP model: profile {profile.name}",
+             f"{'module kind':28s} {'n':>3s} {'fwd ms':>9s} {'bwd ms':>9s} {'FLOP model fwd':>15s} {'bwd':>9s}"]
+    for kind, (n, f, bw, ff, fb, derived) in rows.items():
+        lines.append(f"{kind[:28]:28s} {n:3d} {f * 1e3:9.3f} {bw * 1e3:9.3f}{'*' if derived else ' '}"
+                     f"{ff * 1e3:14.3f} {fb * 1e3:9.3f}")
+    lines.append(f"{'loss_fn':28s} {'':3s} {timings.loss_fwd_s.at(b) * 1e3:9.3f} {timings.loss_bwd_s.at(b) * 1e3:9.3f}")
+    if any(r[5] for r in rows.values()):
+        lines.append("* backward derived from the parent's (no input needs a gradient; shard_planner/execute/module_timing.py)")
+    return "\n".join(lines)

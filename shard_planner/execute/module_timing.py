@@ -163,9 +163,12 @@ class _Hooks:
             h.remove()
 
 
-def _one_step(model, model_file, hooks: _Hooks, clock: _Clock, batch: int, step: int, device) -> dict[str, tuple]:
+def _one_step(model, model_file, hooks: _Hooks, clock: _Clock, batch: int, step: int, device,
+              dtype: torch.dtype) -> dict[str, tuple]:
     """One forward + loss + backward; fqn -> (fwd_s, bwd_s or None when the hooks cannot time it)."""
     inputs, targets = make_step_batch(model_file, batch, step, 0, device)
+    # as FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True) does at the root
+    inputs = tuple(t.to(dtype) if t.is_floating_point() else t for t in inputs)
     hooks.reset()
     for p in model.parameters():
         p.grad = None
@@ -307,7 +310,8 @@ def _measure(opts: _Options, rank: int) -> dict:
     model_file = load_model_file(opts.model_path)
     model = build_on_device(model_file, device)
     fingerprint = model_fingerprint(model)
-    _cast(model, getattr(torch, opts.dtype))
+    dtype = getattr(torch, opts.dtype)
+    _cast(model, dtype)
     model.train()
     # torch warns once per module whose inputs need no gradient; derive_backward handles those
     warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
@@ -318,7 +322,7 @@ def _measure(opts: _Options, rank: int) -> dict:
     for b in opts.micro_batches:
         samples: list[dict[str, tuple]] = []
         for i in range(opts.warmup + opts.repeats):
-            s = _one_step(model, model_file, hooks, clock, b, step, device)
+            s = _one_step(model, model_file, hooks, clock, b, step, device, dtype)
             step += 1
             if i >= opts.warmup:
                 samples.append(s)
