@@ -144,6 +144,20 @@ def test_per_unit_overhead_and_collectives_stay(mlp):
     assert with_t.comm_s == simulate_time(mlp, _plan(units), gloo).comm_s > 0
 
 
+def test_module_compute_s_measured_or_flops(mlp, gloo):
+    from shard_planner.cost import module_compute_s
+
+    t = _timings()
+    assert module_compute_s(mlp, "blocks.1", 6, gloo.with_timings(t), "bfloat16") == (
+        t.modules["blocks.1"].fwd_s.at(6), t.modules["blocks.1"].bwd_s.at(6))
+    assert module_compute_s(mlp, None, 6, gloo.with_timings(t), "bfloat16") == (0.3 * MS, 0.7 * MS)
+    rate = gloo.flops_per_s("bfloat16")
+    assert module_compute_s(mlp, "blocks.1", 6, gloo, "bfloat16") == (
+        mlp.subtree_sum("blocks.1", "fwd_flops_self").at(6) / rate, mlp.subtree_sum("blocks.1", "bwd_flops_self").at(6) / rate)
+    with pytest.raises(ProfileError, match="measured in bfloat16"):
+        module_compute_s(mlp, "blocks.1", 6, gloo.with_timings(t), "float32")
+
+
 def test_estimate_builds_unit_bytes_once(mlp, gloo, monkeypatch):
     import shard_planner.cost as cost
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from shard_planner.cost.memory import UnitBytes, model_state_bytes, simulate_memory, unit_bytes
 from shard_planner.cost.tables import CostTables, cost_tables
-from shard_planner.cost.time import simulate_time
+from shard_planner.cost.time import module_compute_s, simulate_time
 from shard_planner.cost.types import Estimate, MemoryEstimate, MemoryEvent, TimeEstimate, UnitTime
 from shard_planner.plan import Plan
 from shard_planner.profile import HardwareProfile
@@ -32,6 +32,6 @@ def estimate(trace: ModelTrace, plan: Plan, profile: HardwareProfile, *, timelin
 
 __all__ = [
     "CostTables", "Estimate", "UnitBytes", "MemoryEstimate", "MemoryEvent", "TimeEstimate", "UnitTime",
-    "cost_tables", "estimate", "model_state_bytes", "simulate_memory", "simulate_time",
+    "cost_tables", "estimate", "model_state_bytes", "module_compute_s", "simulate_memory", "simulate_time",
     "unit_bytes",
 ]

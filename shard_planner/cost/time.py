@@ -107,6 +107,27 @@ def measured_block_times(trace: ModelTrace, t: CostTables, timings: ModuleTiming
     return _MEASURED[key][2]
 
 
+def module_compute_s(trace: ModelTrace, fqn: str | None, micro_batch: int, profile: HardwareProfile,
+                     param_dtype: str) -> tuple[float, float]:
+    """Forward and backward seconds of ``fqn``'s subtree at ``micro_batch``, compute only (no FSDP2 or
+    per-op overhead): measured when ``profile.module_timings`` has the module, else FLOPs / throughput.
+    For models of the step time outside the simulator (the solver's linear model); the loss is
+    ``fqn=None``."""
+    timings = profile.module_timings
+    if timings is not None:
+        timings.check(trace.fingerprint, param_dtype, f"the trace of {trace.model_path}")
+        if fqn is None:
+            return timings.loss_fwd_s.at(micro_batch), timings.loss_bwd_s.at(micro_batch)
+        m = timings.modules.get(fqn)
+        if m is not None:
+            return m.fwd_s.at(micro_batch), m.bwd_s.at(micro_batch)
+    rate = profile.flops_per_s(param_dtype)
+    if fqn is None:  # the trace does not split the loss's FLOPs into forward and backward
+        return trace.loss_flops.at(micro_batch) / rate, 0.0
+    return (trace.subtree_sum(fqn, "fwd_flops_self").at(micro_batch) / rate,
+            trace.subtree_sum(fqn, "bwd_flops_self").at(micro_batch) / rate)
+
+
 def simulate_time(trace: ModelTrace, plan: Plan, profile: HardwareProfile, *,
                   ub: list[UnitBytes] | None = None) -> TimeEstimate:
     """Predicted time of one training step on one rank, and what it is made of (module docstring).
