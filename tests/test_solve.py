@@ -430,3 +430,18 @@ def test_no_wrapping_not_chosen_when_it_does_not_fit(example_traces, monkeypatch
     assert plan.predicted.step_time_s <= min(e.time.step_time_s for e in others) * (1 + 1e-9)
     before = _solver_and_policies_only(trace, monkeypatch, **kw)
     assert plan.predicted.step_time_s <= before.predicted.step_time_s * (1 + 1e-9)
+
+
+def test_runners_up_are_earlier_fitting_covers():
+    """CP-SAT's earlier incumbents, which the planner lets the simulators judge: exact covers that fit
+    the budget, none faster than the answer by the linear model, the answer not among them."""
+    from shard_planner.solve.cpsat import frugal_cover
+
+    _, space, lm = tiny_model(n_layers=4, shard=8, max_group=2)
+    budget = solve_min_peak(lm, relative_gap=0.0).objective + 150
+    res = solve_min_time(lm, budget, relative_gap=0.0, hint=frugal_cover(lm))  # a slow start: it improves on it
+    assert res.status == "OPTIMAL" and res.runners_up
+    best = evaluate(lm, res.chosen).time_us
+    for cover in res.runners_up:
+        r = evaluate(lm, cover)  # raises unless an exact cover
+        assert cover != res.chosen and r.peak_mib <= budget and r.time_us >= best

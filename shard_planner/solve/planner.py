@@ -44,6 +44,9 @@ logger = logging.getLogger(__name__)
 PREFETCH_CHOICES = (Prefetch(0, 1), Prefetch(1, 1), Prefetch(2, 2))
 MAX_RECHECKS = 4  # re-solves when the simulator rejects the program's cover
 SCREEN_KEEP = 2  # global choices (mesh x prefetch) solved with CP-SAT after screening
+# The frontier's smallest-peak solve is for the plot (the answer is solved at the budget): it gets this
+# share of the per-solve time limit.
+FRONTIER_TIME_SHARE = 0.25
 MAX_SEARCH_BATCH = 1024
 DEFAULT_FRONTIER_POINTS = 4
 
@@ -101,10 +104,12 @@ def plan_model(trace: ModelTrace, *, gpus: int, mem_budget_bytes: int, profile: 
             for choice in _screen(ctx, choices):
                 checked = _solve_checked(ctx, ctx.space(choice.mesh), choice,
                                          hints=tuple(c.cover for c in found if c.choice.mesh == choice.mesh))
-                if checked is not None:
-                    found.append(checked)
-                    if best_at_batch is None or checked.samples_per_s > best_at_batch.samples_per_s:
-                        best_at_batch = checked
+                if checked is None:
+                    continue
+                for c in (checked, *_other_prefetch(ctx, checked)):
+                    found.append(c)
+                    if best_at_batch is None or c.samples_per_s > best_at_batch.samples_per_s:
+                        best_at_batch = c
             if search_batch and best_at_batch is None:
                 break  # a larger micro-batch only needs more memory
         if found:
@@ -158,6 +163,7 @@ class _Context:
         self.max_group_size = max_group_size
         self.model_path = model_path
         self._spaces: dict[int, SearchSpace] = {}
+        self._linear: dict[GlobalChoice, LinearModel] = {}
         self.allow_offload = False
 
     def space(self, mesh: Mesh) -> SearchSpace:
@@ -170,7 +176,11 @@ class _Context:
         return self._spaces[mesh.shard]
 
     def linear(self, space: SearchSpace, choice: GlobalChoice) -> LinearModel:
-        return build_linear_model(self.trace, space, choice, self.training, self.profile)
+        """The linear model of ``choice`` (built once: the screen, the solves and the sweep share it)."""
+        assert space is self.space(choice.mesh)
+        if choice not in self._linear:
+            self._linear[choice] = build_linear_model(self.trace, space, choice, self.training, self.profile)
+        return self._linear[choice]
 
     def check(self, lm: LinearModel, chosen: tuple[int, ...], status: str) -> Checked:
         units = cover_units(lm, chosen)
@@ -214,8 +224,29 @@ def _screen(ctx: _Context, choices: list[GlobalChoice]) -> list[GlobalChoice]:
     return fitting[:SCREEN_KEEP] if fitting else [r[3] for r in ranked]
 
 
+def _other_prefetch(ctx: _Context, checked: Checked) -> list[Checked]:
+    """The solved cover at the other prefetch depths, judged by the simulators (milliseconds each,
+    where a CP-SAT solve per depth takes a second): prefetch mostly moves memory and exposed
+    communication, not which units are best. Only those that fit the budget."""
+    out = []
+    space = ctx.space(checked.choice.mesh)
+    for pf in PREFETCH_CHOICES:
+        if pf == checked.choice.prefetch:
+            continue
+        choice = replace(checked.choice, prefetch=pf)
+        c = ctx.check(ctx.linear(space, choice), checked.cover,
+                      f"{checked.status} (units solved at prefetch fwd {checked.choice.prefetch.forward}"
+                      f"/bwd {checked.choice.prefetch.backward})")
+        if c.peak_bytes <= ctx.budget_bytes:
+            out.append(c)
+    return out
+
+
 def _solve_checked(ctx: _Context, space: SearchSpace, choice: GlobalChoice, hints: tuple = ()) -> Checked | None:
-    """CP-SAT at the budget, then the simulators, which have the last word (bounded iterations):
+    """CP-SAT at the budget, then the simulators, which have the last word (bounded iterations).
+    The simulators judge the solution and CP-SAT's last incumbents before it (near-optimal by the
+    linear model, which cannot rank them finely: :data:`cpsat.INCUMBENTS_KEPT`); the fastest that fits
+    is kept. Then:
 
     - the simulators reject the cover (peak over budget): cut it off and tighten the program's budget
       by the gap they observed;
@@ -246,10 +277,13 @@ def _solve_checked(ctx: _Context, space: SearchSpace, choice: GlobalChoice, hint
             effective = budget_mib + max(0, low.objective - math.ceil(lean.peak_bytes / MIB))
             continue
         checked = ctx.check(lm, res.chosen, res.status)
+        runners_up = [ctx.check(lm, cover, f"{res.status}; an earlier incumbent, faster by the simulators")
+                      for cover in res.runners_up if cover not in forbidden]
+        for c in (checked, *runners_up):
+            if c.peak_bytes <= budget_bytes and (best is None or _speed(c) > _speed(best)):
+                best = c
         sim_mib = math.ceil(checked.peak_bytes / MIB)
         if checked.peak_bytes <= budget_bytes:
-            if best is None or _speed(checked) > _speed(best):
-                best = checked
             slack = budget_mib - sim_mib
             if loosened or slack <= max(1, budget_mib // 50):  # within 2%: not worth a re-solve
                 break
@@ -266,12 +300,14 @@ def _solve_checked(ctx: _Context, space: SearchSpace, choice: GlobalChoice, hint
 
 
 def _sweep(ctx: _Context, best: Checked, points: int) -> list[Checked]:
-    """Solve at ``points`` budgets from the smallest peak to that of the fastest cover, at the chosen
-    global choice, and check each with the simulators."""
+    """``points`` budgets from the smallest peak to that of the fastest cover, at the chosen global
+    choice, each checked with the simulators: CP-SAT's smallest-peak and fastest covers at the ends,
+    the heuristic cover (:func:`cpsat.greedy_cover`, milliseconds) at the budgets between. These are
+    for the frontier's plot: the answer was solved at the budget already."""
     space = ctx.space(best.choice.mesh)
     lm = ctx.linear(space, best.choice)
     evaluated = []
-    low = cpsat.solve_min_peak(lm, time_limit_s=ctx.time_limit_s)
+    low = cpsat.solve_min_peak(lm, time_limit_s=ctx.time_limit_s * FRONTIER_TIME_SHARE)
     if low.chosen is not None:
         evaluated.append(ctx.check(lm, low.chosen, low.status))
     fastest = cpsat.solve_min_time(lm, 2**40 // MIB, time_limit_s=ctx.time_limit_s)
@@ -281,11 +317,9 @@ def _sweep(ctx: _Context, best: Checked, points: int) -> list[Checked]:
         lo, hi = low.objective, evaluate(lm, fastest.chosen).peak_mib
         for j in range(1, points - 1):
             b = lo + (hi - lo) * j // (points - 1)
-            res = cpsat.solve_min_time(lm, b, time_limit_s=ctx.time_limit_s, hint=cpsat.greedy_cover(lm, b),
-                                       extra_hints=tuple(c.cover for c in evaluated if c.cover is not None)
-                                       + ((best.cover,) if best.cover is not None else ()))
-            if res.chosen is not None:
-                evaluated.append(ctx.check(lm, res.chosen, res.status))
+            cover = cpsat.greedy_cover(lm, b)
+            if cover is not None:
+                evaluated.append(ctx.check(lm, cover, "heuristic"))
     return evaluated
 
 
