@@ -102,8 +102,10 @@ def plan_model(trace: ModelTrace, *, gpus: int, mem_budget_bytes: int, profile: 
             choices = [GlobalChoice(mb, pf, mesh, offload)
                        for mesh in _meshes(gpus, cluster.gpus_per_node) for pf in PREFETCH_CHOICES]
             for choice in _screen(ctx, choices):
+                same_mesh = [c for c in found if c.choice.mesh == choice.mesh and c.choice.micro_batch == mb]
                 checked = _solve_checked(ctx, ctx.space(choice.mesh), choice,
-                                         hints=tuple(c.cover for c in found if c.choice.mesh == choice.mesh))
+                                         hints=tuple(c.cover for c in same_mesh),
+                                         start_slack_mib=_over_estimate_mib(same_mesh[0]) if same_mesh else 0)
                 if checked is None:
                     continue
                 for c in (checked, *_other_prefetch(ctx, checked)):
@@ -242,7 +244,13 @@ def _other_prefetch(ctx: _Context, checked: Checked) -> list[Checked]:
     return out
 
 
-def _solve_checked(ctx: _Context, space: SearchSpace, choice: GlobalChoice, hints: tuple = ()) -> Checked | None:
+def _over_estimate_mib(c: Checked) -> int:
+    """How much the linear model over-estimated the simulators' peak of a solved cover (MiB, >= 0)."""
+    return max(0, c.linear_peak_mib - math.ceil(c.peak_bytes / MIB))
+
+
+def _solve_checked(ctx: _Context, space: SearchSpace, choice: GlobalChoice, hints: tuple = (),
+                   start_slack_mib: int = 0) -> Checked | None:
     """CP-SAT at the budget, then the simulators, which have the last word (bounded iterations).
     The simulators judge the solution and CP-SAT's last incumbents before it (near-optimal by the
     linear model, which cannot rank them finely: :data:`cpsat.INCUMBENTS_KEPT`); the fastest that fits
@@ -253,13 +261,17 @@ def _solve_checked(ctx: _Context, space: SearchSpace, choice: GlobalChoice, hint
     - they accept it with room to spare, or the program finds no cover at all: the linear model
       over-estimated; loosen the program's budget by the observed slack once (for no cover: by the
       over-estimate on the leanest cover, which must itself fit) and keep the faster accepted plan.
+
+    ``start_slack_mib``: start loosened by this much — the over-estimate the linear model showed on
+    the cover solved for another prefetch depth at the same mesh (its error is mostly the units', not
+    the depth's), which saves the solve at the budget that would only measure it again.
     """
     budget_mib, budget_bytes = ctx.budget_mib, ctx.budget_bytes
     lm = ctx.linear(space, choice)
-    effective = budget_mib
+    effective = budget_mib + start_slack_mib
     forbidden: list[tuple[int, ...]] = []
     best: Checked | None = None
-    loosened = False
+    loosened = start_slack_mib > 0
     for attempt in range(MAX_RECHECKS + 1):
         hint = cpsat.greedy_cover(lm, effective)
         res = cpsat.solve_min_time(lm, effective, time_limit_s=ctx.time_limit_s, hint=hint, forbidden=forbidden,
