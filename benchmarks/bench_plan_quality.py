@@ -5,42 +5,60 @@ layout (one unit per block, pairs of blocks, all blocks one unit, root only) x r
 (all True / all False) x prefetch (forward 0 / backward 1, forward 1 / backward 2) x activation
 checkpointing (none / every unit) — plus the usual hand-written policies, and the planner's plan at two
 budgets: a loose one (everything fits) and a tight one (5% above the 40th percentile of the space's
-predicted peaks: no-checkpointing plans mostly do not fit). Run them all for real, ``--repeats`` launches each
-(the best of the launches' median step times is kept: the machine is shared and wall clock is noisy).
+predicted peaks: no-checkpointing plans mostly do not fit).
 
-For each budget: among the plans whose *measured* peak fits, where does the planner's choice rank by
-measured step time; its time relative to the best; and relative to each hand-written policy that fits
-(a policy over budget is reported as such). The planner's own plan must never be over budget.
+Measurement, in two stages, each ONE launch in which every plan runs once per round, in a freshly
+shuffled order each round (``run_plans`` runs the jobs in turn in one process group), so that drifts of
+the shared machine hit every plan alike:
 
-    python benchmarks/bench_plan_quality.py                 # gpt2 and llama (~10-15 min here)
-    python benchmarks/bench_plan_quality.py --models gpt2 --repeats 1
+1. screen: every distinct plan, ``--screen-rounds`` rounds of ``--screen-steps`` timed steps. A plan's
+   time is the median of all its timed steps; its interval a two-level bootstrap over rounds, then steps
+   (benchmarks/timing_stats.py says why). The measured peak (storage tracker, exact and repeatable)
+   decides what fits a budget.
+2. confirmation: for each budget the planner's choice and the ``--confirm-top`` fastest plans of the
+   screen that fit, plus a second copy of one chosen plan (the A/A pair: what identical plans measure
+   apart), ``--confirm-rounds`` rounds of ``--confirm-steps`` steps. The gap "chosen vs best" comes from
+   this stage, with a paired bootstrap interval that re-picks the best in every resample.
 
-Writes reports/benchmarks/plan_quality.csv (every plan), plan_quality_summary.csv, plan_quality.png.
+Verdict per budget: met when the chosen plan's gap to the best is <= 5% or its interval includes 0
+(cannot be told from the best), and its measured peak is within the budget (a hard check).
+
+    python benchmarks/bench_plan_quality.py                 # gpt2 and llama (~11 min on a quiet 2-core machine)
+    python benchmarks/bench_plan_quality.py --models llama --confirm-rounds 4
+
+Writes reports/benchmarks/plan_quality.csv (every plan), plan_quality_summary.csv, plan_quality.png and
+plan_quality_steps.csv (every timed step of both stages, for re-analysis).
 Target: the chosen plan within 5% of the measured best of the space, never over budget.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
-import statistics
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+import timing_stats as ts  # noqa: E402
+
+logger = logging.getLogger(__name__)
 
 MODELS = ("gpt2", "llama")
 WORLD_SIZE = 2
 TARGET_PCT = 5.0
 TIGHT_QUANTILE = 0.4
+BUDGETS = ("loose", "tight")
+AA_COPY = "A/A copy"  # job id suffix of the second copy of a chosen plan in the confirmation
 
 
+# ---- the plans ----
 def exhaustive_space(trace, base) -> list[tuple[str, object]]:
-    from shard_planner.plan import Prefetch
+    from shard_planner.plan import ROOT, Prefetch, Unit
 
     layouts = {}
     for kind in ("per-block", "pairs", "one-group"):
@@ -52,11 +70,13 @@ def exhaustive_space(trace, base) -> list[tuple[str, object]]:
         for reshard in (True, False):
             for pf in (Prefetch(0, 1), Prefetch(1, 2)):
                 for ac in (False, True):
-                    name = f"{kind} {'reshard' if reshard else 'keep'} pf{pf.forward}/{pf.backward}{' AC' if ac else ''}"
+                    name = (f"{kind} {'reshard' if reshard else 'keep'} pf{pf.forward}/{pf.backward}"
+                            f"{' AC' if ac else ''}")
                     out.append((name, replace(base, units=common.make_units(groups, reshard=reshard, ac=ac),
                                               prefetch=pf)))
     for pf in (Prefetch(0, 1), Prefetch(1, 2)):
         out.append((f"root only pf{pf.forward}/{pf.backward}", replace(base, prefetch=pf)))
+    out.append(("root only, root reshard", replace(base, units=(Unit((ROOT,), reshard_after_forward=True),))))
     return out
 
 
@@ -73,20 +93,24 @@ def hand_written(trace, base) -> list[tuple[str, object]]:
     return out
 
 
-def measure(plans, *, repeats: int, steps: int, warmup: int, timeout_s: float):
-    from shard_planner.execute import run_plans
+@dataclass
+class Case:
+    """One model: its plans (by fingerprint), the names they go by, the budgets and the planner's choices."""
 
-    results = [[] for _ in plans]
-    for r in range(repeats):
-        t0 = time.perf_counter()
-        ms = run_plans(plans, world_size=WORLD_SIZE, steps=steps, warmup=warmup, timeout_s=timeout_s, device="cpu")
-        print(f"  launch {r + 1}/{repeats}: {len(plans)} plans, {time.perf_counter() - t0:.0f} s", flush=True)
-        for i, m in enumerate(ms):
-            results[i].append(m)
-    return results
+    model: str
+    trace: object
+    base: object
+    plans: dict = field(default_factory=dict)  # key -> plan as run
+    entries: list = field(default_factory=list)  # (name, kind, key), kind: "space" | "policy" | "planner"
+    budgets: dict = field(default_factory=dict)  # label -> bytes
+    chosen: dict = field(default_factory=dict)  # label -> (key, solve_s)
+    no_plan: dict = field(default_factory=dict)  # label -> why the planner gave none, or why it failed to run
+
+    def name(self, key) -> str:
+        return next(n for n, _, k in self.entries if k == key)
 
 
-def evaluate_model(model: str, *, profile, repeats: int, steps: int, warmup: int, timeout_s: float):
+def prepare(model: str, profile) -> Case:
     from shard_planner.cost import estimate
     from shard_planner.errors import InfeasibleError
     from shard_planner.measurement import plan_fingerprint
@@ -96,101 +120,239 @@ def evaluate_model(model: str, *, profile, repeats: int, steps: int, warmup: int
     path = str(common.EXAMPLES / f"{model}.py")
     trace = trace_model(path)
     base = common.base_plan(path, trace, world_size=WORLD_SIZE)
+    case = Case(model, trace, base)
     space = exhaustive_space(trace, base)
-    preds = [estimate(trace, p, profile) for _, p in space]
-    peaks = sorted(e.memory.peak_bytes for e in preds)
+    peaks = sorted(estimate(trace, p, profile).memory.peak_bytes for _, p in space)
     # tight: 5% above the quantile's peak, so that the budget is not exactly some plan's peak
-    budgets = {"loose": int(peaks[-1] * 1.5),
-               "tight": int(peaks[int(TIGHT_QUANTILE * (len(peaks) - 1))] * 1.05)}
-    entries = [dict(name=n, plan=p, kind="space") for n, p in space]
-    entries += [dict(name=n, plan=p, kind="policy") for n, p in hand_written(trace, base)]
-    chosen, failures = {}, {}
-    for label, budget in budgets.items():
+    case.budgets = {"loose": int(peaks[-1] * 1.5),
+                    "tight": int(peaks[int(TIGHT_QUANTILE * (len(peaks) - 1))] * 1.05)}
+    named = [(n, "space", p) for n, p in space] + [(n, "policy", p) for n, p in hand_written(trace, base)]
+    planned = {}  # label -> (plan, solve_s)
+    for label, budget in case.budgets.items():
         t0 = time.perf_counter()
         try:
             plan = plan_model(trace, gpus=WORLD_SIZE, mem_budget_bytes=budget, profile=profile,
                               micro_batch=base.training.micro_batch, optimizer=base.training.optimizer,
                               model_path=path)
         except InfeasibleError as exc:  # reported as a miss: the space has plans that fit
-            failures[label] = str(exc)
+            case.no_plan[label] = f"NO PLAN: {exc}"
             print(f"  {model}, {label} budget: the planner found no plan ({exc})", flush=True)
             continue
-        chosen[label] = (plan, time.perf_counter() - t0)
-        entries.append(dict(name=f"planner ({label} budget)", plan=plan, kind="planner"))
-    # run each distinct plan once
-    by_key = {}
-    for e in entries:
-        e["key"] = plan_fingerprint(replace(e["plan"], cluster=base.cluster, predicted=None))
-        by_key.setdefault(e["key"], replace(e["plan"], cluster=base.cluster))
-    # The planner's plans run in launches of their own first: a plan FSDP2 rejects must not take the
-    # space's launch down with it (it is reported as the planner's failure).
+        planned[label] = (plan, time.perf_counter() - t0)
+
+    def add(name, kind, plan):
+        run = replace(plan, cluster=base.cluster)  # the planner's own cluster differs in gpus_per_node only
+        key = plan_fingerprint(replace(run, predicted=None))
+        case.plans.setdefault(key, run)
+        case.entries.append((name, kind, key))
+        return key
+
+    for name, kind, plan in named:
+        add(name, kind, plan)
+    case.chosen = {label: (add(f"planner ({label} budget)", "planner", plan), solve_s)
+                   for label, (plan, solve_s) in planned.items()}
+    return case
+
+
+# ---- measuring ----
+@dataclass(frozen=True)
+class Timed:
+    """One plan of an interleaved launch: step times (rounds x steps), in seconds and relative to the
+    typical plan of their round (benchmarks/timing_stats.py, [Note: normalising per round]; every
+    comparison uses these), and the measured peak."""
+
+    times_s: object  # numpy array (rounds, steps)
+    rel: object  # the same, divided by the round's level: unitless
+    peak_bytes: int
+
+
+def measure_interleaved(jobs: dict, *, rounds: int, steps: int, warmup: int, timeout_s: float,
+                        seed: int) -> tuple[dict, float]:
+    """Run every plan of ``jobs`` (job id -> plan) once per round, in a shuffled order per round, all in
+    ONE launch; returns ({job id: Timed}, wall seconds)."""
+    from shard_planner.execute import run_plans
+
+    ids = list(jobs)
+    orders = ts.round_orders(len(ids), rounds, seed=seed)
+    flat = [ids[i] for order in orders for i in order]
+    t0 = time.perf_counter()
+    ms = run_plans([jobs[j] for j in flat], world_size=WORLD_SIZE, steps=steps, warmup=warmup,
+                   timeout_s=timeout_s, device="cpu")
+    wall_s = time.perf_counter() - t0
+    by_id = {j: [] for j in ids}
+    for j, m in zip(flat, ms):  # in run order, so each plan's list is in round order
+        by_id[j].append(m)
+    times = {j: ts.as_matrix([x.step_time_s for x in m]) for j, m in by_id.items()}
+    rel = ts.normalise_by_round(times)
+    out = {}
+    for j, m in by_id.items():
+        peaks = {x.peak_bytes for x in m}
+        if len(peaks) > 1:  # the storage tracker is exact: this would be news
+            logger.warning("%s: measured peak differs between rounds: %s", j, sorted(peaks))
+        out[j] = Timed(times[j], rel[j], max(peaks))
+    return out, wall_s
+
+
+def find_failing(case: Case, keys: list) -> dict:
+    """Run each of ``keys`` alone for one step: {key: error} for those that fail."""
+    from shard_planner.errors import RunError
+    from shard_planner.execute import run_plans
+
+    failed = {}
+    for k in keys:
+        try:
+            run_plans([case.plans[k]], world_size=WORLD_SIZE, steps=1, warmup=1, timeout_s=600, device="cpu")
+        except RunError as exc:
+            failed[k] = str(exc)
+    return failed
+
+
+def screen(case: Case, args) -> tuple[dict, float]:
+    """Every distinct plan, interleaved. A planner plan that FSDP2 rejects would take the launch down:
+    then each planner plan runs alone to find it, it is reported as the planner's failure, and the
+    screen runs again without it."""
     from shard_planner.errors import RunError
 
-    run_failed = {}
-    planner_keys = list(dict.fromkeys(e["key"] for e in entries if e["kind"] == "planner"))
-    measured = {}
-    for k in planner_keys:
-        try:
-            ms = measure([by_key[k]], repeats=repeats, steps=steps, warmup=warmup, timeout_s=timeout_s)[0]
-            measured[k] = (max(m.peak_bytes for m in ms), min(m.step_time_median_s for m in ms))
-        except RunError as exc:
-            run_failed[k] = str(exc)
-            print(f"  {model}: a planner plan failed to run: {exc}", flush=True)
-    keys = [k for k in by_key if k not in planner_keys]
-    results = measure([by_key[k] for k in keys], repeats=repeats, steps=steps, warmup=warmup, timeout_s=timeout_s)
-    measured.update({k: (max(m.peak_bytes for m in ms), min(m.step_time_median_s for m in ms))
-                     for k, ms in zip(keys, results)})
-    for k, msg in run_failed.items():
-        if k in measured:  # also in the space or a policy: measured there after all
-            continue
-        measured[k] = (float("nan"), float("nan"))
+    jobs = dict(case.plans)
+    try:
+        return measure_interleaved(jobs, rounds=args.screen_rounds, steps=args.screen_steps, warmup=args.warmup,
+                                   timeout_s=args.timeout, seed=args.seed)
+    except RunError as exc:
+        planner_keys = [k for k, _ in case.chosen.values() if k is not None]
+        failed = find_failing(case, planner_keys)
+        if not failed:
+            raise  # a plan of the space or a policy failed: a bug to look at, not a verdict
+        print(f"  {case.model}: the screen failed ({exc}); planner plans that fail alone: {len(failed)}", flush=True)
+        for label, (k, _) in list(case.chosen.items()):
+            if k in failed:
+                case.no_plan[label] = f"FAILED TO RUN: {failed[k][-160:]}"
+                del case.chosen[label]
+        for k in failed:
+            del jobs[k]
+        return measure_interleaved(jobs, rounds=args.screen_rounds, steps=args.screen_steps, warmup=args.warmup,
+                                   timeout_s=args.timeout, seed=args.seed)
+
+
+def fitting(case: Case, timed: dict, budget: int) -> list:
+    return [k for k in case.plans if k in timed and timed[k].peak_bytes <= budget]
+
+
+def confirmation_jobs(case: Case, timed: dict, top: int) -> dict:
+    """Per budget the chosen plan and the ``top`` fastest of the screen that fit; one A/A copy."""
+    jobs = {}
+    for label, (chosen, _) in case.chosen.items():
+        fits = sorted((k for k in fitting(case, timed, case.budgets[label]) if k != chosen),
+                      key=lambda k: ts.pooled_median(timed[k].rel))
+        for k in [chosen, *fits[:top]]:
+            jobs.setdefault(k, case.plans[k])
+    if case.chosen:
+        first = next(iter(case.chosen.values()))[0]
+        jobs[(first, AA_COPY)] = case.plans[first]
+    return jobs
+
+
+# ---- judging ----
+def judge(case: Case, timed: dict, confirmed: dict, profile, args) -> tuple[list[dict], list[dict]]:
+    from shard_planner.cost import estimate
+    from shard_planner.tune import describe_plan
+
+    def boots(launch: dict, attr: str) -> dict:
+        return ts.joint_bootstrap({k: getattr(t, attr) for k, t in launch.items()}, n_boot=args.boot,
+                                  seed=args.seed)
+
+    sboot_s, cboot_s = boots(timed, "times_s"), boots(confirmed, "times_s")  # each plan's own interval (s)
+    sboot, cboot = boots(timed, "rel"), boots(confirmed, "rel")  # every comparison
     rows = []
-    for e in entries:
-        est = estimate(trace, e["plan"], profile)
-        peak, step = measured[e["key"]]
-        rows.append(dict(model=model, kind=e["kind"], plan=e["name"], pred_peak_mib=est.memory.peak_bytes / 2**20,
-                         meas_peak_mib=peak / 2**20, pred_step_s=est.time.step_time_s, meas_step_s=step,
-                         key=e["key"]))
+    for name, kind, key in case.entries:
+        if key not in timed:
+            continue  # a planner plan that failed to run
+        est = estimate(case.trace, case.plans[key], profile)
+        s = ts.median_estimate(timed[key].times_s, sboot_s[key])
+        c = ts.median_estimate(confirmed[key].times_s, cboot_s[key]) if key in confirmed else None
+        rows.append(dict(model=case.model, kind=kind, plan=name, pred_peak_mib=est.memory.peak_bytes / 2**20,
+                         meas_peak_mib=timed[key].peak_bytes / 2**20, pred_step_s=est.time.step_time_s,
+                         screen_step_s=s.point, screen_lo_s=s.lo, screen_hi_s=s.hi,
+                         screen_rel=ts.pooled_median(timed[key].rel),
+                         confirm_step_s=c.point if c else None, confirm_lo_s=c.lo if c else None,
+                         confirm_hi_s=c.hi if c else None,
+                         confirm_rel=ts.pooled_median(confirmed[key].rel) if c else None, key=key))
+    aa = None
+    copies = [j for j in confirmed if isinstance(j, tuple) and j[1] == AA_COPY]
+    if copies:
+        a = copies[0][0]
+        aa = ts.paired_gap_pct(confirmed[copies[0]].rel, confirmed[a].rel, cboot[copies[0]], cboot[a])
     summary = []
-    for label, budget in budgets.items():
-        if label in failures:
-            fits = {r["key"] for r in rows if r["kind"] != "planner" and r["meas_peak_mib"] * 2**20 <= budget}
-            summary.append(dict(model=model, budget=label, budget_mib=budget / 2**20, plans_that_fit=len(fits),
-                                chosen="NO PLAN: " + failures[label][:120], chosen_over_budget=False,
-                                chosen_vs_best_pct=float("nan")))
+    for label, budget in case.budgets.items():
+        srow = dict(model=case.model, budget=label, budget_mib=budget / 2**20,
+                    plans_that_fit=len(fitting(case, timed, budget)))
+        if label in case.no_plan:
+            summary.append(dict(srow, chosen=case.no_plan[label][:160], verdict="MISSED: no runnable plan"))
             continue
-        plan, solve_s = chosen[label]
-        key = plan_fingerprint(replace(plan, cluster=base.cluster, predicted=None))
-        peak, step = measured[key]
-        if key in run_failed and peak != peak:
-            fits = {r["key"] for r in rows if r["kind"] != "planner" and r["meas_peak_mib"] * 2**20 <= budget}
-            summary.append(dict(model=model, budget=label, budget_mib=budget / 2**20, plans_that_fit=len(fits),
-                                chosen="FAILED TO RUN: " + common_describe(plan) + ": " + run_failed[key][-120:],
-                                chosen_over_budget=False, chosen_vs_best_pct=float("nan"), solve_s=solve_s))
-            continue
-        fits = [r for r in rows if r["kind"] != "planner" and r["meas_peak_mib"] * 2**20 <= budget]
-        distinct = {r["key"]: r for r in fits}
-        times = sorted(r["meas_step_s"] for r in distinct.values())
-        best = min(times + [step]) if peak <= budget else min(times)
-        rank = 1 + sum(1 for t in times if t < step)
-        srow = dict(model=model, budget=label, budget_mib=budget / 2**20, plans_that_fit=len(distinct),
-                    chosen=common_describe(plan), chosen_meas_peak_mib=peak / 2**20,
-                    chosen_over_budget=peak > budget, chosen_step_s=step, best_step_s=best,
-                    chosen_vs_best_pct=(step / best - 1) * 100, rank=f"{rank}/{len(distinct) + (key not in distinct)}",
-                    solve_s=solve_s)
-        for r in rows:
-            if r["kind"] == "policy":
-                name = r["plan"].removeprefix("policy: ")
-                fits_policy = r["meas_peak_mib"] * 2**20 <= budget
-                srow[f"vs {name} %"] = (step / r["meas_step_s"] - 1) * 100 if fits_policy else "over budget"
+        key, solve_s = case.chosen[label]
+        fits = fitting(case, timed, budget)
+        over = timed[key].peak_bytes > budget
+        pool = fits if key in fits else [*fits, key]
+        screen_rank = 1 + sum(1 for k in pool if k != key and
+                              ts.pooled_median(timed[k].rel) < ts.pooled_median(timed[key].rel))
+        candidates = [k for k in confirmed if not isinstance(k, tuple) and (k in fits or k == key)]
+        best, gap = ts.gap_to_best_pct(key, candidates, {k: confirmed[k].rel for k in candidates}, cboot)
+        if over:
+            verdict = "MISSED: over budget"
+        elif gap.point <= TARGET_PCT:
+            verdict = "met: gap <= 5%"
+        elif gap.lo <= 0.0:
+            verdict = "met: indistinguishable from the best"
+        else:
+            verdict = "MISSED: slower than the best"
+        srow.update(chosen=describe_plan(case.plans[key]), chosen_meas_peak_mib=timed[key].peak_bytes / 2**20,
+                    chosen_over_budget=over, screen_rank=f"{screen_rank}/{len(pool)}",
+                    confirmed_plans=len(candidates), best=case.name(best),
+                    chosen_step_s=ts.pooled_median(confirmed[key].times_s),
+                    best_step_s=ts.pooled_median(confirmed[best].times_s),
+                    gap_pct=gap.point, gap_lo_pct=gap.lo, gap_hi_pct=gap.hi,
+                    aa_gap_pct=aa.point if aa else None, aa_lo_pct=aa.lo if aa else None,
+                    aa_hi_pct=aa.hi if aa else None,
+                    resolves_5pct=gap.half_width <= TARGET_PCT, verdict=verdict, solve_s=solve_s)
+        for name, kind, k in case.entries:  # the hand-written policies, from the screen (paired)
+            if kind == "policy":
+                col = f"vs {name.removeprefix('policy: ')} % (screen)"
+                srow[col] = ("over budget" if timed[k].peak_bytes > budget else
+                             ts.paired_gap_pct(timed[key].rel, timed[k].rel, sboot[key], sboot[k]).fmt())
         summary.append(srow)
     return rows, summary
 
 
-def common_describe(plan) -> str:
-    from shard_planner.tune import describe_plan
+def evaluate_model(model: str, profile, args) -> tuple[list[dict], list[dict], list[dict]]:
+    t0 = time.perf_counter()
+    case = prepare(model, profile)
+    print(f"  {model}: {len(case.plans)} distinct plans; traced and planned in {time.perf_counter() - t0:.0f} s",
+          flush=True)
+    timed, wall_s = screen(case, args)
+    print(f"  {model}: screen, {len(timed)} plans x {args.screen_rounds} rounds x {args.screen_steps} steps: "
+          f"{wall_s:.0f} s (load {_load()})", flush=True)
+    jobs = confirmation_jobs(case, timed, args.confirm_top)
+    confirmed, wall_s = measure_interleaved(jobs, rounds=args.confirm_rounds, steps=args.confirm_steps,
+                                            warmup=args.warmup, timeout_s=args.timeout, seed=args.seed + 1)
+    print(f"  {model}: confirmation, {len(jobs)} jobs x {args.confirm_rounds} rounds x {args.confirm_steps} "
+          f"steps: {wall_s:.0f} s (load {_load()})", flush=True)
+    rows, summary = judge(case, timed, confirmed, profile, args)
+    steps = step_rows(case, "screen", timed) + step_rows(case, "confirmation", confirmed)
+    return rows, summary, steps
 
-    return describe_plan(plan)
+
+def step_rows(case: Case, stage: str, timed: dict) -> list[dict]:
+    """Every timed step, for re-analysis (plan_quality_steps.csv)."""
+    out = []
+    for job, t in timed.items():
+        key, copy = job if isinstance(job, tuple) else (job, "")
+        for r, times in enumerate(t.times_s):
+            out += [dict(model=case.model, stage=stage, plan=case.name(key) + (f" ({copy})" if copy else ""),
+                         round=r, step=i, step_s=float(v)) for i, v in enumerate(times)]
+    return out
+
+
+def _load() -> str:
+    return " ".join(f"{v:.1f}" for v in os.getloadavg())
 
 
 def plot(rows: list[dict], summary: list[dict]):
@@ -203,62 +365,95 @@ def plot(rows: list[dict], summary: list[dict]):
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.8), squeeze=False)
     for ax, model in zip(axes[0], models):
         sel = [r for r in rows if r["model"] == model]
-        for kind, marker, color in (("space", "o", "tab:blue"), ("policy", "s", "tab:orange"), ("planner", "*", "tab:red")):
+        for kind, marker, color in (("space", "o", "tab:blue"), ("policy", "s", "tab:orange"),
+                                    ("planner", "*", "tab:red")):
             pts = [r for r in sel if r["kind"] == kind]
-            ax.scatter([r["meas_peak_mib"] for r in pts], [r["meas_step_s"] for r in pts], marker=marker,
-                       s=120 if kind == "planner" else 30, color=color, label=kind, zorder=3 if kind == "planner" else 2)
+            ax.errorbar([r["meas_peak_mib"] for r in pts], [r["screen_step_s"] for r in pts],
+                        yerr=[[r["screen_step_s"] - r["screen_lo_s"] for r in pts],
+                              [r["screen_hi_s"] - r["screen_step_s"] for r in pts]],
+                        fmt=marker, ms=11 if kind == "planner" else 5, color=color, elinewidth=0.8, capsize=2,
+                        label=f"{kind} (screen)", zorder=3 if kind == "planner" else 2)
+        conf = [r for r in sel if r["confirm_step_s"] is not None]
+        ax.scatter([r["meas_peak_mib"] for r in conf], [r["confirm_step_s"] for r in conf], s=90,
+                   facecolors="none", edgecolors="black", label="confirmation median", zorder=4)
         for s in summary:
             if s["model"] == model:
                 ax.axvline(s["budget_mib"], ls="--", color="grey", lw=1)
                 ax.text(s["budget_mib"], ax.get_ylim()[1], f" {s['budget']} budget", va="top", fontsize=8)
         ax.set_xlabel("measured peak memory per rank (MiB)")
-        ax.set_ylabel("measured step time (s)")
+        ax.set_ylabel("step time, median of all steps (s; 95% interval)")
         ax.set_title(f"{model} (tiny): every plan of the space, measured")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"Plan quality on CPU/gloo, world size {WORLD_SIZE}")
+    fig.suptitle(f"Plan quality on CPU/gloo, world size {WORLD_SIZE}, plans interleaved in rounds")
     return fig
+
+
+def verdict_line(summary: list[dict]) -> str:
+    cases = [s for s in summary if "gap_pct" in s]
+    met = bool(summary) and all(s["verdict"].startswith("met") for s in summary)
+    worst = max(cases, key=lambda s: s["gap_pct"]) if cases else None
+    unresolved = sum(1 for s in cases if not s["resolves_5pct"])
+    return (f"target (within {TARGET_PCT:g}% of the measured best or indistinguishable from it, never over "
+            f"budget): {'met' if met else 'MISSED'} in {sum(s['verdict'].startswith('met') for s in summary)}/"
+            f"{len(summary)} case(s)"
+            + (f"; largest gap {worst['gap_pct']:+.1f}% [{worst['gap_lo_pct']:+.1f}, {worst['gap_hi_pct']:+.1f}] "
+               f"({worst['model']}, {worst['budget']})" if worst else "")
+            + (f"; {unresolved} case(s) with an interval wider than +-{TARGET_PCT:g}%: this run cannot resolve "
+               f"{TARGET_PCT:g}% there" if unresolved else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
-    ap.add_argument("--repeats", type=int, default=2, help="launches per plan; the best median is kept (default 2)")
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--screen-rounds", type=int, default=2, help="rounds of the screen (default 2)")
+    ap.add_argument("--screen-steps", type=int, default=6, help="timed steps per plan per screen round (default 6)")
+    ap.add_argument("--confirm-rounds", type=int, default=12, help="rounds of the confirmation (default 12)")
+    ap.add_argument("--confirm-steps", type=int, default=5,
+                    help="timed steps per plan per confirmation round (default 5: jobs of one plan differ more "
+                         "than its steps, so rounds buy more than steps)")
+    ap.add_argument("--confirm-top", type=int, default=3,
+                    help="fastest plans of the screen that fit, confirmed beside the chosen one (default 3)")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--profile", default="cpu-gloo")
-    ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--profile", default="cpu-gloo", help="the profile the planner plans with (name or path)")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds for one launch (default 1800)")
+    ap.add_argument("--boot", type=int, default=ts.N_BOOT, help=f"bootstrap resamples (default {ts.N_BOOT})")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the round orders and the bootstrap")
     args = ap.parse_args(argv)
+    if min(args.screen_rounds, args.confirm_rounds, args.screen_steps, args.confirm_steps) < 1:
+        ap.error("rounds and steps must be at least 1")
     common.quiet_logs()
     common.set_model_size(None)
     from shard_planner.profile import load_profile
 
     profile = load_profile(args.profile)
     start = time.perf_counter()
-    rows, summary = [], []
+    print(f"bench_plan_quality: load {_load()} at the start", flush=True)
+    rows, summary, steps = [], [], []
     for model in args.models:
-        r, s = evaluate_model(model, profile=profile, repeats=args.repeats, steps=args.steps, warmup=args.warmup,
-                              timeout_s=args.timeout)
+        r, s, t = evaluate_model(model, profile, args)
         rows += r
         summary += s
-    columns = ["model", "kind", "plan", "pred_peak_mib", "meas_peak_mib", "pred_step_s", "meas_step_s"]
-    common.print_table(rows, title="Every plan, measured (CPU, gloo, world size 2)", columns=columns)
+        steps += t
+    columns = ["model", "kind", "plan", "pred_peak_mib", "meas_peak_mib", "pred_step_s", "screen_step_s",
+               "screen_lo_s", "screen_hi_s", "screen_rel", "confirm_step_s", "confirm_lo_s", "confirm_hi_s",
+               "confirm_rel"]
+    common.print_table(rows, title=f"Every plan, measured (CPU, gloo, world size {WORLD_SIZE}; median of all "
+                                   "steps and its 95% interval; rel: relative to the typical plan of its round)",
+                       columns=columns)
     common.write_csv(rows, "plan_quality", columns=columns)
+    common.write_csv(steps, "plan_quality_steps")
     scols = list(dict.fromkeys(k for s in summary for k in s))
-    common.print_table(summary, title="The planner's choice vs the measured best and the hand-written policies",
-                       columns=scols)
+    short = [c for c in scols if not c.startswith("vs ")]
+    common.print_table(summary, title="The planner's choice vs the measured best (confirmation stage)",
+                       columns=short)
+    common.print_table(summary, title="The planner's choice vs the hand-written policies (screen, paired, %)",
+                       columns=["model", "budget"] + [c for c in scols if c.startswith("vs ")])
     common.write_csv(summary, "plan_quality_summary", columns=scols)
     common.save_figure(plot(rows, summary), "plan_quality")
-    gaps = [s["chosen_vs_best_pct"] for s in summary if s["chosen_vs_best_pct"] == s["chosen_vs_best_pct"]]
-    no_plan = sum(1 for s in summary if s["chosen"].startswith(("NO PLAN", "FAILED")))
-    over = any(s["chosen_over_budget"] for s in summary)
-    worst = max(gaps) if gaps else float("nan")
-    met = gaps and worst <= TARGET_PCT and not over and not no_plan
-    print(f"target (within {TARGET_PCT}% of the measured best, never over budget): {'met' if met else 'MISSED'} "
-          f"(worst {worst:.1f}%, median {statistics.median(gaps) if gaps else float('nan'):.1f}% over "
-          f"{len(gaps)} case(s){', a choice over budget' if over else ''}"
-          f"{f', {no_plan} budget(s) with no runnable plan from the planner' if no_plan else ''})")
-    print(f"\nbench_plan_quality: {time.perf_counter() - start:.0f} s; outputs in {common.OUT_DIR}")
+    print(verdict_line(summary))
+    print(f"\nbench_plan_quality: {time.perf_counter() - start:.0f} s (load {_load()} at the end); "
+          f"outputs in {common.OUT_DIR}")
     return 0
 
 

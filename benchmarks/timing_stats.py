@@ -21,6 +21,15 @@ the *same* round indices for every plan (one draw of rounds per resample, shared
 ratio of two plans' medians then cancels what the round did to both, and its interval is much narrower
 than that of either median alone.
 
+[Note: normalising per round]
+A round of all plans lasts a minute; the machine's load moves on that scale too (load average 2 in one
+round, 5 in the next). Dividing every step of round r by that round's level — the median over plans of
+their job medians in round r — makes the rounds comparable before they are pooled: each plan's time
+becomes relative to the typical plan of its round (1.0 = typical; unitless). Ratios within a round are
+unchanged. On llama tiny at load 4-5 (10 rounds x 6 steps, 9 jobs a round) it narrowed the A/A
+interval (two copies of one plan) from [-43%, +27%] to [-32%, +13%]; it cannot remove what changes from
+one job to the next inside a round, which is most of the noise on this machine.
+
 [Note: the gap to the best re-picks the best]
 "Chosen vs best" is chosen / min(candidates) - 1. Picking the best from the same noisy numbers biases
 it low (winner's curse: the minimum of several noisy estimates is below the best true value), which
@@ -80,7 +89,14 @@ def as_matrix(rounds: Sequence[Sequence[float]]) -> np.ndarray:
     return m
 
 
-def pooled_median_s(times: np.ndarray) -> float:
+def normalise_by_round(samples: Mapping[Hashable, np.ndarray]) -> dict[Hashable, np.ndarray]:
+    """Every plan's step times divided by its round's level (unitless). See [Note: normalising per round]."""
+    job_medians = np.stack([np.median(m, axis=1) for m in samples.values()])  # (plans, rounds)
+    level = np.median(job_medians, axis=0)  # (rounds,)
+    return {k: m / level[:, None] for k, m in samples.items()}
+
+
+def pooled_median(times: np.ndarray) -> float:
     """The median of all steps of all rounds. See [Note: why the median of all steps ...]."""
     return float(np.median(times))
 
@@ -112,14 +128,14 @@ def _interval(values: np.ndarray, level: float) -> tuple[float, float]:
 
 def median_estimate(samples: np.ndarray, boot: np.ndarray, *, level: float = LEVEL) -> Estimate:
     """A plan's pooled median step time (s) with its interval."""
-    return Estimate(pooled_median_s(samples), *_interval(boot, level))
+    return Estimate(pooled_median(samples), *_interval(boot, level))
 
 
 def paired_gap_pct(a: np.ndarray, b: np.ndarray, boot_a: np.ndarray, boot_b: np.ndarray, *,
                    level: float = LEVEL) -> Estimate:
     """How much slower plan a is than plan b, in percent: (median_a / median_b - 1) * 100, with the
     interval of the paired bootstrap (``boot_a``, ``boot_b`` from one :func:`joint_bootstrap`)."""
-    point = (pooled_median_s(a) / pooled_median_s(b) - 1.0) * 100
+    point = (pooled_median(a) / pooled_median(b) - 1.0) * 100
     return Estimate(point, *_interval((boot_a / boot_b - 1.0) * 100, level))
 
 
@@ -129,7 +145,7 @@ def gap_to_best_pct(chosen: Hashable, candidates: Sequence[Hashable], samples: M
     must include ``chosen``; the gap is >= 0. See [Note: the gap to the best re-picks the best]."""
     if chosen not in candidates:
         raise ValueError("the chosen plan must be one of the candidates")
-    medians = {k: pooled_median_s(samples[k]) for k in candidates}
+    medians = {k: pooled_median(samples[k]) for k in candidates}
     best = min(candidates, key=medians.__getitem__)
     point = (medians[chosen] / medians[best] - 1.0) * 100
     best_boot = np.min(np.stack([boot[k] for k in candidates]), axis=0)

@@ -88,4 +88,13 @@ def test_round_orders_are_seeded_permutations():
 def test_pooled_median_is_robust_to_outlier_steps():
     times = np.full((3, 10), 0.1)
     times[1, :3] = 0.25  # a burst of load in one round
-    assert ts.pooled_median_s(times) == pytest.approx(0.1)
+    assert ts.pooled_median(times) == pytest.approx(0.1)
+
+
+def test_normalising_by_round_removes_a_shared_round_level(rounds):
+    _, factor = rounds
+    samples = {"a": 0.1 * factor[:, None] * np.ones((ROUNDS, STEPS)),
+               "b": 0.2 * factor[:, None] * np.ones((ROUNDS, STEPS)),
+               "c": 0.3 * factor[:, None] * np.ones((ROUNDS, STEPS))}
+    rel = ts.normalise_by_round(samples)
+    assert np.allclose(rel["b"], 1.0) and np.allclose(rel["a"], 0.5) and np.allclose(rel["c"], 1.5)
