@@ -194,6 +194,21 @@ def test_medians_of_own_times_drop_a_preemption():
     assert out[""][1] == 9.0 and out[LOSS][:2] == (0.1, 0.2)
 
 
+def test_hook_cost_is_scaled_off():
+    """Steps with hooks: model forward 10-11 ms, root backward 14-15 ms + the loss's 2 ms; without:
+    7-8 ms and 14-15 ms for loss.backward() (loss included): factors 7.5/10.5 and 12.5/14.5."""
+    from shard_planner.execute.module_timing import hook_scale
+
+    hooked = [{"": (10.0, 14.0), LOSS: (0.5, 2.0)}, {"": (11.0, 15.0), LOSS: (0.5, 2.0)}]
+    plain = [(7.0, 14.0), (8.0, 15.0)]
+    assert hook_scale(plain, hooked) == (pytest.approx(7.5 / 10.5), pytest.approx(12.5 / 14.5))
+    assert hook_scale([(20.0, 30.0)], hooked[:1]) == (1.0, 1.0)  # noise never adds time
+    children = {"": ("a",), "a": ()}
+    steps = [{"": (10.0, 20.0), "a": (6.0, 12.0), LOSS: (0.1, 0.2)}]
+    out = summarise_steps(children, steps, (0.5, 0.25))
+    assert out["a"][:2] == (3.0, 3.0) and out[""][:2] == (5.0, 5.0) and out[LOSS][:2] == (0.1, 0.2)
+
+
 # ---- tier 3: the real model --------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -221,10 +236,10 @@ def test_gpt2_every_module_timed_and_nested(gpt2_timings):
     assert t.modules["wte"].bwd_source == "derived" and t.modules["blocks.0"].bwd_source == "hooks"
 
 
-# The root-only plan of gpt2 tiny (bf16, micro-batch 8, world size 2) against its fastest measured step
-# (load from other processes only adds time; ranks wait for each other's preemptions in every collective,
-# which no single-process timing sees). Measured on the 2-core shared machine: FLOP model -68% (load ~3)
-# and -87% (load ~6); with timings +9% and -45%. The bound leaves room for a loaded CI machine.
+# The root-only plan of gpt2 tiny (bf16, micro-batch 8, world size 2) against the median of its measured
+# steps (the timings are medians too). On the 2-core shared machine (load 3-6, steps of one run 0.6-1.7x
+# apart) with timings: -29%, -47%, -57% (before the hooks' cost was taken off), 0%; the FLOP model
+# -75%..-87%. Ranks also wait for each other's preemptions in every collective, which no timing sees.
 TIMINGS_BOUND = 0.5
 
 
@@ -243,9 +258,9 @@ def test_gpt2_real_run_closer_with_timings(gpt2_timings):
     flops = estimate(trace, plan, profile).time.step_time_s
     timed = estimate(trace, plan, profile.with_timings(gpt2_timings)).time.step_time_s
     run = run_plan(plan, world_size=2, steps=7, warmup=2, device="cpu", timeout_s=600)
-    measured = min(run.step_time_s)
+    measured = statistics.median(run.step_time_s)
     err_flops, err_timed = (flops - measured) / measured, (timed - measured) / measured
-    report = (f"fastest step {measured * 1e3:.1f} ms (steps {[round(s * 1e3, 1) for s in run.step_time_s]}); FLOP model "
+    report = (f"median step {measured * 1e3:.1f} ms (steps {[round(s * 1e3, 1) for s in run.step_time_s]}); FLOP model "
               f"{flops * 1e3:.1f} ms ({100 * err_flops:+.0f}%), with timings {timed * 1e3:.1f} ms ({100 * err_timed:+.0f}%)")
     print(report)
     assert timed > flops, report

@@ -29,12 +29,18 @@ between the parent's own operations and the untimed children in proportion to th
 (a gather's backward is a scatter of the same size). A module whose outputs need no gradient (rotary
 tables computed from buffers) has no backward: 0.
 
+The hooks cost time themselves (a Python call each, and the full backward hooks put an identity autograd
+node around every module's inputs and outputs): ~20-35 ms per step on gpt2/llama tiny on one CPU thread,
+a third of the step. So every step with hooks is paired with one without, and
+the model's forward and backward are scaled to the time without hooks (``hook_scale``; every module's
+own time by the same factor, so subtree sums stay consistent; a small module, which carries more of the
+hooks' cost than its share, keeps a little of it). The factors are recorded in the file's notes.
+
 CPU: wall clock (``time.perf_counter``; the ops run synchronously), measured in ``world_size`` spawned
 processes at the same time, each with ``torch.set_num_threads(OMP_NUM_THREADS or cores // world_size)``
 as the executor's ranks run (shard_planner/execute/launch.py), so memory-bandwidth contention is as in a
 real run; the median over ranks is kept. GPU: CUDA events recorded in the hooks, one process,
-synchronised after each step. The hooks themselves add a few microseconds per module call (the full
-backward hooks add one autograd node per module), which the timings include.
+synchronised after each step.
 
 Limit: the whole model, its activations and gradients at micro-batch 2B must fit on one device; a model
 that does not raises one UserError line (plan with FLOPs instead: the profile without timings).
@@ -199,6 +205,24 @@ def _one_step(model, model_file, hooks: _Hooks, clock: _Clock, batch: int, step:
     return out
 
 
+def _plain_step(model, model_file, clock: _Clock, batch: int, step: int, device, dtype) -> tuple[float, float]:
+    """The same step without hooks: (model forward s, ``loss.backward()`` s)."""
+    inputs, targets = make_step_batch(model_file, batch, step, 0, device)
+    inputs = tuple(t.to(dtype) if t.is_floating_point() else t for t in inputs)
+    for p in model.parameters():
+        p.grad = None
+    a = clock.mark()
+    output = model(*inputs)
+    b = clock.mark()
+    loss = model_file.loss(output, targets)
+    c = clock.mark()
+    loss.backward()
+    d = clock.mark()
+    if clock.cuda:
+        torch.cuda.synchronize(device)
+    return clock.seconds(a, b), clock.seconds(c, d)
+
+
 def _nearest(children: dict[str, tuple[str, ...]], timed, fqn: str) -> list[str]:
     """The modules in ``timed`` directly below ``fqn``, looking through the others (never called)."""
     found, stack = [], list(reversed(children.get(fqn, ())))
@@ -266,13 +290,15 @@ def inclusive_times(children: dict[str, tuple[str, ...]], own: dict[str, float])
     return out
 
 
-def summarise_steps(children: dict[str, tuple[str, ...]], samples: list[dict[str, tuple]]) -> dict[str, tuple]:
+def summarise_steps(children: dict[str, tuple[str, ...]], samples: list[dict[str, tuple]],
+                    scale: tuple[float, float] = (1.0, 1.0)) -> dict[str, tuple]:
     """fqn -> (fwd_s, bwd_s, bwd source) from per-step samples (fqn -> (fwd_s, bwd_s or None)).
 
     The median is taken of each module's *own* time per step, and subtree times are sums of those
     medians: on a shared machine a preemption lands in one module's interval of one step, so the median
     drops it, and a container is never priced more than its children plus its own operations (a median
-    of each subtree separately would charge every container the preemptions of all its children)."""
+    of each subtree separately would charge every container the preemptions of all its children).
+    ``scale``: forward and backward factors that take the hooks' own cost off (``hook_scale``)."""
     own_fwd, own_bwd = [], []
     for s in samples:
         fwd = {k: v[0] for k, v in s.items() if k != LOSS}
@@ -280,12 +306,24 @@ def summarise_steps(children: dict[str, tuple[str, ...]], samples: list[dict[str
         own_fwd.append(exclusive_times(children, fwd))
         own_bwd.append(exclusive_times(children, bwd))
     keys = own_fwd[0].keys()
-    fwd = inclusive_times(children, {k: statistics.median(o[k] for o in own_fwd) for k in keys})
-    bwd = inclusive_times(children, {k: statistics.median(o[k] for o in own_bwd) for k in keys})
+    fwd = inclusive_times(children, {k: statistics.median(o[k] for o in own_fwd) * scale[0] for k in keys})
+    bwd = inclusive_times(children, {k: statistics.median(o[k] for o in own_bwd) * scale[1] for k in keys})
     out = {k: (fwd[k], bwd[k], "hooks" if samples[0][k][1] is not None else "derived") for k in keys}
     out[LOSS] = (statistics.median(s[LOSS][0] for s in samples), statistics.median(s[LOSS][1] for s in samples),
                  "hooks")
     return out
+
+
+def hook_scale(plain: list[tuple[float, float]], hooked: list[dict[str, tuple]]) -> tuple[float, float]:
+    """Forward and backward factors (at most 1) that take the hooks' own cost off: the model's time
+    without hooks / with hooks, medians over steps run alternately with and without. Forward: the
+    model's call; backward: ``loss.backward()`` less the loss's own backward, which no hook touches."""
+    fwd_plain = statistics.median(p[0] for p in plain)
+    bwd_plain = statistics.median(p[1] for p in plain) - statistics.median(s[LOSS][1] for s in hooked)
+    fwd_hooked = statistics.median(s[""][0] for s in hooked)
+    bwd_hooked = statistics.median(s[""][1] for s in hooked)
+    return (min(1.0, fwd_plain / fwd_hooked) if fwd_hooked > 0 else 1.0,
+            min(1.0, max(0.0, bwd_plain) / bwd_hooked) if bwd_hooked > 0 else 1.0)
 
 
 def _threads(world_size: int) -> int:
@@ -316,19 +354,25 @@ def _measure(opts: _Options, rank: int) -> dict:
     # torch warns once per module whose inputs need no gradient; derive_backward handles those
     warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
     clock = _Clock(device)
-    hooks = _Hooks(model, clock)
     batches: dict[int, dict[str, list[float]]] = {}
+    overhead: dict[int, tuple[float, float]] = {}  # hook_scale per micro-batch
     step = 0
     for b in opts.micro_batches:
         samples: list[dict[str, tuple]] = []
-        for i in range(opts.warmup + opts.repeats):
+        plain: list[tuple[float, float]] = []
+        for i in range(opts.warmup + opts.repeats):  # alternately without and with hooks: the same load
+            p = _plain_step(model, model_file, clock, b, step, device, dtype)
+            hooks = _Hooks(model, clock)
             s = _one_step(model, model_file, hooks, clock, b, step, device, dtype)
+            hooks.remove()
             step += 1
             if i >= opts.warmup:
                 samples.append(s)
-        batches[b] = {k: list(v) for k, v in summarise_steps(hooks.children, samples).items()}
-    hooks.remove()
+                plain.append(p)
+        overhead[b] = hook_scale(plain, samples)
+        batches[b] = {k: list(v) for k, v in summarise_steps(hooks.children, samples, overhead[b]).items()}
     return {"batches": {str(b): v for b, v in batches.items()}, "fingerprint": fingerprint,
+            "hook_scale": {str(b): v for b, v in overhead.items()},
             "threads": torch.get_num_threads() if device.type == "cpu" else 1,
             "device_name": _device_name(device)}
 
@@ -406,4 +450,8 @@ def measure_module_timings(model_path: str, *, micro_batch: int | None = None, d
         micro_batches=opts.micro_batches, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         torch_version=torch.__version__, modules=modules, loss_fwd_s=loss[0], loss_bwd_s=loss[1],
         repeats=repeats,
+        notes={"hook_scale": "; ".join(
+            f"micro-batch {b}: forward x{statistics.median(r['hook_scale'][str(b)][0] for r in results):.3f}, "
+            f"backward x{statistics.median(r['hook_scale'][str(b)][1] for r in results):.3f}"
+            for b in opts.micro_batches) + " (time without hooks / with hooks; applied to every module's own time)"},
     )
