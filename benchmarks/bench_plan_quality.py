@@ -218,8 +218,7 @@ def screen(case: Case, args) -> tuple[dict, float]:
         return measure_interleaved(jobs, rounds=args.screen_rounds, steps=args.screen_steps, warmup=args.warmup,
                                    timeout_s=args.timeout, seed=args.seed)
     except RunError as exc:
-        planner_keys = [k for k, _ in case.chosen.values() if k is not None]
-        failed = find_failing(case, planner_keys)
+        failed = find_failing(case, list(dict.fromkeys(k for k, _ in case.chosen.values())))
         if not failed:
             raise  # a plan of the space or a policy failed: a bug to look at, not a verdict
         print(f"  {case.model}: the screen failed ({exc}); planner plans that fail alone: {len(failed)}", flush=True)
@@ -252,23 +251,44 @@ def confirmation_jobs(case: Case, timed: dict, top: int) -> dict:
 
 
 # ---- judging ----
-def judge(case: Case, timed: dict, confirmed: dict, profile, args) -> tuple[list[dict], list[dict]]:
+@dataclass(frozen=True)
+class Boot:
+    """Bootstrap distributions of one launch: of each plan's median in seconds (its own interval) and
+    of its round-normalised median (every comparison)."""
+
+    s: dict
+    rel: dict
+
+
+def bootstrap(launch: dict, args) -> Boot:
+    if not launch:
+        return Boot({}, {})
+    return Boot(*(ts.joint_bootstrap({k: getattr(t, attr) for k, t in launch.items()}, n_boot=args.boot,
+                                     seed=args.seed) for attr in ("times_s", "rel")))
+
+
+def verdict_of(over_budget: bool, gap: ts.Estimate) -> str:
+    """Met when the chosen plan is within the target of the best, or cannot be told from it; never
+    over budget."""
+    if over_budget:
+        return "MISSED: over budget"
+    if gap.point <= TARGET_PCT:
+        return f"met: gap <= {TARGET_PCT:g}%"
+    if gap.lo <= 0.0:
+        return "met: indistinguishable from the best"
+    return "MISSED: slower than the best"
+
+
+def plan_rows(case: Case, timed: dict, confirmed: dict, sboot: Boot, cboot: Boot, profile) -> list[dict]:
     from shard_planner.cost import estimate
-    from shard_planner.tune import describe_plan
 
-    def boots(launch: dict, attr: str) -> dict:
-        return ts.joint_bootstrap({k: getattr(t, attr) for k, t in launch.items()}, n_boot=args.boot,
-                                  seed=args.seed)
-
-    sboot_s, cboot_s = boots(timed, "times_s"), boots(confirmed, "times_s")  # each plan's own interval (s)
-    sboot, cboot = boots(timed, "rel"), boots(confirmed, "rel")  # every comparison
     rows = []
     for name, kind, key in case.entries:
         if key not in timed:
             continue  # a planner plan that failed to run
         est = estimate(case.trace, case.plans[key], profile)
-        s = ts.median_estimate(timed[key].times_s, sboot_s[key])
-        c = ts.median_estimate(confirmed[key].times_s, cboot_s[key]) if key in confirmed else None
+        s = ts.median_estimate(timed[key].times_s, sboot.s[key])
+        c = ts.median_estimate(confirmed[key].times_s, cboot.s[key]) if key in confirmed else None
         rows.append(dict(model=case.model, kind=kind, plan=name, pred_peak_mib=est.memory.peak_bytes / 2**20,
                          meas_peak_mib=timed[key].peak_bytes / 2**20, pred_step_s=est.time.step_time_s,
                          screen_step_s=s.point, screen_lo_s=s.lo, screen_hi_s=s.hi,
@@ -276,50 +296,56 @@ def judge(case: Case, timed: dict, confirmed: dict, profile, args) -> tuple[list
                          confirm_step_s=c.point if c else None, confirm_lo_s=c.lo if c else None,
                          confirm_hi_s=c.hi if c else None,
                          confirm_rel=ts.pooled_median(confirmed[key].rel) if c else None, key=key))
-    aa = None
+    return rows
+
+
+def aa_gap(confirmed: dict, cboot: Boot) -> ts.Estimate | None:
+    """The A/A pair: how far apart two copies of one plan measured (the noise floor of the run)."""
     copies = [j for j in confirmed if isinstance(j, tuple) and j[1] == AA_COPY]
-    if copies:
-        a = copies[0][0]
-        aa = ts.paired_gap_pct(confirmed[copies[0]].rel, confirmed[a].rel, cboot[copies[0]], cboot[a])
-    summary = []
-    for label, budget in case.budgets.items():
-        srow = dict(model=case.model, budget=label, budget_mib=budget / 2**20,
-                    plans_that_fit=len(fitting(case, timed, budget)))
-        if label in case.no_plan:
-            summary.append(dict(srow, chosen=case.no_plan[label][:160], verdict="MISSED: no runnable plan"))
-            continue
-        key, solve_s = case.chosen[label]
-        fits = fitting(case, timed, budget)
-        over = timed[key].peak_bytes > budget
-        pool = fits if key in fits else [*fits, key]
-        screen_rank = 1 + sum(1 for k in pool if k != key and
-                              ts.pooled_median(timed[k].rel) < ts.pooled_median(timed[key].rel))
-        candidates = [k for k in confirmed if not isinstance(k, tuple) and (k in fits or k == key)]
-        best, gap = ts.gap_to_best_pct(key, candidates, {k: confirmed[k].rel for k in candidates}, cboot)
-        if over:
-            verdict = "MISSED: over budget"
-        elif gap.point <= TARGET_PCT:
-            verdict = "met: gap <= 5%"
-        elif gap.lo <= 0.0:
-            verdict = "met: indistinguishable from the best"
-        else:
-            verdict = "MISSED: slower than the best"
-        srow.update(chosen=describe_plan(case.plans[key]), chosen_meas_peak_mib=timed[key].peak_bytes / 2**20,
-                    chosen_over_budget=over, screen_rank=f"{screen_rank}/{len(pool)}",
-                    confirmed_plans=len(candidates), best=case.name(best),
-                    chosen_step_s=ts.pooled_median(confirmed[key].times_s),
-                    best_step_s=ts.pooled_median(confirmed[best].times_s),
-                    gap_pct=gap.point, gap_lo_pct=gap.lo, gap_hi_pct=gap.hi,
-                    aa_gap_pct=aa.point if aa else None, aa_lo_pct=aa.lo if aa else None,
-                    aa_hi_pct=aa.hi if aa else None,
-                    resolves_5pct=gap.half_width <= TARGET_PCT, verdict=verdict, solve_s=solve_s)
-        for name, kind, k in case.entries:  # the hand-written policies, from the screen (paired)
-            if kind == "policy":
-                col = f"vs {name.removeprefix('policy: ')} % (screen)"
-                srow[col] = ("over budget" if timed[k].peak_bytes > budget else
-                             ts.paired_gap_pct(timed[key].rel, timed[k].rel, sboot[key], sboot[k]).fmt())
-        summary.append(srow)
-    return rows, summary
+    if not copies:
+        return None
+    copy, orig = copies[0], copies[0][0]
+    return ts.paired_gap_pct(confirmed[copy].rel, confirmed[orig].rel, cboot.rel[copy], cboot.rel[orig])
+
+
+def judge_budget(case: Case, label: str, timed: dict, confirmed: dict, sboot: Boot, cboot: Boot,
+                 aa: ts.Estimate | None) -> dict:
+    from shard_planner.tune import describe_plan
+
+    budget = case.budgets[label]
+    fits = fitting(case, timed, budget)
+    row = dict(model=case.model, budget=label, budget_mib=budget / 2**20, plans_that_fit=len(fits))
+    if label in case.no_plan:
+        return dict(row, chosen=case.no_plan[label][:160], verdict="MISSED: no runnable plan")
+    key, solve_s = case.chosen[label]
+    over = timed[key].peak_bytes > budget
+    pool = fits if key in fits else [*fits, key]
+    chosen_rel = ts.pooled_median(timed[key].rel)
+    screen_rank = 1 + sum(1 for k in pool if k != key and ts.pooled_median(timed[k].rel) < chosen_rel)
+    candidates = [k for k in confirmed if not isinstance(k, tuple) and (k in fits or k == key)]
+    best, gap = ts.gap_to_best_pct(key, candidates, {k: confirmed[k].rel for k in candidates}, cboot.rel)
+    row.update(chosen=describe_plan(case.plans[key]), chosen_meas_peak_mib=timed[key].peak_bytes / 2**20,
+               chosen_over_budget=over, screen_rank=f"{screen_rank}/{len(pool)}",
+               confirmed_plans=len(candidates), best=case.name(best),
+               chosen_step_s=ts.pooled_median(confirmed[key].times_s),
+               best_step_s=ts.pooled_median(confirmed[best].times_s),
+               gap_pct=gap.point, gap_lo_pct=gap.lo, gap_hi_pct=gap.hi,
+               aa_gap_pct=aa.point if aa else None, aa_lo_pct=aa.lo if aa else None,
+               aa_hi_pct=aa.hi if aa else None,
+               resolves_5pct=gap.half_width <= TARGET_PCT, verdict=verdict_of(over, gap), solve_s=solve_s)
+    for name, kind, k in case.entries:  # the hand-written policies, from the screen (paired)
+        if kind == "policy":
+            row[f"vs {name.removeprefix('policy: ')} % (screen)"] = (
+                "over budget" if timed[k].peak_bytes > budget else
+                ts.paired_gap_pct(timed[key].rel, timed[k].rel, sboot.rel[key], sboot.rel[k]).fmt())
+    return row
+
+
+def judge(case: Case, timed: dict, confirmed: dict, profile, args) -> tuple[list[dict], list[dict]]:
+    sboot, cboot = bootstrap(timed, args), bootstrap(confirmed, args)
+    aa = aa_gap(confirmed, cboot)
+    summary = [judge_budget(case, label, timed, confirmed, sboot, cboot, aa) for label in case.budgets]
+    return plan_rows(case, timed, confirmed, sboot, cboot, profile), summary
 
 
 def evaluate_model(model: str, profile, args) -> tuple[list[dict], list[dict], list[dict]]:
@@ -331,10 +357,12 @@ def evaluate_model(model: str, profile, args) -> tuple[list[dict], list[dict], l
     print(f"  {model}: screen, {len(timed)} plans x {args.screen_rounds} rounds x {args.screen_steps} steps: "
           f"{wall_s:.0f} s (load {_load()})", flush=True)
     jobs = confirmation_jobs(case, timed, args.confirm_top)
-    confirmed, wall_s = measure_interleaved(jobs, rounds=args.confirm_rounds, steps=args.confirm_steps,
-                                            warmup=args.warmup, timeout_s=args.timeout, seed=args.seed + 1)
-    print(f"  {model}: confirmation, {len(jobs)} jobs x {args.confirm_rounds} rounds x {args.confirm_steps} "
-          f"steps: {wall_s:.0f} s (load {_load()})", flush=True)
+    confirmed = {}
+    if jobs:  # else the planner gave no runnable plan at any budget: nothing to confirm
+        confirmed, wall_s = measure_interleaved(jobs, rounds=args.confirm_rounds, steps=args.confirm_steps,
+                                                warmup=args.warmup, timeout_s=args.timeout, seed=args.seed + 1)
+        print(f"  {model}: confirmation, {len(jobs)} jobs x {args.confirm_rounds} rounds x {args.confirm_steps} "
+              f"steps: {wall_s:.0f} s (load {_load()})", flush=True)
     rows, summary = judge(case, timed, confirmed, profile, args)
     steps = step_rows(case, "screen", timed) + step_rows(case, "confirmation", confirmed)
     return rows, summary, steps
