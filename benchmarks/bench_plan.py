@@ -73,6 +73,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="timing rows only")
     args = ap.parse_args()
     rows = []
+    print("load average at the start:", ", ".join(f"{x:.1f}" for x in os.getloadavg()), flush=True)
     for label, ex, size, gpus, budget, target in TIMING:
         plan, trace_s, solve_s, err = plan_once(ex, size, gpus, budget)
         best, gain = speedup(plan) if plan else ("", None)
@@ -105,9 +106,10 @@ def main() -> int:
     cols = list(rows[0])
     md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     md += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     (out / "plan.md").write_text("# shard-planner plan: wall time and predicted speedup\n\n"
-                                 "Machine: shared 2-core CPU (timings noisy). Profile h100-80gb.\n\n"
-                                 + "\n".join(md) + "\n")
+                                 f"Machine: shared 2-core CPU (timings noisy; load average at the end {load}). "
+                                 "Profile h100-80gb.\n\n" + "\n".join(md) + "\n")
     print("\n".join(md))
     return 0
 
