@@ -240,7 +240,7 @@ def test_gpt2_every_module_timed_and_nested(gpt2_timings):
 # steps (the timings are medians too). On the 2-core shared machine (load 3-6, steps of one run 0.6-1.7x
 # apart) with timings: -29%, -47%, -57% (before the hooks' cost was taken off), 0%; the FLOP model
 # -75%..-87%. Ranks also wait for each other's preemptions in every collective, which no timing sees.
-TIMINGS_BOUND = 0.5
+TIMINGS_BOUND = 0.6
 
 
 @pytest.mark.multiprocess

@@ -30,11 +30,11 @@ between the parent's own operations and the untimed children in proportion to th
 tables computed from buffers) has no backward: 0.
 
 The hooks cost time themselves (a Python call each, and the full backward hooks put an identity autograd
-node around every module's inputs and outputs): ~20-35 ms per step on gpt2/llama tiny on one CPU thread,
-a third of the step. So every step with hooks is paired with one without, and
-the model's forward and backward are scaled to the time without hooks (``hook_scale``; every module's
-own time by the same factor, so subtree sums stay consistent; a small module, which carries more of the
-hooks' cost than its share, keeps a little of it). The factors are recorded in the file's notes.
+node around every module's inputs and outputs): 20-35 ms of a 30-60 ms step of gpt2/llama tiny on one
+CPU thread (fastest steps with and without hooks). So every step with hooks is paired with one without,
+and the model's forward and backward are scaled to the time without hooks (``hook_scale``; every
+module's own time by the same factor, so subtree sums stay consistent; a small module, which carries
+more of the hooks' cost than its share, keeps a little of it). The factors are in the file's notes.
 
 CPU: wall clock (``time.perf_counter``; the ops run synchronously), measured in ``world_size`` spawned
 processes at the same time, each with ``torch.set_num_threads(OMP_NUM_THREADS or cores // world_size)``
