@@ -445,3 +445,22 @@ def test_runners_up_are_earlier_fitting_covers():
     for cover in res.runners_up:
         r = evaluate(lm, cover)  # raises unless an exact cover
         assert cover != res.chosen and r.peak_mib <= budget and r.time_us >= best
+
+
+def test_root_reshard_follows_the_budget(example_traces):
+    """The root's own reshard is a choice too: on gpt2 tiny at micro-batch 16 the whole model as one
+    unit is fastest, kept gathered it needs more than 16 MiB, resharded after forward it fits; the
+    planner returns the latter (one more all-gather, as the simulators say, beats any wrapping)."""
+    from shard_planner.cost import estimate
+    from shard_planner.plan import ROOT, Unit
+
+    trace, prof = example_traces["gpt2"], _cpu_gloo()
+    budget = 16 * MIB
+    plan = plan_model(trace, gpus=2, gpus_per_node=2, mem_budget_bytes=budget, profile=prof, micro_batch=16,
+                      frontier_points=3)
+    kept = estimate(trace, replace(plan, predicted=None, units=(Unit((ROOT,), reshard_after_forward=False),)), prof)
+    assert kept.memory.peak_bytes > budget  # the premise
+    assert [(u.modules, u.reshard_after_forward) for u in plan.units] == [(("",), True)]
+    assert "root reshard True" in plan.solver.status
+    others = _alternatives(trace, plan, budget, prof)
+    assert plan.predicted.step_time_s <= min(e.time.step_time_s for e in others) * (1 + 1e-9)
