@@ -108,6 +108,11 @@ def run_timings(args: argparse.Namespace) -> int:
         raise UserError(f"--world-size must be at least 1, got {args.world_size}")
     if args.micro_batch is not None and args.micro_batch < 1:
         raise UserError(f"--micro-batch must be at least 1, got {args.micro_batch}")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UserError("--device cuda: no CUDA device on this machine")
     req = TimingsRequest(args.model, args.micro_batch, dtype, args.world_size, args.device, out, args.profile)
     timings = measure_module_timings(req.model, micro_batch=req.micro_batch, dtype=req.dtype,
                                      world_size=req.world_size, device=req.device)
