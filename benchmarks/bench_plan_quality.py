@@ -331,7 +331,7 @@ def judge_budget(case: Case, label: str, timed: dict, confirmed: dict, sboot: Bo
                best_step_s=ts.pooled_median(confirmed[best].times_s),
                gap_pct=gap.point, gap_lo_pct=gap.lo, gap_hi_pct=gap.hi,
                aa_gap_pct=aa.point if aa else None, aa_lo_pct=aa.lo if aa else None,
-               aa_hi_pct=aa.hi if aa else None,
+               aa_hi_pct=aa.hi if aa else None, aa_includes_zero=aa.includes_zero() if aa else None,
                resolves_5pct=gap.half_width <= TARGET_PCT, verdict=verdict_of(over, gap), solve_s=solve_s)
     for name, kind, k in case.entries:  # the hand-written policies, from the screen (paired)
         if kind == "policy":
@@ -422,13 +422,17 @@ def verdict_line(summary: list[dict]) -> str:
     met = bool(summary) and all(s["verdict"].startswith("met") for s in summary)
     worst = max(cases, key=lambda s: s["gap_pct"]) if cases else None
     unresolved = sum(1 for s in cases if not s["resolves_5pct"])
+    aa_failed = list(dict.fromkeys(s["model"] for s in cases if s["aa_includes_zero"] is False))
     return (f"target (within {TARGET_PCT:g}% of the measured best or indistinguishable from it, never over "
-            f"budget): {'met' if met else 'MISSED'} in {sum(s['verdict'].startswith('met') for s in summary)}/"
-            f"{len(summary)} case(s)"
+            f"budget): {'met' if met else 'MISSED'} (met in {sum(s['verdict'].startswith('met') for s in summary)}/"
+            f"{len(summary)} case(s))"
             + (f"; largest gap {worst['gap_pct']:+.1f}% [{worst['gap_lo_pct']:+.1f}, {worst['gap_hi_pct']:+.1f}] "
                f"({worst['model']}, {worst['budget']})" if worst else "")
             + (f"; {unresolved} case(s) with an interval wider than +-{TARGET_PCT:g}%: this run cannot resolve "
-               f"{TARGET_PCT:g}% there" if unresolved else ""))
+               f"{TARGET_PCT:g}% there" if unresolved else "")
+            + (f"; A/A check FAILED for {', '.join(aa_failed)}: two copies of one plan measured apart with an "
+               "interval excluding 0, so the intervals there are too narrow and an 'indistinguishable' verdict "
+               "there is not evidence" if aa_failed else ""))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -58,7 +58,7 @@ def test_a_close_choice_meets_the_target_and_the_aa_pair_is_near_zero():
     jobs, row = _judge(_case({"loose": "close", "tight": "small"}), "loose")
     assert set(jobs) == {"close", "fast", "slow", "small", ("close", bq.AA_COPY)}
     assert row["best"] == "fast" and 1 < row["gap_pct"] < 5 and row["verdict"].startswith("met")
-    assert row["aa_lo_pct"] <= 0 <= row["aa_hi_pct"] and row["resolves_5pct"]
+    assert row["aa_lo_pct"] <= 0 <= row["aa_hi_pct"] and row["aa_includes_zero"] and row["resolves_5pct"]
     assert row["screen_rank"] == "2/4"
 
 
@@ -86,3 +86,11 @@ def test_only_plans_that_fit_compete_and_over_budget_is_a_miss():
 def test_verdict(gap, verdict):
     assert bq.verdict_of(False, gap) == verdict
     assert bq.verdict_of(True, gap) == "MISSED: over budget"
+
+
+def test_verdict_line_flags_a_failed_aa_check_and_wide_intervals():
+    row = dict(model="m", budget="loose", verdict="met: indistinguishable from the best", gap_pct=8.0,
+               gap_lo_pct=0.0, gap_hi_pct=30.0, resolves_5pct=False, aa_includes_zero=False)
+    line = bq.verdict_line([row])
+    assert "met (met in 1/1 case(s))" in line and "cannot resolve 5%" in line and "A/A check FAILED for m" in line
+    assert "MISSED (met in 1/2 case(s))" in bq.verdict_line([row, dict(row, verdict="MISSED: over budget")])
