@@ -72,6 +72,20 @@ class HardwareProfile:
     def usable_bytes(self) -> int:
         return int(self.memory_bytes * self.usable_fraction)
 
+    def tensor_budget_bytes(self, mem_budget_bytes: int) -> int:
+        """Bytes the planner may fill under a per-device budget of ``mem_budget_bytes`` (``--mem``):
+        the budget (at most the device's memory) x ``usable_fraction``. --mem is device memory the
+        user gives us; the fraction stays free for caching-allocator fragmentation (reserved >
+        allocated: REFERENCE.md, fairscale #972, pytorch #98354), also when --mem is below the
+        device's memory. The CUDA context and NCCL (``reserved_bytes``) are counted inside the
+        planned peak, not here."""
+        return int(min(mem_budget_bytes, self.memory_bytes) * self.usable_fraction)
+
+    @property
+    def fragmentation_percent(self) -> int:
+        """The share of the budget kept for allocator fragmentation, in whole percent (for messages)."""
+        return round((1 - self.usable_fraction) * 100)
+
     def flops_per_s(self, dtype: str) -> float:
         """Achievable FLOP/s in ``dtype``: peak x efficiency."""
         try:

@@ -150,3 +150,12 @@ def test_calibrate_cli_rejects_bad_arguments(capsys):
     assert main(["calibrate", "-o", "profile.json"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("shard-planner: error:") for line in err)
+
+
+def test_tensor_budget_keeps_the_fragmentation_fraction_inside_mem():
+    """--mem is device memory: the planner fills usable_fraction of it (of the device at most)."""
+    p = load_profile("h100-80gb")
+    gib = 2**30
+    assert p.tensor_budget_bytes(40 * gib) == int(40 * gib * 0.92)
+    assert p.tensor_budget_bytes(10**15) == p.usable_bytes  # capped by the device's memory
+    assert p.fragmentation_percent == 8
