@@ -119,9 +119,13 @@ class Cluster:
     gpus_per_node: int
     profile: str  # a profile name (profiles/NAME.toml) or a path
     mem_budget_bytes: int  # per GPU
+    # measured module times (shard-planner calibrate --model) the compute was priced from, a path; None: FLOPs
+    timings: str | None = None
 
     def __post_init__(self):
         _require(isinstance(self.gpus, int) and self.gpus >= 1, f"cluster.gpus must be a positive int, got {self.gpus!r}")
+        _require(self.timings is None or isinstance(self.timings, str),
+                 f"cluster.timings must be a path or null, got {self.timings!r}")
         _require(isinstance(self.gpus_per_node, int) and self.gpus_per_node >= 1,
                  f"cluster.gpus_per_node must be a positive int, got {self.gpus_per_node!r}")
         _require(isinstance(self.mem_budget_bytes, int) and self.mem_budget_bytes > 0,

@@ -122,3 +122,13 @@ def load_timings(path) -> ModuleTimings:
     """Read a timings file written by ``shard-planner calibrate --model``; one ProfileError line if it is
     missing or malformed. Use it with ``profile.with_timings(load_timings(path))``."""
     return ModuleTimings.from_dict(read_json(path, ProfileError, "module-timings"), source=str(path))
+
+
+def load_priced_profile(profile: str, timings: str | None = None):
+    """The hardware profile ``profile`` (a name in profiles/ or a TOML path) that prices compute from the
+    module times in the file ``timings`` (None: from FLOPs). A plan records both (``cluster.profile``,
+    ``cluster.timings``), so ``estimate``, ``run`` and ``report`` price it as ``plan`` did."""
+    from shard_planner.profile import load_profile
+
+    hw = load_profile(profile)
+    return hw if timings is None else hw.with_timings(load_timings(timings))

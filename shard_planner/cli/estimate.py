@@ -17,6 +17,7 @@ class EstimateRequest:
     model: str  # a model file, or a trace.json
     plan: str
     profile: str | None  # None: the plan's cluster.profile
+    timings: str | None  # None: the plan's cluster.timings; "": price compute from FLOPs
     gpus: int | None  # None: the plan's
     micro_batch: int | None
     write: bool  # store the prediction in the plan file
@@ -37,6 +38,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "path (default: the plan's cluster.profile)")
     p.add_argument("--gpus", type=positive_int, default=None, metavar="N",
                    help="estimate the plan's decisions on N GPUs instead (plain FSDP over N ranks)")
+    p.add_argument("--timings", default=None, metavar="FILE",
+                   help="measured module times (shard-planner calibrate --model) to price compute from (default: "
+                   "the plan's cluster.timings; --timings '' prices from FLOPs)")
     p.add_argument("--micro-batch", type=positive_int, default=None, metavar="B", help="override the plan's micro-batch")
     p.add_argument("--write", action="store_true", help="store the prediction in the plan file's 'predicted'")
     return p
@@ -44,16 +48,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from shard_planner.cost import estimate
-    from shard_planner.profile import load_profile
+    from shard_planner.timings import load_priced_profile
     from shard_planner.trace.tracer import trace_or_load
 
-    req = EstimateRequest(args.model, args.plan, args.profile, args.gpus, args.micro_batch, args.write)
+    req = EstimateRequest(args.model, args.plan, args.profile, args.timings, args.gpus, args.micro_batch, args.write)
     plan = load_plan(req.plan)
     if req.gpus is not None and req.gpus != plan.cluster.gpus:
         plan = plan.with_world_size(req.gpus)
     if req.micro_batch is not None:
         plan = replace(plan, training=replace(plan.training, micro_batch=req.micro_batch), predicted=None)
-    profile = load_profile(req.profile or plan.cluster.profile)
+    timings = plan.cluster.timings if req.timings is None else (req.timings or None)
+    profile = load_priced_profile(req.profile or plan.cluster.profile, timings)
     trace = trace_or_load(req.model, dtype=plan.training.param_dtype)
     if plan.model.fingerprint not in (trace.fingerprint, ""):
         raise PlanError(f"{req.plan} was made for a model with fingerprint {plan.model.fingerprint}, but "
@@ -78,7 +83,8 @@ def report(plan: Plan, profile, est) -> str:
     lines = [
         f"plan: {len(plan.units)} units, {plan.mesh.description}, "
         f"micro-batch {tr.micro_batch}, {tr.optimizer}, params {tr.param_dtype} / reduce {tr.reduce_dtype}"
-        f"{', CPU offload' if tr.cpu_offload else ''}; profile {profile.name}",
+        f"{', CPU offload' if tr.cpu_offload else ''}; profile {profile.name}"
+        f"{'; compute from measured module times' if profile.module_timings is not None else ''}",
         f"peak memory per GPU: {format_bytes(mem.peak_bytes)} at \"{mem.peak_event}\" — {fits} in "
         f"{format_bytes(budget)} (budget {format_bytes(plan.cluster.mem_budget_bytes)}, usable "
         f"{format_bytes(profile.usable_bytes)})",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from shard_planner.cli.args import byte_size, positive_float, positive_int
@@ -22,6 +22,7 @@ class PlanRequest:
     gpus: int
     mem_budget_bytes: int
     profile: str
+    timings: str | None  # measured module times (calibrate --model); None: compute from FLOPs
     gpus_per_node: int
     micro_batch: int | None
     search_batch: bool
@@ -44,6 +45,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--mem", type=byte_size, required=True, metavar="SIZE", help="memory budget per GPU, e.g. 40GB (GB = GiB)")
     p.add_argument("--profile", default="h100-80gb",
                    help="hardware profile: a name in profiles/ or a TOML path (default: h100-80gb)")
+    p.add_argument("--timings", default=None, metavar="FILE",
+                   help="measured module times from `shard-planner calibrate --model` (this model, this device, "
+                   "--dtype): compute is priced from them instead of FLOPs; the plan records the file")
     p.add_argument("--gpus-per-node", type=positive_int, default=None, metavar="K",
                    help="GPUs per node (default: the profile's)")
     batch = p.add_mutually_exclusive_group()
@@ -63,14 +67,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from shard_planner.modelfile import load_unless_trace, training_defaults
-    from shard_planner.profile import load_profile
     from shard_planner.solve import plan_model
+    from shard_planner.timings import load_priced_profile
     from shard_planner.trace import trace_model, trace_or_load
 
-    profile = load_profile(args.profile)
+    profile = load_priced_profile(args.profile, args.timings)
     gpn = args.gpus_per_node or profile.interconnect.gpus_per_node
     req = PlanRequest(model=args.model, gpus=args.gpus, mem_budget_bytes=args.mem, profile=args.profile,
-                      gpus_per_node=gpn, micro_batch=args.batch_size, search_batch=args.search_batch,
+                      timings=args.timings, gpus_per_node=gpn, micro_batch=args.batch_size, search_batch=args.search_batch,
                       dtype=DTYPE_NAMES[args.dtype], output=args.output, time_limit_s=args.time_limit, report=args.report)
 
     model_file = load_unless_trace(req.model)
@@ -81,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
                       gpus_per_node=req.gpus_per_node, micro_batch=micro_batch, search_batch=req.search_batch,
                       param_dtype=req.dtype, optimizer=defaults.optimizer,
                       time_limit_s=req.time_limit_s, model_path=req.model, profile_name=req.profile)
+    if req.timings is not None:
+        plan = replace(plan, cluster=replace(plan.cluster, timings=req.timings))
     save_plan(plan, req.output)
     print(summary(plan, profile))
     print(f"wrote {req.output}")
@@ -119,7 +125,9 @@ def summary(plan: Plan, profile) -> str:
                      f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in sorted(
                          pr.memory_at_peak.items(), key=lambda kv: -kv[1])[:3]))
     mfu = f", MFU {100 * pr.mfu:.0f}%" if pr.mfu else ""
-    lines.append(f"predicted step {pr.step_time_s * 1e3:.1f} ms, {pr.throughput_text} on {plan.cluster.gpus} GPUs{mfu}")
+    priced = f" (compute from measured module times, {plan.cluster.timings})" if plan.cluster.timings else ""
+    lines.append(f"predicted step {pr.step_time_s * 1e3:.1f} ms, {pr.throughput_text} on {plan.cluster.gpus} GPUs{mfu}"
+                 f"{priced}")
     fitting = [b for b in plan.baselines if b.fits]
     if fitting:
         best = min(fitting, key=lambda b: b.step_time_s)

@@ -52,9 +52,9 @@ def run(args) -> int:
                             "--no-trace")
     profile = None
     if args.profile:
-        from shard_planner.profile import load_profile
+        from shard_planner.timings import load_priced_profile
 
-        profile = load_profile(args.profile)
+        profile = load_priced_profile(args.profile, plan.cluster.timings)
     out = Path(args.output) if args.output else Path("reports") / Path(args.plan).stem
     from shard_planner.report import write_report
 

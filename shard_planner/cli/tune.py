@@ -28,6 +28,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--trials", type=positive_int, default=3, help="most plans to run for real (default 3)")
     p.add_argument("--profile", help="hardware profile name or TOML path (default: cpu-gloo on a machine "
                                      "without CUDA; required with CUDA)")
+    p.add_argument("--timings", metavar="FILE",
+                   help="measured module times (shard-planner calibrate --model, same model, device and --dtype) "
+                        "to price compute from instead of FLOPs")
     p.add_argument("--world-size", type=positive_int,
                    help=f"ranks to run on (default: --gpus; {CPU_DEFAULT_WORLD_SIZE} on CPU): the plans are "
                         "re-derived for it when it differs from --gpus")
@@ -81,8 +84,9 @@ def run(args) -> int:
         result = tune_model(
             args.model, gpus=args.gpus, mem_budget_bytes=budget, profile=profile, trials=args.trials,
             world_size=world_size, gpus_per_node=args.gpus_per_node, micro_batch=args.micro_batch,
-            dtype=DTYPE_NAMES[args.dtype],            per_launch=args.per_launch, steps=args.steps, warmup=args.warmup, timeout_s=args.timeout,
-            device=device, profile_out=profile_out, report_dir=report_dir)
+            dtype=DTYPE_NAMES[args.dtype], per_launch=args.per_launch, steps=args.steps, warmup=args.warmup,
+            timeout_s=args.timeout, device=device, profile_out=profile_out, report_dir=report_dir,
+            timings=args.timings)
     save_plan(result.plan, out)
 
     print(f"{'#':>2}  {'launch':>6}  {'measured s':>10}  {'prior s':>9}  {'fitted s':>9}  {'peak':>11}  "

@@ -43,13 +43,13 @@ def reestimate(plan: Plan, model_path: str) -> Prediction | None:
     model is not available or cannot estimate it (logged)."""
     try:
         from shard_planner.cost import estimate
-        from shard_planner.profile import load_profile
+        from shard_planner.timings import load_priced_profile
         from shard_planner.trace import trace_model
     except ImportError:
         return None
     try:
         trace = trace_model(model_path, dtype=plan.training.param_dtype)  # traced as the plan computes
-        return estimate(trace, plan, load_profile(plan.cluster.profile)).prediction()
+        return estimate(trace, plan, load_priced_profile(plan.cluster.profile, plan.cluster.timings)).prediction()
     except Exception as exc:  # an estimate is a bonus: the run goes on without it
         logger.warning("could not re-estimate the plan for %d ranks: %s: %s", plan.mesh.world_size,
                        type(exc).__name__, exc)

@@ -25,7 +25,7 @@ from pathlib import Path
 from shard_planner.cost.types import Estimate
 from shard_planner.fileio import write_atomic
 from shard_planner.plan import Plan
-from shard_planner.profile import HardwareProfile, load_profile
+from shard_planner.profile import HardwareProfile
 from shard_planner.report.measured import check_measurement_matches, measured_figures, predictions_for
 from shard_planner.report.plots import (
     figure_png, plot_frontier, plot_measured_plans, plot_memory_at_peak, plot_memory_timeline,
@@ -48,7 +48,11 @@ def _estimate(plan: Plan, trace: ModelTrace, profile: HardwareProfile | None) ->
     except ImportError:
         logger.warning("the cost model (shard_planner.cost.estimate) is not available: no memory timeline")
         return None
-    return estimate(trace, plan, profile if profile is not None else load_profile(plan.cluster.profile))
+    if profile is None:
+        from shard_planner.timings import load_priced_profile
+
+        profile = load_priced_profile(plan.cluster.profile, plan.cluster.timings)
+    return estimate(trace, plan, profile)
 
 
 def build_sections(plan: Plan, *, trace: ModelTrace | None = None, profile: HardwareProfile | None = None,

@@ -15,10 +15,12 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from shard_planner.errors import UserError
 from shard_planner.profile import HardwareProfile, load_profile
+from shard_planner.timings import load_timings
 from shard_planner.tune.candidates import Candidate, describe_plan, top_candidates
 from shard_planner.tune.fit import ProfileFit, fit_profile, scale_profile
 from shard_planner.tune.profile_file import write_profile
@@ -49,13 +51,15 @@ def tune_model(model_path: str, *, gpus: int, mem_budget_bytes: int, profile: st
                micro_batch: int | None = None, dtype: str = "bfloat16", per_launch: int | None = None,
                steps: int = 5, warmup: int = 2, timeout_s: float = 600.0, device: str = "auto", trace=None,
                profile_out: str | os.PathLike | None = None, report_dir: str | os.PathLike | None = None,
-               plan_kwargs: dict | None = None) -> TuneResult:
+               plan_kwargs: dict | None = None, timings: str | None = None) -> TuneResult:
     """Plan ``model_path`` for ``gpus`` GPUs within ``mem_budget_bytes`` each, run the top ``trials``
     distinct plans for real (re-derived for ``world_size`` ranks when given), fit ``profile`` to what was
     measured and return the measured best (see :mod:`shard_planner.tune.tuner`). Writes the fitted profile
     to ``profile_out`` and a report into ``report_dir`` when given; the returned plan names the fitted
     profile when it was written. ``dtype`` is the mixed-precision param dtype the model is traced and
-    planned in (``trace``, when given, must have been traced in it)."""
+    planned in (``trace``, when given, must have been traced in it). ``timings``: a module-timings file
+    (``shard-planner calibrate --model``) that prices compute instead of FLOPs; the fit then moves only
+    what the timings leave to the profile (its compute factor stays at the prior for timed modules)."""
     from shard_planner.cost import estimate
     from shard_planner.execute import run_plans
     from shard_planner.modelfile import load_model_file
@@ -66,6 +70,8 @@ def tune_model(model_path: str, *, gpus: int, mem_budget_bytes: int, profile: st
     if trials < 1:
         raise UserError(f"--trials must be at least 1, got {trials}")
     prior = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
+    if timings is not None:
+        prior = prior.with_timings(load_timings(timings))
     model_file = load_model_file(model_path)
     param_dtype = compute_dtype_name(dtype)
     if trace is None:
@@ -83,6 +89,8 @@ def tune_model(model_path: str, *, gpus: int, mem_budget_bytes: int, profile: st
                                 extra=hand_written_plans(trace, plan))
     result = tune(trace, candidates, prior, estimate=estimate, run_plans=run_plans, world_size=world_size,
                   per_launch=per_launch, steps=steps, warmup=warmup, timeout_s=timeout_s, device=device)
+    if timings is not None:
+        result = replace(result, plan=replace(result.plan, cluster=replace(result.plan.cluster, timings=timings)))
     if profile_out is not None:
         write_fitted_profile(result, prior, profile_out, model_path)
         result = _with_profile(result, str(profile_out))
@@ -96,8 +104,6 @@ def tune_model(model_path: str, *, gpus: int, mem_budget_bytes: int, profile: st
 
 def hand_written_plans(trace, plan) -> list[tuple]:
     """The hand-written policies (shard_planner/solve/baselines.py) with ``plan``'s global choices."""
-    from dataclasses import replace
-
     from shard_planner.solve.baselines import POLICIES
     from shard_planner.solve.space import build_space
 
@@ -106,7 +112,5 @@ def hand_written_plans(trace, plan) -> list[tuple]:
 
 
 def _with_profile(result: TuneResult, profile_path: str) -> TuneResult:
-    from dataclasses import replace
-
     plan = result.plan
     return replace(result, plan=replace(plan, cluster=replace(plan.cluster, profile=profile_path)))

@@ -20,7 +20,8 @@ FITTED_FIELDS = {
     "intra_node_latency_s": "latency",
     "inter_node_latency_s": "latency",
 }
-_SKIP = {"source", "notes", "interconnect", "peak_flops_per_s"}
+_SKIP = {"source", "notes", "interconnect", "peak_flops_per_s",
+         "module_timings"}  # per model, in their own file (shard_planner/timings.py): the plan records it
 
 
 def _toml_value(v) -> str:
