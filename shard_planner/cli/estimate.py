@@ -78,7 +78,7 @@ def _ms(seconds: float) -> str:
 def report(plan: Plan, profile, est) -> str:
     mem, t = est.memory, est.time
     tr = plan.training
-    budget = min(plan.cluster.mem_budget_bytes, profile.usable_bytes)
+    budget = profile.tensor_budget_bytes(plan.cluster.mem_budget_bytes)
     fits = "fits" if mem.peak_bytes <= budget else "DOES NOT FIT"
     lines = [
         f"plan: {len(plan.units)} units, {plan.mesh.description}, "
@@ -86,8 +86,8 @@ def report(plan: Plan, profile, est) -> str:
         f"{', CPU offload' if tr.cpu_offload else ''}; profile {profile.name}"
         f"{'; compute from measured module times' if profile.module_timings is not None else ''}",
         f"peak memory per GPU: {format_bytes(mem.peak_bytes)} at \"{mem.peak_event}\" — {fits} in "
-        f"{format_bytes(budget)} (budget {format_bytes(plan.cluster.mem_budget_bytes)}, usable "
-        f"{format_bytes(profile.usable_bytes)})",
+        f"{format_bytes(budget)} (budget {format_bytes(plan.cluster.mem_budget_bytes)} less "
+        f"{profile.fragmentation_percent}% kept for allocator fragmentation)",
     ]
     for cat in MEMORY_CATEGORIES:
         v = mem.memory_at_peak.get(cat, 0)

@@ -42,7 +42,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("model", help="model file (path/to/model.py) or a trace.json from shard-planner trace")
     p.add_argument("--gpus", type=positive_int, required=True, metavar="N", help="number of GPUs")
-    p.add_argument("--mem", type=byte_size, required=True, metavar="SIZE", help="memory budget per GPU, e.g. 40GB (GB = GiB)")
+    p.add_argument("--mem", type=byte_size, required=True, metavar="SIZE", help="memory per GPU, e.g. 40GB (GB = GiB); the plan's predicted peak fills at most the "
+                   "profile's usable_fraction of it (92%% on the GPU profiles), the rest is kept for allocator "
+                   "fragmentation")
     p.add_argument("--profile", default="h100-80gb",
                    help="hardware profile: a name in profiles/ or a TOML path (default: h100-80gb)")
     p.add_argument("--timings", default=None, metavar="FILE",
@@ -113,15 +115,16 @@ def summary(plan: Plan, profile) -> str:
     from shard_planner.solve import summarize_units
 
     pr = plan.predicted
-    budget = plan.cluster.mem_budget_bytes
+    budget = profile.tensor_budget_bytes(plan.cluster.mem_budget_bytes)
     tr = plan.training
     lines = [f"plan for {plan.model.path}: {len(plan.units)} FSDP units, {plan.mesh.description}, "
              f"micro-batch {tr.micro_batch}, "
              f"prefetch forward {plan.prefetch.forward} / backward {plan.prefetch.backward}"
              f"{', CPU offload' if tr.cpu_offload else ''}"]
     lines += [f"  {line}" for line in summarize_units(plan.units)]
-    lines.append(f"predicted peak {format_bytes(pr.peak_bytes)} per GPU of {format_bytes(budget)} budget "
-                 f"({100 * pr.peak_bytes / budget:.0f}%), at the peak: " + ", ".join(
+    lines.append(f"predicted peak {format_bytes(pr.peak_bytes)} per GPU of {format_bytes(budget)} usable "
+                 f"({100 * pr.peak_bytes / budget:.0f}%; --mem {format_bytes(plan.cluster.mem_budget_bytes)} less "
+                 f"{profile.fragmentation_percent}% for allocator fragmentation), at the peak: " + ", ".join(
                      f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in sorted(
                          pr.memory_at_peak.items(), key=lambda kv: -kv[1])[:3]))
     mfu = f", MFU {100 * pr.mfu:.0f}%" if pr.mfu else ""
