@@ -30,14 +30,17 @@ Memory per rank (bytes, then MiB rounded *up* so the linear model never under-co
   ``gather`` — the all-gather output a neighbour's prefetch adds ([Note: Prefetch holds all-gather
   outputs]); ``regather`` — the same in backward (0 when it kept its parameters).
 
-Time per candidate (seconds, then µs rounded): forward and backward compute from traced FLOPs at the
-profile's achievable FLOP/s, recomputation when checkpointed, and *exposed* communication,
-linearised per unit as ``max(0, comm - overlap x compute)``: the all-gathers and reduce-scatters of a
-unit hide behind compute of the neighbouring units; the unit's own compute stands in for its
-neighbours' (exact for uniform stacks of blocks), and the prefetch depth sets how many neighbours
-(``overlap = max(1, depth)``: FSDP2's implicit prefetch overlaps one unit even at depth 0; on a
-CPU profile nothing overlaps). Collectives use the ring
-model ``alpha (p-1) + (p-1)/p x bytes / busbw`` (nccl-tests' bus bandwidth, DESIGN.md "Time model").
+Time per candidate (seconds, then µs rounded): forward and backward compute of its items
+(:func:`shard_planner.cost.module_compute_s`: the items' measured times when the profile has module
+timings, else traced FLOPs at the profile's achievable FLOP/s), recomputation when checkpointed (its
+forward again: the simulator recomputes with the measured forward too), and *exposed*
+communication, linearised per unit as ``max(0, comm - overlap x compute)``: the all-gathers and
+reduce-scatters of a unit hide behind compute of the neighbouring units; the unit's own compute stands
+in for its neighbours' (exact for uniform stacks of blocks), and the prefetch depth sets how many
+neighbours (``overlap = max(1, depth)``: FSDP2's implicit prefetch overlaps one unit even at depth 0;
+on a CPU profile nothing overlaps). The linear model has no per-op or per-unit framework overhead
+(only the simulators price it, cost/time.py), so measured times, which hold the per-op framework time
+already, are not counted twice. Collectives use the ring model ``alpha (p-1) + (p-1)/p x bytes / busbw`` (nccl-tests' bus bandwidth, DESIGN.md "Time model").
 The constant part (loss, modules outside items, optimizer step) does not change the argmin but is
 added so the linear step time is comparable with the simulator's.
 """
@@ -48,6 +51,7 @@ import math
 from dataclasses import dataclass
 
 from shard_planner.cost.tables import DTYPE_BYTES
+from shard_planner.cost.time import module_compute_s
 from shard_planner.plan import Mesh, Prefetch, Training
 from shard_planner.profile import HardwareProfile
 from shard_planner.solve.space import Candidate, SearchSpace
@@ -158,7 +162,6 @@ def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoi
     bp = DTYPE_BYTES[training.param_dtype]  # unsharded (all-gathered) parameters and their gradients
     br = DTYPE_BYTES[training.reduce_dtype]  # reduce-scatter buffers
     act_scale = bp / DTYPE_BYTES.get(trace.compute_dtype, bp)  # activations follow the compute dtype
-    flops_per_s = profile.flops_per_s(training.param_dtype)
     states = OPTIMIZER_STATES[training.optimizer]
 
     # ---- per item, in bytes / FLOPs at micro-batch b ----
@@ -167,8 +170,9 @@ def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoi
     inputs = [trace.module(it.fqn).input_bytes.at(b) * act_scale for it in items]
     fwd_rise = [trace.module(it.fqn).fwd_peak_rise_bytes.at(b) * act_scale for it in items]
     bwd_rise = [trace.module(it.fqn).bwd_peak_rise_bytes.at(b) * act_scale for it in items]
-    fwd_flops = [trace.subtree_sum(it.fqn, "fwd_flops_self").at(b) for it in items]
-    bwd_flops = [trace.subtree_sum(it.fqn, "bwd_flops_self").at(b) for it in items]
+    # compute seconds: measured when the profile has module timings, else FLOPs / throughput
+    # (cost.module_compute_s; see "Time per candidate" in the module docstring)
+    fwd_s, bwd_s = zip(*(module_compute_s(trace, it.fqn, b, profile, training.param_dtype) for it in items))
 
     lat, bw = _link(profile, shard)
     replicas = choice.mesh.replicate
@@ -184,9 +188,9 @@ def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoi
     coeffs = []
     for c in space.candidates:
         coeffs.append(_candidate_coeffs(
-            c, space, saved, inputs, fwd_rise, bwd_rise, fwd_flops, bwd_flops, bp=bp, br=br, shard=shard,
+            c, space, saved, inputs, fwd_rise, bwd_rise, fwd_s, bwd_s, bp=bp, br=br, shard=shard,
             replicas=replicas, lat=lat, bw=bw, inter_lat=inter_lat, inter_bw=inter_bw,
-            profile=profile, flops_per_s=flops_per_s, d_f=d_f, d_b=d_b, overlap=overlap, trace=trace,
+            profile=profile, d_f=d_f, d_b=d_b, overlap=overlap, trace=trace,
             leading_root_items=leading))
 
     # ---- constants ----
@@ -206,12 +210,14 @@ def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoi
     opt_temp = (trace.param_count * param_elem / shard) if states == 2 and not choice.cpu_offload else 0.0
     optimizer = profile.reserved_bytes + sharded_state + opt_temp
 
-    total_fwd = trace.subtree_sum("", "fwd_flops_self").at(b)
-    total_bwd = trace.subtree_sum("", "bwd_flops_self").at(b)
-    outside_flops = max(0.0, total_fwd + total_bwd - sum(fwd_flops) - sum(bwd_flops)) + trace.loss_flops.at(b)
+    # compute outside every item: the root's subtree less the items', and the loss (the root's measured
+    # time does not hold the loss: timings.py times loss_fn outside every module)
+    root_f, root_b = module_compute_s(trace, "", b, profile, training.param_dtype)
+    loss_f, loss_b = module_compute_s(trace, None, b, profile, training.param_dtype)
+    outside_s = max(0.0, root_f + root_b - sum(fwd_s) - sum(bwd_s)) + loss_f + loss_b
     root_comm = 2 * ring_time_s(root_params * bp, shard, lat, bw)  # root all-gather at the start, reduce-scatter at the end
     opt_bytes = trace.param_count * param_elem * _optimizer_touches(states) / shard
-    const_s = outside_flops / flops_per_s + root_comm + opt_bytes / profile.memory_bandwidth_bytes_per_s
+    const_s = outside_s + root_comm + opt_bytes / profile.memory_bandwidth_bytes_per_s
     if choice.cpu_offload:
         # sharded params to the device before each all-gather, gradients back (PCIe, profile).
         const_s += 2 * trace.param_count * param_elem / shard / profile.host_to_device_bytes_per_s
@@ -221,8 +227,8 @@ def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoi
     )
 
 
-def _candidate_coeffs(c: Candidate, space: SearchSpace, saved, inputs, fwd_rise, bwd_rise, fwd_flops, bwd_flops, *,
-                      bp, br, shard, replicas, lat, bw, inter_lat, inter_bw, profile, flops_per_s, d_f, d_b,
+def _candidate_coeffs(c: Candidate, space: SearchSpace, saved, inputs, fwd_rise, bwd_rise, fwd_s, bwd_s, *,
+                      bp, br, shard, replicas, lat, bw, inter_lat, inter_bw, profile, d_f, d_b,
                       overlap, trace, leading_root_items) -> Coeffs:
     o = c.option
     idx = range(c.start, c.stop)
@@ -266,8 +272,8 @@ def _candidate_coeffs(c: Candidate, space: SearchSpace, saved, inputs, fwd_rise,
         next_gather = gather_live
 
     # ---- time ----
-    cf = sum(fwd_flops[i] for i in idx) / flops_per_s
-    cb = sum(bwd_flops[i] for i in idx) / flops_per_s
+    cf = sum(fwd_s[i] for i in idx)
+    cb = sum(bwd_s[i] for i in idx)
     rc = cf if o.activation_checkpoint else 0.0
     ar = 0.0
     if replicas > 1:  # HSDP: all-reduce of the sharded gradients across replicas (2 ring passes)
