@@ -10,7 +10,9 @@ machine). Predictions use the profile given (default cpu-gloo).
 
 Step-time errors are given twice: with the profile as shipped, and with the profile fitted the way
 ``shard-planner tune`` fits it (compute efficiency, collective bandwidth and latency), leave one model out:
-each model predicted with the profile fitted to the other models' runs.
+each model predicted with the profile fitted to the other models' runs. With ``--timings``, a third time:
+compute priced from the model's module times measured on this machine just before
+(``shard-planner calibrate --model``, at the run's world size and dtype), the rest from the profile.
 
 Part 2 (fake process group): our prediction vs FSDPMemTracker under FakeTensorMode for Llama 8B and
 70B shapes at world size 8 and 64, with both wall times: the plans and the tracker's harness of
@@ -64,12 +66,25 @@ def _run_all(plans, *, world_size: int, steps: int, warmup: int, timeout_s: floa
 
 
 def measure_model(model: str, *, world_size: int, profile, steps: int, warmup: int, int_reshard: int | None,
-                  timeout_s: float, only_int: bool = False) -> list[dict]:
+                  timeout_s: float, only_int: bool = False, timings: bool = False) -> list[dict]:
     from shard_planner.cost import estimate
     from shard_planner.trace import trace_model
 
     path = str(common.EXAMPLES / f"{model}.py")
-    traces = {}
+    traces, timed = {}, {}
+
+    def timed_profile(dtype: str, micro_batch: int):
+        """``profile`` pricing compute from this model's module times, measured here at ``world_size``
+        processes (as the run shares the cores) in ``dtype`` (shard-planner calibrate --model)."""
+        from shard_planner.execute.module_timing import measure_module_timings
+
+        if (dtype, micro_batch) not in timed:
+            t0 = time.perf_counter()
+            timed[dtype, micro_batch] = profile.with_timings(measure_module_timings(
+                path, micro_batch=micro_batch, dtype=dtype, world_size=world_size, device="cpu"))
+            print(f"  {model}: module times in {dtype} at world size {world_size}, {time.perf_counter() - t0:.0f} s",
+                  flush=True)
+        return timed[dtype, micro_batch]
 
     def trace_for(dtype: str):
         if dtype not in traces:
@@ -89,10 +104,16 @@ def measure_model(model: str, *, world_size: int, profile, steps: int, warmup: i
     results = _run_all([p for _, p in variants], world_size=world_size, steps=steps, warmup=warmup,
                        timeout_s=timeout_s)
     launch_s = time.perf_counter() - t0
+    # measured after the runs, so that the runs' numbers do not depend on whether timings were asked for
+    timed_steps = [estimate(trace_for(plan.training.param_dtype), plan,
+                            timed_profile(plan.training.param_dtype, plan.training.micro_batch),
+                            timeline=False).time.step_time_s if timings else float("nan")
+                   for _, plan in variants]
     rows = []
-    for (name, plan), (est, est_s), (m, err) in zip(variants, predictions, results):
+    for (name, plan), (est, est_s), (m, err), timed_s in zip(variants, predictions, results, timed_steps):
         row = dict(model=model, world_size=world_size, plan=name, _trace=trace_for(plan.training.param_dtype),
-                   _plan=plan, step_err_fitted_pct=float("nan"),
+                   _plan=plan, step_err_fitted_pct=float("nan"), pred_step_timed_s=timed_s,
+                   step_err_timed_pct=float("nan"),
                    pred_peak_mib=est.memory.peak_bytes / 2**20, pred_step_s=est.time.step_time_s,
                    meas_peak_mib=float("nan"), meas_step_s=float("nan"), peak_err_pct=float("nan"),
                    step_err_pct=float("nan"), step_spread_s=float("nan"), estimate_ms=est_s * 1e3, error=err or "")
@@ -100,6 +121,7 @@ def measure_model(model: str, *, world_size: int, profile, steps: int, warmup: i
             row.update(meas_peak_mib=m.peak_bytes / 2**20, meas_step_s=m.step_time_median_s,
                        peak_err_pct=common.error_pct(est.memory.peak_bytes, m.peak_bytes),
                        step_err_pct=common.error_pct(est.time.step_time_s, m.step_time_median_s),
+                       step_err_timed_pct=common.error_pct(timed_s, m.step_time_median_s),
                        step_spread_s=m.step_time_spread_s)
         rows.append(row)
     print(f"  {model} at world size {world_size}: {len(variants)} plans, launch {launch_s:.0f} s", flush=True)
@@ -168,12 +190,14 @@ def summary_rows(rows: list[dict]) -> list[dict]:
         pk_med, pk_max = common.summarize([r["peak_err_pct"] for r in sel])
         st_med, st_max = common.summarize([r["step_err_pct"] for r in sel])
         sf_med, sf_max = common.summarize([r["step_err_fitted_pct"] for r in sel])
+        tm_med, tm_max = common.summarize([r["step_err_timed_pct"] for r in sel])
         out.append(dict(model=model, world_size=ws if ws is not None else "-",
                         plans=sum(1 for r in sel if r["meas_peak_mib"] == r["meas_peak_mib"]),
                         failed=sum(1 for r in sel if r["error"]),
                         peak_err_median_pct=pk_med, peak_err_max_pct=pk_max,
                         step_err_median_pct=st_med, step_err_max_pct=st_max,
-                        fitted_step_err_median_pct=sf_med, fitted_step_err_max_pct=sf_max))
+                        fitted_step_err_median_pct=sf_med, fitted_step_err_max_pct=sf_max,
+                        timed_step_err_median_pct=tm_med, timed_step_err_max_pct=tm_max))
     return out
 
 
@@ -232,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--profile", default="cpu-gloo")
     ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--timings", action="store_true",
+                    help="also predict step time from module times measured here first (shard-planner calibrate "
+                         "--model; ~30 s per model and dtype)")
     ap.add_argument("--skip-runs", action="store_true", help="only the FSDPMemTracker part")
     ap.add_argument("--skip-memtracker", action="store_true", help="only the real runs")
     args = ap.parse_args(argv)
@@ -245,13 +272,14 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for model in args.models:
             rows += measure_model(model, world_size=2, profile=profile, steps=args.steps, warmup=args.warmup,
-                                  int_reshard=None, timeout_s=args.timeout)
+                                  int_reshard=None, timeout_s=args.timeout, timings=args.timings)
             if model in args.ws4:
                 rows += measure_model(model, world_size=4, profile=profile, steps=args.steps, warmup=args.warmup,
-                                      int_reshard=2, timeout_s=args.timeout)
+                                      int_reshard=2, timeout_s=args.timeout, timings=args.timings)
         factors = cross_fitted_errors(rows, profile)
         columns = ["model", "world_size", "plan", "pred_peak_mib", "meas_peak_mib", "peak_err_pct", "pred_step_s",
-                   "meas_step_s", "step_err_pct", "step_err_fitted_pct", "step_spread_s", "estimate_ms", "error"]
+                   "meas_step_s", "step_err_pct", "step_err_fitted_pct", "pred_step_timed_s", "step_err_timed_pct",
+                   "step_spread_s", "estimate_ms", "error"]
         common.print_table(rows, title="Predicted vs measured, real FSDP2 runs (CPU, gloo)", columns=columns)
         common.write_csv(rows, "accuracy_runs", columns=columns)
         summary = summary_rows(rows)
