@@ -33,7 +33,7 @@ class HardwareProfile:
     name: str
     device: str  # "cuda" or "cpu"
     memory_bytes: int  # per device
-    usable_fraction: float  # of memory_bytes the planner may fill (allocator fragmentation headroom)
+    usable_fraction: float  # of --mem (at most memory_bytes) the planner may fill; the rest: allocator fragmentation (tensor_budget_bytes)
     reserved_bytes: int  # fixed per process: CUDA context, NCCL, allocator reserve
     per_process_group_bytes: int  # each extra process group (int reshard) costs this (pytorch#153302)
     peak_flops_per_s: dict[str, float]  # by compute dtype name ("bfloat16", "float32")
@@ -70,6 +70,7 @@ class HardwareProfile:
 
     @property
     def usable_bytes(self) -> int:
+        """What the planner may fill of the whole device: ``tensor_budget_bytes(memory_bytes)``."""
         return int(self.memory_bytes * self.usable_fraction)
 
     def tensor_budget_bytes(self, mem_budget_bytes: int) -> int:

@@ -9,6 +9,7 @@
 - the same inputs give the same plan.
 """
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -275,6 +276,16 @@ def _cpu_gloo():
     return load_profile("cpu-gloo")
 
 
+def _mem_for(prof, usable_bytes):
+    """The --mem whose budget the planner fills is exactly ``usable_bytes`` (it keeps the profile's
+    fragmentation share of --mem free: profile.tensor_budget_bytes)."""
+    mem = math.ceil(usable_bytes / prof.usable_fraction)
+    while prof.tensor_budget_bytes(mem) < usable_bytes:
+        mem += 1
+    assert prof.tensor_budget_bytes(mem) == usable_bytes
+    return mem
+
+
 def _unit_of(trace, units, fqn):
     """The innermost unit holding ``fqn`` (the root unit, or None when nothing wraps it)."""
     wrapped = {m: u for u in units for m in u.modules}
@@ -345,8 +356,8 @@ def test_plan_or_infeasible_is_consistent(example_traces, name, micro_batch):
         except InfeasibleError as exc:
             smallest = parse_bytes(str(exc).split("needs is ")[1].split(" (")[0])
             assert smallest > budget, str(exc)
-        else:
-            assert simulate(trace, plan, prof).memory.peak_bytes <= budget
+        else:  # the profile's fragmentation share of --mem stays free
+            assert simulate(trace, plan, prof).memory.peak_bytes <= prof.tensor_budget_bytes(budget) < budget
 
 
 def test_fitting_smallest_peak_plan_is_returned_not_refused(example_traces, monkeypatch):
@@ -356,9 +367,9 @@ def test_fitting_smallest_peak_plan_is_returned_not_refused(example_traces, monk
 
     monkeypatch.setattr(planner, "_solve_checked", lambda *a, **k: None)
     trace, prof = example_traces["gpt2"], _cpu_gloo()
-    budget = int(7.69 * MIB)
+    budget = _mem_for(prof, int(7.69 * MIB))  # 7.69 MiB usable (tuned to a plan's peak) + the fragmentation share
     plan = plan_model(trace, gpus=2, mem_budget_bytes=budget, profile=prof, micro_batch=8, frontier_points=3)
-    assert simulate(trace, plan, prof).memory.peak_bytes <= budget
+    assert simulate(trace, plan, prof).memory.peak_bytes <= prof.tensor_budget_bytes(budget)
     with pytest.raises(InfeasibleError) as info:  # below every plan's peak: still refused, with a larger budget
         plan_model(trace, gpus=2, mem_budget_bytes=MIB, profile=prof, micro_batch=8, frontier_points=3)
     assert parse_bytes(str(info.value).split("needs is ")[1].split(" (")[0]) > MIB
@@ -398,12 +409,14 @@ def test_no_wrapping_chosen_when_fastest_with_room(example_traces, monkeypatch):
     from shard_planner.cost import estimate
 
     trace, prof = example_traces["gpt2"], _cpu_gloo()
-    kw = dict(gpus=2, gpus_per_node=2, mem_budget_bytes=64 * MIB, profile=prof, micro_batch=1, frontier_points=3)
+    usable = 64 * MIB  # --mem less the profile's fragmentation share
+    kw = dict(gpus=2, gpus_per_node=2, mem_budget_bytes=_mem_for(prof, usable), profile=prof, micro_batch=1,
+              frontier_points=3)
     plan = plan_model(trace, **kw)
     est = estimate(trace, replace(plan, predicted=None), prof)
-    assert est.memory.peak_bytes == plan.predicted.peak_bytes <= 64 * MIB
+    assert est.memory.peak_bytes == plan.predicted.peak_bytes <= usable
     assert est.time.step_time_s == pytest.approx(plan.predicted.step_time_s)
-    others = _alternatives(trace, plan, 64 * MIB, prof)
+    others = _alternatives(trace, plan, usable, prof)
     assert others and plan.predicted.step_time_s <= min(e.time.step_time_s for e in others) * (1 + 1e-9)
     before = _solver_and_policies_only(trace, monkeypatch, **kw)
     assert plan.predicted.step_time_s <= before.predicted.step_time_s * (1 + 1e-9)
@@ -418,8 +431,9 @@ def test_no_wrapping_not_chosen_when_it_does_not_fit(example_traces, monkeypatch
     from shard_planner.plan import ROOT, Unit
 
     trace, prof = example_traces["gpt2"], _cpu_gloo()
-    budget = 8 * MIB
-    kw = dict(gpus=2, gpus_per_node=2, mem_budget_bytes=budget, profile=prof, micro_batch=8, frontier_points=3)
+    budget = 8 * MIB  # usable: --mem less the profile's fragmentation share
+    kw = dict(gpus=2, gpus_per_node=2, mem_budget_bytes=_mem_for(prof, budget), profile=prof, micro_batch=8,
+              frontier_points=3)
     plan = plan_model(trace, **kw)
     root_only = [estimate(trace, replace(plan, predicted=None, prefetch=Prefetch(),
                                          units=(Unit((ROOT,), reshard_after_forward=r),)), prof) for r in (False, True)]
@@ -455,9 +469,9 @@ def test_root_reshard_follows_the_budget(example_traces):
     from shard_planner.plan import ROOT, Unit
 
     trace, prof = example_traces["gpt2"], _cpu_gloo()
-    budget = 16 * MIB
-    plan = plan_model(trace, gpus=2, gpus_per_node=2, mem_budget_bytes=budget, profile=prof, micro_batch=16,
-                      frontier_points=3)
+    budget = 16 * MIB  # usable: --mem less the profile's fragmentation share
+    plan = plan_model(trace, gpus=2, gpus_per_node=2, mem_budget_bytes=_mem_for(prof, budget), profile=prof,
+                      micro_batch=16, frontier_points=3)
     kept = estimate(trace, replace(plan, predicted=None, units=(Unit((ROOT,), reshard_after_forward=False),)), prof)
     assert kept.memory.peak_bytes > budget  # the premise
     assert [(u.modules, u.reshard_after_forward) for u in plan.units] == [(("",), True)]

@@ -21,6 +21,12 @@
    solves can miss it: time limits, re-solves exhausted by the linear model's error). Otherwise
    :class:`InfeasibleError` with the smallest budget any of them needs (always larger than the asked
    one), that plan, and what dominates memory there.
+
+The budget every step fills is ``profile.tensor_budget_bytes(mem_budget_bytes)``: ``--mem`` (at most
+the device's memory) less the profile's share kept for caching-allocator fragmentation (1 -
+``usable_fraction``; REFERENCE.md). The predicted peak counts allocated bytes, and the allocator
+reserves more than it allocates, so a plan that filled all of ``--mem`` would not run. Messages give
+both numbers, and budgets in ``--mem`` terms (:func:`_mem_for`).
 """
 
 from __future__ import annotations
@@ -79,18 +85,18 @@ def plan_model(trace: ModelTrace, *, gpus: int, mem_budget_bytes: int, profile: 
                time_limit_s: float = cpsat.DEFAULT_TIME_LIMIT_S, max_group_size: int = DEFAULT_MAX_GROUP_SIZE,
                frontier_points: int = DEFAULT_FRONTIER_POINTS, allow_offload: bool = True,
                model_path: str | None = None, profile_name: str | None = None) -> Plan:
-    """The fastest plan for ``trace`` on ``gpus`` GPUs whose simulated peak fits ``mem_budget_bytes``
-    per GPU, with the frontier and the hand-written baselines. Pure: no files, no printing."""
+    """The fastest plan for ``trace`` on ``gpus`` GPUs whose simulated peak fits
+    ``profile.tensor_budget_bytes(mem_budget_bytes)`` per GPU (``--mem`` less the fragmentation share),
+    with the frontier and the hand-written baselines. Pure: no files, no printing."""
     t0 = time.perf_counter()
     if gpus < 1 or gpus_per_node < 1:
         raise UserError(f"--gpus and --gpus-per-node must be positive, got {gpus} and {gpus_per_node}")
     if micro_batch is not None and micro_batch < 1:
         raise UserError(f"--batch-size must be a positive int, got {micro_batch}")
-    budget = mem_budget_bytes
-    if budget > profile.usable_bytes:
-        logger.warning("budget %s exceeds what %s can use (%s): planning for %s", format_bytes(budget),
-                       profile.name, format_bytes(profile.usable_bytes), format_bytes(profile.usable_bytes))
-        budget = profile.usable_bytes
+    budget = profile.tensor_budget_bytes(mem_budget_bytes)
+    if mem_budget_bytes > profile.memory_bytes:
+        logger.warning("budget %s exceeds the memory of a %s device (%s): planning for %s", format_bytes(mem_budget_bytes),
+                       profile.name, format_bytes(profile.memory_bytes), _budget_text(profile, mem_budget_bytes))
     training = Training(micro_batch=micro_batch or 1, optimizer=optimizer, param_dtype=param_dtype,
                         reduce_dtype=reduce_dtype)
     cluster = Cluster(gpus=gpus, gpus_per_node=min(gpus_per_node, gpus), profile=profile_name or profile.name,
@@ -162,7 +168,7 @@ class _Context:
 
     def __init__(self, trace, profile, training, cluster, budget, time_limit_s, max_group_size, model_path):
         self.trace, self.profile, self.training, self.cluster = trace, profile, training, cluster
-        self.budget_bytes = budget
+        self.budget_bytes = budget  # profile.tensor_budget_bytes(cluster.mem_budget_bytes): what plans may fill
         self.budget_mib = budget // MIB
         self.time_limit_s = time_limit_s
         self.max_group_size = max_group_size
@@ -446,9 +452,10 @@ def _smallest_peak(ctx: _Context, micro_batch: int) -> list[Checked]:
 def _infeasible(ctx: _Context, micro_batch: int, smallest: list[Checked]) -> InfeasibleError:
     """The smallest budget any plan in the space needs (by the simulators; larger than the asked
     budget, else that plan would have been returned), that plan, and what dominates memory there."""
+    fits = _budget_text(ctx.profile, ctx.cluster.mem_budget_bytes)
     best = min(smallest, key=lambda c: c.peak_bytes, default=None)
     if best is None:
-        return InfeasibleError(f"no plan fits {format_bytes(ctx.budget_bytes)} per GPU and the solver found no plan at all")
+        return InfeasibleError(f"no plan fits {fits} and the solver found no plan at all")
     at_peak = best.estimate.memory.memory_at_peak
     # What dominates among what a plan can change; the profile's fixed overhead (CUDA context, NCCL,
     # allocator reserve) only when it alone fills the budget, since no plan can shrink it.
@@ -467,8 +474,31 @@ def _infeasible(ctx: _Context, micro_batch: int, smallest: list[Checked]) -> Inf
         "overhead": "the profile's fixed overhead (context, NCCL, allocator reserve) alone exceeds the budget: "
                     "raise --mem or use a profile that matches your device",
     }.get(top, "add GPUs")
+    need = _mem_for(ctx.profile, best.peak_bytes)
+    over = (f", more than the {format_bytes(ctx.profile.memory_bytes)} of a {ctx.profile.name} device"
+            if need > ctx.profile.memory_bytes else "")
     return InfeasibleError(
-        f"no plan fits {format_bytes(ctx.budget_bytes)} per GPU; the smallest budget any plan needs is "
-        f"{format_bytes(best.peak_bytes)} ({describe_choice(best.units, best.choice)}); at its peak "
+        f"no plan fits {fits}; the smallest budget any plan needs is {format_bytes(need)} (peak "
+        f"{format_bytes(best.peak_bytes)}{over}; {describe_choice(best.units, best.choice)}); at its peak "
         f"{top.replace('_', ' ')} take {format_bytes(at_peak[top])} at micro-batch {micro_batch}: {advice}"
     )
+
+
+def _budget_text(profile: HardwareProfile, mem_budget_bytes: int) -> str:
+    """The budget in words, both numbers: '40.00 GiB per GPU (36.80 GiB usable of it: 8% kept for
+    allocator fragmentation, profile h100-80gb)'."""
+    given = min(mem_budget_bytes, profile.memory_bytes)
+    usable = profile.tensor_budget_bytes(mem_budget_bytes)
+    if usable == given:
+        return f"{format_bytes(given)} per GPU"
+    return (f"{format_bytes(given)} per GPU ({format_bytes(usable)} usable of it: {profile.fragmentation_percent}% "
+            f"kept for allocator fragmentation, profile {profile.name})")
+
+
+def _mem_for(profile: HardwareProfile, peak_bytes: int) -> int:
+    """The smallest ``--mem`` whose tensor budget holds ``peak_bytes``: peak / usable_fraction, rounded up
+    (beyond the device's memory when no budget on this device holds it)."""
+    need = math.ceil(peak_bytes / profile.usable_fraction)
+    while profile.tensor_budget_bytes(need) < peak_bytes and need <= profile.memory_bytes:
+        need += 1  # int() of the product can land one byte short
+    return need
