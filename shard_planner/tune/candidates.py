@@ -4,7 +4,7 @@ Candidates come from two sources, pooled, deduplicated by what they decide
 (:func:`~shard_planner.measurement.plan_fingerprint`), checked against the budget with the cost model
 and ranked by predicted step time:
 
-1. the solver itself, re-solved under budgets below its plan's predicted peak (each tighter budget
+1. the solver itself, re-solved under usable budgets below its plan's predicted peak (each tighter budget
    forces a different trade-off: more resharding, more checkpointing, smaller units), and
 2. the neighbours of the solver's plan that the solver does not vary per unit: other prefetch depths
    (forward 0-2, backward 1-2), every unit resharding or every unit keeping its parameters, and
@@ -80,16 +80,20 @@ def top_candidates(trace: ModelTrace, plan: Plan, profile: HardwareProfile, coun
                    solve: Callable[[int], Plan] | None,
                    estimate: Callable[[ModelTrace, Plan, HardwareProfile], object],
                    extra: list[tuple[Plan, str]] = ()) -> list[Candidate]:
-    """Up to ``count`` distinct candidates that fit ``plan.cluster.mem_budget_bytes`` as predicted, the
-    fastest predicted first; ``plan`` (the solver's answer) is always among them. ``solve(budget_bytes)``
-    re-runs the solver (None: no re-solving); ``estimate`` is :func:`shard_planner.cost.estimate`."""
+    """Up to ``count`` distinct candidates that fit the budget of ``plan.cluster.mem_budget_bytes`` as
+    predicted (``profile.tensor_budget_bytes``: --mem less the fragmentation share, as the solver fills
+    it), the fastest predicted first; ``plan`` (the solver's answer) is always among them.
+    ``solve(mem_budget_bytes)`` re-runs the solver at another --mem (None: no re-solving); ``estimate``
+    is :func:`shard_planner.cost.estimate`."""
     budget = plan.cluster.mem_budget_bytes
+    usable = profile.tensor_budget_bytes(budget)
     pool: list[tuple[Plan, str]] = [(plan, "solver")]
     if solve is not None:
-        peak = plan.predicted.peak_bytes if plan.predicted is not None else budget
+        peak = plan.predicted.peak_bytes if plan.predicted is not None else usable
         for fraction in TIGHTER_BUDGET_FRACTIONS:
             try:
-                tighter = solve(int(min(peak, budget) * fraction))
+                # the --mem whose usable budget is ``fraction`` of the peak (the solver keeps the share free)
+                tighter = solve(int(min(peak, usable) * fraction / profile.usable_fraction))
             except InfeasibleError as exc:
                 logger.debug("no plan at %.0f%% of the peak: %s", fraction * 100, exc)
                 continue
@@ -106,8 +110,8 @@ def top_candidates(trace: ModelTrace, plan: Plan, profile: HardwareProfile, coun
             continue
         seen.add(key)
         prediction = estimate(trace, p, profile).prediction()
-        if prediction.peak_bytes > budget and source != "solver":
-            logger.debug("candidate %s does not fit (%d > %d bytes)", source, prediction.peak_bytes, budget)
+        if prediction.peak_bytes > usable and source != "solver":
+            logger.debug("candidate %s does not fit (%d > %d usable bytes)", source, prediction.peak_bytes, usable)
             continue
         ranked.append(Candidate(replace(p, predicted=prediction), source))
     first, rest = ranked[0], sorted(ranked[1:], key=lambda c: c.plan.predicted.step_time_s)
