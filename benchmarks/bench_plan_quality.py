@@ -390,7 +390,10 @@ def plot(rows: list[dict], summary: list[dict]):
     import matplotlib.pyplot as plt
 
     models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.8), squeeze=False)
+    fig, axes = plt.subplots(2, len(models), figsize=(6 * len(models), 8.4), squeeze=False,
+                             gridspec_kw={"height_ratios": [1.6, 1]})
+    for ax, model in zip(axes[1], models):
+        plot_gaps(ax, model, [s for s in summary if s["model"] == model and "gap_pct" in s])
     for ax, model in zip(axes[0], models):
         sel = [r for r in rows if r["model"] == model]
         for kind, marker, color in (("space", "o", "tab:blue"), ("policy", "s", "tab:orange"),
@@ -414,7 +417,30 @@ def plot(rows: list[dict], summary: list[dict]):
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(f"Plan quality on CPU/gloo, world size {WORLD_SIZE}, plans interleaved in rounds")
+    fig.tight_layout()
     return fig
+
+
+def plot_gaps(ax, model: str, cases: list[dict]) -> None:
+    """The confirmation stage: chosen vs best per budget and the A/A pair, with 95% intervals."""
+    labels, points, los, his = [], [], [], []
+    for s in cases:
+        labels.append(f"chosen vs best\n({s['budget']} budget)")
+        points.append(s["gap_pct"]), los.append(s["gap_lo_pct"]), his.append(s["gap_hi_pct"])
+    if cases and cases[0]["aa_gap_pct"] is not None:
+        labels.append("A/A: same plan\ntwice (noise)")
+        points.append(cases[0]["aa_gap_pct"]), los.append(cases[0]["aa_lo_pct"]), his.append(cases[0]["aa_hi_pct"])
+    y = list(range(len(labels)))
+    ax.errorbar(points, y, xerr=[[p - lo for p, lo in zip(points, los)], [hi - p for p, hi in zip(points, his)]],
+                fmt="o", color="black", capsize=3)
+    ax.axvline(0, color="grey", lw=1)
+    ax.axvspan(-TARGET_PCT, TARGET_PCT, color="tab:green", alpha=0.12, label=f"within {TARGET_PCT:g}%")
+    ax.set_yticks(y, labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("slower than the reference (%), confirmation stage, 95% interval")
+    ax.set_title(f"{model}: gap of the planner's choice", fontsize=10)
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
 
 
 def verdict_line(summary: list[dict]) -> str:
