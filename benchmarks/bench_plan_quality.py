@@ -1,9 +1,9 @@
 """Plan quality: how good is the planner's choice, measured, against every plan of a small space?
 
 For the tiny GPT-2 and Llama examples on CPU (gloo, world size 2): build a small exhaustive space —
-layout (one unit per block, pairs of blocks, all blocks one unit, root only) x reshard after forward
-(all True / all False) x prefetch (forward 0 / backward 1, forward 1 / backward 2) x activation
-checkpointing (none / every unit) — plus the usual hand-written policies, and the planner's plan at two
+layout (one unit per block, pairs of blocks, all blocks one unit) x reshard after forward (all True /
+all False) x prefetch (forward 0 / backward 1, forward 1 / backward 2) x activation checkpointing (none /
+every unit), and the root alone (kept, or resharded after forward) — plus the usual hand-written policies, and the planner's plan at two
 budgets: a loose one (everything fits) and a tight one (5% above the 40th percentile of the space's
 predicted peaks: no-checkpointing plans mostly do not fit).
 
@@ -12,7 +12,8 @@ shuffled order each round (``run_plans`` runs the jobs in turn in one process gr
 the shared machine hit every plan alike:
 
 1. screen: every distinct plan, ``--screen-rounds`` rounds of ``--screen-steps`` timed steps. A plan's
-   time is the median of all its timed steps; its interval a two-level bootstrap over rounds, then steps
+   time is the median of all its timed steps; its interval a two-level bootstrap over rounds, then steps;
+   plans are compared on times divided by their round's typical plan time, with paired resamples
    (benchmarks/timing_stats.py says why). The measured peak (storage tracker, exact and repeatable)
    decides what fits a budget.
 2. confirmation: for each budget the planner's choice and the ``--confirm-top`` fastest plans of the
@@ -23,7 +24,7 @@ the shared machine hit every plan alike:
 Verdict per budget: met when the chosen plan's gap to the best is <= 5% or its interval includes 0
 (cannot be told from the best), and its measured peak is within the budget (a hard check).
 
-    python benchmarks/bench_plan_quality.py                 # gpt2 and llama (~11 min on a quiet 2-core machine)
+    python benchmarks/bench_plan_quality.py                 # gpt2 and llama (~10 min here at load 3-4)
     python benchmarks/bench_plan_quality.py --models llama --confirm-rounds 4
 
 Writes reports/benchmarks/plan_quality.csv (every plan), plan_quality_summary.csv, plan_quality.png and
