@@ -186,7 +186,8 @@ def test_planned_unet_applies_and_trains(fake_world):
 
     path = "examples/unet.py"
     trace = trace_model(path)
-    plan = plan_model(trace, gpus=2, gpus_per_node=2, mem_budget_bytes=2 * 2**20, profile=load_profile("cpu-gloo"),
+    plan = plan_model(trace, gpus=2, gpus_per_node=2, mem_budget_bytes=int(2 * 2**20 / 0.8),  # 2 MiB usable
+                      profile=load_profile("cpu-gloo"),
                       micro_batch=2, param_dtype="float32", model_path=path, frontier_points=2)
     assert all(trace.module(m).calls >= 1 for u in plan.units for m in u.modules)
     assert any(m.startswith("downs.") for u in plan.units for m in u.modules)  # a tight budget: many units

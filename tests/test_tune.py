@@ -241,9 +241,9 @@ def test_top_candidates_are_distinct_fit_and_include_the_solvers_plan():
     solver_plan = replace(make_plan(keep=4), predicted=synthetic_estimate(None, make_plan(keep=4), PRIOR).prediction())
     budgets = []
 
-    def solve(budget_bytes):  # a tighter budget: fewer units keep their parameters (synthetic peak 100 + 10/unit MiB)
-        budgets.append(budget_bytes)
-        keep = int((budget_bytes / 2**20 - 100) // 10)
+    def solve(mem_budget_bytes):  # a tighter budget: fewer units keep their parameters (synthetic peak 100 + 10/unit MiB)
+        budgets.append(PRIOR.tensor_budget_bytes(mem_budget_bytes))  # what the solver fills of that --mem
+        keep = int((budgets[-1] / 2**20 - 100) // 10)
         if keep < 0:
             raise InfeasibleError("too tight")
         return make_plan(keep=min(4, keep))
@@ -252,7 +252,8 @@ def test_top_candidates_are_distinct_fit_and_include_the_solvers_plan():
     keys = [plan_fingerprint(c.plan) for c in cands]
     assert len(cands) == 4 and len(set(keys)) == 4
     assert plan_fingerprint(solver_plan) in keys
-    assert all(c.plan.predicted.peak_bytes <= solver_plan.cluster.mem_budget_bytes for c in cands)
+    assert all(c.plan.predicted.peak_bytes <= PRIOR.tensor_budget_bytes(solver_plan.cluster.mem_budget_bytes)
+               for c in cands)
     times = [c.plan.predicted.step_time_s for c in cands]
     assert times == sorted(times)
     assert budgets and max(budgets) < solver_plan.predicted.peak_bytes  # re-solved below the plan's peak

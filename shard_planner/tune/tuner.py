@@ -84,7 +84,7 @@ def _measured_best(trials: list[Trial], budget_bytes: int, rederived: bool) -> i
     eligible = [i for i, t in enumerate(trials) if rederived or t.measurement.peak_bytes <= budget_bytes]
     if not eligible:
         peaks = ", ".join(f"{t.measurement.peak_bytes / 2**20:.1f} MiB" for t in trials)
-        raise InfeasibleError(f"every plan tune ran was over the {budget_bytes / 2**20:.1f} MiB budget "
+        raise InfeasibleError(f"every plan tune ran was over the {budget_bytes / 2**20:.1f} MiB usable budget "
                               f"(measured peaks {peaks}): raise --mem or check the profile's memory figures")
     return min(eligible, key=lambda i: trials[i].measured_s)
 
@@ -100,7 +100,8 @@ def tune(trace: ModelTrace, candidates: list[Candidate], prior: HardwareProfile,
         raise UserError("tune needs at least one candidate plan")
     start = time.perf_counter()
     gpus = candidates[0].plan.cluster.gpus
-    budget = candidates[0].plan.cluster.mem_budget_bytes
+    # the measured peak must fit what the planner fills of --mem (the rest is the allocator's headroom)
+    budget = prior.tensor_budget_bytes(candidates[0].plan.cluster.mem_budget_bytes)
     world_size = gpus if world_size is None else world_size
     rederived = world_size != gpus
     if per_launch is None:
