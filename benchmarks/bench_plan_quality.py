@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 import time
@@ -132,7 +133,10 @@ def prepare(model: str, profile) -> Case:
     for label, budget in case.budgets.items():
         t0 = time.perf_counter()
         try:
-            plan = plan_model(trace, gpus=WORLD_SIZE, mem_budget_bytes=budget, profile=profile,
+            # the budget is what a plan may fill; the planner keeps the profile's fragmentation share of --mem
+            # free (profile.tensor_budget_bytes), so it is given the --mem whose usable part is the budget
+            mem = math.ceil(budget / profile.usable_fraction)
+            plan = plan_model(trace, gpus=WORLD_SIZE, mem_budget_bytes=mem, profile=profile,
                               micro_batch=base.training.micro_batch, optimizer=base.training.optimizer,
                               model_path=path)
         except InfeasibleError as exc:  # reported as a miss: the space has plans that fit
@@ -349,8 +353,23 @@ def judge(case: Case, timed: dict, confirmed: dict, profile, args) -> tuple[list
     return plan_rows(case, timed, confirmed, sboot, cboot, profile), summary
 
 
+def timed_profile(model: str, profile):
+    """``profile`` pricing compute from ``model``'s module times, measured here first as a user would
+    (``shard-planner calibrate --model``): at WORLD_SIZE processes sharing the cores, in bf16, at the model
+    file's micro-batch."""
+    from shard_planner.execute.module_timing import measure_module_timings
+
+    t0 = time.perf_counter()
+    timings = measure_module_timings(str(common.EXAMPLES / f"{model}.py"), dtype="bfloat16", world_size=WORLD_SIZE,
+                                     device="cpu")
+    print(f"  {model}: module times measured in {time.perf_counter() - t0:.0f} s (load {_load()})", flush=True)
+    return profile.with_timings(timings)
+
+
 def evaluate_model(model: str, profile, args) -> tuple[list[dict], list[dict], list[dict]]:
     t0 = time.perf_counter()
+    if args.timings:
+        profile = timed_profile(model, profile)
     case = prepare(model, profile)
     print(f"  {model}: {len(case.plans)} distinct plans; traced and planned in {time.perf_counter() - t0:.0f} s",
           flush=True)
@@ -478,6 +497,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds for one launch (default 1800)")
     ap.add_argument("--boot", type=int, default=ts.N_BOOT, help=f"bootstrap resamples (default {ts.N_BOOT})")
     ap.add_argument("--seed", type=int, default=0, help="seed of the round orders and the bootstrap")
+    ap.add_argument("--timings", action="store_true",
+                    help="the planner prices compute from module times measured here first (shard-planner "
+                         "calibrate --model), as the README recommends on a real machine; default: FLOPs")
     args = ap.parse_args(argv)
     if min(args.screen_rounds, args.confirm_rounds, args.screen_steps, args.confirm_steps) < 1:
         ap.error("rounds and steps must be at least 1")
