@@ -3,32 +3,22 @@
 re-run at the --mem whose usable budget is the intended fraction of the plan's peak. A synthetic cost
 model: a plan's peak is 100 MiB + 10 MiB per unit that keeps its parameters."""
 
-from dataclasses import dataclass
+import sys
+from pathlib import Path
 
 import pytest
 
-from shard_planner.errors import InfeasibleError
-from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prediction, Prefetch, Training, Unit
-from shard_planner.profile import load_profile
-from shard_planner.tune.candidates import TIGHTER_BUDGET_FRACTIONS, top_candidates
+sys.path.insert(0, str(Path(__file__).parent))
+
+from test_tune import _Estimate, _Time  # noqa: E402  (tune's synthetic estimate, shared)
+
+from shard_planner.errors import InfeasibleError  # noqa: E402
+from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit  # noqa: E402
+from shard_planner.profile import load_profile  # noqa: E402
+from shard_planner.tune.candidates import TIGHTER_BUDGET_FRACTIONS, top_candidates  # noqa: E402
 
 MIB = 2**20
 PROFILE = load_profile("cpu-gloo")  # usable_fraction 0.8
-
-
-@dataclass(frozen=True)
-class _Time:
-    step_time_s: float
-
-
-@dataclass(frozen=True)
-class _Estimate:
-    time: _Time
-    peak_bytes: int
-
-    def prediction(self) -> Prediction:
-        return Prediction(peak_bytes=self.peak_bytes, step_time_s=self.time.step_time_s, memory_at_peak={},
-                          samples_per_s=1.0 / self.time.step_time_s)
 
 
 def _plan(keep: int, mem_bytes: int) -> Plan:
