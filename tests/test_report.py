@@ -17,17 +17,22 @@ from shard_planner.cli.main import main
 from shard_planner.errors import UserError
 from shard_planner.measurement import Measurement, RankMemory, plan_fingerprint, save_measurement
 from shard_planner.plan import (
-    MEMORY_CATEGORIES, Cluster, MeasuredPoint, Mesh, ModelRef, Plan, Prefetch, Training, Unit, save_plan,
+    MEMORY_CATEGORIES, Cluster, FrontierPoint, MeasuredPoint, Mesh, ModelRef, Plan, Prefetch, Training, Unit,
+    save_plan,
 )
+from shard_planner.profile import load_profile
 from shard_planner.progress import Progress, progress, progress_enabled
 from shard_planner.report import build_sections, write_report, write_sections
+from shard_planner.report.budget import report_budget
 from shard_planner.report.measured import measured_figures
 from shard_planner.report.plots import (
     frontier_point_count, plan_throughput, plot_frontier, plot_measured_plans, plot_memory_at_peak,
     plot_memory_timeline, plot_predicted_vs_measured, plot_units,
 )
+from shard_planner.report.render import summary_lines
 from shard_planner.report.rows import unit_rows
 from shard_planner.report.tables import frontier_table, measurements_table, to_markdown, units_table
+from shard_planner.units import format_bytes
 
 EXAMPLES = ("gpt2", "llama", "vit", "encdec", "unet")
 REPO = Path(__file__).resolve().parent.parent
@@ -83,13 +88,15 @@ def measurement(peaks=(30 * GIB, 31 * GIB), steps=(1.30, 1.25, 1.40), predicted=
 # ---- plots ----
 
 def test_frontier_plot_content():
-    plan = make_plan(8)
-    fig = plot_frontier(plan)
+    plan = make_plan(8, budget_gib=42)  # usable 42 x 0.92 = 38.64 GiB (h100-80gb): the chosen 38 GiB fits
+    fig = plot_frontier(plan, report_budget(plan))
     ax = fig.axes[0]
     assert frontier_point_count(fig) == len(plan.frontier) == 6
     assert "(GiB)" in ax.get_xlabel() and "(tokens/s" in ax.get_ylabel()
     (budget,) = gid_artists(fig, "budget")
-    assert budget.get_xdata()[0] == pytest.approx(40.0)
+    assert budget.get_xdata()[0] == pytest.approx(42.0)
+    (usable,) = gid_artists(fig, "usable-budget")
+    assert usable.get_xdata()[0] == pytest.approx(42.0 * 0.92)
     (chosen,) = gid_artists(fig, "chosen")
     tp = plan_throughput(plan)
     assert tuple(chosen.get_offsets()[0]) == pytest.approx((plan.predicted.peak_bytes / GIB, tp.of(plan.predicted.step_time_s)))
@@ -98,14 +105,14 @@ def test_frontier_plot_content():
         assert len(gid_artists(fig, f"baseline:{b.description}")) == 1
         assert any(label.replace("\n", " ").startswith(b.description) for label in labels)
     assert "no reshard (ZeRO-2-like) (does not fit)" in [label.replace("\n", " ") for label in labels]
-    assert len(gid_artists(fig, "frontier-over")[0].get_offsets()) == 1  # 43 GiB > 40 GiB budget: hollow
+    assert len(gid_artists(fig, "frontier-over")[0].get_offsets()) == 1  # 43 GiB > 38.64 GiB usable: hollow
     assert not texts_overlap(fig)
 
 
 def test_frontier_throughput_in_samples_without_tokens():
     plan = make_plan(4, predicted=False)
     plan = Plan(**{**plan.__dict__, "model": ModelRef("examples/vit.py", "f" * 16)})
-    fig = plot_frontier(plan)
+    fig = plot_frontier(plan, report_budget(plan))
     assert "(samples/s" in fig.axes[0].get_ylabel()
     assert plan_throughput(plan).work_per_step == 8 * 8  # micro-batch x ranks
     assert not gid_artists(fig, "chosen")
@@ -114,7 +121,7 @@ def test_frontier_throughput_in_samples_without_tokens():
 def test_memory_timeline_content():
     plan = make_plan(8)
     est = make_estimate(plan)
-    fig = plot_memory_timeline(est.memory, plan.cluster.mem_budget_bytes)
+    fig = plot_memory_timeline(est.memory, report_budget(plan))
     ax = fig.axes[0]
     used = [c for c in MEMORY_CATEGORIES if any(e.bytes_by_category[c] for e in est.memory.timeline)]
     assert len(ax.collections) == len(used)  # one stacked band per category that is ever non-zero
@@ -122,6 +129,7 @@ def test_memory_timeline_content():
     i = max(range(len(est.memory.timeline)), key=lambda k: est.memory.timeline[k].total_bytes)
     assert peak.get_xdata()[0] == i and peak.get_ydata()[0] == pytest.approx(est.memory.peak_bytes / GIB)
     assert gid_artists(fig, "budget")[0].get_ydata()[0] == pytest.approx(40.0)
+    assert gid_artists(fig, "usable-budget")[0].get_ydata()[0] == pytest.approx(40.0 * 0.92)
     assert {t.get_text() for t in ax.texts} >= {"forward", "backward", "optimizer"}
     assert "(GiB)" in ax.get_ylabel()
     assert not texts_overlap(fig)
@@ -129,7 +137,7 @@ def test_memory_timeline_content():
 
 def test_memory_at_peak_without_trace():
     plan = make_plan(4)
-    fig = plot_memory_at_peak(plan.predicted, plan.cluster.mem_budget_bytes)
+    fig = plot_memory_at_peak(plan.predicted, report_budget(plan))
     widths = {a.get_gid(): a.get_width() for a in fig.findobj() if str(a.get_gid()).startswith("cat:")}
     assert sum(widths.values()) == pytest.approx(plan.predicted.peak_bytes / GIB)
     assert not texts_overlap(fig)
@@ -197,13 +205,77 @@ def test_predicted_vs_measured_content():
     assert not texts_overlap(fig)
 
 
+# ---- budget: --mem and the usable part the planner fills ----
+
+def test_usable_budget_line_drawn():
+    """Every memory plot draws --mem and, dotted, the usable budget (h100-80gb: 92% of --mem), labelled."""
+    plan = make_plan(8)
+    budget = report_budget(plan)
+    assert (budget.mem_bytes, budget.usable_bytes) == (40 * GIB, int(40 * GIB * 0.92))
+    figs = (plot_frontier(plan, budget), plot_memory_timeline(make_estimate(plan).memory, budget),
+            plot_memory_at_peak(plan.predicted, budget))
+    for fig, vertical in zip(figs, (True, False, True)):
+        (mem,), (usable,) = gid_artists(fig, "budget"), gid_artists(fig, "usable-budget")
+        data = (lambda a: a.get_xdata()[0]) if vertical else (lambda a: a.get_ydata()[0])
+        assert (data(mem), data(usable)) == pytest.approx((40.0, 36.8))
+        labels = [t.get_text().replace("\n", " ") for t in fig.legends[0].get_texts()]
+        assert "budget: --mem 40.00 GiB" in labels
+        assert "usable 36.80 GiB: --mem less 8% for allocator fragmentation" in labels
+        assert not texts_overlap(fig)
+    beyond = Plan(**{**plan.__dict__, "cluster": dataclasses.replace(plan.cluster, mem_budget_bytes=100 * GIB)})
+    device = load_profile("h100-80gb").memory_bytes  # --mem beyond the device: the device's memory is the cap
+    assert report_budget(beyond).usable_bytes == int(device * 0.92)
+    assert f"the device's {format_bytes(device)} less 8%" in report_budget(beyond).usable_label
+
+
+def test_peak_between_usable_and_mem_does_not_fit(tmp_path):
+    """A peak of 38 GiB under --mem 40 GiB is over the 36.8 GiB usable: the table says NO, the plot marks
+    the policy with an X ("does not fit") and the summary says so, even where the plan's flag says fits."""
+    plan = make_plan(8)  # the chosen plan: 38 GiB
+    between = FrontierPoint(38 * GIB, 1.30, "per block, no AC", fits=True)  # flagged as --mem alone judged it
+    plan = Plan(**{**plan.__dict__, "baselines": plan.baselines + (between,)})
+    budget = report_budget(plan)
+    assert budget.usable_bytes < 38 * GIB < budget.mem_bytes
+    table = frontier_table(plan, budget).set_index("plan")["fits the usable budget"]
+    assert table["chosen plan"] == "NO" and table["per block, no AC"] == "NO"
+    assert table["Accelerate TRANSFORMER_BASED_WRAP"] == "yes"  # 36.5 GiB: within 36.8
+    labels = [t.get_text().replace("\n", " ") for t in plot_frontier(plan, budget).legends[0].get_texts()]
+    assert "per block, no AC (does not fit)" in labels
+    assert any(label.startswith("chosen plan: 38.00 GiB") and label.endswith("(does not fit)") for label in labels)
+    summary = dict(summary_lines(plan, budget))
+    assert summary["predicted peak"] == "38.00 GiB per GPU (103% of the usable budget, 36.80 GiB): DOES NOT FIT"
+    assert summary["cluster"].endswith(
+        "budget --mem 40.00 GiB per GPU, 36.80 GiB usable (--mem less 8% for allocator fragmentation)")
+    # The fastest policy within 36.8 GiB (34 GiB, 1.38 s), not the faster one at 38 GiB (1.30 s).
+    assert summary["vs hand-written"].endswith("that fits (torchtitan default (per block, reshard))")
+    md = (write_report(plan, tmp_path).parent / "report.md").read_text()
+    assert "| chosen | chosen plan | 38.0 | 1.270 | 51,603 | NO |" in md
+
+
+def test_report_without_the_plans_profile(tmp_path, caplog):
+    """A plan naming a profile that is not here: the report compares with --mem alone and says so."""
+    plan = make_plan(8)
+    plan = Plan(**{**plan.__dict__, "cluster": dataclasses.replace(plan.cluster, profile="/elsewhere/gpu.toml")})
+    budget = report_budget(plan)
+    assert budget.usable_bytes == budget.mem_bytes == 40 * GIB and not budget.has_usable
+    sections = build_sections(plan, trace=make_trace(8))  # no profile to estimate with: the plan's peak only
+    assert [s.image for s in sections][:2] == ["frontier.png", "memory_at_peak.png"]
+    frontier = sections[0]
+    assert not gid_artists(frontier.figure, "usable-budget") and gid_artists(frontier.figure, "budget")
+    assert "compared with --mem alone" in frontier.caption and "/elsewhere/gpu.toml" in frontier.caption
+    assert "fits --mem" in frontier.table.columns and "--profile" in sections[1].caption
+    html = write_report(plan, tmp_path).read_text()
+    assert "compared with --mem alone" in html
+
+
 # ---- tables ----
 
 def test_tables_and_markdown():
-    plan = make_plan(8)
-    df = frontier_table(plan)
+    plan = make_plan(8, budget_gib=42)
+    df = frontier_table(plan, report_budget(plan))
     assert len(df) == 1 + len(plan.frontier) + len(plan.baselines)
-    assert list(df.columns) == ["kind", "plan", "peak (GiB)", "step time (s)", "throughput (tokens/s)", "fits the budget"]
+    assert list(df.columns) == ["kind", "plan", "peak (GiB)", "step time (s)", "throughput (tokens/s)",
+                                "fits the usable budget"]
     md = to_markdown(df)
     lines = md.splitlines()
     assert len(lines) == len(df) + 2 and lines[1].startswith("|---|---|---:|")
@@ -241,7 +313,7 @@ def test_write_report_from_plan_alone(tmp_path):
     write_report(plan, tmp_path)
     assert sorted(p.name for p in tmp_path.glob("*.png")) == ["frontier.png", "memory_at_peak.png"]
     alone = Plan(**{**plan.__dict__, "frontier": (), "baselines": ()})
-    assert plot_frontier(alone) is None  # a single point is not a trade-off
+    assert plot_frontier(alone, report_budget(alone)) is None  # a single point is not a trade-off
     bare = Plan(**{**plan.__dict__, "predicted": None, "frontier": (), "baselines": ()})
     html = write_report(bare, tmp_path / "bare").read_text()
     assert "data:image" not in html and "<table" in html  # nothing to draw: the units table still renders

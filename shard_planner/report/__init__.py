@@ -14,6 +14,10 @@ writes into the folder:
 With a trace (and a profile, loaded from the plan's profile name when not given) the cost model is run
 once on the plan for the timeline and the per-unit times; without, the report draws what the plan file
 holds. A caller that already has the estimate passes it as ``estimate=``.
+
+Memory is judged against the usable budget the planner fills, --mem less the profile's fragmentation
+share (report/budget.py); both lines are drawn. When the plan's profile is not here the report compares
+with --mem alone, draws no timeline, and says so.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from shard_planner.cost.types import Estimate
 from shard_planner.fileio import write_atomic
 from shard_planner.plan import Plan
 from shard_planner.profile import HardwareProfile
+from shard_planner.report.budget import ReportBudget, load_plan_profile, report_budget
 from shard_planner.report.measured import check_measurement_matches, measured_figures, predictions_for
 from shard_planner.report.plots import (
     figure_png, plot_frontier, plot_measured_plans, plot_memory_at_peak, plot_memory_timeline,
@@ -49,43 +54,69 @@ def _estimate(plan: Plan, trace: ModelTrace, profile: HardwareProfile | None) ->
         logger.warning("the cost model (shard_planner.cost.estimate) is not available: no memory timeline")
         return None
     if profile is None:
-        from shard_planner.timings import load_priced_profile
-
-        profile = load_priced_profile(plan.cluster.profile, plan.cluster.timings)
+        profile, why = load_plan_profile(plan)
+        if profile is None:
+            logger.warning("no profile to run the cost model with (%s): no memory timeline", why)
+            return None
     return estimate(trace, plan, profile)
 
 
+def _budget_text(budget: ReportBudget) -> str:
+    """What the budget lines of a memory plot are, for its caption."""
+    if budget.has_usable:
+        return (f"The dashed line is --mem ({format_bytes(budget.mem_bytes)} per GPU); the dotted one the usable "
+                f"budget the planner fills, {format_bytes(budget.usable_bytes)}: {budget.usable_reason} "
+                "(the caching allocator's reserved memory exceeds what it hands out).")
+    if budget.missing_profile:
+        return f"The dashed line is --mem ({format_bytes(budget.mem_bytes)} per GPU), {budget.fallback_note}."
+    return (f"The dashed line is --mem ({format_bytes(budget.mem_bytes)} per GPU); the profile keeps none of it "
+            "free for allocator fragmentation.")
+
+
 def build_sections(plan: Plan, *, trace: ModelTrace | None = None, profile: HardwareProfile | None = None,
-                   measurement=None, estimate: Estimate | None = None) -> list[ReportSection]:
-    """The report's sections in order, each with its figure (if any) and table (if any)."""
+                   measurement=None, estimate: Estimate | None = None,
+                   budget: ReportBudget | None = None) -> list[ReportSection]:
+    """The report's sections in order, each with its figure (if any) and table (if any). ``budget``:
+    :func:`report_budget` of the plan and ``profile`` when not given."""
+    if budget is None:
+        missing = ""
+        if profile is None:
+            profile, missing = load_plan_profile(plan)
+        budget = report_budget(plan, profile, missing)
     if estimate is None and trace is not None:
-        estimate = _estimate(plan, trace, profile)
+        if profile is None and budget.missing_profile:
+            logger.warning("no memory timeline: the cost model needs the plan's profile (give --profile)")
+        else:
+            estimate = _estimate(plan, trace, profile)
     name = plan.model.path.rsplit("/", 1)[-1]
     sections: list[ReportSection] = []
+    judged = "the usable budget" if budget.has_usable else "--mem"
 
-    fig = plot_frontier(plan)
+    fig = plot_frontier(plan, budget)
     if fig is not None:
         sections.append(ReportSection(
             "Memory vs throughput", "frontier.png", fig,
             "Each point is a plan of the same model, micro-batch and cluster, as the cost model predicts it. "
-            "The line joins the Pareto frontier (no other plan is both smaller and faster); the dashed line is "
-            "the per-GPU memory budget; the star is the chosen plan; the other markers are the usual "
-            "hand-written policies (an X: over the budget).",
-            frontier_table(plan)))
+            "The line joins the Pareto frontier (no other plan is both smaller and faster); the star is the "
+            "chosen plan; the other markers are the usual hand-written policies (an X: over "
+            f"{judged}; a hollow frontier point too). {_budget_text(budget)} The table's fits column is "
+            f"against {judged}.",
+            frontier_table(plan, budget)))
 
     if estimate is not None:
         sections.append(ReportSection(
             "Memory over one step", "memory_timeline.png",
-            plot_memory_timeline(estimate.memory, plan.cluster.mem_budget_bytes,
+            plot_memory_timeline(estimate.memory, budget,
                                  f"Memory over one training step: {name}, chosen plan (predicted, per GPU)"),
             "Live bytes on one GPU after each event of the FSDP2 schedule (all-gathers, unit forward and "
-            "backward, reduce-scatters, optimizer step), stacked by category."))
+            f"backward, reduce-scatters, optimizer step), stacked by category. {_budget_text(budget)}"))
     elif plan.predicted is not None:
         sections.append(ReportSection(
             "Memory at the peak", "memory_at_peak.png",
-            plot_memory_at_peak(plan.predicted, plan.cluster.mem_budget_bytes),
-            "The plan's predicted memory at its peak, by category (re-run with the model or its trace for "
-            "the whole timeline)."))
+            plot_memory_at_peak(plan.predicted, budget),
+            "The plan's predicted memory at its peak, by category (re-run with the model or its trace"
+            + (" and a profile (--profile)" if budget.missing_profile and trace is not None else "")
+            + f" for the whole timeline). {_budget_text(budget)}"))
 
     rows = unit_rows(plan, trace, estimate)
     fig = plot_units(rows)
@@ -136,13 +167,19 @@ def write_report(plan: Plan, out_dir: str | os.PathLike, *, trace: ModelTrace | 
                  profile: HardwareProfile | None = None, measurement=None,
                  estimate: Estimate | None = None) -> Path:
     """Write report.html, report.md and the PNGs into ``out_dir``; return the path of report.html."""
-    sections = build_sections(plan, trace=trace, profile=profile, measurement=measurement, estimate=estimate)
-    return write_sections(plan, sections, out_dir, measurement=measurement)
+    missing = ""
+    if profile is None:
+        profile, missing = load_plan_profile(plan)
+    budget = report_budget(plan, profile, missing)
+    sections = build_sections(plan, trace=trace, profile=profile, measurement=measurement, estimate=estimate,
+                              budget=budget)
+    return write_sections(plan, sections, out_dir, measurement=measurement, budget=budget)
 
 
 def write_sections(plan: Plan, sections: list[ReportSection], out_dir: str | os.PathLike, *,
-                   measurement=None) -> Path:
-    """Write already built sections (:func:`build_sections`) as the report; return report.html's path."""
+                   measurement=None, budget: ReportBudget | None = None) -> Path:
+    """Write already built sections (:func:`build_sections`) as the report; return report.html's path.
+    ``budget``: the one the sections were built with (None: :func:`report_budget` of the plan's profile)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     pngs = {}
@@ -154,7 +191,7 @@ def write_sections(plan: Plan, sections: list[ReportSection], out_dir: str | os.
     predicted = predictions_for(plan, measurement) if measurement is not None else None
     if predicted is not None:
         measured = (measured_figures(measurement), predicted)
-    summary = summary_lines(plan, measured)
+    summary = summary_lines(plan, budget if budget is not None else report_budget(plan), measured)
     write_atomic(out / "report.md", render_markdown(plan, summary, sections))
     html_path = out / "report.html"
     write_atomic(html_path, render_html(plan, summary, sections, pngs))

@@ -3,7 +3,9 @@
 Figures are built with ``matplotlib.figure.Figure`` (no pyplot: no global state, no GUI backend; PNGs are
 rendered by Agg), so tests can inspect the artists before anything is saved. Each plot puts its units in
 the axis labels (GiB, MiB, s, ms, tokens/s) and keeps legends outside the data so no text overlaps.
-Artists the tests look for carry a ``gid`` ("frontier", "chosen", "budget", "baseline:<name>", "peak").
+Artists the tests look for carry a ``gid`` ("frontier", "chosen", "budget", "usable-budget",
+"baseline:<name>", "peak"). Every memory plot draws the same two budget lines (:func:`draw_budget`): --mem,
+dashed, and the usable budget the planner fills (--mem less the fragmentation share), dotted.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 from shard_planner.cost.types import MemoryEstimate  # noqa: E402
 from shard_planner.plan import MEMORY_CATEGORIES, FrontierPoint, Plan, Prediction  # noqa: E402
+from shard_planner.report.budget import ReportBudget  # noqa: E402
 from shard_planner.report.rows import UnitRow  # noqa: E402
 
 GIB = 2**30
@@ -62,6 +65,21 @@ def _thousands(value, _pos) -> str:
     return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
 
 
+def draw_budget(ax, budget: ReportBudget, scale: float, *, vertical: bool, zorder: float = 4) -> None:
+    """The budget lines on ``ax`` (values divided by ``scale``), labelled for the legend: --mem dashed
+    (gid "budget") and, when the profile gives one below it, the usable budget dotted (gid "usable-budget")."""
+    line = ax.axvline if vertical else ax.axhline
+    line(budget.mem_bytes / scale, color="#d62728", ls="--", lw=1.3, zorder=zorder, gid="budget",
+         label=_wrap(f"budget: {budget.mem_label}"))
+    if budget.has_usable:
+        line(budget.usable_bytes / scale, color="#d62728", ls=":", lw=1.6, zorder=zorder, gid="usable-budget",
+             label=_wrap(budget.usable_label))
+
+
+def _budget_top(budget: ReportBudget) -> int:
+    return max(budget.mem_bytes, budget.usable_bytes)
+
+
 # ---- memory vs throughput ----
 
 @dataclass(frozen=True)
@@ -90,15 +108,15 @@ def plan_throughput(plan: Plan) -> Throughput:
     return Throughput(samples, "samples/s")
 
 
-def plot_frontier(plan: Plan) -> Figure | None:
+def plot_frontier(plan: Plan, budget: ReportBudget) -> Figure | None:
     """Peak memory per GPU (x) vs throughput (y): the Pareto frontier joined in memory order, the
-    budget line, the chosen plan (star), each hand-written policy labelled in the legend; points over
-    the budget are drawn hollow (frontier) or as an X (policies). None when the plan holds no point to
-    compare the chosen plan with (no frontier, no policies)."""
+    budget lines (--mem and the usable budget), the chosen plan (star), each hand-written policy
+    labelled in the legend; points over the usable budget are drawn hollow (frontier) or as an X
+    (policies). None when the plan holds no point to compare the chosen plan with (no frontier, no
+    policies)."""
     if not plan.frontier and not plan.baselines:
         return None
     tp = plan_throughput(plan)
-    budget_gib = plan.cluster.mem_budget_bytes / GIB
     fig = Figure(figsize=(10, 5.6), layout="constrained")
     ax = fig.add_subplot()
 
@@ -108,17 +126,18 @@ def plot_frontier(plan: Plan) -> Figure | None:
         ys = [tp.of(q.step_time_s) for q in pts]
         ax.plot(xs, ys, "-", color="#1f77b4", lw=1.5, zorder=2, gid="frontier",
                 label=f"Pareto frontier ({len(pts)} plans)")
-        fits = [q.fits and q.peak_bytes <= plan.cluster.mem_budget_bytes for q in pts]
+        fits = [q.fits and budget.fits(q.peak_bytes) for q in pts]
         ax.scatter([x for x, f in zip(xs, fits) if f], [y for y, f in zip(ys, fits) if f],
                    s=36, color="#1f77b4", zorder=3, gid="frontier-fits")
         over = [(x, y) for x, y, f in zip(xs, ys, fits) if not f]
         if over:
             ax.scatter(*zip(*over), s=36, facecolors="white", edgecolors="#1f77b4", zorder=3,
-                       gid="frontier-over", label="frontier plan over the budget")
+                       gid="frontier-over", label="frontier plan over the usable budget" if budget.has_usable
+                       else "frontier plan over the budget")
 
     for i, b in enumerate(plan.baselines):
         color = BASELINE_COLORS[i % len(BASELINE_COLORS)]
-        fits = b.fits and b.peak_bytes <= plan.cluster.mem_budget_bytes
+        fits = b.fits and budget.fits(b.peak_bytes)
         marker = BASELINE_MARKERS[i % len(BASELINE_MARKERS)] if fits else "X"
         ax.scatter([b.peak_bytes / GIB], [tp.of(b.step_time_s)], s=70 if fits else 90, marker=marker,
                    color=color, edgecolors="black", linewidths=0.6, zorder=4, gid=f"baseline:{b.description}",
@@ -126,18 +145,19 @@ def plot_frontier(plan: Plan) -> Figure | None:
 
     if plan.predicted is not None:
         p = plan.predicted
+        over = "" if budget.fits(p.peak_bytes) else " (does not fit)"
         ax.scatter([p.peak_bytes / GIB], [tp.of(p.step_time_s)], s=260, marker="*", color="gold",
                    edgecolors="black", linewidths=0.8, zorder=5, gid="chosen",
-                   label=f"chosen plan: {p.peak_bytes / GIB:.2f} GiB, {tp.of(p.step_time_s):,.0f} {tp.unit}")
+                   label=_wrap(f"chosen plan: {p.peak_bytes / GIB:.2f} GiB, {tp.of(p.step_time_s):,.0f} "
+                               f"{tp.unit}{over}"))
 
-    ax.axvline(budget_gib, color="#d62728", ls="--", lw=1.3, zorder=1, gid="budget",
-               label=f"memory budget {budget_gib:.1f} GiB")
+    draw_budget(ax, budget, GIB, vertical=True, zorder=1)
     ax.set_xlabel("predicted peak memory per GPU (GiB)")
     ax.set_ylabel(f"predicted throughput, whole cluster ({tp.unit})")
     ax.yaxis.set_major_formatter(FuncFormatter(_thousands))
     xs_all = [q.peak_bytes / GIB for q in (*plan.frontier, *plan.baselines)]
     xs_all += [plan.predicted.peak_bytes / GIB] if plan.predicted is not None else []
-    ax.set_xlim(left=0, right=max([budget_gib] + xs_all) * 1.08)
+    ax.set_xlim(left=0, right=max([_budget_top(budget) / GIB] + xs_all) * 1.08)
     ax.grid(True, alpha=0.3)
     ax.set_title(f"Memory vs throughput: {_model_name(plan)} on {plan.cluster.gpus} GPUs, "
                  f"micro-batch {plan.training.micro_batch}")
@@ -170,9 +190,11 @@ def _phase_spans(phases: Sequence[str]) -> list[tuple[str, int, int]]:
 PHASE_SHADES = {"forward": "#e8f1fa", "backward": "#fdf0e6", "optimizer": "#eaf5ea"}
 
 
-def plot_memory_timeline(memory: MemoryEstimate, budget_bytes: int, title: str = "") -> Figure:
+def plot_memory_timeline(memory: MemoryEstimate, budget: ReportBudget, title: str = "") -> Figure:
     """Live bytes per rank after each event of one step, stacked by category; the peak marked and
-    labelled, the budget as a dashed line, forward/backward/optimizer phases shaded and named."""
+    labelled, the budget lines (--mem dashed, usable dotted), forward/backward/optimizer phases shaded
+    and named."""
+    budget_bytes = _budget_top(budget)
     events = memory.timeline
     n = len(events)
     cats = [c for c in MEMORY_CATEGORIES if any(e.bytes_by_category.get(c, 0) for e in events)]
@@ -210,8 +232,7 @@ def plot_memory_timeline(memory: MemoryEstimate, budget_bytes: int, title: str =
                 xytext=(-12 if left else 12, 14), textcoords="offset points", ha="right" if left else "left",
                 va="bottom", fontsize=8, zorder=6,
                 bbox=dict(boxstyle="round,pad=0.25", fc="white", ec="#999999", alpha=0.95))
-    ax.axhline(budget_bytes / scale, color="#d62728", ls="--", lw=1.3, zorder=4, gid="budget",
-               label=f"budget {budget_bytes / scale:.2f} {unit}")
+    draw_budget(ax, budget, scale, vertical=False)
     ax.set_xlabel("event in one training step (index, in execution order)")
     ax.set_ylabel(f"live memory per GPU ({unit})")
     ax.set_title(title or "Memory over one training step (predicted)")
@@ -220,9 +241,10 @@ def plot_memory_timeline(memory: MemoryEstimate, budget_bytes: int, title: str =
     return fig
 
 
-def plot_memory_at_peak(prediction: Prediction, budget_bytes: int, title: str = "") -> Figure:
+def plot_memory_at_peak(prediction: Prediction, budget: ReportBudget, title: str = "") -> Figure:
     """What the plan file holds without a trace: memory at the peak by category, one stacked bar, and
-    the budget (drawn when no timeline can be simulated)."""
+    the budget lines (drawn when no timeline can be simulated)."""
+    budget_bytes = _budget_top(budget)
     cats = [c for c in MEMORY_CATEGORIES if prediction.memory_at_peak.get(c, 0)]
     scale, unit = _byte_scale(max(prediction.peak_bytes, budget_bytes))
     fig = Figure(figsize=(9, 2.6), layout="constrained")
@@ -233,8 +255,7 @@ def plot_memory_at_peak(prediction: Prediction, budget_bytes: int, title: str = 
         ax.barh([0], [v], left=[left], height=0.5, color=CATEGORY_COLORS[c],
                 label=f"{CATEGORY_LABELS[c]}: {v:.2f} {unit}", gid=f"cat:{c}")
         left += v
-    ax.axvline(budget_bytes / scale, color="#d62728", ls="--", lw=1.3, gid="budget",
-               label=f"budget {budget_bytes / scale:.2f} {unit}")
+    draw_budget(ax, budget, scale, vertical=True)
     ax.set_yticks([0], ["at the peak"])
     ax.set_xlabel(f"predicted memory per GPU ({unit})")
     ax.set_xlim(0, max(left, budget_bytes / scale) * 1.08)
@@ -375,7 +396,8 @@ def frontier_point_count(fig: Figure) -> int:
 
 
 __all__ = [
-    "FrontierPoint", "MeasuredFigures", "Throughput", "figure_png", "frontier_point_count", "plan_throughput",
+    "FrontierPoint", "MeasuredFigures", "Throughput", "draw_budget", "figure_png", "frontier_point_count",
+    "plan_throughput",
     "plot_frontier", "plot_memory_at_peak", "plot_memory_timeline", "plot_predicted_vs_measured", "plot_units",
     "relative_error", "unit_label",
 ]

@@ -12,6 +12,7 @@ import pandas as pd
 
 from shard_planner import __version__
 from shard_planner.plan import Plan
+from shard_planner.report.budget import ReportBudget
 from shard_planner.report.plots import MeasuredFigures, plan_throughput, relative_error
 from shard_planner.report.tables import md_escape, to_html, to_markdown
 from shard_planner.units import format_bytes
@@ -30,9 +31,10 @@ def _reshard_text(r: bool | int) -> str:
     return f"to {r} ranks" if not isinstance(r, bool) else ("yes" if r else "no")
 
 
-def summary_lines(plan: Plan, measured: tuple[MeasuredFigures, tuple[int, float]] | None = None
+def summary_lines(plan: Plan, budget: ReportBudget, measured: tuple[MeasuredFigures, tuple[int, float]] | None = None
                   ) -> list[tuple[str, str]]:
-    """(field, value) pairs that say what the plan is and what it is predicted (and measured) to do."""
+    """(field, value) pairs that say what the plan is and what it is predicted (and measured) to do; the
+    peak and the hand-written policies judged against the usable budget (``budget``)."""
     c, t, m = plan.cluster, plan.training, plan.mesh
     mesh = f"{m.shard}-way sharding" + (f" x {m.replicate} replicas (HSDP)" if m.replicate > 1 else "")
     inner = list(plan.inner_units)
@@ -42,7 +44,7 @@ def summary_lines(plan: Plan, measured: tuple[MeasuredFigures, tuple[int, float]
     lines = [
         ("model", f"{plan.model.path} (fingerprint {plan.model.fingerprint})"),
         ("cluster", f"{c.gpus} GPUs, {c.gpus_per_node} per node, profile {c.profile}; "
-                    f"budget {format_bytes(c.mem_budget_bytes)} per GPU"),
+                    f"budget {budget.describe()}"),
         ("mesh", mesh),
         ("training", f"micro-batch {t.micro_batch} per GPU, {t.optimizer}, params in {t.param_dtype}, "
                      f"gradients reduced in {t.reduce_dtype}" + (", CPU offload" if t.cpu_offload else "")),
@@ -55,18 +57,21 @@ def summary_lines(plan: Plan, measured: tuple[MeasuredFigures, tuple[int, float]
         tp = plan_throughput(plan)
         extra = f", MFU {p.mfu:.1%}" if p.mfu is not None else ""
         lines += [
-            ("predicted peak", f"{format_bytes(p.peak_bytes)} per GPU ({p.peak_bytes / c.mem_budget_bytes:.0%} of "
-                               f"the budget)"),
+            ("predicted peak", f"{format_bytes(p.peak_bytes)} per GPU ({p.peak_bytes / budget.usable_bytes:.0%} of "
+                               f"the {'usable ' if budget.has_usable else ''}budget, "
+                               f"{format_bytes(budget.usable_bytes)})"
+                               + ("" if budget.fits(p.peak_bytes) else ": DOES NOT FIT")),
             ("predicted step", f"{p.step_time_s:.4g} s, {tp.of(p.step_time_s):,.0f} {tp.unit} (whole cluster), "
                                f"exposed communication {p.exposed_comm_s:.3g} s{extra}"),
         ]
-        fits = [b for b in plan.baselines if b.fits and b.peak_bytes <= c.mem_budget_bytes]
+        fits = [b for b in plan.baselines if b.fits and budget.fits(b.peak_bytes)]
         if fits:
             best = min(fits, key=lambda b: b.step_time_s)
             lines.append(("vs hand-written", f"{best.step_time_s / p.step_time_s:.2f}x the throughput of the best "
                                              f"hand-written policy that fits ({best.description})"))
         elif plan.baselines:
-            lines.append(("vs hand-written", "no hand-written policy fits the budget"))
+            lines.append(("vs hand-written", "no hand-written policy fits the "
+                                             f"{'usable ' if budget.has_usable else ''}budget"))
     if plan.solver is not None:
         s = plan.solver
         lines.append(("found by", f"{s.method}, {s.status}, in {s.seconds:.2f} s"))

@@ -11,6 +11,7 @@ from typing import Sequence
 import pandas as pd
 
 from shard_planner.plan import Plan
+from shard_planner.report.budget import ReportBudget
 from shard_planner.report.plots import GIB, plan_throughput
 from shard_planner.report.rows import UnitRow
 
@@ -45,21 +46,22 @@ def units_table(rows: Sequence[UnitRow]) -> pd.DataFrame:
     return pd.DataFrame.from_records(records)
 
 
-def frontier_table(plan: Plan) -> pd.DataFrame:
-    """The chosen plan, the Pareto frontier and the hand-written policies, with throughput."""
+def frontier_table(plan: Plan, budget: ReportBudget) -> pd.DataFrame:
+    """The chosen plan, the Pareto frontier and the hand-written policies, with throughput; fits: the
+    peak within the usable budget (``budget.fits``, what the solver fills) and, for the frontier and the
+    policies, the solver's own ``fits`` flag."""
     tp = plan_throughput(plan)
-    budget = plan.cluster.mem_budget_bytes
     records = []
     if plan.predicted is not None:
         p = plan.predicted
         records.append(dict(kind="chosen", plan="chosen plan", peak_bytes=p.peak_bytes, step=p.step_time_s,
-                            fits=p.peak_bytes <= budget))
+                            fits=budget.fits(p.peak_bytes)))
     for q in sorted(plan.frontier, key=lambda q: q.peak_bytes):
         records.append(dict(kind="frontier", plan=q.description, peak_bytes=q.peak_bytes, step=q.step_time_s,
-                            fits=q.fits and q.peak_bytes <= budget))
+                            fits=q.fits and budget.fits(q.peak_bytes)))
     for q in plan.baselines:
         records.append(dict(kind="hand-written", plan=q.description, peak_bytes=q.peak_bytes, step=q.step_time_s,
-                            fits=q.fits and q.peak_bytes <= budget))
+                            fits=q.fits and budget.fits(q.peak_bytes)))
     return pd.DataFrame.from_records([
         {
             "kind": r["kind"],
@@ -67,10 +69,10 @@ def frontier_table(plan: Plan) -> pd.DataFrame:
             "peak (GiB)": r["peak_bytes"] / GIB,
             "step time (s)": r["step"],
             f"throughput ({tp.unit})": tp.of(r["step"]),
-            "fits the budget": "yes" if r["fits"] else "NO",
+            budget.fits_column: "yes" if r["fits"] else "NO",
         }
         for r in records
-    ], columns=["kind", "plan", "peak (GiB)", "step time (s)", f"throughput ({tp.unit})", "fits the budget"])
+    ], columns=["kind", "plan", "peak (GiB)", "step time (s)", f"throughput ({tp.unit})", budget.fits_column])
 
 
 def _plain(value):
