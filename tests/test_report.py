@@ -394,6 +394,11 @@ def test_report_for_every_example(name, example_traces, tmp_path):
         assert sum(r.param_count * r.count for r in rows) == trace.param_count  # every parameter in one unit
         frontier = next(s.figure for s in sections if s.image == "frontier.png")
         assert frontier_point_count(frontier) == len(solved.frontier)
+    # The report's fits agree with the solver's, which judged the same usable budget (8 GiB x 0.92).
+    table = frontier_table(solved, report_budget(solved, profile))
+    points = sorted(solved.frontier, key=lambda q: q.peak_bytes)
+    assert list(table["fits the usable budget"]) == ["yes"] + ["yes" if q.fits else "NO" for q in points] + [
+        "yes" if b.fits else "NO" for b in solved.baselines]
 
 
 # ---- CLI ----
