@@ -231,7 +231,8 @@ def test_usable_budget_line_drawn():
 def test_peak_between_usable_and_mem_does_not_fit(tmp_path):
     """A peak of 38 GiB under --mem 40 GiB is over the 36.8 GiB usable: the table says NO, the plot marks
     the policy with an X ("does not fit") and the summary says so, even where the plan's flag says fits."""
-    plan = make_plan(8)  # the chosen plan: 38 GiB
+    plan = make_plan(8, budget_gib=42)  # the chosen plan: 38 GiB (fits 42 x 0.92), then judged at --mem 40 GiB
+    plan = Plan(**{**plan.__dict__, "cluster": Cluster(**{**plan.cluster.__dict__, "mem_budget_bytes": 40 * GIB})})
     between = FrontierPoint(38 * GIB, 1.30, "per block, no AC", fits=True)  # flagged as --mem alone judged it
     plan = Plan(**{**plan.__dict__, "baselines": plan.baselines + (between,)})
     budget = report_budget(plan)

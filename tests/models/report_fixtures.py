@@ -11,6 +11,7 @@ from shard_planner.cost.types import Estimate, MemoryEstimate, MemoryEvent, Time
 from shard_planner.plan import (
     MEMORY_CATEGORIES, Cluster, FrontierPoint, Mesh, ModelRef, Plan, Prediction, Prefetch, SolverInfo, Training, Unit,
 )
+from shard_planner.profile import load_profile
 from shard_planner.trace.types import Affine, ModelTrace, ModuleTrace
 
 GIB = 2**30
@@ -57,11 +58,12 @@ def make_plan(n_blocks: int = 8, *, group: int = 1, checkpoint_every: int = 2, f
                           if checkpoint_every else False))
     units.append(Unit(("lm_head",), reshard_after_forward=False))
     # The chosen plan is the fastest frontier point within the budget.
-    fitting = [k for k in range(frontier) if 18 + 5 * k <= budget_gib] or [0]
+    usable = budget_gib * load_profile("h100-80gb").usable_fraction  # what the planner fills of --mem
+    fitting = [k for k in range(frontier) if 18 + 5 * k <= usable] or [0]
     chosen_peak, chosen_step = int((18 + 5 * fitting[-1]) * GIB), 1.55 - 0.07 * fitting[-1]
     pts = tuple(
         FrontierPoint(int((18 + 5 * k) * GIB), 1.55 - 0.07 * k, f"frontier plan {k + 1}",
-                      fits=(18 + 5 * k) <= budget_gib)
+                      fits=(18 + 5 * k) <= usable)
         for k in range(frontier))
     baselines = (
         FrontierPoint(int(34.0 * GIB), 1.38, "torchtitan default (per block, reshard)"),
