@@ -16,7 +16,11 @@
    (:func:`_root_resharded`), no wrapping at all (:func:`_no_wrapping`), and the hand-written
    policies (:mod:`.baselines`); the frontier by a budget sweep at its global choice. The solver
    line names what won.
-4. Nothing found: the smallest-peak plans (CP-SAT's minimum linear peak, and the hand-written
+4. The chosen plan is polished by a simulator-guided local search (:mod:`.polish`: drop, merge or
+   split units, toggle one unit's reshard or checkpointing, prefetch +-1) for a quarter of the time
+   spent so far, at most a second (:func:`_polished`); the solver line says when it helped. The
+   frontier and the baselines are those of step 3.
+5. Nothing found: the smallest-peak plans (CP-SAT's minimum linear peak, and the hand-written
    policies, per mesh and offload) are judged by the simulators; one that fits is returned (the budget
    solves can miss it: time limits, re-solves exhausted by the linear model's error). Otherwise
    :class:`InfeasibleError` with the smallest budget any of them needs (always larger than the asked
@@ -44,6 +48,7 @@ from shard_planner.profile import HardwareProfile
 from shard_planner.solve import cpsat
 from shard_planner.solve.baselines import POLICIES
 from shard_planner.solve.linear import MIB, GlobalChoice, LinearModel, build_linear_model, evaluate
+from shard_planner.solve.polish import polish
 from shard_planner.solve.simulate import cover_units, make_plan, simulate
 from shard_planner.solve.space import DEFAULT_MAX_GROUP_SIZE, SearchSpace, build_space
 from shard_planner.trace.types import ModelTrace
@@ -60,6 +65,10 @@ SCREEN_KEEP = 2  # global choices (mesh x prefetch) solved with CP-SAT after scr
 FRONTIER_TIME_SHARE = 0.25
 MAX_SEARCH_BATCH = 1024
 DEFAULT_FRONTIER_POINTS = 4
+# The chosen plan is polished by a local search (.polish) for this share of the time spent before it,
+# at most POLISH_MAX_S: the search is anytime, and a second on top of a 4-10 s plan is the most it may add.
+POLISH_SHARE = 0.25
+POLISH_MAX_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -145,18 +154,38 @@ def plan_model(trace: ModelTrace, *, gpus: int, mem_budget_bytes: int, profile: 
     baselines = [FrontierPoint(peak_bytes=c.peak_bytes, step_time_s=c.step_time_s, description=c.status,
                                fits=c.peak_bytes <= ctx.budget_bytes)
                  for c in evaluated if c.method == "hand-written"]
+    status = (chosen.status if chosen is best or chosen.method == "cp-sat"
+              else f"{best.status}; by the simulators {chosen.status} is " + (
+                  "faster" if chosen.step_time_s < best.step_time_s * (1 - 1e-9) else "as fast and needs less memory"))
+    chosen, status = _polished(ctx, chosen, status, time.perf_counter() - t0)
     seconds = time.perf_counter() - t0
     return replace(
         chosen.plan,
         predicted=chosen.estimate.prediction(),
-        solver=SolverInfo(method=chosen.method, status=chosen.status if chosen is best or chosen.method == "cp-sat"
-                          else f"{best.status}; by the simulators {chosen.status} is " + (
-                              "faster" if chosen.step_time_s < best.step_time_s * (1 - 1e-9)
-                              else "as fast and needs less memory"),
-                          objective=chosen.step_time_s, seconds=seconds),
+        solver=SolverInfo(method=chosen.method, status=status, objective=chosen.step_time_s, seconds=seconds),
         frontier=tuple(frontier),
         baselines=tuple(baselines),
     )
+
+
+def _polished(ctx: _Context, chosen: Checked, status: str, elapsed_s: float) -> tuple[Checked, str]:
+    """The chosen plan after the simulator-guided local search (:mod:`.polish`), given
+    ``POLISH_SHARE`` of the time spent so far (at most ``POLISH_MAX_S``); the status says when it
+    improved. The polished plan is judged again by the full simulators, like every candidate."""
+    time_budget_s = min(POLISH_MAX_S, POLISH_SHARE * elapsed_s)
+    lo = Prefetch(min(p.forward for p in PREFETCH_CHOICES), min(p.backward for p in PREFETCH_CHOICES))
+    hi = Prefetch(max(p.forward for p in PREFETCH_CHOICES), max(p.backward for p in PREFETCH_CHOICES))
+    plan, info = polish(ctx.trace, chosen.plan, ctx.profile, ctx.budget_bytes, time_budget_s=time_budget_s,
+                        max_group_size=ctx.max_group_size, prefetch_bounds=(lo, hi))
+    if not info.moves:
+        return chosen, status
+    c = ctx.check_units(plan.units, replace(chosen.choice, prefetch=plan.prefetch), chosen.status,
+                        chosen.linear_peak_mib, method=chosen.method)
+    if c.peak_bytes > ctx.budget_bytes or c.step_time_s >= chosen.step_time_s:
+        return chosen, status  # the full simulators disagree with the search's (they should not)
+    n = len(info.moves)
+    return c, (f"{status}; polished by local search: {100 * (c.step_time_s / chosen.step_time_s - 1):+.1f}% "
+               f"step time in {n} move{'s' if n > 1 else ''}")
 
 
 def _speed(c: "Checked"):
