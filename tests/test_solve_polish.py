@@ -189,7 +189,7 @@ def test_every_move_and_the_polished_plan_apply(traces, gloo, fake_world):
         check_plan_matches(model, plan)
         if move.units != start.units:  # fully_shard the new units (a prefetch move changes only the lists)
             apply_plan(model, plan, fake_world)
-            assert [s.modules for s in describe_sharding(model)] != []
+            assert {s.modules for s in describe_sharding(model)} == {u.modules for u in move.units}
     usable = _judge(trace, start, gloo)[1]  # the start's peak: polish may not exceed it
     polished, info = polish(trace, start, gloo, usable, time_budget_s=30)
     assert info.moves and _judge(trace, polished, gloo)[1] <= usable
