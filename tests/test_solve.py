@@ -402,6 +402,7 @@ def _solver_and_policies_only(trace, monkeypatch, **kw):
     with monkeypatch.context() as m:
         m.setattr(planner, "_no_wrapping", lambda *a, **k: [])
         m.setattr(planner, "_root_resharded", lambda *a, **k: [])
+        m.setattr(planner, "POLISH_MAX_S", 0.0)  # nor polished its answer (a local search reaches no wrapping too)
         return plan_model(trace, **kw)
 
 
