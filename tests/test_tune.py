@@ -211,7 +211,10 @@ def test_tune_rederives_for_the_run_world_size():
 
 def test_describe_plan():
     text = describe_plan(make_plan(keep=1, ac=2, prefetch=1))
-    assert text == "4+root units, reshard F:1,T:3, AC 2, pf 1/1, mb 2"
+    assert text == "4+root units, reshard F:1,T:3, root reshard F, AC 2, pf 1/1, mb 2"
+    root = make_plan(keep=1)
+    root = replace(root, units=(replace(root.units[0], reshard_after_forward=True),) + root.units[1:])
+    assert "root reshard T" in describe_plan(root)  # plans that differ only in the root's reshard differ
 
 
 def test_plan_without_measurements_still_loads():

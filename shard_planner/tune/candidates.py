@@ -48,17 +48,20 @@ class Candidate:
 
 
 def describe_plan(plan: Plan) -> str:
-    """A short label of a plan's decisions: units (grouped), reshard mix, AC, prefetch, micro-batch."""
+    """A short label of a plan's decisions: units (grouped), reshard mix, the root's reshard, AC, prefetch,
+    micro-batch (two plans that differ only in the root's reshard get different labels)."""
     units = list(plan.inner_units)
     grouped = sum(1 for u in units if len(u.modules) > 1)
+    def key(r) -> str:
+        return ("T" if r else "F") if isinstance(r, bool) else str(r)
+
     reshard = {}
     for u in units:
-        r = u.reshard_after_forward
-        key = ("T" if r else "F") if isinstance(r, bool) else str(r)
-        reshard[key] = reshard.get(key, 0) + 1
+        reshard[key(u.reshard_after_forward)] = reshard.get(key(u.reshard_after_forward), 0) + 1
     ac = sum(1 for u in plan.units if u.activation_checkpoint)
     parts = [f"{len(units)}+root units" + (f" ({grouped} grouped)" if grouped else ""),
              "reshard " + ",".join(f"{k}:{v}" for k, v in sorted(reshard.items())) if reshard else "root only",
+             f"root reshard {key(plan.root.reshard_after_forward)}",
              f"AC {ac}", f"pf {plan.prefetch.forward}/{plan.prefetch.backward}", f"mb {plan.training.micro_batch}"]
     if plan.training.cpu_offload:
         parts.append("offload")
