@@ -63,16 +63,24 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time(fn, device: torch.device, repeats: int) -> float:
-    fn()  # warm-up
-    _sync(device)
+def _samples(fn, device: torch.device, repeats: int, *, barrier: bool = False) -> list[float]:
+    """Seconds of ``repeats`` calls of ``fn``, each timed from a synchronised device (and, with
+    ``barrier``, after a barrier of the process group, so that ranks start together) to its end."""
     samples = []
     for _ in range(repeats):
+        if barrier:
+            torch.distributed.barrier()
+        _sync(device)
         t0 = time.perf_counter()
         fn()
         _sync(device)
         samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+    return samples
+
+
+def _time(fn, device: torch.device, repeats: int) -> float:
+    fn()  # warm-up
+    return statistics.median(_samples(fn, device, repeats))
 
 
 def measure_matmul_flops_per_s(device: torch.device, dtype: torch.dtype, repeats: int = 5) -> float:
@@ -144,7 +152,6 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 def _overhead_samples(world_size: int, device: torch.device, repeats: int) -> list[str]:
     """Step time of OVERHEAD_LAYERS tiny layers in U FSDP2 units, for U in OVERHEAD_UNITS; and AdamW's
     step time over the finest model's sharded parameters (lines for the rank-0 file)."""
-    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
     lines = []
@@ -165,26 +172,11 @@ def _overhead_samples(world_size: int, device: torch.device, repeats: int) -> li
 
         for _ in range(3):
             step()
-        times = []
-        for _ in range(repeats):
-            dist.barrier()
-            _sync(device)
-            t0 = time.perf_counter()
-            step()
-            _sync(device)
-            times.append(time.perf_counter() - t0)
         # the fastest step: on a shared machine other processes only ever add time
-        lines.append(f"unit {units} {min(times)}")
+        lines.append(f"unit {units} {min(_samples(step, device, repeats, barrier=True))}")
         if units == OVERHEAD_UNITS[-1]:
             tensors = sum(1 for _ in model.parameters())
-            opt_times = []
-            for _ in range(repeats):
-                _sync(device)
-                t0 = time.perf_counter()
-                opt.step()
-                _sync(device)
-                opt_times.append(time.perf_counter() - t0)
-            lines.append(f"optimizer {tensors} {min(opt_times)}")
+            lines.append(f"optimizer {tensors} {min(_samples(opt.step, device, repeats))}")
     return lines
 
 
@@ -238,16 +230,8 @@ def _collective_rank(rank: int, world_size: int, port: int, device_type: str, ou
                 else:
                     dist.reduce_scatter_single(shard, full)
 
-            times = []
-            run()
-            for _ in range(repeats):
-                dist.barrier()
-                _sync(device)
-                t0 = time.perf_counter()
-                run()
-                _sync(device)
-                times.append(time.perf_counter() - t0)
-            lines.append(f"{kind} {numel * 4} {statistics.median(times)}")
+            run()  # warm-up
+            lines.append(f"{kind} {numel * 4} {statistics.median(_samples(run, device, repeats, barrier=True))}")
     lines += _overhead_samples(world_size, device, repeats=max(repeats, 15))
     if rank == 0:
         with open(os.path.join(out_dir, "collectives.txt"), "w") as f:
