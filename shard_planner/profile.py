@@ -71,7 +71,7 @@ class HardwareProfile:
     @property
     def usable_bytes(self) -> int:
         """What the planner may fill of the whole device: ``tensor_budget_bytes(memory_bytes)``."""
-        return int(self.memory_bytes * self.usable_fraction)
+        return self.tensor_budget_bytes(self.memory_bytes)
 
     def tensor_budget_bytes(self, mem_budget_bytes: int) -> int:
         """Bytes the planner may fill under a per-device budget of ``mem_budget_bytes`` (``--mem``):

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shard_planner.cost.collectives import ring_time_s
 from shard_planner.errors import UserError
 from shard_planner.fileio import write_atomic
 from shard_planner.profile import HardwareProfile, Interconnect
@@ -157,8 +158,7 @@ def _overhead_samples(world_size: int, device: torch.device, repeats: int) -> li
     lines = []
     for units in OVERHEAD_UNITS:
         per = OVERHEAD_LAYERS // units
-        with torch.device(device):
-            model = torch.nn.Sequential(*[_tiny_stack(per, device) for _ in range(units)])
+        model = torch.nn.Sequential(*[_tiny_stack(per, device) for _ in range(units)])
         for group in model:
             fully_shard(group)
         fully_shard(model)
@@ -282,7 +282,7 @@ def overheads_from(samples: dict, per_op: tuple[float, int, float], latency_s: f
     _, slope = fit_line([float(u) for u, _ in units], [t for _, t in units])
     p = world_size
     unit_bytes = OVERHEAD_LAYERS // units[-1][0] * (OVERHEAD_WIDTH + 1) * OVERHEAD_WIDTH * 4  # the finest unit
-    one = latency_s * (p - 1) + (p - 1) / p * unit_bytes / busbw  # ring model, as cost/collectives.py
+    one = ring_time_s(unit_bytes, p, latency_s, busbw)  # the ring model the time model uses
     comm = 3 * one
     per_unit = max(0.0, slope - comm)
     if slope - comm < 0:
