@@ -12,6 +12,7 @@ from pathlib import Path
 
 from shard_planner.errors import ProfileError
 from shard_planner.timings import ModuleTimings
+from shard_planner.units import format_bytes
 
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 DEFAULT_PROFILE = "h100-80gb"
@@ -82,6 +83,10 @@ class HardwareProfile:
         planned peak, not here."""
         return int(min(mem_budget_bytes, self.memory_bytes) * self.usable_fraction)
 
+    def usable_reason(self, mem_budget_bytes: int) -> str:
+        """How ``tensor_budget_bytes(mem_budget_bytes)`` follows from --mem, in words (:func:`usable_reason`)."""
+        return usable_reason(mem_budget_bytes, self.memory_bytes, self.fragmentation_percent)
+
     @property
     def fragmentation_percent(self) -> int:
         """The share of the budget kept for allocator fragmentation, in whole percent (for messages)."""
@@ -93,6 +98,18 @@ class HardwareProfile:
             return self.peak_flops_per_s[dtype] * self.compute_efficiency
         except KeyError:
             raise ProfileError(f"profile {self.name} has no peak FLOP/s for {dtype}; add it under [peak_flops_per_s]") from None
+
+
+def usable_reason(mem_budget_bytes: int, memory_bytes: int | None, fragmentation_percent: int, *,
+                  name_mem: bool = True) -> str:
+    """'--mem 40.00 GiB less 8% for allocator fragmentation', or 'the device's 79.65 GiB less 8% ...' when
+    --mem is above the device's memory, which caps it (``tensor_budget_bytes``). ``name_mem`` False: '--mem
+    less 8% ...' (for text that states --mem beside it)."""
+    if memory_bytes is not None and mem_budget_bytes > memory_bytes:
+        of = f"the device's {format_bytes(memory_bytes)}"
+    else:
+        of = f"--mem {format_bytes(mem_budget_bytes)}" if name_mem else "--mem"
+    return f"{of} less {fragmentation_percent}% for allocator fragmentation"
 
 
 def load_profile(name_or_path: str) -> HardwareProfile:

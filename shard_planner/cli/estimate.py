@@ -86,8 +86,7 @@ def report(plan: Plan, profile, est) -> str:
         f"{', CPU offload' if tr.cpu_offload else ''}; profile {profile.name}"
         f"{'; compute from measured module times' if profile.module_timings is not None else ''}",
         f"peak memory per GPU: {format_bytes(mem.peak_bytes)} at \"{mem.peak_event}\" — {fits} in "
-        f"{format_bytes(budget)} (budget {format_bytes(plan.cluster.mem_budget_bytes)} less "
-        f"{profile.fragmentation_percent}% kept for allocator fragmentation)",
+        f"{format_bytes(budget)} ({profile.usable_reason(plan.cluster.mem_budget_bytes)})",
     ]
     for cat in MEMORY_CATEGORIES:
         v = mem.memory_at_peak.get(cat, 0)

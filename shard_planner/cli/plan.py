@@ -123,8 +123,8 @@ def summary(plan: Plan, profile) -> str:
              f"{', CPU offload' if tr.cpu_offload else ''}"]
     lines += [f"  {line}" for line in summarize_units(plan.units)]
     lines.append(f"predicted peak {format_bytes(pr.peak_bytes)} per GPU of {format_bytes(budget)} usable "
-                 f"({100 * pr.peak_bytes / budget:.0f}%; --mem {format_bytes(plan.cluster.mem_budget_bytes)} less "
-                 f"{profile.fragmentation_percent}% for allocator fragmentation), at the peak: " + ", ".join(
+                 f"({100 * pr.peak_bytes / budget:.0f}%; {profile.usable_reason(plan.cluster.mem_budget_bytes)}), "
+                 "at the peak: " + ", ".join(
                      f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in sorted(
                          pr.memory_at_peak.items(), key=lambda kv: -kv[1])[:3]))
     mfu = f", MFU {100 * pr.mfu:.0f}%" if pr.mfu else ""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from shard_planner.errors import UserError
 from shard_planner.plan import Plan
-from shard_planner.profile import HardwareProfile
+from shard_planner.profile import HardwareProfile, usable_reason
 from shard_planner.units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -44,9 +44,7 @@ class ReportBudget:
     @property
     def usable_reason(self) -> str:
         """How the usable budget follows from --mem: '--mem less 8% for allocator fragmentation'."""
-        capped = self.device_memory_bytes is not None and self.mem_bytes > self.device_memory_bytes
-        of = f"the device's {format_bytes(self.device_memory_bytes)}" if capped else "--mem"
-        return f"{of} less {self.fragmentation_percent}% for allocator fragmentation"
+        return usable_reason(self.mem_bytes, self.device_memory_bytes, self.fragmentation_percent, name_mem=False)
 
     @property
     def mem_label(self) -> str:
