@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 
 from shard_planner.plan import ROOT, Plan, Prefetch, Unit
 from shard_planner.profile import HardwareProfile
-from shard_planner.solve.space import DEFAULT_MAX_GROUP_SIZE
+from shard_planner.solve.space import DEFAULT_MAX_GROUP_SIZE, first_calls
 from shard_planner.trace.types import ModelTrace
 
 logger = logging.getLogger(__name__)
@@ -99,8 +99,10 @@ def polish(trace: ModelTrace, plan: Plan, profile: HardwareProfile, budget_bytes
     touched: frozenset[str] = frozenset()
     rng = random.Random(SHUFFLE_SEED)
     stopped = "converged"
+    first = first_calls(trace)  # once: every move orders its units by it
     while True:
-        moves = neighbours(trace, units, prefetch, max_group_size=max_group_size, prefetch_bounds=prefetch_bounds)
+        moves = neighbours(trace, units, prefetch, max_group_size=max_group_size, prefetch_bounds=prefetch_bounds,
+                           first=first)
         moves = _prioritised(moves, units, touched, rng)
         best: tuple[float, int, Move] | None = None
         out_of_time = False
@@ -132,9 +134,12 @@ def polish(trace: ModelTrace, plan: Plan, profile: HardwareProfile, budget_bytes
 
 def neighbours(trace: ModelTrace, units: tuple[Unit, ...], prefetch: Prefetch, *,
                max_group_size: int = DEFAULT_MAX_GROUP_SIZE,
-               prefetch_bounds: tuple[Prefetch, Prefetch] = (Prefetch(0, 1), Prefetch(2, 2))) -> list[Move]:
+               prefetch_bounds: tuple[Prefetch, Prefetch] = (Prefetch(0, 1), Prefetch(2, 2)),
+               first: dict[str, float] | None = None) -> list[Move]:
     """Every plan one move away (see the module docstring), valid by construction and checked for tied
-    parameters; in a fixed order (global moves first)."""
+    parameters; in a fixed order (global moves first). ``first``: ``space.first_calls(trace)`` (computed
+    when not given)."""
+    first = first_calls(trace) if first is None else first
     moves: list[Move] = []
     lo, hi = prefetch_bounds
     for direction in ("forward", "backward"):
@@ -145,7 +150,7 @@ def neighbours(trace: ModelTrace, units: tuple[Unit, ...], prefetch: Prefetch, *
                                   frozenset(), is_global=True))
 
     def move(description: str, new_units: list[Unit], touched_units: list[Unit], is_global: bool = False) -> None:
-        ordered = _in_forward_order(trace, new_units)
+        ordered = _in_forward_order(first, new_units)
         if _ties_intact(trace, ordered):
             moves.append(Move(description, ordered, prefetch,
                               frozenset(m for u in touched_units for m in u.modules), is_global))
@@ -199,16 +204,12 @@ def _prioritised(moves: list[Move], units: tuple[Unit, ...], touched: frozenset[
     return first + rest
 
 
-def _in_forward_order(trace: ModelTrace, units: list[Unit]) -> tuple[Unit, ...]:
-    """The root first, then by the first forward call in each unit's first module's subtree, an
-    enclosing unit before the units nested in it (the order plans list units in)."""
-    order = {fqn: i for i, fqn in enumerate(trace.forward_order)}
-
-    def first_call(fqn: str) -> int:
-        return min((order[m.fqn] for m in trace.subtree(fqn) if m.fqn in order), default=len(order))
+def _in_forward_order(first: dict[str, float], units: list[Unit]) -> tuple[Unit, ...]:
+    """The root first, then by the first forward call in each unit's first module's subtree (``first``:
+    ``space.first_calls``), an enclosing unit before the units nested in it (the order plans list units in)."""
 
     def key(u: Unit):
-        return (0 if u.is_root else 1, first_call(u.modules[0]), u.modules[0].count("."))
+        return (0 if u.is_root else 1, first[u.modules[0]], u.modules[0].count("."))
 
     return tuple(sorted(units, key=key))
 

@@ -106,14 +106,25 @@ class SearchSpace:
         return len(self.items)
 
 
+def first_calls(trace: ModelTrace) -> dict[str, float]:
+    """Per module, the forward position of the module or of its first called descendant (a ModuleList
+    is never called; ``math.inf`` where nothing in the subtree is), for every module at once."""
+    order = {fqn: i for i, fqn in enumerate(trace.forward_order)}
+    out: dict[str, float] = {}
+
+    def visit(fqn: str) -> float:
+        if fqn not in out:
+            out[fqn] = min([order.get(fqn, math.inf)] + [visit(c) for c in trace.module(fqn).children])
+        return out[fqn]
+
+    visit(ROOT)
+    return out
+
+
 def find_items(trace: ModelTrace) -> tuple[Item, ...]:
     """The modules the planner may wrap, in forward order (see the module docstring)."""
     total = max(trace.param_count, 1)
-    order = {fqn: i for i, fqn in enumerate(trace.forward_order)}
-
-    def first_call(fqn: str) -> float:
-        """Forward position of the module, or of its first called descendant (a ModuleList is never called)."""
-        return min((order[m.fqn] for m in trace.subtree(fqn) if m.fqn in order), default=math.inf)
+    first_call = first_calls(trace).__getitem__
 
     def with_params(fqns):
         return [c for c in fqns if trace.subtree_param_count(c) > 0 and first_call(c) < math.inf]
