@@ -223,7 +223,7 @@ class _Program:
         for cover in covers:
             self.m.add(sum(self.x[k] for k in cover) <= len(cover) - 1)
 
-    def run(self, time_limit_s: float, relative_gap: float = 0.0, *, core: bool = False):
+    def run(self, time_limit_s: float, relative_gap: float = 0.0):
         """(status, status name, chosen cover, objective, runners-up: earlier incumbents, best first)."""
         solver = cp_model.CpSolver()
         solver.parameters.max_time_in_seconds = time_limit_s
@@ -237,12 +237,8 @@ class _Program:
         # have not given already: on Llama 8B at 40GB, 1 s without presolve reaches a 0.02% gap, with
         # it no solution at all.
         solver.parameters.cp_model_presolve = False
-        # ``core``: core-based search (lower bounds from unsatisfiable cores of the objective's terms)
-        # for the time objective, a sum over every candidate: on Llama 70B at 64 GPUs it proves a 0.2%
-        # gap in 2 s where the default stalls at 1.5% with a 1.3% worse incumbent; on Llama 8B at a
-        # loosened 40GB budget it stops at 0.3 s, not 0.7 s. Not for the peak objective (one variable),
-        # where it finds no solution in 1 s on a 2-block model.
-        solver.parameters.optimize_with_core = core
+        # Core-based search (optimize_with_core) proves gaps faster on Llama 70B but returned a plan 6%
+        # slower by the simulators on gpt2-xl at 7GB, and none in 1 s for the peak objective: not used.
         incumbents = _Incumbents(self.x, INCUMBENTS_KEPT + 1)
         status = solver.solve(self.m, incumbents)
         name = solver.status_name(status)
@@ -259,12 +255,9 @@ class _Program:
 
 def solve_min_time(lm: LinearModel, budget_mib: int, *, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
                    hint: tuple[int, ...] | None = None, forbidden: list[tuple[int, ...]] = (),
-                   relative_gap: float = DEFAULT_RELATIVE_GAP, extra_hints: tuple = (),
-                   core: bool = False) -> SolveResult:
+                   relative_gap: float = DEFAULT_RELATIVE_GAP, extra_hints: tuple = ()) -> SolveResult:
     """The fastest cover whose linear peak is at most ``budget_mib``; the hint is the fastest that
-    fits of ``hint`` (usually :func:`greedy_cover`) and ``extra_hints`` (e.g. a neighbouring solve's).
-    ``core``: core-based search (see :meth:`_Program.run`; the planner's choice on large models; it
-    may return another of several tied optima than the default search)."""
+    fits of ``hint`` (usually :func:`greedy_cover`) and ``extra_hints`` (e.g. a neighbouring solve's)."""
     t0 = time.perf_counter()
     prog = _Program(lm, a_upper_mib=budget_mib - lm.base_mib)
     prog._add_cover_constraint()
@@ -281,7 +274,7 @@ def solve_min_time(lm: LinearModel, budget_mib: int, *, time_limit_s: float = DE
     best_hint = min(fitting, key=lambda h: evaluate(lm, h).time_us) if fitting else None
     if best_hint is not None:
         prog.add_hint(best_hint)
-    _, name, chosen, obj, runners_up = prog.run(time_limit_s, relative_gap, core=core)
+    _, name, chosen, obj, runners_up = prog.run(time_limit_s, relative_gap)
     if chosen is None and best_hint is not None:
         # out of time before CP-SAT completed the hint: the hint is feasible for the same program
         chosen, obj = best_hint, evaluate(lm, best_hint).time_us - lm.const_time_us

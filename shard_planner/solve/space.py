@@ -175,17 +175,6 @@ def find_items(trace: ModelTrace) -> tuple[Item, ...]:
     return tuple(out)
 
 
-def tie_groups(trace: ModelTrace) -> list[frozenset[str]]:
-    """The sets of modules that register a shared Parameter directly (ModuleTrace.tied_with)."""
-    groups: list[frozenset[str]] = []
-    for m in trace.modules:
-        if m.tied_with:
-            g = frozenset((m.fqn, *m.tied_with))
-            if g not in groups:
-                groups.append(g)
-    return groups
-
-
 def splits_ties(trace: ModelTrace, fqn: str) -> bool:
     """Whether the subtree of ``fqn`` holds some but not all modules of a tie group."""
     inside = {m.fqn for m in trace.subtree(fqn)}
