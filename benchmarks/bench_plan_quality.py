@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import sys
 import time
@@ -135,7 +134,7 @@ def prepare(model: str, profile) -> Case:
         try:
             # the budget is what a plan may fill; the planner keeps the profile's fragmentation share of --mem
             # free (profile.tensor_budget_bytes), so it is given the --mem whose usable part is the budget
-            mem = math.ceil(budget / profile.usable_fraction)
+            mem = profile.mem_for_tensor_budget(budget)
             plan = plan_model(trace, gpus=WORLD_SIZE, mem_budget_bytes=mem, profile=profile,
                               micro_batch=base.training.micro_batch, optimizer=base.training.optimizer,
                               model_path=path)

@@ -6,6 +6,7 @@ in them cites its source in a comment. ``load_profile`` takes a name from profil
 
 from __future__ import annotations
 
+import math
 import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -82,6 +83,14 @@ class HardwareProfile:
         device's memory. The CUDA context and NCCL (``reserved_bytes``) are counted inside the
         planned peak, not here."""
         return int(min(mem_budget_bytes, self.memory_bytes) * self.usable_fraction)
+
+    def mem_for_tensor_budget(self, tensor_bytes: int) -> int:
+        """The smallest ``--mem`` whose ``tensor_budget_bytes`` holds ``tensor_bytes``: tensor_bytes /
+        usable_fraction, rounded up (beyond the device's memory when no budget on this device holds it)."""
+        need = math.ceil(tensor_bytes / self.usable_fraction)
+        while self.tensor_budget_bytes(need) < tensor_bytes and need <= self.memory_bytes:
+            need += 1  # int() of the product can land one byte short
+        return need
 
     def usable_reason(self, mem_budget_bytes: int) -> str:
         """How ``tensor_budget_bytes(mem_budget_bytes)`` follows from --mem, in words (:func:`usable_reason`)."""

@@ -9,7 +9,6 @@
 - the same inputs give the same plan.
 """
 
-import math
 from dataclasses import replace
 
 import pytest
@@ -279,9 +278,7 @@ def _cpu_gloo():
 def _mem_for(prof, usable_bytes):
     """The --mem whose budget the planner fills is exactly ``usable_bytes`` (it keeps the profile's
     fragmentation share of --mem free: profile.tensor_budget_bytes)."""
-    mem = math.ceil(usable_bytes / prof.usable_fraction)
-    while prof.tensor_budget_bytes(mem) < usable_bytes:
-        mem += 1
+    mem = prof.mem_for_tensor_budget(usable_bytes)
     assert prof.tensor_budget_bytes(mem) == usable_bytes
     return mem
 

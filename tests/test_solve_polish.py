@@ -9,7 +9,6 @@ two moves away (merge, then reshard False) — the same shape as the measured-ti
 (micro-batch 8, 4.88 MiB: 81.0 ms -> 76.6 ms).
 """
 
-import math
 import warnings
 from dataclasses import replace
 
@@ -49,9 +48,7 @@ def gloo():
 
 def _mem_for(prof, usable_bytes):
     """The --mem whose usable budget (profile.tensor_budget_bytes) is exactly ``usable_bytes``."""
-    mem = math.ceil(usable_bytes / prof.usable_fraction)
-    while prof.tensor_budget_bytes(mem) < usable_bytes:
-        mem += 1
+    mem = prof.mem_for_tensor_budget(usable_bytes)
     assert prof.tensor_budget_bytes(mem) == usable_bytes
     return mem
 

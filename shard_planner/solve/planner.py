@@ -30,7 +30,7 @@ The budget every step fills is ``profile.tensor_budget_bytes(mem_budget_bytes)``
 the device's memory) less the profile's share kept for caching-allocator fragmentation (1 -
 ``usable_fraction``; REFERENCE.md). The predicted peak counts allocated bytes, and the allocator
 reserves more than it allocates, so a plan that filled all of ``--mem`` would not run. Messages give
-both numbers, and budgets in ``--mem`` terms (:func:`_mem_for`).
+both numbers, and budgets in ``--mem`` terms (``profile.mem_for_tensor_budget``).
 """
 
 from __future__ import annotations
@@ -504,7 +504,7 @@ def _infeasible(ctx: _Context, micro_batch: int, smallest: list[Checked]) -> Inf
         "overhead": "the profile's fixed overhead (context, NCCL, allocator reserve) alone exceeds the budget: "
                     "raise --mem or use a profile that matches your device",
     }.get(top, "add GPUs")
-    need = _mem_for(ctx.profile, best.peak_bytes)
+    need = ctx.profile.mem_for_tensor_budget(best.peak_bytes)
     over = (f", more than the {format_bytes(ctx.profile.memory_bytes)} of a {ctx.profile.name} device"
             if need > ctx.profile.memory_bytes else "")
     return InfeasibleError(
@@ -523,12 +523,3 @@ def _budget_text(profile: HardwareProfile, mem_budget_bytes: int) -> str:
         return f"{format_bytes(given)} per GPU"
     return (f"{format_bytes(given)} per GPU ({format_bytes(usable)} usable of it: {profile.fragmentation_percent}% "
             f"kept for allocator fragmentation, profile {profile.name})")
-
-
-def _mem_for(profile: HardwareProfile, peak_bytes: int) -> int:
-    """The smallest ``--mem`` whose tensor budget holds ``peak_bytes``: peak / usable_fraction, rounded up
-    (beyond the device's memory when no budget on this device holds it)."""
-    need = math.ceil(peak_bytes / profile.usable_fraction)
-    while profile.tensor_budget_bytes(need) < peak_bytes and need <= profile.memory_bytes:
-        need += 1  # int() of the product can land one byte short
-    return need
