@@ -74,16 +74,10 @@ def measure_model(model: str, *, world_size: int, profile, steps: int, warmup: i
     traces, timed = {}, {}
 
     def timed_profile(dtype: str, micro_batch: int):
-        """``profile`` pricing compute from this model's module times, measured here at ``world_size``
-        processes (as the run shares the cores) in ``dtype`` (shard-planner calibrate --model)."""
-        from shard_planner.execute.module_timing import measure_module_timings
-
+        """``profile`` pricing compute from this model's module times, measured once per dtype and micro-batch."""
         if (dtype, micro_batch) not in timed:
-            t0 = time.perf_counter()
-            timed[dtype, micro_batch] = profile.with_timings(measure_module_timings(
-                path, micro_batch=micro_batch, dtype=dtype, world_size=world_size, device="cpu"))
-            print(f"  {model}: module times in {dtype} at world size {world_size}, {time.perf_counter() - t0:.0f} s",
-                  flush=True)
+            timed[dtype, micro_batch] = common.timed_profile(model, profile, world_size=world_size, dtype=dtype,
+                                                             micro_batch=micro_batch)
         return timed[dtype, micro_batch]
 
     def trace_for(dtype: str):

@@ -352,36 +352,23 @@ def judge(case: Case, timed: dict, confirmed: dict, profile, args) -> tuple[list
     return plan_rows(case, timed, confirmed, sboot, cboot, profile), summary
 
 
-def timed_profile(model: str, profile):
-    """``profile`` pricing compute from ``model``'s module times, measured here first as a user would
-    (``shard-planner calibrate --model``): at WORLD_SIZE processes sharing the cores, in bf16, at the model
-    file's micro-batch."""
-    from shard_planner.execute.module_timing import measure_module_timings
-
-    t0 = time.perf_counter()
-    timings = measure_module_timings(str(common.EXAMPLES / f"{model}.py"), dtype="bfloat16", world_size=WORLD_SIZE,
-                                     device="cpu")
-    print(f"  {model}: module times measured in {time.perf_counter() - t0:.0f} s (load {_load()})", flush=True)
-    return profile.with_timings(timings)
-
-
 def evaluate_model(model: str, profile, args) -> tuple[list[dict], list[dict], list[dict]]:
     t0 = time.perf_counter()
     if args.timings:
-        profile = timed_profile(model, profile)
+        profile = common.timed_profile(model, profile, world_size=WORLD_SIZE)
     case = prepare(model, profile)
     print(f"  {model}: {len(case.plans)} distinct plans; traced and planned in {time.perf_counter() - t0:.0f} s",
           flush=True)
     timed, wall_s = screen(case, args)
     print(f"  {model}: screen, {len(timed)} plans x {args.screen_rounds} rounds x {args.screen_steps} steps: "
-          f"{wall_s:.0f} s (load {_load()})", flush=True)
+          f"{wall_s:.0f} s (load {common.load_text()})", flush=True)
     jobs = confirmation_jobs(case, timed, args.confirm_top)
     confirmed = {}
     if jobs:  # else the planner gave no runnable plan at any budget: nothing to confirm
         confirmed, wall_s = measure_interleaved(jobs, rounds=args.confirm_rounds, steps=args.confirm_steps,
                                                 warmup=args.warmup, timeout_s=args.timeout, seed=args.seed + 1)
         print(f"  {model}: confirmation, {len(jobs)} jobs x {args.confirm_rounds} rounds x {args.confirm_steps} "
-              f"steps: {wall_s:.0f} s (load {_load()})", flush=True)
+              f"steps: {wall_s:.0f} s (load {common.load_text()})", flush=True)
     rows, summary = judge(case, timed, confirmed, profile, args)
     steps = step_rows(case, "screen", timed) + step_rows(case, "confirmation", confirmed)
     return rows, summary, steps
@@ -396,10 +383,6 @@ def step_rows(case: Case, stage: str, timed: dict) -> list[dict]:
             out += [dict(model=case.model, stage=stage, plan=case.name(key) + (f" ({copy})" if copy else ""),
                          round=r, step=i, step_s=float(v)) for i, v in enumerate(times)]
     return out
-
-
-def _load() -> str:
-    return " ".join(f"{v:.1f}" for v in os.getloadavg())
 
 
 def plot(rows: list[dict], summary: list[dict]):
@@ -508,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
 
     profile = load_profile(args.profile)
     start = time.perf_counter()
-    print(f"bench_plan_quality: load {_load()} at the start", flush=True)
+    print(f"bench_plan_quality: load {common.load_text()} at the start", flush=True)
     rows, summary, steps = [], [], []
     for model in args.models:
         r, s, t = evaluate_model(model, profile, args)
@@ -532,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     common.write_csv(summary, "plan_quality_summary", columns=scols)
     common.save_figure(plot(rows, summary), "plan_quality")
     print(verdict_line(summary))
-    print(f"\nbench_plan_quality: {time.perf_counter() - start:.0f} s (load {_load()} at the end); "
+    print(f"\nbench_plan_quality: {time.perf_counter() - start:.0f} s (load {common.load_text()} at the end); "
           f"outputs in {common.OUT_DIR}")
     return 0
 

@@ -100,6 +100,27 @@ def set_model_size(size: str | None) -> None:
         os.environ["SHARD_PLANNER_SIZE"] = size
 
 
+def load_text() -> str:
+    """The machine's load average (1, 5, 15 min), for the notes beside timings on a shared machine."""
+    return " ".join(f"{v:.1f}" for v in os.getloadavg())
+
+
+def timed_profile(model: str, profile, *, world_size: int, dtype: str = "bfloat16", micro_batch: int | None = None):
+    """``profile`` pricing compute from the example ``model``'s module times, measured here first as a
+    user would (``shard-planner calibrate --model``): ``world_size`` processes sharing the cores as the
+    ranks will, in ``dtype``, at ``micro_batch`` (default: the model file's)."""
+    import time
+
+    from shard_planner.execute.module_timing import measure_module_timings
+
+    t0 = time.perf_counter()
+    timings = measure_module_timings(str(EXAMPLES / f"{model}.py"), micro_batch=micro_batch, dtype=dtype,
+                                     world_size=world_size, device="cpu")
+    print(f"  {model}: module times in {dtype} at world size {world_size}, {time.perf_counter() - t0:.0f} s "
+          f"(load {load_text()})", flush=True)
+    return profile.with_timings(timings)
+
+
 def quiet_logs() -> None:
     import logging
 
