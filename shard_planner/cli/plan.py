@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from shard_planner.cli.args import byte_size, positive_float, positive_int
@@ -86,9 +86,8 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_model(trace, gpus=req.gpus, mem_budget_bytes=req.mem_budget_bytes, profile=profile,
                       gpus_per_node=req.gpus_per_node, micro_batch=micro_batch, search_batch=req.search_batch,
                       param_dtype=req.dtype, optimizer=defaults.optimizer,
-                      time_limit_s=req.time_limit_s, model_path=req.model, profile_name=req.profile)
-    if req.timings is not None:
-        plan = replace(plan, cluster=replace(plan.cluster, timings=req.timings))
+                      time_limit_s=req.time_limit_s, model_path=req.model, profile_name=req.profile,
+                      timings_path=req.timings)
     save_plan(plan, req.output)
     print(summary(plan, profile))
     print(f"wrote {req.output}")

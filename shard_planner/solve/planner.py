@@ -94,10 +94,13 @@ def plan_model(trace: ModelTrace, *, gpus: int, mem_budget_bytes: int, profile: 
                optimizer: str = "adamw", param_dtype: str = "bfloat16", reduce_dtype: str = "float32",
                time_limit_s: float = cpsat.DEFAULT_TIME_LIMIT_S, max_group_size: int = DEFAULT_MAX_GROUP_SIZE,
                frontier_points: int = DEFAULT_FRONTIER_POINTS, allow_offload: bool = True,
-               model_path: str | None = None, profile_name: str | None = None) -> Plan:
+               model_path: str | None = None, profile_name: str | None = None,
+               timings_path: str | None = None) -> Plan:
     """The fastest plan for ``trace`` on ``gpus`` GPUs whose simulated peak fits
     ``profile.tensor_budget_bytes(mem_budget_bytes)`` per GPU (``--mem`` less the fragmentation share),
-    with the frontier and the hand-written baselines. Pure: no files, no printing."""
+    with the frontier and the hand-written baselines. Pure: no files, no printing. ``profile_name`` and
+    ``timings_path`` are what the plan records of how it was priced (``cluster.profile``, ``cluster.timings``:
+    the file ``profile.module_timings`` came from)."""
     t0 = time.perf_counter()
     if gpus < 1 or gpus_per_node < 1:
         raise UserError(f"--gpus and --gpus-per-node must be positive, got {gpus} and {gpus_per_node}")
@@ -110,7 +113,7 @@ def plan_model(trace: ModelTrace, *, gpus: int, mem_budget_bytes: int, profile: 
     training = Training(micro_batch=micro_batch or 1, optimizer=optimizer, param_dtype=param_dtype,
                         reduce_dtype=reduce_dtype)
     cluster = Cluster(gpus=gpus, gpus_per_node=min(gpus_per_node, gpus), profile=profile_name or profile.name,
-                      mem_budget_bytes=mem_budget_bytes)
+                      mem_budget_bytes=mem_budget_bytes, timings=timings_path)
     ctx = _Context(trace, profile, training, cluster, budget, time_limit_s, max_group_size, model_path)
     ctx.allow_offload = allow_offload and profile.device != "cpu"
 

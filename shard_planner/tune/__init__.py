@@ -82,15 +82,14 @@ def tune_model(model_path: str, *, gpus: int, mem_budget_bytes: int, profile: st
     kwargs = dict(gpus=gpus, profile=prior, gpus_per_node=gpus_per_node,
                   micro_batch=micro_batch or defaults.micro_batch, optimizer=defaults.optimizer,
                   param_dtype=param_dtype, model_path=model_path,
-                  profile_name=profile if isinstance(profile, str) else None, **(plan_kwargs or {}))
+                  profile_name=profile if isinstance(profile, str) else None, timings_path=timings,
+                  **(plan_kwargs or {}))
     plan = plan_model(trace, mem_budget_bytes=mem_budget_bytes, **kwargs)
     candidates = top_candidates(trace, plan, prior, trials, estimate=estimate,
                                 solve=lambda budget: plan_model(trace, mem_budget_bytes=budget, **kwargs),
                                 extra=hand_written_plans(trace, plan))
     result = tune(trace, candidates, prior, estimate=estimate, run_plans=run_plans, world_size=world_size,
                   per_launch=per_launch, steps=steps, warmup=warmup, timeout_s=timeout_s, device=device)
-    if timings is not None:
-        result = replace(result, plan=replace(result.plan, cluster=replace(result.plan.cluster, timings=timings)))
     if profile_out is not None:
         write_fitted_profile(result, prior, profile_out, model_path)
         result = _with_profile(result, str(profile_out))
