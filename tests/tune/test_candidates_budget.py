@@ -3,14 +3,11 @@
 re-run at the --mem whose usable budget is the intended fraction of the plan's peak. A synthetic cost
 model: a plan's peak is 100 MiB + 10 MiB per unit that keeps its parameters."""
 
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 
-from test_tune import _Estimate, _Time  # noqa: E402  (tune's synthetic estimate, shared)
+from tests.tune.test_tune import _Estimate, _Time  # noqa: E402  (tune's synthetic estimate, shared)
 
 from shard_planner.errors import InfeasibleError  # noqa: E402
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit  # noqa: E402

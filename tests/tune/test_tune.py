@@ -4,9 +4,7 @@ synthetic cost model and synthetic runs), the CLI's errors, and one real tune at
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import pytest
 
@@ -20,8 +18,9 @@ from shard_planner.tune.candidates import Candidate, describe_plan
 from shard_planner.tune.fit import FACTORS, fit_profile, scale_profile
 from shard_planner.tune.profile_file import profile_toml
 from shard_planner.tune.tuner import tune
+from tests.paths import REPO  # noqa: E402
 
-ROOT_DIR = Path(__file__).resolve().parent.parent
+ROOT_DIR = REPO
 PRIOR = load_profile("cpu-gloo")
 
 

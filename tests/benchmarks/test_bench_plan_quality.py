@@ -1,16 +1,12 @@
 """The plan-quality benchmark's judging (benchmarks/bench_plan_quality.py) on synthetic measurements:
 which plans are confirmed, the gap to the best, the A/A pair and the verdict. No runs."""
 
-import sys
 from argparse import Namespace
 from dataclasses import replace
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import bench_plan_quality as bq  # noqa: E402
 import common  # noqa: E402

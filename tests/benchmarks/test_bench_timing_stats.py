@@ -1,13 +1,10 @@
 """The plan-quality benchmark's statistics (benchmarks/timing_stats.py) on synthetic step times with
 known effects: pure, no runs."""
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import timing_stats as ts  # noqa: E402
 

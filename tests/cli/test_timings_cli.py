@@ -4,12 +4,9 @@ file in ``cluster.timings``, and estimate prices it the same way unless told oth
 Tier 1: hand-made timings of tests/models/cost_mlp.py's hand-written trace (no measurement, no ranks).
 """
 
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
 
-import test_module_timings as tm  # noqa: E402
+from tests.execute import test_module_timings as tm  # noqa: E402
 
 from shard_planner.cli.main import main  # noqa: E402
 from shard_planner.cost import estimate  # noqa: E402

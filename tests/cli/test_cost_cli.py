@@ -1,14 +1,11 @@
 """``shard-planner estimate``: output, --gpus / --micro-batch / --write, and one-line errors."""
 
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "models"))
 
-import cost_mlp  # noqa: E402
+from tests.models import cost_mlp  # noqa: E402
 
 from shard_planner.cli.main import main  # noqa: E402
 from shard_planner.cost import estimate  # noqa: E402

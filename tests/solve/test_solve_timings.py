@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 
-from models.solve_traces import profile, stack_trace
+from tests.models.solve_traces import profile, stack_trace
 from shard_planner.cost import module_compute_s
 from shard_planner.plan import Mesh, Prefetch, Training
 from shard_planner.solve import plan_model

@@ -4,11 +4,8 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from shard_planner.execute.memtrack import StorageTracker
 
@@ -97,16 +94,6 @@ class _Net(nn.Module):
         return self.head(x)
 
 
-@pytest.fixture
-def fake_world():
-    world_size = 4
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    try:
-        yield init_device_mesh("cpu", (world_size,))
-    finally:
-        dist.destroy_process_group()
-
-
 def _peaks(mesh, grouped: bool) -> tuple[int, int]:
     """(StorageTracker peak, FSDPMemTracker peak) over the same steady-state training step."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -142,6 +129,7 @@ def _peaks(mesh, grouped: bool) -> tuple[int, int]:
     return mine.peak_bytes, stock.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
 
+@pytest.mark.parametrize("fake_world", [4], indirect=True)
 def test_agrees_with_fsdp_mem_tracker(fake_world):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -150,6 +138,7 @@ def test_agrees_with_fsdp_mem_tracker(fake_world):
     assert abs(mine - stock) <= 0.01 * MiB, (mine, stock)
 
 
+@pytest.mark.parametrize("fake_world", [4], indirect=True)
 def test_grouped_units_read_higher_than_fsdp_mem_tracker(fake_world):
     # DESIGN.md: FSDPMemTracker swaps a grouped unit's hooks for per-module ones, which reshards and
     # re-gathers inside the group, so it reads low on grouped plans; the storage counter does not.

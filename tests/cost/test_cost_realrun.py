@@ -12,14 +12,11 @@ Step time (the last test): gpt2 tiny plans with 1 to 9 units against the time mo
 overheads; a loose bound only (the machine is shared), and the ranking of plans far apart.
 """
 
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "models"))
 
-import cost_mlp  # noqa: E402
+from tests.models import cost_mlp  # noqa: E402
 
 from shard_planner.cost import simulate_memory  # noqa: E402
 from shard_planner.execute import run_plans  # noqa: E402
@@ -27,10 +24,11 @@ from shard_planner.modelfile import load_model_file  # noqa: E402
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit  # noqa: E402
 from shard_planner.profile import load_profile  # noqa: E402
 from shard_planner.trace.structure import model_fingerprint  # noqa: E402
+from tests.paths import EXAMPLES, MODELS  # noqa: E402
 
-MODEL = str(Path(__file__).parent / "models" / "cost_mlp.py")
-GPT2 = str(Path(__file__).parent.parent / "examples" / "gpt2.py")
-UNET = str(Path(__file__).parent.parent / "examples" / "unet.py")
+MODEL = str(MODELS / "cost_mlp.py")
+GPT2 = str(EXAMPLES / "gpt2.py")
+UNET = str(EXAMPLES / "unet.py")
 L = cost_mlp.LAYERS
 TOLERANCE = 0.03
 GC_TOLERANCE = 0.06  # the worst rank: up to two extra storages of these small models held by garbage

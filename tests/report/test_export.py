@@ -5,11 +5,10 @@ import json
 import tomllib
 from dataclasses import replace
 
-from pathlib import Path
 
 import pytest
 
-from models.report_fixtures import make_plan, make_trace
+from tests.models.report_fixtures import make_plan, make_trace
 from shard_planner.cli.main import main
 from shard_planner.errors import PlanError, UserError
 from shard_planner.modelfile import load_model_file
@@ -20,13 +19,10 @@ from shard_planner.report.export.deepspeed import derive_zero3
 from shard_planner.trace.structure import model_fingerprint
 
 GPT2 = "examples/gpt2.py"
-REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(autouse=True)
-def _in_repository_root(monkeypatch):
-    """Plans name their model file relative to the repository root (examples/...), as the CLI is run."""
-    monkeypatch.chdir(REPO)
+# Plans name their model file relative to the repository root (examples/...), as the CLI is run.
+pytestmark = pytest.mark.usefixtures("in_repository_root")
 
 
 def gpt2_plan(units, prefetch=Prefetch(2, 2), world=8, **training) -> Plan:
@@ -69,20 +65,7 @@ def parse_yaml(text: str) -> dict:
 
 # ---- fsdp2 ----
 
-@pytest.fixture(scope="module")
-def fake_world():
-    """A fake process group of 8 ranks in this process (no spawn); FSDP2 runs its hooks, collectives are no-ops."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
-    try:
-        yield init_device_mesh("cpu", (8,))
-    finally:
-        dist.destroy_process_group()
-
-
+@pytest.mark.parametrize("fake_world", [8], indirect=True)
 def test_fsdp2_export_shards_like_apply_plan(fake_world):
     """Grouped units, an int reshard (2 of 8), no reshard, checkpointing, a nested unit, prefetch depth 2,
     CPU offload, bf16 mixed precision."""

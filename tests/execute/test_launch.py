@@ -15,8 +15,7 @@ from shard_planner.execute.worker import _classify
 from shard_planner.measurement import load_measurement
 from shard_planner.plan import Unit, save_plan
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_run import MODEL, make_plan, reference_losses  # noqa: E402
+from tests.execute.test_run import MODEL, make_plan, reference_losses  # noqa: E402
 
 TORCHRUN = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
 

@@ -2,15 +2,12 @@
 
 import dataclasses
 import itertools
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "models"))
 
-import cost_mlp  # noqa: E402
-import cost_synth  # noqa: E402
+from tests.models import cost_mlp  # noqa: E402
+from tests.models import cost_synth  # noqa: E402
 
 from shard_planner.cost import estimate, model_state_bytes, simulate_memory, simulate_time  # noqa: E402
 from shard_planner.cost.collectives import all_gather_time_s, reduce_scatter_time_s, ring_time_s  # noqa: E402
@@ -18,7 +15,6 @@ from shard_planner.errors import PlanError  # noqa: E402
 from shard_planner.plan import (  # noqa: E402
     MEMORY_CATEGORIES, Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit,
 )
-from shard_planner.profile import load_profile  # noqa: E402
 
 D, LAYERS = 128, 4
 PSI = (LAYERS + 1) * D * D  # parameters of the MLP: 4 blocks + head, no biases
@@ -52,16 +48,6 @@ def mlp():
 @pytest.fixture(scope="module")
 def synth():
     return cost_synth.synthetic_trace(layers=8, hidden=1024, seq=512, vocab=4096)
-
-
-@pytest.fixture(scope="module")
-def gloo():
-    return load_profile("cpu-gloo")
-
-
-@pytest.fixture(scope="module")
-def h100():
-    return load_profile("h100-80gb")
 
 
 # ---- model state: ZeRO §5 as FSDP2 realises it ----

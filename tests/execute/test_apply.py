@@ -5,9 +5,7 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from shard_planner.errors import PlanError
 from shard_planner.execute import apply_plan, build_mesh, describe_sharding
@@ -29,15 +27,6 @@ def make_plan(units, world_size, fingerprint, *, replicate=1, prefetch=(0, 1), *
                 Training(4, **training), tuple(units), Prefetch(*prefetch))
 
 
-@pytest.fixture
-def fake_world(request):
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=request.param)
-    try:
-        yield request.param
-    finally:
-        dist.destroy_process_group()
-
-
 UNITS = (
     Unit(("",), reshard_after_forward=False),
     Unit(("embed",), reshard_after_forward=False),
@@ -52,7 +41,7 @@ UNITS = (
 @pytest.mark.parametrize("fake_world", [8, 16, 64], indirect=True)
 def test_units_reshard_and_prefetch_are_the_plans(fake_world):
     model, fp = model_and_fingerprint()
-    plan = make_plan(UNITS, fake_world, fp, prefetch=(2, 3))
+    plan = make_plan(UNITS, fake_world.size(), fp, prefetch=(2, 3))
     apply_plan(model, plan, build_mesh(plan, "cpu"))
     got = {u.modules: u for u in describe_sharding(model)}
     assert set(got) == {u.modules for u in UNITS}
@@ -80,7 +69,7 @@ def test_units_reshard_and_prefetch_are_the_plans(fake_world):
 def test_hsdp_plan_gets_a_2d_mesh_and_trains(fake_world):
     model, fp = model_and_fingerprint()
     units = (Unit(("",), False), *(Unit((f"blocks.{i}",), 2) for i in range(6)))
-    plan = make_plan(units, fake_world, fp, replicate=2, param_dtype="float32")
+    plan = make_plan(units, fake_world.size(), fp, replicate=2, param_dtype="float32")
     mesh = build_mesh(plan, "cpu")
     assert tuple(mesh.shape) == (2, 8) and mesh.mesh_dim_names == ("replicate", "shard")
     apply_plan(model, plan, mesh)
@@ -94,7 +83,7 @@ def test_hsdp_plan_gets_a_2d_mesh_and_trains(fake_world):
 @pytest.mark.parametrize("fake_world", [8], indirect=True)
 def test_checkpointed_units_recompute_in_backward(fake_world):
     model, fp = model_and_fingerprint()
-    plan = make_plan(UNITS, fake_world, fp, param_dtype="float32")
+    plan = make_plan(UNITS, fake_world.size(), fp, param_dtype="float32")
     apply_plan(model, plan, build_mesh(plan, "cpu"))
     calls = {}
     for name in ("blocks.0.mlp.up", "blocks.2.norm", "blocks.2.mlp.up", "blocks.3.mlp.up"):
@@ -112,7 +101,7 @@ def test_checkpointed_units_recompute_in_backward(fake_world):
 @pytest.mark.parametrize("fake_world", [8], indirect=True)
 def test_mixed_precision_and_offload_policies(fake_world):
     model, fp = model_and_fingerprint()
-    plan = make_plan(UNITS[:1], fake_world, fp, param_dtype="bfloat16", reduce_dtype="float32", cpu_offload=True)
+    plan = make_plan(UNITS[:1], fake_world.size(), fp, param_dtype="bfloat16", reduce_dtype="float32", cpu_offload=True)
     apply_plan(model, plan, build_mesh(plan, "cpu"))
     group = model._get_fsdp_state()._fsdp_param_group
     assert group.mp_policy.param_dtype == torch.bfloat16 and group.mp_policy.reduce_dtype == torch.float32

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 
-from models.solve_traces import GIB, MIB, profile, stack_trace
+from tests.models.solve_traces import GIB, MIB, profile, stack_trace
 from shard_planner.errors import InfeasibleError
 from shard_planner.solve import plan_model
 from shard_planner.solve.simulate import simulate

@@ -6,13 +6,12 @@ import dataclasses
 import io
 import re
 
-from pathlib import Path
 
 import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.text import Text
 
-from models.report_fixtures import GIB, MIB, _module, make_estimate, make_plan, make_trace
+from tests.models.report_fixtures import GIB, MIB, _module, make_estimate, make_plan, make_trace
 from shard_planner.cli.main import main
 from shard_planner.errors import UserError
 from shard_planner.measurement import Measurement, RankMemory, plan_fingerprint, save_measurement
@@ -35,13 +34,10 @@ from shard_planner.report.tables import frontier_table, measurements_table, to_m
 from shard_planner.units import format_bytes
 
 EXAMPLES = ("gpt2", "llama", "vit", "encdec", "unet")
-REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(autouse=True)
-def _in_repository_root(monkeypatch):
-    """Plans name their model file relative to the repository root (examples/...), as the CLI is run."""
-    monkeypatch.chdir(REPO)
+# Plans name their model file relative to the repository root (examples/...), as the CLI is run.
+pytestmark = pytest.mark.usefixtures("in_repository_root")
 
 
 def drawn_texts(fig) -> list[Text]:

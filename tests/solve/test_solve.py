@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 
-from models.solve_traces import GIB, MIB, profile, stack_trace
+from tests.models.solve_traces import GIB, MIB, profile, stack_trace
 from shard_planner.errors import InfeasibleError
 from shard_planner.plan import Cluster, Mesh, Prefetch, Training
 from shard_planner.solve import plan_model

@@ -2,21 +2,14 @@
 input and infeasible budgets into one line and a non-zero exit."""
 
 import json
-from pathlib import Path
 
 import pytest
 
 from shard_planner.cli.main import main
 from shard_planner.plan import MEMORY_CATEGORIES, load_plan
+from tests.paths import EXAMPLES
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 GPT2 = str(EXAMPLES / "gpt2.py")
-
-
-@pytest.fixture(autouse=True)
-def _tiny(monkeypatch):
-    monkeypatch.delenv("SHARD_PLANNER_SIZE", raising=False)
-    monkeypatch.delenv("SHARD_PLANNER_SEQ", raising=False)
 
 
 @pytest.fixture(scope="module")

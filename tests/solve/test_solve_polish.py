@@ -14,9 +14,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import shard_planner.solve.planner as planner
 from shard_planner.cost import estimate
@@ -24,7 +21,6 @@ from shard_planner.execute import apply_plan, describe_sharding
 from shard_planner.execute.apply import check_plan_matches
 from shard_planner.modelfile import load_model_file
 from shard_planner.plan import ROOT, Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit
-from shard_planner.profile import load_profile
 from shard_planner.solve import plan_model
 from shard_planner.solve.baselines import POLICIES
 from shard_planner.solve.polish import MIN_GAIN, neighbours, polish
@@ -39,11 +35,6 @@ LLAMA, GPT2 = "examples/llama.py", "examples/gpt2.py"
 @pytest.fixture(scope="module")
 def traces():
     return {path: trace_model(path) for path in (LLAMA, GPT2)}
-
-
-@pytest.fixture(scope="module")
-def gloo():
-    return load_profile("cpu-gloo")
 
 
 def _mem_for(prof, usable_bytes):
@@ -160,15 +151,6 @@ def test_split_never_breaks_tied_parameters(traces):
     moves = neighbours(tied_trace, units, Prefetch())
     assert moves and not any(m.description.startswith("split") for m in moves)
     assert any(m.description.startswith("drop") for m in moves)  # the parameters go to the root together
-
-
-@pytest.fixture
-def fake_world():
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        yield init_device_mesh("cpu", (2,))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_every_move_and_the_polished_plan_apply(traces, gloo, fake_world):

@@ -3,20 +3,18 @@ process group — a small shape of benchmarks/bench_vs_memtracker.py (which runs
 8 and 64): examples/llama.py tiny at world size 8, three ungrouped plans, within 5%."""
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "models"))
 
-from cost_memtracker import memtracker_peaks  # noqa: E402
+from tests.models.cost_memtracker import memtracker_peaks  # noqa: E402
 
 from shard_planner.cost import simulate_memory  # noqa: E402
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit  # noqa: E402
 from shard_planner.profile import load_profile  # noqa: E402
+from tests.paths import EXAMPLES  # noqa: E402
 
-LLAMA = str(Path(__file__).parent.parent / "examples" / "llama.py")
+LLAMA = str(EXAMPLES / "llama.py")
 
 
 @pytest.mark.multiprocess

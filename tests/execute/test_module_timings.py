@@ -11,13 +11,11 @@ closer to the measured one than the FLOP model's.
 import dataclasses
 import statistics
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "models"))
 
-import cost_mlp  # noqa: E402
+from tests.models import cost_mlp  # noqa: E402
 
 from shard_planner.cost import estimate, simulate_time  # noqa: E402
 from shard_planner.errors import ProfileError  # noqa: E402
@@ -26,8 +24,9 @@ from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training
 from shard_planner.profile import load_profile  # noqa: E402
 from shard_planner.timings import ModuleTime, ModuleTimings, load_timings, save_timings  # noqa: E402
 from shard_planner.trace.types import Affine  # noqa: E402
+from tests.paths import EXAMPLES, MODELS  # noqa: E402
 
-GPT2 = str(Path(__file__).parent.parent / "examples" / "gpt2.py")
+GPT2 = str(EXAMPLES / "gpt2.py")
 L = cost_mlp.LAYERS
 MS = 1e-3
 
@@ -270,7 +269,7 @@ def test_gpt2_real_run_closer_with_timings(gpt2_timings):
 
 # ---- the CLI ----------------------------------------------------------------------------------
 
-MLP_FILE = str(Path(__file__).parent / "models" / "cost_mlp.py")
+MLP_FILE = str(MODELS / "cost_mlp.py")
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -7,13 +7,13 @@ build_model()/make_batch() are called, so tests set the variable with monkeypatc
 import importlib.util
 import math
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
+from tests.paths import EXAMPLES as EXAMPLES_DIR
+
 EXAMPLES = ["gpt2", "llama", "vit", "encdec", "unet"]
 SIZES = {
     "gpt2": ["tiny", "small", "medium", "large", "xl"],
@@ -22,13 +22,6 @@ SIZES = {
     "encdec": ["tiny", "base"],
     "unet": ["tiny", "base"],
 }
-
-
-@pytest.fixture(autouse=True)
-def _default_size(monkeypatch):
-    """Every test starts at the default size, whatever the calling shell set."""
-    monkeypatch.delenv("SHARD_PLANNER_SIZE", raising=False)
-    monkeypatch.delenv("SHARD_PLANNER_SEQ", raising=False)
 
 
 def load(name: str):

@@ -4,10 +4,8 @@ analytic FLOPs, reuse of identical blocks, JSON round trip, the module graph and
 from __future__ import annotations
 
 import json
-import math
 from collections import defaultdict
 from dataclasses import fields
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,20 +22,15 @@ from shard_planner.trace.flops import EXTRA_FLOP_FORMULAS, FlopCounter
 from shard_planner.trace.graph import edges_of_kind
 from shard_planner.trace.tracer import compare_with_real_run
 from shard_planner.trace.types import ModelTrace
+from tests.paths import REPO  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 EXAMPLES = ["gpt2", "llama", "vit", "encdec", "unet"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def example(name: str) -> str:
     return str(ROOT / "examples" / f"{name}.py")
-
-
-@pytest.fixture(autouse=True)
-def _default_size(monkeypatch):
-    monkeypatch.delenv("SHARD_PLANNER_SIZE", raising=False)
-    monkeypatch.delenv("SHARD_PLANNER_SEQ", raising=False)
 
 
 _TRACES: dict = {}
