@@ -22,7 +22,7 @@ from shard_planner.modelfile import load_model_file
 from shard_planner.trace import graph, load_trace, trace_model, trace_or_load
 from shard_planner.trace.flops import EXTRA_FLOP_FORMULAS, FlopCounter
 from shard_planner.trace.graph import edges_of_kind
-from shard_planner.trace.tracer import compare_with_real_run
+from shard_planner.trace import compare_with_real_run
 from shard_planner.trace.types import ModelTrace
 
 ROOT = Path(__file__).resolve().parent.parent
