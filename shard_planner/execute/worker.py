@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shard_planner.cli.args import non_negative_int, positive_float, positive_int
+from shard_planner.argtypes import non_negative_int, positive_float, positive_int
 from shard_planner.errors import RunError, UserError
 from shard_planner.execute.apply import apply_plan, build_mesh
 from shard_planner.execute.memtrack import StorageTracker
