@@ -17,10 +17,9 @@ from torch.autograd.graph import saved_tensors_hooks
 from shard_planner.cli.main import main
 from shard_planner.errors import UserError
 from shard_planner.modelfile import load_model_file
-from shard_planner.trace import graph, load_trace, trace_model, trace_or_load
+from shard_planner.trace import load_trace, trace_model, trace_or_load
 from shard_planner.trace.flops import EXTRA_FLOP_FORMULAS, FlopCounter
-from shard_planner.trace.graph import edges_of_kind
-from shard_planner.trace.tracer import compare_with_real_run
+from shard_planner.trace import compare_with_real_run
 from shard_planner.trace.types import ModelTrace
 from tests.paths import REPO  # noqa: E402
 
@@ -349,18 +348,6 @@ def test_load_trace_errors(tmp_path):
     bad.write_text(json.dumps(old))
     with pytest.raises(UserError, match="schema version"):
         load_trace(bad)
-
-
-def test_graph_has_tree_and_orders():
-    trace = traced("encdec")
-    g = graph(trace)
-    assert set(g.nodes) == {m.fqn for m in trace.modules}
-    assert g.nodes["encoder"]["module"] == trace.module("encoder")
-    child = set(edges_of_kind(g, "child"))
-    assert child == {(m.fqn, c) for m in trace.modules for c in m.children}
-    assert set(edges_of_kind(g, "forward_next")) == set(zip(trace.forward_order, trace.forward_order[1:]))
-    assert set(edges_of_kind(g, "backward_next")) == set(zip(trace.backward_order, trace.backward_order[1:]))
-    assert all(g.edges[e]["kind"] in ("child", "forward_next", "backward_next") for e in g.edges)
 
 
 def test_cli_trace_writes_file_and_table(tmp_path, capsys):
