@@ -165,22 +165,52 @@ class _UnitState:
     grad_bytes: float = 0.0  # unsharded gradients produced in backward, not yet reduce-scattered
 
 
+@dataclass(frozen=True)
+class BlockActivations:
+    """Per block of the tables at one micro-batch, bytes in the plan's param dtype (activations are
+    traced in the compute dtype and scaled, [Note: Activations]). ``block_activations`` builds them;
+    the CostModel keeps them per (segmentation, micro-batch, param dtype)."""
+
+    input: tuple[float, ...]
+    output: tuple[float, ...]
+    saved: tuple[float, ...]
+    fwd_rise: tuple[float, ...]
+    bwd_rise: tuple[float, ...]
+    kept: tuple[float, ...]  # what a checkpointed block keeps: [Note: Checkpointed inputs held elsewhere]
+    flows: tuple[bool, ...]  # a module block (its input and output flow); False: a container's own code
+    own_grads: tuple[float, ...]  # its own parameters' gradients in the param dtype
+
+
+def block_activations(trace: ModelTrace, t: CostTables, micro_batch: int, param_dtype: str) -> BlockActivations:
+    b, elem = micro_batch, dtype_bytes(param_dtype)
+    s = elem / dtype_bytes(trace.compute_dtype)
+    blocks = t.blocks
+    return BlockActivations(
+        input=tuple(blk.input.at(b) * s for blk in blocks), output=tuple(blk.output.at(b) * s for blk in blocks),
+        saved=tuple(blk.saved.at(b) * s for blk in blocks), fwd_rise=tuple(blk.fwd_rise.at(b) * s for blk in blocks),
+        bwd_rise=tuple(blk.bwd_rise.at(b) * s for blk in blocks),
+        kept=tuple((blk.input.at(b) - blk.input_shared.at(b)) * s for blk in blocks),
+        flows=tuple(not blk.fqn.endswith(":self") for blk in blocks),
+        own_grads=tuple(blk.own_float_numel * elem for blk in blocks),
+    )
+
+
 def simulate_memory_walk(trace: ModelTrace, t: CostTables, plan: Plan, profile: HardwareProfile,
-                         ub: tuple[UnitBytes, ...], schedule: Schedule, *, timeline: bool) -> MemoryEstimate:
+                         ub: tuple[UnitBytes, ...], schedule: Schedule, acts: BlockActivations, *,
+                         timeline: bool) -> MemoryEstimate:
     """Walk ``schedule`` tracking live bytes (the module docstring); CostModel.memory calls it."""
-    return _MemoryWalk(trace, t, plan, profile, ub, schedule, timeline).run()
+    return _MemoryWalk(trace, t, plan, profile, ub, schedule, acts, timeline).run()
 
 
 class _MemoryWalk:
     """Live bytes by category while walking one schedule; each event kind has one handler."""
 
     def __init__(self, trace, t: CostTables, plan: Plan, profile: HardwareProfile, ub, schedule: Schedule,
-                 timeline: bool):
+                 acts: BlockActivations, timeline: bool):
         self.t, self.plan, self.profile, self.ub, self.schedule, self.timeline = t, plan, profile, ub, schedule, timeline
-        self.trace = trace
+        self.trace, self.acts = trace, acts
         training = plan.training
         self.b = b = training.micro_batch
-        self.act_scale = dtype_bytes(training.param_dtype) / dtype_bytes(trace.compute_dtype)
         self.param_elem = dtype_bytes(training.param_dtype)
         self.offload_off_device = off = training.cpu_offload and profile.device != "cpu"
         sharded_total = sum(x.sharded for x in ub)
@@ -219,12 +249,14 @@ class _MemoryWalk:
 
     def run(self) -> MemoryEstimate:
         K = EventKind
-        handlers = {
-            K.PRE_FORWARD: self.pre_forward, K.ALL_GATHER: self.all_gather, K.ALL_GATHER_WAIT: self.wait,
-            K.FORWARD: self.forward, K.RESHARD: self.reshard, K.FORWARD_END: self.forward_end,
-            K.LOSS: self.loss, K.PRE_BACKWARD: _ignore, K.RECOMPUTE: self.recompute, K.BACKWARD: self.backward,
-            K.POST_BACKWARD: self.post_backward, K.BACKWARD_END: self.backward_end, K.OPTIMIZER: self.optimizer,
-        }
+        handlers: list = [None] * len(K)  # indexed by the kind (an IntEnum): the hot loop's dispatch
+        handlers[K.PRE_FORWARD], handlers[K.ALL_GATHER], handlers[K.ALL_GATHER_WAIT] = (
+            self.pre_forward, self.all_gather, self.wait)
+        handlers[K.FORWARD], handlers[K.RESHARD], handlers[K.FORWARD_END] = self.forward, self.reshard, self.forward_end
+        handlers[K.LOSS], handlers[K.PRE_BACKWARD], handlers[K.RECOMPUTE] = self.loss, _ignore, self.recompute
+        handlers[K.BACKWARD], handlers[K.POST_BACKWARD], handlers[K.BACKWARD_END] = (
+            self.backward, self.post_backward, self.backward_end)
+        handlers[K.OPTIMIZER] = self.optimizer
         for ev in self.schedule.events:
             handlers[ev.kind](ev)
         return self.result()
@@ -285,9 +317,8 @@ class _MemoryWalk:
     # ---- forward ----
     def enter_forward_block(self, i: int) -> None:
         """The activation level as block ``i`` starts: its input flows in."""
-        blk = self.t.blocks[i]
-        if not blk.fqn.endswith(":self"):
-            self.flow = blk.input.at(self.b) * self.act_scale
+        if self.acts.flows[i]:
+            self.flow = self.acts.input[i]
         self.cat[_AC] = self.batch_bytes + self.saved_sum + self.flow
 
     def pre_forward(self, ev) -> None:
@@ -295,20 +326,19 @@ class _MemoryWalk:
             self.enter_forward_block(ev.block)
 
     def forward(self, ev) -> None:
-        i, b, s = ev.block, self.b, self.act_scale
-        blk = self.t.blocks[i]
+        i, a = ev.block, self.acts
+        fqn = self.t.blocks[i].fqn
         self.enter_forward_block(i)
-        rise = blk.fwd_rise.at(b) * s
+        rise = a.fwd_rise[i]
         if self.schedule.checkpointed[i]:
-            out = blk.output.at(b) * s
-            self.record("checkpointed", blk.fqn, "forward", extra_temp=max(out, rise - blk.saved.at(b) * s))
+            self.record("checkpointed", fqn, "forward", extra_temp=max(a.output[i], rise - a.saved[i]))
             # only the inputs nobody else holds are new bytes: [Note: Checkpointed inputs held elsewhere]
-            self.saved_sum += (blk.input.at(b) - blk.input_shared.at(b)) * s
+            self.saved_sum += a.kept[i]
         else:
-            self.record("", blk.fqn, "forward", extra_temp=rise)
-            self.saved_sum += blk.saved.at(b) * s
-        if not blk.fqn.endswith(":self"):
-            self.flow = blk.output.at(b) * s
+            self.record("", fqn, "forward", extra_temp=rise)
+            self.saved_sum += a.saved[i]
+        if a.flows[i]:
+            self.flow = a.output[i]
         self.cat[_AC] = self.batch_bytes + self.saved_sum + self.flow
 
     def forward_end(self, ev) -> None:
@@ -319,34 +349,30 @@ class _MemoryWalk:
 
     def loss(self, ev) -> None:
         self.record("loss forward+backward", "", "backward", extra_temp=self.trace.loss_peak_rise_bytes.at(self.b))
-        blocks = self.t.blocks
-        self.flow = blocks[-1].output.at(self.b) * self.act_scale if blocks else 0.0
+        self.flow = self.acts.output[-1] if self.acts.output else 0.0
 
     # ---- backward ----
     def enter_backward_block(self, i: int) -> None:
         """The activation level as block ``i``'s backward starts: the gradient of its output flows in."""
-        blk = self.t.blocks[i]
-        if not blk.fqn.endswith(":self"):
-            self.flow = blk.output.at(self.b) * self.act_scale
+        if self.acts.flows[i]:
+            self.flow = self.acts.output[i]
         self.cat[_AC] = self.batch_bytes + self.saved_sum + self.flow
 
     def recompute(self, ev) -> None:
-        i, b, s = ev.block, self.b, self.act_scale
-        blk = self.t.blocks[i]
+        i, a = ev.block, self.acts
         self.enter_backward_block(i)
-        kept = (blk.input.at(b) - blk.input_shared.at(b)) * s
-        self.record("recompute", blk.fqn, "backward", extra_temp=blk.fwd_rise.at(b) * s)
-        self.saved_sum += blk.saved.at(b) * s - kept
+        self.record("recompute", self.t.blocks[i].fqn, "backward", extra_temp=a.fwd_rise[i])
+        self.saved_sum += a.saved[i] - a.kept[i]
         self.cat[_AC] = self.batch_bytes + self.saved_sum + self.flow
 
     def backward(self, ev) -> None:
-        i, b, s, cat = ev.block, self.b, self.act_scale, self.cat
+        i, a, cat = ev.block, self.acts, self.cat
         t = self.t
         blk = t.blocks[i]
         self.enter_backward_block(i)
-        own_grads = blk.own_float_numel * self.param_elem
+        own_grads = a.own_grads[i]
         # the traced rise excludes parameter gradients: add them on top. See [Note: Activations].
-        rise = blk.bwd_rise.at(b) * s + own_grads
+        rise = a.bwd_rise[i] + own_grads
         cat[_GR] += own_grads
         self.record("", blk.fqn, "backward", extra_temp=rise - own_grads)
         self.units[blk.unit].grad_bytes += own_grads
@@ -354,9 +380,9 @@ class _MemoryWalk:
             g = t.unit_float_numel[v] * self.param_elem
             cat[_GR] += g
             self.units[v].grad_bytes += g
-        self.saved_sum -= blk.saved.at(b) * s
-        if not blk.fqn.endswith(":self"):
-            self.flow = blk.input.at(b) * s  # the gradient of the block's input
+        self.saved_sum -= a.saved[i]
+        if a.flows[i]:
+            self.flow = a.input[i]  # the gradient of the block's input
         cat[_AC] = self.batch_bytes + self.saved_sum + self.flow
 
     def post_backward(self, ev) -> None:

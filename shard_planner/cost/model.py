@@ -26,8 +26,8 @@ from collections import OrderedDict
 
 from shard_planner.cost.schedule import Schedule, build_schedule
 from shard_planner.cost.tables import CostTables, build_tables
-from shard_planner.cost.time import BlockCompute, measured_block_times, simulate_time_walk
-from shard_planner.cost.memory import simulate_memory_walk
+from shard_planner.cost.time import BlockCompute, measured_block_times, simulate_time_walk, unit_collectives_s
+from shard_planner.cost.memory import BlockActivations, block_activations, simulate_memory_walk
 from shard_planner.cost.types import Estimate, MemoryEstimate, TimeEstimate
 from shard_planner.cost.unit_bytes import UnitBytes, unit_bytes
 from shard_planner.plan import Plan, Unit
@@ -60,9 +60,24 @@ class _LRU(OrderedDict):
             return value
 
 
-def plan_key(plan: Plan) -> tuple:
-    """What of a plan the cost model reads: its decisions (not its prediction, solver or frontier)."""
-    return (plan.units, plan.prefetch, plan.mesh, plan.training)
+def units_key(units: tuple[Unit, ...]) -> tuple:
+    """The units' decisions as plain tuples (see PlanKey)."""
+    return tuple((u.modules, u.reshard_after_forward.__class__, u.reshard_after_forward, u.activation_checkpoint)
+                 for u in units)
+
+
+class PlanKey:
+    """What of a plan the cost model reads — its decisions (units, prefetch, mesh, training), not its
+    prediction, solver or frontier — as plain tuples, built once per call: hashing the plan's 80
+    frozen Units takes longer than a step of the simulation. ``reshard_after_forward``'s type is
+    part of the key (True == 1 in Python)."""
+
+    __slots__ = ("units", "modules", "decisions")
+
+    def __init__(self, plan: Plan):
+        self.units = units_key(plan.units)
+        self.modules = tuple(u.modules for u in plan.units)  # the segmentation
+        self.decisions = (self.units, plan.prefetch, plan.mesh, plan.training)
 
 
 class CostModel:
@@ -79,6 +94,9 @@ class CostModel:
         self._measured = _LRU(tables_cache_size)
         self._schedules = _LRU(tables_cache_size)
         self._unit_bytes = _LRU(tables_cache_size)
+        self._activations = _LRU(tables_cache_size)
+        self._compute = _LRU(tables_cache_size)
+        self._collectives = _LRU(tables_cache_size)
         self._memory = _LRU(memo_size)
         self._time = _LRU(memo_size)
         self._timings_checked: set[str] = set()
@@ -96,20 +114,31 @@ class CostModel:
             self._sums[key] = hit
         return hit
 
-    def tables(self, units: tuple[Unit, ...]) -> CostTables:
+    def tables(self, units: tuple[Unit, ...], _modules: tuple | None = None) -> CostTables:
         """The cost tables of the trace segmented into ``units`` (only their modules matter)."""
-        return self._tables.get_or(tuple(u.modules for u in units),
-                                   lambda: build_tables(self.trace, units, self.subtree_sum))
+        key = _modules if _modules is not None else tuple(u.modules for u in units)
+        return self._tables.get_or(key, lambda: build_tables(self.trace, units, self.subtree_sum))
 
-    def schedule(self, units: tuple[Unit, ...], prefetch) -> Schedule:
+    def schedule(self, units: tuple[Unit, ...], prefetch, _key: PlanKey | None = None) -> Schedule:
         """The step's event sequence (cost/schedule.py) for ``units`` and ``prefetch``."""
-        return self._schedules.get_or((units, prefetch),
+        ukey = _key.units if _key is not None else units_key(units)
+        return self._schedules.get_or((ukey, prefetch),
                                       lambda: build_schedule(self.tables(units), units, prefetch))
 
-    def unit_bytes(self, plan: Plan) -> tuple[UnitBytes, ...]:
+    def unit_bytes(self, plan: Plan, _key: PlanKey | None = None) -> tuple[UnitBytes, ...]:
+        """Every unit's byte sizes under ``plan`` (cost/unit_bytes.py)."""
+        k = _key or PlanKey(plan)
         tr = plan.training
-        key = (plan.units, plan.mesh.shard, tr.param_dtype, tr.reduce_dtype)
-        return self._unit_bytes.get_or(key, lambda: unit_bytes(self.tables(plan.units), plan))
+        return self._unit_bytes.get_or((k.units, plan.mesh.shard, tr.param_dtype, tr.reduce_dtype),
+                                       lambda: unit_bytes(self.tables(plan.units, k.modules), plan))
+
+    def block_activations(self, plan: Plan, _key: PlanKey | None = None) -> BlockActivations:
+        """Every block's activation bytes at the plan's micro-batch and param dtype (cost/memory.py)."""
+        k = _key or PlanKey(plan)
+        tr = plan.training
+        return self._activations.get_or(
+            (k.modules, tr.micro_batch, tr.param_dtype),
+            lambda: block_activations(self.trace, self.tables(plan.units, k.modules), tr.micro_batch, tr.param_dtype))
 
     # ---- compute times: the one place that prices a block's compute ----
     def _check_timings(self, param_dtype: str) -> None:
@@ -171,26 +200,38 @@ class CostModel:
     # ---- estimates ----
     def memory(self, plan: Plan, *, timeline: bool = True) -> MemoryEstimate:
         """Peak live bytes of one rank over one step, its breakdown, and (``timeline``) every event."""
-        def simulate():
-            return simulate_memory_walk(self.trace, self.tables(plan.units), plan, self.profile,
-                                        self.unit_bytes(plan), self.schedule(plan.units, plan.prefetch),
-                                        timeline=timeline)
-        return self._memory.get_or((plan_key(plan), timeline), simulate)
+        return self._memory_of(plan, PlanKey(plan), timeline)
 
     def time(self, plan: Plan) -> TimeEstimate:
         """Step time of one rank and what it is made of (cost/time.py)."""
-        def simulate():
-            t = self.tables(plan.units)
-            ub = self.unit_bytes(plan)
-            compute = self.block_compute_s(t, plan.training.micro_batch, plan.training.param_dtype)
-            return simulate_time_walk(self.trace, t, plan, self.profile, ub,
-                                      self.schedule(plan.units, plan.prefetch), compute)
-        return self._time.get_or(plan_key(plan), simulate)
+        return self._time_of(plan, PlanKey(plan))
 
     def estimate(self, plan: Plan, *, timeline: bool = True) -> Estimate:
         """Memory and time of ``plan``; ``.prediction()`` gives the plan's ``predicted`` section.
         ``timeline=False`` skips the memory timeline (faster; the solver's checks)."""
-        return Estimate(memory=self.memory(plan, timeline=timeline), time=self.time(plan))
+        k = PlanKey(plan)
+        return Estimate(memory=self._memory_of(plan, k, timeline), time=self._time_of(plan, k))
+
+    def _memory_of(self, plan: Plan, k: PlanKey, timeline: bool) -> MemoryEstimate:
+        def simulate():
+            t = self.tables(plan.units, k.modules)
+            return simulate_memory_walk(self.trace, t, plan, self.profile, self.unit_bytes(plan, k),
+                                        self.schedule(plan.units, plan.prefetch, k), self.block_activations(plan, k),
+                                        timeline=timeline)
+        return self._memory.get_or((k.decisions, timeline), simulate)
+
+    def _time_of(self, plan: Plan, k: PlanKey) -> TimeEstimate:
+        def simulate():
+            t = self.tables(plan.units, k.modules)
+            tr = plan.training
+            ub = self.unit_bytes(plan, k)
+            compute = self._compute.get_or((k.modules, tr.micro_batch, tr.param_dtype),
+                                           lambda: self.block_compute_s(t, tr.micro_batch, tr.param_dtype))
+            comm = self._collectives.get_or((k.units, plan.mesh, tr.param_dtype, tr.reduce_dtype, tr.cpu_offload),
+                                            lambda: unit_collectives_s(plan, ub, self.profile))
+            return simulate_time_walk(self.trace, t, plan, self.profile, self.schedule(plan.units, plan.prefetch, k),
+                                      compute, comm)
+        return self._time.get_or(k.decisions, simulate)
 
 
 _SHARED: list[CostModel] = []

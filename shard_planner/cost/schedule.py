@@ -51,20 +51,22 @@ from shard_planner.plan import Prefetch, Unit
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"  # phases, as MemoryEvent.phase
 
 
-class EventKind(enum.Enum):
-    PRE_FORWARD = "pre-forward"
-    ALL_GATHER = "all-gather issue"
-    ALL_GATHER_WAIT = "all-gather wait (copy-out)"
-    FORWARD = "block forward"
-    RESHARD = "reshard after forward"
-    FORWARD_END = "root post-forward"
-    LOSS = "loss"
-    PRE_BACKWARD = "pre-backward"
-    RECOMPUTE = "recompute"
-    BACKWARD = "block backward"
-    POST_BACKWARD = "post-backward + reduce-scatter"
-    BACKWARD_END = "end of backward"
-    OPTIMIZER = "optimizer step"
+class EventKind(enum.IntEnum):
+    """What happens (an int, so that the simulators can dispatch on it by list index)."""
+
+    PRE_FORWARD = 0  # a unit's pre-forward hook
+    ALL_GATHER = 1  # an all-gather is issued (prefetch)
+    ALL_GATHER_WAIT = 2  # wait for a unit's all-gather and copy it out (issues it if not yet)
+    FORWARD = 3  # a block's forward
+    RESHARD = 4  # a unit reshards after forward (True or to an int group)
+    FORWARD_END = 5  # the root's post-forward: the end of forward
+    LOSS = 6  # the loss's forward and backward
+    PRE_BACKWARD = 7  # a unit's pre-backward hook
+    RECOMPUTE = 8  # a checkpointed block recomputes its forward
+    BACKWARD = 9  # a block's backward
+    POST_BACKWARD = 10  # a unit's post-backward: reshard, reduce-scatter its gradients
+    BACKWARD_END = 11  # the end of backward (the last reduce-scatter's wait)
+    OPTIMIZER = 12  # the optimizer step and zero_grad
 
 
 @dataclass(frozen=True, slots=True)

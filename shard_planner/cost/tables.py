@@ -2,7 +2,8 @@
 
 The simulators are called thousands of times by the solver with plans that differ only in their
 decisions, so everything that depends on the trace and the choice of units alone is computed once here
-and cached: which unit owns each parameter, and the *block sequence* of one forward pass.
+(and kept per segmentation by the CostModel, cost/model.py): which unit owns each parameter, and the
+*block sequence* of one forward pass.
 
 A **block** is a stretch of forward computation with one owner unit:
 

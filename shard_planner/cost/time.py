@@ -108,7 +108,7 @@ def measured_block_times(trace: ModelTrace, t: CostTables, timings: ModuleTiming
     return tuple(out)
 
 
-def _unit_collectives_s(plan: Plan, ub: tuple[UnitBytes, ...], profile: HardwareProfile):
+def unit_collectives_s(plan: Plan, ub: tuple[UnitBytes, ...], profile: HardwareProfile):
     """Per unit: forward all-gather, backward all-gather (0 when it keeps its parameters; the root
     never reshards unless the plan says so) and reduce-scatter (+ the HSDP all-reduce) seconds."""
     n, offload, h2d = plan.mesh.shard, plan.training.cpu_offload, profile.host_to_device_bytes_per_s
@@ -123,7 +123,7 @@ def _unit_collectives_s(plan: Plan, ub: tuple[UnitBytes, ...], profile: Hardware
         if offload:
             red += x.sharded_grad / h2d
         rs.append(red)
-    return ag_fwd, ag_bwd, rs
+    return tuple(ag_fwd), tuple(ag_bwd), tuple(rs)
 
 
 def _combine(t: CostTables, s: Schedule, c: BlockCompute, profile: HardwareProfile):
@@ -152,12 +152,13 @@ def _combine(t: CostTables, s: Schedule, c: BlockCompute, profile: HardwareProfi
 
 
 def simulate_time_walk(trace: ModelTrace, t: CostTables, plan: Plan, profile: HardwareProfile,
-                       ub: tuple[UnitBytes, ...], schedule: Schedule, compute: BlockCompute) -> TimeEstimate:
-    """Predicted time of one training step on one rank (module docstring); CostModel.time calls it."""
+                       schedule: Schedule, compute: BlockCompute, collectives) -> TimeEstimate:
+    """Predicted time of one training step on one rank (module docstring); CostModel.time calls it.
+    ``collectives``: ``unit_collectives_s(plan, unit bytes, profile)``."""
     training = plan.training
     b = training.micro_batch
     n_units = len(plan.units)
-    ag_fwd, ag_bwd, rs = _unit_collectives_s(plan, ub, profile)
+    ag_fwd, ag_bwd, rs = collectives
     needs_bwd_ag = [plan.units[u].reshard_after_forward is not False for u in range(n_units)]
     fwd_s, bwd_s, rec_s, loss_s = _combine(t, schedule, compute, profile)
     unit_fwd = [0.0] * n_units
@@ -225,24 +226,40 @@ class _TwoStreams:
 
     def run(self) -> float:
         K = EventKind
+        handlers: list = [_ignore] * len(K)  # indexed by the kind (an IntEnum); the rest take no time
+        handlers[K.FORWARD], handlers[K.BACKWARD], handlers[K.LOSS] = self.forward, self.backward, self.loss
+        handlers[K.ALL_GATHER], handlers[K.ALL_GATHER_WAIT] = self.all_gather, self.wait
+        handlers[K.POST_BACKWARD], handlers[K.BACKWARD_END] = self.post_backward, self.backward_end
         for ev in self.s.events:
-            k = ev.kind
-            if k is K.FORWARD:
-                self.comp += self.fwd_s[ev.block]
-            elif k is K.BACKWARD:  # a checkpointed block's recomputation runs right before: one sum
-                self.comp += self.bwd_s[ev.block] + self.rec_s[ev.block]
-            elif k is K.ALL_GATHER or k is K.ALL_GATHER_WAIT:
-                if ev.phase == "forward":
-                    self.forward_all_gather(ev.unit, k is K.ALL_GATHER_WAIT)
-                else:
-                    self.backward_all_gather(ev.unit, k is K.ALL_GATHER_WAIT)
-            elif k is K.POST_BACKWARD:
-                self.comm = max(self.comm, self.comp) + self.rs[ev.unit]
-            elif k is K.LOSS:
-                self.comp += self.loss_s
-            elif k is K.BACKWARD_END:  # the optimizer waits for the last reduce-scatter (the root's)
-                self.exposed[ev.unit] += max(0.0, self.comm - self.comp)
+            handlers[ev.kind](ev)
         return max(self.comp, self.comm)
+
+    def forward(self, ev) -> None:
+        self.comp += self.fwd_s[ev.block]
+
+    def backward(self, ev) -> None:  # a checkpointed block's recomputation runs right before: one sum
+        self.comp += self.bwd_s[ev.block] + self.rec_s[ev.block]
+
+    def loss(self, ev) -> None:
+        self.comp += self.loss_s
+
+    def all_gather(self, ev) -> None:
+        if ev.phase == "forward":
+            self.forward_all_gather(ev.unit, False)
+        else:
+            self.backward_all_gather(ev.unit, False)
+
+    def wait(self, ev) -> None:
+        if ev.phase == "forward":
+            self.forward_all_gather(ev.unit, True)
+        else:
+            self.backward_all_gather(ev.unit, True)
+
+    def post_backward(self, ev) -> None:  # the reduce-scatter follows the unit's backward
+        self.comm = max(self.comm, self.comp) + self.rs[ev.unit]
+
+    def backward_end(self, ev) -> None:  # the optimizer waits for the last reduce-scatter (the root's)
+        self.exposed[ev.unit] += max(0.0, self.comm - self.comp)
 
     def forward_all_gather(self, u: int, wait: bool) -> None:
         """Issue (in forward order, FIFO) every all-gather up to ``u``'s; at a wait, the compute stream
@@ -272,6 +289,10 @@ class _TwoStreams:
             w = max(0.0, self.ag_end[u] - self.comp)
             self.exposed[u] += w
             self.comp += w
+
+
+def _ignore(ev) -> None:
+    """Events that take no time on either stream (hooks whose cost is in the per-unit overhead)."""
 
 
 def simulate_time(trace: ModelTrace, plan: Plan, profile: HardwareProfile, *, ub=None) -> TimeEstimate:
