@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from shard_planner.errors import PlanError
 from shard_planner.fileio import read_json, write_atomic
+from shard_planner.plan_schema import AnyOf, Bool, Int, ListOf, MapOf, Nullable, Number, Section, Text
 
 PLAN_SCHEMA_VERSION = 1
 # Optimizer name -> (torch.optim class, keyword arguments beyond lr); the executor builds it, the FSDP2
@@ -285,27 +286,39 @@ class Plan:
 
     @staticmethod
     def from_dict(d: dict) -> "Plan":
+        """The plan in ``d`` (parsed JSON), every field checked (:mod:`shard_planner.plan_schema`): a bad one
+        raises :class:`PlanError` naming its JSON path, e.g. ``units[3].activation_checkpoint``."""
         if not isinstance(d, dict):
             raise PlanError("a plan must be a JSON object")
-        try:
-            return Plan(
-                model=ModelRef(**d["model"]),
-                cluster=Cluster(**d["cluster"]),
-                mesh=Mesh(**d["mesh"]),
-                training=Training(**d["training"]),
-                units=tuple(Unit(**u) for u in d["units"]),
-                prefetch=Prefetch(**d.get("prefetch", {})),
-                predicted=Prediction(**d["predicted"]) if d.get("predicted") else None,
-                solver=SolverInfo(**d["solver"]) if d.get("solver") else None,
-                frontier=tuple(FrontierPoint(**p) for p in d.get("frontier", ())),
-                baselines=tuple(FrontierPoint(**p) for p in d.get("baselines", ())),
-                schema_version=d.get("schema_version"),
-                measurements=tuple(MeasuredPoint(**p) for p in d.get("measurements", ())),
-            )
-        except KeyError as exc:
-            raise PlanError(f"plan is missing the field {exc.args[0]!r}") from None
-        except TypeError as exc:  # unexpected or missing keyword in a section
-            raise PlanError(f"plan has a malformed section: {exc}") from None
+        version = d.get("schema_version")
+        if version is None:
+            raise PlanError("plan has no schema_version: not a plan written by shard-planner plan")
+        _require(version == PLAN_SCHEMA_VERSION,  # before the fields: another version has other fields
+                 f"plan schema_version {version!r} is not {PLAN_SCHEMA_VERSION}: re-run shard-planner plan")
+        return Section(Plan, PLAN_RULES).load(d, "")
+
+
+# What each plan-file field may hold beyond its type hint ("Class.field" -> kind); plan_schema reads the
+# rest from the dataclasses above. One table, so every command reads a plan file the same way.
+_COUNT, _BYTES, _SECONDS = Int(least=1), Int(least=0), Number(non_negative=True)
+PLAN_RULES = {
+    "ModelRef.seq_len": Nullable(_COUNT),
+    "Cluster.gpus": _COUNT, "Cluster.gpus_per_node": _COUNT, "Cluster.mem_budget_bytes": _COUNT,
+    "Mesh.shard": _COUNT, "Mesh.replicate": _COUNT,
+    "Training.micro_batch": _COUNT, "Training.optimizer": Text(OPTIMIZERS),
+    "Training.param_dtype": Text(DTYPES), "Training.reduce_dtype": Text(DTYPES), "Training.lr": Number(positive=True),
+    "Unit.modules": ListOf(Text(), min_len=1),
+    "Unit.reshard_after_forward": AnyOf(Bool(), Int(least=2), wanted="true, false or an integer >= 2"),
+    "Prefetch.forward": Int(0, 8), "Prefetch.backward": Int(0, 8),
+    "Prediction.peak_bytes": _BYTES, "Prediction.step_time_s": _SECONDS,
+    "Prediction.memory_at_peak": MapOf(Int(), keys=MEMORY_CATEGORIES),
+    "Prediction.samples_per_s": _SECONDS, "Prediction.tokens_per_s": Nullable(_SECONDS),
+    "Prediction.exposed_comm_s": _SECONDS, "Prediction.mfu": Nullable(Number(non_negative=True)),
+    "SolverInfo.seconds": _SECONDS,
+    "FrontierPoint.peak_bytes": _BYTES, "FrontierPoint.step_time_s": _SECONDS,
+    "MeasuredPoint.world_size": _COUNT, "MeasuredPoint.peak_bytes": _BYTES, "MeasuredPoint.step_time_s": _SECONDS,
+    "MeasuredPoint.predicted_peak_bytes": Nullable(_BYTES), "MeasuredPoint.predicted_step_time_s": Nullable(_SECONDS),
+}
 
 
 def load_plan(path: str | os.PathLike) -> Plan:
