@@ -10,6 +10,7 @@ from pathlib import Path
 
 from shard_planner.errors import RunError
 from shard_planner.execute.launch import LaunchResult, launch_local, resolve_device, resolve_model_path
+from shard_planner.fileio import check_output_file
 from shard_planner.measurement import Measurement, measurement_path_for, save_measurement
 from shard_planner.plan import Plan, Prediction, load_plan, save_plan
 
@@ -113,9 +114,10 @@ def run_plans(plans: list[Plan], **kwargs) -> list[Measurement]:
 def run_plan_file(plan_path: str | os.PathLike, *, out: str | os.PathLike | None = None,
                   **kwargs) -> tuple[Measurement, Path]:
     """Run the plan in ``plan_path`` and write the measurement (default: measurement.json beside the
-    plan), atomically; nothing is written when the run fails."""
+    plan), atomically; nothing is written when the run fails or is interrupted. The output place is
+    checked before the ranks start."""
     plan = load_plan(plan_path)
+    out_path = check_output_file(out if out is not None else measurement_path_for(plan_path), "measurement")
     measurement = launch_plans([plan], plan_paths=[plan_path], **kwargs).measurements[0]
-    out_path = Path(out) if out is not None else measurement_path_for(plan_path)
     save_measurement(measurement, out_path)
     return measurement, out_path
