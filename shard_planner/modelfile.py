@@ -205,7 +205,8 @@ def _guarded(path: str, what: str):
         except SyntaxError as exc:
             if exc.filename and Path(exc.filename).resolve() != Path(path).resolve():  # in a module it imports
                 raise ModelFileError(f"{path}: syntax error in {exc.filename}:{exc.lineno}: {exc.msg}") from exc
-            raise ModelFileError(f"{path}:{exc.lineno}: syntax error: {exc.msg}") from exc
+            line = f":{exc.lineno}" if exc.lineno else ""  # none for a file with NUL bytes (not Python source)
+            raise ModelFileError(f"{path}{line}: syntax error: {exc.msg}") from exc
         except SystemExit as exc:
             code = "" if exc.code is None else f"({exc.code!r})"
             raise ModelFileError(f"{path}: {what} exited (sys.exit{code} or exit{code}): a model file must "

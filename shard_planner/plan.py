@@ -234,14 +234,14 @@ class Plan:
         roots = [u for u in self.units if u.is_root]
         _require(len(roots) == 1, "a plan needs exactly one unit for the root module (modules: [\"\"])")
         seen: set[str] = set()
-        for u in self.units:
+        for i, u in enumerate(self.units):  # units[i]: the JSON path of the unit in the plan file
             twice = sorted(seen.intersection(u.modules))
-            _require(not twice, f"module {twice[:1]} is in two units")
+            _require(not twice, f"units[{i}]: module {twice[:1]} is in two units")
             seen.update(u.modules)
             r = u.reshard_after_forward
             if not isinstance(r, bool):
                 _require(r < self.mesh.shard and self.mesh.shard % r == 0,
-                         f"unit {u.name}: reshard_after_forward={r} must divide the shard group size "
+                         f"units[{i}] (unit {u.name}): reshard_after_forward={r} must divide the shard group size "
                          f"{self.mesh.shard} and be smaller than it")
 
     @property

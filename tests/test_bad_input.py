@@ -228,6 +228,9 @@ def _bad_plan_cases():
         (set_(("mesh", "shard"), True), "mesh.shard must be a positive integer, got true"),
         (set_(("mesh", "replicate"), 0), "mesh.replicate must be a positive integer, got 0"),
         (set_(("model", "path"), 3), "model.path must be a string, got 3"),
+        (set_(("units", 1, "reshard_after_forward"), 3),  # a check across fields (the mesh), in __post_init__
+         "units[1] (unit blocks.0): reshard_after_forward=3 must divide the shard group size 2 and be smaller than it"),
+        (set_(("units", 2, "modules"), ["blocks.0"]), "units[2]: module ['blocks.0'] is in two units"),
     ]
 
 
@@ -304,6 +307,7 @@ def make_batch(b):
     ("exit(0)\n", "importing it exited (sys.exit(0) or exit(0)): a model file must not exit"),
     ("raise SystemExit('bye')\n", "importing it exited (sys.exit('bye') or exit('bye'))"),
     ("raise KeyboardInterrupt\n", "importing it raised KeyboardInterrupt"),
+    ("\x00\x89PNG\n", "syntax error: source code string cannot contain null bytes"),  # not Python at all
     (MODEL_TAIL.replace("return nn.Linear(4, 2)", "import sys; sys.exit(3)"),
      "build_model() exited (sys.exit(3) or exit(3))"),
     (MODEL_TAIL.replace("return torch.randn", "raise KeyboardInterrupt; return torch.randn"),
