@@ -429,3 +429,16 @@ def test_run_interrupted_stops_every_rank_and_writes_nothing(sig, line, code, tm
             launcher.wait()
     assert launcher.returncode == code and err.strip() == line, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]  # no measurement, whole or partial
+
+
+def test_run_with_a_missing_model_file_says_so_before_launching(tmp_path, capsys, monkeypatch):
+    from shard_planner.execute import runner
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("ranks were launched")
+
+    monkeypatch.setattr(runner, "launch_local", no_launch)
+    plan = Plan.from_dict({**tiny_plan().to_dict(), "model": {"path": "/nowhere/model.py", "fingerprint": "f"}})
+    save_plan(plan, tmp_path / "plan.json")
+    assert _cli("run", tmp_path / "plan.json", "--device", "cpu") == ModelFileError.exit_code
+    assert one_error_line(capsys) == "/nowhere/model.py: the plan's model file: no such file here or beside the plan"
