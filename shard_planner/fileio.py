@@ -69,7 +69,7 @@ def check_output_dir(path: str | os.PathLike, what: str = "output") -> Path:
 
 
 def _check_parent(p: Path, what: str, kind: str) -> None:
-    parent = p.absolute().parent
+    parent = p.parent  # as given: "afile", not /home/me/afile; a relative path ends at "."
     while not parent.exists() and not parent.is_symlink():
         parent = parent.parent
     if not parent.is_dir():
