@@ -31,9 +31,9 @@ from shard_planner.errors import ModelFileError, PlanError, RunError
 from shard_planner.fileio import OutputPathError, check_output_dir, check_output_file, write_atomic
 from shard_planner.modelfile import load_model_file
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit, load_plan, save_plan
+from tests.paths import MODELS, REPO as ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
-EXEC_NET = ROOT / "tests" / "models" / "exec_net.py"
+EXEC_NET = MODELS / "exec_net.py"
 BLOCKS = [f"blocks.{i}" for i in range(6)]
 
 
