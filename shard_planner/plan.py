@@ -1,8 +1,10 @@
 """Plan: the sharding decisions for one model on one cluster, and what the cost model predicts.
 
 The JSON form is the contract every consumer reads (DESIGN.md, "What the plan file must contain").
-Everything is validated on construction (``__post_init__``) and on load (:func:`load_plan`), with
-errors that name the field.
+Everything is validated on construction (``__post_init__``) and on load (:func:`load_plan`, which every
+command that reads a plan uses): one walk over the JSON checks every field's type and range
+(:mod:`shard_planner.plan_schema`, with :data:`PLAN_RULES`), and errors name the field by its JSON path
+(``plan.json: units[3].activation_checkpoint must be true or false, got "yes"``).
 
 Units are listed in forward order. The root module (fqn ``""``) is always a unit of its own: FSDP2
 wraps it last and it owns every parameter no other unit owns. Nested units are allowed (a unit for
