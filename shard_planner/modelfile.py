@@ -18,7 +18,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -109,12 +112,8 @@ class ModelFile:
         return loss
 
     def _call(self, what: str, fn, *args):
-        try:
+        with _guarded(self.path, what):  # the user's code failed or tried to exit: name it in one line
             return fn(*args)
-        except ModelFileError:
-            raise
-        except Exception as exc:  # the user's code failed: name it in one line
-            raise ModelFileError(f"{self.path}: {what} raised {type(exc).__name__}: {_first_line(exc)}") from exc
 
 
 def load_model_file(path: str) -> ModelFile:
@@ -166,6 +165,8 @@ def _check_training(path: str, training: Any) -> dict:
 
 def _import(path: str):
     file = Path(path)
+    if file.is_dir():
+        raise ModelFileError(f"{path}: is a folder, expected a model file (path/to/model.py or package.module)")
     if path.endswith(".py") or file.exists():
         if not file.is_file():
             raise ModelFileError(f"{path}: no such model file")
@@ -176,19 +177,67 @@ def _import(path: str):
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # dataclasses and pickling look modules up by name
         try:
-            spec.loader.exec_module(module)
-        except SyntaxError as exc:
+            with _guarded(path, "importing it"):
+                spec.loader.exec_module(module)
+        except BaseException:
             sys.modules.pop(name, None)
-            raise ModelFileError(f"{path}:{exc.lineno}: syntax error: {exc.msg}") from exc
-        except Exception as exc:
-            sys.modules.pop(name, None)
-            raise ModelFileError(f"{path}: importing it raised {type(exc).__name__}: {_first_line(exc)}") from exc
+            raise
         return module
     try:
-        return importlib.import_module(path)
-    except ModuleNotFoundError as exc:
-        raise ModelFileError(f"{path}: no such file or importable module ({_first_line(exc)})") from exc
-    except SyntaxError as exc:
-        raise ModelFileError(f"{path}: syntax error in {exc.filename}:{exc.lineno}: {exc.msg}") from exc
-    except Exception as exc:
-        raise ModelFileError(f"{path}: importing it raised {type(exc).__name__}: {_first_line(exc)}") from exc
+        with _guarded(path, "importing it"):
+            return importlib.import_module(path)
+    except ModelFileError as exc:
+        if isinstance(exc.__cause__, ModuleNotFoundError):
+            raise ModelFileError(f"{path}: no such file or importable module ({_first_line(exc.__cause__)})") from exc
+        raise
+
+
+@contextmanager
+def _guarded(path: str, what: str):
+    """Run the user's code: whatever it raises or does to leave (``sys.exit()``, ``exit(0)``, a
+    ``KeyboardInterrupt`` of its own) becomes one :class:`ModelFileError` naming the file. A real Ctrl-C
+    (SIGINT received meanwhile) stays a KeyboardInterrupt."""
+    with _sigint_watch() as interrupted:
+        try:
+            yield
+        except ModelFileError:
+            raise
+        except SyntaxError as exc:
+            if exc.filename and Path(exc.filename).resolve() != Path(path).resolve():  # in a module it imports
+                raise ModelFileError(f"{path}: syntax error in {exc.filename}:{exc.lineno}: {exc.msg}") from exc
+            line = f":{exc.lineno}" if exc.lineno else ""  # none for a file with NUL bytes (not Python source)
+            raise ModelFileError(f"{path}{line}: syntax error: {exc.msg}") from exc
+        except SystemExit as exc:
+            code = "" if exc.code is None else f"({exc.code!r})"
+            raise ModelFileError(f"{path}: {what} exited (sys.exit{code} or exit{code}): a model file must "
+                                 "not exit") from exc
+        except KeyboardInterrupt as exc:
+            if interrupted():
+                raise
+            raise ModelFileError(f"{path}: {what} raised KeyboardInterrupt") from exc
+        except Exception as exc:
+            raise ModelFileError(f"{path}: {what} raised {type(exc).__name__}: {_first_line(exc)}") from exc
+
+
+@contextmanager
+def _sigint_watch():
+    """Yield a function telling whether SIGINT arrived while the block ran (the main thread only; elsewhere
+    it says no, since only the main thread receives signals)."""
+    seen = []
+    main = threading.current_thread() is threading.main_thread()
+    if main:
+        previous = signal.getsignal(signal.SIGINT)
+
+        def on_sigint(signum, frame):
+            seen.append(signum)
+            if callable(previous):
+                previous(signum, frame)
+            elif previous != signal.SIG_IGN:  # SIG_DFL, or a handler set outside Python: end the run
+                raise KeyboardInterrupt
+
+        signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield lambda: bool(seen)
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)

@@ -1,8 +1,10 @@
 """Plan: the sharding decisions for one model on one cluster, and what the cost model predicts.
 
 The JSON form is the contract every consumer reads (DESIGN.md, "What the plan file must contain").
-Everything is validated on construction (``__post_init__``) and on load (:func:`load_plan`), with
-errors that name the field.
+Everything is validated on construction (``__post_init__``) and on load (:func:`load_plan`, which every
+command that reads a plan uses): one walk over the JSON checks every field's type and range
+(:mod:`shard_planner.plan_schema`, with :data:`PLAN_RULES`), and errors name the field by its JSON path
+(``plan.json: units[3].activation_checkpoint must be true or false, got "yes"``).
 
 Units are listed in forward order. The root module (fqn ``""``) is always a unit of its own: FSDP2
 wraps it last and it owns every parameter no other unit owns. Nested units are allowed (a unit for
@@ -18,6 +20,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from shard_planner.errors import PlanError
 from shard_planner.fileio import read_json, write_atomic
+from shard_planner.plan_schema import AnyOf, Bool, Int, ListOf, MapOf, Nullable, Number, Section, Text
 
 PLAN_SCHEMA_VERSION = 1
 # Optimizer name -> (torch.optim class, keyword arguments beyond lr); the executor builds it, the FSDP2
@@ -233,14 +236,14 @@ class Plan:
         roots = [u for u in self.units if u.is_root]
         _require(len(roots) == 1, "a plan needs exactly one unit for the root module (modules: [\"\"])")
         seen: set[str] = set()
-        for u in self.units:
+        for i, u in enumerate(self.units):  # units[i]: the JSON path of the unit in the plan file
             twice = sorted(seen.intersection(u.modules))
-            _require(not twice, f"module {twice[:1]} is in two units")
+            _require(not twice, f"units[{i}]: module {twice[:1]} is in two units")
             seen.update(u.modules)
             r = u.reshard_after_forward
             if not isinstance(r, bool):
                 _require(r < self.mesh.shard and self.mesh.shard % r == 0,
-                         f"unit {u.name}: reshard_after_forward={r} must divide the shard group size "
+                         f"units[{i}] (unit {u.name}): reshard_after_forward={r} must divide the shard group size "
                          f"{self.mesh.shard} and be smaller than it")
 
     @property
@@ -285,27 +288,39 @@ class Plan:
 
     @staticmethod
     def from_dict(d: dict) -> "Plan":
+        """The plan in ``d`` (parsed JSON), every field checked (:mod:`shard_planner.plan_schema`): a bad one
+        raises :class:`PlanError` naming its JSON path, e.g. ``units[3].activation_checkpoint``."""
         if not isinstance(d, dict):
             raise PlanError("a plan must be a JSON object")
-        try:
-            return Plan(
-                model=ModelRef(**d["model"]),
-                cluster=Cluster(**d["cluster"]),
-                mesh=Mesh(**d["mesh"]),
-                training=Training(**d["training"]),
-                units=tuple(Unit(**u) for u in d["units"]),
-                prefetch=Prefetch(**d.get("prefetch", {})),
-                predicted=Prediction(**d["predicted"]) if d.get("predicted") else None,
-                solver=SolverInfo(**d["solver"]) if d.get("solver") else None,
-                frontier=tuple(FrontierPoint(**p) for p in d.get("frontier", ())),
-                baselines=tuple(FrontierPoint(**p) for p in d.get("baselines", ())),
-                schema_version=d.get("schema_version"),
-                measurements=tuple(MeasuredPoint(**p) for p in d.get("measurements", ())),
-            )
-        except KeyError as exc:
-            raise PlanError(f"plan is missing the field {exc.args[0]!r}") from None
-        except TypeError as exc:  # unexpected or missing keyword in a section
-            raise PlanError(f"plan has a malformed section: {exc}") from None
+        version = d.get("schema_version")
+        if version is None:
+            raise PlanError("plan has no schema_version: not a plan written by shard-planner plan")
+        _require(version == PLAN_SCHEMA_VERSION,  # before the fields: another version has other fields
+                 f"plan schema_version {version!r} is not {PLAN_SCHEMA_VERSION}: re-run shard-planner plan")
+        return Section(Plan, PLAN_RULES).load(d, "")
+
+
+# What each plan-file field may hold beyond its type hint ("Class.field" -> kind); plan_schema reads the
+# rest from the dataclasses above. One table, so every command reads a plan file the same way.
+_COUNT, _BYTES, _SECONDS = Int(least=1), Int(least=0), Number(non_negative=True)
+PLAN_RULES = {
+    "ModelRef.seq_len": Nullable(_COUNT),
+    "Cluster.gpus": _COUNT, "Cluster.gpus_per_node": _COUNT, "Cluster.mem_budget_bytes": _COUNT,
+    "Mesh.shard": _COUNT, "Mesh.replicate": _COUNT,
+    "Training.micro_batch": _COUNT, "Training.optimizer": Text(OPTIMIZERS),
+    "Training.param_dtype": Text(DTYPES), "Training.reduce_dtype": Text(DTYPES), "Training.lr": Number(positive=True),
+    "Unit.modules": ListOf(Text(), min_len=1),
+    "Unit.reshard_after_forward": AnyOf(Bool(), Int(least=2), wanted="true, false or an integer >= 2"),
+    "Prefetch.forward": Int(0, 8), "Prefetch.backward": Int(0, 8),
+    "Prediction.peak_bytes": _BYTES, "Prediction.step_time_s": _SECONDS,
+    "Prediction.memory_at_peak": MapOf(Int(), keys=MEMORY_CATEGORIES),
+    "Prediction.samples_per_s": _SECONDS, "Prediction.tokens_per_s": Nullable(_SECONDS),
+    "Prediction.exposed_comm_s": _SECONDS, "Prediction.mfu": Nullable(Number(non_negative=True)),
+    "SolverInfo.seconds": _SECONDS,
+    "FrontierPoint.peak_bytes": _BYTES, "FrontierPoint.step_time_s": _SECONDS,
+    "MeasuredPoint.world_size": _COUNT, "MeasuredPoint.peak_bytes": _BYTES, "MeasuredPoint.step_time_s": _SECONDS,
+    "MeasuredPoint.predicted_peak_bytes": Nullable(_BYTES), "MeasuredPoint.predicted_step_time_s": Nullable(_SECONDS),
+}
 
 
 def load_plan(path: str | os.PathLike) -> Plan:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from shard_planner.cli.args import positive_int
 from shard_planner.errors import UserError
+from shard_planner.fileio import check_output_file
 from shard_planner.units import format_bytes
 
 
@@ -76,8 +77,8 @@ def run(args: argparse.Namespace) -> int:
         if not torch.cuda.is_available():
             raise UserError("--device cuda: no CUDA device on this machine")
     req = CalibrateRequest(args.world_size, args.device, out, args.name or out.stem)
+    check_output_file(req.output, "profile")
     profile, text = calibrate(req.world_size, req.device, req.name)
-    req.output.parent.mkdir(parents=True, exist_ok=True)
     write_profile(text, str(req.output))
     ic = profile.interconnect
     print(f"device {profile.device}: matmul {profile.peak_flops_per_s['float32'] / 1e9:.1f} GFLOP/s fp32, "
@@ -112,6 +113,7 @@ def run_timings(args: argparse.Namespace) -> int:
         if not torch.cuda.is_available():
             raise UserError("--device cuda: no CUDA device on this machine")
     req = TimingsRequest(args.model, args.micro_batch, dtype, args.world_size, args.device, out, args.profile)
+    check_output_file(req.output, "module-timings")
     timings = measure_module_timings(req.model, micro_batch=req.micro_batch, dtype=req.dtype,
                                      world_size=req.world_size, device=req.device)
     profile = load_profile(req.profile or ("cpu-gloo" if timings.device == "cpu" else DEFAULT_PROFILE))

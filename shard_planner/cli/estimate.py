@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 from shard_planner.cli.args import positive_int
 from shard_planner.errors import PlanError
+from shard_planner.fileio import check_output_file
 from shard_planner.plan import MEMORY_CATEGORIES, Plan, load_plan, save_plan
 from shard_planner.units import format_bytes
 
@@ -53,6 +54,8 @@ def run(args: argparse.Namespace) -> int:
 
     req = EstimateRequest(args.model, args.plan, args.profile, args.timings, args.gpus, args.micro_batch, args.write)
     plan = load_plan(req.plan)
+    if req.write:
+        check_output_file(req.plan, "plan")
     if req.gpus is not None and req.gpus != plan.cluster.gpus:
         plan = plan.with_world_size(req.gpus)
     if req.micro_batch is not None:

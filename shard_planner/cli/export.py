@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shard_planner.fileio import write_atomic
+from shard_planner.fileio import check_output_file, write_atomic
 from shard_planner.plan import load_plan
 from shard_planner.report.export import TARGETS, export_plan, model_info_from_trace
 
@@ -26,6 +26,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
+    if args.output:
+        check_output_file(args.output, "export")
     plan = load_plan(args.plan)
     info = None
     if args.trace and args.to in ("accelerate", "deepspeed"):

@@ -8,7 +8,9 @@ import importlib
 import importlib.util
 import logging
 import os
+import signal
 import sys
+import threading
 
 from shard_planner.cli.args import Parser
 from shard_planner.errors import UserError
@@ -54,6 +56,16 @@ def configure_logging(debug: bool) -> None:
         logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command is, so that its cleanup runs as for Ctrl-C: a run's ranks are
+    ended, a half-written file is removed."""
+
+
+def _on_sigterm(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: let the cleanup finish
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
@@ -63,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shard-planner: error: {exc}", file=sys.stderr)
         return exc.exit_code
     configure_logging(args.debug)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
         return int(args._run(args) or 0)
     except UserError as exc:
@@ -70,9 +84,13 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"shard-planner: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
-        print("shard-planner: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Terminated): the command cleaned up on the way out
+        terminated = isinstance(exc, Terminated)
+        print(f"shard-planner: {'terminated (SIGTERM)' if terminated else 'interrupted'}", file=sys.stderr)
+        return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shard_planner.cli.args import byte_size, positive_float, positive_int
+from shard_planner.fileio import check_output_dir, check_output_file
 from shard_planner.plan import Plan, save_plan
 from shard_planner.units import DTYPE_NAMES, format_bytes
 
@@ -73,6 +74,9 @@ def run(args: argparse.Namespace) -> int:
     from shard_planner.timings import load_priced_profile
     from shard_planner.trace import trace_model, trace_or_load
 
+    check_output_file(args.output, "plan")
+    if args.report:
+        check_output_dir(_report_dir(args.output), "report")
     profile = load_priced_profile(args.profile, args.timings)
     gpn = args.gpus_per_node or profile.interconnect.gpus_per_node
     req = PlanRequest(model=args.model, gpus=args.gpus, mem_budget_bytes=args.mem, profile=args.profile,
@@ -104,8 +108,11 @@ def _write_report(plan: Plan, output: str, trace, profile):
     except ImportError:
         logger.warning("the report module is not available: skipping the report")
         return None
-    out_dir = Path("reports") / Path(output).stem
-    return write_report(plan, out_dir, trace=trace, profile=profile)
+    return write_report(plan, _report_dir(output), trace=trace, profile=profile)
+
+
+def _report_dir(output: str) -> Path:
+    return Path("reports") / Path(output).stem
 
 
 def summary(plan: Plan, profile) -> str:

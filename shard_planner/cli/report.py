@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from shard_planner.errors import PlanError, UserError
+from shard_planner.fileio import check_output_dir
 from shard_planner.plan import load_plan
 from shard_planner.progress import progress
 
@@ -31,6 +32,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
+    out = Path(args.output) if args.output else Path("reports") / Path(args.plan).stem
+    check_output_dir(out, "report")
     plan = load_plan(args.plan)
     measurement = None
     if args.measurement:
@@ -55,7 +58,6 @@ def run(args) -> int:
         from shard_planner.timings import load_priced_profile
 
         profile = load_priced_profile(args.profile, plan.cluster.timings)
-    out = Path(args.output) if args.output else Path("reports") / Path(args.plan).stem
     from shard_planner.report import write_report
 
     with progress("writing the report"):

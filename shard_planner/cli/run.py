@@ -48,9 +48,12 @@ def run(args) -> int:
 
     from shard_planner.execute.launch import resolve_device
     from shard_planner.execute.runner import run_plan_file
+    from shard_planner.fileio import check_output_file
+    from shard_planner.measurement import measurement_path_for
     from shard_planner.plan import load_plan
 
     plan = load_plan(args.plan)
+    check_output_file(args.output or measurement_path_for(args.plan), "measurement")
     device = resolve_device(args.device)
     world_size = args.world_size if args.world_size is not None else plan.mesh.world_size
     where = ("CUDA/NCCL" if device == "cuda" else

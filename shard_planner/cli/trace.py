@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shard_planner.cli.args import positive_int
-from shard_planner.fileio import write_atomic
+from shard_planner.fileio import check_output_file, write_atomic
 from shard_planner.trace.types import ModelTrace
 from shard_planner.units import DTYPE_NAMES, format_bytes
 
@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
     from shard_planner.trace import compare_with_real_run, trace_model
 
     req = TraceRequest(args.model, args.batch_size, args.dtype, Path(args.output), args.check)
+    check_output_file(req.output, "trace")
     model_file = load_model_file(req.model)
     trace = trace_model(model_file, dtype=req.dtype)
     write_atomic(req.output, trace.to_json())

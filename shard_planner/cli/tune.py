@@ -9,6 +9,7 @@ from pathlib import Path
 
 from shard_planner.cli.args import byte_size, non_negative_int, positive_float, positive_int
 from shard_planner.errors import UserError
+from shard_planner.fileio import check_output_dir, check_output_file
 from shard_planner.progress import progress
 from shard_planner.units import DTYPE_NAMES, format_bytes
 
@@ -76,6 +77,10 @@ def run(args) -> int:
     out = Path(args.output)
     profile_out = Path(args.profile_out) if args.profile_out else out.with_name(f"{out.stem}-fitted.toml")
     report_dir = None if args.no_report else Path(args.report or Path("reports") / out.stem)
+    check_output_file(out, "plan")
+    check_output_file(profile_out, "fitted profile")
+    if report_dir is not None:
+        check_output_dir(report_dir, "report")
     if world_size != args.gpus:
         print(f"tune: running at world size {world_size} on {device}: each plan for {args.gpus} GPUs is re-derived "
               f"for {world_size} ranks to run; the returned plan is for {args.gpus} GPUs")

@@ -234,8 +234,7 @@ def _collective_rank(rank: int, world_size: int, port: int, device_type: str, ou
             lines.append(f"{kind} {numel * 4} {statistics.median(_samples(run, device, repeats, barrier=True))}")
     lines += _overhead_samples(world_size, device, repeats=max(repeats, 15))
     if rank == 0:
-        with open(os.path.join(out_dir, "collectives.txt"), "w") as f:
-            f.write("\n".join(lines) + "\n")
+        write_atomic(os.path.join(out_dir, "collectives.txt"), "\n".join(lines) + "\n")  # the parent reads it
     dist.destroy_process_group()
 
 

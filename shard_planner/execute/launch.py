@@ -13,7 +13,16 @@ rank whose error is not a communication error. At the run's timeout it asks ever
 for its Python stack (faulthandler on SIGUSR1): a rank whose innermost frame is inside
 torch.distributed waits in a collective; the first rank that does not is the one that hung, and the
 message says where it is. Failing those, the first communication error is named. A rank that dies
-without a report (killed, segfault) is named with its exit status.
+without a report (killed, segfault, ``os._exit`` in the model file), or exits 0 before it is done, is
+named with its exit status, what it was doing and the model file.
+
+[Note: ending a run on Ctrl-C or SIGTERM]
+The ranks run in sessions of their own, so a Ctrl-C in the terminal reaches only the launcher; the
+``shard-planner`` entry point turns SIGTERM into an exception too (``cli.main.Terminated``). Either one
+unwinds through :func:`launch_local`, whose ``finally`` kills every rank's process group (SIGKILL: no rank
+writes anything after it) and removes the run folder, with further signals held until that is done. The
+measurement is written by the launcher only after every rank has finished, so an interrupted run leaves
+none. A launcher killed outright (SIGKILL) takes its ranks along by PR_SET_PDEATHSIG.
 """
 
 from __future__ import annotations
@@ -28,13 +37,15 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from shard_planner.errors import RunError
 from shard_planner.measurement import Measurement, load_measurement
-from shard_planner.plan import Plan
+from shard_planner.plan import Plan, load_plan
 
 logger = logging.getLogger(__name__)
 
@@ -99,9 +110,10 @@ def _die_with_parent() -> None:
 class _World:
     """The rank processes of one run, and their reports."""
 
-    def __init__(self, run_dir: Path, world_size: int, worker_args: list[str]):
+    def __init__(self, run_dir: Path, world_size: int, worker_args: list[str], model_paths: tuple[str, ...] = ()):
         self.run_dir = run_dir
         self.world_size = world_size
+        self.model_paths = model_paths  # the plans' model files, named when a rank dies without a report
         self.port = free_port()  # not reserved: another process could take it before rank 0 binds it
         self.procs: list[subprocess.Popen] = []
         try:
@@ -189,6 +201,16 @@ def _exit_status(code: int) -> str:
     return f"exited with code {code}"
 
 
+def _unreported_exit(world: _World, rank: int, code: int) -> str:
+    """One line for a rank that ended without reporting an error (see [Note: naming the failing rank])."""
+    tail = world.log_tail(rank)
+    logger.debug("rank %d output:\n%s", rank, tail)
+    last = tail.strip().splitlines()[-1] if tail.strip() else "no output"
+    early = " before finishing" if code == 0 else ""
+    model = f"model file {', '.join(world.model_paths)}; " if world.model_paths else ""
+    return f"rank {rank} {_exit_status(code)}{early} during '{world.status(rank)}' ({model}last output: {last})"
+
+
 def watch(world: _World, timeout_s: float) -> None:
     """Wait for every rank; raise :class:`RunError` naming the failing rank (see [Note: naming the
     failing rank]). Kills the world on any failure."""
@@ -203,12 +225,10 @@ def watch(world: _World, timeout_s: float) -> None:
             world.kill()
             raise RunError(_describe_error(rank, errors[rank]))
         for rank, code in enumerate(codes):
-            if code not in (None, 0) and rank not in errors:
-                tail = world.log_tail(rank)
-                logger.debug("rank %d output:\n%s", rank, tail)
+            # "done" is the worker's last status (after the plan label, "plan 3/3: done", with several plans)
+            if code is not None and rank not in errors and (code != 0 or not world.status(rank).endswith("done")):
                 world.kill()
-                last = tail.strip().splitlines()[-1] if tail.strip() else "no output"
-                raise RunError(f"rank {rank} {_exit_status(code)} during '{world.status(rank)}' (last output: {last})")
+                raise RunError(_unreported_exit(world, rank, code))
         if all(code is not None for code in codes):
             if errors:  # only communication errors, and everyone has stopped
                 rank = min(errors, key=lambda r: errors[r]["mtime"])
@@ -318,13 +338,14 @@ def launch_local(plan_paths: list[str | os.PathLike], *, world_size: int, steps:
     """Run the plans in ``plan_paths``, in turn, in one world of ``world_size`` local ranks; return
     their measurements (written by nobody: the caller decides where they go). Raises
     :class:`RunError` on any failure, with every rank ended."""
+    model_paths = tuple(dict.fromkeys(load_plan(p).model.path for p in plan_paths))
     run_dir = Path(tempfile.mkdtemp(prefix="shard-planner-run-"))
     world = None
     try:
         worker_args = [*map(str, plan_paths), "--out-dir", str(run_dir), "--steps", str(steps),
                        "--warmup", str(warmup), "--device", device,
                        "--timeout", str(collective_timeout_s(timeout_s))]
-        world = _World(run_dir, world_size, worker_args)
+        world = _World(run_dir, world_size, worker_args, model_paths)
         logger.info("launched %d ranks: pids %s", world_size, world.pids)
         try:
             watch(world, timeout_s)
@@ -338,7 +359,29 @@ def launch_local(plan_paths: list[str | os.PathLike], *, world_size: int, steps:
                 raise RunError(f"rank 0 finished without writing the measurement of plan {i + 1}")
             measurements.append(load_measurement(out))
         return LaunchResult(tuple(measurements), world.pids)
+    finally:  # See [Note: ending a run on Ctrl-C or SIGTERM]
+        with _signals_held():
+            if world is not None:
+                world.kill()  # a no-op when every rank has exited; the safety net on any other way out
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@contextmanager
+def _signals_held():
+    """Hold SIGINT and SIGTERM (a second Ctrl-C) until the block is done, then act on them as before.
+    Only the main thread handles signals; elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, frame: held.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
     finally:
-        if world is not None:
-            world.kill()  # a no-op when every rank has exited; the safety net on any other way out
-        shutil.rmtree(run_dir, ignore_errors=True)
+        for s, handler in previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        for s in dict.fromkeys(held):
+            if callable(previous[s]):
+                previous[s](s, None)
+            elif previous[s] == signal.SIG_DFL:
+                signal.raise_signal(s)

@@ -63,6 +63,7 @@ import torch
 from shard_planner.errors import UserError, first_line
 from shard_planner.execute.calibrate import fit_line
 from shard_planner.execute.worker import _device_name, build_on_device, make_step_batch
+from shard_planner.fileio import write_atomic
 from shard_planner.modelfile import load_model_file
 from shard_planner.timings import ModuleTime, ModuleTimings
 from shard_planner.trace.structure import model_fingerprint
@@ -392,8 +393,7 @@ def _rank_main(rank: int, opts: _Options, out_dir: str) -> None:
         logger.debug("%s", traceback.format_exc())
         result = {"error": f"{opts.model_path}: measuring module timings failed: {type(exc).__name__}: "
                            f"{first_line(exc, empty='')}"}
-    with open(path, "w") as f:
-        json.dump(result, f)
+    write_atomic(path, json.dumps(result))  # the parent reads it: whole or not at all
 
 
 def _fit(points: list[tuple[int, float]]) -> Affine:

@@ -8,8 +8,9 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from shard_planner.errors import RunError
+from shard_planner.errors import ModelFileError, RunError
 from shard_planner.execute.launch import LaunchResult, launch_local, resolve_device, resolve_model_path
+from shard_planner.fileio import check_output_file
 from shard_planner.measurement import Measurement, measurement_path_for, save_measurement
 from shard_planner.plan import Plan, Prediction, load_plan, save_plan
 
@@ -26,6 +27,14 @@ def _check_world(world_size: int, device: str) -> None:
         if world_size > available:
             raise RunError(f"the run needs {world_size} GPUs on this machine but it has {available}; "
                            "use --world-size, --device cpu, or torchrun across nodes")
+
+
+def _check_model_file(path: str) -> None:
+    """A plan's model file given as a path (not ``package.module``) must be here: resolve_model_path
+    looked in the current folder and beside the plan."""
+    if path.endswith(".py") and not Path(path).is_file():
+        where = "is a folder" if Path(path).is_dir() else "no such file here or beside the plan"
+        raise ModelFileError(f"{path}: the plan's model file: {where}")
 
 
 def with_prediction(measurement: Measurement, predicted: Prediction | None) -> Measurement:
@@ -79,6 +88,8 @@ def launch_plans(plans: list[Plan], *, world_size: int | None = None, steps: int
     # The ranks read the model file by an absolute path.
     runs = [replace(plan, model=replace(plan.model, path=resolve_model_path(plan, source)))
             for plan, source in zip(plans, plan_paths)]
+    for run in runs:  # before the ranks start (10-20 s on CPU) rather than in every rank
+        _check_model_file(run.model.path)
     with tempfile.TemporaryDirectory(prefix="shard-planner-plan-") as tmp:
         paths = []
         for i, run in enumerate(runs):
@@ -113,9 +124,10 @@ def run_plans(plans: list[Plan], **kwargs) -> list[Measurement]:
 def run_plan_file(plan_path: str | os.PathLike, *, out: str | os.PathLike | None = None,
                   **kwargs) -> tuple[Measurement, Path]:
     """Run the plan in ``plan_path`` and write the measurement (default: measurement.json beside the
-    plan), atomically; nothing is written when the run fails."""
+    plan), atomically; nothing is written when the run fails or is interrupted. The output place is
+    checked before the ranks start."""
     plan = load_plan(plan_path)
+    out_path = check_output_file(out if out is not None else measurement_path_for(plan_path), "measurement")
     measurement = launch_plans([plan], plan_paths=[plan_path], **kwargs).measurements[0]
-    out_path = Path(out) if out is not None else measurement_path_for(plan_path)
     save_measurement(measurement, out_path)
     return measurement, out_path
