@@ -45,8 +45,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_NAMES), help="mixed-precision param dtype (default bf16)")
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default plan.json)")
     p.add_argument("--time-limit", type=positive_float, default=1.0, metavar="S",
-                   help="CP-SAT time limit per solve in seconds (default 1; the planner runs a dozen or more "
-                   "solves; the plan's solver status says whether the answer was proven optimal)")
+                   help="CP-SAT effort per solve (default 1): S x 0.05 s of CP-SAT's deterministic time, so the "
+                   "plan does not depend on the machine's load, and at most 3 x S s of wall clock; the plan's "
+                   "solver status says whether the answer was proven optimal")
     p.add_argument("--no-report", dest="report", action="store_false",
                    help="skip the report (reports/<plan name>/ beside the plan)")
     return p
