@@ -73,9 +73,9 @@ INCUMBENTS_KEPT = 4
 # CP-SAT's deterministic time (a count of work, the same on every run), so the plan does not depend
 # on the machine's load: with one worker and a deterministic limit CP-SAT returns the same cover for
 # the same model. Measured on this 2-core machine (Llama 8B's program): 0.05 deterministic s per wall
-# second at load 7 (about 0.15 when quiet). 0.05 per second of limit: on bench_plan's 12 cases 0.1
-# found one plan 0.4% faster (after polish and regrouping) for 0.4-1 s more CPU per solve, 0.03 three
-# plans 1-6% slower. The wall clock still bounds each solve at WALL_LIMIT_FACTOR x ``time_limit_s``
+# second at load 7. 0.05 per second of limit: on bench_plan's 12 cases (with the polish and regrouping
+# steps after it) 0.1 found Llama 8B/30GB's plan 1% faster for about 0.5 s more CPU per solve, 0.03
+# found three plans 1-6% slower. The wall clock still bounds each solve at WALL_LIMIT_FACTOR x ``time_limit_s``
 # (a guard; only on a very busy machine may the plan then differ).
 DETERMINISTIC_S_PER_S = 0.05
 WALL_LIMIT_FACTOR = 3.0

@@ -20,14 +20,15 @@
    what won.
 4. The chosen plan is polished by a simulator-guided local search (:mod:`.polish`: drop, merge or
    split units, toggle one unit's reshard or checkpointing, prefetch +-1) for at most
-   ``POLISH_MAX_EVALUATIONS`` plans (:func:`_polished`); the solver line says when it helped. The
-   frontier and the baselines are those of step 3. Then the simplest plan within
-   ``request.simpler_within`` of the fastest (:mod:`.simpler`: fewest distinct unit shapes) is the answer.
+   ``POLISH_MODULE_EVALUATIONS`` module-simulations (:func:`_polished`); the solver line says when it
+   helped. The frontier and the baselines are those of step 3. Then the simplest plan within
+   ``request.simpler_within`` of the fastest (:mod:`.simpler`: fewest distinct unit shapes) is the
+   answer.
 5. Nothing found: the smallest-peak plans (CP-SAT's minimum linear peak, and the hand-written
    policies, per mesh and offload) are judged by the simulators; one that fits is returned (the budget
    solves can miss it: time limits, re-solves exhausted by the linear model's error). Otherwise
-   :class:`~shard_planner.errors.InfeasibleError` with the smallest budget any of them needs (always larger than the asked
-   one), that plan, and what dominates memory there.
+   :class:`~shard_planner.errors.InfeasibleError` with the smallest budget any of them needs (always
+   larger than the asked one), that plan, and what dominates memory there.
 
 The budget every step fills is ``profile.tensor_budget_bytes(mem_budget_bytes)``: ``--mem`` (at most
 the device's memory) less the profile's share kept for caching-allocator fragmentation (1 -
@@ -67,11 +68,13 @@ MAX_SEARCH_BATCH = 1024
 # The simulators accept the program's cover with more than this share of the budget to spare: the
 # linear model over-estimated, so the program is solved once more with its budget loosened by the slack.
 LOOSEN_MIN_SLACK = 0.02
-# The chosen plan is polished by a local search (.polish) that judges at most POLISH_MAX_EVALUATIONS
-# plans (the same answer on a busy machine; Llama 8B: about 0.5 s), and stops at POLISH_MAX_S of wall
-# time whatever the count (a guard: Llama 70B's plans take longer to simulate).
-POLISH_MAX_EVALUATIONS = 200
-POLISH_MAX_S = 1.5
+# The chosen plan is polished by a local search (.polish) that judges at most
+# POLISH_MODULE_EVALUATIONS / (modules in the trace) plans: a simulation costs about in proportion to
+# the modules, so this bounds the work, and unlike a time budget it gives the same answer on a busy
+# machine (Llama 8B: 154 plans, 389 modules; 70B: 62; encdec base: 314, which its best plan needs).
+# POLISH_MAX_S of wall clock stops it whatever the count (a guard for a very busy machine).
+POLISH_MODULE_EVALUATIONS = 60_000
+POLISH_MAX_S = 3.0
 
 
 def plan_model(trace: ModelTrace, request: PlanRequest) -> PlanResult:
@@ -154,13 +157,13 @@ def _search(ctx: PlanContext) -> list[Checked]:
 
 def _polished(ctx: PlanContext, chosen: Checked, status: str) -> tuple[Checked, str]:
     """The chosen plan after the simulator-guided local search (:mod:`.polish`), at most
-    ``POLISH_MAX_EVALUATIONS`` plans and ``POLISH_MAX_S``; the status says when it improved. The
-    search judges plans through the planner's memo (:meth:`PlanContext.estimate`)."""
+    ``POLISH_MODULE_EVALUATIONS`` module-simulations and ``POLISH_MAX_S``; the status says when it
+    improved. The search judges plans through the planner's memo (:meth:`PlanContext.estimate`)."""
     lo = Prefetch(min(p.forward for p in PREFETCH_CHOICES), min(p.backward for p in PREFETCH_CHOICES))
     hi = Prefetch(max(p.forward for p in PREFETCH_CHOICES), max(p.backward for p in PREFETCH_CHOICES))
     plan, info = polish(ctx.trace, chosen.plan, ctx.profile, ctx.budget_bytes, time_budget_s=POLISH_MAX_S,
                         max_group_size=ctx.max_group_size, prefetch_bounds=(lo, hi), estimate=ctx.estimate,
-                        max_evaluations=POLISH_MAX_EVALUATIONS)
+                        max_evaluations=max(1, POLISH_MODULE_EVALUATIONS // max(1, len(ctx.trace.modules))))
     if not info.moves:
         return chosen, status
     c = ctx.check_units(plan.units, replace(chosen.choice, prefetch=plan.prefetch), chosen.status,
