@@ -237,8 +237,9 @@ class _Program:
     def run(self, time_limit_s: float, relative_gap: float = 0.0):
         """(status, status name, chosen cover, objective, runners-up: earlier incumbents, best first)."""
         solver = cp_model.CpSolver()
+        # See [Note: deterministic time limits]
         solver.parameters.max_deterministic_time = time_limit_s * DETERMINISTIC_S_PER_S
-        solver.parameters.max_time_in_seconds = time_limit_s * WALL_LIMIT_FACTOR  # See [Note: deterministic time limits]
+        solver.parameters.max_time_in_seconds = time_limit_s * WALL_LIMIT_FACTOR
         solver.parameters.relative_gap_limit = relative_gap
         solver.parameters.num_workers = 1  # deterministic: same inputs, same plan
         solver.parameters.random_seed = 0

@@ -52,7 +52,7 @@ class PlanRequest:
     model_path: str | None = None
     profile_name: str | None = None
     timings_path: str | None = None
-    simpler_within: float = 0.01  # prefer the simplest plan this close to the fastest (solve/simpler.py); 0: the fastest
+    simpler_within: float = 0.01  # the simplest plan this close to the fastest (solve/simpler.py); 0: the fastest
 
     def __post_init__(self):
         if not _positive_int(self.gpus) or not _positive_int(self.gpus_per_node):
@@ -83,9 +83,10 @@ def _positive_int(v) -> bool:
 @dataclass(frozen=True)
 class PlanTimings:
     """Where ``plan_model``'s wall time went. The stages (``screen_s`` .. ``simplify_s``, and ``other_s``:
-    what falls between them, e.g. the chosen plan's estimate with its memory timeline) sum to ``total_s``; ``cpsat_s``, ``hints_s`` and
-    ``simulate_s`` are the same time by kind of work, across the stages: the CP-SAT solves (building the
-    program included), the heuristic covers that hint them, and the simulators' checks (the re-checks)."""
+    what falls between them, e.g. the chosen plan's estimate with its memory timeline) sum to
+    ``total_s``; ``cpsat_s``, ``hints_s`` and ``simulate_s`` are the same time by kind of work, across
+    the stages: the CP-SAT solves (building the program included), the heuristic covers that hint them,
+    and the simulators' checks (the re-checks)."""
 
     screen_s: float
     solve_s: float

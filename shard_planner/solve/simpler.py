@@ -11,12 +11,12 @@ The shape of an inner unit is (the pattern of its modules' names with the digits
 ``layers.#`` x 4, its reshard, its checkpointing): a plan of 4-layer units, half of them
 checkpointed, has two block shapes. Checkpointing a one-off module (an embedding, a norm, a head:
 ``Item.may_join_root``) counts as one more, so it stays only when it pays. The candidates: every plan
-the planner checked, and uniform variants of the fastest (:func:`uniform_variants`: the repeated
+the planner checked, and uniform variants of the chosen plan (:func:`uniform_variants`: the repeated
 blocks in groups of ``g``, one reshard, the first ``k`` groups checkpointed with ``k`` bisected for
 the fewest that fit; the one-off units as they were, without checkpointing, or each one-off item a
-unit of its own, resharded), each judged by the simulators. These are the plans people write by hand (torchtitan's per-block units with selective
-checkpointing), searched; they are often faster than the program's (the linear model is coarse), and
-then the answer is simply the faster plan.
+unit of its own, resharded), each judged by the simulators. These are the plans people write by
+hand (torchtitan's per-block units with selective checkpointing), searched; they are often faster than
+the program's (the linear model is coarse), and then the answer is simply the faster plan.
 """
 
 from __future__ import annotations
@@ -111,26 +111,27 @@ def describe_blocks(units: Sequence[Unit], space: SearchSpace) -> str:
     return f"{len({unit_shape(u) for u in units if not u.is_root})} unit shapes"
 
 
-def uniform_variants(ctx: PlanContext, fastest: Checked, space: SearchSpace) -> list[Checked]:
-    """``fastest`` with its repeated blocks regrouped uniformly (see the module docstring), judged by
-    the simulators. None when the blocks are not plain units of ``fastest`` (nested units inside one)."""
+def uniform_variants(ctx: PlanContext, chosen: Checked, space: SearchSpace) -> list[Checked]:
+    """``chosen`` with its repeated blocks regrouped uniformly (see the module docstring), every plan
+    judged by the simulators (those over budget too). Nothing when the blocks are not plain units of
+    ``chosen`` (a unit nested in a block, or one mixing blocks with other modules)."""
     runs = block_runs(space)
     blocks = {m for run in runs for m in run}
-    block_units = [u for u in fastest.units if not u.is_root and set(u.modules) & blocks]
+    block_units = [u for u in chosen.units if not u.is_root and set(u.modules) & blocks]
     if not runs or not block_units or any(not set(u.modules) <= blocks for u in block_units) or any(
-            any(m.startswith(b + ".") for b in blocks) for u in fastest.units for m in u.modules):
+            any(m.startswith(b + ".") for b in blocks) for u in chosen.units for m in u.modules):
         return []
     reshards = [u.reshard_after_forward for u in block_units]
     r = max(set(reshards), key=lambda v: (reshards.count(v), str(v)))
-    checkpointed = sum(len(u.modules) for u in block_units if u.activation_checkpoint)
     largest = max(c.stop - c.start for c in space.candidates)
     one_off = frozenset(it.fqn for it in space.items if it.may_join_root)
-    others = [u for u in fastest.units if not set(u.modules) & blocks]
+    others = [u for u in chosen.units if not set(u.modules) & blocks]
     plain = [replace(u, activation_checkpoint=False) if not u.is_root and set(u.modules) <= one_off else u
              for u in others]
     kept = [u for u in others if u.is_root or not set(u.modules) <= one_off]
     wrapped = {m for u in kept if not u.is_root for m in u.modules}
-    own_units = kept + [Unit((it.fqn,), True) for it in space.items if it.may_join_root and not _inside(it.fqn, wrapped)]
+    own_units = kept + [Unit((it.fqn,), True) for it in space.items
+                        if it.may_join_root and not _inside(it.fqn, wrapped)]
     first = first_calls(ctx.trace)
     out: list[Checked] = []
     for g in range(1, largest + 1):
@@ -139,15 +140,16 @@ def uniform_variants(ctx: PlanContext, fastest: Checked, space: SearchSpace) -> 
             def judge(k: int) -> Checked:
                 units = in_forward_order(first, rest + [Unit(grp, r, activation_checkpoint=j < k)
                                                         for j, grp in enumerate(groups)])
-                c = ctx.check_units(units, fastest.choice, fastest.status, method=fastest.method)
+                c = ctx.check_units(units, chosen.choice, chosen.status, method=chosen.method)
                 out.append(c)
                 return c
 
-            out.extend(_fewest_checkpointed(judge, len(groups), ctx.budget_bytes))
+            _fewest_checkpointed(judge, len(groups), ctx.budget_bytes)
     return out
 
 
 def _distinct(*lists: list[Unit]) -> list[list[Unit]]:
+    """The lists that differ as sets of units, in order."""
     out: list[list[Unit]] = []
     for units in lists:
         if sorted(map(str, units)) not in [sorted(map(str, o)) for o in out]:
@@ -160,12 +162,12 @@ def _inside(fqn: str, wrapped: set[str]) -> bool:
     return any(fqn == w or fqn.startswith(w + ".") for w in wrapped)
 
 
-def _fewest_checkpointed(judge: Callable[[int], Checked], groups: int, budget_bytes: int) -> list[Checked]:
+def _fewest_checkpointed(judge: Callable[[int], Checked], groups: int, budget_bytes: int) -> None:
     """Bisect the number ``k`` of checkpointed groups (the first ``k``) for the fewest that fit
-    ``budget_bytes``: more checkpointing needs less memory and more time. ``judge`` records every plan
-    it builds; returns nothing of its own."""
+    ``budget_bytes``: more checkpointing needs less memory and more time. ``judge(k)`` builds, judges
+    and records the plan with ``k`` groups checkpointed."""
     if judge(groups).peak_bytes > budget_bytes:
-        return []  # not even every group checkpointed fits
+        return  # not even every group checkpointed fits
     lo, hi = 0, groups
     while lo < hi:
         mid = (lo + hi) // 2
@@ -173,4 +175,3 @@ def _fewest_checkpointed(judge: Callable[[int], Checked], groups: int, budget_by
             hi = mid
         else:
             lo = mid + 1
-    return []
