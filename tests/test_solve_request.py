@@ -93,7 +93,10 @@ def test_simplest_within_prefers_the_faster_among_equally_simple():
     assert simplest_within(options, step_time_s=lambda o: o[1], units=lambda o: o[0])[1] == 1.002
 
 
-def test_planner_prefers_a_simpler_plan_within_its_tolerance():
+def test_planner_prefers_a_simpler_plan_within_its_tolerance(monkeypatch):
+    import shard_planner.solve.planner as planner
+
+    monkeypatch.setattr(planner, "POLISH_MAX_S", 100.0)  # only the evaluation budget: the same search both times
     trace = stack_trace(8)
     for budget in (GIB, 2 * GIB):
         fastest = plan_model(trace, _request(mem_budget_bytes=budget, simpler_within=0.0))
