@@ -115,7 +115,7 @@ def prepare(model: str, profile) -> Case:
     from shard_planner.cost import estimate
     from shard_planner.errors import InfeasibleError
     from shard_planner.measurement import plan_fingerprint
-    from shard_planner.solve import plan_model
+    from shard_planner.solve import PlanRequest, plan_model
     from shard_planner.trace import trace_model
 
     path = str(common.EXAMPLES / f"{model}.py")
@@ -135,9 +135,9 @@ def prepare(model: str, profile) -> Case:
             # the budget is what a plan may fill; the planner keeps the profile's fragmentation share of --mem
             # free (profile.tensor_budget_bytes), so it is given the --mem whose usable part is the budget
             mem = profile.mem_for_tensor_budget(budget)
-            plan = plan_model(trace, gpus=WORLD_SIZE, mem_budget_bytes=mem, profile=profile,
-                              micro_batch=base.training.micro_batch, optimizer=base.training.optimizer,
-                              model_path=path)
+            plan = plan_model(trace, PlanRequest(gpus=WORLD_SIZE, mem_budget_bytes=mem, profile=profile,
+                                                 micro_batch=base.training.micro_batch,
+                                                 optimizer=base.training.optimizer, model_path=path)).plan
         except InfeasibleError as exc:  # reported as a miss: the space has plans that fit
             case.no_plan[label] = f"NO PLAN: {exc}"
             print(f"  {model}, {label} budget: the planner found no plan ({exc})", flush=True)

@@ -45,7 +45,7 @@ def measure_one(size: str, gpus: int) -> dict:
     """Trace and plan one size in this process; returns the timings (called in a child process)."""
     common.quiet_logs()
     common.set_model_size(size)
-    from shard_planner.solve import plan_model
+    from shard_planner.solve import PlanRequest, plan_model
     from shard_planner.trace import trace_model
     from shard_planner.profile import load_profile
     from shard_planner.units import parse_bytes
@@ -66,8 +66,8 @@ def measure_one(size: str, gpus: int) -> dict:
 
     t0 = time.perf_counter()
     try:
-        plan = plan_model(trace, gpus=gpus, mem_budget_bytes=parse_bytes(BUDGET), profile=profile, gpus_per_node=8,
-                          micro_batch=micro_batch, model_path=path)
+        plan = plan_model(trace, PlanRequest(gpus=gpus, mem_budget_bytes=parse_bytes(BUDGET), profile=profile,
+                                             gpus_per_node=8, micro_batch=micro_batch, model_path=path)).plan
     except UserError as exc:  # e.g. infeasible: the time to find that out still counts
         row.update(plan_total_s=time.perf_counter() - t0, error=f"{type(exc).__name__}: {exc}"[:160])
         return row

@@ -5,32 +5,17 @@ from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import dataclass
+import time
 from pathlib import Path
 
 from shard_planner.cli.args import byte_size, positive_float, positive_int
 from shard_planner.fileio import check_output_dir, check_output_file
 from shard_planner.plan import Plan, save_plan
+from shard_planner.solve.request import PlanRequest, PlanResult
 from shard_planner.units import DTYPE_NAMES, format_bytes
 
 logger = logging.getLogger(__name__)
 
-
-
-@dataclass(frozen=True)
-class PlanRequest:
-    model: str  # a model file or a trace.json
-    gpus: int
-    mem_budget_bytes: int
-    profile: str
-    timings: str | None  # measured module times (calibrate --model); None: compute from FLOPs
-    gpus_per_node: int
-    micro_batch: int | None
-    search_batch: bool
-    dtype: str
-    output: str
-    time_limit_s: float
-    report: bool
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -61,8 +46,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_NAMES), help="mixed-precision param dtype (default bf16)")
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default plan.json)")
     p.add_argument("--time-limit", type=positive_float, default=1.0, metavar="S",
-                   help="CP-SAT time limit per solve in seconds (default 1; the planner runs a dozen or more "
-                   "solves; the plan's solver status says whether the answer was proven optimal)")
+                   help="CP-SAT effort per solve (default 1): S x 0.05 s of CP-SAT's deterministic time, so the "
+                   "plan does not depend on the machine's load, and at most 3 x S s of wall clock; the plan's "
+                   "solver status says whether the answer was proven optimal")
     p.add_argument("--no-report", dest="report", action="store_false",
                    help="skip the report (reports/<plan name>/ beside the plan)")
     return p
@@ -77,49 +63,65 @@ def run(args: argparse.Namespace) -> int:
     check_output_file(args.output, "plan")
     if args.report:
         check_output_dir(_report_dir(args.output), "report")
+    t0 = time.perf_counter()
     profile = load_priced_profile(args.profile, args.timings)
-    gpn = args.gpus_per_node or profile.interconnect.gpus_per_node
-    req = PlanRequest(model=args.model, gpus=args.gpus, mem_budget_bytes=args.mem, profile=args.profile,
-                      timings=args.timings, gpus_per_node=gpn, micro_batch=args.batch_size, search_batch=args.search_batch,
-                      dtype=DTYPE_NAMES[args.dtype], output=args.output, time_limit_s=args.time_limit, report=args.report)
-
-    model_file = load_unless_trace(req.model)
-    trace = trace_or_load(req.model, dtype=req.dtype) if model_file is None else trace_model(model_file, dtype=req.dtype)
+    dtype = DTYPE_NAMES[args.dtype]
+    model_file = load_unless_trace(args.model)
+    trace = trace_or_load(args.model, dtype=dtype) if model_file is None else trace_model(model_file, dtype=dtype)
+    trace_s = time.perf_counter() - t0
     defaults = training_defaults(model_file)
-    micro_batch = req.micro_batch or (None if req.search_batch else defaults.micro_batch)
-    plan = plan_model(trace, gpus=req.gpus, mem_budget_bytes=req.mem_budget_bytes, profile=profile,
-                      gpus_per_node=req.gpus_per_node, micro_batch=micro_batch, search_batch=req.search_batch,
-                      param_dtype=req.dtype, optimizer=defaults.optimizer,
-                      time_limit_s=req.time_limit_s, model_path=req.model, profile_name=req.profile,
-                      timings_path=req.timings)
-    save_plan(plan, req.output)
-    print(summary(plan, profile))
-    print(f"wrote {req.output}")
-    if req.report:
-        out = _write_report(plan, req.output, trace, profile)
+    req = PlanRequest(gpus=args.gpus, mem_budget_bytes=args.mem, profile=profile,
+                      gpus_per_node=args.gpus_per_node or profile.interconnect.gpus_per_node,
+                      micro_batch=args.batch_size or (None if args.search_batch else defaults.micro_batch),
+                      search_batch=args.search_batch, optimizer=defaults.optimizer, param_dtype=dtype,
+                      time_limit_s=args.time_limit, model_path=args.model, profile_name=args.profile,
+                      timings_path=args.timings)
+    result = plan_model(trace, req)
+    save_plan(result.plan, args.output)
+    print(summary(result, profile))
+    print(f"wrote {args.output}")
+    report_s = None
+    if args.report:
+        t1 = time.perf_counter()
+        out = _write_report(result, args.output, trace, profile)
+        report_s = time.perf_counter() - t1
         if out is not None:
             print(f"report: {out}")
+    print(f"time: {time_line(result, trace_s, report_s)}")
     return 0
 
 
-def _write_report(plan: Plan, output: str, trace, profile):
+def time_line(result: PlanResult, trace_s: float | None, report_s: float | None) -> str:
+    """Where the time went, in one line: trace, the planner's stages, the report."""
+    t = result.timings
+    parts = ([f"trace {trace_s:.2f} s"] if trace_s is not None else []) + [
+        f"screen {t.screen_s:.2f} s", f"solve {t.solve_s:.2f} s", f"frontier {t.frontier_s:.2f} s",
+        f"baselines {t.baselines_s:.2f} s", f"polish {t.polish_s:.2f} s", f"simplify {t.simplify_s:.2f} s",
+    ] + ([f"report {report_s:.2f} s"] if report_s is not None else [])
+    return (", ".join(parts) + f" (CP-SAT {t.cpsat_s:.2f} s in {t.cpsat_solves} solves, simulators "
+            f"{t.simulate_s:.2f} s for {t.simulated_plans} plans, hints {t.hints_s:.2f} s)")
+
+
+def _write_report(result: PlanResult, output: str, trace, profile):
     try:
         from shard_planner.report import write_report
     except ImportError:
         logger.warning("the report module is not available: skipping the report")
         return None
-    return write_report(plan, _report_dir(output), trace=trace, profile=profile)
+    return write_report(result.plan, _report_dir(output), trace=trace, profile=profile, estimate=result.estimate)
 
 
 def _report_dir(output: str) -> Path:
     return Path("reports") / Path(output).stem
 
 
-def summary(plan: Plan, profile) -> str:
+def summary(result: PlanResult | Plan, profile) -> str:
     """The chosen plan in a few lines, predicted peak vs budget, step time and throughput, and how it
-    compares with the best hand-written policy that fits."""
+    compares with the best hand-written policy that fits (and, when the planner preferred a simpler
+    plan, what that costs against the fastest it found)."""
     from shard_planner.solve import summarize_units
 
+    plan = result.plan if isinstance(result, PlanResult) else result
     pr = plan.predicted
     budget = profile.tensor_budget_bytes(plan.cluster.mem_budget_bytes)
     tr = plan.training

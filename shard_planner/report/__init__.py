@@ -13,7 +13,8 @@ writes into the folder:
 
 With a trace (and a profile, loaded from the plan's profile name when not given) the cost model is run
 once on the plan for the timeline and the per-unit times; without, the report draws what the plan file
-holds. A caller that already has the estimate passes it as ``estimate=``.
+holds. A caller that already has the estimate passes it as ``estimate=`` (``shard-planner plan`` passes
+the planner's, ``PlanResult.estimate``, so the cost model runs once per command).
 
 Memory is judged against the usable budget the planner fills, --mem less the profile's fragmentation
 share (report/budget.py); both lines are drawn. When the plan's profile is not here the report compares

@@ -1,13 +1,19 @@
-"""The solver: the fastest FSDP2 plan that fits a memory budget, the memory-vs-time frontier, and the
-hand-written policies beside it.
+"""The solver: the fastest FSDP2 plan that fits a memory budget (or a simpler one within 1% of it),
+the memory-vs-time frontier, and the hand-written policies beside it.
 
-    from shard_planner.solve import plan_model
-    plan = plan_model(trace, gpus=8, mem_budget_bytes=40 * 2**30, profile=load_profile("h100-80gb"))
+    from shard_planner.solve import PlanRequest, plan_model
+    result = plan_model(trace, PlanRequest(gpus=8, mem_budget_bytes=40 * 2**30, profile=load_profile("h100-80gb")))
+    result.plan, result.estimate, result.timings
 
-Modules: space (candidate units), linear (integer coefficients), cpsat (the program), exact (DP and
-brute force cross-checks), simulate (the cost model's check), baselines, planner (the orchestrator).
+Modules: request (PlanRequest, PlanResult), space (candidate units), linear (integer coefficients),
+cpsat (the program), exact (DP and brute force cross-checks), simulate (covers as plans), context (what
+one call shares: caches, the memo of estimates, the clock), frontier, alternatives and baselines (what
+the program cannot express), polish (local search), simpler (the simplest plan within 1%), describe
+(words), planner (the orchestrator).
 """
 
-from shard_planner.solve.planner import plan_model, summarize_units
+from shard_planner.solve.describe import summarize_units
+from shard_planner.solve.planner import plan_model
+from shard_planner.solve.request import PlanRequest, PlanResult, PlanTimings
 
-__all__ = ["plan_model", "summarize_units"]
+__all__ = ["PlanRequest", "PlanResult", "PlanTimings", "plan_model", "summarize_units"]

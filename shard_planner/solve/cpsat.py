@@ -50,10 +50,10 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from shard_planner.solve.linear import LinearModel, evaluate
+from shard_planner.solve.request import DEFAULT_TIME_LIMIT_S
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TIME_LIMIT_S = 1.0  # per solve; the planner runs a dozen or more
 # Stop when the incumbent is proven within this fraction of the optimum (the status then says
 # FEASIBLE with the gap, never OPTIMAL). The linear model's own error against the simulators is
 # larger than this; tests that compare with the DP and the brute force pass 0. Measured with
@@ -68,6 +68,17 @@ DEFAULT_RELATIVE_GAP = 0.005
 # fraction of a percent of each other at random (Llama 8B at 40GB: objectives 0.01% apart simulate
 # 1.6% apart), so the planner lets the simulators pick among them.
 INCUMBENTS_KEPT = 4
+
+# [Note: deterministic time limits] A solve stops after ``time_limit_s`` x DETERMINISTIC_S_PER_S of
+# CP-SAT's deterministic time (a count of work, the same on every run), so the plan does not depend
+# on the machine's load: with one worker and a deterministic limit CP-SAT returns the same cover for
+# the same model. Measured on this 2-core machine (Llama 8B's program): 0.05 deterministic s per wall
+# second at load 7. 0.05 per second of limit: on bench_plan's 12 cases (with the polish and regrouping
+# steps after it) 0.1 found Llama 8B/30GB's plan 1% faster for about 0.5 s more CPU per solve, 0.03
+# found three plans 1-6% slower. The wall clock still bounds each solve at WALL_LIMIT_FACTOR x ``time_limit_s``
+# (a guard; only on a very busy machine may the plan then differ).
+DETERMINISTIC_S_PER_S = 0.05
+WALL_LIMIT_FACTOR = 3.0
 
 
 @dataclass(frozen=True)
@@ -226,7 +237,9 @@ class _Program:
     def run(self, time_limit_s: float, relative_gap: float = 0.0):
         """(status, status name, chosen cover, objective, runners-up: earlier incumbents, best first)."""
         solver = cp_model.CpSolver()
-        solver.parameters.max_time_in_seconds = time_limit_s
+        # See [Note: deterministic time limits]
+        solver.parameters.max_deterministic_time = time_limit_s * DETERMINISTIC_S_PER_S
+        solver.parameters.max_time_in_seconds = time_limit_s * WALL_LIMIT_FACTOR
         solver.parameters.relative_gap_limit = relative_gap
         solver.parameters.num_workers = 1  # deterministic: same inputs, same plan
         solver.parameters.random_seed = 0
@@ -327,29 +340,47 @@ def frugal_cover(lm: LinearModel) -> tuple[int, ...]:
                  for i in range(lm.space.n))
 
 
+def _by_stop(lm: LinearModel) -> list[list[int]]:
+    by_stop: list[list[int]] = [[] for _ in range(lm.space.n + 1)]
+    for k, c in enumerate(lm.space.candidates):
+        by_stop[c.stop].append(k)
+    return by_stop
+
+
+def _shortest_path(lm: LinearModel, lam: float, by_stop: list[list[int]]) -> tuple[int, ...]:
+    """The cover minimising Σ_c (t_c + λ·(stack_c + root_c + gather_c)) x_c: a shortest path over the
+    boundaries 0..n, each candidate an edge from its start to its stop."""
+    cost = [0.0] + [float("inf")] * lm.space.n
+    back = [-1] * (lm.space.n + 1)
+    cands = lm.space.candidates
+    for p in range(1, lm.space.n + 1):
+        for k in by_stop[p]:
+            co = lm.coeffs[k]
+            v = cost[cands[k].start] + co.time_us + lam * (co.stack_mib + co.root_mib + co.gather_mib)
+            if v < cost[p]:
+                cost[p], back[p] = v, k
+    cover, p = [], lm.space.n
+    while p > 0:
+        cover.append(back[p])
+        p = cands[back[p]].start
+    return tuple(reversed(cover))
+
+
+def fastest_cover(lm: LinearModel) -> tuple[int, ...]:
+    """The fastest cover with no memory limit: the program's optimum without its memory constraints
+    (the objective Σ_c t_c x_c over exact covers is a shortest path), exact, in milliseconds."""
+    return _shortest_path(lm, 0.0, _by_stop(lm))
+
+
 def lagrangian_cover(lm: LinearModel, budget_mib: int) -> tuple[int, ...] | None:
     """The fastest fitting cover among the minimisers of Σ_c (t_c + λ·(stack_c + root_c + gather_c)) x_c over a grid
     of prices λ (µs per MiB left behind): each is a shortest path over the boundaries, O(candidates).
     The memory constraint relaxed into the objective (a Lagrangian heuristic, as for knapsacks); the
     result is checked against every constraint with :func:`evaluate`. None when no price gives a fit."""
-    by_stop: list[list[int]] = [[] for _ in range(lm.space.n + 1)]
-    for k, c in enumerate(lm.space.candidates):
-        by_stop[c.stop].append(k)
+    by_stop = _by_stop(lm)
     best = None
     for lam in (0.0, *(10 ** (e / 4) for e in range(-8, 29))):
-        cost = [0.0] + [float("inf")] * lm.space.n
-        back = [-1] * (lm.space.n + 1)
-        for p in range(1, lm.space.n + 1):
-            for k in by_stop[p]:
-                co = lm.coeffs[k]
-                v = cost[lm.space.candidates[k].start] + co.time_us + lam * (co.stack_mib + co.root_mib + co.gather_mib)
-                if v < cost[p]:
-                    cost[p], back[p] = v, k
-        cover, p = [], lm.space.n
-        while p > 0:
-            cover.append(back[p])
-            p = lm.space.candidates[back[p]].start
-        cover = tuple(reversed(cover))
+        cover = _shortest_path(lm, lam, by_stop)
         res = evaluate(lm, cover)
         if res.peak_mib <= budget_mib and (best is None or res.time_us < best[1]):
             best = (cover, res.time_us)

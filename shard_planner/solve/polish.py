@@ -30,7 +30,9 @@ import logging
 import random
 import time
 from dataclasses import dataclass, replace
+from typing import Callable
 
+from shard_planner.cost.types import Estimate
 from shard_planner.plan import ROOT, Plan, Prefetch, Unit
 from shard_planner.profile import HardwareProfile
 from shard_planner.solve.space import DEFAULT_MAX_GROUP_SIZE, first_calls
@@ -57,7 +59,7 @@ class Move:
 @dataclass(frozen=True)
 class PolishInfo:
     """What the search did: the moves taken, the step times before and after, how many plans it
-    evaluated, its wall time, and why it stopped ("converged" or "time budget")."""
+    evaluated, its wall time, and why it stopped ("converged", "time budget" or "evaluation budget")."""
 
     moves: tuple[str, ...]
     start_step_time_s: float
@@ -74,12 +76,22 @@ class PolishInfo:
 
 def polish(trace: ModelTrace, plan: Plan, profile: HardwareProfile, budget_bytes: int, *, time_budget_s: float,
            max_group_size: int = DEFAULT_MAX_GROUP_SIZE,
-           prefetch_bounds: tuple[Prefetch, Prefetch] = (Prefetch(0, 1), Prefetch(2, 2))) -> tuple[Plan, PolishInfo]:
+           prefetch_bounds: tuple[Prefetch, Prefetch] = (Prefetch(0, 1), Prefetch(2, 2)),
+           estimate: Callable[[Plan], Estimate] | None = None,
+           max_evaluations: int | None = None) -> tuple[Plan, PolishInfo]:
     """Hill-climb from ``plan`` (which should fit ``budget_bytes``, the planner's usable budget,
     ``profile.tensor_budget_bytes(--mem)``) for at most ``time_budget_s``. Returns the best plan found,
     never over budget (unless ``plan`` itself was) nor slower than ``plan``, without a prediction, and
-    what the search did. ``prefetch_bounds``: the lowest and the highest depths, forward and backward."""
-    from shard_planner.cost import estimate  # the cost model; as in .simulate
+    what the search did. ``prefetch_bounds``: the lowest and the highest depths, forward and backward.
+    ``estimate``: how a plan is judged (the planner passes its memo, ``PlanContext.estimate``); by
+    default the cost model's simulators without the memory timeline. ``max_evaluations``: stop after
+    judging this many distinct plans (a budget that, unlike the time budget, gives the same answer on
+    a busy machine)."""
+    if estimate is None:
+        from shard_planner.cost import estimate as cost_estimate  # the cost model; as in .simulate
+
+        def estimate(p: Plan) -> Estimate:
+            return cost_estimate(trace, p, profile, timeline=False)
 
     t0 = time.perf_counter()
     deadline = t0 + max(0.0, time_budget_s)
@@ -88,7 +100,7 @@ def polish(trace: ModelTrace, plan: Plan, profile: HardwareProfile, budget_bytes
     def judge(units: tuple[Unit, ...], prefetch: Prefetch) -> tuple[float, int]:
         key = (units, prefetch)
         if key not in cache:
-            est = estimate(trace, replace(plan, units=units, prefetch=prefetch), profile, timeline=False)
+            est = estimate(replace(plan, units=units, prefetch=prefetch))
             cache[key] = (est.time.step_time_s, est.memory.peak_bytes)
         return cache[key]
 
@@ -105,10 +117,13 @@ def polish(trace: ModelTrace, plan: Plan, profile: HardwareProfile, budget_bytes
                            first=first)
         moves = _prioritised(moves, units, touched, rng)
         best: tuple[float, int, Move] | None = None
-        out_of_time = False
+        out_of_time = ""
         for move in moves:
             if time.perf_counter() > deadline:
-                out_of_time = True
+                out_of_time = "time budget"
+            elif max_evaluations is not None and len(cache) >= max_evaluations:
+                out_of_time = "evaluation budget"
+            if out_of_time:
                 break
             step_s, peak = judge(move.units, move.prefetch)
             if peak > budget_bytes or step_s >= current_s * (1 - MIN_GAIN):
@@ -116,14 +131,14 @@ def polish(trace: ModelTrace, plan: Plan, profile: HardwareProfile, budget_bytes
             if best is None or (step_s, peak) < best[:2]:
                 best = (step_s, peak, move)
         if best is None:
-            stopped = "time budget" if out_of_time else "converged"
+            stopped = out_of_time or "converged"
             break
         current_s, _, move = best
         units, prefetch, touched = move.units, move.prefetch, move.touched
         taken.append(move.description)
         logger.debug("polish: %s -> %.4g s", move.description, current_s)
         if out_of_time:
-            stopped = "time budget"
+            stopped = out_of_time
             break
     info = PolishInfo(moves=tuple(taken), start_step_time_s=start_s, step_time_s=current_s, evaluated=len(cache),
                       seconds=time.perf_counter() - t0, stopped=stopped)
@@ -150,7 +165,7 @@ def neighbours(trace: ModelTrace, units: tuple[Unit, ...], prefetch: Prefetch, *
                                   frozenset(), is_global=True))
 
     def move(description: str, new_units: list[Unit], touched_units: list[Unit], is_global: bool = False) -> None:
-        ordered = _in_forward_order(first, new_units)
+        ordered = in_forward_order(first, new_units)
         if _ties_intact(trace, ordered):
             moves.append(Move(description, ordered, prefetch,
                               frozenset(m for u in touched_units for m in u.modules), is_global))
@@ -204,7 +219,7 @@ def _prioritised(moves: list[Move], units: tuple[Unit, ...], touched: frozenset[
     return first + rest
 
 
-def _in_forward_order(first: dict[str, float], units: list[Unit]) -> tuple[Unit, ...]:
+def in_forward_order(first: dict[str, float], units: list[Unit]) -> tuple[Unit, ...]:
     """The root first, then by the first forward call in each unit's first module's subtree (``first``:
     ``space.first_calls``), an enclosing unit before the units nested in it (the order plans list units in)."""
 

@@ -51,7 +51,7 @@ def tune_model(model_path: str, *, gpus: int, mem_budget_bytes: int, profile: st
                micro_batch: int | None = None, dtype: str = "bfloat16", per_launch: int | None = None,
                steps: int = 5, warmup: int = 2, timeout_s: float = 600.0, device: str = "auto", trace=None,
                profile_out: str | os.PathLike | None = None, report_dir: str | os.PathLike | None = None,
-               plan_kwargs: dict | None = None, timings: str | None = None) -> TuneResult:
+               plan_options: dict | None = None, timings: str | None = None) -> TuneResult:
     """Plan ``model_path`` for ``gpus`` GPUs within ``mem_budget_bytes`` each, run the top ``trials``
     distinct plans for real (re-derived for ``world_size`` ranks when given), fit ``profile`` to what was
     measured and return the measured best (see :mod:`shard_planner.tune.tuner`). Writes the fitted profile
@@ -59,11 +59,12 @@ def tune_model(model_path: str, *, gpus: int, mem_budget_bytes: int, profile: st
     profile when it was written. ``dtype`` is the mixed-precision param dtype the model is traced and
     planned in (``trace``, when given, must have been traced in it). ``timings``: a module-timings file
     (``shard-planner calibrate --model``) that prices compute instead of FLOPs; the fit then moves only
-    what the timings leave to the profile (its compute factor stays at the prior for timed modules)."""
+    what the timings leave to the profile (its compute factor stays at the prior for timed modules).
+    ``plan_options``: further :class:`~shard_planner.solve.PlanRequest` fields (``time_limit_s``, ...)."""
     from shard_planner.cost import estimate
     from shard_planner.execute import run_plans
     from shard_planner.modelfile import load_model_file
-    from shard_planner.solve import plan_model
+    from shard_planner.solve import PlanRequest, plan_model
     from shard_planner.trace import trace_model
     from shard_planner.trace.tracer import compute_dtype_name
 
@@ -79,14 +80,14 @@ def tune_model(model_path: str, *, gpus: int, mem_budget_bytes: int, profile: st
     elif trace.compute_dtype != param_dtype:
         raise UserError(f"the trace given was made in {trace.compute_dtype}, but tune was asked for {param_dtype}")
     defaults = model_file.defaults
-    kwargs = dict(gpus=gpus, profile=prior, gpus_per_node=gpus_per_node,
-                  micro_batch=micro_batch or defaults.micro_batch, optimizer=defaults.optimizer,
-                  param_dtype=param_dtype, model_path=model_path,
-                  profile_name=profile if isinstance(profile, str) else None, timings_path=timings,
-                  **(plan_kwargs or {}))
-    plan = plan_model(trace, mem_budget_bytes=mem_budget_bytes, **kwargs)
+    request = PlanRequest(gpus=gpus, mem_budget_bytes=mem_budget_bytes, profile=prior, gpus_per_node=gpus_per_node,
+                          micro_batch=micro_batch or defaults.micro_batch, optimizer=defaults.optimizer,
+                          param_dtype=param_dtype, model_path=model_path,
+                          profile_name=profile if isinstance(profile, str) else None, timings_path=timings,
+                          **(plan_options or {}))
+    plan = plan_model(trace, request).plan
     candidates = top_candidates(trace, plan, prior, trials, estimate=estimate,
-                                solve=lambda budget: plan_model(trace, mem_budget_bytes=budget, **kwargs),
+                                solve=lambda budget: plan_model(trace, replace(request, mem_budget_bytes=budget)).plan,
                                 extra=hand_written_plans(trace, plan))
     result = tune(trace, candidates, prior, estimate=estimate, run_plans=run_plans, world_size=world_size,
                   per_launch=per_launch, steps=steps, warmup=warmup, timeout_s=timeout_s, device=device)

@@ -70,3 +70,28 @@ def test_bad_input_is_one_line(argv, message, capsys):
     rc = main(["plan", GPT2, *argv, "--no-report"])
     err = capsys.readouterr().err
     assert rc == 2 and message in err and err.count("\n") == 1
+
+
+def test_plan_with_report_runs_the_cost_model_once_for_the_timeline(trace_json, tmp_path, capsys, monkeypatch):
+    """The report draws the planner's estimate of the chosen plan (PlanResult.estimate): the only
+    estimate with a memory timeline in the whole command is the planner's own; the time line says
+    where the time went."""
+    import shard_planner.cost as cost
+
+    timelines = []
+    real = cost.estimate
+
+    def counting(trace, plan, profile, *, timeline=True):
+        timelines.append(timeline)
+        return real(trace, plan, profile, timeline=timeline)
+
+    monkeypatch.setattr(cost, "estimate", counting)
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", trace_json, "--gpus", "8", "--mem", "2GB", "-o", "p.json", "--time-limit", "1"]) == 0
+    text = capsys.readouterr().out
+    assert timelines.count(True) == 1 and len(timelines) > 1
+    assert (tmp_path / "reports" / "p" / "report.html").exists() and "memory_timeline.png" in (
+        tmp_path / "reports" / "p" / "report.md").read_text()
+    line = next(ln for ln in text.splitlines() if ln.startswith("time: "))
+    for stage in ("trace", "screen", "solve", "frontier", "polish", "report", "CP-SAT", "simulators"):
+        assert stage in line

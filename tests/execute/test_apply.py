@@ -170,14 +170,14 @@ def test_planned_unet_applies_and_trains(fake_world):
     """Plans for a model with a ModuleList that is never called (unet's ``downs``) wrap only modules
     whose forward runs; the plan applies and one forward/backward goes through FSDP2's hooks."""
     from shard_planner.profile import load_profile
-    from shard_planner.solve import plan_model
+    from shard_planner.solve import PlanRequest, plan_model
     from shard_planner.trace.tracer import trace_model
 
     path = "examples/unet.py"
     trace = trace_model(path)
-    plan = plan_model(trace, gpus=2, gpus_per_node=2, mem_budget_bytes=int(2 * 2**20 / 0.8),  # 2 MiB usable
+    plan = plan_model(trace, PlanRequest(gpus=2, gpus_per_node=2, mem_budget_bytes=int(2 * 2**20 / 0.8),  # 2 MiB usable
                       profile=load_profile("cpu-gloo"),
-                      micro_batch=2, param_dtype="float32", model_path=path, frontier_points=2)
+                      micro_batch=2, param_dtype="float32", model_path=path, frontier_points=2)).plan
     assert all(trace.module(m).calls >= 1 for u in plan.units for m in u.modules)
     assert any(m.startswith("downs.") for u in plan.units for m in u.modules)  # a tight budget: many units
     model = load_model_file(path).build()

@@ -369,11 +369,11 @@ def test_report_for_every_example(name, example_traces, tmp_path):
     parameter in exactly one unit and no overlapping text."""
     from shard_planner.cost import estimate as estimate_fn
     from shard_planner.profile import load_profile
-    from shard_planner.solve import plan_model
+    from shard_planner.solve import PlanRequest, plan_model
 
     trace, path = example_traces[name], f"examples/{name}.py"
     profile = load_profile("h100-80gb")
-    solved = plan_model(trace, gpus=8, mem_budget_bytes=8 * GIB, profile=profile, model_path=path, time_limit_s=5)
+    solved = plan_model(trace, PlanRequest(gpus=8, mem_budget_bytes=8 * GIB, profile=profile, model_path=path, time_limit_s=5)).plan
     hand = _example_plan(trace, path)
     assert len(hand.units) > 2, "the example has blocks to shard"
     hand_estimate = estimate_fn(trace, hand, profile)

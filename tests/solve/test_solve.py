@@ -16,7 +16,7 @@ import pytest
 from tests.models.solve_traces import GIB, MIB, profile, stack_trace
 from shard_planner.errors import InfeasibleError
 from shard_planner.plan import Cluster, Mesh, Prefetch, Training
-from shard_planner.solve import plan_model
+from shard_planner.solve import PlanRequest, plan_model
 from shard_planner.solve.cpsat import greedy_cover, lagrangian_cover, solve_min_peak, solve_min_time
 from shard_planner.solve.exact import all_covers, solve_brute_force, solve_dp
 from shard_planner.solve.linear import GlobalChoice, build_linear_model, evaluate
@@ -152,8 +152,8 @@ PROFILE = profile()
 def _plan(trace, budget_bytes, **kw):
     kw.setdefault("micro_batch", 4)
     kw.setdefault("frontier_points", 3)
-    return plan_model(trace, gpus=8, mem_budget_bytes=budget_bytes, profile=PROFILE, gpus_per_node=8,
-                      time_limit_s=2.0, **kw)
+    return plan_model(trace, PlanRequest(gpus=8, mem_budget_bytes=budget_bytes, profile=PROFILE, gpus_per_node=8,
+                      time_limit_s=2.0, **kw)).plan
 
 
 @pytest.fixture(scope="module")
@@ -239,8 +239,8 @@ def test_search_batch_maximises_throughput():
 
 def test_hsdp_considered_across_nodes():
     trace = stack_trace(4)
-    plan = plan_model(trace, gpus=32, mem_budget_bytes=4 * GIB, profile=PROFILE, gpus_per_node=8,
-                      micro_batch=2, time_limit_s=5.0, frontier_points=2)
+    plan = plan_model(trace, PlanRequest(gpus=32, mem_budget_bytes=4 * GIB, profile=PROFILE, gpus_per_node=8,
+                      micro_batch=2, time_limit_s=5.0, frontier_points=2)).plan
     assert plan.mesh.world_size == 32 and plan.mesh.shard in (8, 32)
     assert plan.predicted.peak_bytes <= 4 * GIB
 
@@ -303,8 +303,8 @@ def _every_plans_units(trace, budgets_mib, micro_batches):
     for mb in micro_batches:
         for mib in budgets_mib:
             try:
-                out.append(plan_model(trace, gpus=2, gpus_per_node=2, mem_budget_bytes=mib * MIB, profile=prof,
-                                      micro_batch=mb, frontier_points=3).units)
+                out.append(plan_model(trace, PlanRequest(gpus=2, gpus_per_node=2, mem_budget_bytes=mib * MIB, profile=prof,
+                                      micro_batch=mb, frontier_points=3)).plan.units)
             except InfeasibleError:
                 pass
     return out
@@ -348,8 +348,8 @@ def test_plan_or_infeasible_is_consistent(example_traces, name, micro_batch):
     for mib in range(4, 13):
         budget = mib * MIB
         try:
-            plan = plan_model(trace, gpus=2, mem_budget_bytes=budget, profile=prof, micro_batch=micro_batch,
-                              frontier_points=3)
+            plan = plan_model(trace, PlanRequest(gpus=2, mem_budget_bytes=budget, profile=prof, micro_batch=micro_batch,
+                              frontier_points=3)).plan
         except InfeasibleError as exc:
             smallest = parse_bytes(str(exc).split("needs is ")[1].split(" (")[0])
             assert smallest > budget, str(exc)
@@ -365,10 +365,10 @@ def test_fitting_smallest_peak_plan_is_returned_not_refused(example_traces, monk
     monkeypatch.setattr(planner, "_solve_checked", lambda *a, **k: None)
     trace, prof = example_traces["gpt2"], _cpu_gloo()
     budget = _mem_for(prof, int(7.69 * MIB))  # 7.69 MiB usable (tuned to a plan's peak) + the fragmentation share
-    plan = plan_model(trace, gpus=2, mem_budget_bytes=budget, profile=prof, micro_batch=8, frontier_points=3)
+    plan = plan_model(trace, PlanRequest(gpus=2, mem_budget_bytes=budget, profile=prof, micro_batch=8, frontier_points=3)).plan
     assert simulate(trace, plan, prof).memory.peak_bytes <= prof.tensor_budget_bytes(budget)
     with pytest.raises(InfeasibleError) as info:  # below every plan's peak: still refused, with a larger budget
-        plan_model(trace, gpus=2, mem_budget_bytes=MIB, profile=prof, micro_batch=8, frontier_points=3)
+        plan_model(trace, PlanRequest(gpus=2, mem_budget_bytes=MIB, profile=prof, micro_batch=8, frontier_points=3)).plan
     assert parse_bytes(str(info.value).split("needs is ")[1].split(" (")[0]) > MIB
 
 
@@ -394,13 +394,14 @@ def _alternatives(trace, plan, budget_bytes, prof):
 def _solver_and_policies_only(trace, monkeypatch, **kw):
     """The planner as it was before it judged "no wrapping" and the root's reshard: the solver's
     result against the hand-written policies."""
+    import shard_planner.solve.alternatives as alternatives
     import shard_planner.solve.planner as planner
 
     with monkeypatch.context() as m:
-        m.setattr(planner, "_no_wrapping", lambda *a, **k: [])
-        m.setattr(planner, "_root_resharded", lambda *a, **k: [])
+        m.setattr(alternatives, "no_wrapping", lambda *a, **k: [])
+        m.setattr(alternatives, "root_resharded", lambda *a, **k: [])
         m.setattr(planner, "POLISH_MAX_S", 0.0)  # nor polished its answer (a local search reaches no wrapping too)
-        return plan_model(trace, **kw)
+        return plan_model(trace, PlanRequest(**kw)).plan
 
 
 def test_no_wrapping_chosen_when_fastest_with_room(example_traces, monkeypatch):
@@ -410,7 +411,7 @@ def test_no_wrapping_chosen_when_fastest_with_room(example_traces, monkeypatch):
     usable = 64 * MIB  # --mem less the profile's fragmentation share
     kw = dict(gpus=2, gpus_per_node=2, mem_budget_bytes=_mem_for(prof, usable), profile=prof, micro_batch=1,
               frontier_points=3)
-    plan = plan_model(trace, **kw)
+    plan = plan_model(trace, PlanRequest(**kw)).plan
     est = estimate(trace, replace(plan, predicted=None), prof)
     assert est.memory.peak_bytes == plan.predicted.peak_bytes <= usable
     assert est.time.step_time_s == pytest.approx(plan.predicted.step_time_s)
@@ -432,7 +433,7 @@ def test_no_wrapping_not_chosen_when_it_does_not_fit(example_traces, monkeypatch
     budget = 8 * MIB  # usable: --mem less the profile's fragmentation share
     kw = dict(gpus=2, gpus_per_node=2, mem_budget_bytes=_mem_for(prof, budget), profile=prof, micro_batch=8,
               frontier_points=3)
-    plan = plan_model(trace, **kw)
+    plan = plan_model(trace, PlanRequest(**kw)).plan
     root_only = [estimate(trace, replace(plan, predicted=None, prefetch=Prefetch(),
                                          units=(Unit((ROOT,), reshard_after_forward=r),)), prof) for r in (False, True)]
     assert min(e.memory.peak_bytes for e in root_only) > budget  # the premise: no wrapping needs more
@@ -468,8 +469,8 @@ def test_root_reshard_follows_the_budget(example_traces):
 
     trace, prof = example_traces["gpt2"], _cpu_gloo()
     budget = 16 * MIB  # usable: --mem less the profile's fragmentation share
-    plan = plan_model(trace, gpus=2, gpus_per_node=2, mem_budget_bytes=_mem_for(prof, budget), profile=prof,
-                      micro_batch=16, frontier_points=3)
+    plan = plan_model(trace, PlanRequest(gpus=2, gpus_per_node=2, mem_budget_bytes=_mem_for(prof, budget), profile=prof,
+                      micro_batch=16, frontier_points=3)).plan
     kept = estimate(trace, replace(plan, predicted=None, units=(Unit((ROOT,), reshard_after_forward=False),)), prof)
     assert kept.memory.peak_bytes > budget  # the premise
     assert [(u.modules, u.reshard_after_forward) for u in plan.units] == [(("",), True)]

@@ -14,7 +14,7 @@ import pytest
 
 from tests.models.solve_traces import GIB, MIB, profile, stack_trace
 from shard_planner.errors import InfeasibleError
-from shard_planner.solve import plan_model
+from shard_planner.solve import PlanRequest, plan_model
 from shard_planner.solve.simulate import simulate
 from shard_planner.units import parse_bytes
 
@@ -23,8 +23,8 @@ FILL_ALL = profile()  # usable_fraction 1.0
 
 
 def _plan(trace, mem_bytes, prof, **kw):
-    return plan_model(trace, gpus=8, mem_budget_bytes=mem_bytes, profile=prof, gpus_per_node=8, micro_batch=4,
-                      frontier_points=3, time_limit_s=2.0, allow_offload=False, **kw)
+    return plan_model(trace, PlanRequest(gpus=8, mem_budget_bytes=mem_bytes, profile=prof, gpus_per_node=8, micro_batch=4,
+                      frontier_points=3, time_limit_s=2.0, allow_offload=False, **kw)).plan
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from shard_planner.execute import apply_plan, describe_sharding
 from shard_planner.execute.apply import check_plan_matches
 from shard_planner.modelfile import load_model_file
 from shard_planner.plan import ROOT, Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit
-from shard_planner.solve import plan_model
+from shard_planner.solve import PlanRequest, plan_model, simpler
 from shard_planner.solve.baselines import POLICIES
 from shard_planner.solve.polish import MIN_GAIN, neighbours, polish
 from shard_planner.solve.space import build_space
@@ -60,7 +60,8 @@ def test_polish_finds_the_faster_plan_two_moves_away(traces, gloo, monkeypatch):
               model_path=LLAMA, frontier_points=3)
     with monkeypatch.context() as m:
         m.setattr(planner, "POLISH_MAX_S", 0.0)
-        before = plan_model(trace, **kw)
+        m.setattr(simpler, "uniform_variants", lambda *a, **k: [])  # nor regrouped (solve/simpler.py)
+        before = plan_model(trace, PlanRequest(**kw)).plan
     assert [(u.modules, u.reshard_after_forward, u.activation_checkpoint) for u in before.inner_units] == [
         (("layers.0",), True, True), (("layers.1",), True, True)]
     polished, info = polish(trace, before, gloo, usable, time_budget_s=30)
@@ -73,8 +74,8 @@ def test_polish_finds_the_faster_plan_two_moves_away(traces, gloo, monkeypatch):
 
     # the planner polishes its answer and says so (a generous time share: the machine may be loaded)
     with monkeypatch.context() as m:
-        m.setattr(planner, "POLISH_SHARE", 100.0)
-        plan = plan_model(trace, **kw)
+        m.setattr(planner, "POLISH_MAX_S", 100.0)
+        plan = plan_model(trace, PlanRequest(**kw)).plan
     assert plan.units == polished.units and plan.prefetch == polished.prefetch
     assert "polished by local search: -1" in plan.solver.status and "in 2 moves" in plan.solver.status
     assert plan.predicted.step_time_s == pytest.approx(step_s) and plan.predicted.peak_bytes == peak

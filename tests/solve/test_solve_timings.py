@@ -15,7 +15,7 @@ import pytest
 from tests.models.solve_traces import profile, stack_trace
 from shard_planner.cost import module_compute_s
 from shard_planner.plan import Mesh, Prefetch, Training
-from shard_planner.solve import plan_model
+from shard_planner.solve import PlanRequest, plan_model
 from shard_planner.solve.linear import GlobalChoice, build_linear_model
 from shard_planner.solve.simulate import simulate
 from shard_planner.solve.space import build_space
@@ -103,10 +103,10 @@ def test_checkpointing_lands_on_the_fast_blocks(models):
     saves 9 x 8 ms of recomputation). End to end: the simulators, which see the timings, re-check
     every cover, so this holds with a FLOP-priced linear model too; the coefficients are tested above."""
     trace, _, _, _, timed = models
-    full = plan_model(trace, gpus=8, mem_budget_bytes=80 * 2**30, profile=timed, micro_batch=MB)
+    full = plan_model(trace, PlanRequest(gpus=8, mem_budget_bytes=80 * 2**30, profile=timed, micro_batch=MB)).plan
     assert not any(u.activation_checkpoint for u in full.units)
-    tight = plan_model(trace, gpus=8, mem_budget_bytes=int(full.predicted.peak_bytes * 0.8), profile=timed,
-                       micro_batch=MB)
+    tight = plan_model(trace, PlanRequest(gpus=8, mem_budget_bytes=int(full.predicted.peak_bytes * 0.8), profile=timed,
+                       micro_batch=MB)).plan
     ac = {m for u in tight.units if u.activation_checkpoint for m in u.modules}
     blocks = {f"layers.{i}" for i in range(LAYERS)}
     assert ac & blocks and not blocks <= ac, ac

@@ -153,8 +153,8 @@ def test_plan_and_tune_load_the_model_file_once(tmp_path, monkeypatch):
 
     seen = {}
 
-    def fake_plan_model(trace, **kwargs):
-        seen.update(trace_dtype=trace.compute_dtype, **kwargs)
+    def fake_plan_model(trace, request):
+        seen.update(trace_dtype=trace.compute_dtype, **vars(request))
         raise Stop
 
     imports.clear()

@@ -1,0 +1,174 @@
+"""What one ``plan_model`` call shares: the request, the search spaces and linear models, the memo of
+plans the simulators already judged, and the clock of where the time goes.
+
+[Note: one call to the cost model] Every plan the planner judges goes through
+:meth:`PlanContext.estimate`: the simulators without the memory timeline (nothing in the search reads
+it), each distinct plan once per call (the screen, the solves, the sweep and the polish step meet the
+same covers again). When the cost model object (``CostModel(trace, profile)``, which will own such
+memos) lands, this method becomes ``self.cost_model.estimate(plan, timeline=False)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+
+from shard_planner.cost.types import Estimate
+from shard_planner.errors import UserError
+from shard_planner.plan import Cluster, Mesh, Plan, Training, Unit
+from shard_planner.solve import cpsat
+from shard_planner.solve.linear import MIB, GlobalChoice, LinearModel, build_linear_model, evaluate
+from shard_planner.solve.request import PlanRequest, PlanTimings
+from shard_planner.solve.simulate import cover_units, make_plan
+from shard_planner.solve.space import SearchSpace, build_space
+from shard_planner.trace.types import ModelTrace
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A cover the simulators accepted (or the best they saw), with its numbers."""
+
+    choice: GlobalChoice
+    units: tuple[Unit, ...]
+    peak_bytes: int
+    step_time_s: float
+    samples_per_s: float
+    status: str  # the solver's status, or the policy's name for a hand-written plan
+    linear_peak_mib: int
+    plan: Plan
+    estimate: Estimate  # without the memory timeline (see [Note: one call to the cost model])
+    method: str = "cp-sat"
+    cover: tuple[int, ...] | None = None  # candidate indices (None for hand-written plans)
+
+
+def speed(c: Checked) -> tuple[float, int]:
+    """The planner's ranking: faster first, then smaller."""
+    return (c.samples_per_s, -c.peak_bytes)
+
+
+class Clock:
+    """Wall time by stage (one at a time) and by kind of work (across stages)."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.stages: dict[str, float] = defaultdict(float)
+        self.work: dict[str, float] = defaultdict(float)
+        self.counts: dict[str, int] = defaultdict(int)
+
+    @contextmanager
+    def stage(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stages[name] += time.perf_counter() - t0
+
+    @contextmanager
+    def doing(self, kind: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.work[kind] += time.perf_counter() - t0
+            self.counts[kind] += 1
+
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def timings(self, simulated_plans: int) -> PlanTimings:
+        total = self.elapsed_s()
+        named = ("screen", "solve", "frontier", "baselines", "polish", "simplify")
+        return PlanTimings(
+            **{f"{n}_s": self.stages[n] for n in named},
+            other_s=max(0.0, total - sum(self.stages[n] for n in named)), total_s=total,
+            cpsat_s=self.work["cpsat"], hints_s=self.work["hints"], simulate_s=self.work["simulate"],
+            simulated_plans=simulated_plans, cpsat_solves=self.counts["cpsat"])
+
+
+class PlanContext:
+    """The request, caches of search spaces, linear models, heuristic covers and estimates, and the clock."""
+
+    def __init__(self, trace: ModelTrace, request: PlanRequest):
+        self.trace, self.request, self.profile = trace, request, request.profile
+        self.training = Training(micro_batch=request.micro_batch or 1, optimizer=request.optimizer,
+                                 param_dtype=request.param_dtype, reduce_dtype=request.reduce_dtype)
+        self.cluster = Cluster(gpus=request.gpus, gpus_per_node=min(request.gpus_per_node, request.gpus),
+                               profile=request.profile_name or self.profile.name,
+                               mem_budget_bytes=request.mem_budget_bytes, timings=request.timings_path)
+        # profile.tensor_budget_bytes(--mem): what plans may fill (the rest is kept for fragmentation)
+        self.budget_bytes = self.profile.tensor_budget_bytes(request.mem_budget_bytes)
+        self.budget_mib = self.budget_bytes // MIB
+        self.time_limit_s = request.time_limit_s
+        self.max_group_size = request.max_group_size
+        self.allow_offload = request.allow_offload and self.profile.device != "cpu"
+        self.clock = Clock()
+        self._spaces: dict[int, SearchSpace] = {}
+        self._linear: dict[GlobalChoice, LinearModel] = {}
+        self._greedy: dict[tuple[GlobalChoice, int], tuple[int, ...] | None] = {}
+        self._estimates: dict[tuple, Estimate] = {}
+
+    def space(self, mesh: Mesh) -> SearchSpace:
+        if mesh.shard not in self._spaces:
+            self._spaces[mesh.shard] = build_space(self.trace, shard_group=mesh.shard,
+                                                   gpus_per_node=self.cluster.gpus_per_node,
+                                                   max_group_size=self.max_group_size)
+            if not self._spaces[mesh.shard].items:
+                raise UserError(f"{self.trace.model_path}: the model has no modules with parameters to shard")
+        return self._spaces[mesh.shard]
+
+    def linear(self, choice: GlobalChoice) -> LinearModel:
+        """The linear model of ``choice`` (built once: the screen, the solves and the sweep share it)."""
+        if choice not in self._linear:
+            self._linear[choice] = build_linear_model(self.trace, self.space(choice.mesh), choice, self.training,
+                                                      self.profile)
+        return self._linear[choice]
+
+    def greedy(self, lm: LinearModel, budget_mib: int) -> tuple[int, ...] | None:
+        """:func:`cpsat.greedy_cover` of ``lm`` at ``budget_mib``, once per pair (the screen's is the first
+        solve's hint)."""
+        key = (lm.choice, budget_mib)
+        if key not in self._greedy:
+            with self.clock.doing("hints"):
+                self._greedy[key] = cpsat.greedy_cover(lm, budget_mib)
+        return self._greedy[key]
+
+    def min_time(self, lm: LinearModel, budget_mib: int, **kwargs) -> cpsat.SolveResult:
+        with self.clock.doing("cpsat"):
+            return cpsat.solve_min_time(lm, budget_mib, **kwargs)
+
+    def min_peak(self, lm: LinearModel, time_limit_s: float) -> cpsat.SolveResult:
+        with self.clock.doing("cpsat"):
+            return cpsat.solve_min_peak(lm, time_limit_s=time_limit_s)
+
+    def estimate(self, plan: Plan, timeline: bool = False) -> Estimate:
+        """The simulators' verdict on ``plan`` (the memory timeline only when asked: the chosen plan's,
+        for the report), memoised by the plan's decisions. See [Note: one call to the cost model]."""
+        key = (plan.units, plan.prefetch, plan.mesh, plan.training, timeline)
+        if key not in self._estimates:
+            from shard_planner.cost import estimate  # the cost model; as in .simulate
+
+            with self.clock.doing("simulate"):
+                self._estimates[key] = estimate(self.trace, plan, self.profile, timeline=timeline)
+        return self._estimates[key]
+
+    @property
+    def simulated_plans(self) -> int:
+        return len(self._estimates)
+
+    def check(self, lm: LinearModel, chosen: tuple[int, ...], status: str) -> Checked:
+        units = cover_units(lm, chosen)
+        return replace(self.check_units(units, lm.choice, status, evaluate(lm, chosen).peak_mib), cover=chosen)
+
+    def check_units(self, units, choice: GlobalChoice, status: str, linear_peak_mib: int = -1,
+                    method: str = "cp-sat") -> Checked:
+        plan = make_plan(self.trace, units, choice, training=self.training, cluster=self.cluster,
+                         model_path=self.request.model_path)
+        est = self.estimate(plan)
+        return Checked(choice=choice, units=units, peak_bytes=est.memory.peak_bytes,
+                       step_time_s=est.time.step_time_s, samples_per_s=est.time.samples_per_s, status=status,
+                       linear_peak_mib=linear_peak_mib, plan=plan, estimate=est, method=method)
