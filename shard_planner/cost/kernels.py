@@ -43,6 +43,7 @@ Every device constant comes from the profile's ``[kernels]`` table, each with it
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, fields
 
@@ -260,3 +261,66 @@ def device_of(profile, dtype: str) -> Device | None:
     if kc is None:
         return None
     return Device(kc, profile.peak_flops_per_s[dtype], profile.memory_bandwidth_bytes_per_s)
+
+
+# ---- kernels of a trace (trace/types.py KernelRecord; trace/kernel_ops.py [Note: kernel records]) ----
+
+@functools.lru_cache(maxsize=1 << 16)
+def _cached_op_time_s(op: KernelOp, dev: Device) -> float:
+    return op_time_s(op, dev)  # repeated blocks share their records' shapes: priced once
+
+
+def records_time_s(records, micro_batch: int, dev: Device) -> float:
+    """Device seconds of a module's kernel records at ``micro_batch``."""
+    total = 0.0
+    for r in records:
+        op = KernelOp(r.op_class, r.count, max(0.0, r.flops.at(micro_batch)), max(0.0, r.bytes.at(micro_batch)),
+                      r.dims_at(micro_batch))
+        total += _cached_op_time_s(op, dev)
+    return total
+
+
+def has_kernel_records(trace) -> bool:
+    """Whether ``trace`` carries kernel records (traces written before them do not)."""
+    return bool(trace.loss_kernels) or any(m.fwd_kernels or m.bwd_kernels for m in trace.modules)
+
+
+def module_kernel_s(trace, micro_batch: int, dev: Device, fallback_flops_per_s: float) -> dict[str, tuple[float, float]]:
+    """Per module, the device seconds of its own forward and backward at ``micro_batch``: its kernel
+    records priced by the roofline; a module with no records in a phase (its op sequences did not pair
+    across the traced batch sizes) takes that phase's FLOPs at ``fallback_flops_per_s``."""
+    out = {}
+    for m in trace.modules:
+        fwd = (records_time_s(m.fwd_kernels, micro_batch, dev) if m.fwd_kernels
+               else m.fwd_flops_self.at(micro_batch) / fallback_flops_per_s)
+        bwd = (records_time_s(m.bwd_kernels, micro_batch, dev) if m.bwd_kernels
+               else m.bwd_flops_self.at(micro_batch) / fallback_flops_per_s)
+        out[m.fqn] = (fwd, bwd)
+    return out
+
+
+def loss_kernel_s(trace, micro_batch: int, dev: Device, fallback_flops_per_s: float) -> float:
+    """Device seconds of the loss function (forward and backward) at ``micro_batch``."""
+    if trace.loss_kernels:
+        return records_time_s(trace.loss_kernels, micro_batch, dev)
+    return trace.loss_flops.at(micro_batch) / fallback_flops_per_s
+
+
+def block_kernel_s(trace, block_fqns, per_module: dict[str, tuple[float, float]]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Forward and backward device seconds of each block (cost/tables.py Block.fqn: a module's subtree,
+    or ``<fqn>:self`` for a container's own operations), summed from :func:`module_kernel_s`."""
+    memo: dict[str, tuple[float, float]] = {}
+
+    def subtree(fqn: str) -> tuple[float, float]:
+        hit = memo.get(fqn)
+        if hit is None:
+            f, b = per_module.get(fqn, (0.0, 0.0))
+            for c in trace.module(fqn).children:
+                cf, cb = subtree(c)
+                f, b = f + cf, b + cb
+            memo[fqn] = hit = (f, b)
+        return hit
+
+    times = [per_module.get(fqn[: -len(":self")], (0.0, 0.0)) if fqn.endswith(":self") else subtree(fqn)
+             for fqn in block_fqns]
+    return tuple(t[0] for t in times), tuple(t[1] for t in times)
