@@ -34,3 +34,9 @@ class RunError(UserError):
     """A launched training run failed (a rank raised, ran out of memory or hung)."""
 
     exit_code = 4
+
+
+def first_line(exc: BaseException, empty: str = "(no message)") -> str:
+    """The first line of an exception's message (``empty`` when it has none), for one-line errors."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else empty

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from shard_planner.errors import ModelFileError
+from shard_planner.errors import first_line as _first_line
 from shard_planner.plan import OPTIMIZERS
 
 logger = logging.getLogger(__name__)
@@ -114,11 +115,6 @@ class ModelFile:
             raise
         except Exception as exc:  # the user's code failed: name it in one line
             raise ModelFileError(f"{self.path}: {what} raised {type(exc).__name__}: {_first_line(exc)}") from exc
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else "(no message)"
 
 
 def load_model_file(path: str) -> ModelFile:

@@ -49,7 +49,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from shard_planner.cost import estimate
     from shard_planner.timings import load_priced_profile
-    from shard_planner.trace.tracer import trace_or_load
+    from shard_planner.trace import trace_or_load
 
     req = EstimateRequest(args.model, args.plan, args.profile, args.timings, args.gpus, args.micro_batch, args.write)
     plan = load_plan(req.plan)

@@ -29,7 +29,7 @@ def run(args) -> int:
     plan = load_plan(args.plan)
     info = None
     if args.trace and args.to in ("accelerate", "deepspeed"):
-        from shard_planner.trace.tracer import load_trace
+        from shard_planner.trace import load_trace
 
         info = model_info_from_trace(load_trace(args.trace))
     result = export_plan(plan, args.to, info)

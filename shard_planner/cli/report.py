@@ -42,7 +42,7 @@ def run(args) -> int:
         source = args.trace or plan.model.path
         if not args.trace and not Path(source).exists() and not source.replace(".", "").isidentifier():
             raise UserError(f"the plan's model file {source} is not here: give --trace TRACE_OR_MODEL or --no-trace")
-        from shard_planner.trace.tracer import trace_or_load
+        from shard_planner.trace import trace_or_load
 
         with progress(f"tracing {source}"):
             trace = trace_or_load(source, dtype=plan.training.param_dtype)

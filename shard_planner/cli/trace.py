@@ -47,7 +47,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from shard_planner.modelfile import load_model_file
-    from shard_planner.trace.tracer import compare_with_real_run, trace_model
+    from shard_planner.trace import compare_with_real_run, trace_model
 
     req = TraceRequest(args.model, args.batch_size, args.dtype, Path(args.output), args.check)
     model_file = load_model_file(req.model)

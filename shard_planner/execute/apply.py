@@ -45,6 +45,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.utils.checkpoint import checkpoint
 
 from shard_planner.errors import PlanError
+from shard_planner.ownership import owners
 from shard_planner.plan import ROOT, Plan, Unit
 from shard_planner.trace.structure import model_fingerprint
 
@@ -93,22 +94,14 @@ def _check_ties(modules: dict[str, nn.Module], plan: Plan) -> None:
     """FSDP2 shards each Parameter in exactly one unit: modules registering the same Parameter object
     (tied weights) must end up in the same unit (the innermost plan unit holding the module)."""
     wrapped = {fqn: unit for unit in plan.units for fqn in unit.modules}
-
-    def unit_of(fqn: str):
-        while fqn not in wrapped:
-            if fqn == "":
-                return None  # not wrapped at all (no root unit): stays unsharded
-            fqn = _parent_and_name(fqn)[0]
-        return wrapped[fqn]
-
-    owners: dict[int, list[str]] = {}
+    registered_by: dict[int, list[str]] = {}
     names: dict[int, str] = {}
     for fqn, module in modules.items():
         for name, p in module.named_parameters(recurse=False):
-            owners.setdefault(id(p), []).append(fqn)
+            registered_by.setdefault(id(p), []).append(fqn)
             names.setdefault(id(p), f"{fqn}.{name}" if fqn else name)
-    for key, fqns in owners.items():
-        units = {fqn: unit_of(fqn) for fqn in fqns}
+    for key, fqns in registered_by.items():
+        units = owners(wrapped, fqns)  # None: not wrapped at all (no root unit), stays unsharded
         if len({id(u) for u in units.values()}) > 1:
             where = ", ".join(f"{fqn!r} in unit {u.name if u is not None else '(none)'}" for fqn, u in units.items())
             raise PlanError(f"the plan splits tied weights: parameter {names[key]!r} is registered by {where}; "

@@ -60,7 +60,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shard_planner.errors import UserError
+from shard_planner.errors import UserError, first_line
 from shard_planner.execute.calibrate import fit_line
 from shard_planner.execute.worker import _device_name, build_on_device, make_step_batch
 from shard_planner.modelfile import load_model_file
@@ -384,14 +384,14 @@ def _rank_main(rank: int, opts: _Options, out_dir: str) -> None:
     except UserError as exc:
         result = {"error": str(exc)}
     except (torch.OutOfMemoryError, MemoryError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc, empty=type(exc).__name__)
         result = {"error": f"{opts.model_path}: out of memory measuring module timings at micro-batch "
                            f"{max(opts.micro_batches)} ({first}); module timings need the whole model on one "
                            "device: try a smaller --micro-batch, or plan from FLOPs (no timings)"}
     except Exception as exc:  # a model that fails on the real device: one line, the traceback in the log
         logger.debug("%s", traceback.format_exc())
         result = {"error": f"{opts.model_path}: measuring module timings failed: {type(exc).__name__}: "
-                           f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"}
+                           f"{first_line(exc, empty='')}"}
     with open(path, "w") as f:
         json.dump(result, f)
 

@@ -47,8 +47,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shard_planner.cli.args import non_negative_int, positive_float, positive_int
-from shard_planner.errors import RunError, UserError
+from shard_planner.argtypes import non_negative_int, positive_float, positive_int
+from shard_planner.errors import RunError, UserError, first_line
 from shard_planner.execute.apply import apply_plan, build_mesh
 from shard_planner.execute.memtrack import StorageTracker
 from shard_planner.execute.runner import with_prediction
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except BaseException as exc:  # report every failure, including KeyboardInterrupt/SystemExit
         kind = _classify(exc)
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else "(no message)"
+        message = first_line(exc)
         status.error(kind, status.label + message, traceback.format_exc())
         print(f"[rank{rank}] shard-planner worker: {kind}: {message}", file=sys.stderr)
         if not isinstance(exc, UserError):

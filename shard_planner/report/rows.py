@@ -25,6 +25,7 @@ from typing import Iterable
 from shard_planner.cost.tables import dtype_bytes
 from shard_planner.cost.types import Estimate, UnitTime
 from shard_planner.plan import Plan, Unit
+from shard_planner import ownership
 from shard_planner.trace.types import ModelTrace
 
 
@@ -52,22 +53,14 @@ class UnitRow:
         return f"to {r} ranks" if not isinstance(r, bool) else ("yes" if r else "no")
 
 
-def unit_owners(plan: Plan, modules: Iterable[tuple[str, str | None]]) -> dict[str, int]:
-    """fqn -> index in ``plan.units`` of the unit that owns the module's own parameters.
-
-    ``modules``: (fqn, parent fqn) pairs in named_modules() order (a parent before its children)."""
-    unit_of = {fqn: i for i, u in enumerate(plan.units) for fqn in u.modules}
-    owners: dict[str, int] = {}
-    for fqn, parent in modules:
-        if fqn in unit_of:
-            owners[fqn] = unit_of[fqn]
-        else:
-            owners[fqn] = owners[parent] if parent is not None else unit_of[""]
-    return owners
+def unit_owners(plan: Plan, fqns: Iterable[str]) -> dict[str, int]:
+    """fqn -> index in ``plan.units`` of the unit that owns the module's own parameters (a plan always
+    has a root unit, so every module has one; see shard_planner.ownership)."""
+    return ownership.owners({fqn: i for i, u in enumerate(plan.units) for fqn in u.modules}, fqns)
 
 
 def _unit_sizes(plan: Plan, trace: ModelTrace) -> list[dict]:
-    owners = unit_owners(plan, ((m.fqn, m.parent) for m in trace.modules))
+    owners = unit_owners(plan, (m.fqn for m in trace.modules))
     b = plan.training.micro_batch
     sizes = [dict(params=0, built_bytes=0, saved_bytes=0.0) for _ in plan.units]
     for m in trace.modules:

@@ -31,6 +31,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
+from shard_planner.ownership import split_groups, tie_groups
 from shard_planner.plan import ROOT
 from shard_planner.trace.types import ModelTrace
 
@@ -176,9 +177,11 @@ def find_items(trace: ModelTrace) -> tuple[Item, ...]:
 
 
 def splits_ties(trace: ModelTrace, fqn: str) -> bool:
-    """Whether the subtree of ``fqn`` holds some but not all modules of a tie group."""
+    """Whether the subtree of ``fqn`` holds some but not all modules of a tie group (wrapping ``fqn``
+    would give the group two owner units)."""
     inside = {m.fqn for m in trace.subtree(fqn)}
-    return any(m.fqn in inside and not set(m.tied_with) <= inside for m in trace.modules if m.tied_with)
+    groups = tie_groups((m.fqn, m.tied_with) for m in trace.modules if m.tied_with)
+    return bool(split_groups(groups, inside.__contains__))
 
 
 def reshard_choices(shard_group: int, gpus_per_node: int) -> tuple[bool | int, ...]:

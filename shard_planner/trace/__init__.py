@@ -1,7 +1,8 @@
 """Tracing: run one forward + backward without real memory and record what the planner needs."""
 
-from shard_planner.trace.graph import graph
-from shard_planner.trace.tracer import Difference, compare_with_real_run, load_trace, trace_model, trace_or_load
+from shard_planner.trace.files import load_trace, trace_or_load
+from shard_planner.trace.realrun import Difference, compare_with_real_run
+from shard_planner.trace.tracer import trace_model
 from shard_planner.trace.types import Affine, ModelTrace, ModuleTrace
 
 __all__ = [
@@ -10,7 +11,6 @@ __all__ = [
     "ModelTrace",
     "ModuleTrace",
     "compare_with_real_run",
-    "graph",
     "load_trace",
     "trace_model",
     "trace_or_load",

@@ -13,7 +13,7 @@ model: the cost model applies sharding, mixed precision and checkpointing on top
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from functools import cached_property
 
 TRACE_SCHEMA_VERSION = 1

@@ -5,13 +5,15 @@ environment variable the launcher sets) fail in its third forward call: raise a 
 MemoryError (as an allocation failure does on CPU), or sleep for an hour.
 """
 
+import importlib.util
 import os
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-import exec_net  # noqa: E402
+# exec_net.py beside this file, loaded by path (the tool loads model files by path, not as a package)
+_spec = importlib.util.spec_from_file_location("exec_net", Path(__file__).with_name("exec_net.py"))
+exec_net = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(exec_net)
 
 make_batch = exec_net.make_batch
 loss_fn = exec_net.loss_fn

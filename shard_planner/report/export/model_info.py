@@ -32,14 +32,14 @@ class ModelInfo:
 
     def unit_param_counts(self, plan: Plan) -> list[int]:
         """Parameters each unit of ``plan`` owns (innermost unit; the root owns the rest)."""
-        owners = unit_owners(plan, ((m.fqn, m.parent) for m in self.modules))
+        owners = unit_owners(plan, (m.fqn for m in self.modules))
         counts = [0] * len(plan.units)
         for m in self.modules:
             counts[owners[m.fqn]] += m.param_count
         return counts
 
     def owned_modules(self, plan: Plan, unit_index: int) -> list[ModuleInfo]:
-        owners = unit_owners(plan, ((m.fqn, m.parent) for m in self.modules))
+        owners = unit_owners(plan, (m.fqn for m in self.modules))
         return [m for m in self.modules if owners[m.fqn] == unit_index]
 
 

@@ -1,0 +1,233 @@
+"""Replay: from a finished step's log to per-module numbers, and from two batch sizes to a ModelTrace.
+
+After the backward the parameter gradients are known; they and the parameters are excluded and every
+span's peak rise (``max(live) - live at entry``) and net change are recomputed from the log
+(:meth:`Replay.span_stats`). A twin's spans count as its template's (see [Note: twins]).
+
+A module called several times in a step (a shared module) sums its calls' bytes and FLOPs and keeps
+the largest peak. ``forward_order`` is by first entry into the wrapped ``forward`` (where a
+forward-pre-hook would fire), ``backward_order`` by the first gradient of an output. Two traced batch
+sizes give every per-micro-batch quantity as an :class:`Affine` in the batch size (exact where the bytes
+are linear in it; a batch maker whose batch-1 tensors are views of a larger storage, e.g.
+``tokens[:, :-1].contiguous()``, bends the line by those few bytes).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from shard_planner.trace.capture import Step
+from shard_planner.trace.records import ENTER, EXIT, Call, ModuleRecord, Span, StepResult, join_fqn, rel_fqn
+from shard_planner.trace.types import Affine, ModuleTrace
+
+logger = logging.getLogger(__name__)
+
+
+class Replay:
+    """Per-span statistics and per-module records of one finished :class:`Step`."""
+
+    def __init__(self, step: Step):
+        self.step = step
+        self._stats: dict[tuple[int, int], tuple[int, int]] = {}
+
+    def span_stats(self, span: Span | None) -> tuple[int, int]:
+        """(peak rise above the level at entry, net change) of live non-parameter bytes over a span."""
+        if span is None:
+            return 0, 0
+        if span.call.template is not None:  # a twin counts as its template
+            t = span.call.template
+            return self.span_stats(t.fwd if span.kind == "fwd" else t.bwd)
+        return self.replay(span.start + 1, span.end)
+
+    def replay(self, start: int, end: int) -> tuple[int, int]:
+        """(peak, final level) of live non-static bytes over log positions [start, end), from 0."""
+        key = (start, end)
+        if key in self._stats:
+            return self._stats[key]
+        log, static = self.step.log.events, self.step.log.static
+        level = peak = 0
+        i = start
+        while i < end:
+            ev = log[i]
+            kind = ev[0]
+            if kind == ENTER:
+                inner = ev[1]
+                if inner.call.template is not None and inner.end > 0:
+                    rise, net = self.span_stats(inner)
+                    peak = max(peak, level + rise)
+                    level += net
+                    i = inner.end + 1
+                    continue
+            elif kind != EXIT and ev[1] not in static:
+                level += ev[2]
+                if level > peak:
+                    peak = level
+            i += 1
+        self._stats[key] = (peak, level)
+        return peak, level
+
+    def records(self, call: Call, memo: dict) -> list[ModuleRecord]:
+        """The call's numbers and its subtree's, per module (twins expanded from their templates)."""
+        cached = memo.get(id(call))
+        if cached is not None:
+            return cached
+        out = self._own_records(call, memo) if call.template is None else self._twin_records(call, memo)
+        for rel, nbytes in call.save_adjust:
+            out.append(ModuleRecord(join_fqn(call.fqn, rel), saved=nbytes))
+        memo[id(call)] = out
+        return out
+
+    def _own_records(self, call: Call, memo: dict) -> list[ModuleRecord]:
+        own = ModuleRecord(
+            call.fqn, calls=1, saved=call.saved_bytes, fwd_flops=call.fwd_flops, bwd_flops=call.bwd_flops,
+            input_bytes=call.input_bytes, output_bytes=call.output_bytes,
+            fwd_rise=self.span_stats(call.fwd)[0], bwd_rise=self.span_stats(call.bwd)[0],
+            fwd_key=(call.fwd.start,), bwd_key=(call.bwd.start,) if call.bwd is not None else None,
+            fwd_ops=call.fwd_ops, bwd_ops=call.bwd_ops, input_shared_bytes=call.input_shared_bytes,
+        )
+        out = [own]
+        for child in call.children:
+            out.extend(self.records(child, memo))
+        return out
+
+    def _twin_records(self, call: Call, memo: dict) -> list[ModuleRecord]:
+        t = call.template
+        out = []
+        for r in self.records(t, memo):
+            out.append(ModuleRecord(
+                join_fqn(call.fqn, rel_fqn(r.fqn, t.fqn)), r.calls, r.saved, r.fwd_flops, r.bwd_flops,
+                call.input_bytes if r.fqn == t.fqn else r.input_bytes, r.output_bytes,
+                r.fwd_rise, r.bwd_rise,
+                (call.fwd.start,) + r.fwd_key if r.fwd_key is not None else None,
+                (call.bwd.start,) + r.bwd_key if call.bwd is not None and r.bwd_key is not None else None,
+                r.fwd_ops, r.bwd_ops,
+                call.input_shared_bytes if r.fqn == t.fqn else r.input_shared_bytes,
+            ))
+        return out
+
+
+def step_result(step: Step) -> StepResult:
+    """Per-module numbers (summed over each module's calls), the orders, and the loss's numbers."""
+    replay = Replay(step)
+    per_module: dict[str, ModuleRecord] = {}
+    for r in replay.records(step.root_call, {}):
+        _accumulate(per_module.setdefault(r.fqn, ModuleRecord(r.fqn)), r)
+    forward_order = tuple(r.fqn for r in sorted((r for r in per_module.values() if r.fwd_key), key=lambda r: r.fwd_key))
+    backward_order = tuple(r.fqn for r in sorted((r for r in per_module.values() if r.bwd_key), key=lambda r: r.bwd_key))
+    reused = sum(1 for r in per_module.values() if r.fwd_key is not None and len(r.fwd_key) > 1)
+    loss = step.loss_call
+    loss_rise = (replay.replay(loss.fwd.start + 1, loss.bwd.end)[0] if loss.bwd is not None
+                 else replay.span_stats(loss.fwd)[0])
+    return StepResult(
+        per_module=per_module,
+        forward_order=forward_order,
+        backward_order=backward_order,
+        batch_input_bytes=step.batch_input_bytes,
+        loss_saved_bytes=loss.saved_bytes,
+        loss_peak_rise_bytes=loss_rise,
+        loss_flops=loss.fwd_flops + loss.bwd_flops,
+        reused_modules=reused,
+        loss_ops=loss.fwd_ops + loss.bwd_ops,
+    )
+
+
+def _accumulate(agg: ModuleRecord, r: ModuleRecord) -> None:
+    """Add one call's record to a module's: sums, except peaks (the largest) and keys (the first)."""
+    agg.calls += r.calls
+    agg.saved += r.saved
+    agg.fwd_flops += r.fwd_flops
+    agg.bwd_flops += r.bwd_flops
+    agg.fwd_ops += r.fwd_ops
+    agg.bwd_ops += r.bwd_ops
+    agg.input_bytes += r.input_bytes
+    agg.input_shared_bytes += r.input_shared_bytes
+    agg.output_bytes += r.output_bytes
+    agg.fwd_rise = max(agg.fwd_rise, r.fwd_rise)
+    agg.bwd_rise = max(agg.bwd_rise, r.bwd_rise)
+    if r.fwd_key is not None and (agg.fwd_key is None or r.fwd_key < agg.fwd_key):
+        agg.fwd_key = r.fwd_key
+    if r.bwd_key is not None and (agg.bwd_key is None or r.bwd_key < agg.bwd_key):
+        agg.bwd_key = r.bwd_key
+
+
+# ---------------------------------------------------------------------------------------------------
+# Assembling the ModuleTraces
+
+
+@dataclass(frozen=True)
+class StaticFacts:
+    """Per module, as built: parameters (a shared parameter at its first module), buffers, ties."""
+
+    fqns: frozenset[str]
+    param_count: dict[str, int]
+    param_bytes: dict[str, dict[str, int]]  # fqn -> dtype name -> bytes
+    buffer_bytes: dict[str, int]
+    param_tensors: dict[str, int]
+    tied_with: dict[str, tuple[str, ...]]  # fqn -> other modules registering one of its parameters
+
+
+def static_facts(modules: list[tuple[str, nn.Module]]) -> StaticFacts:
+    """Parameter counts and bytes (a shared parameter at its first module), buffer bytes, as built."""
+    seen: set[int] = set()
+    param_count, param_bytes, buffer_bytes, param_tensors = {}, {}, {}, {}
+    owners: dict[int, list[str]] = {}  # id of a Parameter -> modules registering it directly
+    for fqn, module in modules:
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(fqn)
+    tied_with = {fqn: tuple(sorted({o for p in module.parameters(recurse=False) for o in owners[id(p)]} - {fqn}))
+                 for fqn, module in modules}
+    for fqn, module in modules:
+        count, by_dtype, tensors = 0, {}, 0
+        for p in module.parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            count += p.numel()
+            tensors += 1
+            name = str(p.dtype).removeprefix("torch.")
+            by_dtype[name] = by_dtype.get(name, 0) + p.numel() * p.element_size()
+        param_count[fqn], param_bytes[fqn], param_tensors[fqn] = count, by_dtype, tensors
+        buffer_bytes[fqn] = sum(b.numel() * b.element_size() for b in module.buffers(recurse=False))
+    return StaticFacts(frozenset(fqn for fqn, _ in modules), param_count, param_bytes, buffer_bytes,
+                       param_tensors, tied_with)
+
+
+def module_traces(modules: list[tuple[str, nn.Module]], static: StaticFacts, hashes: dict[str, str],
+                  batch_sizes: tuple[int, int], r1: StepResult, r2: StepResult) -> tuple[ModuleTrace, ...]:
+    """One ModuleTrace per module, every per-micro-batch quantity fitted over the two batch sizes."""
+    b1, b2 = batch_sizes
+    out = []
+    for fqn, module in modules:
+        rec1, rec2 = r1.per_module.get(fqn), r2.per_module.get(fqn)
+
+        def fit(name, rec1=rec1, rec2=rec2):
+            return Affine.fit(b1, float(getattr(rec1, name) if rec1 else 0), b2, float(getattr(rec2, name) if rec2 else 0))
+
+        children = tuple(join_fqn(fqn, name) for name, _ in module.named_children())
+        out.append(ModuleTrace(
+            fqn=fqn,
+            type_name=type(module).__name__,
+            parent=None if fqn == "" else fqn.rpartition(".")[0],
+            children=tuple(c for c in children if c in static.fqns),
+            structural_hash=hashes[fqn],
+            param_count=static.param_count[fqn],
+            param_bytes_by_dtype=static.param_bytes[fqn],
+            buffer_bytes=static.buffer_bytes[fqn],
+            calls=rec1.calls if rec1 else 0,
+            input_bytes=fit("input_bytes"),
+            input_shared_bytes=fit("input_shared_bytes"),
+            output_bytes=fit("output_bytes"),
+            saved_bytes_self=fit("saved"),
+            fwd_flops_self=fit("fwd_flops"),
+            bwd_flops_self=fit("bwd_flops"),
+            fwd_peak_rise_bytes=fit("fwd_rise"),
+            bwd_peak_rise_bytes=fit("bwd_rise"),
+            param_tensors=static.param_tensors[fqn],
+            tied_with=static.tied_with[fqn],
+            fwd_ops_self=rec1.fwd_ops if rec1 else 0,  # op counts do not depend on the batch size
+            bwd_ops_self=rec1.bwd_ops if rec1 else 0,
+        ))
+    return tuple(out)

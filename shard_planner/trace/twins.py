@@ -1,0 +1,252 @@
+"""Reuse of repeated identical blocks: a twin is not run, it stands in for its template.
+
+[Note: twins] A module with children whose structural hash, plain attributes (flags such as
+``is_causal``) and input signature (shapes, strides, dtypes, requires_grad, non-tensor arguments) equal
+those of a module already traced in this step is not run; :class:`TwinFn` returns fresh tensors of the
+recorded output layout (storages of the same sizes) and, in backward, gradients of its inputs. Its
+numbers are the template's, with fqns remapped; in the log replay its spans count as the template's
+rise and net change, so the enclosing modules' peaks are those of the real run. Tensors saved across
+the boundary are handled explicitly: inputs and outputs the template saved are kept alive until the
+twin's backward, and re-deduplicated against the twin's actual inputs (rotary cos/sin, saved by the
+first layer only). Not reused, because the real numbers would differ: leaves (one or two ops; their
+backward peak depends on how a shared input's gradient accumulates), a module sharing an input that
+needs a gradient or a parameter with its template, and any module whose subtree runs more than once in
+the step (parameter gradients accumulate across calls; detected after the step by
+:meth:`Twins.tainted`, and the step is traced again without those templates).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_unflatten
+
+from shard_planner.trace.records import Call, is_under, join_fqn, rel_fqn
+from shard_planner.trace.storages import SavedTensors, StorageLog
+
+
+@dataclass(frozen=True, slots=True)
+class OutLeaf:
+    """Layout of one tensor output of a template call, to recreate it for a twin."""
+
+    shape: tuple
+    stride: tuple
+    offset: int
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+    group: int  # outputs sharing a storage share a group
+    group_nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class InputSave:
+    """An input of the template that its subtree saved for backward (first at module path ``rel``)."""
+
+    index: int  # among the call's tensor inputs
+    rel: str
+    counted: bool  # whether the template's save was the storage's first
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class OutputSave:
+    """An output of the template (tensor output ``index``) that its subtree saved, at path ``rel``."""
+
+    index: int
+    rel: str
+
+
+@dataclass(frozen=True)
+class TwinInfo:
+    """What a twin of a template call needs: the output layout and the saves across the boundary."""
+
+    out_spec: Any
+    out_values: tuple  # output leaves: an OutLeaf for a tensor, the value itself otherwise
+    input_saves: tuple[InputSave, ...]
+    output_saves: tuple[OutputSave, ...]
+
+
+class TwinFn(torch.autograd.Function):
+    """Stands in for a twin's forward: outputs laid out as the template's; input gradients in backward.
+
+    See [Note: twins]. One parameter is passed as an input only so that outputs require grad exactly
+    when the template's did; it gets no gradient (gradients are excluded anyway).
+    """
+
+    @staticmethod
+    def forward(ctx, info: TwinInfo, n_inputs: int, *tensors):
+        ctx.input_meta = [(t.shape, t.dtype, t.device) for t in tensors[:n_inputs]]
+        kept = [tensors[s.index] for s in info.input_saves]  # alive until backward, as the template's saves
+        ctx.n_params = len(tensors) - n_inputs
+        leaves = [v for v in info.out_values if isinstance(v, OutLeaf)]
+        bases: dict[int, torch.Tensor] = {}
+        outs = []
+        for leaf in leaves:
+            if leaf.group not in bases:
+                bases[leaf.group] = torch.empty(leaf.group_nbytes, dtype=torch.uint8, device=leaf.device)
+            base = bases[leaf.group].view(leaf.dtype)
+            outs.append(base.as_strided(leaf.shape, leaf.stride, leaf.offset))
+        no_grad = [o for o, leaf in zip(outs, leaves) if not leaf.requires_grad]
+        if no_grad:
+            ctx.mark_non_differentiable(*no_grad)
+        ctx.save_for_backward(*kept, *(outs[s.index] for s in info.output_saves))
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grads_in = tuple(
+            torch.zeros(shape, dtype=dtype, device=device) if need else None
+            for (shape, dtype, device), need in zip(ctx.input_meta, ctx.needs_input_grad[2:])
+        )
+        return (None, None) + grads_in + (None,) * ctx.n_params
+
+
+class Twins:
+    """The templates of one step, and the twins that reused them."""
+
+    def __init__(self, model: nn.Module, hashes: dict[str, str], reuse: bool, banned: set[str]):
+        counts = Counter(hashes.values())
+        self.hashes = hashes
+        # Only modules with children are reused (see [Note: twins]).
+        self.twin_hashes = {h for h, n in counts.items() if n > 1} if reuse else set()
+        self.banned = banned  # modules that turned out not to be faithful templates
+        self.leaves = {fqn for fqn, m in model.named_modules() if next(m.children(), None) is None}
+        self.param_ids = {
+            fqn: frozenset(id(p) for p in m.parameters()) for fqn, m in model.named_modules() if fqn not in self.leaves
+        }
+        self.attr_sigs = attribute_signatures(model)
+        self.templates: dict[tuple, Call] = {}
+        self.calls: list[Call] = []  # the twins
+
+    def key(self, fqn: str, leaves, spec) -> tuple | None:
+        """What a twin must share with its template; None for a module that is never reused."""
+        if self.hashes.get(fqn) in self.twin_hashes and fqn != "" and fqn not in self.leaves:
+            return (self.hashes[fqn], self.attr_sigs[fqn], _signature(leaves, spec))
+        return None
+
+    def template_for(self, key: tuple | None, fqn: str, grad_input_sids) -> Call | None:
+        """The template a call of ``fqn`` may stand in for, or None to trace it for real.
+
+        ``grad_input_sids()`` gives the storages of its inputs that need a gradient: sharing one, or
+        parameters (a module called twice, tied weights), with the template makes gradients accumulate
+        across both, so their backward peaks differ.
+        """
+        template = self.templates.get(key) if key is not None and fqn not in self.banned else None
+        if template is not None and (template.input_sids & grad_input_sids() or template.param_ids & self.param_ids[fqn]):
+            return None
+        return template
+
+    def may_remember(self, key: tuple | None, fqn: str) -> bool:
+        return key is not None and key not in self.templates and fqn not in self.banned
+
+    def remember(self, key: tuple, call: Call, info: TwinInfo, input_sids: frozenset) -> None:
+        call.twin_info = info
+        call.input_sids = input_sids
+        call.param_ids = self.param_ids[call.fqn]
+        self.templates[key] = call
+
+    def tainted(self, calls_by_fqn: dict[str, int]) -> set[str]:
+        """Templates and twins whose subtree ran more than once (a shared module): its parameter
+        gradients accumulate across calls, so a twin would not match the real run. They are traced for
+        real on a second try."""
+        shared = {fqn for fqn, n in calls_by_fqn.items() if n > 1}
+
+        def runs_shared(fqn: str) -> bool:
+            return any(is_under(s, fqn) for s in shared)
+
+        out = {c.fqn for c in self.calls if runs_shared(c.fqn)}
+        out |= {c.template.fqn for c in self.calls if runs_shared(c.template.fqn)}
+        return out
+
+
+def twin_info(log: StorageLog, saves: SavedTensors, call: Call, in_tensors, out_leaves, out_spec) -> TwinInfo | None:
+    """What a later twin of ``call`` (just run for real) needs; None if it cannot be a template."""
+    if not _calls_under(call, call.fqn):  # a shared module from elsewhere ran inside: fqns do not remap
+        return None
+    start, end = call.fwd.start, call.fwd.end
+    input_saves = []
+    for i, t in enumerate(in_tensors):
+        first = saves.first_within(log.sid(t), start, end)
+        if first is not None:
+            input_saves.append(InputSave(i, join_fqn(rel_fqn(first.call.fqn, call.fqn), first.rel), first.counted,
+                                         first.nbytes))
+    groups: dict[int, int] = {}
+    values, output_saves, k = [], [], 0
+    in_sids = {log.sid(t) for t in in_tensors}
+    for v in out_leaves:
+        if not isinstance(v, torch.Tensor):
+            values.append(v)
+            continue
+        sid = log.sid(v)
+        group = groups.setdefault(sid, len(groups))
+        values.append(OutLeaf(tuple(v.shape), tuple(v.stride()), v.storage_offset(), v.dtype, v.device,
+                              v.requires_grad, group, log.nbytes[sid]))
+        first = saves.first_within(sid, start, end)
+        if first is not None and sid not in in_sids and first.counted:
+            output_saves.append(OutputSave(k, join_fqn(rel_fqn(first.call.fqn, call.fqn), first.rel)))
+        k += 1
+    return TwinInfo(out_spec, tuple(values), tuple(input_saves), tuple(output_saves))
+
+
+def run_twin(log: StorageLog, saves: SavedTensors, call: Call, info: TwinInfo, params: list, in_tensors):
+    """Run :class:`TwinFn` for ``call`` and record the saves across its boundary (``call.save_adjust``
+    corrects its template's saved bytes where the dedup against this call's inputs differs)."""
+    outs = TwinFn.apply(info, len(in_tensors), *in_tensors, *params)
+    outs = list(outs) if isinstance(outs, tuple) else [outs]
+    for s in info.input_saves:
+        sid = log.sid(in_tensors[s.index])
+        counted = saves.note(len(log.events), sid, log.nbytes[sid], call, s.rel)
+        if s.counted and not counted:  # the template counted it; here it was saved already
+            call.save_adjust.append((s.rel, -s.nbytes))
+        elif counted and not s.counted:  # the template found it saved already; here it is new
+            call.save_adjust.append((s.rel, log.nbytes[sid]))
+    for s in info.output_saves:
+        sid = log.sid(outs[s.index])
+        saves.note(len(log.events), sid, log.nbytes[sid], call, s.rel)
+    it = iter(outs)
+    leaves = [next(it) if isinstance(v, OutLeaf) else v for v in info.out_values]
+    return tree_unflatten(leaves, info.out_spec)
+
+
+def _signature(leaves, spec) -> tuple:
+    sig = [str(spec), torch.is_grad_enabled()]
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            sig.append((tuple(x.shape), tuple(x.stride()), x.dtype, x.requires_grad, x.device.type))
+        else:
+            try:
+                hash(x)
+                sig.append(("v", type(x).__name__, x))
+            except TypeError:
+                sig.append(("r", repr(x)))
+    return tuple(sig)
+
+
+def attribute_signatures(model: nn.Module) -> dict[str, tuple]:
+    """fqn -> the plain attributes (numbers, strings, flags) of every module in its subtree.
+
+    Structural hashes see classes, parameters and buffers only; two attention modules that differ in
+    ``is_causal`` or a dropout rate have the same hash but are not twins.
+    """
+    sigs: dict[str, tuple] = {}
+
+    def visit(fqn: str, module: nn.Module) -> tuple:
+        own = tuple(sorted(
+            (k, v) for k, v in vars(module).items()
+            if not k.startswith("_") and isinstance(v, (bool, int, float, str, type(None)))
+        ))
+        kids = tuple((name, visit(join_fqn(fqn, name), child)) for name, child in module.named_children())
+        sigs[fqn] = (own, kids)
+        return sigs[fqn]
+
+    visit("", model)
+    return sigs
+
+
+def _calls_under(call: Call, base: str) -> bool:
+    return all(c.fqn is not None and is_under(c.fqn, base) and _calls_under(c, base) for c in call.children)

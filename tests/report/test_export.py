@@ -1,0 +1,302 @@
+"""Exports: FSDP2 code that runs and shards exactly like apply_plan; Accelerate YAML, torchtitan TOML and
+DeepSpeed JSON that parse, hold the expected keys, and say what they cannot express."""
+
+import json
+import tomllib
+from dataclasses import replace
+
+
+import pytest
+
+from tests.models.report_fixtures import make_plan, make_trace
+from shard_planner.cli.main import main
+from shard_planner.errors import PlanError, UserError
+from shard_planner.modelfile import load_model_file
+from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit, save_plan
+from shard_planner.report.export import TARGETS, export_plan, model_info_for_plan, model_info_from_trace
+from shard_planner.report.export.common import split_number, uniform_reshard
+from shard_planner.report.export.deepspeed import derive_zero3
+from shard_planner.trace.structure import model_fingerprint
+
+GPT2 = "examples/gpt2.py"
+
+
+# Plans name their model file relative to the repository root (examples/...), as the CLI is run.
+pytestmark = pytest.mark.usefixtures("in_repository_root")
+
+
+def gpt2_plan(units, prefetch=Prefetch(2, 2), world=8, **training) -> Plan:
+    fp = model_fingerprint(load_model_file(GPT2).build())
+    return Plan(ModelRef(GPT2, fp, 64), Cluster(world, 8, "h100-80gb", 16 * 2**30), Mesh(world),
+                Training(micro_batch=2, **training), tuple(units), prefetch)
+
+
+def parse_yaml(text: str) -> dict:
+    """A minimal parser for the YAML subset the exporter writes: comments, nested block mappings of
+    scalars by two-space indentation, plain or single-quoted strings, ints, booleans."""
+    root: dict = {}
+    stack = [(-1, root)]
+    for raw in text.splitlines():
+        line = raw.split(" #")[0].rstrip() if not raw.lstrip().startswith("#") else ""
+        if not line.strip():
+            continue
+        indent = len(line) - len(line.lstrip())
+        key, _, value = line.strip().partition(":")
+        assert _, f"not a mapping line: {raw!r}"
+        while stack[-1][0] >= indent:
+            stack.pop()
+        parent = stack[-1][1]
+        value = value.strip()
+        if not value:
+            parent[key] = {}
+            stack.append((indent, parent[key]))
+        elif value in ("true", "false"):
+            parent[key] = value == "true"
+        elif value.lstrip("-").isdigit():
+            parent[key] = int(value)
+        elif value.startswith("'"):
+            assert value.endswith("'")
+            parent[key] = value[1:-1].replace("''", "'")
+        else:
+            assert value.lower() not in ("yes", "no", "on", "off", "null"), f"ambiguous plain scalar {value!r}"
+            parent[key] = value
+    return root
+
+
+# ---- fsdp2 ----
+
+@pytest.mark.parametrize("fake_world", [8], indirect=True)
+def test_fsdp2_export_shards_like_apply_plan(fake_world):
+    """Grouped units, an int reshard (2 of 8), no reshard, checkpointing, a nested unit, prefetch depth 2,
+    CPU offload, bf16 mixed precision."""
+    import torch
+
+    from shard_planner.execute.apply import apply_plan, describe_sharding
+
+    plan = gpt2_plan([
+        Unit(("",), reshard_after_forward=False),
+        Unit(("blocks.0", "blocks.1"), reshard_after_forward=2, activation_checkpoint=True),
+        Unit(("blocks.2",), reshard_after_forward=False),
+        Unit(("blocks.3",), activation_checkpoint=True),
+        Unit(("blocks.3.mlp",)),
+    ], cpu_offload=True)
+    mf = load_model_file(GPT2)
+    reference = describe_sharding(apply_plan(mf.build(), plan, fake_world))
+
+    source = export_plan(plan, "fsdp2").text
+    assert "shard_planner" not in source.split('"""', 2)[2], "the exported code must not import shard-planner"
+    namespace: dict = {}
+    exec(compile(source, "apply_sharding.py", "exec"), namespace)
+    model = namespace["apply_sharding"](mf.build(), fake_world)
+    exported = describe_sharding(model)
+
+    strip = lambda units: [(u.modules, u.reshard_after_forward, u.forward_prefetch, u.backward_prefetch) for u in units]
+    assert strip(exported) == strip(reference)
+    assert len(exported) == len(plan.units)
+    checkpointed = {fqn for fqn, m in model.named_modules() if "forward" in vars(m)}
+    assert checkpointed == {"blocks.0", "blocks.1", "blocks.3"}
+    group = model.blocks[2]._get_fsdp_state()._fsdp_param_groups[0]
+    assert type(group.offload_policy).__name__ == "CPUOffloadPolicy" and group.mp_policy.param_dtype == torch.bfloat16
+    # It runs: one forward and backward under the fake process group.
+    inputs, targets = mf.batch(2)
+    mf.loss(model(*inputs), targets).backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_fsdp2_export_folds_runs_and_compiles():
+    plan = make_plan(32, group=2, checkpoint_every=2)
+    source = export_plan(plan, "fsdp2").text
+    compile(source, "x.py", "exec")
+    assert '*[([f"blocks.{i}", f"blocks.{i + 1}"], True, i // 2 % 2 == 0) for i in range(0, 32, 2)],' in source
+    assert len(source.splitlines()) < 90, "a 32-block plan must stay short"
+    # The folded comprehension expands to exactly the plan's units.
+    ns: dict = {}
+    units_src = source[source.index("UNITS = ["):source.index("FORWARD_PREFETCH")]
+    exec(units_src, ns)
+    assert [(tuple(m), r, ac) for m, r, ac in ns["UNITS"]] == [
+        (u.modules, u.reshard_after_forward, u.activation_checkpoint) for u in plan.units]
+
+
+def test_fsdp2_export_usage_builds_the_plans_optimizer():
+    plan = make_plan(2)
+    source = export_plan(replace(plan, training=replace(plan.training, optimizer="sgd_momentum")), "fsdp2").text
+    assert "torch.optim.SGD(model.parameters(), lr=0.001, momentum=0.9)" in source
+
+
+def test_fsdp2_export_irregular_units_stay_literal():
+    plan = make_plan(5, checkpoint_every=0)
+    plan = Plan(**{**plan.__dict__, "units": plan.units[:3] + (Unit(("blocks.1",), reshard_after_forward=False),)
+                   + plan.units[4:]})
+    source = export_plan(plan, "fsdp2").text
+    ns: dict = {}
+    exec(source[source.index("UNITS = ["):source.index("FORWARD_PREFETCH")], ns)
+    assert [(tuple(m), r, ac) for m, r, ac in ns["UNITS"]] == [
+        (u.modules, u.reshard_after_forward, u.activation_checkpoint) for u in plan.units]
+
+
+def test_split_number():
+    assert split_number("enc.layers.3.attn") == ("enc.layers.", 3, ".attn")
+    assert split_number("blocks.12") == ("blocks.", 12, "")
+    assert split_number("3") == ("", 3, "")
+    assert split_number("lm_head") is None
+
+
+# ---- accelerate ----
+
+def test_accelerate_yaml_parses_with_expected_keys():
+    plan = gpt2_plan([Unit(("",), False), *[Unit((f"blocks.{i}",), activation_checkpoint=True) for i in range(4)]],
+                     prefetch=Prefetch(0, 1))
+    export = export_plan(plan, "accelerate")
+    config = parse_yaml(export.text)
+    fsdp = config["fsdp_config"]
+    assert config["distributed_type"] == "FSDP" and config["num_processes"] == 8
+    assert config["mixed_precision"] == "bf16"
+    assert fsdp["fsdp_version"] == 2
+    assert fsdp["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+    assert fsdp["fsdp_transformer_layer_cls_to_wrap"] == "Block"
+    assert fsdp["fsdp_reshard_after_forward"] is True
+    assert fsdp["fsdp_activation_checkpointing"] is True
+    assert fsdp["fsdp_offload_params"] is False
+    # Only the mixed-precision reduce dtype is worth a note for this plan.
+    assert len(export.notes) == 1 and "reduces gradients in float32" in export.notes[0]
+
+
+def test_accelerate_notes_what_it_cannot_express():
+    plan = gpt2_plan([
+        Unit(("",), False),
+        Unit(("blocks.0", "blocks.1"), activation_checkpoint=True),
+        Unit(("blocks.2",), reshard_after_forward=4),
+        Unit(("blocks.3",), reshard_after_forward=False),
+        Unit(("lm_head",)),  # a Linear: every Linear inside the blocks would be wrapped too
+    ], prefetch=Prefetch(2, 2), reduce_dtype="bfloat16", cpu_offload=True)
+    export = export_plan(plan, "accelerate")
+    text = " ".join(export.notes)
+    for expected in ("group several modules", "reshard to 4 ranks", "keeps 1 unit(s) gathered",
+                     "checkpoints 1 of 3 wrapped units", "forward prefetch of 2", "backward prefetch of 2",
+                     "lm_head (Linear)"):
+        assert expected in text, expected
+    config = parse_yaml(export.text)
+    assert config["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] == "Block"
+    assert config["fsdp_config"]["fsdp_reshard_after_forward"] is True  # nearest: least memory
+    assert config["fsdp_config"]["fsdp_activation_checkpointing"] is True
+    assert config["fsdp_config"]["fsdp_offload_params"] is True
+    assert all(line.startswith("#") or len(line) <= 100 for line in export.text.splitlines())
+
+
+def test_accelerate_hsdp_and_mixed_precision_words_parse():
+    plan = make_plan(4, checkpoint_every=0)
+    plan = Plan(**{**plan.__dict__, "mesh": Mesh(shard=4, replicate=2),
+                   "training": Training(micro_batch=2, param_dtype="float32", reduce_dtype="float32")})
+    config = parse_yaml(export_plan(plan, "accelerate", model_info_from_trace(make_trace(4))).text)
+    assert config["mixed_precision"] == "no"  # quoted in the file: a plain `no` is a YAML boolean
+    assert config["parallelism_config"] == {"parallelism_config_dp_replicate_size": 2,
+                                            "parallelism_config_dp_shard_size": 4}
+
+
+def test_model_info_from_model_file_matches_trace():
+    plan = gpt2_plan([Unit(("",), False), *[Unit((f"blocks.{i}",)) for i in range(4)]])
+    info = model_info_for_plan(plan)
+    model = load_model_file(GPT2).build()
+    assert sum(m.param_count for m in info.modules) == sum(p.numel() for p in model.parameters())
+    counts = info.unit_param_counts(plan)
+    assert counts[1:] == [sum(p.numel() for p in model.blocks[i].parameters()) for i in range(4)]
+    bad = Plan(**{**plan.__dict__, "model": ModelRef(GPT2, "0000000000000000", 64)})
+    with pytest.raises(PlanError, match="fingerprint"):
+        model_info_for_plan(bad)
+
+
+# ---- torchtitan ----
+
+def test_torchtitan_toml_parses():
+    plan = make_plan(8, checkpoint_every=0)
+    export = export_plan(plan, "torchtitan")
+    cfg = tomllib.loads(export.text)
+    assert cfg["parallelism"] == {"data_parallel_shard_degree": 8, "data_parallel_replicate_degree": 1,
+                                  "fsdp_reshard_after_forward": "always"}
+    assert cfg["activation_checkpoint"] == {"mode": "none"}
+    assert cfg["training"]["local_batch_size"] == 8 and cfg["training"]["seq_len"] == 1024
+    assert cfg["training"]["mixed_precision_param"] == "bfloat16"
+    assert any("forward prefetch of 2" in n for n in export.notes)
+
+
+@pytest.mark.parametrize("flags, expected, noted", [
+    ([True] * 8, {"mode": "full"}, False),
+    ([False, True] * 4, {"mode": "selective", "selective_ac_option": "2"}, False),  # blocks 2, 4, ... (1-based)
+    ([False, False, True] * 3, {"mode": "selective", "selective_ac_option": "3"}, False),
+    ([True, False] * 4, {"mode": "selective", "selective_ac_option": "2"}, True),  # same count, other blocks
+    ([True, True, True, False, False, False, False, False], {"mode": "selective", "selective_ac_option": "2"}, True),
+])
+def test_torchtitan_checkpoint_pattern(flags, expected, noted):
+    base = make_plan(len(flags), checkpoint_every=0)
+    units = [u if not u.modules[0].startswith("blocks.") else
+             Unit(u.modules, u.reshard_after_forward, flags[int(u.modules[0].split(".")[1])]) for u in base.units]
+    export = export_plan(Plan(**{**base.__dict__, "units": tuple(units)}), "torchtitan")
+    assert tomllib.loads(export.text)["activation_checkpoint"] == expected
+    assert any("not every k-th" in n for n in export.notes) == noted
+
+
+def test_uniform_reshard_picks_least_memory():
+    plan = make_plan(4)
+    assert uniform_reshard(plan)[0] is True and uniform_reshard(plan)[1]  # lm_head keeps its params: noted
+    all_false = Plan(**{**plan.__dict__, "units": tuple(
+        Unit(u.modules, False, u.activation_checkpoint) for u in plan.units)})
+    assert uniform_reshard(all_false) == (False, [])
+
+
+# ---- deepspeed ----
+
+def test_deepspeed_json_derived_from_plan():
+    trace = make_trace(6, block_params=1000)
+    plan = make_plan(6, checkpoint_every=0)  # root(no reshard), wte 40M, 6 blocks x 1000, lm_head(no reshard, 0)
+    plan = Plan(**{**plan.__dict__, "prefetch": Prefetch(forward=2, backward=1)})
+    info = model_info_from_trace(trace)
+    config = json.loads(export_plan(plan, "deepspeed", info).text)
+    zero = config["zero_optimization"]
+    assert zero["stage"] == 3
+    for key in ("stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_param_persistence_threshold",
+                "reduce_bucket_size"):
+        assert isinstance(zero[key], int) and key in " ".join(config["_comment"])
+    p = [40_000_000] + [1000] * 6 + [0]  # inner units in forward order
+    assert zero["stage3_prefetch_bucket_size"] == 2000  # the 2 units after the running one (wte never follows)
+    kept = 0 + 2048  # lm_head keeps its (no) params; the root owns ln_f (2048) and does not reshard
+    assert zero["stage3_max_live_parameters"] == kept + 40_000_000 + 2000
+    assert zero["stage3_param_persistence_threshold"] == 2048
+    assert zero["reduce_bucket_size"] == max(p)
+    assert config["train_micro_batch_size_per_gpu"] == 8 and config["gradient_clipping"] == 0.0
+    assert config["bf16"] == {"enabled": True} and config["train_batch_size"] == 64
+    assert config["optimizer"]["type"] == "AdamW"
+
+
+def test_deepspeed_hpz_for_int_reshard():
+    trace = make_trace(4, block_params=1000)
+    plan = make_plan(4, checkpoint_every=0)
+    units = tuple(u if u.is_root else Unit(u.modules, 4, False) for u in plan.units)
+    zero, how = derive_zero3(Plan(**{**plan.__dict__, "units": units}), model_info_from_trace(trace))
+    assert zero["zero_hpz_partition_size"] == 4 and zero["stage3_max_reuse_distance"] == 0
+
+
+# ---- CLI ----
+
+def test_export_cli_writes_and_notes(tmp_path, capsys):
+    plan = gpt2_plan([Unit(("",), False), Unit(("blocks.0", "blocks.1")), Unit(("blocks.2",)), Unit(("blocks.3",))])
+    save_plan(plan, tmp_path / "plan.json")
+    for target in TARGETS:
+        out = tmp_path / f"out-{target}"
+        assert main(["export", str(tmp_path / "plan.json"), "--to", target, "-o", str(out)]) == 0
+        assert out.read_text()
+    captured = capsys.readouterr()
+    assert "cannot be expressed exactly" in captured.err and "group several modules" in captured.err
+    json.loads((tmp_path / "out-deepspeed").read_text())
+    tomllib.loads((tmp_path / "out-torchtitan").read_text())
+    parse_yaml((tmp_path / "out-accelerate").read_text())
+    compile((tmp_path / "out-fsdp2").read_text(), "x.py", "exec")
+    assert main(["export", str(tmp_path / "plan.json"), "--to", "fsdp2"]) == 0
+    assert "def apply_sharding(model" in capsys.readouterr().out
+
+
+def test_export_cli_bad_input(tmp_path, capsys):
+    assert main(["export", str(tmp_path / "missing.json"), "--to", "fsdp2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("shard-planner: error:") and "no such plan file" in err and len(err.splitlines()) == 1
+    with pytest.raises(UserError, match="cannot export"):
+        export_plan(make_plan(2), "megatron")
