@@ -3,17 +3,16 @@ parameter-count formula the published runs state, traced, and trained one step o
 
 import csv
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from shard_planner.modelfile import load_model_file
 from shard_planner.trace import trace_model
+from tests.paths import EXAMPLES, REPO
 
-ROOT = Path(__file__).resolve().parent.parent
-SHAPE = str(ROOT / "examples" / "shape.py")
-PUBLISHED = ROOT.parent.parent / "shared" / "data" / "published_fsdp_runs.csv"
+SHAPE = str(EXAMPLES / "shape.py")
+PUBLISHED = REPO.parent.parent / "shared" / "data" / "published_fsdp_runs.csv"
 
 
 def _mpt_shapes() -> list[dict]:
