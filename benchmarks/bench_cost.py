@@ -5,8 +5,10 @@ the solver evaluates thousands).
 
 Traces: a hand-written 80-layer Llama-70B-shaped trace (tests/models/cost_synth.py) and, unless
 --quick, the tracer's trace of examples/llama.py at SHARD_PLANNER_SIZE=70b (80 layers). For each plan:
-the first estimate (builds and caches the per-segmentation tables) and the median of N more with the
-same segmentation (the solver's steady state), with and without the memory timeline. Prints a table
+the first estimate (a fresh CostModel: builds the per-segmentation tables and the schedule) and the
+median of N more with the same segmentation (the solver's steady state), with and without the memory
+timeline, all with the CostModel's memo of estimates off (``memo_size=0``: every call simulates); and
+``memo_hit_ms``, an estimate the memo already holds (a cover the solver checks again). Prints a table
 and writes reports/benchmarks/cost.csv.
 """
 
@@ -24,8 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "models"))
 
-from shard_planner.cost import estimate, simulate_memory, simulate_time  # noqa: E402
-from shard_planner.cost.tables import _CACHE  # noqa: E402
+from shard_planner.cost import CostModel  # noqa: E402
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit  # noqa: E402
 from shard_planner.profile import load_profile  # noqa: E402
 
@@ -63,22 +64,26 @@ def bench(name, trace, layer_type, profile, repeats):
     rows = []
     ps, n_layers = plans(trace, layer_type)
     for label, plan in ps.items():
-        _CACHE.clear()
+        model = CostModel(trace, profile, memo_size=0)
         t0 = time.perf_counter()
-        est = estimate(trace, plan, profile, timeline=False)
+        est = model.estimate(plan, timeline=False)
         first = time.perf_counter() - t0
         # the solver's steady state: same segmentation, other decisions (micro-batch changes each call)
         variants = [replace(plan, training=replace(plan.training, micro_batch=b)) for b in (1, 2, 3, 4)]
         i = iter(range(10**9))
-        fast, fast_min = timeit(lambda: estimate(trace, variants[next(i) % 4], profile, timeline=False), repeats)
-        full, full_min = timeit(lambda: estimate(trace, plan, profile), repeats)
-        mem, _ = timeit(lambda: simulate_memory(trace, plan, profile, timeline=False), repeats)
-        tim, _ = timeit(lambda: simulate_time(trace, plan, profile), repeats)
+        fast, fast_min = timeit(lambda: model.estimate(variants[next(i) % 4], timeline=False), repeats)
+        full, full_min = timeit(lambda: model.estimate(plan), repeats)
+        mem, _ = timeit(lambda: model.memory(plan, timeline=False), repeats)
+        tim, _ = timeit(lambda: model.time(plan), repeats)
+        memo = CostModel(trace, profile)
+        memo.estimate(plan, timeline=False)
+        hit, _ = timeit(lambda: memo.estimate(plan, timeline=False), repeats)
         rows.append(dict(trace=name, layers=n_layers, plan=label, units=len(plan.units),
                          first_ms=round(first * 1e3, 3), estimate_ms=round(fast * 1e3, 3),
                          estimate_min_ms=round(fast_min * 1e3, 3),
                          with_timeline_ms=round(full * 1e3, 3), with_timeline_min_ms=round(full_min * 1e3, 3),
                          memory_ms=round(mem * 1e3, 3), time_ms=round(tim * 1e3, 3),
+                         memo_hit_ms=round(hit * 1e3, 4),
                          peak_gib=round(est.memory.peak_bytes / 2**30, 2),
                          step_time_s=round(est.time.step_time_s, 4), target_ms=5.0,
                          meets_target=fast * 1e3 < 5.0))

@@ -1,21 +1,48 @@
-"""The cost model: per-rank peak memory and step time of an FSDP2 plan, as pure functions.
+"""The cost model: per-rank peak memory and step time of an FSDP2 plan.
 
-    from shard_planner.cost import simulate_memory, simulate_time, estimate
-    simulate_memory(trace, plan, profile) -> MemoryEstimate   # peak, breakdown, timeline
-    simulate_time(trace, plan, profile) -> TimeEstimate       # step time, overlap, throughput, MFU
-    estimate(trace, plan, profile) -> Estimate                # both; .prediction() for the plan file
+One object per (trace, profile) owns everything that can be reused between plans
+(shard_planner/cost/model.py):
 
-Tables that depend only on the trace and the segmentation into units are built once and cached
-(shard_planner/cost/tables.py), so the solver can evaluate thousands of plans: ~1 ms each for an
-80-layer model (benchmarks/bench_cost.py).
+    from shard_planner.cost import CostModel
+    model = CostModel(trace, profile)            # cheap; tables etc. are built on first use
+    model.estimate(plan, timeline=True) -> Estimate          # memory + time; .prediction() for the plan file
+    model.memory(plan, timeline=True) -> MemoryEstimate      # peak, breakdown at the peak, timeline
+    model.time(plan) -> TimeEstimate                          # step time, overlap, throughput, MFU
+    model.module_compute_s(fqn, micro_batch, param_dtype) -> (fwd_s, bwd_s)   # fqn None: the loss
+    model.subtree_sum(fqn, attr) -> Affine                    # e.g. attr "fwd_flops_self"
+    model.tables(units) -> CostTables                         # per segmentation (cost/tables.py)
+    model.schedule(units, prefetch) -> Schedule               # FSDP2's step as events (cost/schedule.py)
+    model.block_compute_s(tables, micro_batch, param_dtype)   # THE per-block compute time (cost/time.py)
+
+Estimates are memoised by the plan's decisions (units, prefetch, mesh, training): evaluating a cover
+twice costs a dict lookup. ``timeline=False`` skips building the memory timeline (the solver's
+checks need only the peak). Results are shared between callers: treat them as read-only. The
+timings' fingerprint and dtype check (``profile.module_timings``) runs once per param dtype.
+
+Both simulators walk one event sequence (cost/schedule.py): the memory one tracks live bytes by
+category (cost/memory.py), the time one a compute and a communication stream (cost/time.py).
+
+The functions below are thin wrappers that reuse a CostModel for the same trace and profile objects
+(``model.shared_model``), for callers that evaluate a few plans:
+
+    estimate(trace, plan, profile, timeline=True) -> Estimate
+    simulate_memory(trace, plan, profile, timeline=True) -> MemoryEstimate
+    simulate_time(trace, plan, profile) -> TimeEstimate
+    module_compute_s(trace, fqn, micro_batch, profile, param_dtype) -> (fwd_s, bwd_s)
+    cost_tables(trace, units) -> CostTables;  model_state_bytes(trace, plan) -> dict
+
+~1 ms per plan for an 80-layer model without the memo (benchmarks/bench_cost.py).
 """
 
 from __future__ import annotations
 
-from shard_planner.cost.memory import UnitBytes, model_state_bytes, simulate_memory, unit_bytes
+from shard_planner.cost.memory import model_state_bytes, simulate_memory
+from shard_planner.cost.model import CostModel, shared_model
+from shard_planner.cost.schedule import Event, EventKind, Schedule, build_schedule
 from shard_planner.cost.tables import CostTables, cost_tables
 from shard_planner.cost.time import module_compute_s, simulate_time
 from shard_planner.cost.types import Estimate, MemoryEstimate, MemoryEvent, TimeEstimate, UnitTime
+from shard_planner.cost.unit_bytes import UnitBytes, unit_bytes
 from shard_planner.plan import Plan
 from shard_planner.profile import HardwareProfile
 from shard_planner.trace.types import ModelTrace
@@ -24,14 +51,12 @@ from shard_planner.trace.types import ModelTrace
 def estimate(trace: ModelTrace, plan: Plan, profile: HardwareProfile, *, timeline: bool = True) -> Estimate:
     """Memory and time of ``plan`` for ``trace`` on ``profile``; ``.prediction()`` gives the plan's
     ``predicted`` section. ``timeline=False`` skips the memory timeline (faster; the solver's case).
-    The per-unit byte table both simulators read is built once."""
-    ub = unit_bytes(cost_tables(trace, plan.units), plan)
-    return Estimate(memory=simulate_memory(trace, plan, profile, timeline=timeline, ub=ub),
-                    time=simulate_time(trace, plan, profile, ub=ub))
+    A thin wrapper over ``CostModel(trace, profile).estimate(plan)``."""
+    return shared_model(trace, profile).estimate(plan, timeline=timeline)
 
 
 __all__ = [
-    "CostTables", "Estimate", "UnitBytes", "MemoryEstimate", "MemoryEvent", "TimeEstimate", "UnitTime",
-    "cost_tables", "estimate", "model_state_bytes", "module_compute_s", "simulate_memory", "simulate_time",
-    "unit_bytes",
+    "CostModel", "CostTables", "Estimate", "Event", "EventKind", "MemoryEstimate", "MemoryEvent", "Schedule",
+    "TimeEstimate", "UnitBytes", "UnitTime", "build_schedule", "cost_tables", "estimate", "model_state_bytes",
+    "module_compute_s", "shared_model", "simulate_memory", "simulate_time", "unit_bytes",
 ]

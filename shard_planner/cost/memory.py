@@ -1,8 +1,9 @@
 """Per-rank memory of one FSDP2 training step, simulated event by event.
 
-``simulate_memory(trace, plan, profile)`` replays forward, loss, backward and the optimizer step of
-one rank as FSDP2 (torch 2.13) runs them, tracks live bytes in the categories of
-``plan.MEMORY_CATEGORIES``, and returns the peak, its breakdown and the whole timeline.
+``simulate_memory(trace, plan, profile)`` (or ``CostModel.memory(plan)``) walks the step's event
+sequence (shard_planner/cost/schedule.py: forward, loss, backward and the optimizer step of one rank
+as FSDP2, torch 2.13, runs them), tracks live bytes in the categories of ``plan.MEMORY_CATEGORIES``
+and each unit's sharding state, and returns the peak, its breakdown and the whole timeline.
 
 Model state (ZeRO, Rajbhandari et al. SC'20, §5). ZeRO-3 with mixed-precision Adam holds
 ``(2 + 2 + K)Ψ / N`` bytes per rank with K = 12: 16-bit parameters (2), 16-bit gradients (2), and fp32
@@ -122,343 +123,365 @@ a note below.
 
 from __future__ import annotations
 
+import enum
 import logging
+from dataclasses import dataclass
 
-from shard_planner.cost.tables import CostTables, cost_tables, dtype_bytes
+from shard_planner.cost.optimizer import (  # noqa: F401  (re-exported: the tables' old home)
+    OPTIMIZER_STATES, OPTIMIZER_TEMPORARIES, OPTIMIZER_TEMPORARIES_SINGLE_TENSOR, optimizer_state_count,
+)
+from shard_planner.cost.schedule import EventKind, Schedule
+from shard_planner.cost.tables import CostTables
 from shard_planner.cost.types import MemoryEstimate, MemoryEvent
+from shard_planner.cost.unit_bytes import UnitBytes, unit_bytes  # noqa: F401  (re-exported)
+from shard_planner.dtypes import dtype_bytes
 from shard_planner.plan import MEMORY_CATEGORIES, Plan
 from shard_planner.profile import HardwareProfile
 from shard_planner.trace.types import ModelTrace
 
 logger = logging.getLogger(__name__)
 
-# Optimizer states per parameter element, in the sharded (built) dtype (torch/optim: AdamW and Adam
-# keep exp_avg and exp_avg_sq; SGD with momentum keeps momentum_buffer; plain SGD nothing).
-OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
-# Temporaries of the step. See [Note: Optimizer step]. GPU (foreach): in sizes of all sharded
-# parameters together; CPU (single-tensor): in sizes of the largest one parameter shard.
-OPTIMIZER_TEMPORARIES = {"adamw": 1, "adam": 1, "sgd_momentum": 0, "sgd": 0}
-OPTIMIZER_TEMPORARIES_SINGLE_TENSOR = {"adamw": 3, "adam": 3, "sgd_momentum": 0, "sgd": 0}
-
 _SP, _UP, _GR, _OS, _AC, _TM, _CB, _OV = range(8)  # indices into the category vector (MEMORY_CATEGORIES order)
 assert MEMORY_CATEGORIES == ("sharded_params", "unsharded_params", "grads", "optimizer_states", "activations",
                              "temporaries", "comm_buffers", "overhead")
 
 
-def optimizer_state_count(optimizer: str) -> int:
-    return OPTIMIZER_STATES[optimizer]
+class Sharding(enum.Enum):
+    """Where a unit's parameters are, on one rank, during the simulated step."""
+
+    SHARDED = "sharded"  # only the 1/N shard
+    GATHERING = "gathering"  # an all-gather is issued, its output pending (``pending_bytes``)
+    UNSHARDED = "unsharded"  # copied out: the full parameters in the param dtype
+    RESHARDED_TO_GROUP = "resharded to a smaller group"  # keeps the 1/r clone ([Note: Reshard to a smaller group])
 
 
-class UnitBytes:
-    """Per-unit byte sizes under one plan (sharded, unsharded, reduce-scatter): what the memory and the
-    time simulators both read. ``unit_bytes(tables, plan)`` builds them; ``estimate`` builds them once."""
+@dataclass(slots=True)
+class _UnitState:
+    """One unit's state inside one memory simulation (never shared between simulations)."""
 
-    __slots__ = ("sharded", "unsharded", "rs_input", "rs_output", "sharded_grad", "cast_input",
-                 "post_forward", "reshard", "resharded", "grad_cast", "last_grad", "mp")
-
-
-def unit_bytes(t: CostTables, plan: Plan) -> list[UnitBytes]:
-    n = plan.mesh.shard
-    param_dtype, reduce_dtype = plan.training.param_dtype, plan.training.reduce_dtype
-    pd_elem, rs_elem = dtype_bytes(param_dtype), dtype_bytes(reduce_dtype)
-    out = []
-    for i, u in enumerate(plan.units):
-        b = UnitBytes()
-        float_numel = t.unit_float_numel[i]
-        float_built = t.unit_float_built_bytes[i]
-        other = t.unit_other_bytes[i]
-        b.last_grad = t.unit_first_float_numel[i] * pd_elem
-        # Mixed precision applies to floating parameters whose dtype differs from param_dtype.
-        mp = any(dt != param_dtype for dt in t.unit_float_dtypes[i])
-        unsharded = float_numel * pd_elem + other
-        b.sharded = (float_built + other) / n
-        b.unsharded = unsharded
-        # reduce_dtype equal to param_dtype means "no cast" (FSDPParam.init_dtype_attrs): same bytes.
-        b.rs_input = float_numel * rs_elem
-        b.rs_output = b.rs_input / n
-        b.sharded_grad = float_built / n
-        b.grad_cast = b.rs_output != b.sharded_grad  # reduce dtype differs from built: cast after
-        b.mp = mp
-        b.cast_input = unsharded / n if mp else 0.0
-        r = u.reshard_after_forward
-        b.reshard = r is not False
-        b.post_forward = unsharded / r if (not isinstance(r, bool)) else 0.0
-        b.resharded = False
-        out.append(b)
-    return out
+    sharding: Sharding = Sharding.SHARDED
+    pending_bytes: float = 0.0  # all-gather output issued and not yet copied out
+    group_clone_bytes: float = 0.0  # the post-forward 1/r clone held (RESHARDED_TO_GROUP, or gathering from it)
+    grad_bytes: float = 0.0  # unsharded gradients produced in backward, not yet reduce-scattered
 
 
-def simulate_memory(trace: ModelTrace, plan: Plan, profile: HardwareProfile,
-                    *, timeline: bool = True, ub: list[UnitBytes] | None = None) -> MemoryEstimate:
-    """Peak live bytes of one rank over one steady-state training step (see the module docstring).
+@dataclass(frozen=True)
+class BlockActivations:
+    """Per block of the tables at one micro-batch, bytes in the plan's param dtype (activations are
+    traced in the compute dtype and scaled, [Note: Activations]). ``block_activations`` builds them;
+    the CostModel keeps them per (segmentation, micro-batch, param dtype)."""
 
-    ``timeline=False`` skips building the per-event timeline (the solver only needs the peak); ``ub``:
-    ``unit_bytes(cost_tables(trace, plan.units), plan)`` when the caller has it already."""
-    t = cost_tables(trace, plan.units)
-    if ub is None:
-        ub = unit_bytes(t, plan)
-    training = plan.training
-    b = training.micro_batch
-    n_units = len(plan.units)
-    act_scale = dtype_bytes(training.param_dtype) / dtype_bytes(trace.compute_dtype)
-    offload_off_device = training.cpu_offload and profile.device != "cpu"
+    input: tuple[float, ...]
+    output: tuple[float, ...]
+    saved: tuple[float, ...]
+    fwd_rise: tuple[float, ...]
+    bwd_rise: tuple[float, ...]
+    kept: tuple[float, ...]  # what a checkpointed block keeps: [Note: Checkpointed inputs held elsewhere]
+    flows: tuple[bool, ...]  # a module block (its input and output flow); False: a container's own code
+    own_grads: tuple[float, ...]  # its own parameters' gradients in the param dtype
 
-    sharded_total = sum(x.sharded for x in ub)
-    states = OPTIMIZER_STATES[training.optimizer] * sum(x.sharded_grad for x in ub)
-    int_sizes = {u.reshard_after_forward for u in plan.units if not isinstance(u.reshard_after_forward, bool)}
-    overhead = profile.reserved_bytes + profile.per_process_group_bytes * len(int_sizes)
 
-    cat = [0.0] * 8
-    # buffers are not sharded and stay on the device under CPU offload (FSDP2 moves only parameters)
-    cat[_SP] = (0.0 if offload_off_device else sharded_total) + t.buffer_bytes
-    cat[_OS] = 0.0 if offload_off_device else states
-    cat[_OV] = float(overhead)
-    batch_bytes = trace.batch_input_bytes.at(b)
-    cat[_AC] = batch_bytes
-
-    events: list[tuple[str, str, tuple]] = []
-    peak = [-1.0, None]  # total, event tuple
-
-    def record(what: str, who: str, phase: str, extra_temp: float = 0.0, extra_comm: float = 0.0) -> None:
-        """One event; its label is "<phase>: <what> <who>", built only when kept."""
-        total = cat[0] + cat[1] + cat[2] + cat[3] + cat[4] + cat[5] + cat[6] + cat[7] + extra_temp + extra_comm
-        if timeline or total > peak[0]:
-            snap = (cat[0], cat[1], cat[2], cat[3], cat[4], cat[5] + extra_temp, cat[6] + extra_comm, cat[7])
-            if timeline:
-                events.append((what, who, phase, snap))
-            if total > peak[0]:
-                peak[0] = total
-                peak[1] = (what, who, phase, snap)
-
-    name = t.unit_names
-    unsharded = [False] * n_units
-    pending = [0.0] * n_units  # all-gather outputs issued and not yet copied out
-    ag_state = [0.0]  # forward: the last copied-out unit's all-gather output (freed at the next copy-out)
-    offload_copy = [x.sharded if offload_off_device else 0.0 for x in ub]
-
-    def issue_all_gather(u: int, phase: str) -> None:
-        x = ub[u]
-        if pending[u] or unsharded[u]:
-            return
-        # the flat param-dtype copy of the all-gather input (mixed precision, or a post-forward shard)
-        cast = (x.post_forward if x.resharded else x.cast_input) if x.mp else 0.0
-        cat[_CB] += x.unsharded
-        pending[u] = x.unsharded
-        record("all-gather", name[u], phase, extra_temp=cast + (0.0 if x.resharded else offload_copy[u]))
-
-    def wait_all_gather(u: int, phase: str) -> None:
-        x = ub[u]
-        if unsharded[u]:
-            return
-        if not pending[u]:
-            issue_all_gather(u, phase)
-        cat[_UP] += x.unsharded
-        record("copy-out", name[u], phase)
-        if phase == "forward" and ag_state[0]:
-            # freed only when wait_for_unshard returns: see [Note: All-gather buffers]
-            cat[_CB] -= ag_state[0]
-            ag_state[0] = 0.0
-        if phase == "forward":
-            ag_state[0] = pending[u]  # stays in comm_buffers
-        else:
-            cat[_CB] -= pending[u]
-        pending[u] = 0.0
-        if x.resharded:
-            cat[_UP] -= x.post_forward
-            x.resharded = False
-        unsharded[u] = True
-
-    def reshard_after_forward(u: int) -> None:
-        x = ub[u]
-        if not x.reshard or not unsharded[u]:
-            return
-        if x.post_forward:
-            cat[_UP] += x.post_forward
-            record("reshard to a smaller group", name[u], "forward")
-            x.resharded = True
-        cat[_UP] -= x.unsharded
-        unsharded[u] = False
-
-    fwd_units = t.forward_units
-    fwd_pos = {u: i for i, u in enumerate(fwd_units)}
-    d_fwd = plan.prefetch.forward
-    d_bwd = max(1, plan.prefetch.backward)
+def block_activations(trace: ModelTrace, t: CostTables, micro_batch: int, param_dtype: str) -> BlockActivations:
+    b, elem = micro_batch, dtype_bytes(param_dtype)
+    s = elem / dtype_bytes(trace.compute_dtype)
     blocks = t.blocks
-    ckpt = [plan.units[blk.unit].activation_checkpoint and blk.unit_module for blk in blocks]
-    root = next(i for i, u in enumerate(plan.units) if u.is_root)
+    return BlockActivations(
+        input=tuple(blk.input.at(b) * s for blk in blocks), output=tuple(blk.output.at(b) * s for blk in blocks),
+        saved=tuple(blk.saved.at(b) * s for blk in blocks), fwd_rise=tuple(blk.fwd_rise.at(b) * s for blk in blocks),
+        bwd_rise=tuple(blk.bwd_rise.at(b) * s for blk in blocks),
+        kept=tuple((blk.input.at(b) - blk.input_shared.at(b)) * s for blk in blocks),
+        flows=tuple(not blk.fqn.endswith(":self") for blk in blocks),
+        own_grads=tuple(blk.own_float_numel * elem for blk in blocks),
+    )
 
-    def pre_forward(u: int) -> None:
-        wait_all_gather(u, "forward")
-        i = fwd_pos[u]
-        for v in fwd_units[i + 1: i + 1 + d_fwd]:
-            issue_all_gather(v, "forward")
+
+def simulate_memory_walk(trace: ModelTrace, t: CostTables, plan: Plan, profile: HardwareProfile,
+                         ub: tuple[UnitBytes, ...], schedule: Schedule, acts: BlockActivations, *,
+                         timeline: bool) -> MemoryEstimate:
+    """Walk ``schedule`` tracking live bytes (the module docstring); CostModel.memory calls it."""
+    return _MemoryWalk(trace, t, plan, profile, ub, schedule, acts, timeline).run()
+
+
+class _MemoryWalk:
+    """Live bytes by category while walking one schedule; each event kind has one handler."""
+
+    def __init__(self, trace, t: CostTables, plan: Plan, profile: HardwareProfile, ub, schedule: Schedule,
+                 acts: BlockActivations, timeline: bool):
+        self.t, self.plan, self.profile, self.ub, self.schedule, self.timeline = t, plan, profile, ub, schedule, timeline
+        self.trace, self.acts = trace, acts
+        training = plan.training
+        self.b = b = training.micro_batch
+        self.param_elem = dtype_bytes(training.param_dtype)
+        self.offload_off_device = off = training.cpu_offload and profile.device != "cpu"
+        sharded_total = sum(x.sharded for x in ub)
+        states = OPTIMIZER_STATES[training.optimizer] * sum(x.sharded_grad for x in ub)
+        int_sizes = {u.reshard_after_forward for u in plan.units if not isinstance(u.reshard_after_forward, bool)}
+        overhead = profile.reserved_bytes + profile.per_process_group_bytes * len(int_sizes)
+        cat = [0.0] * 8
+        # buffers are not sharded and stay on the device under CPU offload (FSDP2 moves only parameters)
+        cat[_SP] = (0.0 if off else sharded_total) + t.buffer_bytes
+        cat[_OS] = 0.0 if off else states
+        cat[_OV] = float(overhead)
+        self.batch_bytes = trace.batch_input_bytes.at(b)
+        cat[_AC] = self.batch_bytes
+        self.cat = cat
+        self.events: list[tuple] = []
+        self.peak_total, self.peak_event = -1.0, None
+        self.units = [_UnitState() for _ in plan.units]
+        self.offload_copy = [x.sharded if off else 0.0 for x in ub]
+        self.held_all_gather = 0.0  # forward: the last copied-out unit's all-gather output
+        self.held_reduce_scatter = 0.0  # the last reduce-scatter input, until the next post-backward
+        # activations = batch + saved so far + flow (the tensor flowing into / out of the current block)
+        self.saved_sum = 0.0
+        self.flow = 0.0
+
+    def record(self, what: str, who: str, phase: str, extra_temp: float = 0.0, extra_comm: float = 0.0) -> None:
+        """One event; its label is "<phase>: <what> <who>", built only when kept."""
+        cat = self.cat
+        total = cat[0] + cat[1] + cat[2] + cat[3] + cat[4] + cat[5] + cat[6] + cat[7] + extra_temp + extra_comm
+        if self.timeline or total > self.peak_total:
+            snap = (cat[0], cat[1], cat[2], cat[3], cat[4], cat[5] + extra_temp, cat[6] + extra_comm, cat[7])
+            if self.timeline:
+                self.events.append((what, who, phase, snap))
+            if total > self.peak_total:
+                self.peak_total = total
+                self.peak_event = (what, who, phase, snap)
+
+    def run(self) -> MemoryEstimate:
+        K = EventKind
+        handlers: list = [None] * len(K)  # indexed by the kind (an IntEnum): the hot loop's dispatch
+        handlers[K.PRE_FORWARD], handlers[K.ALL_GATHER], handlers[K.ALL_GATHER_WAIT] = (
+            self.pre_forward, self.all_gather, self.wait)
+        handlers[K.FORWARD], handlers[K.RESHARD], handlers[K.FORWARD_END] = self.forward, self.reshard, self.forward_end
+        handlers[K.LOSS], handlers[K.PRE_BACKWARD], handlers[K.RECOMPUTE] = self.loss, _ignore, self.recompute
+        handlers[K.BACKWARD], handlers[K.POST_BACKWARD], handlers[K.BACKWARD_END] = (
+            self.backward, self.post_backward, self.backward_end)
+        handlers[K.OPTIMIZER] = self.optimizer
+        for ev in self.schedule.events:
+            handlers[ev.kind](ev)
+        return self.result()
+
+    # ---- all-gathers and resharding: see [Note: All-gather buffers] ----
+    def issue(self, u: int, phase: str) -> None:
+        x, st = self.ub[u], self.units[u]
+        if st.pending_bytes or st.sharding is Sharding.UNSHARDED:
+            return
+        from_group = st.group_clone_bytes != 0.0
+        # the flat param-dtype copy of the all-gather input (mixed precision, or a post-forward shard)
+        cast = (x.post_forward if from_group else x.cast_input) if x.mp else 0.0
+        self.cat[_CB] += x.unsharded
+        st.pending_bytes = x.unsharded
+        st.sharding = Sharding.GATHERING
+        self.record("all-gather", self.t.unit_names[u], phase,
+                    extra_temp=cast + (0.0 if from_group else self.offload_copy[u]))
+
+    def all_gather(self, ev) -> None:
+        if not ev.implicit:  # an implicit prefetch is allocated at the unit's own pre-forward
+            self.issue(ev.unit, ev.phase)
+
+    def wait(self, ev) -> None:
+        u, phase, cat = ev.unit, ev.phase, self.cat
+        x, st = self.ub[u], self.units[u]
+        if st.sharding is Sharding.UNSHARDED:
+            return
+        if not st.pending_bytes:  # (a unit without parameters has nothing pending: issued again, empty)
+            self.issue(u, phase)
+        cat[_UP] += x.unsharded
+        self.record("copy-out", self.t.unit_names[u], phase)
+        if phase == "forward":
+            if self.held_all_gather:  # freed only when wait_for_unshard returns
+                cat[_CB] -= self.held_all_gather
+                self.held_all_gather = 0.0
+            self.held_all_gather = st.pending_bytes  # stays in comm_buffers
+        else:
+            cat[_CB] -= st.pending_bytes
+        st.pending_bytes = 0.0
+        if st.group_clone_bytes:
+            cat[_UP] -= x.post_forward
+            st.group_clone_bytes = 0.0
+        st.sharding = Sharding.UNSHARDED
+
+    def reshard(self, ev) -> None:
+        u = ev.unit
+        x, st = self.ub[u], self.units[u]
+        if st.sharding is not Sharding.UNSHARDED:
+            return
+        st.sharding = Sharding.SHARDED
+        if x.post_forward:
+            self.cat[_UP] += x.post_forward
+            self.record("reshard to a smaller group", self.t.unit_names[u], "forward")
+            st.group_clone_bytes = x.post_forward
+            st.sharding = Sharding.RESHARDED_TO_GROUP
+        self.cat[_UP] -= x.unsharded
 
     # ---- forward ----
-    # activations = batch + saved so far + flow (the tensor flowing into / out of the current block)
-    saved_sum = 0.0
-    flow = 0.0
-    pre_forward(root)
-    for i, blk in enumerate(blocks):
-        rise = blk.fwd_rise.at(b) * act_scale
-        saved = blk.saved.at(b) * act_scale
-        is_self = blk.fqn.endswith(":self")
-        if not is_self:
-            flow = blk.input.at(b) * act_scale
-        cat[_AC] = batch_bytes + saved_sum + flow
-        for u in (blk.unit, *blk.nested):
-            if t.unit_first_block[u] == i and u != root:
-                pre_forward(u)
-        if ckpt[i]:
-            out = blk.output.at(b) * act_scale
-            record("checkpointed", blk.fqn, "forward", extra_temp=max(out, rise - saved))
-            # only the inputs nobody else holds are new bytes: [Note: Checkpointed inputs held elsewhere]
-            saved_sum += (blk.input.at(b) - blk.input_shared.at(b)) * act_scale
-        else:
-            record("", blk.fqn, "forward", extra_temp=rise)
-            saved_sum += saved
-        if not is_self:
-            flow = blk.output.at(b) * act_scale
-        cat[_AC] = batch_bytes + saved_sum + flow
-        for u in (*blk.nested, blk.unit):
-            if t.unit_last_block[u] == i and u != root:
-                reshard_after_forward(u)
-    if plan.units[root].reshard_after_forward is not False:
-        reshard_after_forward(root)
-    if ag_state[0]:
-        cat[_CB] -= ag_state[0]
-        ag_state[0] = 0.0
-    record("end", "", "forward")
+    def enter_forward_block(self, i: int) -> None:
+        """The activation level as block ``i`` starts: its input flows in."""
+        if self.acts.flows[i]:
+            self.flow = self.acts.input[i]
+        self.cat[_AC] = self.batch_bytes + self.saved_sum + self.flow
 
-    # ---- loss ----
-    loss_rise = trace.loss_peak_rise_bytes.at(b)
-    record("loss forward+backward", "", "backward", extra_temp=loss_rise)
-    flow = blocks[-1].output.at(b) * act_scale if blocks else 0.0
+    def pre_forward(self, ev) -> None:
+        if ev.block >= 0:
+            self.enter_forward_block(ev.block)
+
+    def forward(self, ev) -> None:
+        i, a = ev.block, self.acts
+        fqn = self.t.blocks[i].fqn
+        self.enter_forward_block(i)
+        rise = a.fwd_rise[i]
+        if self.schedule.checkpointed[i]:
+            self.record("checkpointed", fqn, "forward", extra_temp=max(a.output[i], rise - a.saved[i]))
+            # only the inputs nobody else holds are new bytes: [Note: Checkpointed inputs held elsewhere]
+            self.saved_sum += a.kept[i]
+        else:
+            self.record("", fqn, "forward", extra_temp=rise)
+            self.saved_sum += a.saved[i]
+        if a.flows[i]:
+            self.flow = a.output[i]
+        self.cat[_AC] = self.batch_bytes + self.saved_sum + self.flow
+
+    def forward_end(self, ev) -> None:
+        if self.held_all_gather:  # the root's post-forward frees the last all-gather output
+            self.cat[_CB] -= self.held_all_gather
+            self.held_all_gather = 0.0
+        self.record("end", "", "forward")
+
+    def loss(self, ev) -> None:
+        self.record("loss forward+backward", "", "backward", extra_temp=self.trace.loss_peak_rise_bytes.at(self.b))
+        self.flow = self.acts.output[-1] if self.acts.output else 0.0
 
     # ---- backward ----
-    # The root's pre-backward runs first (the gradient of its output arrives first) and prefetches
-    # one unit, FSDP2's default (the executor sets no explicit list on the root); then the other units
-    # in reverse forward order, each prefetching the next d_bwd.
-    bwd_units = (root, *reversed([u for u in fwd_units if u != root]))
-    bwd_pos = {u: i for i, u in enumerate(bwd_units)}
-    grad_unsharded = [0.0] * n_units
-    rs_state = [0.0]
-    rs_temp = profile.reduce_scatter_temp_fraction
-    param_elem = dtype_bytes(training.param_dtype)
+    def enter_backward_block(self, i: int) -> None:
+        """The activation level as block ``i``'s backward starts: the gradient of its output flows in."""
+        if self.acts.flows[i]:
+            self.flow = self.acts.output[i]
+        self.cat[_AC] = self.batch_bytes + self.saved_sum + self.flow
 
-    def pre_backward(u: int) -> None:
-        wait_all_gather(u, "backward")
-        i = bwd_pos[u]
-        for v in bwd_units[i + 1: i + 1 + (1 if u == root else d_bwd)]:
-            issue_all_gather(v, "backward")
+    def recompute(self, ev) -> None:
+        i, a = ev.block, self.acts
+        self.enter_backward_block(i)
+        self.record("recompute", self.t.blocks[i].fqn, "backward", extra_temp=a.fwd_rise[i])
+        self.saved_sum += a.saved[i] - a.kept[i]
+        self.cat[_AC] = self.batch_bytes + self.saved_sum + self.flow
 
-    def post_backward(u: int) -> None:
-        x = ub[u]
-        if unsharded[u]:
+    def backward(self, ev) -> None:
+        i, a, cat = ev.block, self.acts, self.cat
+        t = self.t
+        blk = t.blocks[i]
+        self.enter_backward_block(i)
+        own_grads = a.own_grads[i]
+        # the traced rise excludes parameter gradients: add them on top. See [Note: Activations].
+        rise = a.bwd_rise[i] + own_grads
+        cat[_GR] += own_grads
+        self.record("", blk.fqn, "backward", extra_temp=rise - own_grads)
+        self.units[blk.unit].grad_bytes += own_grads
+        for v in blk.nested:
+            g = t.unit_float_numel[v] * self.param_elem
+            cat[_GR] += g
+            self.units[v].grad_bytes += g
+        self.saved_sum -= a.saved[i]
+        if a.flows[i]:
+            self.flow = a.input[i]  # the gradient of the block's input
+        cat[_AC] = self.batch_bytes + self.saved_sum + self.flow
+
+    def post_backward(self, ev) -> None:
+        u, cat = ev.unit, self.cat
+        x, st = self.ub[u], self.units[u]
+        name = self.t.unit_names[u]
+        if ev.block < 0:  # the root's, from the final callback: every block's backward is done
+            self.flow = 0.0
+            cat[_AC] = self.batch_bytes + max(self.saved_sum, 0.0)
+        if st.sharding is Sharding.UNSHARDED:
             cat[_UP] -= x.unsharded
-            unsharded[u] = False
-        if rs_state[0]:
-            cat[_CB] -= rs_state[0]
-            rs_state[0] = 0.0
+            st.sharding = Sharding.SHARDED
+        if self.held_reduce_scatter:
+            cat[_CB] -= self.held_reduce_scatter
+            self.held_reduce_scatter = 0.0
         cat[_CB] += x.rs_input
-        record("reduce-scatter copy-in", name[u], "backward")
+        self.record("reduce-scatter copy-in", name, "backward")
         # the copied-in gradients are freed, but the last one autograd produced stays referenced until
         # post_backward returns; the 1/N output is allocated before the collective runs (it becomes the
         # sharded gradient). See [Note: Reduce-scatter buffers].
-        held = min(x.last_grad, grad_unsharded[u])
-        cat[_GR] -= grad_unsharded[u] - held
-        record("reduce-scatter", name[u], "backward",
-               extra_temp=x.rs_input * rs_temp, extra_comm=x.rs_output)
+        held = min(x.last_grad, st.grad_bytes)
+        cat[_GR] -= st.grad_bytes - held
+        self.record("reduce-scatter", name, "backward",
+                    extra_temp=x.rs_input * self.profile.reduce_scatter_temp_fraction, extra_comm=x.rs_output)
         cat[_GR] -= held
-        grad_unsharded[u] = 0.0
-        rs_state[0] = x.rs_input
+        st.grad_bytes = 0.0
+        self.held_reduce_scatter = x.rs_input
         if x.grad_cast:
-            record("reduce-scatter output", name[u], "backward", extra_temp=x.rs_output + x.sharded_grad)
-        if not offload_off_device:
+            self.record("reduce-scatter output", name, "backward", extra_temp=x.rs_output + x.sharded_grad)
+        if not self.offload_off_device:
             cat[_GR] += x.sharded_grad
-        if plan.mesh.replicate > 1 and x.grad_cast:
+        if self.plan.mesh.replicate > 1 and x.grad_cast:
             cat[_CB] += x.rs_output  # kept for the replica all-reduce (FSDPParamGroup._all_reduce_state)
 
-    pre_backward(root)
-    started = {root}
-    for i in range(len(blocks) - 1, -1, -1):
-        blk = blocks[i]
-        for u in (blk.unit, *blk.nested):
-            if u not in started and t.unit_last_block[u] == i:
-                pre_backward(u)
-                started.add(u)
-        saved = blk.saved.at(b) * act_scale
-        is_self = blk.fqn.endswith(":self")
-        if not is_self:
-            flow = blk.output.at(b) * act_scale  # the gradient of the block's output
-        cat[_AC] = batch_bytes + saved_sum + flow
-        if ckpt[i]:
-            kept = (blk.input.at(b) - blk.input_shared.at(b)) * act_scale
-            record("recompute", blk.fqn, "backward", extra_temp=blk.fwd_rise.at(b) * act_scale)
-            saved_sum += saved - kept
-            cat[_AC] = batch_bytes + saved_sum + flow
-        own_grads = blk.own_float_numel * param_elem
-        # the traced rise excludes parameter gradients: add them on top. See [Note: Activations].
-        rise = blk.bwd_rise.at(b) * act_scale + own_grads
-        cat[_GR] += own_grads
-        record("", blk.fqn, "backward", extra_temp=rise - own_grads)
-        grad_unsharded[blk.unit] += own_grads
-        for v in blk.nested:
-            g = t.unit_float_numel[v] * param_elem
-            cat[_GR] += g
-            grad_unsharded[v] += g
-        saved_sum -= saved
-        if not is_self:
-            flow = blk.input.at(b) * act_scale  # the gradient of the block's input
-        cat[_AC] = batch_bytes + saved_sum + flow
-        for u in (*blk.nested, blk.unit):
-            if u != root and t.unit_first_block[u] == i:
-                post_backward(u)
-    flow = 0.0
-    cat[_AC] = batch_bytes + max(saved_sum, 0.0)
-    post_backward(root)
-    if rs_state[0]:
-        cat[_CB] -= rs_state[0]
-        rs_state[0] = 0.0
-    record("end", "", "backward")
+    def backward_end(self, ev) -> None:
+        if self.held_reduce_scatter:
+            self.cat[_CB] -= self.held_reduce_scatter
+            self.held_reduce_scatter = 0.0
+        self.record("end", "", "backward")
 
-    # ---- optimizer step ----
-    if not offload_off_device:
-        if profile.device == "cpu":
-            temp = OPTIMIZER_TEMPORARIES_SINGLE_TENSOR[training.optimizer] * t.largest_module_float_bytes / plan.mesh.shard
-        else:
-            temp = OPTIMIZER_TEMPORARIES[training.optimizer] * sum(x.sharded_grad for x in ub)
-        record("step", "", "optimizer", extra_temp=temp)
-    cat[_GR] = 0.0
-    record("zero_grad", "", "optimizer")
+    # ---- optimizer step: see [Note: Optimizer step] ----
+    def optimizer(self, ev) -> None:
+        training, plan = self.plan.training, self.plan
+        if not self.offload_off_device:
+            if self.profile.device == "cpu":
+                temp = (OPTIMIZER_TEMPORARIES_SINGLE_TENSOR[training.optimizer] * self.t.largest_module_float_bytes
+                        / plan.mesh.shard)
+            else:
+                temp = OPTIMIZER_TEMPORARIES[training.optimizer] * sum(x.sharded_grad for x in self.ub)
+            self.record("step", "", "optimizer", extra_temp=temp)
+        self.cat[_GR] = 0.0
+        self.record("zero_grad", "", "optimizer")
 
-    def to_dict(s: tuple) -> dict[str, int]:  # MEMORY_CATEGORIES, in order (a literal: this is hot)
-        return {"sharded_params": int(s[0] + 0.5), "unsharded_params": int(s[1] + 0.5), "grads": int(s[2] + 0.5),
-                "optimizer_states": int(s[3] + 0.5), "activations": int(s[4] + 0.5),
-                "temporaries": int(s[5] + 0.5), "comm_buffers": int(s[6] + 0.5), "overhead": int(s[7] + 0.5)}
+    def result(self) -> MemoryEstimate:
+        what, who, phase, snap = self.peak_event
+        at_peak = _to_dict(snap)
+        timeline = (tuple(MemoryEvent(_label(w, o, ph), ph, _to_dict(sn)) for w, o, ph, sn in self.events)
+                    if self.timeline else ())
+        return MemoryEstimate(peak_bytes=sum(at_peak.values()), memory_at_peak=at_peak,
+                              peak_event=_label(what, who, phase), timeline=timeline)
 
-    def label(what: str, who: str, phase: str) -> str:
-        if phase == "optimizer":
-            return "optimizer step" if what == "step" else what
-        if what.startswith("loss"):
-            return what
-        if not what:
-            return f"{phase}: {who or '<root>'}"
-        return f"{phase}: {what} {who}" if who else f"{phase}: {what}"
 
-    what, who, phase, snap = peak[1]
-    at_peak = to_dict(snap)
-    return MemoryEstimate(
-        peak_bytes=sum(at_peak.values()),
-        memory_at_peak=at_peak,
-        peak_event=label(what, who, phase),
-        timeline=tuple(MemoryEvent(label(w, o, ph), ph, to_dict(sn)) for w, o, ph, sn in events) if timeline else (),
-    )
+def _ignore(ev) -> None:
+    """PRE_BACKWARD: its all-gather wait and prefetches are events of their own."""
+
+
+def _to_dict(s: tuple) -> dict[str, int]:  # MEMORY_CATEGORIES, in order (a literal: this is hot)
+    return {"sharded_params": int(s[0] + 0.5), "unsharded_params": int(s[1] + 0.5), "grads": int(s[2] + 0.5),
+            "optimizer_states": int(s[3] + 0.5), "activations": int(s[4] + 0.5),
+            "temporaries": int(s[5] + 0.5), "comm_buffers": int(s[6] + 0.5), "overhead": int(s[7] + 0.5)}
+
+
+def _label(what: str, who: str, phase: str) -> str:
+    if phase == "optimizer":
+        return "optimizer step" if what == "step" else what
+    if what.startswith("loss"):
+        return what
+    if not what:
+        return f"{phase}: {who or '<root>'}"
+    return f"{phase}: {what} {who}" if who else f"{phase}: {what}"
+
+
+def simulate_memory(trace: ModelTrace, plan: Plan, profile: HardwareProfile, *, timeline: bool = True,
+                    ub=None) -> MemoryEstimate:
+    """Peak live bytes of one rank over one steady-state training step (see the module docstring).
+
+    ``timeline=False`` skips building the per-event timeline (the solver only needs the peak). A thin
+    wrapper over ``CostModel(trace, profile).memory(plan)`` (shard_planner/cost/model.py); ``ub`` is
+    accepted for old callers and ignored (the model memoises the unit bytes)."""
+    from shard_planner.cost.model import shared_model
+
+    return shared_model(trace, profile).memory(plan, timeline=timeline)
 
 
 def model_state_bytes(trace: ModelTrace, plan: Plan) -> dict[str, int]:
     """Sharded parameters, gradients and optimizer states per rank (the ZeRO model state)."""
-    t = cost_tables(trace, plan.units)
-    ub = unit_bytes(t, plan)
+    from shard_planner.cost.model import shared_tables
+
+    ub = unit_bytes(shared_tables(trace, plan.units), plan)
     grads = sum(x.sharded_grad for x in ub)
     return {
         "sharded_params": int(round(sum(x.sharded for x in ub))),

@@ -2,7 +2,8 @@
 
 The simulators are called thousands of times by the solver with plans that differ only in their
 decisions, so everything that depends on the trace and the choice of units alone is computed once here
-and cached: which unit owns each parameter, and the *block sequence* of one forward pass.
+(and kept per segmentation by the CostModel, cost/model.py): which unit owns each parameter, and the
+*block sequence* of one forward pass.
 
 A **block** is a stretch of forward computation with one owner unit:
 
@@ -19,28 +20,15 @@ Blocks are in forward order (the trace's ``forward_order``); backward runs them 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from shard_planner.dtypes import DTYPE_BYTES, FLOAT_DTYPES, dtype_bytes  # noqa: F401  (re-exported)
 from shard_planner.errors import PlanError
 from shard_planner.plan import ROOT, Unit
 from shard_planner.trace.types import ZERO, Affine, ModelTrace
 
 logger = logging.getLogger(__name__)
-
-# Element sizes of the dtypes a trace or plan may name (torch.<dtype>.itemsize).
-DTYPE_BYTES = {
-    "float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8,
-}
-FLOAT_DTYPES = ("float64", "float32", "bfloat16", "float16")
-
-
-def dtype_bytes(dtype: str) -> int:
-    try:
-        return DTYPE_BYTES[dtype]
-    except KeyError:
-        raise PlanError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}") from None
-
 
 @dataclass(frozen=True)
 class Block:
@@ -95,38 +83,21 @@ class CostTables:
     param_tensors: int = 0  # parameter tensors of the model (the optimizer's per-tensor overhead)
 
 
-_CACHE: dict[tuple, tuple[ModelTrace, CostTables]] = {}
-_CACHE_MAX = 256
-
-
 def cost_tables(trace: ModelTrace, units: tuple[Unit, ...]) -> CostTables:
-    """The tables for ``trace`` segmented into ``units`` (cached by trace identity and unit modules)."""
-    key = (id(trace), tuple(u.modules for u in units))
-    hit = _CACHE.get(key)
-    if hit is not None and hit[0] is trace:
-        return hit[1]
-    tables = build_tables(trace, units)
-    if len(_CACHE) >= _CACHE_MAX:
-        _CACHE.pop(next(iter(_CACHE)))
-    _CACHE[key] = (trace, tables)  # the trace is kept alive with its key: ids are not reused
-    return tables
+    """The tables for ``trace`` segmented into ``units``: a thin wrapper over ``CostModel.tables``
+    (shard_planner/cost/model.py), which keeps them per segmentation."""
+    from shard_planner.cost.model import shared_tables
+
+    return shared_tables(trace, units)
 
 
-_SUMS: dict[int, tuple[ModelTrace, dict]] = {}
-
-
-def _trace_sums(trace: ModelTrace) -> dict[tuple[str, str], Affine]:
-    hit = _SUMS.get(id(trace))
-    if hit is not None and hit[0] is trace:
-        return hit[1]
-    if len(_SUMS) >= _CACHE_MAX:
-        _SUMS.pop(next(iter(_SUMS)))
-    sums: dict[tuple[str, str], Affine] = {}
-    _SUMS[id(trace)] = (trace, sums)
-    return sums
-
-
-def build_tables(trace: ModelTrace, units: tuple[Unit, ...]) -> CostTables:
+def build_tables(trace: ModelTrace, units: tuple[Unit, ...],
+                 subtree_sum: Callable[[str, str], Affine] | None = None) -> CostTables:
+    """The tables of ``trace`` segmented into ``units``. ``subtree_sum(fqn, attr)``: the sum of a
+    module field over a subtree, memoised by the caller (CostModel.subtree_sum: the sums do not depend
+    on the units); None: summed here, for this call only."""
+    if subtree_sum is None:
+        subtree_sum = _subtree_summer(trace)
     module_unit: dict[str, int] = {}
     root_index = -1
     for i, u in enumerate(units):
@@ -177,18 +148,6 @@ def build_tables(trace: ModelTrace, units: tuple[Unit, ...]) -> CostTables:
             elif contains_unit[c] or any(trace.module(g.fqn).calls > 0 for g in trace.subtree(c)):
                 kids.extend(called_children(c))
         return sorted(kids, key=fwd_index.__getitem__)
-
-    sums = _trace_sums(trace)  # subtree sums do not depend on the units: shared by every segmentation
-
-    def subtree_sum(fqn: str, attr: str) -> Affine:
-        key = (fqn, attr)
-        if key not in sums:
-            m = trace.module(fqn)
-            total = getattr(m, attr)
-            for c in m.children:
-                total = total + subtree_sum(c, attr)
-            sums[key] = total
-        return sums[key]
 
     def own_numel(fqn: str, unit: int) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -285,3 +244,20 @@ def build_tables(trace: ModelTrace, units: tuple[Unit, ...]) -> CostTables:
         model_fwd_flops=fwd_total, model_bwd_flops=bwd_total,
         param_tensors=sum(m.param_tensors for m in trace.modules),
     )
+
+
+def _subtree_summer(trace: ModelTrace) -> Callable[[str, str], Affine]:
+    """A memoised ``subtree_sum(fqn, attr)``: the module's own value plus its children's sums."""
+    sums: dict[tuple[str, str], Affine] = {}
+
+    def subtree_sum(fqn: str, attr: str) -> Affine:
+        key = (fqn, attr)
+        if key not in sums:
+            m = trace.module(fqn)
+            total = getattr(m, attr)
+            for c in m.children:
+                total = total + subtree_sum(c, attr)
+            sums[key] = total
+        return sums[key]
+
+    return subtree_sum

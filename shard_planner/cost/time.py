@@ -12,7 +12,7 @@ after its backward (plus the replica all-reduce under HSDP). Under CPU offload e
 copies the fp32 shard host-to-device and every reduce-scatter copies the sharded gradient back.
 
 Overlap (GPU): one compute stream and one communication stream, FIFO in the order the CPU issues
-work, with FSDP2's dependencies:
+work, walking the step's event sequence (shard_planner/cost/schedule.py), with FSDP2's dependencies:
 
 - a unit computes only once its all-gather has finished;
 - forward: the all-gather of the k-th next unit is issued when the current unit starts
@@ -49,8 +49,11 @@ container's ``:self`` block: the container less its nearest timed descendants). 
 recomputes with its measured forward; the loss takes its measured forward + backward. FSDP2's per-unit
 overhead, the collectives and the optimizer stay as above; blocks the timings lack fall back to FLOPs.
 The timings must be for the trace's model (structure fingerprint) and the plan's param dtype, else one
-ProfileError line. Per-block measured times are computed once per (tables, timings)
-(``measured_block_times``).
+ProfileError line, checked once per param dtype by the CostModel. Per-block measured times are
+computed once per segmentation (``measured_block_times``, memoised by the CostModel).
+
+Per-block compute seconds come from ONE function, ``CostModel.block_compute_s`` (device time from FLOPs
+or measurements, and host time from op counts): replace it to price compute another way.
 
 The optimizer step is bound by memory bandwidth: bytes touched per sharded element by the foreach
 implementation (OPTIMIZER_BYTES_PER_ELEMENT) / ``memory_bandwidth_bytes_per_s`` (the host's under CPU
@@ -60,11 +63,15 @@ offload, where the step runs on the host), plus its per-tensor overhead (below).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from shard_planner.cost.collectives import all_gather_time_s, reduce_scatter_time_s
-from shard_planner.cost.memory import UnitBytes, unit_bytes
-from shard_planner.cost.tables import CostTables, cost_tables, dtype_bytes
+from shard_planner.cost.optimizer import OPTIMIZER_ACCESSES_PER_ELEMENT, optimizer_step_bytes  # noqa: F401
+from shard_planner.cost.schedule import EventKind, Schedule
+from shard_planner.cost.tables import CostTables
 from shard_planner.cost.types import TimeEstimate, UnitTime
+from shard_planner.cost.unit_bytes import UnitBytes
+from shard_planner.dtypes import dtype_bytes
 from shard_planner.plan import Plan
 from shard_planner.profile import HardwareProfile
 from shard_planner.timings import ModuleTime, ModuleTimings
@@ -72,28 +79,25 @@ from shard_planner.trace.types import ModelTrace
 
 logger = logging.getLogger(__name__)
 
-# Reads + writes per sharded parameter element of one foreach step, in state-dtype elements.
-# torch/optim/adamw.py _multi_tensor_adamw: mul_(params) 2, lerp_(exp_avgs, grads) 3, mul_(exp_avg_sqs)
-# 2, addcmul_(exp_avg_sqs, grads, grads) 3, sqrt(exp_avg_sqs) 2, div_ 2, add_(eps) 2,
-# addcdiv_(params, exp_avgs, denom) 4 = 20; Adam without weight decay skips the first: 18.
-# torch/optim/sgd.py _multi_tensor_sgd: momentum mul_ 2 + add_ 3, then add_(params, bufs) 3 = 8;
-# plain SGD: add_(params, grads) 3.
-OPTIMIZER_ACCESSES_PER_ELEMENT = {"adamw": 20, "adam": 18, "sgd_momentum": 8, "sgd": 3}
 
+@dataclass(frozen=True)
+class BlockCompute:
+    """Per block of the tables (forward order), seconds of one step at one micro-batch: device time
+    (kernels: FLOPs / throughput, or measured) and host time (aten ops x per-op overhead; 0 for a
+    measured block, whose time holds it). ``CostModel.block_compute_s`` builds it."""
 
-_MEASURED: dict[tuple[int, int], tuple[CostTables, ModuleTimings, tuple]] = {}
-_MEASURED_MAX = 256
+    device_fwd_s: tuple[float, ...]
+    device_bwd_s: tuple[float, ...]
+    ops_fwd_s: tuple[float, ...]
+    ops_bwd_s: tuple[float, ...]
+    loss_device_s: float
+    loss_host_s: float
 
 
 def measured_block_times(trace: ModelTrace, t: CostTables, timings: ModuleTimings) -> tuple[ModuleTime | None, ...]:
     """Per block of ``t``, its measured time: a module block's subtree time, a ``<fqn>:self`` block's
     container time less its nearest timed descendants' (``ModuleTimings.self_time``); None where the
-    timings lack the module (priced from FLOPs). Cached per (tables, timings): the solver evaluates
-    thousands of plans over the same segmentations."""
-    key = (id(t), id(timings))
-    hit = _MEASURED.get(key)
-    if hit is not None and hit[0] is t and hit[1] is timings:
-        return hit[2]
+    timings lack the module (priced from FLOPs). The CostModel memoises it per segmentation."""
     children = {m.fqn: m.children for m in trace.modules}
     out = []
     for blk in t.blocks:
@@ -101,133 +105,89 @@ def measured_block_times(trace: ModelTrace, t: CostTables, timings: ModuleTiming
             out.append(timings.self_time(blk.fqn[: -len(":self")], children))
         else:
             out.append(timings.modules.get(blk.fqn))
-    if len(_MEASURED) >= _MEASURED_MAX:
-        _MEASURED.pop(next(iter(_MEASURED)))
-    _MEASURED[key] = (t, timings, tuple(out))  # both kept alive with their key: ids are not reused
-    return _MEASURED[key][2]
+    return tuple(out)
 
 
-def module_compute_s(trace: ModelTrace, fqn: str | None, micro_batch: int, profile: HardwareProfile,
-                     param_dtype: str) -> tuple[float, float]:
-    """Forward and backward seconds of ``fqn``'s subtree at ``micro_batch``, compute only (no FSDP2 or
-    per-op overhead): measured when ``profile.module_timings`` has the module, else FLOPs / throughput.
-    For models of the step time outside the simulator (the solver's linear model); the loss is
-    ``fqn=None``."""
-    timings = profile.module_timings
-    if timings is not None:
-        timings.check(trace.fingerprint, param_dtype, f"the trace of {trace.model_path}")
-        if fqn is None:
-            return timings.loss_fwd_s.at(micro_batch), timings.loss_bwd_s.at(micro_batch)
-        m = timings.modules.get(fqn)
-        if m is not None:
-            return m.fwd_s.at(micro_batch), m.bwd_s.at(micro_batch)
-    rate = profile.flops_per_s(param_dtype)
-    if fqn is None:  # the trace does not split the loss's FLOPs into forward and backward
-        return trace.loss_flops.at(micro_batch) / rate, 0.0
-    return (trace.subtree_sum(fqn, "fwd_flops_self").at(micro_batch) / rate,
-            trace.subtree_sum(fqn, "bwd_flops_self").at(micro_batch) / rate)
-
-
-def simulate_time(trace: ModelTrace, plan: Plan, profile: HardwareProfile, *,
-                  ub: list[UnitBytes] | None = None) -> TimeEstimate:
-    """Predicted time of one training step on one rank, and what it is made of (module docstring).
-    ``ub``: ``unit_bytes(cost_tables(trace, plan.units), plan)`` when the caller has it already."""
-    t = cost_tables(trace, plan.units)
-    if ub is None:
-        ub = unit_bytes(t, plan)
-    training = plan.training
-    b = training.micro_batch
-    n = plan.mesh.shard
-    n_units = len(plan.units)
-    root = next(i for i, u in enumerate(plan.units) if u.is_root)
-    rate = profile.flops_per_s(training.param_dtype)
-    offload = training.cpu_offload
-    h2d = profile.host_to_device_bytes_per_s
-
-    # ---- per-unit collective times ----
-    ag_fwd = [0.0] * n_units
-    ag_bwd = [0.0] * n_units
-    rs = [0.0] * n_units
-    for u, (unit, x) in enumerate(zip(plan.units, ub)):
+def unit_collectives_s(plan: Plan, ub: tuple[UnitBytes, ...], profile: HardwareProfile):
+    """Per unit: forward all-gather, backward all-gather (0 when it keeps its parameters; the root
+    never reshards unless the plan says so) and reduce-scatter (+ the HSDP all-reduce) seconds."""
+    n, offload, h2d = plan.mesh.shard, plan.training.cpu_offload, profile.host_to_device_bytes_per_s
+    ag_fwd, ag_bwd, rs = [], [], []
+    for unit, x in zip(plan.units, ub):
         copy_in = x.sharded / h2d if offload else 0.0
-        ag_fwd[u] = all_gather_time_s(profile, x.unsharded, n) + copy_in
+        fwd = all_gather_time_s(profile, x.unsharded, n) + copy_in
         r = unit.reshard_after_forward
-        if r is True:
-            ag_bwd[u] = ag_fwd[u]
-        elif r is not False:
-            ag_bwd[u] = all_gather_time_s(profile, x.unsharded, r)
-        rs[u] = reduce_scatter_time_s(profile, x.rs_input, n, plan.mesh.replicate)
+        ag_fwd.append(fwd)
+        ag_bwd.append(fwd if r is True else 0.0 if r is False else all_gather_time_s(profile, x.unsharded, r))
+        red = reduce_scatter_time_s(profile, x.rs_input, n, plan.mesh.replicate)
         if offload:
-            rs[u] += x.sharded_grad / h2d
-    # the root never reshards unless the plan says so
-    needs_bwd_ag = [plan.units[u].reshard_after_forward is not False for u in range(n_units)]
+            red += x.sharded_grad / h2d
+        rs.append(red)
+    return tuple(ag_fwd), tuple(ag_bwd), tuple(rs)
 
-    blocks = t.blocks
-    n_blocks = len(blocks)
-    op_s = profile.per_op_overhead_s
+
+def _combine(t: CostTables, s: Schedule, c: BlockCompute, profile: HardwareProfile):
+    """Per-block forward, backward and recompute seconds, and the loss's: device and host time
+    combined (a CPU computes both in turn; a GPU's host runs ahead, so the slower one counts), plus
+    half FSDP2's per-unit overhead at a unit's first block in forward and at its last in backward."""
+    n_blocks = len(t.blocks)
+    host_fwd, host_bwd = list(c.ops_fwd_s), list(c.ops_bwd_s)
     half_unit_s = profile.per_unit_overhead_s / 2
-    timings = profile.module_timings
-    if timings is not None:
-        timings.check(trace.fingerprint, training.param_dtype, f"the trace of {trace.model_path}")
-        measured = measured_block_times(trace, t, timings)
-    else:
-        measured = (None,) * len(blocks)
-    # A measured block's time already holds its kernels and its per-op framework time: no op overhead.
-    ops_fwd = [0.0 if m is not None else blk.fwd_ops * op_s for blk, m in zip(blocks, measured)]
-    host_fwd = list(ops_fwd)
-    host_bwd = [0.0 if m is not None else blk.bwd_ops * op_s for blk, m in zip(blocks, measured)]
     if half_unit_s:
         for u in t.forward_units:  # units that run: their hooks fire once per step each way
             host_fwd[t.unit_first_block[u]] += half_unit_s
             host_bwd[t.unit_last_block[u]] += half_unit_s
-    dev_fwd = [m.fwd_s.at(b) if m is not None else blk.fwd_flops.at(b) / rate for blk, m in zip(blocks, measured)]
-    dev_bwd = [m.bwd_s.at(b) if m is not None else blk.bwd_flops.at(b) / rate for blk, m in zip(blocks, measured)]
-    if timings is not None:
-        loss_dev, loss_host = timings.loss_fwd_s.at(b) + timings.loss_bwd_s.at(b), 0.0
-    else:
-        loss_dev, loss_host = trace.loss_flops.at(b) / rate, trace.loss_ops * op_s
-    ckpt = [plan.units[blk.unit].activation_checkpoint and blk.unit_module for blk in blocks]
+    dev_fwd, dev_bwd, ops_fwd, ckpt = c.device_fwd_s, c.device_bwd_s, c.ops_fwd_s, s.checkpointed
     if profile.device == "cpu":  # the host computes: overhead adds up
         rec_s = [dev_fwd[i] + ops_fwd[i] if ckpt[i] else 0.0 for i in range(n_blocks)]
         fwd_s = [dev_fwd[i] + host_fwd[i] for i in range(n_blocks)]
         bwd_s = [dev_bwd[i] + host_bwd[i] for i in range(n_blocks)]
-        loss_s = loss_dev + loss_host
+        loss_s = c.loss_device_s + c.loss_host_s
     else:  # asynchronous launch: the slower of the GPU's work and the host's issuing it
         rec_s = [max(dev_fwd[i], ops_fwd[i]) if ckpt[i] else 0.0 for i in range(n_blocks)]
         fwd_s = [max(dev_fwd[i], host_fwd[i]) for i in range(n_blocks)]
         bwd_s = [max(dev_bwd[i], host_bwd[i]) for i in range(n_blocks)]
-        loss_s = max(loss_dev, loss_host)
+        loss_s = max(c.loss_device_s, c.loss_host_s)
+    return fwd_s, bwd_s, rec_s, loss_s
 
+
+def simulate_time_walk(trace: ModelTrace, t: CostTables, plan: Plan, profile: HardwareProfile,
+                       schedule: Schedule, compute: BlockCompute, collectives) -> TimeEstimate:
+    """Predicted time of one training step on one rank (module docstring); CostModel.time calls it.
+    ``collectives``: ``unit_collectives_s(plan, unit bytes, profile)``."""
+    training = plan.training
+    b = training.micro_batch
+    n_units = len(plan.units)
+    ag_fwd, ag_bwd, rs = collectives
+    needs_bwd_ag = [plan.units[u].reshard_after_forward is not False for u in range(n_units)]
+    fwd_s, bwd_s, rec_s, loss_s = _combine(t, schedule, compute, profile)
     unit_fwd = [0.0] * n_units
     unit_bwd = [0.0] * n_units
-    for i, blk in enumerate(blocks):
+    for i, blk in enumerate(t.blocks):
         unit_fwd[blk.unit] += fwd_s[i]
         unit_bwd[blk.unit] += bwd_s[i] + rec_s[i]
     compute_s = sum(unit_fwd) + sum(unit_bwd) + loss_s
 
-    # ---- optimizer ----
-    sharded_elems = sum(t.unit_float_numel) / n
-    state_bytes = dtype_bytes(t.built_dtype)
-    opt_bytes = OPTIMIZER_ACCESSES_PER_ELEMENT[training.optimizer] * sharded_elems * state_bytes
-    bw = (profile.host_memory_bandwidth_bytes_per_s or profile.memory_bandwidth_bytes_per_s) if offload \
+    # ---- optimizer: memory-bound, plus per-tensor overhead ----
+    sharded_elems = sum(t.unit_float_numel) / plan.mesh.shard
+    opt_bytes = optimizer_step_bytes(training.optimizer, sharded_elems, dtype_bytes(t.built_dtype))
+    bw = (profile.host_memory_bandwidth_bytes_per_s or profile.memory_bandwidth_bytes_per_s) if training.cpu_offload \
         else profile.memory_bandwidth_bytes_per_s
     optimizer_s = opt_bytes / bw + t.param_tensors * profile.per_param_tensor_optimizer_overhead_s
 
     comm_s = sum(ag_fwd) + sum(ag_bwd[u] for u in range(n_units) if needs_bwd_ag[u]) + sum(rs)
-    exposed = [0.0] * n_units
-
     if profile.device == "cpu":
         # gloo collectives are synchronous on the thread that computes: nothing overlaps.
-        for u in range(n_units):
-            exposed[u] = ag_fwd[u] + (ag_bwd[u] if needs_bwd_ag[u] else 0.0) + rs[u]
+        exposed = [ag_fwd[u] + (ag_bwd[u] if needs_bwd_ag[u] else 0.0) + rs[u] for u in range(n_units)]
         step_s = compute_s + comm_s + optimizer_s
     else:
-        step_s = _overlap(t, plan, root, blocks, fwd_s, bwd_s, rec_s, loss_s, ag_fwd, ag_bwd, rs,
-                          needs_bwd_ag, exposed) + optimizer_s
+        streams = _TwoStreams(schedule, fwd_s, bwd_s, rec_s, loss_s, ag_fwd, ag_bwd, rs, needs_bwd_ag)
+        step_s = streams.run() + optimizer_s
+        exposed = streams.exposed
 
     samples = b * plan.mesh.world_size
     model_flops = (t.model_fwd_flops.at(b) + t.model_bwd_flops.at(b) + trace.loss_flops.at(b))
-    peak = profile.peak_flops_per_s.get(training.param_dtype) or rate
+    peak = profile.peak_flops_per_s.get(training.param_dtype) or profile.flops_per_s(training.param_dtype)
     units = tuple(
         UnitTime(name=plan.units[u].name, fwd_compute_s=unit_fwd[u], bwd_compute_s=unit_bwd[u],
                  all_gather_s=ag_fwd[u] + (ag_bwd[u] if needs_bwd_ag[u] else 0.0),
@@ -235,11 +195,8 @@ def simulate_time(trace: ModelTrace, plan: Plan, profile: HardwareProfile, *,
         for u in range(n_units)
     )
     return TimeEstimate(
-        step_time_s=step_s,
-        compute_s=compute_s,
-        comm_s=comm_s,
-        exposed_comm_s=max(0.0, step_s - compute_s - optimizer_s),
-        optimizer_s=optimizer_s,
+        step_time_s=step_s, compute_s=compute_s, comm_s=comm_s,
+        exposed_comm_s=max(0.0, step_s - compute_s - optimizer_s), optimizer_s=optimizer_s,
         samples_per_s=samples / step_s if step_s > 0 else 0.0,
         tokens_per_s=samples * trace.tokens_per_sample / step_s if trace.tokens_per_sample and step_s > 0 else None,
         mfu=model_flops / (step_s * peak) if step_s > 0 else 0.0,
@@ -247,96 +204,110 @@ def simulate_time(trace: ModelTrace, plan: Plan, profile: HardwareProfile, *,
     )
 
 
-def _overlap(t, plan, root, blocks, fwd_s, bwd_s, rec_s, loss_s, ag_fwd, ag_bwd, rs, needs_bwd_ag,
-             exposed) -> float:
-    """Two streams, FIFO communication; returns the time the last reduce-scatter and the last compute
-    have both finished. ``exposed[u]`` accumulates the compute stream's wait for unit u's all-gather."""
-    comp = 0.0  # compute stream: free from this time on
-    comm = 0.0  # communication stream
-    fwd_units = t.forward_units
-    d_fwd = max(1, plan.prefetch.forward)
-    d_bwd = max(1, plan.prefetch.backward)
-    n_units = len(plan.units)
+class _TwoStreams:
+    """A compute stream and a FIFO communication stream walking one schedule. ``run`` returns the
+    time the last reduce-scatter and the last compute have both finished; ``exposed[u]`` accumulates
+    the compute stream's wait for unit u's all-gathers (and, for the root, the optimizer's wait for
+    the last reduce-scatter)."""
 
-    # ---- forward ----
-    ag_end = [-1.0] * n_units
-    start = [0.0] * n_units  # compute start of each unit (its pre-forward)
-    pos = {u: i for i, u in enumerate(fwd_units)}
-    issued = 0  # fwd_units[:issued] have their all-gather issued
+    def __init__(self, schedule: Schedule, fwd_s, bwd_s, rec_s, loss_s, ag_fwd, ag_bwd, rs, needs_bwd_ag):
+        self.s = schedule
+        self.fwd_s, self.bwd_s, self.rec_s, self.loss_s = fwd_s, bwd_s, rec_s, loss_s
+        self.ag_fwd, self.ag_bwd, self.rs, self.needs_bwd_ag = ag_fwd, ag_bwd, rs, needs_bwd_ag
+        n_units = len(ag_fwd)
+        self.exposed = [0.0] * n_units
+        self.comp = 0.0  # compute stream: free from this time on
+        self.comm = 0.0  # communication stream
+        self.ag_end = [-1.0] * n_units  # when the unit's current all-gather finishes
+        self.start = [0.0] * n_units  # forward: compute start of each unit (its pre-forward)
+        self.fpos = {u: i for i, u in enumerate(schedule.forward_units)}
+        self.issued = 0  # forward: forward_units[:issued] have their all-gather issued (in order)
+        self.done = [False] * n_units  # backward: all-gather issued (or not needed)
 
-    def issue_forward_until(j: int) -> None:
-        nonlocal comm, issued
-        while issued <= min(j, len(fwd_units) - 1):
-            u = fwd_units[issued]
-            k = issued - d_fwd  # the unit whose pre-forward issues this all-gather
-            ready = start[fwd_units[k]] if k >= 0 else 0.0
-            begin = max(comm, ready)
-            comm = begin + ag_fwd[u]
-            ag_end[u] = comm
-            issued += 1
+    def run(self) -> float:
+        K = EventKind
+        handlers: list = [_ignore] * len(K)  # indexed by the kind (an IntEnum); the rest take no time
+        handlers[K.FORWARD], handlers[K.BACKWARD], handlers[K.LOSS] = self.forward, self.backward, self.loss
+        handlers[K.ALL_GATHER], handlers[K.ALL_GATHER_WAIT] = self.all_gather, self.wait
+        handlers[K.POST_BACKWARD], handlers[K.BACKWARD_END] = self.post_backward, self.backward_end
+        for ev in self.s.events:
+            handlers[ev.kind](ev)
+        return max(self.comp, self.comm)
 
-    def enter(u: int) -> None:
-        nonlocal comp
-        i = pos[u]
-        issue_forward_until(i)
-        wait = max(0.0, ag_end[u] - comp)
-        exposed[u] += wait
-        comp += wait
-        start[u] = comp
-        issue_forward_until(i + d_fwd)
+    def forward(self, ev) -> None:
+        self.comp += self.fwd_s[ev.block]
 
-    enter(root)
-    for i, blk in enumerate(blocks):
-        for u in (blk.unit, *blk.nested):
-            if t.unit_first_block[u] == i and u != root:
-                enter(u)
-        comp += fwd_s[i]
-    comp += loss_s
+    def backward(self, ev) -> None:  # a checkpointed block's recomputation runs right before: one sum
+        self.comp += self.bwd_s[ev.block] + self.rec_s[ev.block]
 
-    # ---- backward ----
-    bwd_units = (root, *reversed([u for u in fwd_units if u != root]))
-    bpos = {u: i for i, u in enumerate(bwd_units)}
-    ag_end = [-1.0] * n_units
-    bstart = [0.0] * n_units
-    done = [False] * n_units
+    def loss(self, ev) -> None:
+        self.comp += self.loss_s
 
-    def issue_ag(u: int, ready: float) -> None:
-        nonlocal comm
-        if done[u] or not needs_bwd_ag[u]:
-            done[u] = True
-            return
-        comm = max(comm, ready) + ag_bwd[u]
-        ag_end[u] = comm
-        done[u] = True
+    def all_gather(self, ev) -> None:
+        if ev.phase == "forward":
+            self.forward_all_gather(ev.unit, False)
+        else:
+            self.backward_all_gather(ev.unit, False)
 
-    def enter_bwd(u: int) -> None:
-        nonlocal comp
-        issue_ag(u, comp)
-        if needs_bwd_ag[u]:
-            wait = max(0.0, ag_end[u] - comp)
-            exposed[u] += wait
-            comp += wait
-        bstart[u] = comp
-        i = bpos[u]
-        for v in bwd_units[i + 1: i + 1 + (1 if u == root else d_bwd)]:
-            issue_ag(v, comp)
+    def wait(self, ev) -> None:
+        if ev.phase == "forward":
+            self.forward_all_gather(ev.unit, True)
+        else:
+            self.backward_all_gather(ev.unit, True)
 
-    def reduce(u: int) -> None:
-        nonlocal comm
-        comm = max(comm, comp) + rs[u]
+    def post_backward(self, ev) -> None:  # the reduce-scatter follows the unit's backward
+        self.comm = max(self.comm, self.comp) + self.rs[ev.unit]
 
-    enter_bwd(root)
-    started = {root}
-    for i in range(len(blocks) - 1, -1, -1):
-        blk = blocks[i]
-        for u in (blk.unit, *blk.nested):
-            if u not in started and t.unit_last_block[u] == i:
-                enter_bwd(u)
-                started.add(u)
-        comp += bwd_s[i] + rec_s[i]
-        for u in (*blk.nested, blk.unit):
-            if u != root and t.unit_first_block[u] == i:
-                reduce(u)
-    reduce(root)
-    exposed[root] += max(0.0, comm - comp)  # the optimizer waits for the last reduce-scatter (the root's)
-    return max(comp, comm)
+    def backward_end(self, ev) -> None:  # the optimizer waits for the last reduce-scatter (the root's)
+        self.exposed[ev.unit] += max(0.0, self.comm - self.comp)
+
+    def forward_all_gather(self, u: int, wait: bool) -> None:
+        """Issue (in forward order, FIFO) every all-gather up to ``u``'s; at a wait, the compute stream
+        waits for it and the unit starts."""
+        order, d = self.s.forward_units, self.s.forward_depth_effective
+        j_max = min(self.fpos[u], len(order) - 1)
+        while self.issued <= j_max:
+            v = order[self.issued]
+            k = self.issued - d  # the unit whose pre-forward issues this all-gather
+            ready = self.start[order[k]] if k >= 0 else 0.0
+            self.comm = max(self.comm, ready) + self.ag_fwd[v]
+            self.ag_end[v] = self.comm
+            self.issued += 1
+        if wait:
+            w = max(0.0, self.ag_end[u] - self.comp)
+            self.exposed[u] += w
+            self.comp += w
+            self.start[u] = self.comp
+
+    def backward_all_gather(self, u: int, wait: bool) -> None:
+        if not self.done[u]:
+            self.done[u] = True
+            if self.needs_bwd_ag[u]:
+                self.comm = max(self.comm, self.comp) + self.ag_bwd[u]
+                self.ag_end[u] = self.comm
+        if wait and self.needs_bwd_ag[u]:
+            w = max(0.0, self.ag_end[u] - self.comp)
+            self.exposed[u] += w
+            self.comp += w
+
+
+def _ignore(ev) -> None:
+    """Events that take no time on either stream (hooks whose cost is in the per-unit overhead)."""
+
+
+def simulate_time(trace: ModelTrace, plan: Plan, profile: HardwareProfile, *, ub=None) -> TimeEstimate:
+    """Predicted time of one training step on one rank, and what it is made of (module docstring).
+    A thin wrapper over ``CostModel(trace, profile).time(plan)`` (shard_planner/cost/model.py); ``ub``
+    is accepted for old callers and ignored (the model memoises the unit bytes)."""
+    from shard_planner.cost.model import shared_model
+
+    return shared_model(trace, profile).time(plan)
+
+
+def module_compute_s(trace: ModelTrace, fqn: str | None, micro_batch: int, profile: HardwareProfile,
+                     param_dtype: str) -> tuple[float, float]:
+    """Forward and backward seconds of ``fqn``'s subtree at ``micro_batch``, compute only; a thin wrapper
+    over ``CostModel.module_compute_s`` (its docstring)."""
+    from shard_planner.cost.model import shared_model
+
+    return shared_model(trace, profile).module_compute_s(fqn, micro_batch, param_dtype)

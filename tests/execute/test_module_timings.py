@@ -158,12 +158,12 @@ def test_module_compute_s_measured_or_flops(mlp, gloo):
 
 
 def test_estimate_builds_unit_bytes_once(mlp, gloo, monkeypatch):
-    import shard_planner.cost as cost
+    import shard_planner.cost.model as cost_model  # the CostModel builds them; a fresh one has none yet
 
     calls = []
-    real = cost.unit_bytes
-    monkeypatch.setattr(cost, "unit_bytes", lambda *a: calls.append(1) or real(*a))
-    estimate(mlp, _plan([Unit(("",), False)] + [Unit((f"blocks.{i}",)) for i in range(L)]), gloo)
+    real = cost_model.unit_bytes
+    monkeypatch.setattr(cost_model, "unit_bytes", lambda *a: calls.append(1) or real(*a))
+    cost_model.CostModel(mlp, gloo).estimate(_plan([Unit(("",), False)] + [Unit((f"blocks.{i}",)) for i in range(L)]))
     assert len(calls) == 1
 
 

@@ -1,0 +1,261 @@
+"""CostModel: the cost model of one trace on one hardware profile, with everything it can reuse.
+
+``CostModel(trace, profile)`` owns, for its trace and profile only (no module-level caches keyed by
+``id()``):
+
+- the cost tables per segmentation (cost/tables.py), an LRU dict keyed by the units' module tuples;
+- subtree sums of the trace's per-module fields, shared by every segmentation;
+- the measured per-block times per segmentation, when the profile has module timings; the timings'
+  fingerprint/dtype check runs once per param dtype (a failing check raises every time);
+- the step schedule per ``(units, prefetch)`` (cost/schedule.py) and the unit bytes per
+  ``(units, shard, dtypes)``;
+- a memo of memory and time estimates keyed by the plan's decisions (units, prefetch, mesh,
+  training), so a cover already simulated is not simulated again.
+
+Everything it returns is frozen or must be treated as read-only (estimates are shared by the memo).
+
+The module-level functions of :mod:`shard_planner.cost` (``estimate``, ``simulate_memory``, ...) are
+thin wrappers: they reuse a CostModel from :func:`shared_model`, which keeps the few most recently
+used models, found by the identity of their trace and profile.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+from shard_planner.cost.schedule import Schedule, build_schedule
+from shard_planner.cost.tables import CostTables, build_tables
+from shard_planner.cost.time import BlockCompute, measured_block_times, simulate_time_walk, unit_collectives_s
+from shard_planner.cost.memory import BlockActivations, block_activations, simulate_memory_walk
+from shard_planner.cost.types import Estimate, MemoryEstimate, TimeEstimate
+from shard_planner.cost.unit_bytes import UnitBytes, unit_bytes
+from shard_planner.plan import Plan, Unit
+from shard_planner.profile import HardwareProfile
+from shard_planner.trace.types import Affine, ModelTrace
+
+logger = logging.getLogger(__name__)
+
+TABLES_CACHE_SIZE = 256  # segmentations kept (the solver's screen visits a few dozen per global choice)
+MEMO_SIZE = 4096  # estimates kept per kind (memory with timeline, without, time)
+
+
+class _LRU(OrderedDict):
+    """A dict that keeps its ``size`` most recently used entries."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.size = size
+
+    def get_or(self, key, make):
+        try:
+            self.move_to_end(key)
+            return self[key]
+        except KeyError:
+            value = make()
+            if self.size > 0:
+                self[key] = value
+                if len(self) > self.size:
+                    self.popitem(last=False)
+            return value
+
+
+def units_key(units: tuple[Unit, ...]) -> tuple:
+    """The units' decisions as plain tuples (see PlanKey)."""
+    return tuple((u.modules, u.reshard_after_forward.__class__, u.reshard_after_forward, u.activation_checkpoint)
+                 for u in units)
+
+
+class PlanKey:
+    """What of a plan the cost model reads — its decisions (units, prefetch, mesh, training), not its
+    prediction, solver or frontier — as plain tuples, built once per call: hashing the plan's 80
+    frozen Units takes longer than a step of the simulation. ``reshard_after_forward``'s type is
+    part of the key (True == 1 in Python)."""
+
+    __slots__ = ("units", "modules", "decisions")
+
+    def __init__(self, plan: Plan):
+        self.units = units_key(plan.units)
+        self.modules = tuple(u.modules for u in plan.units)  # the segmentation
+        self.decisions = (self.units, plan.prefetch, plan.mesh, plan.training)
+
+
+class CostModel:
+    """Memory and time of FSDP2 plans for one trace on one profile (see the module docstring).
+
+    ``memo_size=0`` turns the estimate memo off (every call simulates; for benchmarks)."""
+
+    def __init__(self, trace: ModelTrace, profile: HardwareProfile, *, tables_cache_size: int = TABLES_CACHE_SIZE,
+                 memo_size: int = MEMO_SIZE):
+        self.trace = trace
+        self.profile = profile
+        self._sums: dict[tuple[str, str], Affine] = {}
+        self._tables = _LRU(tables_cache_size)
+        self._measured = _LRU(tables_cache_size)
+        self._schedules = _LRU(tables_cache_size)
+        self._unit_bytes = _LRU(tables_cache_size)
+        self._activations = _LRU(tables_cache_size)
+        self._compute = _LRU(tables_cache_size)
+        self._collectives = _LRU(tables_cache_size)
+        self._memory = _LRU(memo_size)
+        self._time = _LRU(memo_size)
+        self._timings_checked: set[str] = set()
+
+    # ---- per trace and segmentation ----
+    def subtree_sum(self, fqn: str, attr: str) -> Affine:
+        """Sum of the Affine field ``attr`` (e.g. ``"fwd_flops_self"``) over ``fqn``'s subtree."""
+        key = (fqn, attr)
+        hit = self._sums.get(key)
+        if hit is None:
+            m = self.trace.module(fqn)
+            hit = getattr(m, attr)
+            for c in m.children:
+                hit = hit + self.subtree_sum(c, attr)
+            self._sums[key] = hit
+        return hit
+
+    def tables(self, units: tuple[Unit, ...], _modules: tuple | None = None) -> CostTables:
+        """The cost tables of the trace segmented into ``units`` (only their modules matter)."""
+        key = _modules if _modules is not None else tuple(u.modules for u in units)
+        return self._tables.get_or(key, lambda: build_tables(self.trace, units, self.subtree_sum))
+
+    def schedule(self, units: tuple[Unit, ...], prefetch, _key: PlanKey | None = None) -> Schedule:
+        """The step's event sequence (cost/schedule.py) for ``units`` and ``prefetch``."""
+        ukey = _key.units if _key is not None else units_key(units)
+        return self._schedules.get_or((ukey, prefetch),
+                                      lambda: build_schedule(self.tables(units), units, prefetch))
+
+    def unit_bytes(self, plan: Plan, _key: PlanKey | None = None) -> tuple[UnitBytes, ...]:
+        """Every unit's byte sizes under ``plan`` (cost/unit_bytes.py)."""
+        k = _key or PlanKey(plan)
+        tr = plan.training
+        return self._unit_bytes.get_or((k.units, plan.mesh.shard, tr.param_dtype, tr.reduce_dtype),
+                                       lambda: unit_bytes(self.tables(plan.units, k.modules), plan))
+
+    def block_activations(self, plan: Plan, _key: PlanKey | None = None) -> BlockActivations:
+        """Every block's activation bytes at the plan's micro-batch and param dtype (cost/memory.py)."""
+        k = _key or PlanKey(plan)
+        tr = plan.training
+        return self._activations.get_or(
+            (k.modules, tr.micro_batch, tr.param_dtype),
+            lambda: block_activations(self.trace, self.tables(plan.units, k.modules), tr.micro_batch, tr.param_dtype))
+
+    # ---- compute times: the one place that prices a block's compute ----
+    def _check_timings(self, param_dtype: str) -> None:
+        timings = self.profile.module_timings
+        if timings is not None and param_dtype not in self._timings_checked:
+            timings.check(self.trace.fingerprint, param_dtype, f"the trace of {self.trace.model_path}")
+            self._timings_checked.add(param_dtype)
+
+    def block_compute_s(self, t: CostTables, micro_batch: int, param_dtype: str) -> BlockCompute:
+        """Device and host seconds of every block of ``t`` and of the loss at ``micro_batch``:
+        measured when the profile's module timings have the block's module, else traced FLOPs at
+        the profile's achievable FLOP/s and aten ops x per-op overhead (cost/time.py's docstring).
+        The time simulator reads compute only from here."""
+        profile, b = self.profile, micro_batch
+        rate = profile.flops_per_s(param_dtype)
+        op_s = profile.per_op_overhead_s
+        timings = profile.module_timings
+        if timings is not None:
+            self._check_timings(param_dtype)
+            measured = self._measured.get_or(tuple(u.modules for u in t.units),
+                                             lambda: measured_block_times(self.trace, t, timings))
+        else:
+            measured = (None,) * len(t.blocks)
+        blocks = t.blocks
+        # A measured block's time already holds its kernels and its per-op framework time: no op overhead.
+        if timings is not None:
+            loss_dev, loss_host = timings.loss_fwd_s.at(b) + timings.loss_bwd_s.at(b), 0.0
+        else:
+            loss_dev, loss_host = self.trace.loss_flops.at(b) / rate, self.trace.loss_ops * op_s
+        return BlockCompute(
+            device_fwd_s=tuple(m.fwd_s.at(b) if m is not None else blk.fwd_flops.at(b) / rate
+                               for blk, m in zip(blocks, measured)),
+            device_bwd_s=tuple(m.bwd_s.at(b) if m is not None else blk.bwd_flops.at(b) / rate
+                               for blk, m in zip(blocks, measured)),
+            ops_fwd_s=tuple(0.0 if m is not None else blk.fwd_ops * op_s for blk, m in zip(blocks, measured)),
+            ops_bwd_s=tuple(0.0 if m is not None else blk.bwd_ops * op_s for blk, m in zip(blocks, measured)),
+            loss_device_s=loss_dev, loss_host_s=loss_host,
+        )
+
+    def module_compute_s(self, fqn: str | None, micro_batch: int, param_dtype: str) -> tuple[float, float]:
+        """Forward and backward seconds of ``fqn``'s subtree at ``micro_batch``, compute only (no FSDP2 or
+        per-op overhead): measured when the profile's module timings have the module, else FLOPs /
+        throughput. For models of the step time outside the simulator (the solver's linear model); the
+        loss is ``fqn=None``."""
+        timings = self.profile.module_timings
+        if timings is not None:
+            self._check_timings(param_dtype)
+            if fqn is None:
+                return timings.loss_fwd_s.at(micro_batch), timings.loss_bwd_s.at(micro_batch)
+            m = timings.modules.get(fqn)
+            if m is not None:
+                return m.fwd_s.at(micro_batch), m.bwd_s.at(micro_batch)
+        rate = self.profile.flops_per_s(param_dtype)
+        if fqn is None:  # the trace does not split the loss's FLOPs into forward and backward
+            return self.trace.loss_flops.at(micro_batch) / rate, 0.0
+        return (self.subtree_sum(fqn, "fwd_flops_self").at(micro_batch) / rate,
+                self.subtree_sum(fqn, "bwd_flops_self").at(micro_batch) / rate)
+
+    # ---- estimates ----
+    def memory(self, plan: Plan, *, timeline: bool = True) -> MemoryEstimate:
+        """Peak live bytes of one rank over one step, its breakdown, and (``timeline``) every event."""
+        return self._memory_of(plan, PlanKey(plan), timeline)
+
+    def time(self, plan: Plan) -> TimeEstimate:
+        """Step time of one rank and what it is made of (cost/time.py)."""
+        return self._time_of(plan, PlanKey(plan))
+
+    def estimate(self, plan: Plan, *, timeline: bool = True) -> Estimate:
+        """Memory and time of ``plan``; ``.prediction()`` gives the plan's ``predicted`` section.
+        ``timeline=False`` skips the memory timeline (faster; the solver's checks)."""
+        k = PlanKey(plan)
+        return Estimate(memory=self._memory_of(plan, k, timeline), time=self._time_of(plan, k))
+
+    def _memory_of(self, plan: Plan, k: PlanKey, timeline: bool) -> MemoryEstimate:
+        def simulate():
+            t = self.tables(plan.units, k.modules)
+            return simulate_memory_walk(self.trace, t, plan, self.profile, self.unit_bytes(plan, k),
+                                        self.schedule(plan.units, plan.prefetch, k), self.block_activations(plan, k),
+                                        timeline=timeline)
+        return self._memory.get_or((k.decisions, timeline), simulate)
+
+    def _time_of(self, plan: Plan, k: PlanKey) -> TimeEstimate:
+        def simulate():
+            t = self.tables(plan.units, k.modules)
+            tr = plan.training
+            ub = self.unit_bytes(plan, k)
+            compute = self._compute.get_or((k.modules, tr.micro_batch, tr.param_dtype),
+                                           lambda: self.block_compute_s(t, tr.micro_batch, tr.param_dtype))
+            comm = self._collectives.get_or((k.units, plan.mesh, tr.param_dtype, tr.reduce_dtype, tr.cpu_offload),
+                                            lambda: unit_collectives_s(plan, ub, self.profile))
+            return simulate_time_walk(self.trace, t, plan, self.profile, self.schedule(plan.units, plan.prefetch, k),
+                                      compute, comm)
+        return self._time.get_or(k.decisions, simulate)
+
+
+_SHARED: list[CostModel] = []
+_SHARED_MAX = 8
+
+
+def shared_model(trace: ModelTrace, profile: HardwareProfile) -> CostModel:
+    """A CostModel for exactly these trace and profile objects: one of the few most recently used, or
+    a new one. For the module-level wrappers; code that evaluates many plans should hold its own."""
+    for i, m in enumerate(_SHARED):
+        if m.trace is trace and m.profile is profile:
+            if i:
+                _SHARED.insert(0, _SHARED.pop(i))
+            return m
+    m = CostModel(trace, profile)
+    _SHARED.insert(0, m)
+    del _SHARED[_SHARED_MAX:]
+    return m
+
+
+def shared_tables(trace: ModelTrace, units: tuple[Unit, ...]) -> CostTables:
+    """The tables of ``trace`` segmented into ``units``, from a shared CostModel of that trace if there
+    is one, else built afresh."""
+    for m in _SHARED:
+        if m.trace is trace:
+            return m.tables(units)
+    return build_tables(trace, units)

@@ -1,0 +1,59 @@
+"""Per-unit byte sizes under one plan: what the memory and the time simulators both read.
+
+Sharded, unsharded (all-gathered), reduce-scatter input and output, the mixed-precision cast copy and
+the reshard-to-a-group clone of each unit, from the cost tables and the plan's mesh and dtypes. The
+buffers themselves are explained in cost/memory.py's notes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shard_planner.cost.tables import CostTables
+from shard_planner.dtypes import dtype_bytes
+from shard_planner.plan import Plan
+
+
+@dataclass(frozen=True, slots=True)
+class UnitBytes:
+    """One unit's byte sizes under one plan (bytes on one rank)."""
+
+    sharded: float  # its sharded parameters (+ non-floating ones), 1/N
+    unsharded: float  # all-gathered, in the param dtype: also the all-gather output's size
+    rs_input: float  # reduce-scatter input, in the reduce dtype
+    rs_output: float  # its 1/N output
+    sharded_grad: float  # the sharded gradient, in the built dtype
+    cast_input: float  # mixed precision: the flat param-dtype copy of the all-gather input (1/N)
+    post_forward: float  # reshard_after_forward=r: the 1/r clone kept after forward (0 otherwise)
+    reshard: bool  # reshards after forward (True or an int)
+    grad_cast: bool  # the reduce dtype differs from the built dtype: a cast after the reduce-scatter
+    last_grad: float  # the gradient autograd produces last for the unit ([Note: Reduce-scatter buffers])
+    mp: bool  # mixed precision applies (some floating parameter's dtype differs from the param dtype)
+
+
+def unit_bytes(t: CostTables, plan: Plan) -> tuple[UnitBytes, ...]:
+    """The byte sizes of every unit of ``plan`` (segmented as ``t``)."""
+    n = plan.mesh.shard
+    param_dtype, reduce_dtype = plan.training.param_dtype, plan.training.reduce_dtype
+    pd_elem, rs_elem = dtype_bytes(param_dtype), dtype_bytes(reduce_dtype)
+    out = []
+    for i, u in enumerate(plan.units):
+        float_numel = t.unit_float_numel[i]
+        float_built = t.unit_float_built_bytes[i]
+        other = t.unit_other_bytes[i]
+        # Mixed precision applies to floating parameters whose dtype differs from param_dtype.
+        mp = any(dt != param_dtype for dt in t.unit_float_dtypes[i])
+        unsharded = float_numel * pd_elem + other
+        # reduce_dtype equal to param_dtype means "no cast" (FSDPParam.init_dtype_attrs): same bytes.
+        rs_input = float_numel * rs_elem
+        rs_output = rs_input / n
+        sharded_grad = float_built / n
+        r = u.reshard_after_forward
+        out.append(UnitBytes(
+            sharded=(float_built + other) / n, unsharded=unsharded, rs_input=rs_input, rs_output=rs_output,
+            sharded_grad=sharded_grad, cast_input=unsharded / n if mp else 0.0,
+            post_forward=unsharded / r if (not isinstance(r, bool)) else 0.0, reshard=r is not False,
+            grad_cast=rs_output != sharded_grad,  # reduce dtype differs from built: cast after
+            last_grad=t.unit_first_float_numel[i] * pd_elem, mp=mp,
+        ))
+    return tuple(out)
