@@ -272,6 +272,16 @@ WORST_COLUMNS = ["row", "model", "gpu", "n_gpus", "seq_len", "micro_batch", "gra
                  "predicted", "error_pct", "batch_s", "compute_s", "exposed_comm_s", "optimizer_s"]
 
 
+def _baseline_rows() -> list[dict]:
+    """The rows of reports/benchmarks/published_baseline.csv (the step-time model before the kernel
+    model: traced FLOPs at one efficiency), for comparison; [] when absent."""
+    path = OUT_DIR / "published_baseline.csv"
+    if not path.is_file():
+        return []
+    with path.open() as f:
+        return [{**r, **{k: float(r[k]) for k in ("error_pct", "predicted", "published")}} for r in csv.DictReader(f)]
+
+
 def run_all(runs: list[Run], cache_dir: Path | None) -> tuple[list[dict], int]:
     """Predict every run; returns the rows and how many traces were made (not cached)."""
     memo: dict = {}
@@ -306,8 +316,10 @@ def main(argv=None) -> None:
     seconds = time.perf_counter() - started
     write_csv(rows, "published")
     buckets = [label for _, label in SIZE_BUCKETS]
+    baseline = _baseline_rows()
     tables = {
-        "all rows": [summary(rows, "all")],
+        "all rows": [summary(rows, "all")] + ([summary(baseline, "baseline (published_baseline.csv)")]
+                                              if baseline else []),
         "by model size": grouped(rows, "size_bucket", buckets),
         "by sequence length": grouped(rows, "seq_len"),
         "by activation checkpointing": grouped(rows, "ac"),
