@@ -131,3 +131,31 @@ def test_grouped_mm_flops_are_counted():
         sample = classify(func, (a, b, offs), {}, out, n)
     assert n == 2 * 64 * 32 * 16
     assert sample.op_class == "grouped_matmul" and sample.dims == (4, 16, 16, 32)
+
+
+def test_cost_model_prices_kernels_on_gpu_profiles_only(tiny_trace):
+    """A GPU profile with a [kernels] table prices blocks from the records; cpu-gloo and old traces from FLOPs."""
+    import dataclasses
+
+    from shard_planner.cost.model import CostModel
+    from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit
+
+    units = (Unit(("",), False),) + tuple(Unit((f"blocks.{i}",), True) for i in range(2))
+    plan = Plan(ModelRef("shape", tiny_trace.fingerprint), Cluster(8, 8, "a100-80gb", 80 * 2**30), Mesh(8),
+                Training(4), units, Prefetch())
+    gpu = load_profile("a100-80gb")
+    model = CostModel(tiny_trace, gpu)
+    kernels = model.kernel_module_s(4, "bfloat16")
+    assert kernels is not None
+    blocks = model.block_compute_s(model.tables(plan.units), 4, "bfloat16")
+    t = model.tables(plan.units)
+    i = next(j for j, blk in enumerate(t.blocks) if blk.fqn == "blocks.0")
+    expected = sum(kernels[0][m.fqn][0] for m in tiny_trace.subtree("blocks.0"))
+    assert blocks.device_fwd_s[i] == pytest.approx(expected)
+    assert blocks.loss_device_s == pytest.approx(kernels[1])
+    flops_only = CostModel(tiny_trace, dataclasses.replace(gpu, kernels=None))
+    assert flops_only.kernel_module_s(4, "bfloat16") is None
+    rate = gpu.flops_per_s("bfloat16")
+    assert (flops_only.block_compute_s(t, 4, "bfloat16").device_fwd_s[i]
+            == pytest.approx(t.blocks[i].fwd_flops.at(4) / rate))
+    assert CostModel(tiny_trace, load_profile("cpu-gloo")).kernel_module_s(4, "bfloat16") is None
