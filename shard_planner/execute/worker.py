@@ -175,60 +175,14 @@ def train_and_measure(plan: Plan, model_path: str, options: RunOptions, device: 
     status.progress("build")
     model = apply_plan(build_on_device(model_file, device), plan, mesh)
     optimizer = make_optimizer(plan, model.parameters())
-    cuda = device.type == "cuda"
-    tracker: StorageTracker | None = None
-
-    def step(s: int) -> torch.Tensor:
-        inputs, targets = make_step_batch(model_file, plan.training.micro_batch, s, rank, device)
-        optimizer.zero_grad(set_to_none=True)
-        if tracker is not None:
-            tracker.phase = "forward"
-        loss = model_file.loss(model(*inputs), targets)
-        if tracker is not None:
-            tracker.phase = "backward"
-        loss.backward()
-        if tracker is not None:
-            tracker.phase = "optimizer"
-        optimizer.step()
-        return loss.detach()
+    step = _Stepper(model_file, model, optimizer, plan.training.micro_batch, rank, device)
 
     losses = []
     for s in range(options.warmup):
         status.progress(f"warm-up step {s}")
         losses.append(step(s))
-    if cuda:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    times_s = []
-    for s in range(options.warmup, options.warmup + options.steps):
-        dist.barrier()
-        status.progress(f"step {s}")
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            losses.append(step(s))
-            end.record()
-            end.synchronize()
-            times_s.append(start.elapsed_time(end) / 1000.0)
-        else:
-            t0 = time.perf_counter()
-            losses.append(step(s))
-            times_s.append(time.perf_counter() - t0)
-    if cuda:
-        memory = RankMemory(rank, torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device))
-    else:
-        s = options.warmup + options.steps
-        # Tensors held by reference cycles of earlier steps (autograd graph <-> FSDP2 hooks) are freed
-        # whenever the cyclic collector happens to run: without this, the measured peak moved by one to
-        # four activations from run to run (cost-model real-run tests). Collect them first.
-        gc.collect()
-        dist.barrier()
-        status.progress(f"memory step {s}")
-        tracker = StorageTracker(track=(model, optimizer), device_type="cpu")
-        with tracker:
-            losses.append(step(s))
-        memory = RankMemory(rank, tracker.peak_bytes, None, tracker.peak_phase)
-        tracker = None
+    times_s = _timed_steps(step, options, status, device, losses)
+    memory = _peak_memory(step, options, status, device, losses)
 
     status.progress("gather")
     loss_sum = torch.stack(losses).float()
@@ -236,9 +190,10 @@ def train_and_measure(plan: Plan, model_path: str, options: RunOptions, device: 
     loss_avg = (loss_sum / world_size).tolist()
     gathered: list = [None] * world_size
     dist.all_gather_object(gathered, (memory, times_s))
-    del model, optimizer
+    del model, optimizer, step
     if rank != 0:
         return None
+    cuda = device.type == "cuda"
     return with_prediction(Measurement(
         plan_fingerprint=plan_fingerprint(plan),
         model_path=plan.model.path,
@@ -258,6 +213,79 @@ def train_and_measure(plan: Plan, model_path: str, options: RunOptions, device: 
         losses=tuple(loss_avg),
         rederived_from_world_size=rederived_from,
     ), plan.predicted)  # a re-derived plan has none: the plan's was for its own world size
+
+
+class _Stepper:
+    """One training step on synthetic batch ``s``: zero_grad, forward + loss, backward, optimizer step;
+    returns the loss. While ``tracker`` is set it is told the phase (forward / backward / optimizer)."""
+
+    def __init__(self, model_file, model, optimizer, micro_batch: int, rank: int, device: torch.device):
+        self.model_file, self.model, self.optimizer = model_file, model, optimizer
+        self.micro_batch, self.rank, self.device = micro_batch, rank, device
+        self.tracker: StorageTracker | None = None
+
+    def _phase(self, name: str) -> None:
+        if self.tracker is not None:
+            self.tracker.phase = name
+
+    def __call__(self, s: int) -> torch.Tensor:
+        inputs, targets = make_step_batch(self.model_file, self.micro_batch, s, self.rank, self.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        self._phase("forward")
+        loss = self.model_file.loss(self.model(*inputs), targets)
+        self._phase("backward")
+        loss.backward()
+        self._phase("optimizer")
+        self.optimizer.step()
+        return loss.detach()
+
+
+def _timed_steps(step: _Stepper, options: RunOptions, status: _Status, device: torch.device,
+                 losses: list) -> list[float]:
+    """The measured steps after warm-up, each started together on every rank: CUDA events on a GPU
+    (the peak-memory statistics are reset first), wall clock on CPU. Appends their losses."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    times_s = []
+    for s in range(options.warmup, options.warmup + options.steps):
+        dist.barrier()
+        status.progress(f"step {s}")
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            losses.append(step(s))
+            end.record()
+            end.synchronize()
+            times_s.append(start.elapsed_time(end) / 1000.0)
+        else:
+            t0 = time.perf_counter()
+            losses.append(step(s))
+            times_s.append(time.perf_counter() - t0)
+    return times_s
+
+
+def _peak_memory(step: _Stepper, options: RunOptions, status: _Status, device: torch.device,
+                 losses: list) -> RankMemory:
+    """This rank's peak: the CUDA allocator's over the timed steps on a GPU; on CPU one more step under
+    the storage tracker (its loss is appended)."""
+    rank = dist.get_rank()
+    if device.type == "cuda":
+        return RankMemory(rank, torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device))
+    s = options.warmup + options.steps
+    # Tensors held by reference cycles of earlier steps (autograd graph <-> FSDP2 hooks) are freed
+    # whenever the cyclic collector happens to run: without this, the measured peak moved by one to
+    # four activations from run to run (cost-model real-run tests). Collect them first.
+    gc.collect()
+    dist.barrier()
+    status.progress(f"memory step {s}")
+    step.tracker = StorageTracker(track=(step.model, step.optimizer), device_type="cpu")
+    with step.tracker:
+        losses.append(step(s))
+    memory = RankMemory(rank, step.tracker.peak_bytes, None, step.tracker.peak_phase)
+    step.tracker = None
+    return memory
 
 
 _COMMUNICATION_SIGNS = ("connection closed by peer", "connection reset by peer", "timed out", "timeout",
