@@ -62,6 +62,10 @@ class HardwareProfile:
     # Per-module compute times measured on this device (`shard-planner calibrate --model`); blocks they
     # cover are priced from them instead of FLOPs and per-op overhead (shard_planner/cost/time.py).
     module_timings: ModuleTimings | None = None
+    # The profile's [kernels] table: per-device constants of the roofline kernel model, each with its
+    # source (shard_planner/cost/kernels.py, KernelConstants). None: compute priced as traced FLOPs x
+    # compute_efficiency (CPU profiles, profiles written before the kernel model).
+    kernels: dict | None = None
 
     def with_timings(self, timings: ModuleTimings | None) -> "HardwareProfile":
         """A copy of this profile that prices compute from ``timings`` (None: from FLOPs again)."""

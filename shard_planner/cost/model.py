@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 
+from shard_planner.cost.kernels import block_kernel_s, device_of, has_kernel_records, loss_kernel_s, module_kernel_s
 from shard_planner.cost.schedule import Schedule, build_schedule
 from shard_planner.cost.tables import CostTables, build_tables
 from shard_planner.cost.time import BlockCompute, measured_block_times, simulate_time_walk, unit_collectives_s
@@ -100,6 +101,8 @@ class CostModel:
         self._memory = _LRU(memo_size)
         self._time = _LRU(memo_size)
         self._timings_checked: set[str] = set()
+        self._kernel_modules = _LRU(tables_cache_size)  # (micro-batch, dtype) -> per-module and loss kernel seconds
+        self._kernel_records = has_kernel_records(trace)
 
     # ---- per trace and segmentation ----
     def subtree_sum(self, fqn: str, attr: str) -> Affine:
@@ -164,19 +167,40 @@ class CostModel:
             measured = (None,) * len(t.blocks)
         blocks = t.blocks
         # A measured block's time already holds its kernels and its per-op framework time: no op overhead.
+        kernels = self.kernel_module_s(b, param_dtype)
+        if kernels is not None:  # GPU kernel model (cost/kernels.py) from the trace's kernel records
+            priced_fwd, priced_bwd = block_kernel_s(self.trace, [blk.fqn for blk in blocks], kernels[0])
+            loss_priced = kernels[1]
+        else:
+            priced_fwd = tuple(blk.fwd_flops.at(b) / rate for blk in blocks)
+            priced_bwd = tuple(blk.bwd_flops.at(b) / rate for blk in blocks)
+            loss_priced = self.trace.loss_flops.at(b) / rate
         if timings is not None:
             loss_dev, loss_host = timings.loss_fwd_s.at(b) + timings.loss_bwd_s.at(b), 0.0
         else:
-            loss_dev, loss_host = self.trace.loss_flops.at(b) / rate, self.trace.loss_ops * op_s
+            loss_dev, loss_host = loss_priced, self.trace.loss_ops * op_s
         return BlockCompute(
-            device_fwd_s=tuple(m.fwd_s.at(b) if m is not None else blk.fwd_flops.at(b) / rate
-                               for blk, m in zip(blocks, measured)),
-            device_bwd_s=tuple(m.bwd_s.at(b) if m is not None else blk.bwd_flops.at(b) / rate
-                               for blk, m in zip(blocks, measured)),
+            device_fwd_s=tuple(m.fwd_s.at(b) if m is not None else priced_fwd[i] for i, m in enumerate(measured)),
+            device_bwd_s=tuple(m.bwd_s.at(b) if m is not None else priced_bwd[i] for i, m in enumerate(measured)),
             ops_fwd_s=tuple(0.0 if m is not None else blk.fwd_ops * op_s for blk, m in zip(blocks, measured)),
             ops_bwd_s=tuple(0.0 if m is not None else blk.bwd_ops * op_s for blk, m in zip(blocks, measured)),
             loss_device_s=loss_dev, loss_host_s=loss_host,
         )
+
+    def kernel_module_s(self, micro_batch: int, param_dtype: str) -> tuple[dict, float] | None:
+        """Per module its own forward and backward device seconds, and the loss's, from the trace's
+        kernel records priced by the profile's ``[kernels]`` table (cost/kernels.py), once per
+        (micro-batch, dtype); None when the profile has no table or the trace no records (then compute
+        is traced FLOPs x the profile's efficiency)."""
+        if not self._kernel_records or not self.profile.kernels:
+            return None
+
+        def price():
+            dev = device_of(self.profile, param_dtype)
+            rate = self.profile.flops_per_s(param_dtype)  # for modules whose records did not pair
+            return (module_kernel_s(self.trace, micro_batch, dev, rate),
+                    loss_kernel_s(self.trace, micro_batch, dev, rate))
+        return self._kernel_modules.get_or((micro_batch, param_dtype), price)
 
     def module_compute_s(self, fqn: str | None, micro_batch: int, param_dtype: str) -> tuple[float, float]:
         """Forward and backward seconds of ``fqn``'s subtree at ``micro_batch``, compute only (no FSDP2 or
@@ -191,6 +215,11 @@ class CostModel:
             m = timings.modules.get(fqn)
             if m is not None:
                 return m.fwd_s.at(micro_batch), m.bwd_s.at(micro_batch)
+        kernels = self.kernel_module_s(micro_batch, param_dtype)
+        if kernels is not None:
+            if fqn is None:
+                return kernels[1], 0.0
+            return tuple(sum(kernels[0][m.fqn][i] for m in self.trace.subtree(fqn)) for i in (0, 1))
         rate = self.profile.flops_per_s(param_dtype)
         if fqn is None:  # the trace does not split the loss's FLOPs into forward and backward
             return self.trace.loss_flops.at(micro_batch) / rate, 0.0

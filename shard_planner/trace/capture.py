@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from shard_planner.errors import ModelFileError, first_line
 from shard_planner.modelfile import ModelFile
 from shard_planner.trace.flops import FlopCounter
+from shard_planner.trace.kernel_ops import classify
 from shard_planner.trace.records import ENTER, EXIT, Call, Span, is_ancestor
 from shard_planner.trace.storages import SavedTensors, StorageLog
 from shard_planner.trace.twins import Twins, run_twin, twin_info
@@ -82,11 +83,16 @@ class Step:
 
     # ---- ops: the one place an aten op is recorded ----
     def record_op(self, func, args, kwargs, out) -> None:
-        """Count the op and its FLOPs for the innermost open call; log the storages of its outputs."""
+        """Count the op, its FLOPs and its kernel ([Note: kernel records]) for the innermost open call;
+        log the storages of its outputs."""
         if func.namespace != "prim":  # prim.device etc.: metadata queries, no kernel runs
             self._add_op()
-        if func._overloadpacket in self.flops:
-            self._add_flops(self.flops.count(func, args, kwargs, out))
+        n = self.flops.count(func, args, kwargs, out) if func._overloadpacket in self.flops else 0
+        if n:
+            self._add_flops(n)
+        sample = classify(func, args, kwargs, out, n)
+        if sample is not None:
+            self._add_kernel(sample)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.log.track(t)
@@ -96,6 +102,12 @@ class Step:
             self.fwd_stack[-1].fwd_ops += 1
         elif self.phase == "bwd" and self.bwd_stack:
             self.bwd_stack[-1].bwd_ops += 1
+
+    def _add_kernel(self, sample) -> None:
+        if self.phase == "fwd" and self.fwd_stack:
+            self.fwd_stack[-1].fwd_kernels.append(sample)
+        elif self.phase == "bwd" and self.bwd_stack:
+            self.bwd_stack[-1].bwd_kernels.append(sample)
 
     def _add_flops(self, n: int) -> None:
         if self.phase == "fwd" and self.fwd_stack:

@@ -24,6 +24,8 @@ from typing import Any, Callable
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from shard_planner.trace.kernel_ops import grouped_mm_flop
+
 logger = logging.getLogger(__name__)
 
 aten = torch.ops.aten
@@ -39,9 +41,16 @@ def _sdpa_backward_flop(grad_out_shape, query_shape, key_shape, value_shape, *ar
     return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
 
 
-# Kernels FlopCounterMode (torch 2.13) has no formula for; each takes (query, key, value, ...) or
-# (grad_out, query, key, value, ...) as its leading tensor arguments.
+def _grouped_mm_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """``_grouped_mm(a, b, offs)`` (MoE experts; transformers' default expert kernel): 2 x output elements
+    x each group's reduction length (trace/kernel_ops.py ``grouped_mm_flop``)."""
+    return grouped_mm_flop(a_shape, b_shape, out_shape)
+
+
+# Kernels FlopCounterMode (torch 2.13) has no formula for; the attention ones take (query, key, value,
+# ...) or (grad_out, query, key, value, ...) as their leading tensor arguments.
 EXTRA_FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
+    aten._grouped_mm: _grouped_mm_flop,
     aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_forward_flop,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_backward_flop,
     aten._scaled_dot_product_fused_attention_overrideable: _sdpa_forward_flop,

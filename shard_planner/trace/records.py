@@ -47,6 +47,9 @@ class Call:
     output_bytes: int = 0
     fwd_ops: int = 0  # aten ops dispatched by its own code (per-op overhead)
     bwd_ops: int = 0
+    # its own code's kernels in dispatch order (kernel_ops.OpSample; [Note: kernel records])
+    fwd_kernels: list = field(default_factory=list)
+    bwd_kernels: list = field(default_factory=list)
     in_sids: frozenset = frozenset()  # the storages of its inputs
     save_adjust: list[tuple[str, int]] = field(default_factory=list)  # (path relative to the twin, bytes)
     input_sids: frozenset = frozenset()  # for a template: the storages of its inputs
@@ -84,6 +87,8 @@ class ModuleRecord:
     fwd_ops: int = 0
     bwd_ops: int = 0
     input_shared_bytes: int = 0
+    fwd_kernels: list = field(default_factory=list)  # kernel_ops.OpSample, in dispatch order over its calls
+    bwd_kernels: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,7 @@ class StepResult:
     loss_flops: int
     reused_modules: int
     loss_ops: int = 0
+    loss_kernels: tuple = ()  # kernel_ops.OpSample of loss_fn, forward then backward
 
 
 def rel_fqn(fqn: str, base: str) -> str:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from shard_planner.trace.capture import Step
+from shard_planner.trace.kernel_ops import fit_records
 from shard_planner.trace.records import ENTER, EXIT, Call, ModuleRecord, Span, StepResult, join_fqn, rel_fqn
 from shard_planner.trace.types import Affine, ModuleTrace
 
@@ -87,6 +88,7 @@ class Replay:
             fwd_rise=self.span_stats(call.fwd)[0], bwd_rise=self.span_stats(call.bwd)[0],
             fwd_key=(call.fwd.start,), bwd_key=(call.bwd.start,) if call.bwd is not None else None,
             fwd_ops=call.fwd_ops, bwd_ops=call.bwd_ops, input_shared_bytes=call.input_shared_bytes,
+            fwd_kernels=call.fwd_kernels, bwd_kernels=call.bwd_kernels,
         )
         out = [own]
         for child in call.children:
@@ -105,6 +107,7 @@ class Replay:
                 (call.bwd.start,) + r.bwd_key if call.bwd is not None and r.bwd_key is not None else None,
                 r.fwd_ops, r.bwd_ops,
                 call.input_shared_bytes if r.fqn == t.fqn else r.input_shared_bytes,
+                r.fwd_kernels, r.bwd_kernels,
             ))
         return out
 
@@ -131,6 +134,7 @@ def step_result(step: Step) -> StepResult:
         loss_flops=loss.fwd_flops + loss.bwd_flops,
         reused_modules=reused,
         loss_ops=loss.fwd_ops + loss.bwd_ops,
+        loss_kernels=tuple(loss.fwd_kernels + loss.bwd_kernels),
     )
 
 
@@ -142,6 +146,8 @@ def _accumulate(agg: ModuleRecord, r: ModuleRecord) -> None:
     agg.bwd_flops += r.bwd_flops
     agg.fwd_ops += r.fwd_ops
     agg.bwd_ops += r.bwd_ops
+    agg.fwd_kernels = agg.fwd_kernels + r.fwd_kernels  # a twin's lists are its template's: never extended
+    agg.bwd_kernels = agg.bwd_kernels + r.bwd_kernels
     agg.input_bytes += r.input_bytes
     agg.input_shared_bytes += r.input_shared_bytes
     agg.output_bytes += r.output_bytes
@@ -229,5 +235,7 @@ def module_traces(modules: list[tuple[str, nn.Module]], static: StaticFacts, has
             tied_with=static.tied_with[fqn],
             fwd_ops_self=rec1.fwd_ops if rec1 else 0,  # op counts do not depend on the batch size
             bwd_ops_self=rec1.bwd_ops if rec1 else 0,
+            fwd_kernels=fit_records(rec1.fwd_kernels, rec2.fwd_kernels, b1, b2) if rec1 and rec2 else (),
+            bwd_kernels=fit_records(rec1.bwd_kernels, rec2.bwd_kernels, b1, b2) if rec1 and rec2 else (),
         ))
     return tuple(out)

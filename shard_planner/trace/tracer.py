@@ -29,6 +29,7 @@ from shard_planner.errors import UserError
 from shard_planner.modelfile import ModelFile, load_model_file
 from shard_planner.trace.capture import Step, run_step
 from shard_planner.trace.flops import FlopCounter
+from shard_planner.trace.kernel_ops import fit_records
 from shard_planner.trace.records import StepResult
 from shard_planner.trace.replay import module_traces, static_facts, step_result
 from shard_planner.trace.structure import model_fingerprint, structural_hashes
@@ -107,6 +108,7 @@ def trace_model(
         trace_seconds=time.perf_counter() - started,
         reused_modules=r1.reused_modules,
         loss_ops=r1.loss_ops,
+        loss_kernels=fit_records(list(r1.loss_kernels), list(r2.loss_kernels), b1, b2),
     )
 
 

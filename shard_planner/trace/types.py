@@ -46,6 +46,29 @@ ZERO = Affine()
 
 
 @dataclass(frozen=True)
+class KernelRecord:
+    """Identical kernels of one module's forward or backward, per micro-batch (trace/kernel_ops.py,
+    [Note: kernel records]): ``count`` launches of class ``op_class`` (cost/kernels.py OP_CLASSES),
+    their total FLOPs and bytes read + written, and the dimensions that decide their speed — matmul
+    (batch, M, N, K), attention (batch x heads, seq_q, seq_k, head_dim, causal), none otherwise — each
+    affine in the micro-batch."""
+
+    op_class: str
+    count: int
+    flops: Affine
+    bytes: Affine
+    dims: tuple[Affine, ...] = ()
+
+    def dims_at(self, batch_size: int) -> tuple[int, ...]:
+        return tuple(max(0, round(d.at(batch_size))) for d in self.dims)
+
+    @staticmethod
+    def from_dict(d: dict) -> "KernelRecord":
+        return KernelRecord(d["op_class"], int(d["count"]), Affine(**d["flops"]), Affine(**d["bytes"]),
+                            tuple(Affine(**x) for x in d.get("dims", ())))
+
+
+@dataclass(frozen=True)
 class ModuleTrace:
     """One module (by fully qualified name; the root is ``""``)."""
 
@@ -85,6 +108,10 @@ class ModuleTrace:
     # every decoder block takes). A checkpointed unit keeps only the rest as new bytes (memory.py,
     # [Note: Checkpointed inputs held elsewhere]). Traces written before this field load with none.
     input_shared_bytes: Affine = ZERO
+    # The kernels of its own forward and backward (trace/kernel_ops.py, [Note: kernel records]), for the
+    # GPU kernel model (cost/kernels.py). Traces written before them load with none (priced from FLOPs).
+    fwd_kernels: tuple[KernelRecord, ...] = ()
+    bwd_kernels: tuple[KernelRecord, ...] = ()
 
     @property
     def param_bytes(self) -> int:
@@ -111,6 +138,7 @@ class ModelTrace:
     trace_seconds: float = 0.0
     reused_modules: int = 0  # modules whose numbers were copied from an identical traced twin
     loss_ops: int = 0  # aten ops of loss_fn, forward and backward (0 in traces older than op counts)
+    loss_kernels: tuple[KernelRecord, ...] = ()  # kernels of loss_fn, forward and backward (none in older traces)
     schema_version: int = TRACE_SCHEMA_VERSION
 
     @cached_property
@@ -170,6 +198,7 @@ class ModelTrace:
         d = dict(d)
         modules = tuple(_module_from_dict(m) for m in d.pop("modules"))
         affines = {k: Affine(**d.pop(k)) for k in list(d) if isinstance(d[k], dict) and set(d[k]) == {"fixed", "per_sample"}}
+        d["loss_kernels"] = tuple(KernelRecord.from_dict(k) for k in d.get("loss_kernels", ()))
         return ModelTrace(
             modules=modules,
             batch_sizes=tuple(d.pop("batch_sizes")),
@@ -191,4 +220,6 @@ def _module_from_dict(d: dict) -> ModuleTrace:
             d[k] = Affine(**v)
     d["children"] = tuple(d["children"])
     d["tied_with"] = tuple(d.get("tied_with", ()))
+    for key in ("fwd_kernels", "bwd_kernels"):
+        d[key] = tuple(KernelRecord.from_dict(k) for k in d.get(key, ()))
     return ModuleTrace(**d)

@@ -20,7 +20,7 @@ FITTED_FIELDS = {
     "intra_node_latency_s": "latency",
     "inter_node_latency_s": "latency",
 }
-_SKIP = {"source", "notes", "interconnect", "peak_flops_per_s",
+_SKIP = {"source", "notes", "interconnect", "peak_flops_per_s", "kernels",
          "module_timings"}  # per model, in their own file (shard_planner/timings.py): the plan records it
 
 
@@ -73,6 +73,12 @@ def profile_toml(fit: ProfileFit, prior: HardwareProfile, header: list[str]) -> 
     out.append("[interconnect]")
     for f in fields(Interconnect):
         out.append(_line(f.name, getattr(p.interconnect, f.name), getattr(prior.interconnect, f.name), fit))
+    if p.kernels:
+        out.append("")
+        out.append("[kernels]  # the prior's kernel-model constants, unfitted: their sources are in the prior")
+        for k, v in p.kernels.items():
+            text = "[" + ", ".join(_toml_value(x) for x in v) + "]" if isinstance(v, (list, tuple)) else _toml_value(v)
+            out.append(f"{k} = {text}")
     if p.notes:
         out.append("")
         out.append("[notes]")

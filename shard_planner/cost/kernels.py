@@ -1,0 +1,326 @@
+"""A roofline model of GPU kernel time, per group of identical kernels (pure functions).
+
+    time = max(FLOPs / achievable FLOP/s for that kernel's shape, bytes / achievable bandwidth)
+           + count x device launch gap
+
+A GPU block then takes max(device time, host time), host time = ops x the profile's per_op_overhead_s
+(the host issues kernels asynchronously and runs ahead: shard_planner/cost/time.py).
+
+Achievable FLOP/s by kernel class ([Note: kernel classes]):
+
+- matmul (and grouped matmul, per group): peak x ``matmul_efficiency`` (the best a large GEMM reaches,
+  published "maximum achievable matmul FLOPS") x a shape factor <= 1, the best over the device's CTA
+  tile shapes (CUTLASS / cuBLAS tile sizes) and split-K factors of
+    * wave quantisation: ceil(M/tm)·ceil(N/tn)·split CTAs run in waves of ``sm_count``; the last wave
+      is partly idle, and a tile hanging over the matrix edge computes padding:
+      useful = M·N / (waves · sm_count · tm · tn / split);
+    * tile arithmetic intensity: a tm x tn tile streams (tm + tn)·tk operands from L2 for 2·tm·tn·tk
+      FLOPs; below the SM's ridge (tensor FLOP/clk per SM / L2 bytes/clk per SM) it starves:
+      min(1, tm·tn / (tm + tn) / ridge) (operands of 2 bytes);
+    * the K pipeline: a multistage mainloop fills ``matmul_stages - 1`` K-slices of ``matmul_tile_k``
+      before its first MMA (CUTLASS multistage), so K/split elements run in the time of
+      K/split + (stages - 1)·tk.
+  Bytes: (M·K + K·N + M·N) x element size, and fp32 partial sums for split-K (written and read once).
+- attention (FlashAttention forward / backward, one kernel per call): peak x the published
+  long-sequence efficiency at head dim 128 (``attention_fwd_efficiency``, ``..._bwd_...``), corrected
+  for head dim and for short sequences:
+    * head dim: each score element costs 4·d tensor FLOPs (QK^T and PV) but one exponential on the
+      special-function units, whose rate (``exp_per_clk_per_sm``) is a fixed fraction of the tensor
+      rate; the part not hidden scales as 1/d: 1/eff(d) = 1/eff(128) + r·(1/d - 1/128), with
+      r = tensor FLOP/clk / (4 x exp/clk) per SM (the backward does 2.5x the matmul FLOPs per
+      exponential: r / 2.5);
+    * sequence: the kernel walks ``attention_block``-row query tiles; each costs a fixed
+      ``attention_tile_overhead`` (in key-tile units: loading Q, writing O and the row statistics)
+      beside its n (causal: i + 1, the diagonal tile computed in full) key tiles.
+  Traced FLOPs count causal attention as full (4·b·h·s²·d: trace/flops.py); the kernel does
+  (n + 1) / 2n of it plus the overhead.
+- everything else (elementwise, norms, softmax/reductions, copies and casts, embedding gathers and
+  their backward, the loss): bytes read + written / (HBM bandwidth x ``memory_efficiency``), the FLOPs
+  at the matmul ceiling as a floor (never binding for these classes).
+
+Every device constant comes from the profile's ``[kernels]`` table, each with its source there.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, fields
+
+from shard_planner.errors import ProfileError
+
+# [Note: kernel classes] The op classes a trace groups kernels into (trace records; issue 12).
+MATMUL = "matmul"
+GROUPED_MATMUL = "grouped_matmul"
+ATTENTION_FWD = "attention_fwd"
+ATTENTION_BWD = "attention_bwd"
+MEMORY_BOUND = ("elementwise", "reduction", "copy", "embedding", "loss", "other")
+OP_CLASSES = (MATMUL, GROUPED_MATMUL, ATTENTION_FWD, ATTENTION_BWD) + MEMORY_BOUND
+
+# FlashAttention-2 backward: 5 matmuls against the forward's 2 with one exponential recomputed per score
+# (Dao 2023, Algorithm 2; trace/flops.py counts 2.5x the forward).
+BWD_MATMUL_PER_EXP = 2.5
+HEAD_DIM_REF = 128  # the head dim the profile's attention efficiencies are quoted at
+
+
+@dataclass(frozen=True)
+class KernelConstants:
+    """A device's kernel constants: the profile's ``[kernels]`` table (sources there)."""
+
+    sm_count: int
+    matmul_efficiency: float  # largest-GEMM FLOP/s / peak
+    matmul_tiles: tuple[tuple[int, int], ...]  # CTA tiles (tm, tn) the GEMM library chooses among
+    matmul_tile_k: int
+    matmul_stages: int
+    tensor_flop_per_clk_per_sm: float
+    l2_bytes_per_clk_per_sm: float
+    exp_per_clk_per_sm: float
+    attention_fwd_efficiency: float  # at head dim 128, long sequences
+    attention_bwd_efficiency: float
+    attention_block: int
+    attention_tile_overhead: float
+    memory_efficiency: float  # achieved / datasheet HBM bandwidth
+    kernel_launch_s: float  # device-side gap between back-to-back kernels
+    max_split_k: int = 16
+
+    def __post_init__(self):
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "matmul_tiles":
+                if not v or any(len(t) != 2 or min(t) <= 0 for t in v):
+                    raise ProfileError(f"[kernels] matmul_tiles must be a list of 'MxN' tiles, got {v!r}")
+            elif not (isinstance(v, (int, float)) and v >= 0) or (f.name != "kernel_launch_s" and v == 0):
+                raise ProfileError(f"[kernels] {f.name} must be a positive number, got {v!r}")
+        for name in ("matmul_efficiency", "attention_fwd_efficiency", "attention_bwd_efficiency", "memory_efficiency"):
+            if getattr(self, name) > 1:
+                raise ProfileError(f"[kernels] {name} is a fraction of peak (<= 1), got {getattr(self, name)!r}")
+
+    @staticmethod
+    def from_table(table: dict) -> "KernelConstants":
+        """From a profile's ``[kernels]`` TOML table (tiles written as "256x128" strings)."""
+        d = dict(table)
+        try:
+            d["matmul_tiles"] = tuple(tuple(int(x) for x in str(t).lower().split("x")) for t in d["matmul_tiles"])
+            return KernelConstants(**d)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProfileError(f"[kernels] table malformed ({exc}); see profiles/a100-80gb.toml") from None
+
+    @property
+    def ridge_flop_per_byte(self) -> float:
+        """Tensor FLOPs per L2 byte an SM needs to stay busy."""
+        return self.tensor_flop_per_clk_per_sm / self.l2_bytes_per_clk_per_sm
+
+    @property
+    def exp_ratio(self) -> float:
+        """r: tensor FLOP/clk / (4 x exp/clk): the un-hidden exponential cost x head dim (module docstring)."""
+        return self.tensor_flop_per_clk_per_sm / (4 * self.exp_per_clk_per_sm)
+
+
+@dataclass(frozen=True)
+class Device:
+    """What pricing a kernel needs: the constants, peak FLOP/s of the compute dtype, HBM bandwidth."""
+
+    kernels: KernelConstants
+    peak_flops_per_s: float
+    memory_bandwidth_bytes_per_s: float
+
+    @property
+    def bandwidth_bytes_per_s(self) -> float:
+        return self.memory_bandwidth_bytes_per_s * self.kernels.memory_efficiency
+
+
+@dataclass(frozen=True)
+class KernelOp:
+    """A group of identical kernels at one micro-batch: ``count`` launches, their total FLOPs and bytes
+    (read + written), and the shape that decides their speed: matmul (batch, M, N, K) per launch;
+    attention (batch x heads, seq_q, seq_k, head_dim, causal 0/1); () for the other classes."""
+
+    op_class: str
+    count: int
+    flops: float
+    bytes: float
+    dims: tuple[int, ...] = ()
+
+
+def matmul_candidates(m: int, n: int, k: int, kc: KernelConstants, batch: int = 1) -> list[tuple[float, int]]:
+    """Per split-K factor, the best fraction of the large-GEMM rate over the tiles (module docstring)."""
+    out = []
+    for split in range(1, kc.max_split_k + 1):
+        k_each = k / split
+        if split > 1 and k_each < 2 * kc.matmul_tile_k:
+            break  # each CTA would run less than two K slices: partial sums cost more than they fill
+        pipe = k_each / (math.ceil(k_each / kc.matmul_tile_k) * kc.matmul_tile_k
+                         + (kc.matmul_stages - 1) * kc.matmul_tile_k)
+        best = 0.0
+        for tm, tn in kc.matmul_tiles:
+            ctas = math.ceil(m / tm) * math.ceil(n / tn) * batch * split
+            waves = math.ceil(ctas / kc.sm_count)
+            quant = (m * n * batch) / (waves * kc.sm_count * tm * tn / split)
+            intensity = min(1.0, (tm * tn / (tm + tn)) / kc.ridge_flop_per_byte)
+            best = max(best, quant * intensity * pipe)
+        out.append((best, split))
+    return out
+
+
+def matmul_shape_factor(m: int, n: int, k: int, kc: KernelConstants, batch: int = 1) -> tuple[float, int]:
+    """The best (fraction of the large-GEMM rate, split-K) over tiles and split-K, ignoring the
+    split's partial-sum traffic (which :func:`matmul_time_s` adds)."""
+    if min(m, n, k, batch) <= 0:
+        return 1.0, 1
+    return max(matmul_candidates(m, n, k, kc, batch), key=lambda c: (c[0], -c[1]))
+
+
+def matmul_time_s(op: KernelOp, dev: Device) -> float:
+    """Device time of ``op.count`` GEMMs of shape ``op.dims`` = (batch, M, N, K), FLOPs and bytes as traced:
+    the fastest split-K, its fp32 partial sums (written and read once) counted in the bytes."""
+    batch, m, n, k = op.dims
+    if min(m, n, k, batch) <= 0:
+        return op.bytes / dev.bandwidth_bytes_per_s
+    peak = dev.peak_flops_per_s * dev.kernels.matmul_efficiency
+    best = math.inf
+    for factor, split in matmul_candidates(m, n, k, dev.kernels, batch):
+        partial_bytes = op.count * 2 * 4 * m * n * batch * split if split > 1 else 0
+        best = min(best, max(op.flops / (peak * factor), (op.bytes + partial_bytes) / dev.bandwidth_bytes_per_s))
+    return best
+
+
+def attention_efficiency(seq_q: int, seq_k: int, head_dim: int, causal: bool, backward: bool,
+                         kc: KernelConstants) -> float:
+    """Traced-FLOP/s / peak of one FlashAttention call (module docstring): head-dim and tile corrections
+    of the published long-sequence efficiency; causal counted as full attention, as the trace does."""
+    eff_ref = kc.attention_bwd_efficiency if backward else kc.attention_fwd_efficiency
+    r = kc.exp_ratio / (BWD_MATMUL_PER_EXP if backward else 1.0)
+    eff = 1.0 / (1.0 / eff_ref + r * (1.0 / head_dim - 1.0 / HEAD_DIM_REF))
+    n_q = math.ceil(seq_q / kc.attention_block)
+    n_k = math.ceil(seq_k / kc.attention_block)
+    if causal:
+        # query tile i visits the i + 1 key tiles up to the diagonal (n_q = n_k for self-attention)
+        visited = n_q * (n_q + 1) / 2 if n_q == n_k else n_q * n_k - n_q * (n_q - 1) / 2
+    else:
+        visited = n_q * n_k
+    counted = n_q * n_k  # the traced FLOPs: every tile pair in full
+    return eff * counted / (visited + n_q * kc.attention_tile_overhead)
+
+
+def attention_time_s(op: KernelOp, dev: Device, backward: bool) -> float:
+    """Device time of ``op.count`` FlashAttention calls, dims (batch x heads, seq_q, seq_k, head_dim, causal)."""
+    _, seq_q, seq_k, head_dim, causal = op.dims
+    eff = attention_efficiency(seq_q, seq_k, head_dim, bool(causal), backward, dev.kernels)
+    return max(op.flops / (dev.peak_flops_per_s * eff), op.bytes / dev.bandwidth_bytes_per_s)
+
+
+def memory_bound_time_s(op: KernelOp, dev: Device) -> float:
+    """Bytes at the achieved HBM bandwidth; the FLOPs at the large-GEMM rate as a floor."""
+    return max(op.bytes / dev.bandwidth_bytes_per_s,
+               op.flops / (dev.peak_flops_per_s * dev.kernels.matmul_efficiency))
+
+
+def op_time_s(op: KernelOp, dev: Device) -> float:
+    """Device time of one group of kernels, launch gaps included."""
+    if op.count <= 0:
+        return 0.0
+    if op.op_class in (MATMUL, GROUPED_MATMUL) and len(op.dims) == 4:
+        t = matmul_time_s(op, dev)
+    elif op.op_class in (ATTENTION_FWD, ATTENTION_BWD) and len(op.dims) == 5:
+        t = attention_time_s(op, dev, backward=op.op_class == ATTENTION_BWD)
+    else:
+        t = memory_bound_time_s(op, dev)
+    return t + op.count * dev.kernels.kernel_launch_s
+
+
+def ops_time_s(ops, dev: Device) -> float:
+    """Device time of a sequence of kernel groups (one stream: they add up)."""
+    return sum(op_time_s(op, dev) for op in ops)
+
+
+def block_time_s(ops, dev: Device, host_s: float) -> float:
+    """A GPU block: the slower of its kernels and the host issuing them (asynchronous launch)."""
+    return max(ops_time_s(ops, dev), host_s)
+
+
+_CONSTANTS: dict[int, tuple[dict, KernelConstants]] = {}
+
+
+def kernel_constants(profile) -> KernelConstants | None:
+    """The profile's ``[kernels]`` table as :class:`KernelConstants`; None when it has none (then compute
+    is priced as traced FLOPs x compute_efficiency). Parsed once per table."""
+    table = profile.kernels
+    if not table:
+        return None
+    hit = _CONSTANTS.get(id(table))
+    if hit is not None and hit[0] is table:
+        return hit[1]
+    kc = KernelConstants.from_table(table)
+    _CONSTANTS[id(table)] = (table, kc)  # the table kept alive with its key: ids are not reused
+    return kc
+
+
+def device_of(profile, dtype: str) -> Device | None:
+    """What pricing kernels of compute dtype ``dtype`` on ``profile`` needs; None without a [kernels] table."""
+    kc = kernel_constants(profile)
+    if kc is None:
+        return None
+    return Device(kc, profile.peak_flops_per_s[dtype], profile.memory_bandwidth_bytes_per_s)
+
+
+# ---- kernels of a trace (trace/types.py KernelRecord; trace/kernel_ops.py [Note: kernel records]) ----
+
+@functools.lru_cache(maxsize=1 << 16)
+def _cached_op_time_s(op: KernelOp, dev: Device) -> float:
+    return op_time_s(op, dev)  # repeated blocks share their records' shapes: priced once
+
+
+def records_time_s(records, micro_batch: int, dev: Device) -> float:
+    """Device seconds of a module's kernel records at ``micro_batch``."""
+    total = 0.0
+    for r in records:
+        op = KernelOp(r.op_class, r.count, max(0.0, r.flops.at(micro_batch)), max(0.0, r.bytes.at(micro_batch)),
+                      r.dims_at(micro_batch))
+        total += _cached_op_time_s(op, dev)
+    return total
+
+
+def has_kernel_records(trace) -> bool:
+    """Whether ``trace`` carries kernel records (traces written before them do not)."""
+    return bool(trace.loss_kernels) or any(m.fwd_kernels or m.bwd_kernels for m in trace.modules)
+
+
+def module_kernel_s(trace, micro_batch: int, dev: Device, fallback_flops_per_s: float) -> dict[str, tuple[float, float]]:
+    """Per module, the device seconds of its own forward and backward at ``micro_batch``: its kernel
+    records priced by the roofline; a module with no records in a phase (its op sequences did not pair
+    across the traced batch sizes) takes that phase's FLOPs at ``fallback_flops_per_s``."""
+    out = {}
+    for m in trace.modules:
+        fwd = (records_time_s(m.fwd_kernels, micro_batch, dev) if m.fwd_kernels
+               else m.fwd_flops_self.at(micro_batch) / fallback_flops_per_s)
+        bwd = (records_time_s(m.bwd_kernels, micro_batch, dev) if m.bwd_kernels
+               else m.bwd_flops_self.at(micro_batch) / fallback_flops_per_s)
+        out[m.fqn] = (fwd, bwd)
+    return out
+
+
+def loss_kernel_s(trace, micro_batch: int, dev: Device, fallback_flops_per_s: float) -> float:
+    """Device seconds of the loss function (forward and backward) at ``micro_batch``."""
+    if trace.loss_kernels:
+        return records_time_s(trace.loss_kernels, micro_batch, dev)
+    return trace.loss_flops.at(micro_batch) / fallback_flops_per_s
+
+
+def block_kernel_s(trace, block_fqns, per_module: dict[str, tuple[float, float]]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Forward and backward device seconds of each block (cost/tables.py Block.fqn: a module's subtree,
+    or ``<fqn>:self`` for a container's own operations), summed from :func:`module_kernel_s`."""
+    memo: dict[str, tuple[float, float]] = {}
+
+    def subtree(fqn: str) -> tuple[float, float]:
+        hit = memo.get(fqn)
+        if hit is None:
+            f, b = per_module.get(fqn, (0.0, 0.0))
+            for c in trace.module(fqn).children:
+                cf, cb = subtree(c)
+                f, b = f + cf, b + cb
+            memo[fqn] = hit = (f, b)
+        return hit
+
+    times = [per_module.get(fqn[: -len(":self")], (0.0, 0.0)) if fqn.endswith(":self") else subtree(fqn)
+             for fqn in block_fqns]
+    return tuple(t[0] for t in times), tuple(t[1] for t in times)

@@ -1,0 +1,173 @@
+"""Kernel records: each aten op of a traced step as a kernel class, the shape that decides its speed, and
+the bytes it moves; then, per module, compact records fitted over the two traced batch sizes.
+
+[Note: kernel records] The cost model prices GPU compute per kernel (shard_planner/cost/kernels.py):
+a matmul's speed depends on (M, N, K), FlashAttention's on (batch x heads, sequence, head dim,
+causal), everything else on the bytes it reads and writes. The tracer hands every op to
+:func:`classify` (inside its dispatch mode, where the fake tensors' sizes are known) and keeps, per
+module call and phase, the sequence of :class:`OpSample`. Both traced batch sizes run the same code, so
+their sequences pair up op by op; :func:`fit_records` aggregates the pairs by (class, shape at b1,
+shape at b2) into :class:`~shard_planner.trace.types.KernelRecord` whose FLOPs, bytes and dimensions
+are affine in the micro-batch (a token dimension is b x seq, a weight dimension fixed). Views and
+allocations run no kernel and are not recorded (they still count as aten ops for the per-op host
+overhead).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from shard_planner.trace.types import Affine, KernelRecord
+
+logger = logging.getLogger(__name__)
+
+aten = torch.ops.aten
+
+MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "addbmm"}
+GROUPED_OPS = {"_grouped_mm", "_scaled_grouped_mm"}
+ATTENTION_FWD_OPS = {
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward", "_efficient_attention_forward",
+}
+ATTENTION_BWD_OPS = {name + "_backward" for name in ATTENTION_FWD_OPS}
+REDUCTION_OPS = {
+    "_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data", "sum", "mean", "amax",
+    "amin", "max", "min", "var", "var_mean", "std", "norm", "linalg_vector_norm", "logsumexp", "cumsum",
+    "argmax", "argmin", "all", "any", "prod",
+}
+LOSS_OPS = {"nll_loss_forward", "nll_loss_backward", "nll_loss2d_forward", "nll_loss2d_backward", "mse_loss",
+            "mse_loss_backward", "binary_cross_entropy", "binary_cross_entropy_backward",
+            "binary_cross_entropy_with_logits", "smooth_l1_loss", "smooth_l1_loss_backward", "huber_loss"}
+COPY_OPS = {"_to_copy", "copy_", "clone", "contiguous", "cat", "stack", "_copy_from", "constant_pad_nd",
+            "repeat", "expand_copy", "_copy_from_and_resize", "lift_fresh_copy", "roll", "flip"}
+EMBEDDING_OPS = {"embedding", "embedding_dense_backward", "index_select", "index", "index_put", "index_put_",
+                 "_index_put_impl_", "index_add", "index_add_", "gather", "scatter", "scatter_add", "scatter_add_",
+                 "take", "_embedding_bag", "_embedding_bag_backward", "_embedding_bag_dense_backward"}
+# Ops that alias or allocate without a kernel (views are recognised by their schema: OpOverload.is_view).
+NO_KERNEL_OPS = {"_unsafe_view", "detach", "alias", "lift_fresh", "_reshape_alias", "as_strided", "empty",
+                 "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_", "set_",
+                 "_local_scalar_dense", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset"}
+
+
+class OpSample(NamedTuple):
+    """One kernel as traced at one batch size."""
+
+    op_class: str
+    dims: tuple[int, ...]
+    flops: int
+    bytes: int
+
+
+def _nbytes(x) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_leaves(x) if isinstance(t, torch.Tensor))
+
+
+def _arg(func, args, kwargs, name: str, default=None):
+    """The value of argument ``name`` of ``func`` as called (positional or keyword)."""
+    if name in kwargs:
+        return kwargs[name]
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == name:
+            return args[i] if i < len(args) and not a.kwarg_only else default
+    return default
+
+
+def _matmul_dims(name: str, args) -> tuple[int, ...]:
+    """(batch, M, N, K) of mm / addmm / bmm / baddbmm (/ _scaled_mm: mm's layout)."""
+    a, b = (args[1], args[2]) if name in ("addmm", "baddbmm", "addbmm") else (args[0], args[1])
+    if a.dim() == 3 and name != "addbmm":
+        return int(a.shape[0]), int(a.shape[1]), int(b.shape[-1]), int(a.shape[2])
+    if a.dim() == 3:  # addbmm: a sum over the batch of (M, K) x (K, N)
+        return 1, int(a.shape[1]), int(b.shape[-1]), int(a.shape[0] * a.shape[2])
+    return 1, int(a.shape[0]), int(b.shape[1]), int(a.shape[1])
+
+
+def grouped_mm_dims(a: torch.Tensor, b: torch.Tensor) -> tuple[int, ...]:
+    """(groups, M per group, N, K per group) of ``_grouped_mm(a, b, offs)``: a (T, K) x b (G, K, N) routes
+    T rows to G experts; (G, M, K) x (G, K, N) is batched; a (M, T) x b (T, N) with offsets over T gives
+    the per-expert weight gradients (G, M, N)."""
+    if a.dim() == 2 and b.dim() == 3:
+        g = int(b.shape[0])
+        return g, max(1, round(a.shape[0] / g)), int(b.shape[2]), int(a.shape[1])
+    if a.dim() == 3 and b.dim() == 3:
+        return int(a.shape[0]), int(a.shape[1]), int(b.shape[2]), int(a.shape[2])
+    if a.dim() == 3:  # (G, M, K) x (K, T) with offsets over T
+        return int(a.shape[0]), int(a.shape[1]), max(1, round(b.shape[1] / a.shape[0])), int(a.shape[2])
+    return 1, int(a.shape[0]), int(b.shape[1]), int(a.shape[1])
+
+
+def grouped_mm_flop(a_shape, b_shape, out_shape) -> int:
+    """FLOPs of ``_grouped_mm``: 2 x output elements x the reduction length of each (FlopCounterMode has
+    no formula: torch/utils/flop_counter.py registers mm/addmm/bmm/baddbmm only)."""
+    if len(a_shape) == 2 and len(b_shape) == 2:  # (M, T) x (T, N), offsets split T among the groups
+        return 2 * a_shape[0] * b_shape[1] * a_shape[1]
+    n_out = 1
+    for s in out_shape:
+        n_out *= s
+    return 2 * n_out * a_shape[-1]
+
+
+def _attention_dims(func, name: str, args, kwargs) -> tuple[int, ...]:
+    """(batch x heads, seq_q, seq_k, head_dim, causal) from query (B, H, S_q, D) and key (B, H_kv, S_k, D)."""
+    q, k = (args[1], args[2]) if name.endswith("_backward") else (args[0], args[1])
+    causal = bool(_arg(func, args, kwargs, "is_causal", False))
+    if name in ("_flash_attention_forward", "_flash_attention_backward",
+                "_efficient_attention_forward", "_efficient_attention_backward"):  # (B, S, H, D) layout
+        return int(q.shape[0] * q.shape[2]), int(q.shape[1]), int(k.shape[1]), int(q.shape[3]), int(causal)
+    return int(q.shape[0] * q.shape[1]), int(q.shape[2]), int(k.shape[2]), int(q.shape[3]), int(causal)
+
+
+def classify(func, args, kwargs, out, flops: int) -> OpSample | None:
+    """The kernel ``func(*args, **kwargs) -> out`` runs, or None when it runs none (views, allocations,
+    metadata). Bytes: every tensor argument read plus every tensor output written."""
+    if func.namespace == "prim" or getattr(func, "is_view", False):
+        return None
+    name = func._overloadpacket.__name__
+    if name in NO_KERNEL_OPS:
+        return None
+    moved = _nbytes(args) + _nbytes(kwargs) + _nbytes(out)
+    if name in MATMUL_OPS:
+        return OpSample("matmul", _matmul_dims(name, args), flops, moved)
+    if name in GROUPED_OPS:
+        return OpSample("grouped_matmul", grouped_mm_dims(args[0], args[1]), flops, moved)
+    if name in ATTENTION_FWD_OPS:
+        return OpSample("attention_fwd", _attention_dims(func, name, args, kwargs), flops, moved)
+    if name in ATTENTION_BWD_OPS:
+        return OpSample("attention_bwd", _attention_dims(func, name, args, kwargs), flops, moved)
+    for op_class, names in (("reduction", REDUCTION_OPS), ("loss", LOSS_OPS), ("copy", COPY_OPS),
+                            ("embedding", EMBEDDING_OPS)):
+        if name in names:
+            return OpSample(op_class, (), flops, moved)
+    if not any(isinstance(t, torch.Tensor) for t in tree_leaves(out)):
+        return None
+    return OpSample("elementwise", (), flops, moved)
+
+
+def fit_records(seq1: list[OpSample], seq2: list[OpSample], b1: int, b2: int) -> tuple[KernelRecord, ...]:
+    """Pair the kernels of one module and phase at batch sizes b1 and b2 op by op and aggregate them by
+    (class, shape at b1, shape at b2) ([Note: kernel records]). Sequences that do not pair (a model
+    whose ops depend on the batch size) give no records: the block is then priced from its FLOPs."""
+    if len(seq1) != len(seq2) or any(x.op_class != y.op_class or len(x.dims) != len(y.dims)
+                                     for x, y in zip(seq1, seq2)):
+        logger.debug("kernel sequences differ between batch sizes %d and %d (%d vs %d ops): no records",
+                     b1, b2, len(seq1), len(seq2))
+        return ()
+    groups: dict[tuple, list] = {}
+    for x, y in zip(seq1, seq2):
+        g = groups.setdefault((x.op_class, x.dims, y.dims), [0, 0, 0, 0, 0])
+        g[0] += 1
+        g[1] += x.flops
+        g[2] += y.flops
+        g[3] += x.bytes
+        g[4] += y.bytes
+    out = []
+    for (op_class, d1, d2), (count, f1, f2, m1, m2) in groups.items():
+        dims = tuple(Affine.fit(b1, float(u), b2, float(v)) for u, v in zip(d1, d2))
+        out.append(KernelRecord(op_class, count, Affine.fit(b1, float(f1), b2, float(f2)),
+                                Affine.fit(b1, float(m1), b2, float(m2)), dims))
+    return tuple(out)
