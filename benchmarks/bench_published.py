@@ -157,19 +157,20 @@ def plan_for(run: Run, trace: ModelTrace, profile_name: str, memory_bytes: int) 
 TRITON_FLASH_ATTENTION = {"attention_fwd_efficiency": 0.432, "attention_bwd_efficiency": 0.267}
 
 
-def stack_profile(name: str) -> HardwareProfile:
-    """The GPU's profile with the attention kernel the published runs used ([Note: the attention kernel
-    of the published runs]); profiles without a [kernels] table unchanged."""
+def stack_profile(name: str, compute_model: str) -> HardwareProfile:
+    """The GPU's profile pricing compute by ``compute_model`` ("roofline": the kernel model, with the
+    attention kernel the published runs used, [Note: the attention kernel of the published runs];
+    "flops": the shipped profile as it is)."""
     profile = load_profile(name)
-    if not profile.kernels:
-        return profile
-    return replace(profile, kernels={**profile.kernels, **TRITON_FLASH_ATTENTION})
+    if compute_model == "flops" or not profile.kernels:
+        return replace(profile, compute_model="flops")
+    return replace(profile, compute_model="roofline", kernels={**profile.kernels, **TRITON_FLASH_ATTENTION})
 
 
-def predict(run: Run, trace: ModelTrace, profiles: dict) -> dict:
+def predict(run: Run, trace: ModelTrace, profiles: dict, compute_model: str) -> dict:
     """Predicted tokens/s/GPU of ``run`` and its breakdown per global batch (module docstring)."""
     name = PROFILE_OF_GPU[run.gpu]
-    profile = profiles.get(name) or profiles.setdefault(name, stack_profile(name))
+    profile = profiles.get(name) or profiles.setdefault(name, stack_profile(name, compute_model))
     est = simulate_time(trace, plan_for(run, trace, name, profile.memory_bytes), profile)
     accum = run.grad_accum
     per_micro_s = est.step_time_s - est.optimizer_s
@@ -246,12 +247,12 @@ def grouped(rows: list[dict], key: str, order=None) -> list[dict]:
 TARGETS = "median |err| <= 8%, p90 <= 20%, |median signed| <= 3%, Spearman >= 0.98, no size bucket biased > 10%"
 
 
-def write_markdown(rows: list[dict], tables: dict, meta: dict) -> Path:
-    """reports/benchmarks/published.md: how it was run, the summary tables, the worst rows."""
+def write_markdown(rows: list[dict], tables: dict, meta: dict, name: str) -> Path:
+    """reports/benchmarks/<name>.md: how it was run, the summary tables, the worst rows."""
     import io
 
     buf = io.StringIO()
-    buf.write("# Step-time model vs 164 published llm-foundry A100 runs\n\n")
+    buf.write(f"# Step-time model ({meta['compute_model']} compute) vs 164 published llm-foundry A100 runs\n\n")
     buf.write(f"Command: `{meta['command']}`; {meta['rows']} rows, {meta['traces']} traces "
               f"({meta['traced']} traced now), {meta['seconds']:.0f} s at load {meta['load']}.\n")
     buf.write(f"Error = predicted / published tokens/s/GPU - 1 (positive: predicted too fast). Targets (issue 12): "
@@ -259,12 +260,12 @@ def write_markdown(rows: list[dict], tables: dict, meta: dict) -> Path:
     for title, table in tables.items():
         print_table(table, title=title, stream=buf)
     buf.write("\n" + NOTES)
-    return write_atomic_text(buf.getvalue(), "published.md")
+    return write_atomic_text(buf.getvalue(), f"{name}.md")
 
 
 NOTES = """## How the rows are priced
 
-- Compute: the roofline kernel model (shard_planner/cost/kernels.py) over the trace's kernel records,
+- Compute (`--compute-model roofline`, published.md): the roofline kernel model (shard_planner/cost/kernels.py) over the trace's kernel records,
   with the a100-80gb / a100-40gb profiles' [kernels] tables (datasheet, CUTLASS tiles, maximum achievable
   matmul FLOPS, FlashAttention-2 paper), except attention: these runs used llm-foundry's Triton
   FlashAttention (the CSV's notes: attn_impl triton), priced at its measured A100 speed (triton-lang/triton
@@ -272,8 +273,8 @@ NOTES = """## How the rows are priced
   benchmarks/bench_published.py).
 - Inter-node collectives: the A100 profiles' busbw per rank is the node's aggregate NIC bandwidth (8 x 200
   Gb/s, one NCCL ring per NIC) x 0.9.
-- Baseline: published_baseline.csv, the step-time model before the kernel model (traced FLOPs at one
-  efficiency per profile, and inter-node busbw divided by the GPUs of a node).
+- Baseline (`--compute-model flops`, published_flops.md, what the shipped profiles use): traced FLOPs at
+  one efficiency per profile (compute_efficiency), the same collectives and schedule.
 - What is left: a uniform offset, +8% (<0.5B) to +12-15% (0.5-40B) too fast at every sequence length,
   with and without checkpointing. An independent stack points the same way: for torchtitan's Llama 3 8B
   on 64 A100s (FSDP2, selective checkpointing, 58.2% MFU: REFERENCE.md) the kernel model predicts 57%
@@ -295,16 +296,16 @@ WORST_COLUMNS = ["row", "model", "gpu", "n_gpus", "seq_len", "micro_batch", "gra
 
 
 def _baseline_rows() -> list[dict]:
-    """The rows of reports/benchmarks/published_baseline.csv (the step-time model before the kernel
-    model: traced FLOPs at one efficiency), for comparison; [] when absent."""
-    path = OUT_DIR / "published_baseline.csv"
+    """The rows of reports/benchmarks/published_flops.csv (``--compute-model flops``: traced FLOPs at one
+    efficiency, as the shipped profiles price compute), for comparison; [] when absent."""
+    path = OUT_DIR / "published_flops.csv"
     if not path.is_file():
         return []
     with path.open() as f:
         return [{**r, **{k: float(r[k]) for k in ("error_pct", "predicted", "published")}} for r in csv.DictReader(f)]
 
 
-def run_all(runs: list[Run], cache_dir: Path | None) -> tuple[list[dict], int]:
+def run_all(runs: list[Run], cache_dir: Path | None, compute_model: str) -> tuple[list[dict], int]:
     """Predict every run; returns the rows and how many traces were made (not cached)."""
     memo: dict = {}
     profiles: dict = {}
@@ -318,7 +319,7 @@ def run_all(runs: list[Run], cache_dir: Path | None) -> tuple[list[dict], int]:
             traced += made
             logger.info("%s %s seq %d: %.1f s", "traced" if made else "cached trace", run.model, run.seq_len,
                         time.perf_counter() - t0)
-        out.append(predict(run, memo[key], profiles))
+        out.append(predict(run, memo[key], profiles, compute_model))
     return out, traced
 
 
@@ -329,18 +330,22 @@ def main(argv=None) -> None:
                     help="directory of cached traces (keyed by shape and the tracer's code); '' for none")
     ap.add_argument("--worst", type=int, default=12)
     ap.add_argument("--rows", type=int, default=None, help="only the first N rows (a quick look)")
+    ap.add_argument("--compute-model", choices=("roofline", "flops"), default="roofline",
+                    help="how compute is priced: the kernel model, or traced FLOPs at the profile's efficiency "
+                         "(the shipped profiles' default); writes published.* or published_flops.*")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     started = time.perf_counter()
     runs = load_runs(args.csv)[: args.rows]
     cache = args.trace_cache if str(args.trace_cache) else None
-    rows, traced = run_all(runs, cache)
+    rows, traced = run_all(runs, cache, args.compute_model)
+    name = "published" if args.compute_model == "roofline" else "published_flops"
     seconds = time.perf_counter() - started
-    write_csv(rows, "published")
+    write_csv(rows, name)
     buckets = [label for _, label in SIZE_BUCKETS]
-    baseline = _baseline_rows()
+    baseline = _baseline_rows() if args.compute_model == "roofline" else []
     tables = {
-        "all rows": [summary(rows, "all")] + ([summary(baseline, "baseline (published_baseline.csv)")]
+        "all rows": [summary(rows, "all")] + ([summary(baseline, "flops compute (published_flops.csv)")]
                                               if baseline else []),
         "by model size": grouped(rows, "size_bucket", buckets),
         "by sequence length": grouped(rows, "seq_len"),
@@ -352,11 +357,11 @@ def main(argv=None) -> None:
     }
     meta = dict(command="python benchmarks/bench_published.py " + " ".join(argv or sys.argv[1:]), rows=len(rows),
                 traces=len({json.dumps(r.shape, sort_keys=True) for r in runs}), traced=traced, seconds=seconds,
-                load=" ".join(f"{x:.1f}" for x in os.getloadavg()))
+                load=" ".join(f"{x:.1f}" for x in os.getloadavg()), compute_model=args.compute_model)
     for title, table in tables.items():
         print_table(table, title=title)
-    path = write_markdown(rows, tables, meta)
-    print(f"\n{len(rows)} rows in {seconds:.0f} s; wrote {OUT_DIR / 'published.csv'} and {path}")
+    path = write_markdown(rows, tables, meta, name)
+    print(f"\n{len(rows)} rows in {seconds:.0f} s; wrote {OUT_DIR / (name + '.csv')} and {path}")
 
 
 if __name__ == "__main__":

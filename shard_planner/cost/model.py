@@ -190,9 +190,9 @@ class CostModel:
     def kernel_module_s(self, micro_batch: int, param_dtype: str) -> tuple[dict, float] | None:
         """Per module its own forward and backward device seconds, and the loss's, from the trace's
         kernel records priced by the profile's ``[kernels]`` table (cost/kernels.py), once per
-        (micro-batch, dtype); None when the profile has no table or the trace no records (then compute
-        is traced FLOPs x the profile's efficiency)."""
-        if not self._kernel_records or not self.profile.kernels:
+        (micro-batch, dtype); None unless the profile's ``compute_model`` is "roofline" and the trace has
+        records (then compute is traced FLOPs x the profile's efficiency)."""
+        if not self._kernel_records or self.profile.compute_model != "roofline":
             return None
 
         def price():

@@ -134,7 +134,8 @@ def test_grouped_mm_flops_are_counted():
 
 
 def test_cost_model_prices_kernels_on_gpu_profiles_only(tiny_trace):
-    """A GPU profile with a [kernels] table prices blocks from the records; cpu-gloo and old traces from FLOPs."""
+    """A GPU profile with a [kernels] table and compute_model "roofline" prices blocks from the records;
+    the shipped profiles ("flops"), cpu-gloo and old traces from FLOPs."""
     import dataclasses
 
     from shard_planner.cost.model import CostModel
@@ -143,7 +144,9 @@ def test_cost_model_prices_kernels_on_gpu_profiles_only(tiny_trace):
     units = (Unit(("",), False),) + tuple(Unit((f"blocks.{i}",), True) for i in range(2))
     plan = Plan(ModelRef("shape", tiny_trace.fingerprint), Cluster(8, 8, "a100-80gb", 80 * 2**30), Mesh(8),
                 Training(4), units, Prefetch())
-    gpu = load_profile("a100-80gb")
+    shipped = load_profile("a100-80gb")
+    assert shipped.compute_model == "flops" and CostModel(tiny_trace, shipped).kernel_module_s(4, "bfloat16") is None
+    gpu = dataclasses.replace(shipped, compute_model="roofline")
     model = CostModel(tiny_trace, gpu)
     kernels = model.kernel_module_s(4, "bfloat16")
     assert kernels is not None
@@ -153,9 +156,21 @@ def test_cost_model_prices_kernels_on_gpu_profiles_only(tiny_trace):
     expected = sum(kernels[0][m.fqn][0] for m in tiny_trace.subtree("blocks.0"))
     assert blocks.device_fwd_s[i] == pytest.approx(expected)
     assert blocks.loss_device_s == pytest.approx(kernels[1])
-    flops_only = CostModel(tiny_trace, dataclasses.replace(gpu, kernels=None))
+    flops_only = CostModel(tiny_trace, shipped)
     assert flops_only.kernel_module_s(4, "bfloat16") is None
     rate = gpu.flops_per_s("bfloat16")
     assert (flops_only.block_compute_s(t, 4, "bfloat16").device_fwd_s[i]
             == pytest.approx(t.blocks[i].fwd_flops.at(4) / rate))
     assert CostModel(tiny_trace, load_profile("cpu-gloo")).kernel_module_s(4, "bfloat16") is None
+
+
+def test_roofline_needs_a_kernels_table_and_a_known_model():
+    import dataclasses
+
+    from shard_planner.errors import ProfileError
+
+    gpu = load_profile("h100-80gb")
+    with pytest.raises(ProfileError, match="needs a \\[kernels\\] table"):
+        dataclasses.replace(gpu, compute_model="roofline", kernels=None)
+    with pytest.raises(ProfileError, match="compute_model must be one of flops, roofline"):
+        dataclasses.replace(gpu, compute_model="kernels")
