@@ -87,6 +87,9 @@ class Step:
             self._add_op()
         if func._overloadpacket in self.flops:
             self._add_flops(self.flops.count(func, args, kwargs, out))
+        if isinstance(out, torch.Tensor):  # most ops: skip the pytree walk
+            self.log.track(out)
+            return
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.log.track(t)

@@ -2,10 +2,10 @@
 
 The stage, in order:
 
-- The model is built under :class:`FakeTensorMode` (no real memory), its floating parameters are cast
-  to the compute dtype as FSDP2's ``MixedPrecisionPolicy(param_dtype=...)`` does (parameter bytes are
-  recorded as built, before the cast, ``replay.static_facts``), and floating inputs are cast at the
-  root's entry (``cast_forward_inputs``).
+- The model is built under :class:`FakeTensorMode` (no real memory; ``trace/build.py``), its floating
+  parameters are cast to the compute dtype as FSDP2's ``MixedPrecisionPolicy(param_dtype=...)`` does
+  (parameter bytes are recorded as built, before the cast, ``replay.static_facts``), and floating
+  inputs are cast at the root's entry (``cast_forward_inputs``).
 - Each batch size is one traced step (``trace/capture.py``), with repeated identical blocks traced once
   (``trace/twins.py``, [Note: twins]); a step whose templates turn out to run a shared module is traced
   again without them. ``trace_model(..., reuse=False)`` traces everything.
@@ -27,6 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from shard_planner.errors import UserError
 from shard_planner.modelfile import ModelFile, load_model_file
+from shard_planner.trace.build import build_fake, cast_parameters
 from shard_planner.trace.capture import Step, run_step
 from shard_planner.trace.flops import FlopCounter
 from shard_planner.trace.records import StepResult
@@ -69,16 +70,12 @@ def trace_model(
     with _quiet_fake_tensor_logger():
         # Tensors a model file made at import time, outside the mode, are converted when first used.
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with fake_mode:
-            model = mf.build()
+        model = build_fake(mf, fake_mode)
         modules = list(model.named_modules())
         static = static_facts(modules)
         hashes = structural_hashes(model)
         fingerprint = model_fingerprint(model)
-        with fake_mode:
-            for p in model.parameters():
-                if p.is_floating_point() and p.dtype != compute:
-                    p.data = p.data.to(compute)
+        cast_parameters(model, compute, fake_mode)
         flops = FlopCounter()
         banned: set[str] = set()  # modules that turned out not to be faithful templates, for both sizes
         r1, r2 = [_trace_batch(fake_mode, model, modules, mf, compute, hashes, reuse, flops, banned, b)

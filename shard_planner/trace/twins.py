@@ -84,9 +84,13 @@ class TwinFn(torch.autograd.Function):
         kept = [tensors[s.index] for s in info.input_saves]  # alive until backward, as the template's saves
         ctx.n_params = len(tensors) - n_inputs
         leaves = [v for v in info.out_values if isinstance(v, OutLeaf)]
+        group_sizes = Counter(leaf.group for leaf in leaves)
         bases: dict[int, torch.Tensor] = {}
         outs = []
         for leaf in leaves:
+            if group_sizes[leaf.group] == 1 and _fills_storage(leaf):  # one op instead of three
+                outs.append(torch.empty_strided(leaf.shape, leaf.stride, dtype=leaf.dtype, device=leaf.device))
+                continue
             if leaf.group not in bases:
                 bases[leaf.group] = torch.empty(leaf.group_nbytes, dtype=torch.uint8, device=leaf.device)
             base = bases[leaf.group].view(leaf.dtype)
@@ -104,6 +108,15 @@ class TwinFn(torch.autograd.Function):
             for (shape, dtype, device), need in zip(ctx.input_meta, ctx.needs_input_grad[2:])
         )
         return (None, None) + grads_in + (None,) * ctx.n_params
+
+
+def _fills_storage(leaf: OutLeaf) -> bool:
+    """Whether a tensor of the leaf's layout at offset 0 spans exactly its storage, so that
+    ``torch.empty_strided`` makes a storage of the template's size."""
+    if leaf.offset != 0 or 0 in leaf.shape:
+        return False
+    extent = 1 + sum((n - 1) * s for n, s in zip(leaf.shape, leaf.stride))
+    return extent * leaf.dtype.itemsize == leaf.group_nbytes
 
 
 class Twins:
@@ -227,24 +240,38 @@ def _signature(leaves, spec) -> tuple:
     return tuple(sig)
 
 
+# Attributes that number a block within its stack (transformers: layer_idx, to index a KV cache that a
+# training step does not use; torchtitan: layer_id, for its depth-scaled init), and what stands for
+# one equal to the block's index in the stack (see attribute_signatures).
+_POSITION_NAMES = frozenset({"layer_idx", "layer_id", "layer_index", "block_idx", "block_id"})
+_POSITION = ("<position in the stack>",)
+
+
 def attribute_signatures(model: nn.Module) -> dict[str, tuple]:
     """fqn -> the plain attributes (numbers, strings, flags) of every module in its subtree.
 
     Structural hashes see classes, parameters and buffers only; two attention modules that differ in
-    ``is_causal`` or a dropout rate have the same hash but are not twins.
+    ``is_causal`` or a dropout rate have the same hash but are not twins. A block number
+    (``_POSITION_NAMES``) equal to the index of the enclosing stack entry
+    (``layers.7.self_attn.layer_idx == 7``) is the block's position, not its configuration, and is
+    recorded as such, so the blocks of a stack stay twins. A block whose forward branches on that
+    number (rather than on other attributes or its inputs) would be reused wrongly:
+    ``trace_model(..., reuse=False)`` traces everything.
     """
     sigs: dict[str, tuple] = {}
 
-    def visit(fqn: str, module: nn.Module) -> tuple:
+    def visit(fqn: str, module: nn.Module, position: int | None) -> tuple:
         own = tuple(sorted(
-            (k, v) for k, v in vars(module).items()
+            (k, _POSITION if k in _POSITION_NAMES and type(v) is int and v == position else v)
+            for k, v in vars(module).items()
             if not k.startswith("_") and isinstance(v, (bool, int, float, str, type(None)))
         ))
-        kids = tuple((name, visit(join_fqn(fqn, name), child)) for name, child in module.named_children())
+        kids = tuple((name, visit(join_fqn(fqn, name), child, int(name) if name.isdigit() else position))
+                     for name, child in module.named_children())
         sigs[fqn] = (own, kids)
         return sigs[fqn]
 
-    visit("", model)
+    visit("", model, None)
     return sigs
 
 
