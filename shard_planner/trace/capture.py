@@ -38,7 +38,7 @@ from shard_planner.modelfile import ModelFile
 from shard_planner.trace.flops import FlopCounter
 from shard_planner.trace.records import ENTER, EXIT, Call, Span, is_ancestor
 from shard_planner.trace.storages import SavedTensors, StorageLog
-from shard_planner.trace.twins import Twins, run_twin, twin_info
+from shard_planner.trace.twins import ReuseFacts, Twins, run_twin, twin_info
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +61,12 @@ class Step:
     """One traced forward + loss + backward at one batch size."""
 
     def __init__(self, model: nn.Module, model_file: ModelFile, compute_dtype: torch.dtype,
-                 hashes: dict[str, str], reuse: bool, flops: FlopCounter, banned: set[str] = frozenset()):
+                 reuse: ReuseFacts, flops: FlopCounter, banned: set[str] = frozenset()):
         self.model, self.mf, self.compute_dtype = model, model_file, compute_dtype
         self.flops = flops
         self.log = StorageLog()
         self.saves = SavedTensors()
-        self.twins = Twins(model, hashes, reuse, banned)
+        self.twins = Twins(reuse, banned)
         self.calls_by_fqn: dict[str, int] = defaultdict(int)
         # sid -> the first call that took the storage as an input (None: a batch tensor)
         self.input_owner: dict[int, Call | None] = {}

@@ -33,6 +33,7 @@ from shard_planner.trace.flops import FlopCounter
 from shard_planner.trace.records import StepResult
 from shard_planner.trace.replay import module_traces, static_facts, step_result
 from shard_planner.trace.structure import model_fingerprint, structural_hashes
+from shard_planner.trace.twins import ReuseFacts, reuse_facts
 from shard_planner.trace.types import Affine, ModelTrace
 from shard_planner.units import DTYPE_NAMES
 
@@ -78,8 +79,8 @@ def trace_model(
         cast_parameters(model, compute, fake_mode)
         flops = FlopCounter()
         banned: set[str] = set()  # modules that turned out not to be faithful templates, for both sizes
-        r1, r2 = [_trace_batch(fake_mode, model, modules, mf, compute, hashes, reuse, flops, banned, b)
-                  for b in (b1, b2)]
+        facts = reuse_facts(model, hashes, reuse)
+        r1, r2 = [_trace_batch(fake_mode, model, modules, mf, compute, facts, flops, banned, b) for b in (b1, b2)]
     if r1.forward_order != r2.forward_order:
         logger.warning("forward order differs between batch sizes %d and %d; using %d's", b1, b2, b1)
 
@@ -108,14 +109,14 @@ def trace_model(
 
 
 def _trace_batch(fake_mode: FakeTensorMode, model: nn.Module, modules: list[tuple[str, nn.Module]], mf: ModelFile,
-                 compute: torch.dtype, hashes: dict[str, str], reuse: bool, flops: FlopCounter, banned: set[str],
+                 compute: torch.dtype, facts: ReuseFacts, flops: FlopCounter, banned: set[str],
                  batch_size: int) -> StepResult:
     """One traced step at ``batch_size``; again without the templates that ran a shared module (added
     to ``banned``)."""
     while True:
         with fake_mode:
             inputs, targets = mf.batch(batch_size)
-        step = Step(model, mf, compute, hashes, reuse, flops, banned)
+        step = Step(model, mf, compute, facts, flops, banned)
         with fake_mode:
             run_step(step, modules, inputs, targets)
         del inputs, targets

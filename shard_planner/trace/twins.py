@@ -119,27 +119,45 @@ def _fills_storage(leaf: OutLeaf) -> bool:
     return extent * leaf.dtype.itemsize == leaf.group_nbytes
 
 
+@dataclass(frozen=True)
+class ReuseFacts:
+    """What decides which modules may be twins: fixed for a model, computed once per trace."""
+
+    hashes: dict[str, str]  # fqn -> structural hash
+    twin_hashes: frozenset[str]  # hashes of more than one module (none when reuse is off)
+    leaves: frozenset[str]  # modules without children: never reused (see [Note: twins])
+    param_ids: dict[str, frozenset[int]]  # fqn (not a leaf) -> ids of its subtree's parameters
+    attr_sigs: dict[str, tuple]  # fqn -> attribute_signatures
+
+
+def reuse_facts(model: nn.Module, hashes: dict[str, str], reuse: bool) -> ReuseFacts:
+    """The :class:`ReuseFacts` of ``model``; ``reuse=False`` makes no module a twin."""
+    counts = Counter(hashes.values())
+    modules = list(model.named_modules())
+    leaves = frozenset(fqn for fqn, m in modules if next(m.children(), None) is None)
+    return ReuseFacts(
+        hashes=hashes,
+        twin_hashes=frozenset(h for h, n in counts.items() if n > 1) if reuse else frozenset(),
+        leaves=leaves,
+        param_ids={fqn: frozenset(id(p) for p in m.parameters()) for fqn, m in modules if fqn not in leaves},
+        attr_sigs=attribute_signatures(model),
+    )
+
+
 class Twins:
     """The templates of one step, and the twins that reused them."""
 
-    def __init__(self, model: nn.Module, hashes: dict[str, str], reuse: bool, banned: set[str]):
-        counts = Counter(hashes.values())
-        self.hashes = hashes
-        # Only modules with children are reused (see [Note: twins]).
-        self.twin_hashes = {h for h, n in counts.items() if n > 1} if reuse else set()
+    def __init__(self, facts: ReuseFacts, banned: set[str]):
+        self.facts = facts
         self.banned = banned  # modules that turned out not to be faithful templates
-        self.leaves = {fqn for fqn, m in model.named_modules() if next(m.children(), None) is None}
-        self.param_ids = {
-            fqn: frozenset(id(p) for p in m.parameters()) for fqn, m in model.named_modules() if fqn not in self.leaves
-        }
-        self.attr_sigs = attribute_signatures(model)
         self.templates: dict[tuple, Call] = {}
         self.calls: list[Call] = []  # the twins
 
     def key(self, fqn: str, leaves, spec) -> tuple | None:
         """What a twin must share with its template; None for a module that is never reused."""
-        if self.hashes.get(fqn) in self.twin_hashes and fqn != "" and fqn not in self.leaves:
-            return (self.hashes[fqn], self.attr_sigs[fqn], _signature(leaves, spec))
+        f = self.facts
+        if f.hashes.get(fqn) in f.twin_hashes and fqn != "" and fqn not in f.leaves:
+            return (f.hashes[fqn], f.attr_sigs[fqn], _signature(leaves, spec))
         return None
 
     def template_for(self, key: tuple | None, fqn: str, grad_input_sids) -> Call | None:
@@ -150,7 +168,9 @@ class Twins:
         across both, so their backward peaks differ.
         """
         template = self.templates.get(key) if key is not None and fqn not in self.banned else None
-        if template is not None and (template.input_sids & grad_input_sids() or template.param_ids & self.param_ids[fqn]):
+        if template is None:
+            return None
+        if template.input_sids & grad_input_sids() or template.param_ids & self.facts.param_ids[fqn]:
             return None
         return template
 
@@ -160,7 +180,7 @@ class Twins:
     def remember(self, key: tuple, call: Call, info: TwinInfo, input_sids: frozenset) -> None:
         call.twin_info = info
         call.input_sids = input_sids
-        call.param_ids = self.param_ids[call.fqn]
+        call.param_ids = self.facts.param_ids[call.fqn]
         self.templates[key] = call
 
     def tainted(self, calls_by_fqn: dict[str, int]) -> set[str]:
