@@ -101,7 +101,7 @@ def measure_copy_bytes_per_s(device: torch.device, repeats: int = 5) -> float:
 
 
 class _OpCounter:
-    """Counts the aten ops dispatched, as the tracer does (shard_planner/trace/tracer.py: non-prim ops)."""
+    """Counts the aten ops dispatched, as the tracer does (trace/capture.py, Step.record_op: non-prim ops)."""
 
     def __init__(self):
         from torch.utils._python_dispatch import TorchDispatchMode

@@ -39,7 +39,7 @@ from shard_planner.trace.flops import FlopCounter
 from shard_planner.trace.kernel_ops import classify
 from shard_planner.trace.records import ENTER, EXIT, Call, Span, is_ancestor
 from shard_planner.trace.storages import SavedTensors, StorageLog
-from shard_planner.trace.twins import Twins, run_twin, twin_info
+from shard_planner.trace.twins import ReuseFacts, Twins, run_twin, twin_info
 
 logger = logging.getLogger(__name__)
 
@@ -62,12 +62,12 @@ class Step:
     """One traced forward + loss + backward at one batch size."""
 
     def __init__(self, model: nn.Module, model_file: ModelFile, compute_dtype: torch.dtype,
-                 hashes: dict[str, str], reuse: bool, flops: FlopCounter, banned: set[str] = frozenset()):
+                 reuse: ReuseFacts, flops: FlopCounter, banned: set[str] = frozenset()):
         self.model, self.mf, self.compute_dtype = model, model_file, compute_dtype
         self.flops = flops
         self.log = StorageLog()
         self.saves = SavedTensors()
-        self.twins = Twins(model, hashes, reuse, banned)
+        self.twins = Twins(reuse, banned)
         self.calls_by_fqn: dict[str, int] = defaultdict(int)
         # sid -> the first call that took the storage as an input (None: a batch tensor)
         self.input_owner: dict[int, Call | None] = {}
@@ -93,6 +93,9 @@ class Step:
         sample = classify(func, args, kwargs, out, n)
         if sample is not None:
             self._add_kernel(sample)
+        if isinstance(out, torch.Tensor):  # most ops: skip the pytree walk
+            self.log.track(out)
+            return
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.log.track(t)

@@ -13,6 +13,7 @@ from shard_planner.trace.capture import Step, run_step
 from shard_planner.trace.flops import FlopCounter
 from shard_planner.trace.replay import step_result
 from shard_planner.trace.structure import model_fingerprint, structural_hashes
+from shard_planner.trace.twins import reuse_facts
 from shard_planner.trace.types import ModelTrace
 
 
@@ -52,7 +53,7 @@ def compare_with_real_run(
         if p.is_floating_point() and p.dtype != compute:
             p.data = p.data.to(compute)
     inputs, targets = mf.batch(batch_size)
-    step = Step(model, mf, compute, structural_hashes(model), False, FlopCounter())
+    step = Step(model, mf, compute, reuse_facts(model, structural_hashes(model), reuse=False), FlopCounter())
     run_step(step, list(model.named_modules()), inputs, targets)
     real = step_result(step)
     diffs = []

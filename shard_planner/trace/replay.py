@@ -118,8 +118,8 @@ def step_result(step: Step) -> StepResult:
     per_module: dict[str, ModuleRecord] = {}
     for r in replay.records(step.root_call, {}):
         _accumulate(per_module.setdefault(r.fqn, ModuleRecord(r.fqn)), r)
-    forward_order = tuple(r.fqn for r in sorted((r for r in per_module.values() if r.fwd_key), key=lambda r: r.fwd_key))
-    backward_order = tuple(r.fqn for r in sorted((r for r in per_module.values() if r.bwd_key), key=lambda r: r.bwd_key))
+    forward_order = _order(per_module, lambda r: r.fwd_key)
+    backward_order = _order(per_module, lambda r: r.bwd_key)
     reused = sum(1 for r in per_module.values() if r.fwd_key is not None and len(r.fwd_key) > 1)
     loss = step.loss_call
     loss_rise = (replay.replay(loss.fwd.start + 1, loss.bwd.end)[0] if loss.bwd is not None
@@ -136,6 +136,11 @@ def step_result(step: Step) -> StepResult:
         loss_ops=loss.fwd_ops + loss.bwd_ops,
         loss_kernels=tuple(loss.fwd_kernels + loss.bwd_kernels),
     )
+
+
+def _order(per_module: dict[str, ModuleRecord], key) -> tuple[str, ...]:
+    """The modules that have ``key`` (entered forward, or reached in backward), by it."""
+    return tuple(r.fqn for r in sorted((r for r in per_module.values() if key(r)), key=key))
 
 
 def _accumulate(agg: ModuleRecord, r: ModuleRecord) -> None:
@@ -210,7 +215,8 @@ def module_traces(modules: list[tuple[str, nn.Module]], static: StaticFacts, has
         rec1, rec2 = r1.per_module.get(fqn), r2.per_module.get(fqn)
 
         def fit(name, rec1=rec1, rec2=rec2):
-            return Affine.fit(b1, float(getattr(rec1, name) if rec1 else 0), b2, float(getattr(rec2, name) if rec2 else 0))
+            v1, v2 = (float(getattr(rec, name)) if rec else 0.0 for rec in (rec1, rec2))
+            return Affine.fit(b1, v1, b2, v2)
 
         children = tuple(join_fqn(fqn, name) for name, _ in module.named_children())
         out.append(ModuleTrace(

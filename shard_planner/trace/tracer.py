@@ -2,10 +2,10 @@
 
 The stage, in order:
 
-- The model is built under :class:`FakeTensorMode` (no real memory), its floating parameters are cast
-  to the compute dtype as FSDP2's ``MixedPrecisionPolicy(param_dtype=...)`` does (parameter bytes are
-  recorded as built, before the cast, ``replay.static_facts``), and floating inputs are cast at the
-  root's entry (``cast_forward_inputs``).
+- The model is built under :class:`FakeTensorMode` (no real memory; ``trace/build.py``), its floating
+  parameters are cast to the compute dtype as FSDP2's ``MixedPrecisionPolicy(param_dtype=...)`` does
+  (parameter bytes are recorded as built, before the cast, ``replay.static_facts``), and floating
+  inputs are cast at the root's entry (``cast_forward_inputs``).
 - Each batch size is one traced step (``trace/capture.py``), with repeated identical blocks traced once
   (``trace/twins.py``, [Note: twins]); a step whose templates turn out to run a shared module is traced
   again without them. ``trace_model(..., reuse=False)`` traces everything.
@@ -27,12 +27,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from shard_planner.errors import UserError
 from shard_planner.modelfile import ModelFile, load_model_file
+from shard_planner.trace.build import build_fake, cast_parameters
 from shard_planner.trace.capture import Step, run_step
 from shard_planner.trace.flops import FlopCounter
 from shard_planner.trace.kernel_ops import fit_records
 from shard_planner.trace.records import StepResult
 from shard_planner.trace.replay import module_traces, static_facts, step_result
 from shard_planner.trace.structure import model_fingerprint, structural_hashes
+from shard_planner.trace.twins import ReuseFacts, reuse_facts
 from shard_planner.trace.types import Affine, ModelTrace
 from shard_planner.units import DTYPE_NAMES
 
@@ -70,20 +72,16 @@ def trace_model(
     with _quiet_fake_tensor_logger():
         # Tensors a model file made at import time, outside the mode, are converted when first used.
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with fake_mode:
-            model = mf.build()
+        model = build_fake(mf, fake_mode)
         modules = list(model.named_modules())
         static = static_facts(modules)
         hashes = structural_hashes(model)
         fingerprint = model_fingerprint(model)
-        with fake_mode:
-            for p in model.parameters():
-                if p.is_floating_point() and p.dtype != compute:
-                    p.data = p.data.to(compute)
+        cast_parameters(model, compute, fake_mode)
         flops = FlopCounter()
         banned: set[str] = set()  # modules that turned out not to be faithful templates, for both sizes
-        r1, r2 = [_trace_batch(fake_mode, model, modules, mf, compute, hashes, reuse, flops, banned, b)
-                  for b in (b1, b2)]
+        facts = reuse_facts(model, hashes, reuse)
+        r1, r2 = [_trace_batch(fake_mode, model, modules, mf, compute, facts, flops, banned, b) for b in (b1, b2)]
     if r1.forward_order != r2.forward_order:
         logger.warning("forward order differs between batch sizes %d and %d; using %d's", b1, b2, b1)
 
@@ -113,14 +111,14 @@ def trace_model(
 
 
 def _trace_batch(fake_mode: FakeTensorMode, model: nn.Module, modules: list[tuple[str, nn.Module]], mf: ModelFile,
-                 compute: torch.dtype, hashes: dict[str, str], reuse: bool, flops: FlopCounter, banned: set[str],
+                 compute: torch.dtype, facts: ReuseFacts, flops: FlopCounter, banned: set[str],
                  batch_size: int) -> StepResult:
     """One traced step at ``batch_size``; again without the templates that ran a shared module (added
     to ``banned``)."""
     while True:
         with fake_mode:
             inputs, targets = mf.batch(batch_size)
-        step = Step(model, mf, compute, hashes, reuse, flops, banned)
+        step = Step(model, mf, compute, facts, flops, banned)
         with fake_mode:
             run_step(step, modules, inputs, targets)
         del inputs, targets

@@ -84,9 +84,13 @@ class TwinFn(torch.autograd.Function):
         kept = [tensors[s.index] for s in info.input_saves]  # alive until backward, as the template's saves
         ctx.n_params = len(tensors) - n_inputs
         leaves = [v for v in info.out_values if isinstance(v, OutLeaf)]
+        group_sizes = Counter(leaf.group for leaf in leaves)
         bases: dict[int, torch.Tensor] = {}
         outs = []
         for leaf in leaves:
+            if group_sizes[leaf.group] == 1 and _fills_storage(leaf):  # one op instead of three
+                outs.append(torch.empty_strided(leaf.shape, leaf.stride, dtype=leaf.dtype, device=leaf.device))
+                continue
             if leaf.group not in bases:
                 bases[leaf.group] = torch.empty(leaf.group_nbytes, dtype=torch.uint8, device=leaf.device)
             base = bases[leaf.group].view(leaf.dtype)
@@ -106,27 +110,54 @@ class TwinFn(torch.autograd.Function):
         return (None, None) + grads_in + (None,) * ctx.n_params
 
 
+def _fills_storage(leaf: OutLeaf) -> bool:
+    """Whether a tensor of the leaf's layout at offset 0 spans exactly its storage, so that
+    ``torch.empty_strided`` makes a storage of the template's size."""
+    if leaf.offset != 0 or 0 in leaf.shape:
+        return False
+    extent = 1 + sum((n - 1) * s for n, s in zip(leaf.shape, leaf.stride))
+    return extent * leaf.dtype.itemsize == leaf.group_nbytes
+
+
+@dataclass(frozen=True)
+class ReuseFacts:
+    """What decides which modules may be twins: fixed for a model, computed once per trace."""
+
+    hashes: dict[str, str]  # fqn -> structural hash
+    twin_hashes: frozenset[str]  # hashes of more than one module (none when reuse is off)
+    leaves: frozenset[str]  # modules without children: never reused (see [Note: twins])
+    param_ids: dict[str, frozenset[int]]  # fqn (not a leaf) -> ids of its subtree's parameters
+    attr_sigs: dict[str, tuple]  # fqn -> attribute_signatures
+
+
+def reuse_facts(model: nn.Module, hashes: dict[str, str], reuse: bool) -> ReuseFacts:
+    """The :class:`ReuseFacts` of ``model``; ``reuse=False`` makes no module a twin."""
+    counts = Counter(hashes.values())
+    modules = list(model.named_modules())
+    leaves = frozenset(fqn for fqn, m in modules if next(m.children(), None) is None)
+    return ReuseFacts(
+        hashes=hashes,
+        twin_hashes=frozenset(h for h, n in counts.items() if n > 1) if reuse else frozenset(),
+        leaves=leaves,
+        param_ids={fqn: frozenset(id(p) for p in m.parameters()) for fqn, m in modules if fqn not in leaves},
+        attr_sigs=attribute_signatures(model),
+    )
+
+
 class Twins:
     """The templates of one step, and the twins that reused them."""
 
-    def __init__(self, model: nn.Module, hashes: dict[str, str], reuse: bool, banned: set[str]):
-        counts = Counter(hashes.values())
-        self.hashes = hashes
-        # Only modules with children are reused (see [Note: twins]).
-        self.twin_hashes = {h for h, n in counts.items() if n > 1} if reuse else set()
+    def __init__(self, facts: ReuseFacts, banned: set[str]):
+        self.facts = facts
         self.banned = banned  # modules that turned out not to be faithful templates
-        self.leaves = {fqn for fqn, m in model.named_modules() if next(m.children(), None) is None}
-        self.param_ids = {
-            fqn: frozenset(id(p) for p in m.parameters()) for fqn, m in model.named_modules() if fqn not in self.leaves
-        }
-        self.attr_sigs = attribute_signatures(model)
         self.templates: dict[tuple, Call] = {}
         self.calls: list[Call] = []  # the twins
 
     def key(self, fqn: str, leaves, spec) -> tuple | None:
         """What a twin must share with its template; None for a module that is never reused."""
-        if self.hashes.get(fqn) in self.twin_hashes and fqn != "" and fqn not in self.leaves:
-            return (self.hashes[fqn], self.attr_sigs[fqn], _signature(leaves, spec))
+        f = self.facts
+        if f.hashes.get(fqn) in f.twin_hashes and fqn != "" and fqn not in f.leaves:
+            return (f.hashes[fqn], f.attr_sigs[fqn], _signature(leaves, spec))
         return None
 
     def template_for(self, key: tuple | None, fqn: str, grad_input_sids) -> Call | None:
@@ -137,7 +168,9 @@ class Twins:
         across both, so their backward peaks differ.
         """
         template = self.templates.get(key) if key is not None and fqn not in self.banned else None
-        if template is not None and (template.input_sids & grad_input_sids() or template.param_ids & self.param_ids[fqn]):
+        if template is None:
+            return None
+        if template.input_sids & grad_input_sids() or template.param_ids & self.facts.param_ids[fqn]:
             return None
         return template
 
@@ -147,7 +180,7 @@ class Twins:
     def remember(self, key: tuple, call: Call, info: TwinInfo, input_sids: frozenset) -> None:
         call.twin_info = info
         call.input_sids = input_sids
-        call.param_ids = self.param_ids[call.fqn]
+        call.param_ids = self.facts.param_ids[call.fqn]
         self.templates[key] = call
 
     def tainted(self, calls_by_fqn: dict[str, int]) -> set[str]:
@@ -227,24 +260,38 @@ def _signature(leaves, spec) -> tuple:
     return tuple(sig)
 
 
+# Attributes that number a block within its stack (transformers: layer_idx, to index a KV cache that a
+# training step does not use; torchtitan: layer_id, for its depth-scaled init), and what stands for
+# one equal to the block's index in the stack (see attribute_signatures).
+_POSITION_NAMES = frozenset({"layer_idx", "layer_id", "layer_index", "block_idx", "block_id"})
+_POSITION = ("<position in the stack>",)
+
+
 def attribute_signatures(model: nn.Module) -> dict[str, tuple]:
     """fqn -> the plain attributes (numbers, strings, flags) of every module in its subtree.
 
     Structural hashes see classes, parameters and buffers only; two attention modules that differ in
-    ``is_causal`` or a dropout rate have the same hash but are not twins.
+    ``is_causal`` or a dropout rate have the same hash but are not twins. A block number
+    (``_POSITION_NAMES``) equal to the index of the enclosing stack entry
+    (``layers.7.self_attn.layer_idx == 7``) is the block's position, not its configuration, and is
+    recorded as such, so the blocks of a stack stay twins. A block whose forward branches on that
+    number (rather than on other attributes or its inputs) would be reused wrongly:
+    ``trace_model(..., reuse=False)`` traces everything.
     """
     sigs: dict[str, tuple] = {}
 
-    def visit(fqn: str, module: nn.Module) -> tuple:
+    def visit(fqn: str, module: nn.Module, position: int | None) -> tuple:
         own = tuple(sorted(
-            (k, v) for k, v in vars(module).items()
+            (k, _POSITION if k in _POSITION_NAMES and type(v) is int and v == position else v)
+            for k, v in vars(module).items()
             if not k.startswith("_") and isinstance(v, (bool, int, float, str, type(None)))
         ))
-        kids = tuple((name, visit(join_fqn(fqn, name), child)) for name, child in module.named_children())
+        kids = tuple((name, visit(join_fqn(fqn, name), child, int(name) if name.isdigit() else position))
+                     for name, child in module.named_children())
         sigs[fqn] = (own, kids)
         return sigs[fqn]
 
-    visit("", model)
+    visit("", model, None)
     return sigs
 
 

@@ -424,6 +424,21 @@ def test_twins_model_reuse_equals_full_trace():
             assert getattr(fast, f.name) == getattr(full, f.name), f.name
 
 
+LAYER_IDX = str(ROOT / "tests" / "models" / "trace_layer_idx.py")
+
+
+def test_numbered_blocks_are_twins_and_initialisers_keep_constants():
+    """transformers-style blocks (``attn.layer_idx == i``) are twins; the in-place initialisers skipped
+    while building under fake mode do not skip a fill_ of a constant that the forward reads."""
+    fast, full = trace_model(LAYER_IDX, dtype="fp32"), trace_model(LAYER_IDX, dtype="fp32", reuse=False)
+    assert fast.module("layers.3").calls == 1  # 2 + repeats layers run: the fill_(2) took effect
+    assert fast.reused_modules == 3 * 4  # layers.1-3 (block, attn, attn.proj, mlp) reuse layers.0
+    assert fast.modules == full.modules
+    for f in fields(ModelTrace):
+        if f.name not in ("trace_seconds", "reused_modules"):
+            assert getattr(fast, f.name) == getattr(full, f.name), f.name
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_twins_model_matches_real_run(dtype):
     batch = 3

@@ -1,0 +1,60 @@
+"""Building the model under FakeTensorMode, and casting its parameters, with as few fake ops as possible.
+
+Every op on a fake tensor goes through FakeTensorMode's Python dispatch (about a millisecond each on
+this machine), so building a 1.8B ViT (289 Linear layers) spends a third of its ops initialising
+values that fake tensors do not have: ``reset_parameters``' ``uniform_``, transformers'
+``_init_weights``' ``normal_``/``fill_``/``zero_``. :func:`build_fake` skips those in-place
+initialisers (:class:`_SkipInitialisers`); shapes, strides, dtypes and devices are untouched, so the
+trace is the same. A fake tensor that holds a constant (one made from Python data, e.g.
+``torch.tensor(0.5)``, whose value fake mode tracks and ``.item()`` can read) is initialised as usual.
+:func:`cast_parameters` makes the compute-dtype copies as fresh fake tensors directly, without an op.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from shard_planner.modelfile import ModelFile
+
+aten = torch.ops.aten
+
+# In-place ops that only write values into their first argument (no shape, stride or dtype change).
+_INITIALISERS = frozenset({
+    aten.uniform_.default, aten.normal_.default, aten.fill_.Scalar, aten.zero_.default,
+})
+
+
+class _SkipInitialisers(TorchDispatchMode):
+    """Inside FakeTensorMode, while the model is built: an initialiser of a fake tensor without a
+    constant returns its argument unchanged instead of being dispatched to the fake mode."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _INITIALISERS and isinstance(args[0], FakeTensor) and args[0].constant is None:
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
+def build_fake(model_file: ModelFile, fake_mode: FakeTensorMode) -> nn.Module:
+    """``model_file.build()`` under ``fake_mode``, without running weight initialisers."""
+    with fake_mode, _SkipInitialisers():
+        return model_file.build()
+
+
+def cast_parameters(model: nn.Module, compute: torch.dtype, fake_mode: FakeTensorMode) -> None:
+    """Floating parameters to ``compute``, as FSDP2's MixedPrecisionPolicy(param_dtype=...) gathers them.
+
+    A contiguous fake parameter gets a fresh fake tensor of the same shape in ``compute`` (what
+    ``.to(compute)`` returns, made without dispatching an op); anything else is cast with ``.to``.
+    """
+    for p in model.parameters():
+        if not p.is_floating_point() or p.dtype == compute:
+            continue
+        if isinstance(p, FakeTensor) and p.fake_mode is fake_mode and p.is_contiguous():
+            meta = torch.empty(p.shape, dtype=compute, device="meta")
+            p.data = FakeTensor(fake_mode, meta, p.device)
+        else:
+            with fake_mode:
+                p.data = p.data.to(compute)
