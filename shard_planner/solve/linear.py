@@ -50,8 +50,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from shard_planner.cost.tables import DTYPE_BYTES
-from shard_planner.cost.time import module_compute_s
+from shard_planner.cost.collectives import (
+    all_gather_time_s, reduce_scatter_time_s, replica_all_reduce_time_s, ring_bandwidth_s,
+)
+from shard_planner.cost.model import CostModel, shared_model
+from shard_planner.cost.optimizer import OPTIMIZER_STATES, OPTIMIZER_TEMPORARIES, optimizer_step_bytes
+from shard_planner.dtypes import DTYPE_BYTES
 from shard_planner.plan import Mesh, Prefetch, Training
 from shard_planner.profile import HardwareProfile
 from shard_planner.solve.space import Candidate, SearchSpace
@@ -60,15 +64,6 @@ from shard_planner.trace.types import ModelTrace
 MIB = 2**20
 TIE_BREAK_S_PER_COLLECTIVE = 1e-6  # 1 µs: the smallest step of the objective's integer scale
 US_PER_S = 1_000_000
-# fp32 optimizer states per parameter: AdamW/Adam keep exp_avg and exp_avg_sq, SGD with momentum one
-# buffer (torch.optim docs; ZeRO §5 counts them in K).
-OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
-
-
-def _optimizer_touches(states: int) -> int:
-    """Element sizes the optimizer step reads and writes per parameter: param r/w, grad r, each state
-    r/w (an elementwise, memory-bound update: time = bytes touched / HBM bandwidth)."""
-    return 3 + 2 * states
 
 
 @dataclass(frozen=True)
@@ -140,22 +135,11 @@ def _us(seconds: float) -> int:
     return max(0, round(seconds * US_PER_S))
 
 
-def ring_time_s(nbytes: float, ranks: int, latency_s: float, busbw_bytes_per_s: float, *, collectives: int = 1) -> float:
-    """All-gather / reduce-scatter on a ring of ``ranks`` (nccl-tests: alpha (p-1) + (p-1)/p bytes/busbw)."""
-    if ranks <= 1:
-        return 0.0
-    return collectives * latency_s * (ranks - 1) + (ranks - 1) / ranks * nbytes / busbw_bytes_per_s
-
-
-def _link(profile: HardwareProfile, ranks: int) -> tuple[float, float]:
-    ic = profile.interconnect
-    if ranks <= ic.gpus_per_node:
-        return ic.intra_node_latency_s, ic.intra_node_busbw_bytes_per_s
-    return ic.inter_node_latency_s, ic.inter_node_busbw_bytes_per_s
-
-
 def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoice, training: Training,
-                       profile: HardwareProfile) -> LinearModel:
+                       profile: HardwareProfile, cost_model: CostModel | None = None) -> LinearModel:
+    """The coefficients for one global choice. ``cost_model``: the CostModel of ``trace`` on ``profile``
+    (module compute times, subtree sums); None: a shared one (shard_planner.cost.shared_model)."""
+    cm = cost_model if cost_model is not None else shared_model(trace, profile)
     b = choice.micro_batch
     shard = choice.mesh.shard
     param_elem = sum(m.param_bytes for m in trace.modules) / max(trace.param_count, 1)  # stored bytes per param
@@ -166,17 +150,14 @@ def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoi
 
     # ---- per item, in bytes / FLOPs at micro-batch b ----
     items = space.items
-    saved = [trace.subtree_sum(it.fqn, "saved_bytes_self").at(b) * act_scale for it in items]
+    saved = [cm.subtree_sum(it.fqn, "saved_bytes_self").at(b) * act_scale for it in items]
     inputs = [trace.module(it.fqn).input_bytes.at(b) * act_scale for it in items]
     fwd_rise = [trace.module(it.fqn).fwd_peak_rise_bytes.at(b) * act_scale for it in items]
     bwd_rise = [trace.module(it.fqn).bwd_peak_rise_bytes.at(b) * act_scale for it in items]
     # compute seconds: measured when the profile has module timings, else FLOPs / throughput
     # (cost.module_compute_s; see "Time per candidate" in the module docstring)
-    fwd_s, bwd_s = zip(*(module_compute_s(trace, it.fqn, b, profile, training.param_dtype) for it in items))
-
-    lat, bw = _link(profile, shard)
+    fwd_s, bwd_s = zip(*(cm.module_compute_s(it.fqn, b, training.param_dtype) for it in items))
     replicas = choice.mesh.replicate
-    inter_lat, inter_bw = profile.interconnect.inter_node_latency_s, profile.interconnect.inter_node_busbw_bytes_per_s
     # Overlap windows in units of the unit's own compute: FSDP2's implicit prefetch (the CPU runs
     # ahead) already overlaps one unit in forward when the explicit depth is 0, and backward always
     # prefetches one (DESIGN.md "FSDP2 facts"; cost/time.py models the same).
@@ -189,8 +170,7 @@ def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoi
     for c in space.candidates:
         coeffs.append(_candidate_coeffs(
             c, space, saved, inputs, fwd_rise, bwd_rise, fwd_s, bwd_s, bp=bp, br=br, shard=shard,
-            replicas=replicas, lat=lat, bw=bw, inter_lat=inter_lat, inter_bw=inter_bw,
-            profile=profile, d_f=d_f, d_b=d_b, overlap=overlap, trace=trace,
+            replicas=replicas, profile=profile, d_f=d_f, d_b=d_b, overlap=overlap, trace=trace,
             leading_root_items=leading))
 
     # ---- constants ----
@@ -199,25 +179,31 @@ def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoi
     if choice.cpu_offload:
         sharded_state = 0.0  # CPUOffloadPolicy keeps sharded params, grads and states on the host
     item_saved_total = sum(saved)
-    all_saved = trace.subtree_sum("", "saved_bytes_self").at(b) * act_scale
+    all_saved = cm.subtree_sum("", "saved_bytes_self").at(b) * act_scale
     outside_saved = max(0.0, all_saved - item_saved_total)
     root_params = space.root_only_params
     base = (profile.reserved_bytes + sharded_state + root_params * (2 * bp + br)
             + outside_saved + trace.batch_input_bytes.at(b) + trace.loss_saved_bytes.at(b) * act_scale)
     loss = trace.loss_peak_rise_bytes.at(b) * act_scale
-    # foreach AdamW/Adam allocate one temporary of the sharded parameters' size (torch/optim/adamw.py
-    # _multi_tensor_adamw: torch._foreach_sqrt(exp_avg_sqs)); SGD none.
-    opt_temp = (trace.param_count * param_elem / shard) if states == 2 and not choice.cpu_offload else 0.0
+    # foreach AdamW/Adam allocate one temporary of the sharded parameters' size (cost/optimizer.py
+    # OPTIMIZER_TEMPORARIES: torch/optim/adamw.py _multi_tensor_adamw, torch._foreach_sqrt(exp_avg_sqs)); SGD none.
+    opt_temp = (OPTIMIZER_TEMPORARIES[training.optimizer] * trace.param_count * param_elem / shard
+                if not choice.cpu_offload else 0.0)
     optimizer = profile.reserved_bytes + sharded_state + opt_temp
 
     # compute outside every item: the root's subtree less the items', and the loss (the root's measured
     # time does not hold the loss: timings.py times loss_fn outside every module)
-    root_f, root_b = module_compute_s(trace, "", b, profile, training.param_dtype)
-    loss_f, loss_b = module_compute_s(trace, None, b, profile, training.param_dtype)
+    root_f, root_b = cm.module_compute_s("", b, training.param_dtype)
+    loss_f, loss_b = cm.module_compute_s(None, b, training.param_dtype)
     outside_s = max(0.0, root_f + root_b - sum(fwd_s) - sum(bwd_s)) + loss_f + loss_b
-    root_comm = 2 * ring_time_s(root_params * bp, shard, lat, bw)  # root all-gather at the start, reduce-scatter at the end
-    opt_bytes = trace.param_count * param_elem * _optimizer_touches(states) / shard
-    const_s = outside_s + root_comm + opt_bytes / profile.memory_bandwidth_bytes_per_s
+    # the root's all-gather at the start and its reduce-scatter (+ HSDP all-reduce) at the end
+    root_comm = (all_gather_time_s(profile, root_params * bp, shard)
+                 + reduce_scatter_time_s(profile, root_params * br, shard, replicas))
+    # the step is memory-bound (cost/optimizer.py OPTIMIZER_ACCESSES_PER_ELEMENT), on the host under offload
+    opt_bytes = optimizer_step_bytes(training.optimizer, trace.param_count / shard, param_elem)
+    opt_bw = ((profile.host_memory_bandwidth_bytes_per_s or profile.memory_bandwidth_bytes_per_s)
+              if choice.cpu_offload else profile.memory_bandwidth_bytes_per_s)
+    const_s = outside_s + root_comm + opt_bytes / opt_bw
     if choice.cpu_offload:
         # sharded params to the device before each all-gather, gradients back (PCIe, profile).
         const_s += 2 * trace.param_count * param_elem / shard / profile.host_to_device_bytes_per_s
@@ -228,19 +214,19 @@ def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoi
 
 
 def _candidate_coeffs(c: Candidate, space: SearchSpace, saved, inputs, fwd_rise, bwd_rise, fwd_s, bwd_s, *,
-                      bp, br, shard, replicas, lat, bw, inter_lat, inter_bw, profile, d_f, d_b,
-                      overlap, trace, leading_root_items) -> Coeffs:
+                      bp, br, shard, replicas, profile, d_f, d_b, overlap, trace, leading_root_items) -> Coeffs:
     o = c.option
     idx = range(c.start, c.stop)
     count = sum(space.items[i].param_count for i in idx)
-    if o.nested:
+    if o.nested:  # one collective per unit: the outer unit's own parameters and each inner unit's
         it = space.items[c.start]
         kids = [trace.subtree_param_count(k) for k in it.nested_children]
         live_count = (count - sum(kids)) + max(kids)  # the outer unit's own + one inner unit at a time
-        n_collectives = 1 + len(kids)
+        parts = [count - sum(kids), *kids]
     else:
         live_count = count
-        n_collectives = 1
+        parts = [count]
+    n_collectives = len(parts)
     gather = count * bp
     gather_live = live_count * bp
 
@@ -275,23 +261,21 @@ def _candidate_coeffs(c: Candidate, space: SearchSpace, saved, inputs, fwd_rise,
     cf = sum(fwd_s[i] for i in idx)
     cb = sum(bwd_s[i] for i in idx)
     rc = cf if o.activation_checkpoint else 0.0
-    ar = 0.0
-    if replicas > 1:  # HSDP: all-reduce of the sharded gradients across replicas (2 ring passes)
-        ar = 2 * ring_time_s(count * br / shard, replicas, inter_lat, inter_bw, collectives=n_collectives)
+    # collectives: cost/collectives.py (the ring model; intra- or inter-node by the group's layout)
+    ar = sum(replica_all_reduce_time_s(profile, p * br, shard, replicas) for p in parts)  # HSDP; 0 without
     if o.in_root:
-        ag_f = ring_time_s(gather, shard, 0.0, bw)  # joins the root's all-gather: no extra latency
-        rs = ring_time_s(count * br, shard, 0.0, bw)
+        ag_f = ring_bandwidth_s(profile, gather, shard)  # joins the root's all-gather: no extra latency
+        rs = ring_bandwidth_s(profile, count * br, shard)
         exposed = ag_f + rs + ar  # at the very start and the very end of the step: nothing to hide behind
     else:
-        ag_f = ring_time_s(gather, shard, lat, bw, collectives=n_collectives)
+        ag_f = sum(all_gather_time_s(profile, p * bp, shard) for p in parts)
         if r is True:
             ag_b = ag_f
         elif r is False:
             ag_b = 0.0
         else:
-            r_lat, r_bw = _link(profile, r)
-            ag_b = ring_time_s(gather, r, r_lat, r_bw, collectives=n_collectives)
-        rs = ring_time_s(count * br, shard, lat, bw, collectives=n_collectives)
+            ag_b = sum(all_gather_time_s(profile, p * bp, r) for p in parts)
+        rs = sum(reduce_scatter_time_s(profile, p * br, shard) for p in parts)
         if not overlap:  # gloo on CPU: collectives run on the thread that computes
             exposed = ag_f + ag_b + rs + ar
         elif c.start <= leading_root_items:
