@@ -220,19 +220,36 @@ def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoi
     base = (profile.reserved_bytes + sharded_state + root_params * (2 * bp + br)
             + outside_saved + trace.batch_input_bytes.at(b) + trace.loss_saved_bytes.at(b) * act_scale)
     loss = trace.loss_peak_rise_bytes.at(b) * act_scale
-    # the step's temporaries (cost/memory.py [Note: Optimizer step]; cost/optimizer.py): foreach AdamW/Adam
-    # on a GPU one of the sharded parameters' size, the single-tensor path on a CPU 3x the largest module's
-    # shard; SGD none; none on the device when the step runs on the host (offload)
-    if offload_off_device:
-        opt_temp = 0.0
-    elif profile.device == "cpu":
-        largest = max((sum(nb for dt, nb in m.param_bytes_by_dtype.items() if dt in FLOAT_DTYPES)
-                       for m in trace.modules), default=0)
-        opt_temp = OPTIMIZER_TEMPORARIES_SINGLE_TENSOR[training.optimizer] * largest / shard
-    else:
-        opt_temp = OPTIMIZER_TEMPORARIES[training.optimizer] * trace.param_count * param_elem / shard
+    opt_temp = _optimizer_temp_bytes(trace, training, profile, shard, param_elem, offload_off_device)
     optimizer = profile.reserved_bytes + sharded_state + opt_temp
 
+    const_s = _constant_time_s(cm, trace, profile, fwd_s, bwd_s, choice, training, root_params, param_elem,
+                               bp=bp, br=br)
+    return LinearModel(
+        space=space, choice=choice, coeffs=tuple(coeffs), base_mib=_mib(base), loss_mib=_mib(loss), optimizer_mib=_mib(optimizer),
+        process_group_mib=_mib(profile.per_process_group_bytes), const_time_us=_us(const_s),
+    )
+
+
+def _optimizer_temp_bytes(trace: ModelTrace, training: Training, profile: HardwareProfile, shard: int,
+                          param_elem: float, offload_off_device: bool) -> float:
+    """The step's temporaries (cost/memory.py [Note: Optimizer step]; cost/optimizer.py): foreach AdamW/Adam
+    on a GPU one of the sharded parameters' size, the single-tensor path on a CPU 3x the largest module's
+    shard; SGD none; none on the device when the step runs on the host (offload)."""
+    if offload_off_device:
+        return 0.0
+    if profile.device == "cpu":
+        largest = max((sum(nb for dt, nb in m.param_bytes_by_dtype.items() if dt in FLOAT_DTYPES)
+                       for m in trace.modules), default=0)
+        return OPTIMIZER_TEMPORARIES_SINGLE_TENSOR[training.optimizer] * largest / shard
+    return OPTIMIZER_TEMPORARIES[training.optimizer] * trace.param_count * param_elem / shard
+
+
+def _constant_time_s(cm: CostModel, trace: ModelTrace, profile: HardwareProfile, fwd_s, bwd_s, choice: GlobalChoice,
+                     training: Training, root_params: int, param_elem: float, *, bp: int, br: int) -> float:
+    """The step time no candidate changes: compute outside every item, the root's collectives, the
+    optimizer step and, under CPU offload, the host-device copies."""
+    b, shard, replicas = choice.micro_batch, choice.mesh.shard, choice.mesh.replicate
     # compute outside every item: the root's subtree less the items', and the loss (the root's measured
     # time does not hold the loss: timings.py times loss_fn outside every module)
     root_f, root_b = cm.module_compute_s("", b, training.param_dtype)
@@ -249,10 +266,7 @@ def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoi
     if choice.cpu_offload:
         # sharded params to the device before each all-gather, gradients back (PCIe, profile).
         const_s += 2 * trace.param_count * param_elem / shard / profile.host_to_device_bytes_per_s
-    return LinearModel(
-        space=space, choice=choice, coeffs=tuple(coeffs), base_mib=_mib(base), loss_mib=_mib(loss), optimizer_mib=_mib(optimizer),
-        process_group_mib=_mib(profile.per_process_group_bytes), const_time_us=_us(const_s),
-    )
+    return const_s
 
 
 def _candidate_coeffs(c: Candidate, space: SearchSpace, saved, inputs, fwd_rise, bwd_rise, fwd_s, bwd_s, *,
@@ -306,10 +320,27 @@ def _candidate_coeffs(c: Candidate, space: SearchSpace, saved, inputs, fwd_rise,
     cf = sum(fwd_s[i] for i in idx)
     cb = sum(bwd_s[i] for i in idx)
     rc = cf if o.activation_checkpoint else 0.0
+    exposed = _exposed_comm_s(c, parts, cf, cb + rc, bp=bp, br=br, shard=shard, replicas=replicas, profile=profile,
+                              d_f=d_f, d_b=d_b, overlap=overlap, leading_root_items=leading_root_items)
+    return Coeffs(
+        stack_mib=_mib(act_stack + kept_params), fwd_mib=_mib(fwd_mem), copy_mib=_mib(copy_mem), bwd_mib=_mib(bwd_mem),
+        rs_mib=_mib(rs_mem), gather_mib=_mib(next_gather), prev_out_mib=_mib(next_gather),
+        regather_mib=_mib(regather), rs_in_mib=_mib(rs_in), root_mib=_mib(root_bytes),
+        uses_int_reshard=not o.in_root and not isinstance(r, bool), time_us=_us(cf + cb + rc + exposed),
+    )
+
+
+def _exposed_comm_s(c: Candidate, parts: list[int], fwd_s: float, bwd_s: float, *, bp, br, shard, replicas,
+                    profile: HardwareProfile, d_f, d_b, overlap, leading_root_items) -> float:
+    """Communication of one candidate the compute does not hide (module docstring, "Time per
+    candidate"): ``parts`` are the parameter counts of its units' collectives (one, or the outer and
+    each inner unit when nested); ``fwd_s``, ``bwd_s`` its compute (backward with recomputation)."""
+    o, r = c.option, c.option.reshard_after_forward
+    count, n_collectives = sum(parts), len(parts)
     # collectives: cost/collectives.py (the ring model; intra- or inter-node by the group's layout)
     ar = sum(replica_all_reduce_time_s(profile, p * br, shard, replicas) for p in parts)  # HSDP; 0 without
     if o.in_root:
-        ag_f = ring_bandwidth_s(profile, gather, shard)  # joins the root's all-gather: no extra latency
+        ag_f = ring_bandwidth_s(profile, count * bp, shard)  # joins the root's all-gather: no extra latency
         rs = ring_bandwidth_s(profile, count * br, shard)
         exposed = ag_f + rs + ar  # at the very start and the very end of the step: nothing to hide behind
     else:
@@ -327,19 +358,14 @@ def _candidate_coeffs(c: Candidate, space: SearchSpace, saved, inputs, fwd_rise,
             # the first unit (only one-off modules before it, which may join the root): its forward
             # all-gather follows the root's with no compute before it to hide behind, and its
             # reduce-scatter is the last one of backward (cost/time.py simulates the same)
-            exposed = ag_f + max(0.0, ag_b - d_b * (cb + rc)) + rs + ar
+            exposed = ag_f + max(0.0, ag_b - d_b * bwd_s) + rs + ar
         else:
-            exposed = max(0.0, ag_f - d_f * cf) + max(0.0, ag_b + rs + ar - d_b * (cb + rc))
+            exposed = max(0.0, ag_f - d_f * fwd_s) + max(0.0, ag_b + rs + ar - d_b * bwd_s)
         # Tie-break: among covers the model finds equally fast, prefer fewer collectives (each costs a
         # launch and a synchronisation that the ring model does not see; FSDP paper §3.2: finer units
         # cost throughput through more, smaller collectives).
         exposed += TIE_BREAK_S_PER_COLLECTIVE * n_collectives * (3 if r is True else 2)
-    return Coeffs(
-        stack_mib=_mib(act_stack + kept_params), fwd_mib=_mib(fwd_mem), copy_mib=_mib(copy_mem), bwd_mib=_mib(bwd_mem),
-        rs_mib=_mib(rs_mem), gather_mib=_mib(next_gather), prev_out_mib=_mib(next_gather),
-        regather_mib=_mib(regather), rs_in_mib=_mib(rs_in), root_mib=_mib(root_bytes),
-        uses_int_reshard=not o.in_root and not isinstance(r, bool), time_us=_us(cf + cb + rc + exposed),
-    )
+    return exposed
 
 
 def evaluate(lm: LinearModel, chosen: list[int] | tuple[int, ...]) -> LinearResult:
