@@ -282,7 +282,6 @@ def _candidate_coeffs(c: Candidate, space: SearchSpace, saved, inputs, fwd_rise,
     else:
         live_count = count
         parts = [count]
-    n_collectives = len(parts)
     gather = count * bp
     gather_live = live_count * bp
 
