@@ -11,9 +11,13 @@ import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from shard_planner.errors import ProfileError
-from shard_planner.timings import ModuleTimings
 from shard_planner.units import format_bytes
+
+if TYPE_CHECKING:  # only for annotations: shard_planner.timings imports this module, not the reverse
+    from shard_planner.timings import ModuleTimings
 
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 DEFAULT_PROFILE = "h100-80gb"

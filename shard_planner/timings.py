@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 from shard_planner.errors import ProfileError
 from shard_planner.fileio import read_json, write_atomic
+from shard_planner.profile import HardwareProfile, load_profile
 from shard_planner.trace.types import ZERO, Affine
 
 TIMINGS_SCHEMA_VERSION = 1
@@ -124,11 +125,9 @@ def load_timings(path) -> ModuleTimings:
     return ModuleTimings.from_dict(read_json(path, ProfileError, "module-timings"), source=str(path))
 
 
-def load_priced_profile(profile: str, timings: str | None = None):
+def load_priced_profile(profile: str, timings: str | None = None) -> HardwareProfile:
     """The hardware profile ``profile`` (a name in profiles/ or a TOML path) that prices compute from the
     module times in the file ``timings`` (None: from FLOPs). A plan records both (``cluster.profile``,
     ``cluster.timings``), so ``estimate``, ``run`` and ``report`` price it as ``plan`` did."""
-    from shard_planner.profile import load_profile
-
     hw = load_profile(profile)
     return hw if timings is None else hw.with_timings(load_timings(timings))

@@ -50,12 +50,28 @@ def all_gather_time_s(profile: HardwareProfile, nbytes: float, group_size: int) 
     return ring_time_s(nbytes, group_size, lat, bw)
 
 
+def ring_bandwidth_s(profile: HardwareProfile, nbytes: float, group_size: int) -> float:
+    """The bandwidth term alone of an all-gather or reduce-scatter over a contiguous group: bytes that
+    join another collective of the same group (the solver's linear model, for modules that join the
+    root unit's all-gather and reduce-scatter)."""
+    _, bw = _link(profile, shard_group_spans_nodes(profile, group_size))
+    return ring_time_s(nbytes, group_size, 0.0, bw)
+
+
+def replica_all_reduce_time_s(profile: HardwareProfile, nbytes: float, shard_size: int, replicate: int) -> float:
+    """HSDP: the all-reduce of the 1/shard reduce-scatter output of ``nbytes`` across the replicas
+    (all-reduce = reduce-scatter + all-gather: two ring passes); 0 without replicas."""
+    if replicate <= 1:
+        return 0.0
+    lat, bw = _link(profile, replicate_group_spans_nodes(profile, shard_size, replicate))
+    return 2 * ring_time_s(nbytes / shard_size, replicate, lat, bw)
+
+
 def reduce_scatter_time_s(profile: HardwareProfile, nbytes: float, shard_size: int, replicate: int = 1) -> float:
     """Gradient reduction: reduce-scatter of ``nbytes`` in the shard group, then for HSDP an all-reduce of
     the 1/shard result across the replicas (FSDP2 ``foreach_reduce``; a hierarchical reduction)."""
     lat, bw = _link(profile, shard_group_spans_nodes(profile, shard_size))
     t = ring_time_s(nbytes, shard_size, lat, bw)
     if replicate > 1:
-        lat, bw = _link(profile, replicate_group_spans_nodes(profile, shard_size, replicate))
-        t += 2 * ring_time_s(nbytes / shard_size, replicate, lat, bw)  # all-reduce = RS + AG
+        t += replica_all_reduce_time_s(profile, nbytes, shard_size, replicate)
     return t

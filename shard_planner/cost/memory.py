@@ -128,7 +128,7 @@ import logging
 from dataclasses import dataclass
 
 from shard_planner.cost.optimizer import (  # noqa: F401  (re-exported: the tables' old home)
-    OPTIMIZER_STATES, OPTIMIZER_TEMPORARIES, OPTIMIZER_TEMPORARIES_SINGLE_TENSOR, optimizer_state_count,
+    OPTIMIZER_STATES, OPTIMIZER_TEMPORARIES, OPTIMIZER_TEMPORARIES_SINGLE_TENSOR,
 )
 from shard_planner.cost.schedule import EventKind, Schedule
 from shard_planner.cost.tables import CostTables

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from dataclasses import replace
 
 from shard_planner.cost.kernels import block_kernel_s, device_of, has_kernel_records, loss_kernel_s, module_kernel_s
 from shard_planner.cost.schedule import Schedule, build_schedule
@@ -243,6 +244,9 @@ class CostModel:
 
     def _memory_of(self, plan: Plan, k: PlanKey, timeline: bool) -> MemoryEstimate:
         def simulate():
+            with_timeline = self._memory.get((k.decisions, True))
+            if not timeline and with_timeline is not None:  # the same walk, its timeline dropped
+                return replace(with_timeline, timeline=())
             t = self.tables(plan.units, k.modules)
             return simulate_memory_walk(self.trace, t, plan, self.profile, self.unit_bytes(plan, k),
                                         self.schedule(plan.units, plan.prefetch, k), self.block_activations(plan, k),

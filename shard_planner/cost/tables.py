@@ -98,6 +98,68 @@ def build_tables(trace: ModelTrace, units: tuple[Unit, ...],
     on the units); None: summed here, for this call only."""
     if subtree_sum is None:
         subtree_sum = _subtree_summer(trace)
+    module_unit, root_index, owner, contains_unit = _owners(trace, units)
+
+    n_units = len(units)
+    unit_numel: list[dict[str, int]] = [{} for _ in range(n_units)]
+    dtype_totals: dict[str, int] = {}
+    for m in trace.modules:
+        for dt, nbytes in m.param_bytes_by_dtype.items():
+            numel = nbytes // dtype_bytes(dt)
+            d = unit_numel[owner[m.fqn]]
+            d[dt] = d.get(dt, 0) + numel
+            dtype_totals[dt] = dtype_totals.get(dt, 0) + nbytes
+    built_dtype = max(dtype_totals, key=dtype_totals.get) if dtype_totals else "float32"
+
+    blocks = _block_sequence(trace, module_unit, owner, contains_unit, subtree_sum)
+    # Parameters of modules that never run (calls == 0) still belong to their unit but no block touches
+    # them; the root block list keeps them in the unit totals only.
+
+    first_params: list[dict[str, int]] = [{} for _ in range(n_units)]
+    for fqn in trace.forward_order:
+        m = trace.module(fqn)
+        u = owner[fqn]
+        if m.param_bytes_by_dtype and not first_params[u]:
+            first_params[u] = {dt: nb // dtype_bytes(dt) for dt, nb in m.param_bytes_by_dtype.items()}
+
+    first = [-1] * n_units
+    last = [-1] * n_units
+    for i, b in enumerate(blocks):
+        for u in (b.unit, *b.nested):
+            if first[u] < 0:
+                first[u] = i
+            last[u] = i
+    first[root_index], last[root_index] = 0, len(blocks) - 1
+    forward_units = tuple(sorted((u for u in range(n_units) if first[u] >= 0),
+                                 key=lambda u: (first[u], u != root_index)))
+
+    fwd_total = subtree_sum(ROOT, "fwd_flops_self")
+    bwd_total = subtree_sum(ROOT, "bwd_flops_self")
+    return CostTables(
+        units=tuple(units), blocks=tuple(blocks), unit_param_numel=tuple(unit_numel),
+        unit_first_param_numel=tuple(first_params),
+        unit_first_block=tuple(first), unit_last_block=tuple(last), forward_units=forward_units,
+        built_dtype=built_dtype,
+        unit_names=tuple(u.name for u in units),
+        unit_float_numel=tuple(sum(k for dt, k in d.items() if dt in FLOAT_DTYPES) for d in unit_numel),
+        unit_float_built_bytes=tuple(sum(k * dtype_bytes(dt) for dt, k in d.items() if dt in FLOAT_DTYPES)
+                                     for d in unit_numel),
+        unit_other_bytes=tuple(sum(k * dtype_bytes(dt) for dt, k in d.items() if dt not in FLOAT_DTYPES)
+                               for d in unit_numel),
+        unit_float_dtypes=tuple(frozenset(dt for dt in d if dt in FLOAT_DTYPES) for d in unit_numel),
+        unit_first_float_numel=tuple(sum(k for dt, k in d.items() if dt in FLOAT_DTYPES) for d in first_params),
+        buffer_bytes=sum(m.buffer_bytes for m in trace.modules),
+        largest_module_float_bytes=max((sum(nb for dt, nb in m.param_bytes_by_dtype.items() if dt in FLOAT_DTYPES)
+                                        for m in trace.modules), default=0),
+        total_param_numel=sum(sum(d.values()) for d in unit_numel),
+        model_fwd_flops=fwd_total, model_bwd_flops=bwd_total,
+        param_tensors=sum(m.param_tensors for m in trace.modules),
+    )
+
+
+def _owners(trace: ModelTrace, units: tuple[Unit, ...]):
+    """Which unit lists each module (``module_unit``), the root unit's index, the owner of every module
+    (the innermost unit containing it) and whether a module's subtree holds a unit below it."""
     module_unit: dict[str, int] = {}
     root_index = -1
     for i, u in enumerate(units):
@@ -125,18 +187,12 @@ def build_tables(trace: ModelTrace, units: tuple[Unit, ...],
         return below or (fqn in module_unit and fqn != ROOT)
 
     visit_owner(ROOT, root_index)
+    return module_unit, root_index, owner, contains_unit
 
-    n_units = len(units)
-    unit_numel: list[dict[str, int]] = [{} for _ in range(n_units)]
-    dtype_totals: dict[str, int] = {}
-    for m in trace.modules:
-        for dt, nbytes in m.param_bytes_by_dtype.items():
-            numel = nbytes // dtype_bytes(dt)
-            d = unit_numel[owner[m.fqn]]
-            d[dt] = d.get(dt, 0) + numel
-            dtype_totals[dt] = dtype_totals.get(dt, 0) + nbytes
-    built_dtype = max(dtype_totals, key=dtype_totals.get) if dtype_totals else "float32"
 
+def _block_sequence(trace: ModelTrace, module_unit: dict[str, int], owner: dict[str, int],
+                    contains_unit: dict[str, bool], subtree_sum: Callable[[str, str], Affine]) -> list[Block]:
+    """The blocks of one forward pass, in forward order (the module docstring)."""
     fwd_index = {fqn: i for i, fqn in enumerate(trace.forward_order)}
 
     def called_children(fqn: str) -> list[str]:
@@ -201,49 +257,7 @@ def build_tables(trace: ModelTrace, units: tuple[Unit, ...],
         ))
 
     decompose(ROOT)
-    # Parameters of modules that never run (calls == 0) still belong to their unit but no block touches
-    # them; the root block list keeps them in the unit totals only.
-
-    first_params: list[dict[str, int]] = [{} for _ in range(n_units)]
-    for fqn in trace.forward_order:
-        m = trace.module(fqn)
-        u = owner[fqn]
-        if m.param_bytes_by_dtype and not first_params[u]:
-            first_params[u] = {dt: nb // dtype_bytes(dt) for dt, nb in m.param_bytes_by_dtype.items()}
-
-    first = [-1] * n_units
-    last = [-1] * n_units
-    for i, b in enumerate(blocks):
-        for u in (b.unit, *b.nested):
-            if first[u] < 0:
-                first[u] = i
-            last[u] = i
-    first[root_index], last[root_index] = 0, len(blocks) - 1
-    forward_units = tuple(sorted((u for u in range(n_units) if first[u] >= 0),
-                                 key=lambda u: (first[u], u != root_index)))
-
-    fwd_total = subtree_sum(ROOT, "fwd_flops_self")
-    bwd_total = subtree_sum(ROOT, "bwd_flops_self")
-    return CostTables(
-        units=tuple(units), blocks=tuple(blocks), unit_param_numel=tuple(unit_numel),
-        unit_first_param_numel=tuple(first_params),
-        unit_first_block=tuple(first), unit_last_block=tuple(last), forward_units=forward_units,
-        built_dtype=built_dtype,
-        unit_names=tuple(u.name for u in units),
-        unit_float_numel=tuple(sum(k for dt, k in d.items() if dt in FLOAT_DTYPES) for d in unit_numel),
-        unit_float_built_bytes=tuple(sum(k * dtype_bytes(dt) for dt, k in d.items() if dt in FLOAT_DTYPES)
-                                     for d in unit_numel),
-        unit_other_bytes=tuple(sum(k * dtype_bytes(dt) for dt, k in d.items() if dt not in FLOAT_DTYPES)
-                               for d in unit_numel),
-        unit_float_dtypes=tuple(frozenset(dt for dt in d if dt in FLOAT_DTYPES) for d in unit_numel),
-        unit_first_float_numel=tuple(sum(k for dt, k in d.items() if dt in FLOAT_DTYPES) for d in first_params),
-        buffer_bytes=sum(m.buffer_bytes for m in trace.modules),
-        largest_module_float_bytes=max((sum(nb for dt, nb in m.param_bytes_by_dtype.items() if dt in FLOAT_DTYPES)
-                                        for m in trace.modules), default=0),
-        total_param_numel=sum(sum(d.values()) for d in unit_numel),
-        model_fwd_flops=fwd_total, model_bwd_flops=bwd_total,
-        param_tensors=sum(m.param_tensors for m in trace.modules),
-    )
+    return blocks
 
 
 def _subtree_summer(trace: ModelTrace) -> Callable[[str, str], Affine]:

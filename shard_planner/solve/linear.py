@@ -43,6 +43,33 @@ on a CPU profile nothing overlaps). The linear model has no per-op or per-unit f
 already, are not counted twice. Collectives use the ring model ``alpha (p-1) + (p-1)/p x bytes / busbw`` (nccl-tests' bus bandwidth, DESIGN.md "Time model").
 The constant part (loss, modules outside items, optimizer step) does not change the argmin but is
 added so the linear step time is comparable with the simulator's.
+
+How it compares with the simulators (what tests/test_linear_vs_simulators.py asserts for every plan
+of its corpus: the solver's and the cost tests' traces, examples/gpt2.py tiny, four profiles, FSDP
+and HSDP meshes, prefetch 0-2, micro-batch 1 and 4, AdamW and SGD, with and without CPU offload;
+measured over 10,240 random covers of ten traces when this was written, the extremes in brackets).
+With ``sim_peak`` the simulated peak bytes and ``sim_s`` the simulated step time:
+
+- peak: ``peak_mib * MiB >= (1 - PEAK_UNDER_COUNT) * sim_peak`` with ``PEAK_UNDER_COUNT`` 0.03 [0.023]
+  without CPU offload (or on a CPU profile) and 0.06 [0.051] with CPU offload on a GPU profile; and
+  ``peak_mib * MiB <= PEAK_OVER_FACTOR * sim_peak + PEAK_OVER_SLACK_MIB * MiB`` (2x + 16 MiB
+  [1.81x on peaks over 256 MiB; +12.6 MiB on tiny models, from rounding every term up to a MiB]). It
+  is neither a bound nor exact: it over-counts by taking each unit's worst moment at once (both
+  copies of the parameters in forward, all gradients and both reduce-scatter buffers at once), and
+  under-counts where the simulator has terms it has not: under CPU offload on a GPU, the host-to-device
+  copy of each unit's fp32 shard before its all-gather ([Note: CPU offload]); otherwise at events the
+  linear model has no term for, where neighbouring units' buffers meet (found on the corpus): a
+  unit's backward copy-out (its all-gather output and its parameters live together, beside the
+  neighbours' buffers; ``bwd`` counts the parameters once), a reduce-scatter beside a prefetched
+  all-gather, and the backward of the root's own modules.
+- time: ``TIME_RATIO[0] * sim_s <= time_us / 1e6 <= TIME_RATIO[1] * sim_s`` with TIME_RATIO = (0.45,
+  1.25) [0.505, 1.20], ``sim_s`` priced by a profile whose framework overheads (``per_op_overhead_s``,
+  ``per_unit_overhead_s``, ``per_param_tensor_optimizer_overhead_s``) are 0: the linear model has
+  none of them, so against the full simulator only the upper bound holds (their step time on tiny
+  models is mostly overhead: as low as 0.01 x). Below 1: the linearised overlap ``max(0, comm -
+  overlap x compute)`` hides more communication than the two-stream simulation can (the first and
+  last units, uneven neighbours); above: the tie-break and rounding to µs, and exposed time the
+  simulation hides behind neighbours' compute.
 """
 
 from __future__ import annotations
@@ -50,8 +77,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from shard_planner.cost.tables import DTYPE_BYTES
-from shard_planner.cost.time import module_compute_s
+from shard_planner.cost.collectives import (
+    all_gather_time_s, reduce_scatter_time_s, replica_all_reduce_time_s, ring_bandwidth_s,
+)
+from shard_planner.cost.model import CostModel, shared_model
+from shard_planner.cost.optimizer import (
+    OPTIMIZER_STATES, OPTIMIZER_TEMPORARIES, OPTIMIZER_TEMPORARIES_SINGLE_TENSOR, optimizer_step_bytes,
+)
+from shard_planner.dtypes import DTYPE_BYTES, FLOAT_DTYPES
 from shard_planner.plan import Mesh, Prefetch, Training
 from shard_planner.profile import HardwareProfile
 from shard_planner.solve.space import Candidate, SearchSpace
@@ -60,15 +93,11 @@ from shard_planner.trace.types import ModelTrace
 MIB = 2**20
 TIE_BREAK_S_PER_COLLECTIVE = 1e-6  # 1 µs: the smallest step of the objective's integer scale
 US_PER_S = 1_000_000
-# fp32 optimizer states per parameter: AdamW/Adam keep exp_avg and exp_avg_sq, SGD with momentum one
-# buffer (torch.optim docs; ZeRO §5 counts them in K).
-OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
-
-
-def _optimizer_touches(states: int) -> int:
-    """Element sizes the optimizer step reads and writes per parameter: param r/w, grad r, each state
-    r/w (an elementwise, memory-bound update: time = bytes touched / HBM bandwidth)."""
-    return 3 + 2 * states
+# What the linear model promises against the simulators (module docstring; tests/test_linear_vs_simulators.py).
+PEAK_UNDER_COUNT = 0.03  # at most this fraction below the simulated peak (no CPU offload, or a CPU profile)
+PEAK_UNDER_COUNT_OFFLOAD = 0.06  # the same with CPU offload on a GPU profile
+PEAK_OVER_FACTOR, PEAK_OVER_SLACK_MIB = 2.0, 16  # at most 2x the simulated peak + 16 MiB
+TIME_RATIO = (0.45, 1.25)  # linear / simulated step time, the simulator's framework overheads set to 0
 
 
 @dataclass(frozen=True)
@@ -140,22 +169,11 @@ def _us(seconds: float) -> int:
     return max(0, round(seconds * US_PER_S))
 
 
-def ring_time_s(nbytes: float, ranks: int, latency_s: float, busbw_bytes_per_s: float, *, collectives: int = 1) -> float:
-    """All-gather / reduce-scatter on a ring of ``ranks`` (nccl-tests: alpha (p-1) + (p-1)/p bytes/busbw)."""
-    if ranks <= 1:
-        return 0.0
-    return collectives * latency_s * (ranks - 1) + (ranks - 1) / ranks * nbytes / busbw_bytes_per_s
-
-
-def _link(profile: HardwareProfile, ranks: int) -> tuple[float, float]:
-    ic = profile.interconnect
-    if ranks <= ic.gpus_per_node:
-        return ic.intra_node_latency_s, ic.intra_node_busbw_bytes_per_s
-    return ic.inter_node_latency_s, ic.inter_node_busbw_bytes_per_s
-
-
 def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoice, training: Training,
-                       profile: HardwareProfile) -> LinearModel:
+                       profile: HardwareProfile, cost_model: CostModel | None = None) -> LinearModel:
+    """The coefficients for one global choice. ``cost_model``: the CostModel of ``trace`` on ``profile``
+    (module compute times, subtree sums); None: a shared one (shard_planner.cost.shared_model)."""
+    cm = cost_model if cost_model is not None else shared_model(trace, profile)
     b = choice.micro_batch
     shard = choice.mesh.shard
     param_elem = sum(m.param_bytes for m in trace.modules) / max(trace.param_count, 1)  # stored bytes per param
@@ -166,17 +184,14 @@ def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoi
 
     # ---- per item, in bytes / FLOPs at micro-batch b ----
     items = space.items
-    saved = [trace.subtree_sum(it.fqn, "saved_bytes_self").at(b) * act_scale for it in items]
+    saved = [cm.subtree_sum(it.fqn, "saved_bytes_self").at(b) * act_scale for it in items]
     inputs = [trace.module(it.fqn).input_bytes.at(b) * act_scale for it in items]
     fwd_rise = [trace.module(it.fqn).fwd_peak_rise_bytes.at(b) * act_scale for it in items]
     bwd_rise = [trace.module(it.fqn).bwd_peak_rise_bytes.at(b) * act_scale for it in items]
     # compute seconds: measured when the profile has module timings, else FLOPs / throughput
     # (cost.module_compute_s; see "Time per candidate" in the module docstring)
-    fwd_s, bwd_s = zip(*(module_compute_s(trace, it.fqn, b, profile, training.param_dtype) for it in items))
-
-    lat, bw = _link(profile, shard)
+    fwd_s, bwd_s = zip(*(cm.module_compute_s(it.fqn, b, training.param_dtype) for it in items))
     replicas = choice.mesh.replicate
-    inter_lat, inter_bw = profile.interconnect.inter_node_latency_s, profile.interconnect.inter_node_busbw_bytes_per_s
     # Overlap windows in units of the unit's own compute: FSDP2's implicit prefetch (the CPU runs
     # ahead) already overlaps one unit in forward when the explicit depth is 0, and backward always
     # prefetches one (DESIGN.md "FSDP2 facts"; cost/time.py models the same).
@@ -189,58 +204,84 @@ def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoi
     for c in space.candidates:
         coeffs.append(_candidate_coeffs(
             c, space, saved, inputs, fwd_rise, bwd_rise, fwd_s, bwd_s, bp=bp, br=br, shard=shard,
-            replicas=replicas, lat=lat, bw=bw, inter_lat=inter_lat, inter_bw=inter_bw,
-            profile=profile, d_f=d_f, d_b=d_b, overlap=overlap, trace=trace,
+            replicas=replicas, profile=profile, d_f=d_f, d_b=d_b, overlap=overlap, trace=trace,
             leading_root_items=leading))
 
     # ---- constants ----
     # Sharded state (ZeRO §5, stage 3): params + grads in their stored dtype + optimizer states, / shard.
     sharded_state = trace.param_count * param_elem * (2 + states) / shard
-    if choice.cpu_offload:
-        sharded_state = 0.0  # CPUOffloadPolicy keeps sharded params, grads and states on the host
+    offload_off_device = choice.cpu_offload and profile.device != "cpu"
+    if offload_off_device:  # CPUOffloadPolicy keeps sharded params, grads and states on the host
+        sharded_state = 0.0  # (on a CPU profile the host is the device: cost/memory.py [Note: CPU offload])
     item_saved_total = sum(saved)
-    all_saved = trace.subtree_sum("", "saved_bytes_self").at(b) * act_scale
+    all_saved = cm.subtree_sum("", "saved_bytes_self").at(b) * act_scale
     outside_saved = max(0.0, all_saved - item_saved_total)
     root_params = space.root_only_params
     base = (profile.reserved_bytes + sharded_state + root_params * (2 * bp + br)
             + outside_saved + trace.batch_input_bytes.at(b) + trace.loss_saved_bytes.at(b) * act_scale)
     loss = trace.loss_peak_rise_bytes.at(b) * act_scale
-    # foreach AdamW/Adam allocate one temporary of the sharded parameters' size (torch/optim/adamw.py
-    # _multi_tensor_adamw: torch._foreach_sqrt(exp_avg_sqs)); SGD none.
-    opt_temp = (trace.param_count * param_elem / shard) if states == 2 and not choice.cpu_offload else 0.0
+    opt_temp = _optimizer_temp_bytes(trace, training, profile, shard, param_elem, offload_off_device)
     optimizer = profile.reserved_bytes + sharded_state + opt_temp
 
-    # compute outside every item: the root's subtree less the items', and the loss (the root's measured
-    # time does not hold the loss: timings.py times loss_fn outside every module)
-    root_f, root_b = module_compute_s(trace, "", b, profile, training.param_dtype)
-    loss_f, loss_b = module_compute_s(trace, None, b, profile, training.param_dtype)
-    outside_s = max(0.0, root_f + root_b - sum(fwd_s) - sum(bwd_s)) + loss_f + loss_b
-    root_comm = 2 * ring_time_s(root_params * bp, shard, lat, bw)  # root all-gather at the start, reduce-scatter at the end
-    opt_bytes = trace.param_count * param_elem * _optimizer_touches(states) / shard
-    const_s = outside_s + root_comm + opt_bytes / profile.memory_bandwidth_bytes_per_s
-    if choice.cpu_offload:
-        # sharded params to the device before each all-gather, gradients back (PCIe, profile).
-        const_s += 2 * trace.param_count * param_elem / shard / profile.host_to_device_bytes_per_s
+    const_s = _constant_time_s(cm, trace, profile, fwd_s, bwd_s, choice, training, root_params, param_elem,
+                               bp=bp, br=br)
     return LinearModel(
         space=space, choice=choice, coeffs=tuple(coeffs), base_mib=_mib(base), loss_mib=_mib(loss), optimizer_mib=_mib(optimizer),
         process_group_mib=_mib(profile.per_process_group_bytes), const_time_us=_us(const_s),
     )
 
 
+def _optimizer_temp_bytes(trace: ModelTrace, training: Training, profile: HardwareProfile, shard: int,
+                          param_elem: float, offload_off_device: bool) -> float:
+    """The step's temporaries (cost/memory.py [Note: Optimizer step]; cost/optimizer.py): foreach AdamW/Adam
+    on a GPU one of the sharded parameters' size, the single-tensor path on a CPU 3x the largest module's
+    shard; SGD none; none on the device when the step runs on the host (offload)."""
+    if offload_off_device:
+        return 0.0
+    if profile.device == "cpu":
+        largest = max((sum(nb for dt, nb in m.param_bytes_by_dtype.items() if dt in FLOAT_DTYPES)
+                       for m in trace.modules), default=0)
+        return OPTIMIZER_TEMPORARIES_SINGLE_TENSOR[training.optimizer] * largest / shard
+    return OPTIMIZER_TEMPORARIES[training.optimizer] * trace.param_count * param_elem / shard
+
+
+def _constant_time_s(cm: CostModel, trace: ModelTrace, profile: HardwareProfile, fwd_s, bwd_s, choice: GlobalChoice,
+                     training: Training, root_params: int, param_elem: float, *, bp: int, br: int) -> float:
+    """The step time no candidate changes: compute outside every item, the root's collectives, the
+    optimizer step and, under CPU offload, the host-device copies."""
+    b, shard, replicas = choice.micro_batch, choice.mesh.shard, choice.mesh.replicate
+    # compute outside every item: the root's subtree less the items', and the loss (the root's measured
+    # time does not hold the loss: timings.py times loss_fn outside every module)
+    root_f, root_b = cm.module_compute_s("", b, training.param_dtype)
+    loss_f, loss_b = cm.module_compute_s(None, b, training.param_dtype)
+    outside_s = max(0.0, root_f + root_b - sum(fwd_s) - sum(bwd_s)) + loss_f + loss_b
+    # the root's all-gather at the start and its reduce-scatter (+ HSDP all-reduce) at the end
+    root_comm = (all_gather_time_s(profile, root_params * bp, shard)
+                 + reduce_scatter_time_s(profile, root_params * br, shard, replicas))
+    # the step is memory-bound (cost/optimizer.py OPTIMIZER_ACCESSES_PER_ELEMENT), on the host under offload
+    opt_bytes = optimizer_step_bytes(training.optimizer, trace.param_count / shard, param_elem)
+    opt_bw = ((profile.host_memory_bandwidth_bytes_per_s or profile.memory_bandwidth_bytes_per_s)
+              if choice.cpu_offload else profile.memory_bandwidth_bytes_per_s)
+    const_s = outside_s + root_comm + opt_bytes / opt_bw
+    if choice.cpu_offload:
+        # sharded params to the device before each all-gather, gradients back (PCIe, profile).
+        const_s += 2 * trace.param_count * param_elem / shard / profile.host_to_device_bytes_per_s
+    return const_s
+
+
 def _candidate_coeffs(c: Candidate, space: SearchSpace, saved, inputs, fwd_rise, bwd_rise, fwd_s, bwd_s, *,
-                      bp, br, shard, replicas, lat, bw, inter_lat, inter_bw, profile, d_f, d_b,
-                      overlap, trace, leading_root_items) -> Coeffs:
+                      bp, br, shard, replicas, profile, d_f, d_b, overlap, trace, leading_root_items) -> Coeffs:
     o = c.option
     idx = range(c.start, c.stop)
     count = sum(space.items[i].param_count for i in idx)
-    if o.nested:
+    if o.nested:  # one collective per unit: the outer unit's own parameters and each inner unit's
         it = space.items[c.start]
         kids = [trace.subtree_param_count(k) for k in it.nested_children]
         live_count = (count - sum(kids)) + max(kids)  # the outer unit's own + one inner unit at a time
-        n_collectives = 1 + len(kids)
+        parts = [count - sum(kids), *kids]
     else:
         live_count = count
-        n_collectives = 1
+        parts = [count]
     gather = count * bp
     gather_live = live_count * bp
 
@@ -268,49 +309,62 @@ def _candidate_coeffs(c: Candidate, space: SearchSpace, saved, inputs, fwd_rise,
         copy_mem = 2 * gather_live
         bwd_mem = gather_live + live_count * bp + bwd_act
         rs_in = live_count * br
-        rs_mem = rs_in + rs_in / shard
+        # the copy-in holds the unit's unsharded gradients and the flat input together; then the 1/N
+        # output and the backend's copy of the input (gloo) join, the gradients freed but the last one:
+        # bounded by all of them (cost/memory.py [Note: Reduce-scatter buffers])
+        rs_mem = live_count * bp + rs_in + rs_in / shard + rs_in * profile.reduce_scatter_temp_fraction
         next_gather = gather_live
 
     # ---- time ----
     cf = sum(fwd_s[i] for i in idx)
     cb = sum(bwd_s[i] for i in idx)
     rc = cf if o.activation_checkpoint else 0.0
-    ar = 0.0
-    if replicas > 1:  # HSDP: all-reduce of the sharded gradients across replicas (2 ring passes)
-        ar = 2 * ring_time_s(count * br / shard, replicas, inter_lat, inter_bw, collectives=n_collectives)
-    if o.in_root:
-        ag_f = ring_time_s(gather, shard, 0.0, bw)  # joins the root's all-gather: no extra latency
-        rs = ring_time_s(count * br, shard, 0.0, bw)
-        exposed = ag_f + rs + ar  # at the very start and the very end of the step: nothing to hide behind
-    else:
-        ag_f = ring_time_s(gather, shard, lat, bw, collectives=n_collectives)
-        if r is True:
-            ag_b = ag_f
-        elif r is False:
-            ag_b = 0.0
-        else:
-            r_lat, r_bw = _link(profile, r)
-            ag_b = ring_time_s(gather, r, r_lat, r_bw, collectives=n_collectives)
-        rs = ring_time_s(count * br, shard, lat, bw, collectives=n_collectives)
-        if not overlap:  # gloo on CPU: collectives run on the thread that computes
-            exposed = ag_f + ag_b + rs + ar
-        elif c.start <= leading_root_items:
-            # the first unit (only one-off modules before it, which may join the root): its forward
-            # all-gather follows the root's with no compute before it to hide behind, and its
-            # reduce-scatter is the last one of backward (cost/time.py simulates the same)
-            exposed = ag_f + max(0.0, ag_b - d_b * (cb + rc)) + rs + ar
-        else:
-            exposed = max(0.0, ag_f - d_f * cf) + max(0.0, ag_b + rs + ar - d_b * (cb + rc))
-        # Tie-break: among covers the model finds equally fast, prefer fewer collectives (each costs a
-        # launch and a synchronisation that the ring model does not see; FSDP paper §3.2: finer units
-        # cost throughput through more, smaller collectives).
-        exposed += TIE_BREAK_S_PER_COLLECTIVE * n_collectives * (3 if r is True else 2)
+    exposed = _exposed_comm_s(c, parts, cf, cb + rc, bp=bp, br=br, shard=shard, replicas=replicas, profile=profile,
+                              d_f=d_f, d_b=d_b, overlap=overlap, leading_root_items=leading_root_items)
     return Coeffs(
         stack_mib=_mib(act_stack + kept_params), fwd_mib=_mib(fwd_mem), copy_mib=_mib(copy_mem), bwd_mib=_mib(bwd_mem),
         rs_mib=_mib(rs_mem), gather_mib=_mib(next_gather), prev_out_mib=_mib(next_gather),
         regather_mib=_mib(regather), rs_in_mib=_mib(rs_in), root_mib=_mib(root_bytes),
         uses_int_reshard=not o.in_root and not isinstance(r, bool), time_us=_us(cf + cb + rc + exposed),
     )
+
+
+def _exposed_comm_s(c: Candidate, parts: list[int], fwd_s: float, bwd_s: float, *, bp, br, shard, replicas,
+                    profile: HardwareProfile, d_f, d_b, overlap, leading_root_items) -> float:
+    """Communication of one candidate the compute does not hide (module docstring, "Time per
+    candidate"): ``parts`` are the parameter counts of its units' collectives (one, or the outer and
+    each inner unit when nested); ``fwd_s``, ``bwd_s`` its compute (backward with recomputation)."""
+    o, r = c.option, c.option.reshard_after_forward
+    count, n_collectives = sum(parts), len(parts)
+    # collectives: cost/collectives.py (the ring model; intra- or inter-node by the group's layout)
+    ar = sum(replica_all_reduce_time_s(profile, p * br, shard, replicas) for p in parts)  # HSDP; 0 without
+    if o.in_root:
+        ag_f = ring_bandwidth_s(profile, count * bp, shard)  # joins the root's all-gather: no extra latency
+        rs = ring_bandwidth_s(profile, count * br, shard)
+        exposed = ag_f + rs + ar  # at the very start and the very end of the step: nothing to hide behind
+    else:
+        ag_f = sum(all_gather_time_s(profile, p * bp, shard) for p in parts)
+        if r is True:
+            ag_b = ag_f
+        elif r is False:
+            ag_b = 0.0
+        else:
+            ag_b = sum(all_gather_time_s(profile, p * bp, r) for p in parts)
+        rs = sum(reduce_scatter_time_s(profile, p * br, shard) for p in parts)
+        if not overlap:  # gloo on CPU: collectives run on the thread that computes
+            exposed = ag_f + ag_b + rs + ar
+        elif c.start <= leading_root_items:
+            # the first unit (only one-off modules before it, which may join the root): its forward
+            # all-gather follows the root's with no compute before it to hide behind, and its
+            # reduce-scatter is the last one of backward (cost/time.py simulates the same)
+            exposed = ag_f + max(0.0, ag_b - d_b * bwd_s) + rs + ar
+        else:
+            exposed = max(0.0, ag_f - d_f * fwd_s) + max(0.0, ag_b + rs + ar - d_b * bwd_s)
+        # Tie-break: among covers the model finds equally fast, prefer fewer collectives (each costs a
+        # launch and a synchronisation that the ring model does not see; FSDP paper §3.2: finer units
+        # cost throughput through more, smaller collectives).
+        exposed += TIE_BREAK_S_PER_COLLECTIVE * n_collectives * (3 if r is True else 2)
+    return exposed
 
 
 def evaluate(lm: LinearModel, chosen: list[int] | tuple[int, ...]) -> LinearResult:
