@@ -22,7 +22,7 @@ timings' fingerprint and dtype check (``profile.module_timings``) runs once per 
 Both simulators walk one event sequence (cost/schedule.py): the memory one tracks live bytes by
 category (cost/memory.py), the time one a compute and a communication stream (cost/time.py).
 
-The functions below are thin wrappers that reuse a CostModel for the same trace and profile objects
+The functions below (cost/api.py) are thin wrappers that reuse a CostModel for the same trace and profile objects
 (``model.shared_model``), for callers that evaluate a few plans:
 
     estimate(trace, plan, profile, timeline=True) -> Estimate
@@ -36,23 +36,14 @@ The functions below are thin wrappers that reuse a CostModel for the same trace 
 
 from __future__ import annotations
 
-from shard_planner.cost.memory import model_state_bytes, simulate_memory
+from shard_planner.cost.api import (
+    cost_tables, estimate, model_state_bytes, module_compute_s, simulate_memory, simulate_time,
+)
 from shard_planner.cost.model import CostModel, shared_model
 from shard_planner.cost.schedule import Event, EventKind, Schedule, build_schedule
-from shard_planner.cost.tables import CostTables, cost_tables
-from shard_planner.cost.time import module_compute_s, simulate_time
+from shard_planner.cost.tables import CostTables
 from shard_planner.cost.types import Estimate, MemoryEstimate, MemoryEvent, TimeEstimate, UnitTime
 from shard_planner.cost.unit_bytes import UnitBytes, unit_bytes
-from shard_planner.plan import Plan
-from shard_planner.profile import HardwareProfile
-from shard_planner.trace.types import ModelTrace
-
-
-def estimate(trace: ModelTrace, plan: Plan, profile: HardwareProfile, *, timeline: bool = True) -> Estimate:
-    """Memory and time of ``plan`` for ``trace`` on ``profile``; ``.prediction()`` gives the plan's
-    ``predicted`` section. ``timeline=False`` skips the memory timeline (faster; the solver's case).
-    A thin wrapper over ``CostModel(trace, profile).estimate(plan)``."""
-    return shared_model(trace, profile).estimate(plan, timeline=timeline)
 
 
 __all__ = [

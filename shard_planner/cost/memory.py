@@ -463,28 +463,3 @@ def _label(what: str, who: str, phase: str) -> str:
     if not what:
         return f"{phase}: {who or '<root>'}"
     return f"{phase}: {what} {who}" if who else f"{phase}: {what}"
-
-
-def simulate_memory(trace: ModelTrace, plan: Plan, profile: HardwareProfile, *, timeline: bool = True,
-                    ub=None) -> MemoryEstimate:
-    """Peak live bytes of one rank over one steady-state training step (see the module docstring).
-
-    ``timeline=False`` skips building the per-event timeline (the solver only needs the peak). A thin
-    wrapper over ``CostModel(trace, profile).memory(plan)`` (shard_planner/cost/model.py); ``ub`` is
-    accepted for old callers and ignored (the model memoises the unit bytes)."""
-    from shard_planner.cost.model import shared_model
-
-    return shared_model(trace, profile).memory(plan, timeline=timeline)
-
-
-def model_state_bytes(trace: ModelTrace, plan: Plan) -> dict[str, int]:
-    """Sharded parameters, gradients and optimizer states per rank (the ZeRO model state)."""
-    from shard_planner.cost.model import shared_tables
-
-    ub = unit_bytes(shared_tables(trace, plan.units), plan)
-    grads = sum(x.sharded_grad for x in ub)
-    return {
-        "sharded_params": int(round(sum(x.sharded for x in ub))),
-        "grads": int(round(grads)),
-        "optimizer_states": int(round(OPTIMIZER_STATES[plan.training.optimizer] * grads)),
-    }

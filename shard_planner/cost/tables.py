@@ -83,14 +83,6 @@ class CostTables:
     param_tensors: int = 0  # parameter tensors of the model (the optimizer's per-tensor overhead)
 
 
-def cost_tables(trace: ModelTrace, units: tuple[Unit, ...]) -> CostTables:
-    """The tables for ``trace`` segmented into ``units``: a thin wrapper over ``CostModel.tables``
-    (shard_planner/cost/model.py), which keeps them per segmentation."""
-    from shard_planner.cost.model import shared_tables
-
-    return shared_tables(trace, units)
-
-
 def build_tables(trace: ModelTrace, units: tuple[Unit, ...],
                  subtree_sum: Callable[[str, str], Affine] | None = None) -> CostTables:
     """The tables of ``trace`` segmented into ``units``. ``subtree_sum(fqn, attr)``: the sum of a

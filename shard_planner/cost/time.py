@@ -295,21 +295,3 @@ class _TwoStreams:
 
 def _ignore(ev) -> None:
     """Events that take no time on either stream (hooks whose cost is in the per-unit overhead)."""
-
-
-def simulate_time(trace: ModelTrace, plan: Plan, profile: HardwareProfile, *, ub=None) -> TimeEstimate:
-    """Predicted time of one training step on one rank, and what it is made of (module docstring).
-    A thin wrapper over ``CostModel(trace, profile).time(plan)`` (shard_planner/cost/model.py); ``ub``
-    is accepted for old callers and ignored (the model memoises the unit bytes)."""
-    from shard_planner.cost.model import shared_model
-
-    return shared_model(trace, profile).time(plan)
-
-
-def module_compute_s(trace: ModelTrace, fqn: str | None, micro_batch: int, profile: HardwareProfile,
-                     param_dtype: str) -> tuple[float, float]:
-    """Forward and backward seconds of ``fqn``'s subtree at ``micro_batch``, compute only; a thin wrapper
-    over ``CostModel.module_compute_s`` (its docstring)."""
-    from shard_planner.cost.model import shared_model
-
-    return shared_model(trace, profile).module_compute_s(fqn, micro_batch, param_dtype)

@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterable
 
-from shard_planner.cost.tables import dtype_bytes
+from shard_planner.dtypes import dtype_bytes
 from shard_planner.cost.types import Estimate, UnitTime
 from shard_planner.plan import Plan, Unit
 from shard_planner import ownership

@@ -4,24 +4,18 @@ stay within the bounds solve/linear.py's docstring states (``PEAK_UNDER_COUNT``,
 
 import dataclasses
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "models"))
-
-import cost_mlp  # noqa: E402
-import cost_synth  # noqa: E402
-import solve_traces  # noqa: E402
-
-from shard_planner.cost import CostModel  # noqa: E402
-from shard_planner.plan import Cluster, Mesh, Prefetch, Training  # noqa: E402
-from shard_planner.profile import load_profile  # noqa: E402
-from shard_planner.solve import linear  # noqa: E402
-from shard_planner.solve.linear import MIB, GlobalChoice, build_linear_model, evaluate  # noqa: E402
-from shard_planner.solve.simulate import cover_units, make_plan  # noqa: E402
-from shard_planner.solve.space import build_space  # noqa: E402
+from shard_planner.cost import CostModel
+from shard_planner.plan import Cluster, Mesh, Prefetch, Training
+from shard_planner.profile import load_profile
+from shard_planner.solve import linear
+from shard_planner.solve.linear import MIB, GlobalChoice, build_linear_model, evaluate
+from shard_planner.solve.simulate import cover_units, make_plan
+from shard_planner.solve.space import build_space
+from tests.models import cost_mlp, cost_synth, solve_traces
+from tests.paths import EXAMPLES
 
 MESHES = ((8, 1, 8), (16, 1, 8), (4, 2, 8), (8, 2, 4))  # shard, replicate, GPUs per node
 PREFETCH = (Prefetch(0, 1), Prefetch(1, 1), Prefetch(2, 2))
@@ -35,7 +29,7 @@ def _traces():
         "stack4": solve_traces.stack_trace(4), "stack6-unsplit": solve_traces.stack_trace(6, split_block=False),
         "synth8": cost_synth.synthetic_trace(layers=8, hidden=1024, seq=512, vocab=4096),
         "mlp": cost_mlp.analytic_trace(128, 4),
-        "gpt2": trace_model(str(Path(__file__).parent.parent / "examples" / "gpt2.py")),
+        "gpt2": trace_model(str(EXAMPLES / "gpt2.py")),
     }
 
 
