@@ -25,13 +25,24 @@ DEFAULT_PROFILE = "h100-80gb"
 
 @dataclass(frozen=True)
 class Interconnect:
-    """Ring collectives: time = latency_s * (p - 1) + (p - 1) / p * bytes / busbw (nccl-tests' busbw)."""
+    """Ring collectives: time = latency_s * (p - 1) + (p - 1) / p * bytes / busbw(bytes) (nccl-tests' busbw),
+    busbw(bytes) = busbw_bytes_per_s * bytes / (bytes + busbw_half_bytes) per link (shard_planner/cost/collectives.py)."""
 
     gpus_per_node: int
     intra_node_latency_s: float
-    intra_node_busbw_bytes_per_s: float
+    intra_node_busbw_bytes_per_s: float  # the plateau: large messages
     inter_node_latency_s: float
-    inter_node_busbw_bytes_per_s: float  # per GPU
+    inter_node_busbw_bytes_per_s: float  # the plateau, per rank as nccl-tests define busbw
+    # Half-bandwidth message size n_1/2 of each link (Hockney): the message size at which the bandwidth
+    # term runs at half the plateau (small messages are protocol-bound: NCCL's LL/LL128 before Simple).
+    # 0: busbw is the plateau at every size (profiles written before the curve was modelled, cpu-gloo).
+    intra_node_busbw_half_bytes: float = 0.0
+    inter_node_busbw_half_bytes: float = 0.0
+
+    def __post_init__(self):
+        for name in ("intra_node_busbw_half_bytes", "inter_node_busbw_half_bytes"):
+            if not getattr(self, name) >= 0:
+                raise ProfileError(f"[interconnect] {name} must be >= 0, got {getattr(self, name)!r}")
 
 
 COMPUTE_MODELS = ("flops", "roofline")

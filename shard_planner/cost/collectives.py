@@ -10,6 +10,19 @@ size), nccl-tests define bus bandwidth so that
 all on one node uses the profile's intra-node latency and busbw; a group that spans nodes is limited
 by its slowest link, the inter-node one (per GPU).
 
+Bus bandwidth rises with message size (nccl-tests curves: small messages are latency- and
+protocol-bound, NCCL's LL and LL128 protocols before Simple; large ones reach the plateau). Per link the
+profile may give a half-bandwidth size n_1/2 (Hockney's form):
+
+    busbw(n) = busbw_plateau * n / (n + n_1/2)     so    (p - 1) / p * n / busbw(n) = (p - 1) / p * (n + n_1/2) / busbw_plateau
+
+with n the collective's message size as nccl-tests report it (the full buffer of an all-gather or
+reduce-scatter; the buffer of an all-reduce). The latency term alpha (p - 1) stays: a curve measured at
+p_ref ranks gives alpha from its small-message floor (time / ring steps) and n_1/2 from the ramp of
+what remains (profiles/h100-80gb.toml cites the curve and derives both). Without n_1/2 (0, the default) busbw is the plateau
+at every size: profiles written before the curve, and cpu-gloo, price exactly as before.
+Every collective of the cost model and the solver's linear model is priced by :func:`ring_time_s`.
+
 Rank layout: ranks are numbered node by node (torchrun's default), the shard group is contiguous and
 the replicate group (HSDP) strides by the shard size — the ("replicate", "shard") mesh of
 ``init_device_mesh``.
@@ -20,11 +33,19 @@ from __future__ import annotations
 from shard_planner.profile import HardwareProfile
 
 
-def _link(profile: HardwareProfile, spans_nodes: bool) -> tuple[float, float]:
+def _link(profile: HardwareProfile, spans_nodes: bool) -> tuple[float, float, float]:
+    """(latency_s, plateau busbw_bytes_per_s, busbw_half_bytes) of the link a group runs over."""
     ic = profile.interconnect
     if spans_nodes:
-        return ic.inter_node_latency_s, ic.inter_node_busbw_bytes_per_s
-    return ic.intra_node_latency_s, ic.intra_node_busbw_bytes_per_s
+        return ic.inter_node_latency_s, ic.inter_node_busbw_bytes_per_s, ic.inter_node_busbw_half_bytes
+    return ic.intra_node_latency_s, ic.intra_node_busbw_bytes_per_s, ic.intra_node_busbw_half_bytes
+
+
+def busbw_at_bytes(nbytes: float, busbw_bytes_per_s: float, busbw_half_bytes: float = 0.0) -> float:
+    """nccl-tests bus bandwidth of a ``nbytes`` message: plateau x n / (n + n_1/2); the plateau when n_1/2 is 0."""
+    if busbw_half_bytes <= 0:
+        return busbw_bytes_per_s
+    return busbw_bytes_per_s * nbytes / (nbytes + busbw_half_bytes)
 
 
 def shard_group_spans_nodes(profile: HardwareProfile, group_size: int) -> bool:
@@ -37,24 +58,29 @@ def replicate_group_spans_nodes(profile: HardwareProfile, shard_size: int, repli
     return replicate > 1 and shard_size * replicate > profile.interconnect.gpus_per_node
 
 
-def ring_time_s(nbytes: float, group_size: int, latency_s: float, busbw_bytes_per_s: float) -> float:
-    """One ring all-gather or reduce-scatter of ``nbytes`` (the unsharded size) over ``group_size`` ranks."""
+def ring_time_s(nbytes: float, group_size: int, latency_s: float, busbw_bytes_per_s: float,
+                busbw_half_bytes: float = 0.0) -> float:
+    """One ring all-gather or reduce-scatter of ``nbytes`` (the unsharded size) over ``group_size`` ranks:
+    alpha (p - 1) + (p - 1) / p x n / busbw(n), busbw(n) from the plateau and n_1/2 (:func:`busbw_at_bytes`)."""
     if group_size <= 1 or nbytes <= 0:
         return 0.0
-    return latency_s * (group_size - 1) + (group_size - 1) / group_size * nbytes / busbw_bytes_per_s
+    # n / busbw(n) = (n + n_1/2) / plateau: the same expression without a division by a small busbw
+    return latency_s * (group_size - 1) + (group_size - 1) / group_size * (nbytes + busbw_half_bytes) / busbw_bytes_per_s
 
 
 def all_gather_time_s(profile: HardwareProfile, nbytes: float, group_size: int) -> float:
     """All-gather over a contiguous group (FSDP's shard group, or a smaller reshard group)."""
-    lat, bw = _link(profile, shard_group_spans_nodes(profile, group_size))
-    return ring_time_s(nbytes, group_size, lat, bw)
+    lat, bw, half = _link(profile, shard_group_spans_nodes(profile, group_size))
+    return ring_time_s(nbytes, group_size, lat, bw, half)
 
 
 def ring_bandwidth_s(profile: HardwareProfile, nbytes: float, group_size: int) -> float:
     """The bandwidth term alone of an all-gather or reduce-scatter over a contiguous group: bytes that
     join another collective of the same group (the solver's linear model, for modules that join the
-    root unit's all-gather and reduce-scatter)."""
-    _, bw = _link(profile, shard_group_spans_nodes(profile, group_size))
+    root unit's all-gather and reduce-scatter). The marginal bytes of a collective run at the plateau:
+    with busbw(n) = plateau x n / (n + n_1/2) the time is linear in n, and the joined collective pays
+    the n_1/2 term once."""
+    _, bw, _ = _link(profile, shard_group_spans_nodes(profile, group_size))
     return ring_time_s(nbytes, group_size, 0.0, bw)
 
 
@@ -63,15 +89,16 @@ def replica_all_reduce_time_s(profile: HardwareProfile, nbytes: float, shard_siz
     (all-reduce = reduce-scatter + all-gather: two ring passes); 0 without replicas."""
     if replicate <= 1:
         return 0.0
-    lat, bw = _link(profile, replicate_group_spans_nodes(profile, shard_size, replicate))
-    return 2 * ring_time_s(nbytes / shard_size, replicate, lat, bw)
+    lat, bw, half = _link(profile, replicate_group_spans_nodes(profile, shard_size, replicate))
+    # nccl-tests all-reduce busbw = 2 (p-1)/p x n / t: two ring passes over the same message size n
+    return 2 * ring_time_s(nbytes / shard_size, replicate, lat, bw, half)
 
 
 def reduce_scatter_time_s(profile: HardwareProfile, nbytes: float, shard_size: int, replicate: int = 1) -> float:
     """Gradient reduction: reduce-scatter of ``nbytes`` in the shard group, then for HSDP an all-reduce of
     the 1/shard result across the replicas (FSDP2 ``foreach_reduce``; a hierarchical reduction)."""
-    lat, bw = _link(profile, shard_group_spans_nodes(profile, shard_size))
-    t = ring_time_s(nbytes, shard_size, lat, bw)
+    lat, bw, half = _link(profile, shard_group_spans_nodes(profile, shard_size))
+    t = ring_time_s(nbytes, shard_size, lat, bw, half)
     if replicate > 1:
         t += replica_all_reduce_time_s(profile, nbytes, shard_size, replicate)
     return t
