@@ -26,7 +26,7 @@ DEFAULT_PROFILE = "h100-80gb"
 @dataclass(frozen=True)
 class Interconnect:
     """Ring collectives: time = latency_s * (p - 1) + (p - 1) / p * bytes / busbw(bytes) (nccl-tests' busbw),
-    busbw(bytes) = busbw_bytes_per_s * bytes / (bytes + busbw_half_bytes) per link (shard_planner/cost/collectives.py)."""
+    busbw(bytes) = busbw_bytes_per_s * bytes / (bytes + busbw_half_bytes) per link (cost/collectives.py)."""
 
     gpus_per_node: int
     intra_node_latency_s: float

@@ -14,13 +14,16 @@ Bus bandwidth rises with message size (nccl-tests curves: small messages are lat
 protocol-bound, NCCL's LL and LL128 protocols before Simple; large ones reach the plateau). Per link the
 profile may give a half-bandwidth size n_1/2 (Hockney's form):
 
-    busbw(n) = busbw_plateau * n / (n + n_1/2)     so    (p - 1) / p * n / busbw(n) = (p - 1) / p * (n + n_1/2) / busbw_plateau
+    busbw(n) = busbw_plateau * n / (n + n_1/2)
+    so (p - 1) / p * n / busbw(n) = (p - 1) / p * (n + n_1/2) / busbw_plateau
 
 with n the collective's message size as nccl-tests report it (the full buffer of an all-gather or
-reduce-scatter; the buffer of an all-reduce). The latency term alpha (p - 1) stays: a curve measured at
-p_ref ranks gives alpha from its small-message floor (time / ring steps) and n_1/2 from the ramp of
-what remains (profiles/h100-80gb.toml cites the curve and derives both). Without n_1/2 (0, the default) busbw is the plateau
-at every size: profiles written before the curve, and cpu-gloo, price exactly as before.
+reduce-scatter; the buffer of an all-reduce). The time stays affine in n: n_1/2 adds
+(p - 1) / p x n_1/2 / plateau per ring pass, a fixed cost of the protocols' ramp that, unlike the
+per-step latency alpha (p - 1), hardly grows with p. A curve measured at p_ref ranks gives alpha from
+its small-message floor (time / ring steps) and n_1/2 from the ramp of what remains
+(profiles/h100-80gb.toml cites the curve and derives both). Without n_1/2 (0, the default) busbw is
+the plateau at every size: profiles written before the curve, and cpu-gloo, price exactly as before.
 Every collective of the cost model and the solver's linear model is priced by :func:`ring_time_s`.
 
 Rank layout: ranks are numbered node by node (torchrun's default), the shard group is contiguous and
@@ -65,7 +68,8 @@ def ring_time_s(nbytes: float, group_size: int, latency_s: float, busbw_bytes_pe
     if group_size <= 1 or nbytes <= 0:
         return 0.0
     # n / busbw(n) = (n + n_1/2) / plateau: the same expression without a division by a small busbw
-    return latency_s * (group_size - 1) + (group_size - 1) / group_size * (nbytes + busbw_half_bytes) / busbw_bytes_per_s
+    steps = group_size - 1
+    return latency_s * steps + steps / group_size * (nbytes + busbw_half_bytes) / busbw_bytes_per_s
 
 
 def all_gather_time_s(profile: HardwareProfile, nbytes: float, group_size: int) -> float:

@@ -9,7 +9,8 @@ The router's linear layer (``mlp.gate``, hidden x E) is counted apart.
 
 import pytest
 
-pytest.importorskip("transformers", reason="the MoE FLOP check traces a transformers Mixtral; transformers is not installed")
+pytest.importorskip("transformers",
+                    reason="the MoE FLOP check traces a transformers Mixtral; transformers is not installed")
 
 from shard_planner.trace.tracer import trace_model  # noqa: E402
 
