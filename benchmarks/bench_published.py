@@ -275,8 +275,9 @@ NOTES = """## How the rows are priced
   Gb/s, one NCCL ring per NIC) x 0.9.
 - Collectives by message size (shard_planner/cost/collectives.py): intra-node NVLink busbw(n) = plateau x n /
   (n + n_1/2), n_1/2 = 2.4 MB and 1.3 us per ring step on the A100 profiles (an nccl-tests curve, cited
-  there); inter-node the alpha-beta ring. Exposed communication is at most 1.5% of a row's time here
-  (median 0.14%; column exposed_comm_s), so the curve moves these figures by under 0.05 points.
+  there); inter-node the ring with 2.5 us per step (NVIDIA/nccl-tests #119's curve). Exposed communication is at most 0.4% of a row's time here
+  (median 0.13%; column exposed_comm_s); against the alpha-beta ring of before (6 us / 12 us per step, one
+  busbw) rows move by at most 2 points (median 0.01): the lower latencies expose less.
 - Baseline (`--compute-model flops`, published_flops.md, what the shipped profiles use): traced FLOPs at
   one efficiency per profile (compute_efficiency), the same collectives and schedule.
 - What is left: a uniform offset, +8% (<0.5B) to +12-15% (0.5-40B) too fast at every sequence length,
