@@ -2,11 +2,13 @@
 the simulators' re-checks, polish, simplify, frontier, report) and the predicted speedup of the chosen
 plan over the best hand-written policy that fits.
 
-    python benchmarks/bench_plan.py [--quick] [--no-report]
+    python benchmarks/bench_plan.py [--quick] [--no-report] [--transformers]
 
 Rows:
 - timing: Llama-style 8B on 8 GPUs at 40GB, 70B on 64 GPUs at 80GB (h100-80gb profile); targets
-  (trace + plan + report) under 5 s and 10 s;
+  (trace + plan + report) under 5 s and 10 s; with ``--transformers``, the same for a transformers
+  ``LlamaForCausalLM`` of the Llama 3 8B / 70B configs (model ``hf-llama``; the model file,
+  :data:`HF_LLAMA`, is written to a temporary folder);
 - speedup: each example model at two budgets on 8 GPUs.
 
 Columns: ``trace_s``; the planner's stages from ``PlanResult.timings`` (``screen_s``, ``solve_s``,
@@ -47,6 +49,41 @@ TIMING = [  # (label, example, size, gpus, budget, target_s)
     ("Llama 8B, 8 GPUs, 40GB", "llama", "8b", 8, "40GB", 5.0),
     ("Llama 70B, 64 GPUs, 80GB", "llama", "70b", 64, "80GB", 10.0),
 ]
+# transformers' LlamaForCausalLM at the Llama 3 8B and 70B shapes (config.json of meta-llama/Meta-Llama-3-8B
+# and -70B: hidden 4096/8192, 32/80 layers, 32/64 heads, 8 kv heads, intermediate 14336/28672, vocab 128256,
+# rope theta 500000), token ids at seq 4096, the loss from the model's logits.
+HF_LLAMA = '''
+import os
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+CFG = {
+    "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=14336, vocab_size=128256),
+    "70b": dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                intermediate_size=28672, vocab_size=128256),
+}[os.environ.get("SHARD_PLANNER_SIZE", "8b")]
+SEQ = 4096
+
+
+def build_model():
+    return LlamaForCausalLM(LlamaConfig(**CFG, max_position_embeddings=8192, rope_theta=500000.0,
+                                        attn_implementation="sdpa", tie_word_embeddings=False))
+
+
+def make_batch(batch_size):
+    ids = torch.randint(0, CFG["vocab_size"], (batch_size, SEQ + 1))
+    return (ids[:, :-1].contiguous(),), ids[:, 1:].contiguous()
+
+
+def loss_fn(output, targets):
+    return F.cross_entropy(output.logits.flatten(0, -2).float(), targets.flatten())
+
+
+TRAINING = {"micro_batch": 1, "seq_len": SEQ, "optimizer": "adamw"}
+'''
+
 SPEEDUP = [  # (example, size, gpus, tight budget, roomy budget): tight makes the hand-written policies choose
     ("gpt2", "xl", 8, "7GB", "12GB"),
     ("llama", "8b", 8, "30GB", "70GB"),
@@ -57,11 +94,11 @@ SPEEDUP = [  # (example, size, gpus, tight budget, roomy budget): tight makes th
 
 
 def plan_once(example: str, size: str, gpus: int, budget: str, profile_name: str = "h100-80gb",
-              report: bool = False) -> dict:
+              report: bool = False, path: str | None = None) -> dict:
     """Trace and plan one case (and write its report when asked); the result, its timings, or the
-    infeasibility message."""
+    infeasibility message. ``path``: the model file (default examples/<example>.py)."""
     os.environ["SHARD_PLANNER_SIZE"] = size
-    path = str(ROOT / "examples" / f"{example}.py")
+    path = path or str(ROOT / "examples" / f"{example}.py")
     profile = load_profile(profile_name)
     c0, t0 = time.process_time(), time.perf_counter()
     micro_batch = int(load_model_file(path).training.get("micro_batch", 1))
@@ -123,13 +160,19 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="timing rows only")
     ap.add_argument("--no-report", action="store_true", help="do not time the report in the timing rows")
+    ap.add_argument("--transformers", action="store_true",
+                    help="also time a transformers LlamaForCausalLM of the same configs (needs transformers)")
     args = ap.parse_args()
     rows = []
     print("load average at the start:", ", ".join(f"{x:.1f}" for x in os.getloadavg()), flush=True)
-    for label, ex, size, gpus, budget, target in TIMING:
-        rows.append(row("timing", ex, size, gpus, budget, target,
-                        plan_once(ex, size, gpus, budget, report=not args.no_report)))
-        print(rows[-1], flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_path = Path(tmp) / "hf_llama.py"
+        hf_path.write_text(HF_LLAMA)
+        for ex, path in [("llama", None)] + ([("hf-llama", str(hf_path))] if args.transformers else []):
+            for _label, _, size, gpus, budget, target in TIMING:
+                rows.append(row("timing", ex, size, gpus, budget, target,
+                                plan_once(ex, size, gpus, budget, report=not args.no_report, path=path)))
+                print(rows[-1], flush=True)
     if not args.quick:
         for ex, size, gpus, tight, roomy in SPEEDUP:
             for budget in (tight, roomy):

@@ -19,15 +19,25 @@ from shard_planner.errors import UserError
 COMMANDS = ("trace", "estimate", "calibrate", "plan", "run", "report", "export", "tune")
 
 
-def _available_commands() -> list:
+def _available_commands(names: tuple[str, ...] = COMMANDS) -> list:
     return [
         importlib.import_module(f"shard_planner.cli.{name}")
-        for name in COMMANDS
+        for name in names
         if importlib.util.find_spec(f"shard_planner.cli.{name}") is not None
     ]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _named_command(argv: list[str] | None) -> tuple[str, ...]:
+    """The command the command line names (its first word that is not an option), alone, when it is
+    one of ours: only its module is imported (each pulls in its own stack: torch, CP-SAT, matplotlib),
+    so ``shard-planner plan`` does not pay for importing the other commands. Every command otherwise
+    (no command, a misspelt one, a bare --help): the parser then lists them all."""
+    first = next((a for a in (argv or ()) if not a.startswith("-")), None)
+    return (first,) if first in COMMANDS else COMMANDS
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; with ``argv``, only the subparser of the command it names (see :func:`_named_command`)."""
     parser = Parser(
         prog="shard-planner",
         description="Plan, check and run PyTorch FSDP2 sharding: wrap boundaries, prefetch, reshard, "
@@ -35,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in _available_commands():
+    for module in _available_commands(_named_command(argv) if argv is not None else COMMANDS):
         p = module.add_parser(sub)
         p.set_defaults(_run=module.run)
     return parser
@@ -68,7 +78,7 @@ def _on_sigterm(signum, frame):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
+    parser = build_parser(argv)
     try:
         args = parser.parse_args(argv)
     except UserError as exc:  # a value out of range (shard_planner.cli.args): one line, like every error

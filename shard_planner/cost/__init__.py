@@ -22,8 +22,8 @@ timings' fingerprint and dtype check (``profile.module_timings``) runs once per 
 Both simulators walk one event sequence (cost/schedule.py): the memory one tracks live bytes by
 category (cost/memory.py), the time one a compute and a communication stream (cost/time.py).
 
-The functions below (cost/api.py) are thin wrappers that reuse a CostModel for the same trace and profile objects
-(``model.shared_model``), for callers that evaluate a few plans:
+The functions below (cost/api.py) are thin wrappers that build a CostModel per call, for callers that
+evaluate a few plans (code that judges many holds one CostModel):
 
     estimate(trace, plan, profile, timeline=True) -> Estimate
     simulate_memory(trace, plan, profile, timeline=True) -> MemoryEstimate
@@ -39,7 +39,7 @@ from __future__ import annotations
 from shard_planner.cost.api import (
     cost_tables, estimate, model_state_bytes, module_compute_s, simulate_memory, simulate_time,
 )
-from shard_planner.cost.model import CostModel, shared_model
+from shard_planner.cost.model import CostModel
 from shard_planner.cost.schedule import Event, EventKind, Schedule, build_schedule
 from shard_planner.cost.tables import CostTables
 from shard_planner.cost.types import Estimate, MemoryEstimate, MemoryEvent, TimeEstimate, UnitTime
@@ -49,5 +49,5 @@ from shard_planner.cost.unit_bytes import UnitBytes, unit_bytes
 __all__ = [
     "CostModel", "CostTables", "Estimate", "Event", "EventKind", "MemoryEstimate", "MemoryEvent", "Schedule",
     "TimeEstimate", "UnitBytes", "UnitTime", "build_schedule", "cost_tables", "estimate", "model_state_bytes",
-    "module_compute_s", "shared_model", "simulate_memory", "simulate_time", "unit_bytes",
+    "module_compute_s", "simulate_memory", "simulate_time", "unit_bytes",
 ]

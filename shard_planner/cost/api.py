@@ -1,13 +1,14 @@
 """Thin function wrappers over :class:`~shard_planner.cost.model.CostModel` for callers that evaluate a
-few plans: each reuses the CostModel that ``model.shared_model`` keeps for the same trace and profile
-objects. Here, not beside the simulators, so that cost/model.py imports the simulators and nothing in
-the package imports back (tests/test_layering.py)."""
+few plans: each call builds a CostModel of its own (no module-level cache; some 10 ms a plan for a
+Llama 8B trace). Code that judges many plans of one trace holds one CostModel instead. Here, not
+beside the simulators, so that cost/model.py imports the simulators and nothing in the package
+imports back (tests/test_layering.py)."""
 
 from __future__ import annotations
 
-from shard_planner.cost.model import shared_model, shared_tables
+from shard_planner.cost.model import CostModel
 from shard_planner.cost.optimizer import OPTIMIZER_STATES
-from shard_planner.cost.tables import CostTables
+from shard_planner.cost.tables import CostTables, build_tables
 from shard_planner.cost.types import Estimate, MemoryEstimate, TimeEstimate
 from shard_planner.cost.unit_bytes import unit_bytes
 from shard_planner.plan import Plan, Unit
@@ -18,36 +19,36 @@ from shard_planner.trace.types import ModelTrace
 def estimate(trace: ModelTrace, plan: Plan, profile: HardwareProfile, *, timeline: bool = True) -> Estimate:
     """Memory and time of ``plan`` for ``trace`` on ``profile``; ``.prediction()`` gives the plan's
     ``predicted`` section. ``timeline=False`` skips the memory timeline (faster; the solver's case)."""
-    return shared_model(trace, profile).estimate(plan, timeline=timeline)
+    return CostModel(trace, profile).estimate(plan, timeline=timeline)
 
 
 def simulate_memory(trace: ModelTrace, plan: Plan, profile: HardwareProfile, *, timeline: bool = True,
                     ub=None) -> MemoryEstimate:
     """Peak live bytes of one rank over one steady-state training step (cost/memory.py). ``ub`` is
     accepted for old callers and ignored (the model memoises the unit bytes)."""
-    return shared_model(trace, profile).memory(plan, timeline=timeline)
+    return CostModel(trace, profile).memory(plan, timeline=timeline)
 
 
 def simulate_time(trace: ModelTrace, plan: Plan, profile: HardwareProfile, *, ub=None) -> TimeEstimate:
     """Predicted time of one training step on one rank, and what it is made of (cost/time.py)."""
-    return shared_model(trace, profile).time(plan)
+    return CostModel(trace, profile).time(plan)
 
 
 def module_compute_s(trace: ModelTrace, fqn: str | None, micro_batch: int, profile: HardwareProfile,
                      param_dtype: str) -> tuple[float, float]:
     """Forward and backward seconds of ``fqn``'s subtree at ``micro_batch``, compute only
     (``CostModel.module_compute_s``)."""
-    return shared_model(trace, profile).module_compute_s(fqn, micro_batch, param_dtype)
+    return CostModel(trace, profile).module_compute_s(fqn, micro_batch, param_dtype)
 
 
 def cost_tables(trace: ModelTrace, units: tuple[Unit, ...]) -> CostTables:
     """The tables for ``trace`` segmented into ``units`` (``CostModel.tables``)."""
-    return shared_tables(trace, units)
+    return build_tables(trace, units)
 
 
 def model_state_bytes(trace: ModelTrace, plan: Plan) -> dict[str, int]:
     """Sharded parameters, gradients and optimizer states per rank (the ZeRO model state)."""
-    ub = unit_bytes(shared_tables(trace, plan.units), plan)
+    ub = unit_bytes(build_tables(trace, plan.units), plan)
     grads = sum(x.sharded_grad for x in ub)
     return {
         "sharded_params": int(round(sum(x.sharded for x in ub))),

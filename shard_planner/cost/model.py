@@ -15,8 +15,8 @@
 Everything it returns is frozen or must be treated as read-only (estimates are shared by the memo).
 
 The module-level functions of :mod:`shard_planner.cost` (``estimate``, ``simulate_memory``, ...) are
-thin wrappers: they reuse a CostModel from :func:`shared_model`, which keeps the few most recently
-used models, found by the identity of their trace and profile.
+thin wrappers that build a CostModel per call (no module-level state): code that judges many plans of
+one trace holds its own CostModel (the planner's PlanContext does).
 """
 
 from __future__ import annotations
@@ -265,30 +265,3 @@ class CostModel:
             return simulate_time_walk(self.trace, t, plan, self.profile, self.schedule(plan.units, plan.prefetch, k),
                                       compute, comm)
         return self._time.get_or(k.decisions, simulate)
-
-
-_SHARED: list[CostModel] = []
-_SHARED_MAX = 8
-
-
-def shared_model(trace: ModelTrace, profile: HardwareProfile) -> CostModel:
-    """A CostModel for exactly these trace and profile objects: one of the few most recently used, or
-    a new one. For the module-level wrappers; code that evaluates many plans should hold its own."""
-    for i, m in enumerate(_SHARED):
-        if m.trace is trace and m.profile is profile:
-            if i:
-                _SHARED.insert(0, _SHARED.pop(i))
-            return m
-    m = CostModel(trace, profile)
-    _SHARED.insert(0, m)
-    del _SHARED[_SHARED_MAX:]
-    return m
-
-
-def shared_tables(trace: ModelTrace, units: tuple[Unit, ...]) -> CostTables:
-    """The tables of ``trace`` segmented into ``units``, from a shared CostModel of that trace if there
-    is one, else built afresh."""
-    for m in _SHARED:
-        if m.trace is trace:
-            return m.tables(units)
-    return build_tables(trace, units)

@@ -89,79 +89,102 @@ def build_sections(plan: Plan, *, trace: ModelTrace | None = None, profile: Hard
             logger.warning("no memory timeline: the cost model needs the plan's profile (give --profile)")
         else:
             estimate = _estimate(plan, trace, profile)
-    name = plan.model.path.rsplit("/", 1)[-1]
-    sections: list[ReportSection] = []
-    judged = "the usable budget" if budget.has_usable else "--mem"
-
-    fig = plot_frontier(plan, budget)
-    if fig is not None:
-        sections.append(ReportSection(
-            "Memory vs throughput", "frontier.png", fig,
-            "Each point is a plan of the same model, micro-batch and cluster, as the cost model predicts it. "
-            "The line joins the Pareto frontier (no other plan is both smaller and faster); the star is the "
-            "chosen plan; the other markers are the usual hand-written policies (an X: over "
-            f"{judged}; a hollow frontier point too). {_budget_text(budget)} The table's fits column is "
-            f"against {judged}.",
-            frontier_table(plan, budget)))
-
-    if estimate is not None:
-        sections.append(ReportSection(
-            "Memory over one step", "memory_timeline.png",
-            plot_memory_timeline(estimate.memory, budget,
-                                 f"Memory over one training step: {name}, chosen plan (predicted, per GPU)"),
-            "Live bytes on one GPU after each event of the FSDP2 schedule (all-gathers, unit forward and "
-            f"backward, reduce-scatters, optimizer step), stacked by category. {_budget_text(budget)}"))
-    elif plan.predicted is not None:
-        sections.append(ReportSection(
-            "Memory at the peak", "memory_at_peak.png",
-            plot_memory_at_peak(plan.predicted, budget),
-            "The plan's predicted memory at its peak, by category (re-run with the model or its trace"
-            + (" and a profile (--profile)" if budget.missing_profile and trace is not None else "")
-            + f" for the whole timeline). {_budget_text(budget)}"))
-
-    rows = unit_rows(plan, trace, estimate)
-    fig = plot_units(rows)
-    sections.append(ReportSection(
-        "Units", "units.png" if fig is not None else None, fig,
-        "One row per FSDP unit in forward order; consecutive units of the same block are folded into one row "
-        "per decision (reshard, checkpointing), with their count and figures per unit (\"N of M\": every "
-        "other block, say). Memory is per GPU at the plan's micro-batch; times are per step.",
-        units_table(rows)))
-
+    sections = [_frontier_section(plan, budget), _memory_section(plan, trace, estimate, budget),
+                _units_section(plan, trace, estimate)]
     if plan.measurements:
-        fig = plot_measured_plans(plan)
-        sections.append(ReportSection(
-            "Plans run by tune", "tune_runs.png" if fig is not None else None, fig,
-            "Plans shard-planner tune ran for real, each at the world size it ran on: measured peak (largest over "
-            "ranks) and median step time against the cost model's prediction for that run. "
-            "Error = (predicted - measured) / measured.",
-            measurements_table(plan)))
-
+        sections.append(_tune_section(plan))
     if measurement is not None:
-        check_measurement_matches(plan, measurement)
-        figures, predicted = measured_figures(measurement), predictions_for(plan, measurement)
-        ran_on = f"{measurement.world_size} ranks, {measurement.device} ({measurement.device_name}), {measurement.backend}"
-        where = f"{ran_on}; memory by {measurement.memory_method}, time by {measurement.timing_method}"
-        if predicted is not None:
-            sections.append(ReportSection(
-                "Predicted vs measured", "predicted_vs_measured.png",
-                plot_predicted_vs_measured(*predicted, figures, f"Predicted vs measured: {name} ({ran_on})"),
-                "Error = (predicted - measured) / measured. Measured peak is the largest over ranks; measured "
-                f"step time is the median of {len(figures.step_time_samples_s)} steps after "
-                f"{measurement.warmup_steps} warm-up steps. Run: {where}."))
-        else:
-            sections.append(ReportSection(
-                "Measured", None, None,
-                f"Measured peak {format_bytes(figures.peak_bytes)} per rank, step time {figures.step_time_s:.4g} s "
-                f"(median). The run used {measurement.world_size} ranks instead of the plan's "
-                f"{plan.cluster.gpus}, so the plan's prediction does not apply to it. Run: {where}."))
+        sections.append(_measured_section(plan, measurement))
     sections.append(ReportSection(
         "Use the plan", None, None,
         "Check it for real: shard-planner run plan.json (CPU/gloo or GPUs; measured vs predicted). Apply it in your "
         "own training script: shard_planner.execute.apply_plan(model, plan, mesh), or without shard-planner: "
         "shard-planner export plan.json --to fsdp2 -o apply_sharding.py. For a training stack: --to accelerate, "
         "torchtitan or deepspeed (each export lists what that stack cannot express, with the nearest setting)."))
-    return sections
+    return [s for s in sections if s is not None]
+
+
+def _frontier_section(plan: Plan, budget: ReportBudget) -> ReportSection | None:
+    """Memory vs throughput: the frontier, the chosen plan and the hand-written policies (None without
+    a point to compare with)."""
+    fig = plot_frontier(plan, budget)
+    if fig is None:
+        return None
+    judged = "the usable budget" if budget.has_usable else "--mem"
+    return ReportSection(
+        "Memory vs throughput", "frontier.png", fig,
+        "Each point is a plan of the same model, micro-batch and cluster, as the cost model predicts it. "
+        "The line joins the Pareto frontier (no other plan is both smaller and faster); the star is the "
+        "chosen plan; the other markers are the usual hand-written policies (an X: over "
+        f"{judged}; a hollow frontier point too). {_budget_text(budget)} The table's fits column is "
+        f"against {judged}.",
+        frontier_table(plan, budget))
+
+
+def _memory_section(plan: Plan, trace: ModelTrace | None, estimate: Estimate | None,
+                    budget: ReportBudget) -> ReportSection | None:
+    """The chosen plan's memory over one step (with an estimate), else at its peak (from the plan file)."""
+    if estimate is not None:
+        return ReportSection(
+            "Memory over one step", "memory_timeline.png",
+            plot_memory_timeline(estimate.memory, budget, f"Memory over one training step: {_model_name(plan)}, "
+                                 "chosen plan (predicted, per GPU)"),
+            "Live bytes on one GPU after each event of the FSDP2 schedule (all-gathers, unit forward and "
+            f"backward, reduce-scatters, optimizer step), stacked by category. {_budget_text(budget)}")
+    if plan.predicted is None:
+        return None
+    return ReportSection(
+        "Memory at the peak", "memory_at_peak.png",
+        plot_memory_at_peak(plan.predicted, budget),
+        "The plan's predicted memory at its peak, by category (re-run with the model or its trace"
+        + (" and a profile (--profile)" if budget.missing_profile and trace is not None else "")
+        + f" for the whole timeline). {_budget_text(budget)}")
+
+
+def _units_section(plan: Plan, trace: ModelTrace | None, estimate: Estimate | None) -> ReportSection:
+    rows = unit_rows(plan, trace, estimate)
+    fig = plot_units(rows)
+    return ReportSection(
+        "Units", "units.png" if fig is not None else None, fig,
+        "One row per FSDP unit in forward order; consecutive units of the same block are folded into one row "
+        "per decision (reshard, checkpointing), with their count and figures per unit (\"N of M\": every "
+        "other block, say). Memory is per GPU at the plan's micro-batch; times are per step.",
+        units_table(rows))
+
+
+def _tune_section(plan: Plan) -> ReportSection:
+    fig = plot_measured_plans(plan)
+    return ReportSection(
+        "Plans run by tune", "tune_runs.png" if fig is not None else None, fig,
+        "Plans shard-planner tune ran for real, each at the world size it ran on: measured peak (largest over "
+        "ranks) and median step time against the cost model's prediction for that run. "
+        "Error = (predicted - measured) / measured.",
+        measurements_table(plan))
+
+
+def _measured_section(plan: Plan, measurement) -> ReportSection:
+    """Predicted vs measured for a run of this plan; the measured figures alone for a run at another
+    world size (the plan's prediction does not apply to it)."""
+    check_measurement_matches(plan, measurement)
+    figures, predicted = measured_figures(measurement), predictions_for(plan, measurement)
+    ran_on = f"{measurement.world_size} ranks, {measurement.device} ({measurement.device_name}), {measurement.backend}"
+    where = f"{ran_on}; memory by {measurement.memory_method}, time by {measurement.timing_method}"
+    if predicted is not None:
+        return ReportSection(
+            "Predicted vs measured", "predicted_vs_measured.png",
+            plot_predicted_vs_measured(*predicted, figures, f"Predicted vs measured: {_model_name(plan)} ({ran_on})"),
+            "Error = (predicted - measured) / measured. Measured peak is the largest over ranks; measured "
+            f"step time is the median of {len(figures.step_time_samples_s)} steps after "
+            f"{measurement.warmup_steps} warm-up steps. Run: {where}.")
+    return ReportSection(
+        "Measured", None, None,
+        f"Measured peak {format_bytes(figures.peak_bytes)} per rank, step time {figures.step_time_s:.4g} s "
+        f"(median). The run used {measurement.world_size} ranks instead of the plan's "
+        f"{plan.cluster.gpus}, so the plan's prediction does not apply to it. Run: {where}.")
+
+
+def _model_name(plan: Plan) -> str:
+    return plan.model.path.rsplit("/", 1)[-1]
 
 
 def write_report(plan: Plan, out_dir: str | os.PathLike, *, trace: ModelTrace | None = None,

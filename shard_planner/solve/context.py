@@ -4,8 +4,9 @@ plans the simulators already judged, and the clock of where the time goes.
 [Note: one call to the cost model] Every plan the planner judges goes through
 :meth:`PlanContext.estimate`: the simulators without the memory timeline (nothing in the search reads
 it), each distinct plan once per call (the screen, the solves, the sweep and the polish step meet the
-same covers again). When the cost model object (``CostModel(trace, profile)``, which will own such
-memos) lands, this method becomes ``self.cost_model.estimate(plan, timeline=False)``.
+same covers again). The context holds one ``CostModel(trace, profile)`` for the whole call: the linear
+models take their module times and subtree sums from it, and the simulators their tables, schedules
+and unit bytes, so nothing is rebuilt between the stages and no module-level cache is involved.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
+from shard_planner.cost.model import CostModel
 from shard_planner.cost.types import Estimate
 from shard_planner.errors import UserError
 from shard_planner.plan import Cluster, Mesh, Plan, Training, Unit
@@ -106,6 +108,7 @@ class PlanContext:
         self.time_limit_s = request.time_limit_s
         self.max_group_size = request.max_group_size
         self.allow_offload = request.allow_offload and self.profile.device != "cpu"
+        self.cost_model = CostModel(trace, request.profile)
         self.clock = Clock()
         self._spaces: dict[int, SearchSpace] = {}
         self._linear: dict[GlobalChoice, LinearModel] = {}
@@ -125,7 +128,7 @@ class PlanContext:
         """The linear model of ``choice`` (built once: the screen, the solves and the sweep share it)."""
         if choice not in self._linear:
             self._linear[choice] = build_linear_model(self.trace, self.space(choice.mesh), choice, self.training,
-                                                      self.profile)
+                                                      self.profile, cost_model=self.cost_model)
         return self._linear[choice]
 
     def greedy(self, lm: LinearModel, budget_mib: int) -> tuple[int, ...] | None:
@@ -150,10 +153,8 @@ class PlanContext:
         for the report), memoised by the plan's decisions. See [Note: one call to the cost model]."""
         key = (plan.units, plan.prefetch, plan.mesh, plan.training, timeline)
         if key not in self._estimates:
-            from shard_planner.cost import estimate  # the cost model; as in .simulate
-
             with self.clock.doing("simulate"):
-                self._estimates[key] = estimate(self.trace, plan, self.profile, timeline=timeline)
+                self._estimates[key] = self.cost_model.estimate(plan, timeline=timeline)
         return self._estimates[key]
 
     @property

@@ -80,7 +80,7 @@ from dataclasses import dataclass
 from shard_planner.cost.collectives import (
     all_gather_time_s, reduce_scatter_time_s, replica_all_reduce_time_s, ring_bandwidth_s,
 )
-from shard_planner.cost.model import CostModel, shared_model
+from shard_planner.cost.model import CostModel
 from shard_planner.cost.optimizer import (
     OPTIMIZER_STATES, OPTIMIZER_TEMPORARIES, OPTIMIZER_TEMPORARIES_SINGLE_TENSOR, optimizer_step_bytes,
 )
@@ -172,8 +172,8 @@ def _us(seconds: float) -> int:
 def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoice, training: Training,
                        profile: HardwareProfile, cost_model: CostModel | None = None) -> LinearModel:
     """The coefficients for one global choice. ``cost_model``: the CostModel of ``trace`` on ``profile``
-    (module compute times, subtree sums); None: a shared one (shard_planner.cost.shared_model)."""
-    cm = cost_model if cost_model is not None else shared_model(trace, profile)
+    (module compute times, subtree sums); None: a new one."""
+    cm = cost_model if cost_model is not None else CostModel(trace, profile)
     b = choice.micro_batch
     shard = choice.mesh.shard
     param_elem = sum(m.param_bytes for m in trace.modules) / max(trace.param_count, 1)  # stored bytes per param

@@ -88,10 +88,12 @@ def polish(trace: ModelTrace, plan: Plan, profile: HardwareProfile, budget_bytes
     judging this many distinct plans (a budget that, unlike the time budget, gives the same answer on
     a busy machine)."""
     if estimate is None:
-        from shard_planner.cost import estimate as cost_estimate  # the cost model; as in .simulate
+        from shard_planner.cost.model import CostModel  # the cost model; as in .simulate
+
+        cost_model = CostModel(trace, profile)  # one for the whole search: it reuses tables between moves
 
         def estimate(p: Plan) -> Estimate:
-            return cost_estimate(trace, p, profile, timeline=False)
+            return cost_model.estimate(p, timeline=False)
 
     t0 = time.perf_counter()
     deadline = t0 + max(0.0, time_budget_s)

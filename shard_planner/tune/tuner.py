@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from shard_planner.cost.types import Estimate
 from shard_planner.errors import InfeasibleError, RunError, UserError
 from shard_planner.measurement import Measurement, plan_fingerprint
 from shard_planner.plan import MeasuredPoint, Plan, SolverInfo
@@ -108,82 +109,108 @@ def tune(trace: ModelTrace, candidates: list[Candidate], prior: HardwareProfile,
         per_launch = max(1, math.ceil(len(candidates) / 2))
     if per_launch < 1:
         raise UserError(f"--per-launch must be at least 1, got {per_launch}")
+    pending = _plans_to_run(trace, candidates, prior, estimate, world_size if rederived else None)
+    rounds = _Rounds(run_plans, world_size, dict(steps=steps, warmup=warmup, timeout_s=timeout_s, device=device))
+    fit: ProfileFit | None = None
+    while pending:
+        batch, pending = pending[:per_launch], pending[per_launch:]
+        rounds.run_batch(batch)
+        if not rounds.trials:
+            continue
+        fit = fit_profile(prior, lambda prof: [estimate(trace, t.run_plan, prof).time.step_time_s
+                                               for t in rounds.trials],
+                          [t.measured_s for t in rounds.trials])
+        if not pending:
+            break
+        pending = _still_worth_running(pending, rounds, fit, lambda p: estimate(trace, p, fit.profile), budget,
+                                       rederived)
+    if fit is None:
+        raise RunError("no candidate plan ran: " + "; ".join(s.reason for s in rounds.skipped))
+    return _result(rounds, fit, lambda p: estimate(trace, p, fit.profile), budget, rederived, start)
 
-    def at_run_size(c: Candidate) -> Plan:
-        p = c.plan.with_world_size(world_size) if rederived else c.plan
-        return replace(p, predicted=estimate(trace, p, prior).prediction())
 
+def _plans_to_run(trace: ModelTrace, candidates: list[Candidate], prior: HardwareProfile, estimate: Callable,
+                  rederive_for: int | None) -> list[tuple[Candidate, Plan]]:
+    """Each candidate with the plan that runs (re-derived for ``rederive_for`` ranks when given) and its
+    prediction on ``prior``; a candidate whose run plan equals an earlier one's is dropped (re-deriving
+    can make two candidates equal: an int reshard becomes True)."""
     pending: list[tuple[Candidate, Plan]] = []
     seen: set[str] = set()
-    for c in candidates:  # re-deriving can make two candidates equal (an int reshard becomes True)
-        rp = at_run_size(c)
+    for c in candidates:
+        p = c.plan.with_world_size(rederive_for) if rederive_for is not None else c.plan
+        rp = replace(p, predicted=estimate(trace, p, prior).prediction())
         key = plan_fingerprint(rp)
         if key not in seen:
             seen.add(key)
             pending.append((c, rp))
+    return pending
 
-    trials: list[Trial] = []
-    skipped: list[Skipped] = []
-    fit: ProfileFit | None = None
-    launches = 0
 
-    def run_batch(batch: list[tuple[Candidate, Plan]]) -> None:
+class _Rounds:
+    """The launches so far: what ran (trials), what did not (skipped) and how many launches it took."""
+
+    def __init__(self, run_plans: Callable[..., list[Measurement]], world_size: int, run_options: dict):
+        self.run_plans, self.world_size, self.run_options = run_plans, world_size, run_options
+        self.trials: list[Trial] = []
+        self.skipped: list[Skipped] = []
+        self.launches = 0
+
+    def run_batch(self, batch: list[tuple[Candidate, Plan]]) -> None:
         """Run ``batch`` in one launch; when the launch fails, each plan alone, so that a plan the
         executor rejects is reported as failed instead of ending the tuning."""
-        nonlocal launches
-        launches += 1
-        logger.info("launch %d: running %d plan(s) at world size %d", launches, len(batch), world_size)
+        self.launches += 1
+        logger.info("launch %d: running %d plan(s) at world size %d", self.launches, len(batch), self.world_size)
         try:
-            measured = run_plans([rp for _, rp in batch], world_size=world_size, steps=steps, warmup=warmup,
-                                 timeout_s=timeout_s, device=device)
+            measured = self.run_plans([rp for _, rp in batch], world_size=self.world_size, **self.run_options)
         except RunError as exc:
             if len(batch) == 1:
                 c, rp = batch[0]
                 logger.warning("candidate %s failed to run: %s", c.description, exc)
-                skipped.append(Skipped(c, rp.predicted.step_time_s, float("nan"), f"failed to run: {exc}"))
+                self.skipped.append(Skipped(c, rp.predicted.step_time_s, float("nan"), f"failed to run: {exc}"))
                 return
             for item in batch:
-                run_batch([item])
+                self.run_batch([item])
             return
         for (c, rp), m in zip(batch, measured):
-            trials.append(Trial(c, rp, m, rp.predicted.step_time_s, rp.predicted.peak_bytes, launches))
+            self.trials.append(Trial(c, rp, m, rp.predicted.step_time_s, rp.predicted.peak_bytes, self.launches))
 
-    while pending:
-        batch, pending = pending[:per_launch], pending[per_launch:]
-        run_batch(batch)
-        if not trials:
-            continue
-        fit = fit_profile(prior, lambda prof: [estimate(trace, t.run_plan, prof).time.step_time_s for t in trials],
-                          [t.measured_s for t in trials])
-        if not pending:
-            break
-        fitting = [t.measured_s for t in trials if rederived or t.measurement.peak_bytes <= budget]
-        if not fitting:
-            continue  # nothing measured fits yet: run the next round as ranked
-        best_s = min(fitting)
-        error = fit.max_abs_error_after
-        scored = sorted(((estimate(trace, rp, fit.profile).time.step_time_s, c, rp) for c, rp in pending),
-                        key=lambda x: x[0])
-        pending = []
-        for t, c, rp in scored:  # See [Note: early stop]
-            if t * (1 - error) < best_s:
-                pending.append((c, rp))
-            else:
-                skipped.append(Skipped(c, rp.predicted.step_time_s, t, f"fitted prediction {t:.4g} s minus the observed error "
-                                             f"{error:.1%} is not below the measured best {best_s:.4g} s"))
-    if fit is None:
-        raise RunError("no candidate plan ran: " + "; ".join(s.reason for s in skipped))
+
+def _still_worth_running(pending: list[tuple[Candidate, Plan]], rounds: _Rounds, fit: ProfileFit,
+                         estimate_fitted: Callable[[Plan], Estimate], budget: int,
+                         rederived: bool) -> list[tuple[Candidate, Plan]]:
+    """The pending plans the fitted profile, less its observed error, still predicts faster than the
+    measured best that fits, fastest first; the others are recorded as skipped. See [Note: early stop]."""
+    fitting = [t.measured_s for t in rounds.trials if rederived or t.measurement.peak_bytes <= budget]
+    if not fitting:
+        return pending  # nothing measured fits yet: run the next round as ranked
+    best_s = min(fitting)
+    error = fit.max_abs_error_after
+    scored = sorted(((estimate_fitted(rp).time.step_time_s, c, rp) for c, rp in pending), key=lambda x: x[0])
+    kept = []
+    for t, c, rp in scored:
+        if t * (1 - error) < best_s:
+            kept.append((c, rp))
+        else:
+            rounds.skipped.append(Skipped(c, rp.predicted.step_time_s, t, f"fitted prediction {t:.4g} s minus the "
+                                          f"observed error {error:.1%} is not below the measured best {best_s:.4g} s"))
+    return kept
+
+
+def _result(rounds: _Rounds, fit: ProfileFit, estimate_fitted: Callable[[Plan], Estimate], budget: int,
+            rederived: bool, start: float) -> TuneResult:
+    """The measured best, with every run as a measured point and the fitted profile's prediction."""
+    trials = rounds.trials
     chosen = _measured_best(trials, budget, rederived)
     fitted_after = fit.predicted_after_s
     points = tuple(
         MeasuredPoint(description=t.candidate.description, plan_fingerprint=plan_fingerprint(t.run_plan),
-                      world_size=world_size, peak_bytes=t.measurement.peak_bytes, step_time_s=t.measured_s,
+                      world_size=rounds.world_size, peak_bytes=t.measurement.peak_bytes, step_time_s=t.measured_s,
                       predicted_peak_bytes=t.predicted_peak_bytes, predicted_step_time_s=fitted_after[i],
                       chosen=i == chosen)
         for i, t in enumerate(trials))
     best = trials[chosen].candidate.plan
     seconds = time.perf_counter() - start
-    predicted = estimate(trace, best, fit.profile).prediction()
+    predicted = estimate_fitted(best).prediction()
     plan = replace(
         best,
         predicted=predicted,
@@ -192,9 +219,9 @@ def tune(trace: ModelTrace, candidates: list[Candidate], prior: HardwareProfile,
         measurements=points,
     )
     logger.info("tune: chose %s (%.4g s measured) after %d run(s) in %d launch(es)",
-                describe_plan(plan), trials[chosen].measured_s, len(trials), launches)
-    return TuneResult(plan=plan, trials=tuple(trials), skipped=tuple(skipped), fit=fit, chosen=chosen,
-                      world_size=world_size, rederived=rederived, launches=launches, seconds=seconds)
+                describe_plan(plan), trials[chosen].measured_s, len(trials), rounds.launches)
+    return TuneResult(plan=plan, trials=tuple(trials), skipped=tuple(rounds.skipped), fit=fit, chosen=chosen,
+                      world_size=rounds.world_size, rederived=rederived, launches=rounds.launches, seconds=seconds)
 
 
 def measurement_for_report(result: TuneResult) -> Measurement:

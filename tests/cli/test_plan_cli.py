@@ -76,16 +76,16 @@ def test_plan_with_report_runs_the_cost_model_once_for_the_timeline(trace_json, 
     """The report draws the planner's estimate of the chosen plan (PlanResult.estimate): the only
     estimate with a memory timeline in the whole command is the planner's own; the time line says
     where the time went."""
-    import shard_planner.cost as cost
+    from shard_planner.cost.model import CostModel  # the planner holds one; the wrappers build one per call
 
     timelines = []
-    real = cost.estimate
+    real = CostModel.estimate
 
-    def counting(trace, plan, profile, *, timeline=True):
+    def counting(self, plan, *, timeline=True):
         timelines.append(timeline)
-        return real(trace, plan, profile, timeline=timeline)
+        return real(self, plan, timeline=timeline)
 
-    monkeypatch.setattr(cost, "estimate", counting)
+    monkeypatch.setattr(CostModel, "estimate", counting)
     monkeypatch.chdir(tmp_path)
     assert main(["plan", trace_json, "--gpus", "8", "--mem", "2GB", "-o", "p.json", "--time-limit", "1"]) == 0
     text = capsys.readouterr().out

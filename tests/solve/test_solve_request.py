@@ -14,6 +14,7 @@ from dataclasses import FrozenInstanceError, replace
 import pytest
 
 import shard_planner.cost as cost
+from shard_planner.cost.model import CostModel
 from tests.models.solve_traces import GIB, profile, stack_trace
 from shard_planner.errors import UserError
 from shard_planner.plan import ROOT, Unit
@@ -44,18 +45,19 @@ def test_request_frozen():
 
 def test_result_carries_the_plans_estimate_and_each_plan_is_simulated_once(monkeypatch):
     calls = []
-    real = cost.estimate
+    real = CostModel.estimate
 
-    def counting(trace, plan, profile, *, timeline=True):
+    def counting(self, plan, *, timeline=True):
         calls.append((plan.units, plan.prefetch, plan.mesh, plan.training, timeline))
-        return real(trace, plan, profile, timeline=timeline)
+        return real(self, plan, timeline=timeline)
 
-    monkeypatch.setattr(cost, "estimate", counting)
+    monkeypatch.setattr(CostModel, "estimate", counting)
     trace = stack_trace(6)
     result = plan_model(trace, _request())
     assert len(calls) == len(set(calls)) == result.timings.simulated_plans  # the memo: no plan twice
-    monkeypatch.setattr(cost, "estimate", real)
-    again = real(trace, replace(result.plan, predicted=None, solver=None, frontier=(), baselines=()), PROFILE)
+    monkeypatch.setattr(CostModel, "estimate", real)
+    again = cost.estimate(trace, replace(result.plan, predicted=None, solver=None, frontier=(), baselines=()),
+                          PROFILE)
     assert result.estimate.memory.peak_bytes == again.memory.peak_bytes == result.plan.predicted.peak_bytes
     assert result.estimate.time.step_time_s == pytest.approx(again.time.step_time_s)
     assert result.estimate.memory.timeline  # the report draws it without running the cost model again
