@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from shard_planner.cli.main import main
-from shard_planner.plan import load_plan, report_dir_for, resolve_model_file
+from shard_planner.errors import PlanError
+from shard_planner.plan import Plan, load_plan, report_dir_for, resolve_model_file
 from tests.paths import MODELS
 
 PLAN_ARGS = ["--gpus", "2", "--mem", "1GB", "--profile", "cpu-gloo", "--dtype", "fp32", "--time-limit", "1"]
@@ -86,6 +87,9 @@ def test_old_plan_files_without_relative_path_still_load_and_resolve(project, tm
     want = str((project / "models" / "net.py").resolve())
     assert resolve_model_file(plan.model, project / "old.json") == want
     assert resolve_model_file(plan.model) == "models/net.py"  # no plan file to look beside
+    d["model"]["relative_path"] = 3  # the schema checks the new field like the others
+    with pytest.raises(PlanError, match=r"^model\.relative_path must be a string or null, got 3$"):
+        Plan.from_dict(d)
 
 
 @pytest.mark.multiprocess
