@@ -6,6 +6,11 @@ command that reads a plan uses): one walk over the JSON checks every field's typ
 (:mod:`shard_planner.plan_schema`, with :data:`PLAN_RULES`), and errors name the field by its JSON path
 (``plan.json: units[3].activation_checkpoint must be true or false, got "yes"``).
 
+The model file is recorded as an absolute path plus the path relative to the plan file
+(:class:`ModelRef`; :func:`with_model_located` when a command writes a plan, :func:`resolve_model_file`
+when one reads it), so a plan runs from any folder; plans without ``relative_path`` still load. The
+default report folder is beside the plan (:func:`report_dir_for`).
+
 Units are listed in forward order. The root module (fqn ``""``) is always a unit of its own: FSDP2
 wraps it last and it owns every parameter no other unit owns. Nested units are allowed (a unit for
 ``layers.0`` and one for ``layers.0.attention``); a parameter belongs to the innermost unit that
@@ -17,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 from shard_planner.errors import PlanError
 from shard_planner.fileio import read_json, write_atomic
@@ -204,9 +210,16 @@ class MeasuredPoint:
 
 @dataclass(frozen=True)
 class ModelRef:
+    """The model file a plan was made for. ``path``: an absolute path in plan files written by ``plan``
+    and ``tune`` (:func:`with_model_located`), else as given (older plans: relative to where ``plan``
+    ran), or an importable ``package.module``; ``relative_path``: the same file relative to the plan
+    file's folder, so a plan and its model moved or checked out together still find each other (None in
+    older plans). :func:`resolve_model_file` reads both."""
+
     path: str
     fingerprint: str
     seq_len: int | None = None
+    relative_path: str | None = None
 
 
 @dataclass(frozen=True)
@@ -304,7 +317,7 @@ class Plan:
 # rest from the dataclasses above. One table, so every command reads a plan file the same way.
 _COUNT, _BYTES, _SECONDS = Int(least=1), Int(least=0), Number(non_negative=True)
 PLAN_RULES = {
-    "ModelRef.seq_len": Nullable(_COUNT),
+    "ModelRef.seq_len": Nullable(_COUNT), "ModelRef.relative_path": Nullable(Text()),
     "Cluster.gpus": _COUNT, "Cluster.gpus_per_node": _COUNT, "Cluster.mem_budget_bytes": _COUNT,
     "Mesh.shard": _COUNT, "Mesh.replicate": _COUNT,
     "Training.micro_batch": _COUNT, "Training.optimizer": Text(OPTIMIZERS),
@@ -321,6 +334,42 @@ PLAN_RULES = {
     "MeasuredPoint.world_size": _COUNT, "MeasuredPoint.peak_bytes": _BYTES, "MeasuredPoint.step_time_s": _SECONDS,
     "MeasuredPoint.predicted_peak_bytes": Nullable(_BYTES), "MeasuredPoint.predicted_step_time_s": Nullable(_SECONDS),
 }
+
+
+# ---- where a plan's files are: its model file, its report ----
+def with_model_located(plan: Plan, plan_path: str | os.PathLike) -> Plan:
+    """``plan`` as it is written to ``plan_path``: its model file (a path from the current folder)
+    recorded as an absolute path and relative to the plan file's folder. A ``package.module``, or a path
+    that is not a file here, stays as given."""
+    given = Path(plan.model.path)
+    if not given.is_file():
+        return plan
+    absolute = given.resolve()
+    relative = os.path.relpath(absolute, Path(plan_path).resolve().parent)
+    return replace(plan, model=replace(plan.model, path=str(absolute), relative_path=Path(relative).as_posix()))
+
+
+def resolve_model_file(model: ModelRef, plan_path: str | os.PathLike | None = None) -> str:
+    """The plan's model file as an absolute path, wherever the command runs: beside the plan file
+    (``relative_path``, then an old plan's relative ``path``) or at ``path`` (absolute, or from the current
+    folder); an importable ``package.module`` (or a file found nowhere) is returned as given."""
+    given = Path(model.path)
+    here = Path(plan_path).resolve().parent if plan_path is not None else None
+    candidates = [here / model.relative_path] if here is not None and model.relative_path else []
+    candidates.append(given)
+    if here is not None and not given.is_absolute():
+        candidates.append(here / given)  # plans written before relative_path: relative to the plan, maybe
+    for c in candidates:
+        if c.is_file():
+            return str(c.resolve())
+    return model.path
+
+
+def report_dir_for(plan_path: str | os.PathLike) -> Path:
+    """The default report folder of a plan file: beside it, ``DIR/<plan stem>.report/`` (two plans named
+    plan.json in two folders keep two reports)."""
+    p = Path(plan_path)
+    return p.with_name(p.stem + ".report")
 
 
 def load_plan(path: str | os.PathLike) -> Plan:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 from shard_planner.fileio import check_output_file, write_atomic
-from shard_planner.plan import load_plan
+from shard_planner.plan import load_plan, resolve_model_file
 from shard_planner.report.export import TARGETS, export_plan, model_info_from_trace
 
 
@@ -29,6 +30,8 @@ def run(args) -> int:
     if args.output:
         check_output_file(args.output, "export")
     plan = load_plan(args.plan)
+    # the model file is found beside the plan too, wherever the command runs
+    plan = replace(plan, model=replace(plan.model, path=resolve_model_file(plan.model, args.plan)))
     info = None
     if args.trace and args.to in ("accelerate", "deepspeed"):
         from shard_planner.trace import load_trace

@@ -6,11 +6,12 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from shard_planner.cli.args import byte_size, positive_float, positive_int
 from shard_planner.fileio import check_output_dir, check_output_file
-from shard_planner.plan import Plan, save_plan
+from shard_planner.plan import Plan, report_dir_for, save_plan, with_model_located
 from shard_planner.solve.request import PlanRequest, PlanResult
 from shard_planner.units import DTYPE_NAMES, format_bytes
 
@@ -40,7 +41,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="GPUs per node (default: the profile's)")
     batch = p.add_mutually_exclusive_group()
     batch.add_argument("--batch-size", type=positive_int, default=None, metavar="B",
-                       help="micro-batch per GPU (default: the model file's TRAINING['micro_batch'], else 1)")
+                       help="micro-batch per GPU (default: the model file's TRAINING['micro_batch'], which a "
+                       "trace.json carries too, else 1)")
     batch.add_argument("--search-batch", action="store_true",
                        help="also choose the micro-batch that maximises throughput")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_NAMES), help="mixed-precision param dtype (default bf16)")
@@ -49,8 +51,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="CP-SAT effort per solve (default 1): S x 0.05 s of CP-SAT's deterministic time, so the "
                    "plan does not depend on the machine's load, and at most 3 x S s of wall clock; the plan's "
                    "solver status says whether the answer was proven optimal")
-    p.add_argument("--no-report", dest="report", action="store_false",
-                   help="skip the report (reports/<plan name>/ beside the plan)")
+    p.add_argument("--report-dir", metavar="DIR",
+                   help="report folder (default: beside the plan, <plan name>.report/; plan.json -> plan.report/)")
+    p.add_argument("--no-report", dest="report", action="store_false", help="skip the report")
     return p
 
 
@@ -59,31 +62,36 @@ def run(args: argparse.Namespace) -> int:
     from shard_planner.solve import plan_model
     from shard_planner.timings import load_priced_profile
     from shard_planner.trace import trace_model, trace_or_load
+    from shard_planner.trace.files import trace_model_file
 
     check_output_file(args.output, "plan")
     if args.report:
-        check_output_dir(_report_dir(args.output), "report")
+        check_output_dir(_report_dir(args), "report")
     t0 = time.perf_counter()
     profile = load_priced_profile(args.profile, args.timings)
     dtype = DTYPE_NAMES[args.dtype]
     model_file = load_unless_trace(args.model)
     trace = trace_or_load(args.model, dtype=dtype) if model_file is None else trace_model(model_file, dtype=dtype)
     trace_s = time.perf_counter() - t0
-    defaults = training_defaults(model_file)
+    # A plan made from a trace.json records the trace's model file (never the trace), and uses the TRAINING
+    # defaults the trace carries from it.
+    model_path = args.model if model_file is not None else trace_model_file(trace, args.model)
+    defaults = training_defaults(model_file) if model_file is not None else _trace_defaults(trace)
     req = PlanRequest(gpus=args.gpus, mem_budget_bytes=args.mem, profile=profile,
                       gpus_per_node=args.gpus_per_node or profile.interconnect.gpus_per_node,
                       micro_batch=args.batch_size or (None if args.search_batch else defaults.micro_batch),
                       search_batch=args.search_batch, optimizer=defaults.optimizer, param_dtype=dtype,
-                      time_limit_s=args.time_limit, model_path=args.model, profile_name=args.profile,
+                      time_limit_s=args.time_limit, model_path=model_path, profile_name=args.profile,
                       timings_path=args.timings)
     result = plan_model(trace, req)
+    result = replace(result, plan=with_model_located(result.plan, args.output))
     save_plan(result.plan, args.output)
     print(summary(result, profile))
     print(f"wrote {args.output}")
     report_s = None
     if args.report:
         t1 = time.perf_counter()
-        out = _write_report(result, args.output, trace, profile)
+        out = _write_report(result, _report_dir(args), trace, profile)
         report_s = time.perf_counter() - t1
         if out is not None:
             print(f"report: {out}")
@@ -102,17 +110,25 @@ def time_line(result: PlanResult, trace_s: float | None, report_s: float | None)
             f"{t.simulate_s:.2f} s for {t.simulated_plans} plans, hints {t.hints_s:.2f} s)")
 
 
-def _write_report(result: PlanResult, output: str, trace, profile):
+def _write_report(result: PlanResult, report_dir: Path, trace, profile):
     try:
         from shard_planner.report import write_report
     except ImportError:
         logger.warning("the report module is not available: skipping the report")
         return None
-    return write_report(result.plan, _report_dir(output), trace=trace, profile=profile, estimate=result.estimate)
+    return write_report(result.plan, report_dir, trace=trace, profile=profile, estimate=result.estimate)
 
 
-def _report_dir(output: str) -> Path:
-    return Path("reports") / Path(output).stem
+def _report_dir(args: argparse.Namespace) -> Path:
+    """--report-dir, else beside the plan file (plan.report_dir_for): checked before planning."""
+    return Path(args.report_dir) if args.report_dir else report_dir_for(args.output)
+
+
+def _trace_defaults(trace):
+    """The TRAINING defaults a trace.json carries (ModelTrace.training), as a model file's."""
+    from shard_planner.modelfile import TrainingDefaults
+
+    return TrainingDefaults(**{k: trace.training[k] for k in ("micro_batch", "optimizer") if k in trace.training})
 
 
 def summary(result: PlanResult | Plan, profile) -> str:

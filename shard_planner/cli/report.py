@@ -1,4 +1,5 @@
-"""``shard-planner report plan.json [measurement.json] -o reports/NAME/``: the plots and tables of a plan."""
+"""``shard-planner report plan.json [measurement.json] [-o DIR]``: the plots and tables of a plan (default
+folder: beside the plan, ``<plan name>.report/``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 from shard_planner.errors import PlanError, UserError
 from shard_planner.fileio import check_output_dir
-from shard_planner.plan import load_plan
+from shard_planner.plan import load_plan, report_dir_for, resolve_model_file
 from shard_planner.progress import progress
 
 
@@ -20,7 +21,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "opens offline; report.md has the PNGs beside it.")
     p.add_argument("plan", help="plan.json written by shard-planner plan")
     p.add_argument("measurement", nargs="?", help="measurement.json written by shard-planner run (optional)")
-    p.add_argument("-o", "--output", help="output folder (default: reports/<plan file name>/)")
+    p.add_argument("-o", "--output", help="output folder (default: beside the plan, <plan name>.report/)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--trace", metavar="TRACE_OR_MODEL",
                      help="trace.json or model file for the timeline and per-unit figures (default: trace the "
@@ -32,7 +33,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    out = Path(args.output) if args.output else Path("reports") / Path(args.plan).stem
+    out = Path(args.output) if args.output else report_dir_for(args.plan)
     check_output_dir(out, "report")
     plan = load_plan(args.plan)
     measurement = None
@@ -42,7 +43,7 @@ def run(args) -> int:
         measurement = load_measurement(args.measurement)
     trace = None
     if not args.no_trace:
-        source = args.trace or plan.model.path
+        source = args.trace or resolve_model_file(plan.model, args.plan)
         if not args.trace and not Path(source).exists() and not source.replace(".", "").isidentifier():
             raise UserError(f"the plan's model file {source} is not here: give --trace TRACE_OR_MODEL or --no-trace")
         from shard_planner.trace import trace_or_load

@@ -47,7 +47,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("-o", "--output", default="plan.json", help="plan file to write (default plan.json)")
     p.add_argument("--profile-out", help="fitted profile to write (default: <plan>-fitted.toml beside the plan)")
-    p.add_argument("--report", help="report folder (default reports/<plan file name>/)")
+    p.add_argument("--report-dir", "--report", dest="report", metavar="DIR",
+                   help="report folder (default: beside the plan, <plan name>.report/)")
     p.add_argument("--no-report", action="store_true", help="do not write a report")
     return p
 
@@ -69,14 +70,14 @@ def _resolve(args) -> tuple[str, int, str]:
 
 
 def run(args) -> int:
-    from shard_planner.plan import save_plan
+    from shard_planner.plan import report_dir_for, save_plan, with_model_located
     from shard_planner.tune import tune_model
 
     budget = args.mem
     profile, world_size, device = _resolve(args)
     out = Path(args.output)
     profile_out = Path(args.profile_out) if args.profile_out else out.with_name(f"{out.stem}-fitted.toml")
-    report_dir = None if args.no_report else Path(args.report or Path("reports") / out.stem)
+    report_dir = None if args.no_report else Path(args.report) if args.report else report_dir_for(out)
     check_output_file(out, "plan")
     check_output_file(profile_out, "fitted profile")
     if report_dir is not None:
@@ -92,7 +93,7 @@ def run(args) -> int:
             dtype=DTYPE_NAMES[args.dtype], per_launch=args.per_launch, steps=args.steps, warmup=args.warmup,
             timeout_s=args.timeout, device=device, profile_out=profile_out, report_dir=report_dir,
             timings=args.timings)
-    save_plan(result.plan, out)
+    save_plan(with_model_located(result.plan, out), out)
 
     print(f"{'#':>2}  {'launch':>6}  {'measured s':>10}  {'prior s':>9}  {'fitted s':>9}  {'peak':>11}  "
           f"{'pred. peak':>11}  plan")

@@ -81,6 +81,10 @@ class CostTables:
     model_fwd_flops: Affine  # the whole model (the loss excluded: trace.loss_flops), per micro-batch
     model_bwd_flops: Affine
     param_tensors: int = 0  # parameter tensors of the model (the optimizer's per-tensor overhead)
+    # per unit, its 0-d parameters' bytes as built (all; floating only): left out of every unit_* above,
+    # replicated whole on every rank with their gradients and optimizer states (unit_bytes.py)
+    unit_replicated_bytes: tuple[int, ...] = ()
+    unit_replicated_float_bytes: tuple[int, ...] = ()
 
 
 def build_tables(trace: ModelTrace, units: tuple[Unit, ...],
@@ -95,12 +99,17 @@ def build_tables(trace: ModelTrace, units: tuple[Unit, ...],
     n_units = len(units)
     unit_numel: list[dict[str, int]] = [{} for _ in range(n_units)]
     dtype_totals: dict[str, int] = {}
+    replicated = [0] * n_units  # 0-d parameters: not sharded, whole on every rank ([Note: 0-d parameters])
+    replicated_float = [0] * n_units
     for m in trace.modules:
-        for dt, nbytes in m.param_bytes_by_dtype.items():
+        for dt, nbytes in m.sharded_param_bytes_by_dtype.items():
             numel = nbytes // dtype_bytes(dt)
             d = unit_numel[owner[m.fqn]]
             d[dt] = d.get(dt, 0) + numel
             dtype_totals[dt] = dtype_totals.get(dt, 0) + nbytes
+        for dt, nbytes in m.scalar_param_bytes_by_dtype.items():
+            replicated[owner[m.fqn]] += nbytes
+            replicated_float[owner[m.fqn]] += nbytes if dt in FLOAT_DTYPES else 0
     built_dtype = max(dtype_totals, key=dtype_totals.get) if dtype_totals else "float32"
 
     blocks = _block_sequence(trace, module_unit, owner, contains_unit, subtree_sum)
@@ -111,8 +120,8 @@ def build_tables(trace: ModelTrace, units: tuple[Unit, ...],
     for fqn in trace.forward_order:
         m = trace.module(fqn)
         u = owner[fqn]
-        if m.param_bytes_by_dtype and not first_params[u]:
-            first_params[u] = {dt: nb // dtype_bytes(dt) for dt, nb in m.param_bytes_by_dtype.items()}
+        if m.sharded_param_bytes_by_dtype and not first_params[u]:
+            first_params[u] = {dt: nb // dtype_bytes(dt) for dt, nb in m.sharded_param_bytes_by_dtype.items()}
 
     first = [-1] * n_units
     last = [-1] * n_units
@@ -146,6 +155,7 @@ def build_tables(trace: ModelTrace, units: tuple[Unit, ...],
         total_param_numel=sum(sum(d.values()) for d in unit_numel),
         model_fwd_flops=fwd_total, model_bwd_flops=bwd_total,
         param_tensors=sum(m.param_tensors for m in trace.modules),
+        unit_replicated_bytes=tuple(replicated), unit_replicated_float_bytes=tuple(replicated_float),
     )
 
 
@@ -202,7 +212,7 @@ def _block_sequence(trace: ModelTrace, module_unit: dict[str, int], owner: dict[
         for m in trace.subtree(fqn):
             if owner[m.fqn] != unit:
                 continue
-            for dt, nbytes in m.param_bytes_by_dtype.items():
+            for dt, nbytes in m.sharded_param_bytes_by_dtype.items():
                 out[dt] = out.get(dt, 0) + nbytes // dtype_bytes(dt)
         return out
 
@@ -239,7 +249,7 @@ def _block_sequence(trace: ModelTrace, module_unit: dict[str, int], owner: dict[
         for c in called_children(fqn):
             decompose(c)
         m = trace.module(fqn)
-        own = {dt: nb // dtype_bytes(dt) for dt, nb in m.param_bytes_by_dtype.items()}
+        own = {dt: nb // dtype_bytes(dt) for dt, nb in m.sharded_param_bytes_by_dtype.items()}
         blocks.append(Block(
             fqn=f"{fqn}:self", unit=owner[fqn], nested=(), unit_module=False, own_param_numel=own,
             own_float_numel=sum(k for dt, k in own.items() if dt in FLOAT_DTYPES),

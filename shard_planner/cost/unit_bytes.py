@@ -18,11 +18,11 @@ from shard_planner.plan import Plan
 class UnitBytes:
     """One unit's byte sizes under one plan (bytes on one rank)."""
 
-    sharded: float  # its sharded parameters (+ non-floating ones), 1/N
+    sharded: float  # its sharded parameters (+ non-floating ones), 1/N; its 0-d parameters whole
     unsharded: float  # all-gathered, in the param dtype: also the all-gather output's size
     rs_input: float  # reduce-scatter input, in the reduce dtype
     rs_output: float  # its 1/N output
-    sharded_grad: float  # the sharded gradient, in the built dtype
+    sharded_grad: float  # the sharded gradient, in the built dtype (0-d parameters' whole)
     cast_input: float  # mixed precision: the flat param-dtype copy of the all-gather input (1/N)
     post_forward: float  # reshard_after_forward=r: the 1/r clone kept after forward (0 otherwise)
     reshard: bool  # reshards after forward (True or an int)
@@ -49,9 +49,14 @@ def unit_bytes(t: CostTables, plan: Plan) -> tuple[UnitBytes, ...]:
         rs_output = rs_input / n
         sharded_grad = float_built / n
         r = u.reshard_after_forward
+        # 0-d parameters are replicated, not sharded: whole on every rank, with their whole gradient (in the
+        # built dtype, all-reduced) and so their whole optimizer states; never gathered or reduce-scattered.
+        # See [Note: 0-d parameters] in execute/apply.py.
+        replicated = t.unit_replicated_bytes[i] if t.unit_replicated_bytes else 0
+        replicated_grad = t.unit_replicated_float_bytes[i] if t.unit_replicated_float_bytes else 0
         out.append(UnitBytes(
-            sharded=(float_built + other) / n, unsharded=unsharded, rs_input=rs_input, rs_output=rs_output,
-            sharded_grad=sharded_grad, cast_input=unsharded / n if mp else 0.0,
+            sharded=(float_built + other) / n + replicated, unsharded=unsharded, rs_input=rs_input,
+            rs_output=rs_output, sharded_grad=sharded_grad + replicated_grad, cast_input=unsharded / n if mp else 0.0,
             post_forward=unsharded / r if (not isinstance(r, bool)) else 0.0, reshard=r is not False,
             grad_cast=rs_output != sharded_grad,  # reduce dtype differs from built: cast after
             last_grad=t.unit_first_float_numel[i] * pd_elem, mp=mp,

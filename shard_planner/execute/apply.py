@@ -19,8 +19,20 @@ Order of operations (torchtitan, torchtitan/distributed/fsdp.py, does the same):
    state dict and :func:`describe_sharding`) keep their names. FSDP2's hooks run outside the
    checkpoint, as with ``checkpoint_wrapper`` applied before ``fully_shard``;
 3. ``fully_shard`` on each unit (a list for a grouped unit), deepest first, the root last, each with
-   its reshard policy, the plan's ``MixedPrecisionPolicy`` and offload policy;
+   its reshard policy, the plan's ``MixedPrecisionPolicy`` and offload policy, and the model's 0-d
+   parameters left out (see [Note: 0-d parameters]);
 4. explicit prefetch lists (see [Note: prefetch order]).
+
+[Note: 0-d parameters]
+FSDP2 shards every parameter on dim 0 and refuses a 0-d one ("doesn't support scalar parameters"; CLIP's
+``logit_scale``). apply_plan passes them to every ``fully_shard`` as ``ignored_params``: FSDP2 neither
+shards, moves, casts nor reduces them. They are replicated instead, like DDP's parameters: moved to the
+mesh's device, and their gradient is all-reduced over every mesh dimension and divided by the mesh size
+as soon as autograd has accumulated it (a post-accumulate-grad hook), which is the mean FSDP2's
+reduce-scatter gives the sharded parameters, so losses match a single process. They stay in the dtype
+they were built in (no mixed-precision cast) and on the device under CPU offload. The cost model holds
+them whole on every rank: parameter, gradient and optimizer states (cost/unit_bytes.py); their
+all-reduce's time (one small collective per 0-d parameter and step) is not modelled.
 
 [Note: prefetch order]
 Forward order is the plan's unit order with the root first (its pre-forward runs before any other
@@ -39,6 +51,7 @@ import logging
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -192,15 +205,41 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> 
 
     mp = mixed_precision_policy(plan)
     offload = offload_policy(plan, mesh.device_type)
+    scalars = replicate_scalar_params(model, mesh)  # See [Note: 0-d parameters]
     # Deepest first so nested units are sharded before the units that contain them; the root last.
     for unit in sorted(plan.units, key=_depth, reverse=True):
         targets = [modules[fqn] for fqn in unit.modules]
         fully_shard(targets if len(targets) > 1 else targets[0], mesh=mesh,
-                    reshard_after_forward=unit.reshard_after_forward, mp_policy=mp, offload_policy=offload)
+                    reshard_after_forward=unit.reshard_after_forward, mp_policy=mp, offload_policy=offload,
+                    ignored_params=scalars or None)
         logger.debug("fully_shard(%s, reshard_after_forward=%s)", unit.name, unit.reshard_after_forward)
 
     _set_prefetch(plan, modules)
     return model
+
+
+def replicate_scalar_params(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
+    """The model's 0-d parameters, moved to the mesh's device, each with a hook that averages its
+    gradient over the mesh once autograd has accumulated it. See [Note: 0-d parameters]."""
+    scalars = {p for p in model.parameters() if p.dim() == 0}
+    if not scalars:
+        return scalars
+    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device(mesh.device_type)
+    groups, size = mesh.get_all_groups(), mesh.size()
+
+    def average_grad(param: torch.Tensor) -> None:
+        for group in groups:  # a sum over each mesh dimension in turn: the sum over the mesh
+            dist.all_reduce(param.grad, group=group)
+        param.grad.div_(size)
+
+    for p in scalars:
+        if p.device.type not in ("meta", device.type):
+            with torch.no_grad():
+                p.data = p.data.to(device)
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(average_grad)
+    logger.info("%d 0-d parameter(s) replicated on every rank, not sharded (FSDP2 cannot shard them)", len(scalars))
+    return scalars
 
 
 def prefetch_orders(plan: Plan) -> tuple[list[Unit], list[Unit]]:

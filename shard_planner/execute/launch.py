@@ -45,7 +45,7 @@ from pathlib import Path
 
 from shard_planner.errors import RunError
 from shard_planner.measurement import Measurement, load_measurement
-from shard_planner.plan import Plan, load_plan
+from shard_planner.plan import Plan, load_plan, resolve_model_file
 
 logger = logging.getLogger(__name__)
 
@@ -67,16 +67,9 @@ def resolve_device(device: str) -> str:
 
 
 def resolve_model_path(plan: Plan, plan_path: str | os.PathLike | None = None) -> str:
-    """The plan's model file as an absolute path: as given (from the current folder), else relative to
-    the plan file's folder; an importable ``package.module`` is returned unchanged."""
-    given = Path(plan.model.path)
-    if given.is_file():
-        return str(given.resolve())
-    if plan_path is not None and not given.is_absolute():
-        beside = Path(plan_path).resolve().parent / given
-        if beside.is_file():
-            return str(beside)
-    return plan.model.path
+    """The plan's model file as an absolute path (:func:`shard_planner.plan.resolve_model_file`: beside
+    the plan file, or as recorded); an importable ``package.module`` is returned unchanged."""
+    return resolve_model_file(plan.model, plan_path)
 
 
 def collective_timeout_s(timeout_s: float) -> float:

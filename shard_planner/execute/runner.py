@@ -85,8 +85,8 @@ def launch_plans(plans: list[Plan], *, world_size: int | None = None, steps: int
     world_size = plans[0].mesh.world_size if world_size is None else world_size
     _check_world(world_size, device)
     plan_paths = plan_paths or [None] * len(plans)
-    # The ranks read the model file by an absolute path.
-    runs = [replace(plan, model=replace(plan.model, path=resolve_model_path(plan, source)))
+    # The ranks read the model file by an absolute path (the plans they read are in a temporary folder).
+    runs = [replace(plan, model=replace(plan.model, path=resolve_model_path(plan, source), relative_path=None))
             for plan, source in zip(plans, plan_paths)]
     for run in runs:  # before the ranks start (10-20 s on CPU) rather than in every rank
         _check_model_file(run.model.path)

@@ -5,8 +5,10 @@ Built from the trace's module tree, without running anything:
 - **Items** are the modules the planner may wrap, in forward order. Starting from the root, a module
   is *expanded* into its children when it is a container that carries a large share of the
   parameters (``EXPAND_SHARE``), has (almost) no parameters of its own and is not one of several
-  identical siblings — the root, a decoder, a ``ModuleList`` of blocks, but not a block. What
-  remains after expansion are the items: embeddings, the blocks, the final norm, the head.
+  identical siblings — the root, a decoder, a ``ModuleList`` of blocks, but not a block; a module
+  whose only child with parameters is expanded is walked through too (BERT's ``encoder`` holding the
+  ``encoder.layer`` list). What remains after expansion are the items: embeddings, the blocks, the
+  final norm, the head.
   Parameter-less modules (dropout, activations) are not items. Neither is a module whose forward
   never runs (a ``ModuleList``: expanded into its children instead) nor one whose subtree holds only
   part of a group of tied weights (``ModuleTrace.tied_with``; e.g. GPT-2's ``wte``/``lm_head``):
@@ -144,8 +146,11 @@ def find_items(trace: ModelTrace) -> tuple[Item, ...]:
         if fqn == ROOT:
             return bool(kids)
         twins = sum(1 for c in trace.module(m.parent).children if trace.module(c).structural_hash == m.structural_hash)
-        return (len(kids) >= 2 and sub >= EXPAND_SHARE * total and m.param_count <= OWN_PARAM_SHARE * sub
-                and twins == 1)  # a block of a stack stays whole (nesting splits it instead)
+        if twins != 1 or sub < EXPAND_SHARE * total or m.param_count > OWN_PARAM_SHARE * sub:
+            return False  # a block of a stack stays whole (nesting splits it instead)
+        # A container with a single child (BertEncoder.layer, CLIPEncoder.layers: a ModuleList inside a
+        # module with one child) is walked through when that child is itself expanded.
+        return len(kids) >= 2 or (len(kids) == 1 and expandable(kids[0]))
 
     items: list[str] = []
     parents: dict[str, str] = {}

@@ -38,3 +38,15 @@ def trace_or_load(
             )
         return trace
     return trace_model(str(path), batch_sizes=batch_sizes, dtype=dtype)
+
+
+def trace_model_file(trace: ModelTrace, trace_path: str | Path) -> str:
+    """The model file ``trace`` was traced from, as an absolute path: as recorded (absolute, or from the
+    current folder), else relative to the trace file's folder; an importable ``package.module`` (or a file
+    found nowhere) as recorded. A plan made from a trace.json records this, never the trace.json."""
+    given = Path(trace.model_path)
+    candidates = [given] + ([Path(trace_path).resolve().parent / given] if not given.is_absolute() else [])
+    for c in candidates:
+        if c.is_file():
+            return str(c.resolve())
+    return trace.model_path

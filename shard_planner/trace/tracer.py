@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -75,6 +76,7 @@ def trace_model(
         model = build_fake(mf, fake_mode)
         modules = list(model.named_modules())
         static = static_facts(modules)
+        scalars = _scalar_param_bytes(modules)  # as built, like static_facts: before the cast
         hashes = structural_hashes(model)
         fingerprint = model_fingerprint(model)
         cast_parameters(model, compute, fake_mode)
@@ -95,7 +97,8 @@ def trace_model(
         compute_dtype=dtype_name,
         batch_sizes=(b1, b2),
         tokens_per_sample=int(seq_len) if seq_len is not None else None,
-        modules=module_traces(modules, static, hashes, (b1, b2), r1, r2),
+        modules=tuple(replace(m, scalar_param_bytes_by_dtype=scalars[m.fqn]) if m.fqn in scalars else m
+                      for m in module_traces(modules, static, hashes, (b1, b2), r1, r2)),
         forward_order=r1.forward_order,
         backward_order=r1.backward_order,
         batch_input_bytes=fit(lambda r: r.batch_input_bytes),
@@ -107,7 +110,25 @@ def trace_model(
         reused_modules=r1.reused_modules,
         loss_ops=r1.loss_ops,
         loss_kernels=fit_records(list(r1.loss_kernels), list(r2.loss_kernels), b1, b2),
+        training=dict(mf.training),
     )
+
+
+def _scalar_param_bytes(modules: list[tuple[str, nn.Module]]) -> dict[str, dict[str, int]]:
+    """Per module, its own 0-d parameters' bytes by dtype (``ModuleTrace.scalar_param_bytes_by_dtype``),
+    counted like ``static_facts``: a parameter registered by several modules at the first of them."""
+    seen: set[int] = set()
+    scalars: dict[str, dict[str, int]] = {}
+    for fqn, module in modules:
+        for p in module.parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if p.dim() == 0:
+                name = str(p.dtype).removeprefix("torch.")
+                d = scalars.setdefault(fqn, {})
+                d[name] = d.get(name, 0) + p.element_size()
+    return scalars
 
 
 def _trace_batch(fake_mode: FakeTensorMode, model: nn.Module, modules: list[tuple[str, nn.Module]], mf: ModelFile,

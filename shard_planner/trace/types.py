@@ -13,7 +13,7 @@ model: the cost model applies sharding, mixed precision and checkpointing on top
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import cached_property
 
 TRACE_SCHEMA_VERSION = 1
@@ -112,10 +112,22 @@ class ModuleTrace:
     # GPU kernel model (cost/kernels.py). Traces written before them load with none (priced from FLOPs).
     fwd_kernels: tuple[KernelRecord, ...] = ()
     bwd_kernels: tuple[KernelRecord, ...] = ()
+    # Of ``param_bytes_by_dtype``, the 0-d parameters (CLIP's ``logit_scale``): FSDP2 cannot shard them,
+    # so apply_plan replicates them on every rank (execute/apply.py, [Note: 0-d parameters]) and the cost
+    # model holds them whole. Traces written before this field load with none.
+    scalar_param_bytes_by_dtype: dict[str, int] = field(default_factory=dict)
 
     @property
     def param_bytes(self) -> int:
         return sum(self.param_bytes_by_dtype.values())
+
+    @property
+    def sharded_param_bytes_by_dtype(self) -> dict[str, int]:
+        """``param_bytes_by_dtype`` without the 0-d parameters: what FSDP2 shards."""
+        if not self.scalar_param_bytes_by_dtype:
+            return self.param_bytes_by_dtype
+        out = {dt: nb - self.scalar_param_bytes_by_dtype.get(dt, 0) for dt, nb in self.param_bytes_by_dtype.items()}
+        return {dt: nb for dt, nb in out.items() if nb}
 
 
 @dataclass(frozen=True)
@@ -139,6 +151,9 @@ class ModelTrace:
     reused_modules: int = 0  # modules whose numbers were copied from an identical traced twin
     loss_ops: int = 0  # aten ops of loss_fn, forward and backward (0 in traces older than op counts)
     loss_kernels: tuple[KernelRecord, ...] = ()  # kernels of loss_fn, forward and backward (none in older traces)
+    # The model file's TRAINING defaults (micro_batch, seq_len, optimizer, lr), so that planning from a
+    # trace.json uses them as planning from the model file does. Traces written before it load with none.
+    training: dict = field(default_factory=dict)
     schema_version: int = TRACE_SCHEMA_VERSION
 
     @cached_property

@@ -108,7 +108,7 @@ def _output_cases(tmp_path: Path) -> dict[str, list]:
         "plan -o": ["plan", tmp_path / "missing.py", "--gpus", "2", "--mem", "1GB", "--profile", "nope", "-o",
                     bad / "p.json"],
         "plan report dir": ["plan", tmp_path / "missing.py", "--gpus", "2", "--mem", "1GB", "--profile", "nope",
-                            "-o", tmp_path / "afile.json"],  # reports/afile/ ... made a file below
+                            "-o", tmp_path / "afile.json"],  # afile.report/ beside it: made a file below
         "estimate --write": ["estimate", tmp_path / "missing.py", "--plan", tmp_path / "readonly" / "plan.json",
                              "--write"],
         "export -o": ["export", tmp_path / "missing.json", "--to", "fsdp2", "-o", bad / "x.py"],
@@ -128,8 +128,7 @@ def _output_cases(tmp_path: Path) -> dict[str, list]:
 def test_every_writing_command_checks_its_output_first(case, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "afile").write_text("x")
-    (tmp_path / "reports").mkdir()
-    (tmp_path / "reports" / "afile").write_text("x")  # plan's report folder, reports/<plan name>/
+    (tmp_path / "afile.report").write_text("x")  # plan's report folder, <plan name>.report/ beside the plan
     save_plan(tiny_plan(), tmp_path / "plan.json")
     (tmp_path / "readonly").mkdir()
     save_plan(tiny_plan(), tmp_path / "readonly" / "plan.json")

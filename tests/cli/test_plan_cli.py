@@ -90,8 +90,8 @@ def test_plan_with_report_runs_the_cost_model_once_for_the_timeline(trace_json, 
     assert main(["plan", trace_json, "--gpus", "8", "--mem", "2GB", "-o", "p.json", "--time-limit", "1"]) == 0
     text = capsys.readouterr().out
     assert timelines.count(True) == 1 and len(timelines) > 1
-    assert (tmp_path / "reports" / "p" / "report.html").exists() and "memory_timeline.png" in (
-        tmp_path / "reports" / "p" / "report.md").read_text()
+    assert (tmp_path / "p.report" / "report.html").exists() and "memory_timeline.png" in (
+        tmp_path / "p.report" / "report.md").read_text()
     line = next(ln for ln in text.splitlines() if ln.startswith("time: "))
     for stage in ("trace", "screen", "solve", "frontier", "polish", "report", "CP-SAT", "simulators"):
         assert stage in line
