@@ -126,7 +126,7 @@ class ModelFile:
         tensors = input_tensors(inputs)
         if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
             raise ModelFileError(
-                f"{self.path}: {what} inputs must be a tensor, a tuple of tensors or a dict of tensors"
+                f"{self.path}: {what} inputs must be a tensor or a tuple of tensors (or a dict of tensors, passed as keywords)"
             )
         if isinstance(inputs, dict) and not all(isinstance(k, str) and k.isidentifier() for k in inputs):
             raise ModelFileError(f"{self.path}: {what} keyword inputs must be named by identifiers")
