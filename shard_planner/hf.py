@@ -105,6 +105,11 @@ def load_hf_config(path: str, options: HfOptions = HfOptions()) -> HfModel:
     config = _read_config(path, file, transformers)
     task, model_class = _resolve(path, config, options.task, transformers)
     spec = HF_TASKS[task]
+    if task == "sequence-classification" and getattr(config, "pad_token_id", None) is None:
+        # transformers' decoder classifiers find each sample's last token by pad_token_id and refuse a
+        # batch above 1 without one; the synthetic batch holds no padding, so any id works
+        config.pad_token_id = 0
+        logger.info("%s: no pad_token_id; using 0 for the sequence classifier (the batch has no padding)", path)
     seq_len = options.seq_len or _default_seq_len(config)
     make_inputs = _image_inputs(config) if spec.inputs == "image" else _text_inputs(config, seq_len)
     training = {"seq_len": seq_len} if spec.inputs == "text" else {}

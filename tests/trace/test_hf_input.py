@@ -158,3 +158,15 @@ def test_real_two_rank_run_within_3_percent(name, configs, tmp_path, capsys):
     cleanest = min(r.peak_bytes for r in m.memory)  # ranks are symmetric (tests/cost/test_cost_realrun.py)
     print(f"{name}: predicted {predicted} B, measured {[r.peak_bytes for r in m.memory]} B")
     assert abs(predicted - cleanest) <= TOLERANCE * cleanest
+
+
+def test_hf_task_overrides_the_architecture(configs):
+    """A Llama config traced as a sequence classifier: the config has no pad_token_id, which transformers'
+    decoder classifiers need for a batch above 1 (hf.py sets 0: the synthetic batch has no padding)."""
+    path, _config = configs["llama"]
+    mf = load_model_file(path, HfOptions(task="sequence-classification", seq_len=16))
+    model = mf.build()
+    assert type(model).__name__ == "LlamaForSequenceClassification"
+    trace = trace_model(mf, dtype="float32")
+    assert trace.param_count == sum(p.numel() for p in model.parameters())
+    assert trace.model_class == "LlamaForSequenceClassification"
