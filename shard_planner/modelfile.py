@@ -6,11 +6,17 @@ defines
 - ``build_model()`` -> ``torch.nn.Module``, loading no weights; it is called under the meta device or
   FakeTensorMode by the tracer, and on the real device by the executor;
 - ``make_batch(batch_size)`` -> ``(inputs, targets)`` of synthetic data; ``inputs`` is a tensor or a
-  tuple of tensors passed positionally to the model;
-- optionally ``loss_fn(output, targets)`` -> scalar loss (default: cross-entropy over the last dim);
+  tuple of tensors passed positionally to the model, or a dict of tensors passed as keywords (the way
+  a transformers model takes ``input_ids=``, ``labels=``); ``make_batch`` may also return the dict
+  alone (no targets: the model computes its own loss from ``labels`` in the inputs);
+- optionally ``loss_fn(output, targets)`` -> scalar loss (default: :func:`default_loss_fn`: the
+  ``.loss`` a transformers ModelOutput carries, else cross-entropy over the last dim of the output or
+  of its ``.logits``);
 - optionally ``TRAINING``: a dict of defaults (``micro_batch``, ``seq_len``, ``optimizer``, ``lr``).
 
-Every violation raises :class:`ModelFileError` naming the file and the problem in one line.
+Every violation raises :class:`ModelFileError` naming the file and the problem in one line. The model
+is called with a batch's inputs in one place, :meth:`ModelFile.forward`; a transformers config file
+(shard_planner/hf.py) is loaded as a ModelFile too, so nothing downstream asks where the model came from.
 """
 
 from __future__ import annotations
@@ -44,11 +50,34 @@ class TrainingDefaults:
     optimizer: str = "adamw"
 
 
+IGNORE_INDEX = -100  # targets the loss skips: transformers' and F.cross_entropy's ignore_index
+
+
 def default_loss_fn(output, targets):
-    """Cross-entropy over the last dimension, computed in fp32 (as language-model trainers do)."""
+    """The loss the model computed itself (a transformers ModelOutput's ``.loss``, present when the inputs
+    held ``labels``); else cross-entropy over the last dimension of the output (or of its ``.logits``),
+    computed in fp32 as language-model trainers do, skipping targets equal to -100."""
     import torch.nn.functional as F
 
-    return F.cross_entropy(output.flatten(0, -2).float(), targets.flatten())
+    loss = getattr(output, "loss", None)
+    if loss is not None:
+        return loss
+    logits = getattr(output, "logits", output)
+    if targets is None:
+        raise ValueError("the model computed no loss (no labels in the inputs?) and make_batch gave no targets")
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
+
+
+def input_tensors(inputs) -> list:
+    """The tensors of a batch's inputs (a tuple, or a dict of keyword inputs), in order."""
+    return list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
+
+
+def map_inputs(inputs, fn):
+    """``inputs`` with ``fn`` applied to every tensor, in the same form (tuple or dict)."""
+    if isinstance(inputs, dict):
+        return {name: fn(t) for name, t in inputs.items()}
+    return tuple(fn(t) for t in inputs)
 
 
 @dataclass(frozen=True)
@@ -77,30 +106,44 @@ class ModelFile:
             )
         return model
 
-    def batch(self, batch_size: int) -> tuple[tuple, Any]:
-        """Call ``make_batch(batch_size)``; return ``(inputs as a tuple, targets)``."""
+    def batch(self, batch_size: int) -> tuple[tuple | dict, Any]:
+        """Call ``make_batch(batch_size)``; return ``(inputs, targets)``: inputs as a tuple (positional) or
+        a dict (keyword), targets a tensor, or None where the inputs carry the labels."""
         import torch
 
-        result = self._call(f"make_batch({batch_size})", self.make_batch, batch_size)
+        what = f"make_batch({batch_size})"
+        result = self._call(what, self.make_batch, batch_size)
+        if isinstance(result, dict):
+            result = (result, None)
         if not (isinstance(result, (tuple, list)) and len(result) == 2):
             raise ModelFileError(
-                f"{self.path}: make_batch({batch_size}) returned {type(result).__name__}, "
-                "expected a pair (inputs, targets)"
+                f"{self.path}: {what} returned {type(result).__name__}, expected a pair (inputs, targets) "
+                "or a dict of keyword inputs"
             )
         inputs, targets = result
-        inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-        if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
+        if not isinstance(inputs, dict):
+            inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        tensors = input_tensors(inputs)
+        if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
             raise ModelFileError(
-                f"{self.path}: make_batch({batch_size}) inputs must be a tensor or a tuple of tensors"
+                f"{self.path}: {what} inputs must be a tensor or a tuple of tensors (or a dict of tensors, passed as keywords)"
             )
-        if not isinstance(targets, torch.Tensor):
-            raise ModelFileError(f"{self.path}: make_batch({batch_size}) targets must be a tensor")
-        if inputs[0].shape[0] != batch_size:
+        if isinstance(inputs, dict) and not all(isinstance(k, str) and k.isidentifier() for k in inputs):
+            raise ModelFileError(f"{self.path}: {what} keyword inputs must be named by identifiers")
+        if not (isinstance(targets, torch.Tensor) or (targets is None and isinstance(inputs, dict))):
+            raise ModelFileError(f"{self.path}: {what} targets must be a tensor (or none, with keyword inputs)")
+        if tensors[0].dim() == 0 or tensors[0].shape[0] != batch_size:
+            got = tensors[0].shape[0] if tensors[0].dim() else "none (a 0-d tensor)"
             raise ModelFileError(
-                f"{self.path}: make_batch({batch_size}) gave inputs with leading dimension "
-                f"{inputs[0].shape[0]}, expected the batch size {batch_size}"
+                f"{self.path}: {what} gave inputs with leading dimension {got}, expected the batch size {batch_size}"
             )
         return inputs, targets
+
+    @staticmethod
+    def forward(model, inputs):
+        """Call ``model`` with a batch's inputs: ``model(**inputs)`` for keyword inputs, else
+        ``model(*inputs)``. Every caller (tracer, executor, timing) goes through here."""
+        return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
 
     def loss(self, output, targets):
         """Call the loss function; check that it returns a scalar tensor."""
@@ -116,8 +159,17 @@ class ModelFile:
             return fn(*args)
 
 
-def load_model_file(path: str) -> ModelFile:
-    """Import ``path`` (a .py file or ``package.module``) and check the contract."""
+def load_model_file(path: str, hf_options=None) -> ModelFile:
+    """Import ``path`` (a .py file or ``package.module``) and check the contract; a transformers config
+    (a config.json, or a folder holding one) is built by :mod:`shard_planner.hf` with ``hf_options``
+    (an :class:`~shard_planner.hf.HfOptions`: the task and sequence length where the config does not say)."""
+    from shard_planner import hf
+
+    if hf.config_file(path) is not None:
+        made = hf.load_hf_config(str(path), hf_options or hf.HfOptions())
+        return ModelFile(str(path), made.build_model, made.make_batch, default_loss_fn, made.training)
+    if hf_options is not None and hf_options != hf.HfOptions():
+        raise ModelFileError(f"{path}: --hf-task and --seq-len apply to a transformers config (config.json) only")
     module = _import(path)
     build_model = getattr(module, "build_model", None)
     make_batch = getattr(module, "make_batch", None)
@@ -133,9 +185,14 @@ def load_model_file(path: str) -> ModelFile:
     return ModelFile(path, build_model, make_batch, loss_fn, _check_training(path, training))
 
 
-def load_unless_trace(model: str) -> ModelFile | None:
-    """The model file behind a command's MODEL argument, loaded once; None for a trace.json."""
-    return None if str(model).endswith(".json") else load_model_file(model)
+def load_unless_trace(model: str, hf_options=None) -> ModelFile | None:
+    """The model file behind a command's MODEL argument, loaded once; None for a trace.json (a .json that
+    is not a transformers config)."""
+    from shard_planner import hf
+
+    if str(model).endswith(".json") and hf.config_file(model) is None:
+        return None
+    return load_model_file(model, hf_options)
 
 
 def training_defaults(model_file: ModelFile | None) -> TrainingDefaults:

@@ -37,3 +37,25 @@ class Parser(argparse.ArgumentParser):
         if m:
             raise ArgumentValueError(f"{m.group(1)} {m.group(2)}")
         super().error(message)
+
+
+def add_hf_arguments(p: argparse.ArgumentParser) -> None:
+    """``--hf-task`` and ``--seq-len``: for a MODEL that is a transformers config (shard_planner.hf)."""
+    from shard_planner.hf import HF_TASKS
+
+    g = p.add_argument_group("when MODEL is a transformers config (config.json, or a folder holding one)")
+    g.add_argument("--hf-task", choices=sorted(HF_TASKS), default=None,
+                   help="the kind of model to build (default: the config's architectures[0])")
+    g.add_argument("--seq-len", type=positive_int, default=None, metavar="T",
+                   help="tokens per sample of the synthetic batch (default: min(2048, the config's maximum "
+                   "positions), 512 where it names none)")
+
+
+def hf_options(args: argparse.Namespace):
+    """The :class:`~shard_planner.hf.HfOptions` of :func:`add_hf_arguments`' arguments; None when neither
+    is given (a model file then loads as before)."""
+    from shard_planner.hf import HfOptions
+
+    if args.hf_task is None and args.seq_len is None:
+        return None
+    return HfOptions(task=args.hf_task, seq_len=args.seq_len)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, replace
 
-from shard_planner.cli.args import positive_int
+from shard_planner.cli.args import add_hf_arguments, hf_options, positive_int
 from shard_planner.errors import PlanError
 from shard_planner.fileio import check_output_file
 from shard_planner.plan import MEMORY_CATEGORIES, Plan, load_plan, save_plan
@@ -32,7 +32,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "trace.json) and print the predicted per-GPU peak memory, its breakdown by category, and the "
         "step time with its compute, communication and optimizer parts.",
     )
-    p.add_argument("model", help="model file (path/to/model.py) or a trace.json from shard-planner trace")
+    p.add_argument("model", help="model file (path/to/model.py), a transformers config (config.json or its "
+                   "folder; --seq-len defaults to the plan's), or a trace.json from shard-planner trace")
+    add_hf_arguments(p)
     p.add_argument("--plan", required=True, help="plan.json")
     p.add_argument("--profile", default=None,
                    help="hardware profile: a name in profiles/ (h100-80gb, a100-40gb, ..., cpu-gloo) or a TOML "
@@ -50,7 +52,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from shard_planner.cost import estimate
     from shard_planner.timings import load_priced_profile
-    from shard_planner.trace import trace_or_load
+    from shard_planner.hf import HfOptions, config_file
+    from shard_planner.modelfile import load_unless_trace
+    from shard_planner.trace import trace_model, trace_or_load
 
     req = EstimateRequest(args.model, args.plan, args.profile, args.timings, args.gpus, args.micro_batch, args.write)
     plan = load_plan(req.plan)
@@ -62,7 +66,12 @@ def run(args: argparse.Namespace) -> int:
         plan = replace(plan, training=replace(plan.training, micro_batch=req.micro_batch), predicted=None)
     timings = plan.cluster.timings if req.timings is None else (req.timings or None)
     profile = load_priced_profile(req.profile or plan.cluster.profile, timings)
-    trace = trace_or_load(req.model, dtype=plan.training.param_dtype)
+    options = hf_options(args)
+    if config_file(req.model) is not None:  # the sequence length the plan was made for, unless given
+        options = HfOptions(args.hf_task, args.seq_len or plan.model.seq_len)
+    model_file = load_unless_trace(req.model, options)
+    dtype = plan.training.param_dtype
+    trace = trace_or_load(req.model, dtype=dtype) if model_file is None else trace_model(model_file, dtype=dtype)
     if plan.model.fingerprint not in (trace.fingerprint, ""):
         raise PlanError(f"{req.plan} was made for a model with fingerprint {plan.model.fingerprint}, but "
                         f"{req.model} has {trace.fingerprint}: a different model or size")

@@ -9,7 +9,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from shard_planner.cli.args import byte_size, positive_float, positive_int
+from shard_planner.cli.args import add_hf_arguments, byte_size, hf_options, positive_float, positive_int
 from shard_planner.fileio import check_output_dir, check_output_file
 from shard_planner.plan import Plan, report_dir_for, save_plan, with_model_located
 from shard_planner.solve.request import PlanRequest, PlanResult
@@ -27,7 +27,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "depth, mesh and micro-batch with CP-SAT, check every answer with the cost model's simulators, and "
         "write plan.json with the memory-vs-time frontier and the usual hand-written policies beside it.",
     )
-    p.add_argument("model", help="model file (path/to/model.py) or a trace.json from shard-planner trace")
+    p.add_argument("model", help="model file (path/to/model.py), a transformers config (config.json or its "
+                   "folder), or a trace.json from shard-planner trace")
+    add_hf_arguments(p)
     p.add_argument("--gpus", type=positive_int, required=True, metavar="N", help="number of GPUs")
     p.add_argument("--mem", type=byte_size, required=True, metavar="SIZE", help="memory per GPU, e.g. 40GB (GB = GiB); the plan's predicted peak fills at most the "
                    "profile's usable_fraction of it (92%% on the GPU profiles), the rest is kept for allocator "
@@ -70,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     profile = load_priced_profile(args.profile, args.timings)
     dtype = DTYPE_NAMES[args.dtype]
-    model_file = load_unless_trace(args.model)
+    model_file = load_unless_trace(args.model, hf_options(args))
     trace = trace_or_load(args.model, dtype=dtype) if model_file is None else trace_model(model_file, dtype=dtype)
     trace_s = time.perf_counter() - t0
     # A plan made from a trace.json records the trace's model file (never the trace), and uses the TRAINING

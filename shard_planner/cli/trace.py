@@ -7,7 +7,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from shard_planner.cli.args import positive_int
+from shard_planner.cli.args import add_hf_arguments, hf_options, positive_int
 from shard_planner.fileio import check_output_file, write_atomic
 from shard_planner.trace.types import ModelTrace
 from shard_planner.units import DTYPE_NAMES, format_bytes
@@ -32,7 +32,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "FakeTensorMode, record per-module parameters, saved activations, peaks and FLOPs, write them "
         "to a trace.json, and print a per-module summary.",
     )
-    p.add_argument("model", help="model file (path/to/model.py or package.module)")
+    p.add_argument("model", help="model file (path/to/model.py or package.module), or a transformers config "
+                   "(config.json or a folder holding one)")
     p.add_argument("--batch-size", type=positive_int, default=None, metavar="N",
                    help="micro-batch shown in the table (default: the model file's TRAINING micro_batch, else 1); "
                    "the trace itself is fitted from batch sizes 1 and 2")
@@ -42,6 +43,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--check", type=positive_int, default=None, metavar="B",
                    help="also run one real training step on this CPU at micro-batch B with the same instruments "
                    "and list where the fake-mode trace differs (builds the model for real: small sizes only)")
+    add_hf_arguments(p)
     return p
 
 
@@ -51,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
 
     req = TraceRequest(args.model, args.batch_size, args.dtype, Path(args.output), args.check)
     check_output_file(req.output, "trace")
-    model_file = load_model_file(req.model)
+    model_file = load_model_file(req.model, hf_options(args))
     trace = trace_model(model_file, dtype=req.dtype)
     write_atomic(req.output, trace.to_json())
     batch = req.batch_size or model_file.defaults.micro_batch

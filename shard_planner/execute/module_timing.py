@@ -64,7 +64,7 @@ from shard_planner.errors import UserError, first_line
 from shard_planner.execute.calibrate import fit_line
 from shard_planner.execute.worker import _device_name, build_on_device, make_step_batch
 from shard_planner.fileio import write_atomic
-from shard_planner.modelfile import load_model_file
+from shard_planner.modelfile import load_model_file, map_inputs
 from shard_planner.timings import ModuleTime, ModuleTimings
 from shard_planner.trace.structure import model_fingerprint
 from shard_planner.trace.types import Affine
@@ -175,11 +175,11 @@ def _one_step(model, model_file, hooks: _Hooks, clock: _Clock, batch: int, step:
     """One forward + loss + backward; fqn -> (fwd_s, bwd_s or None when the hooks cannot time it)."""
     inputs, targets = make_step_batch(model_file, batch, step, 0, device)
     # as FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True) does at the root
-    inputs = tuple(t.to(dtype) if t.is_floating_point() else t for t in inputs)
+    inputs = map_inputs(inputs, lambda t: t.to(dtype) if t.is_floating_point() else t)
     hooks.reset()
     for p in model.parameters():
         p.grad = None
-    output = model(*inputs)  # the root's hooks time it
+    output = model_file.forward(model, inputs)  # the root's hooks time it
     loss = model_file.loss(output, targets)
     loss_end = clock.mark()
     bwd_start = clock.mark()
@@ -209,11 +209,11 @@ def _one_step(model, model_file, hooks: _Hooks, clock: _Clock, batch: int, step:
 def _plain_step(model, model_file, clock: _Clock, batch: int, step: int, device, dtype) -> tuple[float, float]:
     """The same step without hooks: (model forward s, ``loss.backward()`` s)."""
     inputs, targets = make_step_batch(model_file, batch, step, 0, device)
-    inputs = tuple(t.to(dtype) if t.is_floating_point() else t for t in inputs)
+    inputs = map_inputs(inputs, lambda t: t.to(dtype) if t.is_floating_point() else t)
     for p in model.parameters():
         p.grad = None
     a = clock.mark()
-    output = model(*inputs)
+    output = model_file.forward(model, inputs)
     b = clock.mark()
     loss = model_file.loss(output, targets)
     c = clock.mark()

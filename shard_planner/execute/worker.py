@@ -53,7 +53,8 @@ from shard_planner.execute.apply import apply_plan, build_mesh
 from shard_planner.execute.memtrack import StorageTracker
 from shard_planner.execute.runner import with_prediction
 from shard_planner.measurement import Measurement, RankMemory, plan_fingerprint, save_measurement
-from shard_planner.modelfile import ModelFile, load_model_file
+from shard_planner.hf import HfOptions, config_file
+from shard_planner.modelfile import ModelFile, load_model_file, map_inputs
 from shard_planner.plan import OPTIMIZER_TORCH, Plan, load_plan
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,12 @@ def make_step_batch(model_file: ModelFile, micro_batch: int, step: int, rank: in
     """The synthetic batch of ``step`` on ``rank`` (seeded, so any process can replay it)."""
     torch.manual_seed(SEED + 1000 * step + rank)
     inputs, targets = model_file.batch(micro_batch)
-    return tuple(t.to(device) for t in inputs), targets.to(device)
+    return map_inputs(inputs, lambda t: t.to(device)), (targets.to(device) if targets is not None else None)
+
+
+def _hf_options(plan: Plan, model_path: str) -> HfOptions | None:
+    """For a transformers config: the plan's sequence length, so the run builds the batch that was planned."""
+    return HfOptions(seq_len=plan.model.seq_len) if config_file(model_path) is not None else None
 
 
 def build_on_device(model_file: ModelFile, device: torch.device) -> torch.nn.Module:
@@ -170,7 +176,7 @@ def train_and_measure(plan: Plan, model_path: str, options: RunOptions, device: 
     """Run one plan in the initialised world; rank 0 returns the Measurement, the others None."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     plan, rederived_from = plan.at_world_size(world_size)  # the one place a run's plan is re-derived
-    model_file = load_model_file(model_path)
+    model_file = load_model_file(model_path, _hf_options(plan, model_path))
     mesh = build_mesh(plan, device.type)
     status.progress("build")
     model = apply_plan(build_on_device(model_file, device), plan, mesh)
@@ -232,7 +238,7 @@ class _Stepper:
         inputs, targets = make_step_batch(self.model_file, self.micro_batch, s, self.rank, self.device)
         self.optimizer.zero_grad(set_to_none=True)
         self._phase("forward")
-        loss = self.model_file.loss(self.model(*inputs), targets)
+        loss = self.model_file.loss(self.model_file.forward(self.model, inputs), targets)
         self._phase("backward")
         loss.backward()
         self._phase("optimizer")

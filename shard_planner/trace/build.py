@@ -5,15 +5,20 @@ this machine), so building a 1.8B ViT (289 Linear layers) spends a third of its 
 values that fake tensors do not have: ``reset_parameters``' ``uniform_``, transformers'
 ``_init_weights``' ``normal_``/``fill_``/``zero_``. :func:`build_fake` skips those in-place
 initialisers (:class:`_SkipInitialisers`); shapes, strides, dtypes and devices are untouched, so the
-trace is the same. A fake tensor that holds a constant (one made from Python data, e.g.
+trace is the same. ``nn.init.trunc_normal_`` (ViT, DeiT, Swin, DINOv2 under transformers) is skipped whole
+for a fake tensor (:func:`_skip_trunc_normal`): its rejection loop asks ``mask.any()``, a value a fake
+tensor does not have (DataDependentOutputException). A fake tensor that holds a constant (one made from Python data, e.g.
 ``torch.tensor(0.5)``, whose value fake mode tracks and ``.item()`` can read) is initialised as usual.
 :func:`cast_parameters` makes the compute-dtype copies as fresh fake tensors directly, without an op.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn as nn
+import torch.nn.init
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -39,8 +44,30 @@ class _SkipInitialisers(TorchDispatchMode):
 
 def build_fake(model_file: ModelFile, fake_mode: FakeTensorMode) -> nn.Module:
     """``model_file.build()`` under ``fake_mode``, without running weight initialisers."""
-    with fake_mode, _SkipInitialisers():
+    with fake_mode, _SkipInitialisers(), _skip_trunc_normal():
         return model_file.build()
+
+
+@contextmanager
+def _skip_trunc_normal():
+    """While the model is built: ``nn.init.trunc_normal_`` of a fake tensor without a constant returns it
+    unchanged (``trunc_normal_`` looks its ``_no_grad_trunc_normal_`` up in torch.nn.init when called,
+    so wrappers that hold ``trunc_normal_`` itself, as transformers' initialization does, see this too)."""
+    original = getattr(torch.nn.init, "_no_grad_trunc_normal_", None)
+    if original is None:  # another torch: nothing to skip
+        yield
+        return
+
+    def skipping(tensor, *args, **kwargs):
+        if isinstance(tensor, FakeTensor) and tensor.constant is None:
+            return tensor
+        return original(tensor, *args, **kwargs)
+
+    torch.nn.init._no_grad_trunc_normal_ = skipping
+    try:
+        yield
+    finally:
+        torch.nn.init._no_grad_trunc_normal_ = original
 
 
 def cast_parameters(model: nn.Module, compute: torch.dtype, fake_mode: FakeTensorMode) -> None:

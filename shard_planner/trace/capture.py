@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from shard_planner.errors import ModelFileError, first_line
-from shard_planner.modelfile import ModelFile
+from shard_planner.modelfile import ModelFile, input_tensors
 from shard_planner.trace.flops import FlopCounter
 from shard_planner.trace.kernel_ops import classify
 from shard_planner.trace.records import ENTER, EXIT, Call, Span, is_ancestor
@@ -286,12 +286,12 @@ class Step:
                 break
 
     # ---- the step ----
-    def run(self, inputs: tuple, targets) -> None:
+    def run(self, inputs: tuple | dict, targets) -> None:
         """Forward, loss and backward of the wrapped model, under the recorder."""
         for module in self.model.modules():
             for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
                 self.log.register_static(t)
-        batch_tensors = list(inputs) + [targets]
+        batch_tensors = input_tensors(inputs) + ([targets] if targets is not None else [])
         self.batch_input_bytes = self.log.storage_bytes(batch_tensors)
         for t in batch_tensors:
             if isinstance(t, torch.Tensor):
@@ -324,9 +324,9 @@ class Step:
         if self.unattributed_flops:
             logger.debug("%d FLOPs ran outside every module and the loss", self.unattributed_flops)
 
-    def _forward(self, inputs: tuple):
+    def _forward(self, inputs: tuple | dict):
         try:
-            return self.model(*inputs)
+            return self.mf.forward(self.model, inputs)
         except ModelFileError:
             raise
         except Exception as exc:
@@ -340,7 +340,7 @@ class Step:
         return self.twins.tainted(self.calls_by_fqn)
 
 
-def run_step(step: Step, modules: list[tuple[str, nn.Module]], inputs: tuple, targets) -> None:
+def run_step(step: Step, modules: list[tuple[str, nn.Module]], inputs: tuple | dict, targets) -> None:
     """Wrap every module's forward, run the step, and unwrap them again (also on an error)."""
     for fqn, module in modules:
         step.wrap(module, fqn)

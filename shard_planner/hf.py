@@ -1,0 +1,228 @@
+"""A transformers config file as a model file: ``shard-planner plan path/to/config.json``.
+
+:func:`load_hf_config` reads a config (a ``config.json``, or a folder holding one) and returns the
+functions a model file defines (:class:`HfModel`); ``modelfile.load_model_file`` presents them as a
+:class:`~shard_planner.modelfile.ModelFile` (loss: the default, which takes the model's own), so the
+tracer, planner and executor never ask where a model came from:
+
+- ``build_model()``: the architecture the config names (``architectures[0]``), else the Auto class of
+  ``--hf-task``, built with ``_from_config`` (no weights; the default attention implementation);
+- ``make_batch(b)``: synthetic keyword inputs from the config (token ids below ``vocab_size`` at the
+  sequence length, or ``pixel_values`` of ``image_size`` x ``num_channels``; decoder inputs for an
+  encoder-decoder) with ``labels``, so the model computes its own loss (the default loss uses it);
+- ``TRAINING``: ``seq_len`` for text models (tokens per sample).
+
+transformers is an optional extra (``pip install 'shard-planner[hf]'``); it is imported only here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from shard_planner.errors import ModelFileError
+
+logger = logging.getLogger(__name__)
+
+CONFIG_NAME = "config.json"  # what transformers' save_pretrained writes (transformers.utils.CONFIG_NAME)
+MAX_DEFAULT_SEQ_LEN = 2048  # the default sequence length: the model's maximum, capped here
+FALLBACK_SEQ_LEN = 512  # for a config that names no maximum (relative positions: T5)
+INSTALL_HINT = "pip install 'shard-planner[hf]'"
+
+
+@dataclass(frozen=True)
+class HfTask:
+    """One kind of model: the Auto class that builds it and the mapping that says which architectures
+    are of this kind (transformers.models.auto.modeling_auto.<mapping>[model_type])."""
+
+    auto_class: str
+    mapping: str
+    inputs: str  # "text" or "image"
+    labels: str  # "tokens": the input tokens; "token-class": a class per token; "sample": a class per sample
+
+
+HF_TASKS = {
+    "causal-lm": HfTask("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "text", "tokens"),
+    "masked-lm": HfTask("AutoModelForMaskedLM", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "text", "tokens"),
+    "seq2seq-lm": HfTask("AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "text", "tokens"),
+    "sequence-classification": HfTask("AutoModelForSequenceClassification",
+                                      "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", "text", "sample"),
+    "token-classification": HfTask("AutoModelForTokenClassification",
+                                   "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", "text", "token-class"),
+    "image-classification": HfTask("AutoModelForImageClassification",
+                                   "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "image", "sample"),
+}
+
+
+@dataclass(frozen=True)
+class HfOptions:
+    """What the config alone may not say: the task (``--hf-task``) and the sequence length (``--seq-len``)."""
+
+    task: str | None = None
+    seq_len: int | None = None
+
+    def __post_init__(self):
+        if self.task is not None and self.task not in HF_TASKS:
+            raise ModelFileError(f"unknown --hf-task {self.task!r}; known: {', '.join(HF_TASKS)}")
+        if self.seq_len is not None and self.seq_len < 1:
+            raise ModelFileError(f"--seq-len must be positive, got {self.seq_len}")
+
+
+@dataclass(frozen=True)
+class HfModel:
+    """What a model file defines, made from a config: ``build_model``, ``make_batch`` and ``TRAINING``."""
+
+    build_model: Callable[[], object]
+    make_batch: Callable[[int], dict]
+    training: dict
+
+
+def config_file(path: str | Path) -> Path | None:
+    """The transformers config file ``path`` names (itself, or ``config.json`` in a folder); None when it
+    is not one (a model file, a trace.json: a config is a JSON object with a ``model_type``)."""
+    file = Path(path)
+    if file.is_dir():
+        file = file / CONFIG_NAME
+    if file.suffix != ".json" or not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return None
+    return file if isinstance(data, dict) and "model_type" in data else None
+
+
+def load_hf_config(path: str, options: HfOptions = HfOptions()) -> HfModel:
+    """The model-file functions for the transformers config at ``path`` (a config.json or a folder holding one)."""
+    file = config_file(path)
+    if file is None:
+        raise ModelFileError(f"{path}: not a transformers config (a JSON object with a model_type, or a folder "
+                             f"holding {CONFIG_NAME})")
+    transformers = _import_transformers(path)
+    config = _read_config(path, file, transformers)
+    task, model_class = _resolve(path, config, options.task, transformers)
+    spec = HF_TASKS[task]
+    if task == "sequence-classification" and getattr(config, "pad_token_id", None) is None:
+        # transformers' decoder classifiers find each sample's last token by pad_token_id and refuse a
+        # batch above 1 without one; the synthetic batch holds no padding, so any id works
+        config.pad_token_id = 0
+        logger.info("%s: no pad_token_id; using 0 for the sequence classifier (the batch has no padding)", path)
+    seq_len = options.seq_len or _default_seq_len(config)
+    make_inputs = _image_inputs(config) if spec.inputs == "image" else _text_inputs(config, seq_len)
+    training = {"seq_len": seq_len} if spec.inputs == "text" else {}
+    logger.info("%s: %s (%s), %s", path, model_class.__name__, task,
+                f"sequence length {seq_len}" if spec.inputs == "text" else "image inputs")
+    return HfModel(
+        build_model=lambda: model_class._from_config(config),
+        make_batch=_with_labels(config, spec, make_inputs, seq_len),
+        training=training,
+    )
+
+
+def _import_transformers(path: str):
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ModelFileError(f"{path}: a transformers config needs transformers: {INSTALL_HINT}") from exc
+    return transformers
+
+
+def _read_config(path: str, file: Path, transformers):
+    model_type = json.loads(file.read_text())["model_type"]
+    if model_type not in transformers.CONFIG_MAPPING:
+        raise ModelFileError(f"{path}: model_type {model_type!r} is unknown to transformers "
+                             f"{transformers.__version__}")
+    try:
+        return transformers.CONFIG_MAPPING[model_type].from_json_file(str(file))
+    except Exception as exc:
+        raise ModelFileError(f"{path}: transformers cannot read it: {type(exc).__name__}: {exc}") from exc
+
+
+def _resolve(path: str, config, task: str | None, transformers) -> tuple[str, type]:
+    """(task, model class): ``--hf-task``'s Auto class where given, else the config's architecture."""
+    from transformers.models.auto import modeling_auto
+
+    if task is not None:
+        mapping = getattr(modeling_auto, HF_TASKS[task].mapping)
+        names = mapping.get(config.model_type)
+        if names is None:
+            raise ModelFileError(f"{path}: transformers has no {task} model for model_type {config.model_type!r}")
+        return task, getattr(transformers, names if isinstance(names, str) else names[0])
+    architectures = getattr(config, "architectures", None) or []
+    if not architectures:
+        raise ModelFileError(f"{path}: the config names no architectures; pass --hf-task "
+                             f"({' | '.join(HF_TASKS)})")
+    name = architectures[0]
+    model_class = getattr(transformers, name, None)
+    if model_class is None:
+        raise ModelFileError(f"{path}: architecture {name!r} is unknown to transformers {transformers.__version__}")
+    for candidate, spec in HF_TASKS.items():
+        names = getattr(modeling_auto, spec.mapping).get(config.model_type, ())
+        if name in ((names,) if isinstance(names, str) else names):
+            return candidate, model_class
+    raise ModelFileError(f"{path}: no synthetic batch for architecture {name!r}; pass --hf-task "
+                         f"({' | '.join(HF_TASKS)}) to build that kind of model from this config")
+
+
+def _default_seq_len(config) -> int:
+    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return min(MAX_DEFAULT_SEQ_LEN, value)
+    return FALLBACK_SEQ_LEN
+
+
+def _text_inputs(config, seq_len: int) -> Callable[[int], dict]:
+    vocab = _required(config, "vocab_size")
+
+    def make(batch_size: int) -> dict:
+        import torch
+
+        inputs = {"input_ids": torch.randint(0, vocab, (batch_size, seq_len))}
+        if getattr(config, "is_encoder_decoder", False):  # teacher forcing: the decoder reads a target sequence
+            inputs["decoder_input_ids"] = torch.randint(0, vocab, (batch_size, seq_len))
+        return inputs
+
+    return make
+
+
+def _image_inputs(config) -> Callable[[int], dict]:
+    size = _required(config, "image_size")
+    height, width = (size, size) if isinstance(size, int) else tuple(size)
+    channels = getattr(config, "num_channels", 3)
+
+    def make(batch_size: int) -> dict:
+        import torch
+
+        return {"pixel_values": torch.randn(batch_size, channels, height, width)}
+
+    return make
+
+
+def _with_labels(config, spec: HfTask, make_inputs: Callable[[int], dict], seq_len: int) -> Callable[[int], dict]:
+    """``make_batch``: the inputs plus ``labels`` (so the model computes its loss); no targets."""
+    def make_batch(batch_size: int) -> dict:
+        import torch
+
+        inputs = make_inputs(batch_size)
+        if spec.labels == "sample":
+            inputs["labels"] = torch.randint(0, max(1, config.num_labels), (batch_size,))
+        elif "decoder_input_ids" in inputs:
+            inputs["labels"] = inputs["decoder_input_ids"].roll(-1, dims=1)  # the next decoder token
+        elif spec.labels == "token-class":
+            inputs["labels"] = torch.randint(0, max(1, config.num_labels), (batch_size, seq_len))
+        else:  # causal LM (the model shifts them) and masked LM: the input tokens
+            inputs["labels"] = inputs["input_ids"].clone()
+        return inputs
+
+    return make_batch
+
+
+def _required(config, attr: str):
+    value = getattr(config, attr, None)
+    if value is None:
+        raise ModelFileError(f"{config.model_type} config has no {attr}; cannot make a synthetic batch from it")
+    return value
