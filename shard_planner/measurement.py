@@ -34,7 +34,8 @@ def plan_fingerprint(plan: Plan) -> str:
     with the same fingerprint run the same way, whatever their predictions say."""
     d = plan.to_dict()
     decisions = {k: d[k] for k in ("cluster", "mesh", "training", "units", "prefetch")}
-    decisions["model"] = {k: v for k, v in d["model"].items() if k != "path"}  # where the file lies does not matter
+    decisions["model"] = {k: v for k, v in d["model"].items()  # where the file lies does not matter
+                          if k not in ("path", "relative_path")}
     return hashlib.sha256(json.dumps(decisions, sort_keys=True).encode()).hexdigest()[:16]
 
 

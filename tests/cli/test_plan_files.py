@@ -5,12 +5,14 @@ the plan; plan files written before ``relative_path`` still load and resolve."""
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from shard_planner.cli.main import main
 from shard_planner.errors import PlanError
+from shard_planner.measurement import plan_fingerprint
 from shard_planner.plan import Plan, load_plan, report_dir_for, resolve_model_file
 from tests.paths import MODELS
 
@@ -38,6 +40,9 @@ def test_plan_records_the_model_absolute_and_relative_and_reports_beside_it(proj
         assert (project / folder / "plan.report" / "report.html").is_file()
     assert not (project / "reports").exists()
     assert report_dir_for(project / "a" / "plan.json") == project / "a" / "plan.report"
+    # where the model file lies is no decision: the measured plan is the same plan
+    a, b = (load_plan(project / f / "plan.json") for f in ("a", "b"))
+    assert plan_fingerprint(a) == plan_fingerprint(replace(a, model=replace(a.model, relative_path=None, path="x.py")))
     # --report-dir puts it elsewhere
     assert main(["plan", "models/net.py", "-o", "c/plan.json", "--report-dir", "elsewhere", *PLAN_ARGS]) == 0
     assert (project / "elsewhere" / "report.html").is_file() and not (project / "c" / "plan.report").exists()
