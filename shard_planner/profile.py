@@ -87,7 +87,7 @@ class HardwareProfile:
     # How unmeasured compute is priced: "flops" (traced FLOPs x compute_efficiency) or "roofline" (the
     # trace's kernel records priced by the [kernels] table, cost/kernels.py). The shipped GPU profiles
     # say "flops": on the published A100 runs the roofline removes the size bias of one efficiency but
-    # predicts +11.7% too fast in the median (10.1% median |error| for flops, 11.7% for roofline), and
+    # predicts +11.7% too fast in the median (10.2% median |error| for flops, 11.7% for roofline), and
     # torchtitan's Llama 3 8B on 8 H100s runs 30-50% slower than it predicts
     # (reports/benchmarks/published.md); until `calibrate` measures the kernel constants on the device,
     # it is opt-in.
