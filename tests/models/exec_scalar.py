@@ -3,29 +3,25 @@ cost model's tests: one on the root (``logit_scale``) and one per block (``gate`
 
 Modules: embed, blocks.{0..3}.{norm, mlp.{up, act, down}}, norm, head. Dropout-free and deterministic."""
 
+import importlib.util
+from pathlib import Path
+
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-VOCAB, DIM, SEQ, LAYERS = 64, 32, 8, 4
+# exec_net.py beside this file, loaded by path (the tool loads model files by path, not as a package):
+# its MLP, batch, loss and training defaults; this file adds the 0-d parameters.
+_spec = importlib.util.spec_from_file_location("exec_net", Path(__file__).with_name("exec_net.py"))
+exec_net = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(exec_net)
+
+VOCAB, DIM, SEQ, LAYERS = exec_net.VOCAB, exec_net.DIM, exec_net.SEQ, 4
+make_batch, loss_fn, TRAINING = exec_net.make_batch, exec_net.loss_fn, exec_net.TRAINING
 
 
-class MLP(nn.Module):
+class Block(exec_net.Block):
     def __init__(self, dim: int):
-        super().__init__()
-        self.up = nn.Linear(dim, 4 * dim)
-        self.act = nn.GELU()
-        self.down = nn.Linear(4 * dim, dim)
-
-    def forward(self, x):
-        return self.down(self.act(self.up(x)))  # (B, T, D)
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int):
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.mlp = MLP(dim)
+        super().__init__(dim)  # norm, mlp
         self.gate = nn.Parameter(torch.tensor(0.5))  # 0-d
 
     def forward(self, x):
@@ -50,15 +46,3 @@ class Net(nn.Module):
 
 def build_model():
     return Net()
-
-
-def make_batch(batch_size: int):
-    tokens = torch.randint(0, VOCAB, (batch_size, SEQ + 1))
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-
-def loss_fn(output, targets):
-    return F.cross_entropy(output.flatten(0, -2).float(), targets.flatten())
-
-
-TRAINING = {"micro_batch": 4, "seq_len": SEQ, "optimizer": "adamw", "lr": 0.01}
