@@ -72,9 +72,9 @@ def test_parameter_counts_llama_large_under_meta(size, monkeypatch):
 # ---- saved activations against a real CPU run ---------------------------------------------------
 
 
-def real_saved_bytes(path: str, dtype: torch.dtype, batch: int) -> dict:
-    """Bytes saved for backward in a real CPU run, per innermost module (deduplicated by storage;
-    parameters and buffers are not activations), counted independently of the tracer."""
+def real_model_and_batch(path: str, dtype: torch.dtype, batch: int):
+    """The model file's model built for real (seed 0) with its floating parameters in ``dtype``, and one
+    batch of ``batch`` samples as the file makes it (inputs not cast)."""
     mf = load_model_file(path)
     torch.manual_seed(0)
     model = mf.build()
@@ -82,6 +82,13 @@ def real_saved_bytes(path: str, dtype: torch.dtype, batch: int) -> dict:
         if p.is_floating_point():
             p.data = p.data.to(dtype)
     inputs, targets = mf.batch(batch)
+    return mf, model, inputs, targets
+
+
+def real_saved_bytes(path: str, dtype: torch.dtype, batch: int) -> dict:
+    """Bytes saved for backward in a real CPU run, per innermost module (deduplicated by storage;
+    parameters and buffers are not activations), counted independently of the tracer."""
+    mf, model, inputs, targets = real_model_and_batch(path, dtype, batch)
     inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)
     static = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
     stack: list[str] = []
@@ -379,13 +386,7 @@ def real_forward_peak_rise(path: str, dtype: torch.dtype, batch: int) -> int:
     with the repository's StorageTracker (shard_planner/execute/memtrack.py), independent of the tracer."""
     from shard_planner.execute.memtrack import StorageTracker
 
-    mf = load_model_file(path)
-    torch.manual_seed(0)
-    model = mf.build()
-    for p in model.parameters():
-        if p.is_floating_point():
-            p.data = p.data.to(dtype)
-    inputs, targets = mf.batch(batch)
+    mf, model, inputs, targets = real_model_and_batch(path, dtype, batch)
     tracker = StorageTracker(track=(model, inputs, targets))
     with tracker:
         entry = tracker.live_bytes
