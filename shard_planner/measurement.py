@@ -16,6 +16,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from shard_planner.comm import CollectiveBytes
 from shard_planner.errors import UserError
 from shard_planner.fileio import read_json, write_atomic
 from shard_planner.plan import Plan
@@ -48,6 +49,60 @@ class RankMemory:
 
 
 @dataclass(frozen=True)
+class RestoreCheck:
+    """One restore of the run's checkpoint into a model built afresh (execute/checkpoint.py)."""
+
+    world_size: int  # the world that restored it (the saving world's, or another: resharded on load)
+    load_s: float  # dcp.load + set_state_dict, the slowest rank
+    tensors_checked: int  # model and optimizer state entries compared with the saved ones
+    tensors_differing: tuple[str, ...]  # their keys (empty: every one equal, bit for bit)
+    losses_uninterrupted: tuple[float, ...]  # the next steps of the run that saved it
+    losses_restored: tuple[float, ...]  # the same steps after the restore
+    loss_tolerance_rel: float  # 0: must be equal exactly
+    loss_tolerance_reason: str
+
+    def __post_init__(self):
+        for name in ("tensors_differing", "losses_uninterrupted", "losses_restored"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    @property
+    def max_loss_diff_rel(self) -> float:
+        return max((abs(a - b) / abs(a) if a else abs(b) for a, b in zip(self.losses_uninterrupted,
+                                                                      self.losses_restored)), default=0.0)
+
+    @property
+    def losses_match(self) -> bool:
+        return (len(self.losses_restored) == len(self.losses_uninterrupted)
+                and self.max_loss_diff_rel <= self.loss_tolerance_rel)
+
+    @property
+    def ok(self) -> bool:
+        return not self.tensors_differing and self.losses_match
+
+
+@dataclass(frozen=True)
+class CheckpointResult:
+    """``run --checkpoint``: the distributed checkpoint saved after the measured steps, and its restores."""
+
+    saved_at_step: int  # the step the restored run starts with
+    world_size: int  # of the saving world
+    save_s: float  # get_state_dict + dcp.save, the slowest rank
+    size_bytes: int  # the checkpoint folder on disk
+    save_extra_peak_bytes: int  # the largest rise of memory while saving, over ranks
+    save_memory_method: str  # "storage-tracker" (CPU) or "cuda max_memory_allocated"
+    directory: str | None  # where it is kept (None: a temporary folder, removed)
+    restores: tuple[RestoreCheck, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "restores", tuple(
+            r if isinstance(r, RestoreCheck) else RestoreCheck(**r) for r in self.restores))
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.restores) and all(r.ok for r in self.restores)
+
+
+@dataclass(frozen=True)
 class Measurement:
     plan_fingerprint: str
     model_path: str
@@ -73,6 +128,12 @@ class Measurement:
     # Of predicted_peak_bytes, what no allocator statistic shows (CUDA context, NCCL buffers: the
     # prediction's "overhead" category); comparison() leaves it out of the measured-against figure.
     predicted_overhead_bytes: int = 0
+    # Collectives per step (cost/comm_bytes.py): counted on rank 0 in the first timed step (the same on
+    # every rank and timed step when comm_same_every_step), and what the plan predicts.
+    comm_measured: tuple[CollectiveBytes, ...] = ()
+    comm_same_every_step: bool | None = None
+    comm_predicted: tuple[CollectiveBytes, ...] | None = None
+    checkpoint: CheckpointResult | None = None  # run --checkpoint
     schema_version: int = MEASUREMENT_SCHEMA_VERSION
 
     def __post_init__(self):
@@ -80,6 +141,11 @@ class Measurement:
             m if isinstance(m, RankMemory) else RankMemory(**m) for m in self.memory))
         object.__setattr__(self, "step_time_s", tuple(float(t) for t in self.step_time_s))
         object.__setattr__(self, "losses", tuple(float(v) for v in self.losses))
+        object.__setattr__(self, "comm_measured", _collectives(self.comm_measured))
+        if self.comm_predicted is not None:
+            object.__setattr__(self, "comm_predicted", _collectives(self.comm_predicted))
+        if isinstance(self.checkpoint, dict):
+            object.__setattr__(self, "checkpoint", CheckpointResult(**self.checkpoint))
         if self.memory_method not in MEMORY_METHODS:
             raise MeasurementError(f"measurement: memory_method must be one of {MEMORY_METHODS}")
         if len(self.memory) != self.world_size:
@@ -122,6 +188,20 @@ class Measurement:
             rows.append(("step_time_s", float(self.predicted_step_time_s), self.step_time_median_s))
         return [(name, p, m, (p - m) / m * 100.0 if m else float("nan")) for name, p, m in rows]
 
+    def comm_comparison(self) -> list[tuple[str, int, int | None, int | None]]:
+        """(collective, group size, predicted bytes, measured bytes) per step, for every (collective, group
+        size) either side has; None where a side has none."""
+        predicted = {(c.collective, c.group_size): c.bytes for c in self.comm_predicted or ()}
+        measured = {(c.collective, c.group_size): c.bytes for c in self.comm_measured}
+        return [(c, g, predicted.get((c, g)), measured.get((c, g))) for c, g in sorted(set(predicted) | set(measured))]
+
+    @property
+    def comm_matches(self) -> bool | None:
+        """Measured collectives equal the predicted ones exactly (None: no prediction)."""
+        if self.comm_predicted is None:
+            return None
+        return tuple(self.comm_predicted) == tuple(self.comm_measured) and bool(self.comm_same_every_step)
+
     # ---- JSON ----
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -130,6 +210,8 @@ class Measurement:
             "reserved_bytes": self.reserved_bytes,
             "step_time_median_s": self.step_time_median_s,
             "step_time_spread_s": self.step_time_spread_s,
+            "comm_matches": self.comm_matches,
+            "checkpoint_ok": self.checkpoint.ok if self.checkpoint is not None else None,
         }
         return d
 
@@ -148,6 +230,10 @@ class Measurement:
             return Measurement(**d)
         except TypeError as exc:
             raise MeasurementError(f"measurement is malformed: {exc}") from None
+
+
+def _collectives(items) -> tuple[CollectiveBytes, ...]:
+    return tuple(c if isinstance(c, CollectiveBytes) else CollectiveBytes(**c) for c in items)
 
 
 def measurement_path_for(plan_path: str | os.PathLike) -> Path:

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shard_planner.errors import RunError
-from shard_planner.measurement import Measurement, load_measurement
+from shard_planner.measurement import Measurement, RestoreCheck, load_measurement
 from shard_planner.plan import Plan, load_plan, resolve_model_file
 
 logger = logging.getLogger(__name__)
@@ -86,8 +86,9 @@ def free_port() -> int:
 
 @dataclass(frozen=True)
 class LaunchResult:
-    measurements: tuple[Measurement, ...]  # one per plan, in order
+    measurements: tuple[Measurement, ...]  # one per plan, in order (none for a resume_from launch)
     pids: tuple[int, ...]  # the rank processes (all ended)
+    restore: RestoreCheck | None = None  # a resume_from launch's comparison
 
 
 def _die_with_parent() -> None:
@@ -327,17 +328,22 @@ def _debug_tracebacks(world: _World, errors: dict[int, dict]) -> None:
 
 
 def launch_local(plan_paths: list[str | os.PathLike], *, world_size: int, steps: int, warmup: int,
-                 device: str, timeout_s: float) -> LaunchResult:
+                 device: str, timeout_s: float, checkpoint_dir: str | None = None, checkpoint_steps: int = 2,
+                 resume_from: str | None = None) -> LaunchResult:
     """Run the plans in ``plan_paths``, in turn, in one world of ``world_size`` local ranks; return
     their measurements (written by nobody: the caller decides where they go). Raises
-    :class:`RunError` on any failure, with every rank ended."""
+    :class:`RunError` on any failure, with every rank ended. ``checkpoint_dir`` (one plan): save a
+    checkpoint there after the measured steps and restore it (worker.RunOptions); ``resume_from`` (one
+    plan): only restore that checkpoint at ``world_size`` and compare (``LaunchResult.restore``)."""
     model_paths = tuple(dict.fromkeys(load_plan(p).model.path for p in plan_paths))
     run_dir = Path(tempfile.mkdtemp(prefix="shard-planner-run-"))
     world = None
     try:
         worker_args = [*map(str, plan_paths), "--out-dir", str(run_dir), "--steps", str(steps),
                        "--warmup", str(warmup), "--device", device,
-                       "--timeout", str(collective_timeout_s(timeout_s))]
+                       "--timeout", str(collective_timeout_s(timeout_s)), "--checkpoint-steps", str(checkpoint_steps)]
+        worker_args += ["--checkpoint-dir", str(checkpoint_dir)] if checkpoint_dir else []
+        worker_args += ["--resume-from", str(resume_from)] if resume_from else []
         world = _World(run_dir, world_size, worker_args, model_paths)
         logger.info("launched %d ranks: pids %s", world_size, world.pids)
         try:
@@ -345,6 +351,8 @@ def launch_local(plan_paths: list[str | os.PathLike], *, world_size: int, steps:
         except RunError as exc:
             exc.pids = world.pids
             raise
+        if resume_from:
+            return LaunchResult((), world.pids, _read_restore(run_dir / "measurement-0.json"))
         measurements = []
         for i in range(len(plan_paths)):
             out = run_dir / f"measurement-{i}.json"
@@ -357,6 +365,12 @@ def launch_local(plan_paths: list[str | os.PathLike], *, world_size: int, steps:
             if world is not None:
                 world.kill()  # a no-op when every rank has exited; the safety net on any other way out
             shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _read_restore(path: Path) -> RestoreCheck:
+    if not path.is_file():
+        raise RunError("rank 0 finished without writing the restore's comparison")
+    return RestoreCheck(**json.loads(path.read_text()))
 
 
 @contextmanager

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from shard_planner.errors import ModelFileError, RunError
+from shard_planner.execute.checkpoint_dir import check_new_directory, read_side_file
 from shard_planner.execute.launch import LaunchResult, launch_local, resolve_device, resolve_model_path
 from shard_planner.fileio import check_output_file
-from shard_planner.measurement import Measurement, measurement_path_for, save_measurement
+from shard_planner.measurement import Measurement, RestoreCheck, measurement_path_for, save_measurement
 from shard_planner.plan import Plan, Prediction, load_plan, save_plan
 
 logger = logging.getLogger(__name__)
@@ -68,13 +70,15 @@ def reestimate(plan: Plan, model_path: str) -> Prediction | None:
 def launch_plans(plans: list[Plan], *, world_size: int | None = None, steps: int = 5, warmup: int = 2,
                  timeout_s: float = 300.0, device: str = "auto",
                  plan_paths: list[str | os.PathLike | None] | None = None,
-                 reestimate_rederived: bool = False) -> LaunchResult:
+                 reestimate_rederived: bool = False, checkpoint_dir: str | None = None, checkpoint_steps: int = 2,
+                 resume_from: str | None = None) -> LaunchResult:
     """Run several plans in turn in one world (one launch: faster than one world each); returns their
     measurements and the ranks' process ids (all ended when it returns). ``plan_paths``: where each plan
     was read from, to find a model file given relative to it. The ranks re-derive a plan for another
     world size (``Plan.at_world_size`` in :func:`~shard_planner.execute.worker.train_and_measure`,
     recorded in ``rederived_from_world_size``); its prediction is dropped, or re-estimated here with the
-    cost model when ``reestimate_rederived``."""
+    cost model when ``reestimate_rederived``. ``checkpoint_dir``, ``checkpoint_steps``, ``resume_from``
+    (one plan): see :func:`~shard_planner.execute.launch.launch_local`."""
     if not plans:
         raise RunError("no plan to run")
     if steps < 1 or warmup < 0:
@@ -96,7 +100,8 @@ def launch_plans(plans: list[Plan], *, world_size: int | None = None, steps: int
             paths.append(Path(tmp) / f"plan-{i}.json")
             save_plan(run, paths[-1])
         result = launch_local(paths, world_size=world_size, steps=steps, warmup=warmup, device=device,
-                              timeout_s=timeout_s)
+                              timeout_s=timeout_s, checkpoint_dir=checkpoint_dir, checkpoint_steps=checkpoint_steps,
+                              resume_from=resume_from)
     measurements = []
     for m, plan, run in zip(result.measurements, plans, runs):
         m = replace(m, model_path=plan.model.path)  # the plan's own path, as given
@@ -122,12 +127,66 @@ def run_plans(plans: list[Plan], **kwargs) -> list[Measurement]:
 
 
 def run_plan_file(plan_path: str | os.PathLike, *, out: str | os.PathLike | None = None,
-                  **kwargs) -> tuple[Measurement, Path]:
+                  checkpoint: CheckpointOptions | None = None, **kwargs) -> tuple[Measurement, Path]:
     """Run the plan in ``plan_path`` and write the measurement (default: measurement.json beside the
-    plan), atomically; nothing is written when the run fails or is interrupted. The output place is
-    checked before the ranks start."""
+    plan), atomically; nothing is written when the run fails or is interrupted. The output place (and
+    the checkpoint folder) are checked before the ranks start. ``checkpoint``: save and restore one
+    after the measured steps (:func:`_run_with_checkpoint`)."""
     plan = load_plan(plan_path)
     out_path = check_output_file(out if out is not None else measurement_path_for(plan_path), "measurement")
-    measurement = launch_plans([plan], plan_paths=[plan_path], **kwargs).measurements[0]
+    if checkpoint is None:
+        measurement = launch_plans([plan], plan_paths=[plan_path], **kwargs).measurements[0]
+    else:
+        measurement = _run_with_checkpoint(plan, plan_path, checkpoint, **kwargs)
     save_measurement(measurement, out_path)
     return measurement, out_path
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """``run --checkpoint``: where (None: a temporary folder, removed after), how many steps are compared
+    after the restore, and another world size to restore at too (a second launch reading the folder)."""
+
+    directory: str | None = None
+    steps: int = 2
+    reshard_to: int | None = None
+
+
+def _run_with_checkpoint(plan: Plan, plan_path, options: CheckpointOptions, **kwargs) -> Measurement:
+    """Run the plan; its world saves a checkpoint after the measured steps and restores it at its own size;
+    then, with ``reshard_to``, a second world of that size restores the same folder. A kept folder that
+    the run fails to fill is emptied again (it was new or empty); a temporary one is always removed."""
+    if options.reshard_to is not None and options.reshard_to < 1:
+        raise RunError(f"--checkpoint-reshard-to must be at least 1, got {options.reshard_to}")
+    created = options.directory is not None and not Path(options.directory).exists()
+    directory = (check_new_directory(options.directory) if options.directory is not None
+                 else Path(tempfile.mkdtemp(prefix="shard-planner-checkpoint-")))
+    done = False
+    try:
+        m = launch_plans([plan], plan_paths=[plan_path], checkpoint_dir=str(directory.resolve()),
+                         checkpoint_steps=options.steps, **kwargs).measurements[0]
+        restores = m.checkpoint.restores
+        if options.reshard_to is not None:
+            other = dict(kwargs, world_size=options.reshard_to)
+            restores += (launch_plans([plan], plan_paths=[plan_path], resume_from=str(directory.resolve()),
+                                      **other).restore,)
+        done = True
+        return replace(m, checkpoint=replace(m.checkpoint, restores=restores,
+                                             directory=str(directory) if options.directory is not None else None))
+    finally:
+        if options.directory is None or created and not done:
+            shutil.rmtree(directory, ignore_errors=True)
+        elif not done:  # an empty folder given: empty again
+            for f in directory.iterdir():
+                shutil.rmtree(f, ignore_errors=True) if f.is_dir() else f.unlink(missing_ok=True)
+
+
+def restore_plan_file(plan_path: str | os.PathLike, directory: str | os.PathLike, **kwargs) -> RestoreCheck:
+    """Restore the checkpoint in ``directory`` (written by ``run`` with a kept checkpoint folder) into the
+    plan's model built afresh on ``world_size`` ranks (any size: DCP reshards on load), and compare every
+    tensor and the next steps' losses with the run that saved it. Reads the folder, writes nothing; a
+    folder that is not a complete checkpoint is refused before the ranks start."""
+    plan = load_plan(plan_path)
+    read_side_file(directory)
+    return launch_plans([plan], plan_paths=[plan_path], resume_from=str(Path(directory).resolve()),
+                        **kwargs).restore

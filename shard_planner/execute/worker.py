@@ -41,7 +41,7 @@ import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -49,10 +49,17 @@ import torch.distributed as dist
 
 from shard_planner.argtypes import non_negative_int, positive_float, positive_int
 from shard_planner.errors import RunError, UserError, first_line
+from shard_planner.cost.comm_bytes import collective_bytes_per_step
 from shard_planner.execute.apply import apply_plan, build_mesh
+from shard_planner.execute.checkpoint import (differing_entries, load_checkpoint, loss_tolerance, regrouped_batch,
+                                              save_checkpoint, state_digests)
+from shard_planner.execute.checkpoint_dir import directory_bytes, read_side_file, write_side_file
+from shard_planner.execute.comm_count import CommCounter, unit_param_shapes
 from shard_planner.execute.memtrack import StorageTracker
 from shard_planner.execute.runner import with_prediction
-from shard_planner.measurement import Measurement, RankMemory, plan_fingerprint, save_measurement
+from shard_planner.fileio import write_atomic
+from shard_planner.measurement import (CheckpointResult, Measurement, RankMemory, RestoreCheck, plan_fingerprint,
+                                       save_measurement)
 from shard_planner.hf import HfOptions, config_file
 from shard_planner.modelfile import ModelFile, load_model_file, map_inputs
 from shard_planner.plan import OPTIMIZER_TORCH, Plan, load_plan
@@ -68,6 +75,12 @@ class RunOptions:
     warmup: int = 2
     device: str = "cpu"  # "cpu" or "cuda" (resolved by the launcher)
     timeout_s: float = 300.0  # for every collective (the process group's timeout)
+    # run --checkpoint (execute/checkpoint.py): after the measured steps, save to checkpoint_dir (empty),
+    # train checkpoint_steps more, restore into a model built afresh and compare. resume_from: only
+    # restore that checkpoint (written by such a run, at any world size) and compare.
+    checkpoint_dir: str | None = None
+    checkpoint_steps: int = 2
+    resume_from: str | None = None
 
 
 # ---- the pieces a run is made of (also used by the tests' single-process reference) ----
@@ -158,6 +171,12 @@ def run_rank(jobs: list[Job], options: RunOptions, status: _Status) -> None:
     # torch imported; measured by the plan-quality benchmark's author).
     gc.freeze()
     try:
+        if options.resume_from:
+            check = restore_and_compare(jobs[0].plan, jobs[0].model_path, options.resume_from, device, status)
+            if rank == 0 and jobs[0].out_path:
+                write_atomic(jobs[0].out_path, json.dumps(asdict(check), indent=1) + "\n")
+            status.progress("done")
+            return
         for i, job in enumerate(jobs):
             status.label = f"plan {i + 1}/{len(jobs)}: " if len(jobs) > 1 else ""
             measurement = train_and_measure(job.plan, job.model_path, options, device, status)
@@ -179,7 +198,9 @@ def train_and_measure(plan: Plan, model_path: str, options: RunOptions, device: 
     model_file = load_model_file(model_path, _hf_options(plan, model_path))
     mesh = build_mesh(plan, device.type)
     status.progress("build")
-    model = apply_plan(build_on_device(model_file, device), plan, mesh)
+    model = build_on_device(model_file, device)
+    comm_predicted = collective_bytes_per_step(plan, *unit_param_shapes(model, plan))
+    model = apply_plan(model, plan, mesh)
     optimizer = make_optimizer(plan, model.parameters())
     step = _Stepper(model_file, model, optimizer, plan.training.micro_batch, rank, device)
 
@@ -187,7 +208,7 @@ def train_and_measure(plan: Plan, model_path: str, options: RunOptions, device: 
     for s in range(options.warmup):
         status.progress(f"warm-up step {s}")
         losses.append(step(s))
-    times_s = _timed_steps(step, options, status, device, losses)
+    times_s, comm = _timed_steps(step, options, status, device, losses)
     memory = _peak_memory(step, options, status, device, losses)
 
     status.progress("gather")
@@ -195,8 +216,16 @@ def train_and_measure(plan: Plan, model_path: str, options: RunOptions, device: 
     dist.all_reduce(loss_sum)
     loss_avg = (loss_sum / world_size).tolist()
     gathered: list = [None] * world_size
-    dist.all_gather_object(gathered, (memory, times_s))
-    del model, optimizer, step
+    dist.all_gather_object(gathered, (memory, times_s, comm))
+    checkpoint = None
+    if options.checkpoint_dir:
+        saved = _save_and_continue(step, plan, options, len(losses), status)
+        del model, optimizer, step
+        gc.collect()  # the run that saved is done: free it before the restore builds the model again
+        check = restore_and_compare(plan, model_path, options.checkpoint_dir, device, status)
+        checkpoint = CheckpointResult(**saved, restores=(check,))
+    else:
+        del model, optimizer, step
     if rank != 0:
         return None
     cuda = device.type == "cuda"
@@ -218,6 +247,10 @@ def train_and_measure(plan: Plan, model_path: str, options: RunOptions, device: 
         warmup_steps=options.warmup,
         losses=tuple(loss_avg),
         rederived_from_world_size=rederived_from,
+        comm_measured=comm[0],
+        comm_same_every_step=all(g[2] == [comm[0]] * len(comm) for g in gathered),
+        comm_predicted=comm_predicted,
+        checkpoint=checkpoint,
     ), plan.predicted)  # a re-derived plan has none: the plan's was for its own world size
 
 
@@ -229,13 +262,17 @@ class _Stepper:
         self.model_file, self.model, self.optimizer = model_file, model, optimizer
         self.micro_batch, self.rank, self.device = micro_batch, rank, device
         self.tracker: StorageTracker | None = None
+        self.batch_fn = None  # step -> (inputs, targets) instead of this rank's make_step_batch (a restore)
 
     def _phase(self, name: str) -> None:
         if self.tracker is not None:
             self.tracker.phase = name
 
     def __call__(self, s: int) -> torch.Tensor:
-        inputs, targets = make_step_batch(self.model_file, self.micro_batch, s, self.rank, self.device)
+        if self.batch_fn is not None:
+            inputs, targets = self.batch_fn(s)
+        else:
+            inputs, targets = make_step_batch(self.model_file, self.micro_batch, s, self.rank, self.device)
         self.optimizer.zero_grad(set_to_none=True)
         self._phase("forward")
         loss = self.model_file.loss(self.model_file.forward(self.model, inputs), targets)
@@ -247,29 +284,33 @@ class _Stepper:
 
 
 def _timed_steps(step: _Stepper, options: RunOptions, status: _Status, device: torch.device,
-                 losses: list) -> list[float]:
+                 losses: list) -> tuple[list[float], list]:
     """The measured steps after warm-up, each started together on every rank: CUDA events on a GPU
-    (the peak-memory statistics are reset first), wall clock on CPU. Appends their losses."""
+    (the peak-memory statistics are reset first), wall clock on CPU. Appends their losses. Returns their
+    times and, per step, the collectives this rank issued (execute/comm_count.py)."""
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    times_s = []
+    times_s, comm = [], []
+    counter = CommCounter()
     for s in range(options.warmup, options.warmup + options.steps):
         dist.barrier()
         status.progress(f"step {s}")
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            losses.append(step(s))
-            end.record()
-            end.synchronize()
-            times_s.append(start.elapsed_time(end) / 1000.0)
-        else:
-            t0 = time.perf_counter()
-            losses.append(step(s))
-            times_s.append(time.perf_counter() - t0)
-    return times_s
+        with counter:
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                losses.append(step(s))
+                end.record()
+                end.synchronize()
+                times_s.append(start.elapsed_time(end) / 1000.0)
+            else:
+                t0 = time.perf_counter()
+                losses.append(step(s))
+                times_s.append(time.perf_counter() - t0)
+        comm.append(counter.take())
+    return times_s, comm
 
 
 def _peak_memory(step: _Stepper, options: RunOptions, status: _Status, device: torch.device,
@@ -292,6 +333,71 @@ def _peak_memory(step: _Stepper, options: RunOptions, status: _Status, device: t
     memory = RankMemory(rank, step.tracker.peak_bytes, None, step.tracker.peak_phase)
     step.tracker = None
     return memory
+
+
+# ---- run --checkpoint ----
+def _mean_over_ranks(losses: list) -> list[float]:
+    total = torch.stack(losses).float() if losses else torch.zeros(0)
+    dist.all_reduce(total)
+    return (total / dist.get_world_size()).tolist()
+
+
+def _save_and_continue(step: _Stepper, plan: Plan, options: RunOptions, next_step: int, status: _Status) -> dict:
+    """Save a checkpoint before step ``next_step``, record digests of what was saved, train
+    ``checkpoint_steps`` more steps (the uninterrupted run the restore is compared with) and, on rank 0,
+    write the side file. Returns the save's figures (CheckpointResult's fields but ``restores``)."""
+    directory, rank = options.checkpoint_dir, dist.get_rank()
+    progress = {"step": next_step, "data_ranks": dist.get_world_size(), "micro_batch": plan.training.micro_batch}
+    status.progress("checkpoint save")
+    save_s, extra_bytes = save_checkpoint(step.model, step.optimizer, progress, directory, step.device)
+    status.progress("checkpoint digests")
+    digests = state_digests(step.model, step.optimizer)
+    after = []
+    for s in range(next_step, next_step + options.checkpoint_steps):
+        status.progress(f"step {s} after the checkpoint")
+        after.append(step(s))
+    losses_after = _mean_over_ranks(after)
+    extras: list = [None] * dist.get_world_size()
+    dist.all_gather_object(extras, extra_bytes)
+    if rank == 0:
+        write_side_file(directory, {**progress, "plan_fingerprint": plan_fingerprint(plan),
+                                    "losses_after": losses_after, "digests": digests})
+    dist.barrier()  # the side file is there before anyone reads it
+    return dict(saved_at_step=next_step, world_size=dist.get_world_size(), save_s=save_s,
+                size_bytes=directory_bytes(directory), save_extra_peak_bytes=max(extras),
+                save_memory_method="cuda max_memory_allocated" if step.device.type == "cuda" else "storage-tracker",
+                directory=directory)
+
+
+def restore_and_compare(plan: Plan, model_path: str, directory: str, device: torch.device,
+                        status: _Status) -> RestoreCheck:
+    """Build the model afresh in this world (any size), restore ``directory``, compare every tensor with the
+    saved digests and the next steps' losses with the uninterrupted run's (execute/checkpoint.py)."""
+    record = read_side_file(directory)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    plan, _ = plan.at_world_size(world_size)
+    model_file = load_model_file(model_path, _hf_options(plan, model_path))
+    status.progress("checkpoint restore: build")
+    model = apply_plan(build_on_device(model_file, device), plan, build_mesh(plan, device.type))
+    optimizer = make_optimizer(plan, model.parameters())
+    status.progress("checkpoint restore: load")
+    progress, load_s = load_checkpoint(model, optimizer, directory, device)
+    status.progress("checkpoint restore: digests")
+    digests = state_digests(model, optimizer)
+    step = _Stepper(model_file, model, optimizer, plan.training.micro_batch, rank, device)
+    data_ranks, micro_batch = int(progress["data_ranks"]), int(progress["micro_batch"])
+    if data_ranks != world_size or micro_batch != plan.training.micro_batch:
+        step.batch_fn = lambda s: regrouped_batch(
+            [make_step_batch(model_file, micro_batch, s, r, device) for r in range(data_ranks)], world_size, rank)
+    losses = []
+    for s in range(int(progress["step"]), int(progress["step"]) + len(record["losses_after"])):
+        status.progress(f"step {s} after the restore")
+        losses.append(step(s))
+    tolerance, reason = loss_tolerance(data_ranks, world_size, device)
+    return RestoreCheck(world_size=world_size, load_s=load_s, tensors_checked=len(record["digests"]),
+                        tensors_differing=differing_entries(record["digests"], digests) if rank == 0 else (),
+                        losses_uninterrupted=tuple(record["losses_after"]), losses_restored=tuple(_mean_over_ranks(losses)),
+                        loss_tolerance_rel=tolerance, loss_tolerance_reason=reason)
 
 
 _COMMUNICATION_SIGNS = ("connection closed by peer", "connection reset by peer", "timed out", "timeout",
@@ -325,6 +431,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="measurement file rank 0 writes, for one plan "
                         "(default: measurement.json beside the plan)")
     parser.add_argument("--out-dir", help="folder for measurement-<i>.json, one per plan (i from 0)")
+    parser.add_argument("--checkpoint-dir", help="after the measured steps, save a distributed checkpoint here "
+                        "(a new or empty folder), restore it into a model built afresh and compare")
+    parser.add_argument("--checkpoint-steps", type=positive_int, default=2,
+                        help="steps compared after the restore (default 2)")
+    parser.add_argument("--resume-from", help="only restore this checkpoint (written with --checkpoint-dir, at any "
+                        "world size) and compare; rank 0 writes the comparison to --out")
     parser.add_argument("--status-dir", help=argparse.SUPPRESS)  # the local launcher's
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
@@ -337,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
             raise RunError("RANK and WORLD_SIZE are not set: start this under torchrun or use shard-planner run")
         if args.out and len(args.plans) > 1:
             raise RunError("--out names one file: use --out-dir with several plans")
+        if (args.checkpoint_dir or args.resume_from) and len(args.plans) > 1:
+            raise RunError("--checkpoint-dir and --resume-from take one plan")
         from shard_planner.execute.launch import resolve_device, resolve_model_path
 
         jobs = []
@@ -349,7 +463,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 out = str(Path(path).with_name(Path(path).stem + ".measurement.json"))
             jobs.append(Job(plan, resolve_model_path(plan, path), out))
-        run_rank(jobs, RunOptions(args.steps, args.warmup, resolve_device(args.device), args.timeout), status)
+        run_rank(jobs, RunOptions(args.steps, args.warmup, resolve_device(args.device), args.timeout,
+                                  args.checkpoint_dir, args.checkpoint_steps, args.resume_from), status)
         return 0
     except BaseException as exc:  # report every failure, including KeyboardInterrupt/SystemExit
         kind = _classify(exc)

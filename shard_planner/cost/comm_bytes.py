@@ -1,0 +1,104 @@
+"""Bytes each rank sends through FSDP2's collectives in one training step, per plan: the prediction that
+``shard-planner run`` puts beside the bytes it counts (execute/comm_count.py).
+
+One function, :func:`collective_bytes_per_step`, from the plan (units, reshard policies, mesh, dtypes)
+and the shapes of the parameters each unit owns. The sizes follow torch 2.13's FSDP2
+(torch/distributed/fsdp/_fully_shard/):
+
+- padding: a parameter is sharded on dim 0 with ``torch.chunk`` over the shard group of N ranks, and
+  every rank's shard is padded to the first chunk's size (``FSDPParam._init_sharded_param``:
+  ``padded_sharded_size = chunks[0].size()``), so the all-gather output and the reduce-scatter input of a
+  parameter of shape (d0, ...) hold ``ceil(d0 / N) * N * numel / d0`` elements
+  (``_get_dim0_padded_size``);
+- all-gather (``foreach_all_gather``: one ``all_gather_single`` per unit): the unit's parameters in the
+  plan's param dtype (MixedPrecisionPolicy casts floating parameters; others keep their dtype), once in
+  forward and, for a unit that reshards after forward, once more in backward — over the shard group
+  (True) or over the smaller group it resharded to (an int r: ``_all_gather_process_group`` is the
+  post-forward mesh's); a unit kept unsharded (False; the root's None) is not gathered again;
+- reduce-scatter (``foreach_reduce``: one ``reduce_scatter_single`` per unit) of the unit's floating
+  parameters' gradients in the reduce dtype, over the shard group;
+- HSDP: an ``all_reduce`` of each unit's reduce-scatter output (1/N of it) across the R replicas;
+- a group of one rank moves nothing: FSDP2 skips the all-gather and the reduce-scatter when the shard
+  group has one rank (``FSDPParamGroup.unshard``, ``foreach_reduce``), so none is counted;
+- 0-d parameters are replicated, not sharded (execute/apply.py, [Note: 0-d parameters]): each one's
+  gradient is all-reduced over each mesh dimension of more than one rank, in its built dtype.
+
+A collective's size is its message size as nccl-tests report it (cost/collectives.py): the full output
+of an all-gather, the full input of a reduce-scatter, the buffer of an all-reduce. Bytes are summed per
+(collective, group size).
+
+Assumptions (what the count cannot see from the plan): every unit's forward runs once per step (the
+trace's ``calls``; a module called twice in one step gathers twice); every floating parameter gets a
+gradient. A unit nested inside an activation-checkpointed unit may re-run its pre-forward during the
+recompute, and with an explicit forward prefetch list that issues all-gathers of later units again;
+that is not modelled (``run`` shows the measured bytes beside these).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from shard_planner.comm import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CollectiveBytes
+from shard_planner.dtypes import FLOAT_DTYPES, dtype_bytes
+from shard_planner.plan import Plan
+
+
+@dataclass(frozen=True)
+class ParamShape:
+    """One parameter as built: its dim-0 size, its number of elements and dtype name ("float32")."""
+
+    dim0: int
+    numel: int
+    dtype: str
+
+
+def padded_numel(shape: ParamShape, shard_size: int) -> int:
+    """Elements of the parameter's all-gather output / reduce-scatter input: dim 0 padded to a multiple of
+    the shard group size (FSDP2's ``_get_dim0_padded_size``)."""
+    if shape.dim0 == 0:
+        return 0
+    return math.ceil(shape.dim0 / shard_size) * shard_size * (shape.numel // shape.dim0)
+
+
+def _add(totals: dict, collective: str, group_size: int, nbytes: int) -> None:
+    if group_size <= 1:  # nothing moves (FSDP2 skips it; a 1-rank all-reduce is not counted either)
+        return
+    calls, total = totals.get((collective, group_size), (0, 0))
+    totals[(collective, group_size)] = (calls + 1, total + nbytes)
+
+
+def collective_bytes_per_step(plan: Plan, unit_params: tuple[tuple[ParamShape, ...], ...],
+                              scalar_params: tuple[ParamShape, ...] = ()) -> tuple[CollectiveBytes, ...]:
+    """Per rank, the all-gathers, reduce-scatters and all-reduces of one steady-state step of ``plan``.
+
+    ``unit_params[i]``: the parameters FSDP2 shards in ``plan.units[i]`` (those its modules register that
+    no nested unit owns; 0-d ones left out); ``scalar_params``: the model's 0-d parameters. Returns one
+    :class:`CollectiveBytes` per (collective, group size), sorted; see the module docstring for the rules.
+    """
+    if len(unit_params) != len(plan.units):
+        raise ValueError(f"{len(unit_params)} parameter lists for {len(plan.units)} units")
+    n, replicas = plan.mesh.shard, plan.mesh.replicate
+    param_elem = dtype_bytes(plan.training.param_dtype)
+    reduce_elem = dtype_bytes(plan.training.reduce_dtype)
+    totals: dict[tuple[str, int], tuple[int, int]] = {}
+    for unit, params in zip(plan.units, unit_params):
+        if not params:
+            continue  # no parameter group: FSDP2 issues nothing for it
+        gathered = sum(padded_numel(p, n) * (param_elem if p.dtype in FLOAT_DTYPES else dtype_bytes(p.dtype))
+                       for p in params)
+        reduced = sum(padded_numel(p, n) * reduce_elem for p in params if p.dtype in FLOAT_DTYPES)
+        _add(totals, ALL_GATHER, n, gathered)  # forward
+        r = unit.reshard_after_forward
+        if r is True or (not isinstance(r, bool) and r == n):  # an int equal to the group acts as True
+            _add(totals, ALL_GATHER, n, gathered)  # backward, from the sharded state
+        elif not isinstance(r, bool) and r is not None:
+            _add(totals, ALL_GATHER, r, gathered)  # backward, from the 1/r post-forward shards
+        if reduced:
+            _add(totals, REDUCE_SCATTER, n, reduced)
+            _add(totals, ALL_REDUCE, replicas, reduced // n)  # HSDP: the 1/N output across the replicas
+    for p in scalar_params:
+        if p.dtype in FLOAT_DTYPES:
+            for group_size in ((n, replicas) if replicas > 1 else (n,)):
+                _add(totals, ALL_REDUCE, group_size, p.numel * dtype_bytes(p.dtype))
+    return tuple(CollectiveBytes(c, g, calls, nbytes) for (c, g), (calls, nbytes) in sorted(totals.items()))
