@@ -31,6 +31,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto",
                    help="auto: CUDA when available, else CPU/gloo")
     p.add_argument("-o", "--output", help="measurement file (default: measurement.json beside the plan)")
+    c = p.add_argument_group("checkpoint", "after the measured steps, save a distributed checkpoint (DCP: sharded "
+                             "model, optimizer state, progress), train on, restore it into the model built afresh "
+                             "and compare every tensor and the next steps' losses")
+    c.add_argument("--checkpoint", action=argparse.BooleanOptionalAction, default=True,
+                   help="save and restore a checkpoint (default; --no-checkpoint skips it)")
+    c.add_argument("--checkpoint-dir", metavar="DIR", help="keep the checkpoint in DIR, a new or empty folder "
+                   "(default: a temporary folder, removed)")
+    c.add_argument("--checkpoint-steps", type=positive_int, default=2,
+                   help="steps compared after the restore (default 2)")
+    c.add_argument("--checkpoint-reshard-to", type=positive_int, metavar="N",
+                   help="also restore it on N ranks (a second launch reading the folder: DCP reshards on load)")
+    c.add_argument("--resume-from", metavar="DIR", help="only restore the checkpoint in DIR (kept by an earlier run "
+                   "with --checkpoint-dir) on --world-size ranks and compare; writes nothing")
     return p
 
 
@@ -43,17 +56,25 @@ def run(args) -> int:
         from shard_planner.execute.worker import main as worker_main
 
         argv = [args.plan, "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,
-                "--timeout", str(args.timeout)]
+                "--timeout", str(args.timeout), "--checkpoint-steps", str(args.checkpoint_steps)]
+        if args.checkpoint and args.checkpoint_dir:  # a folder every node sees; no temporary one under torchrun
+            argv += ["--checkpoint-dir", args.checkpoint_dir]
+        argv += ["--resume-from", args.resume_from] if args.resume_from else []
         return worker_main(argv + (["--out", args.output] if args.output else []))
 
+    from shard_planner.execute.checkpoint_dir import check_new_directory
     from shard_planner.execute.launch import resolve_device
-    from shard_planner.execute.runner import run_plan_file
+    from shard_planner.execute.runner import CheckpointOptions, run_plan_file
     from shard_planner.fileio import check_output_file
     from shard_planner.measurement import measurement_path_for
     from shard_planner.plan import load_plan
 
     plan = load_plan(args.plan)
+    if args.resume_from:
+        return _resume(args, plan)
     check_output_file(args.output or measurement_path_for(args.plan), "measurement")
+    if args.checkpoint and args.checkpoint_dir:
+        check_new_directory(args.checkpoint_dir, create=False)
     device = resolve_device(args.device)
     world_size = args.world_size if args.world_size is not None else plan.mesh.world_size
     where = ("CUDA/NCCL" if device == "cuda" else
@@ -65,8 +86,11 @@ def run(args) -> int:
               f"(mesh {plan.mesh.replicate}x{plan.mesh.shard}); running the same units on {world_size} "
               f"rank{'s' if world_size > 1 else ''} (plain FSDP, Plan.with_world_size); its predictions do not "
               "apply: re-estimating with the cost model where it is available")
+    checkpoint = (CheckpointOptions(args.checkpoint_dir, args.checkpoint_steps, args.checkpoint_reshard_to)
+                  if args.checkpoint else None)
     m, out = run_plan_file(args.plan, out=args.output, world_size=world_size, steps=args.steps,
-                           warmup=args.warmup, timeout_s=args.timeout, device=device, reestimate_rederived=True)
+                           warmup=args.warmup, timeout_s=args.timeout, device=device, reestimate_rederived=True,
+                           checkpoint=checkpoint)
     if rederived:
         print("predictions re-estimated for this world size" if m.predicted_peak_bytes is not None
               else "no prediction for this world size (the cost model is missing or could not estimate it)")
@@ -94,5 +118,57 @@ def run(args) -> int:
             print(f"note: the predicted step time is for profile {plan.cluster.profile!r}, not this CPU")
     elif plan.predicted is None:
         print("the plan holds no prediction to compare with")
+    _print_comm(m)
+    ok = _print_checkpoint(m.checkpoint) if m.checkpoint is not None else True
     print(f"wrote {out}")
-    return 0
+    return 0 if ok else 1
+
+
+def _print_comm(m) -> None:
+    rows = m.comm_comparison()
+    if not rows:
+        return
+    print(f"{'communication per step':30}{'predicted':>14}{'measured':>14}")
+    for collective, group, predicted, measured in rows:
+        p = format_bytes(predicted) if predicted is not None else "-"
+        print(f"  {collective.replace('_', '-') + f' over {group} ranks':28}{p:>14}"
+              f"{format_bytes(measured) if measured is not None else '-':>14}")
+    if m.comm_matches:
+        print("  measured bytes equal the predicted bytes exactly")
+    elif m.comm_predicted is not None:
+        print("  measured bytes differ from the prediction" + (
+            "" if m.comm_same_every_step else " (and differ between ranks or timed steps)"))
+
+
+def _print_checkpoint(c) -> bool:
+    """Print the checkpoint's figures and each restore's comparison; True when every restore matched."""
+    where = c.directory if c.directory else "a temporary folder, removed"
+    print(f"checkpoint at step {c.saved_at_step} ({where}): {format_bytes(c.size_bytes)} on disk, saved in "
+          f"{c.save_s:.3f} s, {format_bytes(c.save_extra_peak_bytes)} extra peak memory while saving "
+          f"[{c.save_memory_method}]")
+    for r in c.restores:
+        print(f"  {_restore_line(r)}")
+    return c.ok
+
+
+def _restore_line(r) -> str:
+    tensors = (f"all {r.tensors_checked} state entries equal" if not r.tensors_differing else
+               f"{len(r.tensors_differing)} of {r.tensors_checked} state entries differ (first: {r.tensors_differing[0]})")
+    exact = "exactly" if r.loss_tolerance_rel == 0 else f"within {r.loss_tolerance_rel:g} relative"
+    losses = (f"next {len(r.losses_restored)} losses equal {exact}" if r.losses_match else
+              f"next losses differ: {' '.join(f'{v:.6f}' for v in r.losses_restored)} after the restore vs "
+              f"{' '.join(f'{v:.6f}' for v in r.losses_uninterrupted)} uninterrupted")
+    verdict = "restore verified" if r.ok else "restore FAILED"
+    return f"{verdict} on {r.world_size} rank{'s' if r.world_size > 1 else ''}: loaded in {r.load_s:.3f} s; {tensors}; {losses}"
+
+
+def _resume(args, plan) -> int:
+    """``--resume-from DIR``: restore a kept checkpoint on --world-size ranks and compare; writes nothing."""
+    from shard_planner.execute.runner import restore_plan_file
+
+    world_size = args.world_size if args.world_size is not None else plan.mesh.world_size
+    print(f"restoring {args.resume_from} on {world_size} rank{'s' if world_size > 1 else ''}")
+    check = restore_plan_file(args.plan, args.resume_from, world_size=world_size, timeout_s=args.timeout,
+                              device=args.device)
+    print(_restore_line(check))
+    return 0 if check.ok else 1

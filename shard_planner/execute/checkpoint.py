@@ -35,6 +35,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
@@ -98,8 +99,9 @@ def load_checkpoint(model, optimizer, directory: str, device: torch.device) -> t
     state = {"model": model_sd, "optim": optim_sd, "progress": {"step": -1, "data_ranks": -1, "micro_batch": -1}}
     try:
         dcp.load(state, checkpoint_id=directory)
-    except Exception as exc:  # DCP raises many kinds on a truncated or corrupted file: one line for all
-        raise CheckpointError(f"{directory}: the checkpoint cannot be read ({_root_cause(exc)})") from exc
+    except (Exception, CheckpointException) as exc:  # many kinds on a truncated or corrupted file: one line for all
+        raise CheckpointError(f"{directory}: the checkpoint cannot be read: is a file of it truncated or corrupted? "
+                              f"({_root_cause(exc)})") from exc
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     seconds = time.perf_counter() - start
     dist.barrier()

@@ -20,14 +20,17 @@ class CheckpointError(UserError):
 
 
 # ---- the folder ----
-def check_new_directory(directory: str | os.PathLike) -> Path:
-    """``directory`` for a new checkpoint: absent (created) or an empty folder; never one with files."""
+def check_new_directory(directory: str | os.PathLike, create: bool = True) -> Path:
+    """``directory`` for a new checkpoint: absent (created unless not ``create``) or an empty folder; never
+    one with files."""
     path = Path(directory)
     if path.exists() and not path.is_dir():
         raise CheckpointError(f"--checkpoint-dir {path}: is a file, not a folder")
     if path.is_dir() and any(path.iterdir()):
         raise CheckpointError(f"--checkpoint-dir {path}: the folder is not empty; give a new or empty folder "
                               "(a checkpoint is never written over another)")
+    if not create:
+        return path
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -32,7 +32,7 @@ from shard_planner.fileio import write_atomic
 from shard_planner.plan import Plan
 from shard_planner.profile import HardwareProfile
 from shard_planner.report.budget import ReportBudget, load_plan_profile, report_budget
-from shard_planner.report.measured import check_measurement_matches, measured_figures, predictions_for
+from shard_planner.report.measured import check_measurement_matches, measured_figures, predictions_for, run_sections
 from shard_planner.report.plots import (
     figure_png, plot_frontier, plot_measured_plans, plot_memory_at_peak, plot_memory_timeline,
     plot_predicted_vs_measured, plot_units,
@@ -95,6 +95,7 @@ def build_sections(plan: Plan, *, trace: ModelTrace | None = None, profile: Hard
         sections.append(_tune_section(plan))
     if measurement is not None:
         sections.append(_measured_section(plan, measurement))
+        sections += run_sections(measurement)
     sections.append(ReportSection(
         "Use the plan", None, None,
         "Check it for real: shard-planner run plan.json (CPU/gloo or GPUs; measured vs predicted). Apply it in your "

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import pandas as pd
+
 from shard_planner.errors import UserError
 from shard_planner.measurement import Measurement, plan_fingerprint
 from shard_planner.plan import Plan
 from shard_planner.report.plots import MeasuredFigures
+from shard_planner.report.render import ReportSection
+from shard_planner.units import format_bytes
 
 
 def measured_figures(measurement: Measurement) -> MeasuredFigures:
@@ -38,3 +42,39 @@ def check_measurement_matches(plan: Plan, measurement: Measurement) -> None:
     if measurement.plan_fingerprint not in mine:
         raise UserError(f"the measurement is of another plan (plan fingerprint {measurement.plan_fingerprint}, this "
                         f"plan's {plan_fingerprint(plan)}): run shard-planner run on this plan, or report without it")
+
+
+def run_sections(measurement: Measurement) -> list[ReportSection]:
+    """The report's sections for what a run measured beyond memory and time: the collectives per step
+    beside the plan's prediction, and the checkpoint's save and restores (when the run made one)."""
+    sections = []
+    rows = measurement.comm_comparison()
+    if rows:
+        verdict = ("Measured equals predicted exactly." if measurement.comm_matches else
+                   "Measured differs from predicted." if measurement.comm_predicted is not None else "")
+        sections.append(ReportSection(
+            "Communication per step", None, None,
+            "Bytes each rank's collectives moved in one timed step (counted by wrapping torch.distributed's "
+            "collectives; message sizes: the whole all-gather output, the whole reduce-scatter input, the "
+            f"all-reduce buffer) beside the cost model's prediction (cost/comm_bytes.py). {verdict}",
+            pd.DataFrame([{"collective": c.replace("_", "-"), "group (ranks)": g,
+                           "predicted (bytes)": p if p is not None else "-",
+                           "measured (bytes)": m if m is not None else "-"} for c, g, p, m in rows])))
+    c = measurement.checkpoint
+    if c is not None:
+        sections.append(ReportSection(
+            "Checkpoint save and restore", None, None,
+            f"A distributed checkpoint (torch.distributed.checkpoint, get_state_dict) saved before step "
+            f"{c.saved_at_step} on {c.world_size} ranks: {format_bytes(c.size_bytes)} on disk, saved in "
+            f"{c.save_s:.3g} s (slowest rank), {format_bytes(c.save_extra_peak_bytes)} extra peak memory while "
+            f"saving ({c.save_memory_method}). Each restore builds the model afresh, loads the checkpoint, "
+            "compares every model and optimizer state entry with the saved one (SHA-256 of each whole tensor) "
+            f"and the next steps' losses with the run that saved it. {'Verified.' if c.ok else 'FAILED.'}",
+            pd.DataFrame([{
+                "ranks": r.world_size, "load (s)": round(r.load_s, 4),
+                "state entries equal": f"{r.tensors_checked - len(r.tensors_differing)} of {r.tensors_checked}",
+                "losses uninterrupted": " ".join(f"{v:.6f}" for v in r.losses_uninterrupted),
+                "losses restored": " ".join(f"{v:.6f}" for v in r.losses_restored),
+                "tolerance (rel)": r.loss_tolerance_rel, "result": "verified" if r.ok else "FAILED",
+            } for r in c.restores])))
+    return sections
