@@ -9,10 +9,10 @@ sizes cost/comm_bytes.py predicts) under (collective, group size). Calls nested 
 call (an API implemented by another) count once, at the outermost. Collectives over a group of one
 rank are not counted (nothing moves).
 
-Why not torch's CommDebugMode (torch.distributed.tensor.debug): it counts calls per operator through
-the dispatcher, not bytes per group, and FSDP2's c10d calls made outside DTensor dispatch are counted
-only on some versions; wrapping the three functions FSDP2 calls is exact and version-checked here (a
-counter that saw nothing where the plan predicts collectives is reported by the run's comparison).
+Why not torch's CommDebugMode (torch.distributed.tensor.debug): on torch 2.13 it does see FSDP2's c10d
+collectives (checked on CPU/gloo at 2 ranks: a model of two units counts 4 ``c10d._allgather_base_`` and 2
+``c10d._reduce_scatter_base_`` per step), but it counts calls per operator, not bytes per process group,
+which the comparison with the prediction needs.
 
 :func:`unit_param_shapes` reads, from the model before sharding, the shapes of the parameters each plan
 unit will own: the other input of the prediction.

@@ -156,8 +156,11 @@ def _run_with_checkpoint(plan: Plan, plan_path, options: CheckpointOptions, **kw
     """Run the plan; its world saves a checkpoint after the measured steps and restores it at its own size;
     then, with ``reshard_to``, a second world of that size restores the same folder. A kept folder that
     the run fails to fill is emptied again (it was new or empty); a temporary one is always removed."""
-    if options.reshard_to is not None and options.reshard_to < 1:
-        raise RunError(f"--checkpoint-reshard-to must be at least 1, got {options.reshard_to}")
+    if options.reshard_to is not None:
+        samples = (kwargs.get("world_size") or plan.mesh.world_size) * plan.training.micro_batch
+        if options.reshard_to < 1 or samples % options.reshard_to:
+            raise RunError(f"--checkpoint-reshard-to {options.reshard_to}: the restored run replays the global batch "
+                           f"of {samples} samples cut into equal parts per rank; give a world size that divides it")
     created = options.directory is not None and not Path(options.directory).exists()
     directory = (check_new_directory(options.directory) if options.directory is not None
                  else Path(tempfile.mkdtemp(prefix="shard-planner-checkpoint-")))

@@ -156,7 +156,7 @@ class Job:
 
 def run_rank(jobs: list[Job], options: RunOptions, status: _Status) -> None:
     """Join the world from the environment and run each job in turn, in one process group."""
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if options.device == "cuda":
         torch.cuda.set_device(local_rank)
@@ -458,8 +458,8 @@ def main(argv: list[str] | None = None) -> int:
             plan = load_plan(path)
             if args.out_dir:
                 out = str(Path(args.out_dir) / f"measurement-{i}.json")
-            elif len(args.plans) == 1:
-                out = args.out or str(Path(path).with_name("measurement.json"))
+            elif len(args.plans) == 1:  # --resume-from writes the restore's comparison, not a measurement
+                out = args.out or str(Path(path).with_name("restore.json" if args.resume_from else "measurement.json"))
             else:
                 out = str(Path(path).with_name(Path(path).stem + ".measurement.json"))
             jobs.append(Job(plan, resolve_model_path(plan, path), out))
