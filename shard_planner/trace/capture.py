@@ -90,15 +90,26 @@ class Step:
         n = self.flops.count(func, args, kwargs, out) if func._overloadpacket in self.flops else 0
         if n:
             self._add_flops(n)
-        sample = classify(func, args, kwargs, out, n)
+        outs = (out,) if isinstance(out, torch.Tensor) else [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        new_bytes = self._new_storage_bytes(outs) if self.phase == "fwd" else 0
+        sample = classify(func, args, kwargs, out, n, new_bytes)
         if sample is not None:
             self._add_kernel(sample)
-        if isinstance(out, torch.Tensor):  # most ops: skip the pytree walk
-            self.log.track(out)
-            return
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.log.track(t)
+        for t in outs:
+            self.log.track(t)
+
+    def _new_storage_bytes(self, outs) -> int:
+        """Bytes of the distinct storages among ``outs`` the log has not seen yet (an op's new outputs)."""
+        seen, total = set(), 0
+        for t in outs:
+            try:
+                st = t.untyped_storage()
+            except (NotImplementedError, RuntimeError):
+                continue
+            if self.log.known_sid(st) is None and id(st) not in seen:
+                seen.add(id(st))
+                total += st.nbytes()
+        return total
 
     def _add_op(self) -> None:
         if self.phase == "fwd" and self.fwd_stack:

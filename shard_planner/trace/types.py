@@ -51,21 +51,25 @@ class KernelRecord:
     [Note: kernel records]): ``count`` launches of class ``op_class`` (cost/kernels.py OP_CLASSES),
     their total FLOPs and bytes read + written, and the dimensions that decide their speed — matmul
     (batch, M, N, K), attention (batch x heads, seq_q, seq_k, head_dim, causal), none otherwise — each
-    affine in the micro-batch."""
+    affine in the micro-batch. ``new_bytes``: the storages their outputs newly allocate, deduplicated
+    (a forward op's are what selective activation checkpointing keeps when its class is saved:
+    cost/selective.py); None in traces written before it."""
 
     op_class: str
     count: int
     flops: Affine
     bytes: Affine
     dims: tuple[Affine, ...] = ()
+    new_bytes: Affine | None = None
 
     def dims_at(self, batch_size: int) -> tuple[int, ...]:
         return tuple(max(0, round(d.at(batch_size))) for d in self.dims)
 
     @staticmethod
     def from_dict(d: dict) -> "KernelRecord":
+        new = d.get("new_bytes")
         return KernelRecord(d["op_class"], int(d["count"]), Affine(**d["flops"]), Affine(**d["bytes"]),
-                            tuple(Affine(**x) for x in d.get("dims", ())))
+                            tuple(Affine(**x) for x in d.get("dims", ())), Affine(**new) if new is not None else None)
 
 
 @dataclass(frozen=True)
