@@ -129,6 +129,12 @@ def _attention_dims(func, name: str, args, kwargs) -> tuple[int, ...]:
     return int(q.shape[0] * q.shape[1]), int(q.shape[2]), int(k.shape[2]), int(q.shape[3]), int(causal)
 
 
+def op_names_of_class(op_class_name: str) -> frozenset[str]:
+    """The aten op names (overload packets) of a kernel class; empty for "elementwise" (every op no set
+    names) and any class without a fixed list."""
+    return frozenset(next((names for cls, names in _CLASS_OF_NAMES if cls == op_class_name), ()))
+
+
 def op_class(func, out) -> str | None:
     """The kernel class of aten op ``func`` (cost/kernels.py OP_CLASSES), or None when it runs no kernel
     (views, allocations, metadata). The one classification: :func:`classify` prices by it and the

@@ -120,6 +120,10 @@ class ModuleTrace:
     # so apply_plan replicates them on every rank (execute/apply.py, [Note: 0-d parameters]) and the cost
     # model holds them whole. Traces written before this field load with none.
     scalar_param_bytes_by_dtype: dict[str, int] = field(default_factory=dict)
+    # Of ``output_bytes``, the storages ops of its forward (children included) allocated, by kernel class
+    # (trace/kernel_ops.py): selective checkpointing stores them and the next module holds them too
+    # (cost/selective.py). Traces written before this field load with none.
+    output_bytes_by_class: dict[str, Affine] = field(default_factory=dict)
 
     @property
     def param_bytes(self) -> int:
@@ -239,6 +243,7 @@ def _module_from_dict(d: dict) -> ModuleTrace:
             d[k] = Affine(**v)
     d["children"] = tuple(d["children"])
     d["tied_with"] = tuple(d.get("tied_with", ()))
+    d["output_bytes_by_class"] = {c: Affine(**v) for c, v in d.get("output_bytes_by_class", {}).items()}
     for key in ("fwd_kernels", "bwd_kernels"):
         d[key] = tuple(KernelRecord.from_dict(k) for k in d.get(key, ()))
     return ModuleTrace(**d)
