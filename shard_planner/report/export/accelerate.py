@@ -74,7 +74,7 @@ def export_accelerate(plan: Plan, info: ModelInfo) -> Export:
     notes += reshard_notes
     fsdp["fsdp_reshard_after_forward"] = reshard
 
-    ac = [u.activation_checkpoint for u in wrapped]
+    ac = [bool(u.activation_checkpoint) for u in wrapped]
     fsdp["fsdp_activation_checkpointing"] = any(ac)
     if any(ac) and not all(ac):
         notes.append(f"the plan checkpoints {sum(ac)} of {len(ac)} wrapped units: Accelerate checkpoints all or none; "
