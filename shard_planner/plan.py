@@ -312,7 +312,11 @@ class Plan:
 
     # ---- JSON ----
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        for u in d["units"]:  # written for selective units only: other units' JSON stays as before
+            if not u["ac_save_ops"]:
+                del u["ac_save_ops"]
+        return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)

@@ -70,6 +70,12 @@ def supports_selective(trace: ModelTrace) -> bool:
     return any(r.new_bytes is not None for m in trace.modules for r in m.fwd_kernels)
 
 
+def keeps_something(trace: ModelTrace, fqn: str, save_ops: tuple[str, ...]) -> bool:
+    """Whether ``fqn``'s forward runs an op of a class in ``save_ops``: else selective checkpointing
+    stores nothing and recomputes everything, which is full checkpointing."""
+    return any(r.op_class in save_ops for m in trace.subtree(fqn) for r in m.fwd_kernels)
+
+
 def subtree_selective(trace: ModelTrace, fqn: str, save_ops: tuple[str, ...], micro_batch: int,
                       price: Callable[[ModuleTrace, tuple], float]) -> tuple[float, float, float]:
     """For ``fqn``'s subtree with ``save_ops`` stored: (stash bytes in the compute dtype, priced forward

@@ -32,8 +32,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from shard_planner.checkpointing import SELECTIVE
-from shard_planner.cost.selective import supports_selective
+from shard_planner.checkpointing import DEFAULT_SAVE_OPS, SELECTIVE
+from shard_planner.cost.selective import keeps_something, supports_selective
 from shard_planner.cost.types import Estimate
 from shard_planner.plan import ROOT, Plan, Prefetch, Unit
 from shard_planner.profile import HardwareProfile
@@ -187,7 +187,8 @@ def neighbours(trace: ModelTrace, units: tuple[Unit, ...], prefetch: Prefetch, *
         move(f"drop unit {u.name}", others, [u])
         if u.activation_checkpoint or not any(_nests(u, c) or _nests(c, u) for c in checkpointed if c != u):
             for ac in ac_modes:
-                if ac != u.activation_checkpoint:
+                if ac != u.activation_checkpoint and (ac != SELECTIVE or any(
+                        keeps_something(trace, m, DEFAULT_SAVE_OPS) for m in u.modules)):
                     v = Unit(u.modules, u.reshard_after_forward, ac)
                     move(f"{u.name}: activation checkpointing {u.activation_checkpoint} -> {ac}", others + [v], [v])
         if len(u.modules) > 1:

@@ -34,8 +34,8 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
-from shard_planner.checkpointing import SELECTIVE, is_selective
-from shard_planner.cost.selective import supports_selective
+from shard_planner.checkpointing import DEFAULT_SAVE_OPS, SELECTIVE, is_selective
+from shard_planner.cost.selective import keeps_something, supports_selective
 from shard_planner.ownership import split_groups, tie_groups
 from shard_planner.plan import ROOT
 from shard_planner.trace.types import ModelTrace
@@ -216,9 +216,11 @@ def build_space(trace: ModelTrace, *, shard_group: int, gpus_per_node: int,
         for stop in range(start + 1, min(start + max_group_size, len(items)) + 1):
             if items[stop - 1].parent != first.parent:
                 break
-            one_off = any(it.may_join_root for it in items[start:stop])
+            # selective where it differs from full checkpointing: the run stores some matmul or attention output
+            sac = not any(it.may_join_root for it in items[start:stop]) and any(
+                keeps_something(trace, it.fqn, DEFAULT_SAVE_OPS) for it in items[start:stop])
             for r in reshards:
-                for ac in (acs if one_off else block_acs):
+                for ac in (block_acs if sac else acs):
                     candidates.append(Candidate(start, stop, Option(r, ac)))
                     if stop == start + 1 and allow_nested and first.nested_children:
                         candidates.append(Candidate(start, stop, Option(r, ac, nested=True)))
