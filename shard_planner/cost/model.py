@@ -8,7 +8,8 @@
 - the measured per-block times per segmentation, when the profile has module timings; the timings'
   fingerprint/dtype check runs once per param dtype (a failing check raises every time);
 - the step schedule per ``(units, prefetch)`` (cost/schedule.py) and the unit bytes per
-  ``(units, shard, dtypes)``;
+  ``(units, shard, dtypes)``; what selectively checkpointed blocks store and skip recomputing per
+  ``(units, micro-batch, dtype)`` (cost/selective.py);
 - a memo of memory and time estimates keyed by the plan's decisions (units, prefetch, mesh,
   training), so a cover already simulated is not simulated again.
 
