@@ -69,6 +69,17 @@ def test_trace_records_new_storage_bytes_and_round_trips(tiny):
     assert tiny.module("layers.1").output_bytes_by_class["elementwise"].at(8) == 8 * 64 * 64 * 2
 
 
+def test_traces_without_new_bytes_offer_no_selective_candidates(tiny):
+    from shard_planner.solve.space import build_space
+
+    def strip(m):
+        return replace(m, fwd_kernels=tuple(replace(r, new_bytes=None) for r in m.fwd_kernels))
+    old = replace(tiny, modules=tuple(strip(m) for m in tiny.modules))
+    assert not supports_selective(old)
+    modes = lambda t: {c.option.activation_checkpoint for c in build_space(t, shard_group=2, gpus_per_node=2).candidates}
+    assert modes(old) == {False, True} and modes(tiny) == {False, True, "selective"}
+
+
 def test_stash_is_what_the_save_classes_allocate(tiny):
     b = 8
     stash, skipped, total = subtree_selective(tiny, "layers.0", ("matmul",), b, flops_price(b))

@@ -51,6 +51,11 @@ PLANS = {
     "net, selective keeping matmul + elementwise": _plan(NET, NET_BLOCKS, [SEL] * 6, 64, "float32",
                                                           ("matmul", "elementwise")),
 }
+# a nested unit inside selectively checkpointed blocks: FSDP2's hooks run inside the selective region
+# (losses only: nested units in checkpointed modules are priced apart, cost/memory.py)
+PLANS["net, selective with nested units fp32 (losses only)"] = replace(
+    PLANS["net, selective fp32"], units=PLANS["net, selective fp32"].units + (
+        Unit(("blocks.1.mlp",)), Unit(("blocks.3.mlp.up",), False)))
 
 
 @pytest.mark.multiprocess
@@ -67,7 +72,7 @@ def test_selective_plans_peak_within_3_percent_and_losses_match():
         rows.append((name, measured, est.peak_bytes, (est.peak_bytes - measured) / measured, est.peak_event, m))
     report = "\n".join(f"{n:45s} measured {me:9d} predicted {p:9d} ({ev}) {100 * e:+.2f}%" for n, me, p, e, ev, _ in rows)
     print(report)
-    assert all(abs(r[3]) <= TOLERANCE for r in rows), report
+    assert all(abs(r[3]) <= TOLERANCE for r in rows if "losses only" not in r[0]), report
     by = {r[0]: r for r in rows}
     # selective lies between no AC and full AC, measured and predicted
     for i in (1, 2):
