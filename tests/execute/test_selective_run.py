@@ -115,3 +115,29 @@ def test_executor_policy_recomputes_only_the_ops_not_kept(mode, save_ops, recomp
 def test_selective_plan_with_unknown_save_ops_keeps_defaults_when_unset():
     unit = replace(Unit(("blocks.0",), True, "selective"))
     assert unit.ac_save_ops == ("matmul", "attention_fwd")
+
+
+@pytest.mark.parametrize("save_ops", [("matmul", "attention_fwd"), ("matmul",), ("elementwise", "copy")])
+def test_what_torch_keeps_is_the_predicted_stash(save_ops):
+    """llama tiny (fp32, one process): after the forward, a selectively checkpointed ``layers.0`` holds
+    exactly the predicted stash more than a fully checkpointed one (the StorageTracker counts storages),
+    so what torch's selective checkpointing keeps is what cost/selective.py prices."""
+    from shard_planner.cost.selective import flops_price, subtree_selective
+    from shard_planner.execute.memtrack import StorageTracker
+
+    mf, batch = load_model_file(LLAMA), 4
+    held = {}
+    for ops in ((), save_ops):
+        torch.manual_seed(0)
+        model = mf.build()
+        _checkpoint_forward(model.layers[0], ops) if ops else _checkpoint_forward(model.layers[0])
+        torch.manual_seed(1)
+        inputs, _ = mf.batch(batch)
+        tracker = StorageTracker()
+        with tracker:
+            out = model(*inputs)
+            held[ops] = tracker.live_bytes
+        del out
+    trace = trace_model(LLAMA, dtype="float32")
+    stash = subtree_selective(trace, "layers.0", save_ops, batch, flops_price(batch))[0]
+    assert stash > 0 and held[save_ops] - held[()] == stash
