@@ -24,6 +24,7 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from shard_planner.checkpointing import DEFAULT_SAVE_OPS, SAVEABLE_OP_CLASSES, SELECTIVE
 from shard_planner.errors import PlanError
 from shard_planner.fileio import read_json, write_atomic
 from shard_planner.plan_schema import AnyOf, Bool, Int, ListOf, MapOf, Nullable, Number, Section, Text
@@ -59,7 +60,10 @@ class Unit:
 
     modules: tuple[str, ...]
     reshard_after_forward: bool | int = True  # int: reshard to that many ranks (a divisor of the shard group)
-    activation_checkpoint: bool = False
+    # False, True (full) or "selective": keep the outputs of the ``ac_save_ops`` op classes, recompute
+    # the rest (shard_planner/checkpointing.py; "selective" alone saves DEFAULT_SAVE_OPS)
+    activation_checkpoint: bool | str = False
+    ac_save_ops: tuple[str, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "modules", tuple(self.modules))
@@ -69,6 +73,20 @@ class Unit:
         r = self.reshard_after_forward
         _require(isinstance(r, bool) or (isinstance(r, int) and r >= 2),
                  f"unit {self.name}: reshard_after_forward must be true, false or an int >= 2, got {r!r}")
+        self._check_checkpointing()
+
+    def _check_checkpointing(self) -> None:
+        ac = self.activation_checkpoint
+        _require(isinstance(ac, bool) or ac == SELECTIVE,
+                 f'unit {self.name}: activation_checkpoint must be true, false or "selective", got {ac!r}')
+        object.__setattr__(self, "ac_save_ops", tuple(self.ac_save_ops))
+        if ac == SELECTIVE and not self.ac_save_ops:
+            object.__setattr__(self, "ac_save_ops", DEFAULT_SAVE_OPS)
+        _require(ac == SELECTIVE or not self.ac_save_ops,
+                 f'unit {self.name}: ac_save_ops is for activation_checkpoint "selective" only')
+        unknown = [c for c in self.ac_save_ops if c not in SAVEABLE_OP_CLASSES]
+        _require(not unknown, f"unit {self.name}: ac_save_ops has unknown op class {unknown[:1]}; "
+                              f"known: {', '.join(SAVEABLE_OP_CLASSES)}")
 
     @property
     def name(self) -> str:
@@ -294,7 +312,11 @@ class Plan:
 
     # ---- JSON ----
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        for u in d["units"]:  # written for selective units only: other units' JSON stays as before
+            if not u["ac_save_ops"]:
+                del u["ac_save_ops"]
+        return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -324,6 +346,8 @@ PLAN_RULES = {
     "Training.param_dtype": Text(DTYPES), "Training.reduce_dtype": Text(DTYPES), "Training.lr": Number(positive=True),
     "Unit.modules": ListOf(Text(), min_len=1),
     "Unit.reshard_after_forward": AnyOf(Bool(), Int(least=2), wanted="true, false or an integer >= 2"),
+    "Unit.activation_checkpoint": AnyOf(Bool(), Text((SELECTIVE,)), wanted='true, false or "selective"'),
+    "Unit.ac_save_ops": ListOf(Text(SAVEABLE_OP_CLASSES)),
     "Prefetch.forward": Int(0, 8), "Prefetch.backward": Int(0, 8),
     "Prediction.peak_bytes": _BYTES, "Prediction.step_time_s": _SECONDS,
     "Prediction.memory_at_peak": MapOf(Int(), keys=MEMORY_CATEGORIES),

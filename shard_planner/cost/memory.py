@@ -131,6 +131,7 @@ from shard_planner.cost.optimizer import (  # noqa: F401  (re-exported: the tabl
     OPTIMIZER_STATES, OPTIMIZER_TEMPORARIES, OPTIMIZER_TEMPORARIES_SINGLE_TENSOR,
 )
 from shard_planner.cost.schedule import EventKind, Schedule
+from shard_planner.cost.selective import SelectiveBlocks
 from shard_planner.cost.tables import CostTables
 from shard_planner.cost.types import MemoryEstimate, MemoryEvent
 from shard_planner.cost.unit_bytes import UnitBytes, unit_bytes  # noqa: F401  (re-exported)
@@ -197,9 +198,13 @@ def block_activations(trace: ModelTrace, t: CostTables, micro_batch: int, param_
 
 def simulate_memory_walk(trace: ModelTrace, t: CostTables, plan: Plan, profile: HardwareProfile,
                          ub: tuple[UnitBytes, ...], schedule: Schedule, acts: BlockActivations, *,
-                         timeline: bool) -> MemoryEstimate:
-    """Walk ``schedule`` tracking live bytes (the module docstring); CostModel.memory calls it."""
-    return _MemoryWalk(trace, t, plan, profile, ub, schedule, acts, timeline).run()
+                         timeline: bool, selective: SelectiveBlocks | None = None) -> MemoryEstimate:
+    """Walk ``schedule`` tracking live bytes (the module docstring); CostModel.memory calls it.
+    ``selective``: the stash of selectively checkpointed blocks (cost/selective.py)."""
+    walk = _MemoryWalk(trace, t, plan, profile, ub, schedule, acts, timeline)
+    if selective is not None:
+        walk.stash = selective.stash
+    return walk.run()
 
 
 class _MemoryWalk:
@@ -234,6 +239,8 @@ class _MemoryWalk:
         # activations = batch + saved so far + flow (the tensor flowing into / out of the current block)
         self.saved_sum = 0.0
         self.flow = 0.0
+        # per block, what selective checkpointing keeps beyond the inputs: [Note: Selective checkpointing memory]
+        self.stash: tuple[float, ...] = (0.0,) * len(t.blocks)
 
     def record(self, what: str, who: str, phase: str, extra_temp: float = 0.0, extra_comm: float = 0.0) -> None:
         """One event; its label is "<phase>: <what> <who>", built only when kept."""
@@ -331,9 +338,10 @@ class _MemoryWalk:
         self.enter_forward_block(i)
         rise = a.fwd_rise[i]
         if self.schedule.checkpointed[i]:
-            self.record("checkpointed", fqn, "forward", extra_temp=max(a.output[i], rise - a.saved[i]))
+            stash = self.stash[i]  # selective: cost/selective.py [Note: Selective checkpointing memory]
+            self.record("checkpointed", fqn, "forward", extra_temp=max(a.output[i], rise - a.saved[i]) + stash)
             # only the inputs nobody else holds are new bytes: [Note: Checkpointed inputs held elsewhere]
-            self.saved_sum += a.kept[i]
+            self.saved_sum += a.kept[i] + stash
         else:
             self.record("", fqn, "forward", extra_temp=rise)
             self.saved_sum += a.saved[i]
@@ -361,8 +369,9 @@ class _MemoryWalk:
     def recompute(self, ev) -> None:
         i, a = ev.block, self.acts
         self.enter_backward_block(i)
-        self.record("recompute", self.t.blocks[i].fqn, "backward", extra_temp=a.fwd_rise[i])
-        self.saved_sum += a.saved[i] - a.kept[i]
+        stash = self.stash[i]  # consumed as the recomputation reaches it (cost/selective.py)
+        self.record("recompute", self.t.blocks[i].fqn, "backward", extra_temp=max(0.0, a.fwd_rise[i] - stash))
+        self.saved_sum += a.saved[i] - a.kept[i] - stash
         self.cat[_AC] = self.batch_bytes + self.saved_sum + self.flow
 
     def backward(self, ev) -> None:

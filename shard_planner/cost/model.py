@@ -8,7 +8,8 @@
 - the measured per-block times per segmentation, when the profile has module timings; the timings'
   fingerprint/dtype check runs once per param dtype (a failing check raises every time);
 - the step schedule per ``(units, prefetch)`` (cost/schedule.py) and the unit bytes per
-  ``(units, shard, dtypes)``;
+  ``(units, shard, dtypes)``; what selectively checkpointed blocks store and skip recomputing per
+  ``(units, micro-batch, dtype)`` (cost/selective.py);
 - a memo of memory and time estimates keyed by the plan's decisions (units, prefetch, mesh,
   training), so a cover already simulated is not simulated again.
 
@@ -25,8 +26,11 @@ import logging
 from collections import OrderedDict
 from dataclasses import replace
 
-from shard_planner.cost.kernels import block_kernel_s, device_of, has_kernel_records, loss_kernel_s, module_kernel_s
+from shard_planner.cost.kernels import (
+    block_kernel_s, device_of, has_kernel_records, loss_kernel_s, module_kernel_s, records_time_s,
+)
 from shard_planner.cost.schedule import Schedule, build_schedule
+from shard_planner.cost.selective import SelectiveBlocks, flops_price, selective_blocks
 from shard_planner.cost.tables import CostTables, build_tables
 from shard_planner.cost.time import BlockCompute, measured_block_times, simulate_time_walk, unit_collectives_s
 from shard_planner.cost.memory import BlockActivations, block_activations, simulate_memory_walk
@@ -64,8 +68,8 @@ class _LRU(OrderedDict):
 
 def units_key(units: tuple[Unit, ...]) -> tuple:
     """The units' decisions as plain tuples (see PlanKey)."""
-    return tuple((u.modules, u.reshard_after_forward.__class__, u.reshard_after_forward, u.activation_checkpoint)
-                 for u in units)
+    return tuple((u.modules, u.reshard_after_forward.__class__, u.reshard_after_forward, u.activation_checkpoint,
+                  u.ac_save_ops) for u in units)
 
 
 class PlanKey:
@@ -99,6 +103,7 @@ class CostModel:
         self._activations = _LRU(tables_cache_size)
         self._compute = _LRU(tables_cache_size)
         self._collectives = _LRU(tables_cache_size)
+        self._selective = _LRU(tables_cache_size)
         self._memory = _LRU(memo_size)
         self._time = _LRU(memo_size)
         self._timings_checked: set[str] = set()
@@ -143,6 +148,29 @@ class CostModel:
         return self._activations.get_or(
             (k.modules, tr.micro_batch, tr.param_dtype),
             lambda: block_activations(self.trace, self.tables(plan.units, k.modules), tr.micro_batch, tr.param_dtype))
+
+    def selective_blocks(self, plan: Plan, _key: PlanKey | None = None) -> SelectiveBlocks | None:
+        """Per block, what selective checkpointing keeps and the share of the forward it does not
+        recompute (cost/selective.py); None when no unit of ``plan`` is selective."""
+        k = _key or PlanKey(plan)
+        tr = plan.training
+        return self._selective.get_or(
+            (k.units, tr.micro_batch, tr.param_dtype),
+            lambda: selective_blocks(self.trace, self.tables(plan.units, k.modules), plan.units, tr.micro_batch,
+                                     tr.param_dtype, self.forward_price(tr.micro_batch, tr.param_dtype)))
+
+    def forward_price(self, micro_batch: int, param_dtype: str):
+        """``price(module, records)``: forward device seconds of a module's kernel records (None: its
+        whole forward) priced as block_compute_s prices them — the roofline when the profile uses it,
+        else traced FLOPs (a ratio of two prices is all cost/selective.py reads)."""
+        kernels = self.kernel_module_s(micro_batch, param_dtype)
+        if kernels is None:
+            return flops_price(micro_batch)
+        dev = device_of(self.profile, param_dtype)
+
+        def price(m, records) -> float:
+            return kernels[0][m.fqn][0] if records is None else records_time_s(records, micro_batch, dev)
+        return price
 
     # ---- compute times: the one place that prices a block's compute ----
     def _check_timings(self, param_dtype: str) -> None:
@@ -250,7 +278,7 @@ class CostModel:
             t = self.tables(plan.units, k.modules)
             return simulate_memory_walk(self.trace, t, plan, self.profile, self.unit_bytes(plan, k),
                                         self.schedule(plan.units, plan.prefetch, k), self.block_activations(plan, k),
-                                        timeline=timeline)
+                                        timeline=timeline, selective=self.selective_blocks(plan, k))
         return self._memory.get_or((k.decisions, timeline), simulate)
 
     def _time_of(self, plan: Plan, k: PlanKey) -> TimeEstimate:
@@ -263,5 +291,5 @@ class CostModel:
             comm = self._collectives.get_or((k.units, plan.mesh, tr.param_dtype, tr.reduce_dtype, tr.cpu_offload),
                                             lambda: unit_collectives_s(plan, ub, self.profile))
             return simulate_time_walk(self.trace, t, plan, self.profile, self.schedule(plan.units, plan.prefetch, k),
-                                      compute, comm)
+                                      compute, comm, selective=self.selective_blocks(plan, k))
         return self._time.get_or(k.decisions, simulate)

@@ -2,8 +2,9 @@
 and a two-stream simulation of their overlap.
 
 Compute: each block's traced forward and backward FLOPs at ``profile.flops_per_s(param dtype)`` (peak
-x efficiency); a checkpointed block runs its forward again before its backward; the loss's FLOPs run
-between forward and backward. On a GPU profile with a ``[kernels]`` table and a trace with kernel
+x efficiency); a checkpointed block runs its forward again before its backward (a selectively
+checkpointed one only the ops it did not store: cost/selective.py); the loss's FLOPs run between
+forward and backward. On a GPU profile with a ``[kernels]`` table and a trace with kernel
 records, a block's device time is instead its kernels priced one by one by the roofline kernel model
 (shard_planner/cost/kernels.py; CostModel.kernel_module_s).
 
@@ -128,7 +129,7 @@ def unit_collectives_s(plan: Plan, ub: tuple[UnitBytes, ...], profile: HardwareP
     return tuple(ag_fwd), tuple(ag_bwd), tuple(rs)
 
 
-def _combine(t: CostTables, s: Schedule, c: BlockCompute, profile: HardwareProfile):
+def _combine(t: CostTables, s: Schedule, c: BlockCompute, profile: HardwareProfile, skipped=None):
     """Per-block forward, backward and recompute seconds, and the loss's: device and host time
     combined (a CPU computes both in turn; a GPU's host runs ahead, so the slower one counts), plus
     half FSDP2's per-unit overhead at a unit's first block in forward and at its last in backward."""
@@ -140,13 +141,15 @@ def _combine(t: CostTables, s: Schedule, c: BlockCompute, profile: HardwareProfi
             host_fwd[t.unit_first_block[u]] += half_unit_s
             host_bwd[t.unit_last_block[u]] += half_unit_s
     dev_fwd, dev_bwd, ops_fwd, ckpt = c.device_fwd_s, c.device_bwd_s, c.ops_fwd_s, s.checkpointed
+    # selective: the stored ops are not recomputed (cost/selective.py [Note: Selective checkpointing time])
+    dev_rec = dev_fwd if skipped is None else [d * (1.0 - k) for d, k in zip(dev_fwd, skipped)]
     if profile.device == "cpu":  # the host computes: overhead adds up
-        rec_s = [dev_fwd[i] + ops_fwd[i] if ckpt[i] else 0.0 for i in range(n_blocks)]
+        rec_s = [dev_rec[i] + ops_fwd[i] if ckpt[i] else 0.0 for i in range(n_blocks)]
         fwd_s = [dev_fwd[i] + host_fwd[i] for i in range(n_blocks)]
         bwd_s = [dev_bwd[i] + host_bwd[i] for i in range(n_blocks)]
         loss_s = c.loss_device_s + c.loss_host_s
     else:  # asynchronous launch: the slower of the GPU's work and the host's issuing it
-        rec_s = [max(dev_fwd[i], ops_fwd[i]) if ckpt[i] else 0.0 for i in range(n_blocks)]
+        rec_s = [max(dev_rec[i], ops_fwd[i]) if ckpt[i] else 0.0 for i in range(n_blocks)]
         fwd_s = [max(dev_fwd[i], host_fwd[i]) for i in range(n_blocks)]
         bwd_s = [max(dev_bwd[i], host_bwd[i]) for i in range(n_blocks)]
         loss_s = max(c.loss_device_s, c.loss_host_s)
@@ -154,15 +157,17 @@ def _combine(t: CostTables, s: Schedule, c: BlockCompute, profile: HardwareProfi
 
 
 def simulate_time_walk(trace: ModelTrace, t: CostTables, plan: Plan, profile: HardwareProfile,
-                       schedule: Schedule, compute: BlockCompute, collectives) -> TimeEstimate:
+                       schedule: Schedule, compute: BlockCompute, collectives, selective=None) -> TimeEstimate:
     """Predicted time of one training step on one rank (module docstring); CostModel.time calls it.
-    ``collectives``: ``unit_collectives_s(plan, unit bytes, profile)``."""
+    ``collectives``: ``unit_collectives_s(plan, unit bytes, profile)``; ``selective``: the share of
+    selectively checkpointed blocks' forward their recomputation skips (cost/selective.py)."""
     training = plan.training
     b = training.micro_batch
     n_units = len(plan.units)
     ag_fwd, ag_bwd, rs = collectives
     needs_bwd_ag = [plan.units[u].reshard_after_forward is not False for u in range(n_units)]
-    fwd_s, bwd_s, rec_s, loss_s = _combine(t, schedule, compute, profile)
+    fwd_s, bwd_s, rec_s, loss_s = _combine(t, schedule, compute, profile,
+                                           selective.skipped_share if selective is not None else None)
     unit_fwd = [0.0] * n_units
     unit_bwd = [0.0] * n_units
     for i, blk in enumerate(t.blocks):

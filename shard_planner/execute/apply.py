@@ -14,7 +14,8 @@ Order of operations (torchtitan, torchtitan/distributed/fsdp.py, does the same):
 1. check that the plan matches the model (:func:`check_plan_matches`): fingerprint, every FQN, grouped
    modules are contiguous siblings; a mismatch raises :class:`PlanError` naming what differs;
 2. activation checkpointing: the ``forward`` of every module of a checkpointed unit is replaced on the
-   instance by ``torch.utils.checkpoint.checkpoint(original_forward, use_reentrant=False)``. This is
+   instance by ``torch.utils.checkpoint.checkpoint(original_forward, use_reentrant=False)`` (a
+   selective unit adds ``context_fn``: execute/selective.py). This is
    what ``checkpoint_wrapper`` does, without inserting a wrapper module, so FQNs (and the plan, the
    state dict and :func:`describe_sharding`) keep their names. FSDP2's hooks run outside the
    checkpoint, as with ``checkpoint_wrapper`` applied before ``fully_shard``;
@@ -57,7 +58,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
+from shard_planner.checkpointing import SELECTIVE
 from shard_planner.errors import PlanError
+from shard_planner.execute.selective import selective_context_fn
 from shard_planner.ownership import owners
 from shard_planner.plan import ROOT, Plan, Unit
 from shard_planner.trace.structure import model_fingerprint
@@ -75,7 +78,7 @@ class UnitSharding(NamedTuple):
     reshard_after_forward: bool | int
     forward_prefetch: tuple[tuple[str, ...], ...]  # the units it prefetches in forward, in order
     backward_prefetch: tuple[tuple[str, ...], ...]
-    activation_checkpoint: bool
+    activation_checkpoint: bool | str  # "selective" for selective checkpointing
 
 
 # ---- checks ----
@@ -171,17 +174,25 @@ def offload_policy(plan: Plan, device_type: str) -> OffloadPolicy:
 
 
 # ---- apply ----
-def _checkpoint_forward(module: nn.Module) -> None:
+def _checkpoint_forward(module: nn.Module, save_ops: tuple[str, ...] = ()) -> None:
+    """Full checkpointing, or selective keeping the outputs of ``save_ops`` (execute/selective.py)."""
     if getattr(module, _CHECKPOINTED, False):
         return
     original = module.forward
+    extra = {"context_fn": selective_context_fn(save_ops)} if save_ops else {}
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
-        return checkpoint(original, *args, use_reentrant=False, **kwargs)
+        return checkpoint(original, *args, use_reentrant=False, **extra, **kwargs)
 
     module.forward = forward
-    setattr(module, _CHECKPOINTED, True)
+    setattr(module, _CHECKPOINTED, SELECTIVE if save_ops else True)
+
+
+def _checkpoint_of(modules) -> bool | str:
+    """What checkpointing every one of ``modules`` has (False when one has none)."""
+    marks = {getattr(m, _CHECKPOINTED, False) for m in modules}
+    return marks.pop() if len(marks) == 1 else False
 
 
 def _depth(unit: Unit) -> int:
@@ -201,7 +212,7 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> 
     for unit in plan.units:
         if unit.activation_checkpoint:
             for fqn in unit.modules:
-                _checkpoint_forward(modules[fqn])
+                _checkpoint_forward(modules[fqn], unit.ac_save_ops)
 
     mp = mixed_precision_policy(plan)
     offload = offload_policy(plan, mesh.device_type)
@@ -309,7 +320,7 @@ def describe_sharding(model: nn.Module) -> list[UnitSharding]:
             reshard_after_forward=_reshard_of(state),
             forward_prefetch=tuple(names(s) for s in state._states_to_forward_prefetch),
             backward_prefetch=tuple(names(s) for s in state._states_to_backward_prefetch),
-            activation_checkpoint=all(getattr(m, _CHECKPOINTED, False) for m in state._modules),
+            activation_checkpoint=_checkpoint_of(state._modules),
         )
         for state in states
     ]

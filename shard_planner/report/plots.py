@@ -275,7 +275,7 @@ def unit_label(row: UnitRow) -> str:
     if row.count > 1 and not row.interleaved:  # an interleaved row's label already says "N of M"
         tags.append(f"x{row.count}")
     if row.activation_checkpoint:
-        tags.append("AC")
+        tags.append("SAC" if row.activation_checkpoint == "selective" else "AC")
     if row.reshard_after_forward is not True:
         tags.append("no reshard" if row.reshard_after_forward is False else f"reshard {row.reshard_after_forward}")
     return row.label + (f"  [{', '.join(tags)}]" if tags else "")

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from shard_planner.dtypes import dtype_bytes
+from shard_planner.cost.selective import flops_price, subtree_selective
 from shard_planner.cost.types import Estimate, UnitTime
 from shard_planner.plan import Plan, Unit
 from shard_planner import ownership
@@ -37,7 +38,7 @@ class UnitRow:
     count: int  # units this row stands for
     modules: tuple[str, ...]  # the first unit's modules
     reshard_after_forward: bool | int
-    activation_checkpoint: bool
+    activation_checkpoint: bool | str  # "selective" too
     interleaved: bool = False  # the row's units alternate with other rows' units (e.g. every other block)
     param_count: int | None = None  # per unit; None without a trace
     sharded_param_bytes: int | None = None  # per unit, per rank
@@ -74,6 +75,9 @@ def _unit_sizes(plan: Plan, trace: ModelTrace) -> list[dict]:
             sizes[i]["saved_bytes"] = 0
         elif u.activation_checkpoint:  # a checkpointed unit keeps only its inputs until its backward
             sizes[i]["saved_bytes"] = sum(trace.module(f).input_bytes.at(b) for f in u.modules)
+            if u.activation_checkpoint == "selective":  # and the stored op outputs (cost/selective.py)
+                sizes[i]["saved_bytes"] += sum(subtree_selective(trace, f, u.ac_save_ops, b, flops_price(b))[0]
+                                               for f in u.modules)
     return sizes
 
 

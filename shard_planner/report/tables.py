@@ -27,7 +27,8 @@ def units_table(rows: Sequence[UnitRow]) -> pd.DataFrame:
             "count": r.count,
             "modules per unit": len(r.modules),
             "reshard after forward": r.reshard_text,
-            "activation checkpoint": "yes" if r.activation_checkpoint else "no",
+            "activation checkpoint": ("selective" if r.activation_checkpoint == "selective"
+                                      else "yes" if r.activation_checkpoint else "no"),
         }
         if r.param_count is not None:
             rec.update({

@@ -42,7 +42,8 @@ def summarize_units(units: tuple[Unit, ...], *, max_lines: int = 8, sep: str | N
         if len(first.modules) > 1:
             size += f" of {len(first.modules)} modules"
         r = first.reshard_after_forward
-        lines.append(f"{name}: {size}, reshard {r}, {'AC' if first.activation_checkpoint else 'no AC'}")
+        ac = {"selective": "selective AC", True: "AC"}.get(first.activation_checkpoint, "no AC")
+        lines.append(f"{name}: {size}, reshard {r}, {ac}")
     root = next((u for u in units if u.is_root), None)
     if root is not None:
         lines.append(f"<root>: reshard {root.reshard_after_forward}")

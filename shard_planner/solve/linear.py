@@ -15,7 +15,8 @@ Memory per rank (bytes, then MiB rounded *up* so the linear model never under-co
 - per candidate ``c`` (a run of items with one option), following the FSDP2 schedule the cost model
   simulates (:mod:`shard_planner.cost.memory`, its notes cited by name):
   ``stack``  — what stays live from its forward until its backward: saved activations (checkpointed:
-  only each module's inputs, Korthikanti et al. 2022 §4 "full recomputation keeps the layer input"),
+  only each module's inputs, Korthikanti et al. 2022 §4 "full recomputation keeps the layer input";
+  selective: the inputs and the outputs of the stored op classes, cost/selective.py),
   plus unsharded parameters it keeps (reshard False: all of them; int ``r``: ``1/r`` of them);
   ``fwd``    — its own rise while it computes forward: its parameters twice (the all-gather output
   stays until the next unit's copy-out, [Note: All-gather buffers]) and the largest traced
@@ -33,7 +34,8 @@ Memory per rank (bytes, then MiB rounded *up* so the linear model never under-co
 Time per candidate (seconds, then µs rounded): forward and backward compute of its items
 (:func:`shard_planner.cost.module_compute_s`: the items' measured times when the profile has module
 timings, else traced FLOPs at the profile's achievable FLOP/s), recomputation when checkpointed (its
-forward again: the simulator recomputes with the measured forward too), and *exposed*
+forward again: the simulator recomputes with the measured forward too; selective: the share of it the
+non-stored ops take), and *exposed*
 communication, linearised per unit as ``max(0, comm - overlap x compute)``: the all-gathers and
 reduce-scatters of a unit hide behind compute of the neighbouring units; the unit's own compute stands
 in for its neighbours' (exact for uniform stacks of blocks), and the prefetch depth sets how many
@@ -80,7 +82,9 @@ from dataclasses import dataclass
 from shard_planner.cost.collectives import (
     all_gather_time_s, reduce_scatter_time_s, replica_all_reduce_time_s, ring_bandwidth_s,
 )
+from shard_planner.checkpointing import DEFAULT_SAVE_OPS, is_selective
 from shard_planner.cost.model import CostModel
+from shard_planner.cost.selective import subtree_selective
 from shard_planner.cost.optimizer import (
     OPTIMIZER_STATES, OPTIMIZER_TEMPORARIES, OPTIMIZER_TEMPORARIES_SINGLE_TENSOR, optimizer_step_bytes,
 )
@@ -191,6 +195,7 @@ def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoi
     # compute seconds: measured when the profile has module timings, else FLOPs / throughput
     # (cost.module_compute_s; see "Time per candidate" in the module docstring)
     fwd_s, bwd_s = zip(*(cm.module_compute_s(it.fqn, b, training.param_dtype) for it in items))
+    sac = _selective_terms(cm, space, b, training.param_dtype, act_scale)
     replicas = choice.mesh.replicate
     # Overlap windows in units of the unit's own compute: FSDP2's implicit prefetch (the CPU runs
     # ahead) already overlaps one unit in forward when the explicit depth is 0, and backward always
@@ -203,7 +208,7 @@ def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoi
     coeffs = []
     for c in space.candidates:
         coeffs.append(_candidate_coeffs(
-            c, space, saved, inputs, fwd_rise, bwd_rise, fwd_s, bwd_s, bp=bp, br=br, shard=shard,
+            c, space, saved, inputs, fwd_rise, bwd_rise, fwd_s, bwd_s, sac, bp=bp, br=br, shard=shard,
             replicas=replicas, profile=profile, d_f=d_f, d_b=d_b, overlap=overlap, trace=trace,
             leading_root_items=leading))
 
@@ -269,7 +274,21 @@ def _constant_time_s(cm: CostModel, trace: ModelTrace, profile: HardwareProfile,
     return const_s
 
 
-def _candidate_coeffs(c: Candidate, space: SearchSpace, saved, inputs, fwd_rise, bwd_rise, fwd_s, bwd_s, *,
+def _selective_terms(cm: CostModel, space: SearchSpace, micro_batch: int, param_dtype: str, act_scale: float):
+    """Per item, selective checkpointing's stash (bytes in the param dtype) and the share of its forward
+    the recomputation skips (cost/selective.py); None when no candidate is selective."""
+    if not any(is_selective(c.option.activation_checkpoint) for c in space.candidates):
+        return None
+    price = cm.forward_price(micro_batch, param_dtype)
+    stash, share = [], []
+    for it in space.items:
+        s, skipped, total = subtree_selective(cm.trace, it.fqn, DEFAULT_SAVE_OPS, micro_batch, price)
+        stash.append(s * act_scale)
+        share.append(min(1.0, skipped / total) if total > 0 else 0.0)
+    return stash, share
+
+
+def _candidate_coeffs(c: Candidate, space: SearchSpace, saved, inputs, fwd_rise, bwd_rise, fwd_s, bwd_s, sac, *,
                       bp, br, shard, replicas, profile, d_f, d_b, overlap, trace, leading_root_items) -> Coeffs:
     o = c.option
     idx = range(c.start, c.stop)
@@ -286,7 +305,8 @@ def _candidate_coeffs(c: Candidate, space: SearchSpace, saved, inputs, fwd_rise,
     gather_live = live_count * bp
 
     # activations: cumulative saved within the run; checkpointed modules keep their inputs only
-    kept_act = [inputs[i] if o.activation_checkpoint else saved[i] for i in idx]
+    selective = is_selective(o.activation_checkpoint)  # keeps its inputs and the stash (cost/selective.py)
+    kept_act = [inputs[i] + (sac[0][i] if selective else 0.0) if o.activation_checkpoint else saved[i] for i in idx]
     act_stack = sum(kept_act)
     fwd_act, cum = 0.0, 0.0
     for k, i in enumerate(idx):
@@ -318,7 +338,9 @@ def _candidate_coeffs(c: Candidate, space: SearchSpace, saved, inputs, fwd_rise,
     # ---- time ----
     cf = sum(fwd_s[i] for i in idx)
     cb = sum(bwd_s[i] for i in idx)
-    rc = cf if o.activation_checkpoint else 0.0
+    rc = 0.0
+    if o.activation_checkpoint:  # selective: the stored ops' share is not recomputed
+        rc = sum(fwd_s[i] * (1.0 - sac[1][i]) for i in idx) if selective else cf
     exposed = _exposed_comm_s(c, parts, cf, cb + rc, bp=bp, br=br, shard=shard, replicas=replicas, profile=profile,
                               d_f=d_f, d_b=d_b, overlap=overlap, leading_root_items=leading_root_items)
     return Coeffs(

@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from shard_planner.checkpointing import DEFAULT_SAVE_OPS, SELECTIVE
+from shard_planner.cost.selective import keeps_something, supports_selective
 from shard_planner.cost.types import Estimate
 from shard_planner.plan import ROOT, Plan, Prefetch, Unit
 from shard_planner.profile import HardwareProfile
@@ -173,6 +175,7 @@ def neighbours(trace: ModelTrace, units: tuple[Unit, ...], prefetch: Prefetch, *
                               frozenset(m for u in touched_units for m in u.modules), is_global))
 
     checkpointed = [u for u in units if u.activation_checkpoint]
+    ac_modes = (False, True, SELECTIVE) if supports_selective(trace) else (False, True)
     for i, u in enumerate(units):
         others = list(units[:i]) + list(units[i + 1:])
         r = u.reshard_after_forward
@@ -183,11 +186,13 @@ def neighbours(trace: ModelTrace, units: tuple[Unit, ...], prefetch: Prefetch, *
             continue
         move(f"drop unit {u.name}", others, [u])
         if u.activation_checkpoint or not any(_nests(u, c) or _nests(c, u) for c in checkpointed if c != u):
-            v = replace(u, activation_checkpoint=not u.activation_checkpoint)
-            move(f"{u.name}: activation checkpointing {u.activation_checkpoint} -> {v.activation_checkpoint}",
-                 others + [v], [v])
+            for ac in ac_modes:
+                if ac != u.activation_checkpoint and (ac != SELECTIVE or any(
+                        keeps_something(trace, m, DEFAULT_SAVE_OPS) for m in u.modules)):
+                    v = Unit(u.modules, u.reshard_after_forward, ac)
+                    move(f"{u.name}: activation checkpointing {u.activation_checkpoint} -> {ac}", others + [v], [v])
         if len(u.modules) > 1:
-            parts = [Unit((m,), u.reshard_after_forward, u.activation_checkpoint) for m in u.modules]
+            parts = [replace(u, modules=(m,)) for m in u.modules]
             move(f"split unit {u.name} into {len(parts)}", others + parts, parts)
     by_first = {u.modules[0]: u for u in units if not u.is_root}
     for u in units:

@@ -123,6 +123,9 @@ def uniform_variants(ctx: PlanContext, chosen: Checked, space: SearchSpace) -> l
         return []
     reshards = [u.reshard_after_forward for u in block_units]
     r = max(set(reshards), key=lambda v: (reshards.count(v), str(v)))
+    # the checkpointing the chosen blocks use most (full or selective) for the first k groups
+    modes = [u.activation_checkpoint for u in block_units if u.activation_checkpoint] or [True]
+    ac_on = max(set(modes), key=lambda v: (modes.count(v), str(v)))
     largest = max(c.stop - c.start for c in space.candidates)
     one_off = frozenset(it.fqn for it in space.items if it.may_join_root)
     others = [u for u in chosen.units if not set(u.modules) & blocks]
@@ -138,7 +141,7 @@ def uniform_variants(ctx: PlanContext, chosen: Checked, space: SearchSpace) -> l
         groups = [tuple(run[i:i + g]) for run in runs for i in range(0, len(run), g)]
         for rest in _distinct(plain, others, own_units):
             def judge(k: int) -> Checked:
-                units = in_forward_order(first, rest + [Unit(grp, r, activation_checkpoint=j < k)
+                units = in_forward_order(first, rest + [Unit(grp, r, activation_checkpoint=ac_on if j < k else False)
                                                         for j, grp in enumerate(groups)])
                 c = ctx.check_units(units, chosen.choice, chosen.status, method=chosen.method)
                 out.append(c)

@@ -17,7 +17,8 @@ Built from the trace's module tree, without running anything:
   ``max_group_size`` long (2 for models of more than ``LONG_SEQUENCE_ITEMS`` items): one
   ``fully_shard([m1, m2, ...])`` call each.
 - **Options** per segment: ``reshard_after_forward`` in {True, False, an int divisor of the shard
-  group}, activation checkpointing on or off, *nested* (a single item whose large children become
+  group}, activation checkpointing off, full or (repeated blocks, traces with ``new_bytes`` records)
+  selective with torchtitan's op-level classes (shard_planner/checkpointing.py), *nested* (a single item whose large children become
   units of their own inside it, e.g. a block's attention and MLP), or *in root* (a single item left
   to the root unit: gathered at the start of the step and kept, as FSDP2 does with the root's own
   parameters).
@@ -33,6 +34,8 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
+from shard_planner.checkpointing import DEFAULT_SAVE_OPS, SELECTIVE, is_selective
+from shard_planner.cost.selective import keeps_something, supports_selective
 from shard_planner.ownership import split_groups, tie_groups
 from shard_planner.plan import ROOT
 from shard_planner.trace.types import ModelTrace
@@ -72,7 +75,7 @@ class Option:
     """What one candidate unit does. ``in_root``: the segment is left to the root unit."""
 
     reshard_after_forward: bool | int = True
-    activation_checkpoint: bool = False
+    activation_checkpoint: bool | str = False  # "selective": DEFAULT_SAVE_OPS kept (shard_planner/checkpointing.py)
     nested: bool = False
     in_root: bool = False
 
@@ -83,7 +86,7 @@ class Option:
         r = self.reshard_after_forward
         parts = [f"reshard {r}" if not isinstance(r, bool) else ("reshard" if r else "keep")]
         if self.activation_checkpoint:
-            parts.append("AC")
+            parts.append("SAC" if is_selective(self.activation_checkpoint) else "AC")
         if self.nested:
             parts.append("nested")
         return "+".join(parts)
@@ -205,13 +208,19 @@ def build_space(trace: ModelTrace, *, shard_group: int, gpus_per_node: int,
         max_group_size = min(max_group_size, LONG_SEQUENCE_MAX_GROUP_SIZE)
     reshards = reshard_choices(shard_group, gpus_per_node)
     acs = (False, True) if allow_checkpointing else (False,)
+    # selective checkpointing for repeated blocks (torchtitan checkpoints blocks only), when the trace
+    # records what forward ops allocate (cost/selective.py)
+    block_acs = acs + (SELECTIVE,) if allow_checkpointing and supports_selective(trace) else acs
     candidates: list[Candidate] = []
     for start, first in enumerate(items):
         for stop in range(start + 1, min(start + max_group_size, len(items)) + 1):
             if items[stop - 1].parent != first.parent:
                 break
+            # selective where it differs from full checkpointing: the run stores some matmul or attention output
+            sac = not any(it.may_join_root for it in items[start:stop]) and any(
+                keeps_something(trace, it.fqn, DEFAULT_SAVE_OPS) for it in items[start:stop])
             for r in reshards:
-                for ac in acs:
+                for ac in (block_acs if sac else acs):
                     candidates.append(Candidate(start, stop, Option(r, ac)))
                     if stop == start + 1 and allow_nested and first.nested_children:
                         candidates.append(Candidate(start, stop, Option(r, ac, nested=True)))

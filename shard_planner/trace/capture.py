@@ -80,6 +80,7 @@ class Step:
         self.root_call: Call | None = None
         self.loss_call = Call(None, None)
         self.batch_input_bytes = 0
+        self.producer: dict[int, tuple[str, int]] = {}  # sid -> (kernel class, log position) of a forward op's new output
 
     # ---- ops: the one place an aten op is recorded ----
     def record_op(self, func, args, kwargs, out) -> None:
@@ -90,15 +91,30 @@ class Step:
         n = self.flops.count(func, args, kwargs, out) if func._overloadpacket in self.flops else 0
         if n:
             self._add_flops(n)
-        sample = classify(func, args, kwargs, out, n)
+        outs = (out,) if isinstance(out, torch.Tensor) else [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        new_bytes = self._new_storage_bytes(outs) if self.phase == "fwd" else 0
+        sample = classify(func, args, kwargs, out, n, new_bytes)
         if sample is not None:
             self._add_kernel(sample)
-        if isinstance(out, torch.Tensor):  # most ops: skip the pytree walk
-            self.log.track(out)
-            return
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.log.track(t)
+        for t in outs:
+            self.log.track(t)
+        if new_bytes and sample is not None:
+            pos = len(self.log.events)
+            for t in outs:
+                self.producer.setdefault(self.log.sid(t), (sample.op_class, pos))
+
+    def _new_storage_bytes(self, outs) -> int:
+        """Bytes of the distinct storages among ``outs`` the log has not seen yet (an op's new outputs)."""
+        seen, total = set(), 0
+        for t in outs:
+            try:
+                st = t.untyped_storage()
+            except (NotImplementedError, RuntimeError):
+                continue
+            if self.log.known_sid(st) is None and id(st) not in seen:
+                seen.add(id(st))
+                total += st.nbytes()
+        return total
 
     def _add_op(self) -> None:
         if self.phase == "fwd" and self.fwd_stack:
@@ -204,11 +220,21 @@ class Step:
         out_leaves, out_spec = tree_flatten(out)
         out_tensors = [x for x in out_leaves if isinstance(x, torch.Tensor)]
         call.output_bytes = self.log.storage_bytes(out_tensors)
+        call.output_by_class = self._output_by_class(call, out_tensors)
         self._hook_backward(call, in_tensors, out_tensors)
         if template is None and self.twins.may_remember(key, fqn):
             info = twin_info(self.log, self.saves, call, in_tensors, out_leaves, out_spec)
             if info is not None:
                 self.twins.remember(key, call, info, frozenset(self.log.sid(t) for t in in_tensors))
+        return out
+
+    def _output_by_class(self, call: Call, out_tensors) -> dict[str, int]:
+        """Bytes of the call's distinct output storages an op inside its forward allocated, by class."""
+        out: dict[str, int] = {}
+        for sid in {self.log.sid(t) for t in out_tensors}:
+            made = self.producer.get(sid)
+            if made is not None and made[1] >= call.fwd.start and sid not in self.log.static:
+                out[made[0]] = out.get(made[0], 0) + self.log.nbytes[sid]
         return out
 
     def _run_twin(self, call: Call, template: Call, module: nn.Module, in_tensors):

@@ -54,6 +54,12 @@ NO_KERNEL_OPS = {"_unsafe_view", "detach", "alias", "lift_fresh", "_reshape_alia
                  "_local_scalar_dense", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset"}
 
 
+# Op name sets by kernel class, in the order they are tried (the rest: "elementwise").
+_CLASS_OF_NAMES = (("matmul", MATMUL_OPS), ("grouped_matmul", GROUPED_OPS), ("attention_fwd", ATTENTION_FWD_OPS),
+                   ("attention_bwd", ATTENTION_BWD_OPS), ("reduction", REDUCTION_OPS), ("loss", LOSS_OPS),
+                   ("copy", COPY_OPS), ("embedding", EMBEDDING_OPS))
+
+
 class OpSample(NamedTuple):
     """One kernel as traced at one batch size."""
 
@@ -61,6 +67,7 @@ class OpSample(NamedTuple):
     dims: tuple[int, ...]
     flops: int
     bytes: int
+    new_bytes: int = 0  # storages its outputs newly allocate (forward ops; selective checkpointing)
 
 
 def _nbytes(x) -> int:
@@ -122,30 +129,47 @@ def _attention_dims(func, name: str, args, kwargs) -> tuple[int, ...]:
     return int(q.shape[0] * q.shape[1]), int(q.shape[2]), int(k.shape[2]), int(q.shape[3]), int(causal)
 
 
-def classify(func, args, kwargs, out, flops: int) -> OpSample | None:
-    """The kernel ``func(*args, **kwargs) -> out`` runs, or None when it runs none (views, allocations,
-    metadata). Bytes: every tensor argument read plus every tensor output written."""
+def op_names_of_class(op_class_name: str) -> frozenset[str]:
+    """The aten op names (overload packets) of a kernel class; empty for "elementwise" (every op no set
+    names) and any class without a fixed list."""
+    return frozenset(next((names for cls, names in _CLASS_OF_NAMES if cls == op_class_name), ()))
+
+
+def op_class(func, out) -> str | None:
+    """The kernel class of aten op ``func`` (cost/kernels.py OP_CLASSES), or None when it runs no kernel
+    (views, allocations, metadata). The one classification: :func:`classify` prices by it and the
+    executor's selective checkpointing policy (execute/apply.py) saves by it."""
     if func.namespace == "prim" or getattr(func, "is_view", False):
         return None
     name = func._overloadpacket.__name__
     if name in NO_KERNEL_OPS:
         return None
-    moved = _nbytes(args) + _nbytes(kwargs) + _nbytes(out)
-    if name in MATMUL_OPS:
-        return OpSample("matmul", _matmul_dims(name, args), flops, moved)
-    if name in GROUPED_OPS:
-        return OpSample("grouped_matmul", grouped_mm_dims(args[0], args[1]), flops, moved)
-    if name in ATTENTION_FWD_OPS:
-        return OpSample("attention_fwd", _attention_dims(func, name, args, kwargs), flops, moved)
-    if name in ATTENTION_BWD_OPS:
-        return OpSample("attention_bwd", _attention_dims(func, name, args, kwargs), flops, moved)
-    for op_class, names in (("reduction", REDUCTION_OPS), ("loss", LOSS_OPS), ("copy", COPY_OPS),
-                            ("embedding", EMBEDDING_OPS)):
+    for cls, names in _CLASS_OF_NAMES:
         if name in names:
-            return OpSample(op_class, (), flops, moved)
+            return cls
     if not any(isinstance(t, torch.Tensor) for t in tree_leaves(out)):
         return None
-    return OpSample("elementwise", (), flops, moved)
+    return "elementwise"
+
+
+def classify(func, args, kwargs, out, flops: int, new_bytes: int = 0) -> OpSample | None:
+    """The kernel ``func(*args, **kwargs) -> out`` runs, or None when it runs none (views, allocations,
+    metadata). Bytes: every tensor argument read plus every tensor output written; ``new_bytes``: the
+    storages its outputs newly allocate (what selective checkpointing keeps when the class is saved)."""
+    cls = op_class(func, out)
+    if cls is None:
+        return None
+    moved = _nbytes(args) + _nbytes(kwargs) + _nbytes(out)
+    name = func._overloadpacket.__name__
+    if cls == "matmul":
+        dims = _matmul_dims(name, args)
+    elif cls == "grouped_matmul":
+        dims = grouped_mm_dims(args[0], args[1])
+    elif cls in ("attention_fwd", "attention_bwd"):
+        dims = _attention_dims(func, name, args, kwargs)
+    else:
+        dims = ()
+    return OpSample(cls, dims, flops, moved, new_bytes)
 
 
 def fit_records(seq1: list[OpSample], seq2: list[OpSample], b1: int, b2: int) -> tuple[KernelRecord, ...]:
@@ -159,15 +183,18 @@ def fit_records(seq1: list[OpSample], seq2: list[OpSample], b1: int, b2: int) ->
         return ()
     groups: dict[tuple, list] = {}
     for x, y in zip(seq1, seq2):
-        g = groups.setdefault((x.op_class, x.dims, y.dims), [0, 0, 0, 0, 0])
+        g = groups.setdefault((x.op_class, x.dims, y.dims), [0, 0, 0, 0, 0, 0, 0])
         g[0] += 1
         g[1] += x.flops
         g[2] += y.flops
         g[3] += x.bytes
         g[4] += y.bytes
+        g[5] += x.new_bytes
+        g[6] += y.new_bytes
     out = []
-    for (op_class, d1, d2), (count, f1, f2, m1, m2) in groups.items():
+    for (op_class, d1, d2), (count, f1, f2, m1, m2, n1, n2) in groups.items():
         dims = tuple(Affine.fit(b1, float(u), b2, float(v)) for u, v in zip(d1, d2))
         out.append(KernelRecord(op_class, count, Affine.fit(b1, float(f1), b2, float(f2)),
-                                Affine.fit(b1, float(m1), b2, float(m2)), dims))
+                                Affine.fit(b1, float(m1), b2, float(m2)), dims,
+                                Affine.fit(b1, float(n1), b2, float(n2))))
     return tuple(out)

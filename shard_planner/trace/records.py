@@ -51,6 +51,9 @@ class Call:
     fwd_kernels: list = field(default_factory=list)
     bwd_kernels: list = field(default_factory=list)
     in_sids: frozenset = frozenset()  # the storages of its inputs
+    # of output_bytes, the storages an op of its own forward (children included) allocated, by kernel
+    # class (what selective checkpointing stores and the next block holds too: cost/selective.py)
+    output_by_class: dict = field(default_factory=dict)
     save_adjust: list[tuple[str, int]] = field(default_factory=list)  # (path relative to the twin, bytes)
     input_sids: frozenset = frozenset()  # for a template: the storages of its inputs
     param_ids: frozenset = frozenset()  # for a template: ids of its subtree's parameters
@@ -89,6 +92,7 @@ class ModuleRecord:
     input_shared_bytes: int = 0
     fwd_kernels: list = field(default_factory=list)  # kernel_ops.OpSample, in dispatch order over its calls
     bwd_kernels: list = field(default_factory=list)
+    output_by_class: dict = field(default_factory=dict)  # Call.output_by_class, summed over its calls
 
 
 @dataclass(frozen=True)

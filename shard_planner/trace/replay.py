@@ -88,7 +88,7 @@ class Replay:
             fwd_rise=self.span_stats(call.fwd)[0], bwd_rise=self.span_stats(call.bwd)[0],
             fwd_key=(call.fwd.start,), bwd_key=(call.bwd.start,) if call.bwd is not None else None,
             fwd_ops=call.fwd_ops, bwd_ops=call.bwd_ops, input_shared_bytes=call.input_shared_bytes,
-            fwd_kernels=call.fwd_kernels, bwd_kernels=call.bwd_kernels,
+            fwd_kernels=call.fwd_kernels, bwd_kernels=call.bwd_kernels, output_by_class=call.output_by_class,
         )
         out = [own]
         for child in call.children:
@@ -107,7 +107,7 @@ class Replay:
                 (call.bwd.start,) + r.bwd_key if call.bwd is not None and r.bwd_key is not None else None,
                 r.fwd_ops, r.bwd_ops,
                 call.input_shared_bytes if r.fqn == t.fqn else r.input_shared_bytes,
-                r.fwd_kernels, r.bwd_kernels,
+                r.fwd_kernels, r.bwd_kernels, r.output_by_class,
             ))
         return out
 
@@ -143,6 +143,15 @@ def _order(per_module: dict[str, ModuleRecord], key) -> tuple[str, ...]:
     return tuple(r.fqn for r in sorted((r for r in per_module.values() if key(r)), key=key))
 
 
+def _fit_by_class(rec1: ModuleRecord | None, rec2: ModuleRecord | None, b1: int, b2: int) -> dict[str, Affine]:
+    """ModuleTrace.output_bytes_by_class: each class's output bytes fitted over the two batch sizes."""
+    if not rec1 or not rec2:
+        return {}
+    classes = sorted({*rec1.output_by_class, *rec2.output_by_class})
+    return {c: Affine.fit(b1, float(rec1.output_by_class.get(c, 0)), b2, float(rec2.output_by_class.get(c, 0)))
+            for c in classes}
+
+
 def _accumulate(agg: ModuleRecord, r: ModuleRecord) -> None:
     """Add one call's record to a module's: sums, except peaks (the largest) and keys (the first)."""
     agg.calls += r.calls
@@ -156,6 +165,8 @@ def _accumulate(agg: ModuleRecord, r: ModuleRecord) -> None:
     agg.input_bytes += r.input_bytes
     agg.input_shared_bytes += r.input_shared_bytes
     agg.output_bytes += r.output_bytes
+    agg.output_by_class = {c: agg.output_by_class.get(c, 0) + r.output_by_class.get(c, 0)
+                           for c in {*agg.output_by_class, *r.output_by_class}}
     agg.fwd_rise = max(agg.fwd_rise, r.fwd_rise)
     agg.bwd_rise = max(agg.bwd_rise, r.bwd_rise)
     if r.fwd_key is not None and (agg.fwd_key is None or r.fwd_key < agg.fwd_key):
@@ -243,5 +254,6 @@ def module_traces(modules: list[tuple[str, nn.Module]], static: StaticFacts, has
             bwd_ops_self=rec1.bwd_ops if rec1 else 0,
             fwd_kernels=fit_records(rec1.fwd_kernels, rec2.fwd_kernels, b1, b2) if rec1 and rec2 else (),
             bwd_kernels=fit_records(rec1.bwd_kernels, rec2.bwd_kernels, b1, b2) if rec1 and rec2 else (),
+            output_bytes_by_class=_fit_by_class(rec1, rec2, b1, b2),
         ))
     return tuple(out)

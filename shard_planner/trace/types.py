@@ -51,21 +51,25 @@ class KernelRecord:
     [Note: kernel records]): ``count`` launches of class ``op_class`` (cost/kernels.py OP_CLASSES),
     their total FLOPs and bytes read + written, and the dimensions that decide their speed — matmul
     (batch, M, N, K), attention (batch x heads, seq_q, seq_k, head_dim, causal), none otherwise — each
-    affine in the micro-batch."""
+    affine in the micro-batch. ``new_bytes``: the storages their outputs newly allocate, deduplicated
+    (a forward op's are what selective activation checkpointing keeps when its class is saved:
+    cost/selective.py); None in traces written before it."""
 
     op_class: str
     count: int
     flops: Affine
     bytes: Affine
     dims: tuple[Affine, ...] = ()
+    new_bytes: Affine | None = None
 
     def dims_at(self, batch_size: int) -> tuple[int, ...]:
         return tuple(max(0, round(d.at(batch_size))) for d in self.dims)
 
     @staticmethod
     def from_dict(d: dict) -> "KernelRecord":
+        new = d.get("new_bytes")
         return KernelRecord(d["op_class"], int(d["count"]), Affine(**d["flops"]), Affine(**d["bytes"]),
-                            tuple(Affine(**x) for x in d.get("dims", ())))
+                            tuple(Affine(**x) for x in d.get("dims", ())), Affine(**new) if new is not None else None)
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,10 @@ class ModuleTrace:
     # so apply_plan replicates them on every rank (execute/apply.py, [Note: 0-d parameters]) and the cost
     # model holds them whole. Traces written before this field load with none.
     scalar_param_bytes_by_dtype: dict[str, int] = field(default_factory=dict)
+    # Of ``output_bytes``, the storages ops of its forward (children included) allocated, by kernel class
+    # (trace/kernel_ops.py): selective checkpointing stores them and the next module holds them too
+    # (cost/selective.py). Traces written before this field load with none.
+    output_bytes_by_class: dict[str, Affine] = field(default_factory=dict)
 
     @property
     def param_bytes(self) -> int:
@@ -235,6 +243,7 @@ def _module_from_dict(d: dict) -> ModuleTrace:
             d[k] = Affine(**v)
     d["children"] = tuple(d["children"])
     d["tied_with"] = tuple(d.get("tied_with", ()))
+    d["output_bytes_by_class"] = {c: Affine(**v) for c, v in d.get("output_bytes_by_class", {}).items()}
     for key in ("fwd_kernels", "bwd_kernels"):
         d[key] = tuple(KernelRecord.from_dict(k) for k in d.get(key, ()))
     return ModuleTrace(**d)

@@ -204,7 +204,7 @@ def _bad_plan_cases():
 
     return [
         (set_(("units", 3, "activation_checkpoint"), "yes"),
-         'units[3].activation_checkpoint must be true or false, got "yes"'),
+         'units[3].activation_checkpoint must be true, false or "selective", got "yes"'),
         (set_(("units", 1, "reshard_after_forward"), 1),
          "units[1].reshard_after_forward must be true, false or an integer >= 2, got 1"),
         (set_(("units", 1, "reshard_after_forward"), "false"),
@@ -281,7 +281,7 @@ def test_every_command_rejects_the_same_bad_plan_the_same_way(command, tmp_path,
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(d))
     assert _cli(*_plan_reading_commands(path)[command]) == PlanError.exit_code
-    assert one_error_line(capsys) == f'{path}: units[3].activation_checkpoint must be true or false, got "yes"'
+    assert one_error_line(capsys) == f'{path}: units[3].activation_checkpoint must be true, false or "selective", got "yes"'
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]  # nothing written
 
 

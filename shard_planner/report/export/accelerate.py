@@ -16,6 +16,7 @@ used; the nearest setting is always the one that needs no more memory than the p
 from __future__ import annotations
 
 from shard_planner import __version__
+from shard_planner.checkpointing import SELECTIVE
 from shard_planner.plan import Plan
 from shard_planner.report.export.common import (
     Export, comment_block, emit_yaml, grouped_note, prefetch_notes, uniform_reshard,
@@ -73,11 +74,17 @@ def export_accelerate(plan: Plan, info: ModelInfo) -> Export:
     notes += reshard_notes
     fsdp["fsdp_reshard_after_forward"] = reshard
 
-    ac = [u.activation_checkpoint for u in wrapped]
+    ac = [bool(u.activation_checkpoint) for u in wrapped]
     fsdp["fsdp_activation_checkpointing"] = any(ac)
     if any(ac) and not all(ac):
         notes.append(f"the plan checkpoints {sum(ac)} of {len(ac)} wrapped units: Accelerate checkpoints all or none; "
                      "using all (less memory, more recomputation than the plan)")
+    selective = [u.name for u in wrapped if u.activation_checkpoint == SELECTIVE]
+    if selective:
+        notes.append(f"the plan checkpoints {len(selective)} unit(s) selectively (saving matmul and attention "
+                     "outputs): Accelerate's fsdp_activation_checkpointing is full checkpointing only; it has no "
+                     "per-op policy (apply torch.utils.checkpoint's create_selective_checkpoint_contexts in code, "
+                     "as the fsdp2 export does)")
     unwrapped_ac = [u.name for u in plan.inner_units if u.activation_checkpoint and u not in wrapped]
     if unwrapped_ac:
         notes.append(f"checkpointed unit(s) {', '.join(unwrapped_ac)} are not wrapped by class: not checkpointed here")

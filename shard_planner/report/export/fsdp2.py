@@ -33,7 +33,7 @@ class _Entry:
     templates: tuple[tuple[str, int, str], ...]  # (prefix, offset from base, suffix) per module
     base: int
     reshard: bool | int
-    checkpoint: bool
+    checkpoint: bool | str  # "selective" too
 
 
 def _as_entry(unit: Unit) -> _Entry | None:
@@ -50,8 +50,11 @@ def _literal(unit: Unit) -> str:
     return f"([{names}], {unit.reshard_after_forward!r}, {unit.activation_checkpoint!r}),"
 
 
-def _period_expr(flags: list[bool], index: str) -> str | None:
-    """A Python condition on ``index`` (0, 1, 2, ... along the run) that is True exactly at ``flags``."""
+def _period_expr(flags: list[bool | str], index: str) -> str | None:
+    """A Python condition on ``index`` (0, 1, 2, ... along the run) that is True exactly at ``flags``; for
+    flags that are all ``"selective"``, that string (a run mixing it with others stays literal)."""
+    if any(isinstance(f, str) for f in flags):
+        return repr(flags[0]) if all(f == flags[0] for f in flags) else None
     if all(flags):
         return "True"
     if not any(flags):
@@ -120,7 +123,9 @@ def export_fsdp2(plan: Plan) -> str:
     if t.cpu_offload:
         offload = ('\n    # Sharded parameters, gradients and optimizer states live on the host; pinned memory needs'
                    '\n    # an accelerator.\n    policy["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")')
+    save_classes, saved_ops, save_comment = _saved_ops(plan)
     return _SOURCE.substitute(
+        save_classes=save_classes, saved_ops=saved_ops, save_comment=save_comment,
         model_path=plan.model.path, gpus=plan.cluster.gpus, version=__version__,
         fingerprint=plan.model.fingerprint, predicted=predicted, mesh_shape=mesh_shape, mesh_names=mesh_names,
         optimizer=_optimizer_call(t), fsdp_imports=fsdp_imports, units=units, forward=plan.prefetch.forward,
@@ -146,7 +151,7 @@ import functools
 
 import torch
 from torch.distributed.fsdp import $fsdp_imports
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 # One fully_shard call per unit, in forward order: (module names, reshard_after_forward, activation
 # checkpointing). Several names in one list are one unit: one all-gather and one reduce-scatter for all.
@@ -159,15 +164,27 @@ FORWARD_PREFETCH = $forward  # all-gathers issued this many units ahead in forwa
 BACKWARD_PREFETCH = $backward  # ... and in backward (FSDP2 prefetches 1 by default)
 
 
-def _checkpoint(module: torch.nn.Module) -> None:
-    """Activation checkpointing without a wrapper module, so module names stay those of the plan."""
+def _checkpoint(module: torch.nn.Module, mode) -> None:
+    """Activation checkpointing without a wrapper module, so module names stay those of the plan; mode
+    True: full, "selective": the outputs of SAVED_OPS are kept and every other op is recomputed."""
     forward = module.forward
+    extra = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _save_policy)} if mode == "selective" else {}
 
     @functools.wraps(forward)
     def checkpointed(*args, **kwargs):
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
 
     module.forward = checkpointed
+
+
+# Selective checkpointing keeps the outputs of these aten ops (the plan's op classes: $save_classes).$save_comment
+SAVED_OPS = frozenset($saved_ops)
+
+
+def _save_policy(ctx, func, *args, **kwargs):
+    if not getattr(func, "is_view", False) and func._overloadpacket.__name__ in SAVED_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _depth(name: str) -> int:
@@ -182,7 +199,7 @@ def apply_sharding(model: torch.nn.Module, mesh) -> torch.nn.Module:
     for names, _, checkpointed in UNITS:
         if checkpointed:
             for name in names:
-                _checkpoint(get(name))
+                _checkpoint(get(name), checkpointed)
     # Deepest units first, so a nested unit is sharded before the unit that contains it; the root last.
     for names, reshard, _ in sorted(UNITS, key=lambda unit: _depth(unit[0][0]), reverse=True):
         modules = [get(name) for name in names]
@@ -198,6 +215,21 @@ def apply_sharding(model: torch.nn.Module, mesh) -> torch.nn.Module:
             module.set_modules_to_backward_prefetch(backward[i + 1:i + 1 + BACKWARD_PREFETCH])
     return model
 ''')
+
+
+def _saved_ops(plan: Plan) -> tuple[str, str, str]:
+    """The op classes the plan's selective units keep, the aten op names of those classes (the tracer's
+    classification, trace/kernel_ops.py), and a comment for classes no name list covers."""
+    classes = sorted({c for u in plan.units if u.activation_checkpoint == "selective" for c in u.ac_save_ops})
+    if not classes:
+        return "none", "()", ""
+    from shard_planner.trace.kernel_ops import op_names_of_class  # torch: only for plans that need it
+
+    names = sorted({n for c in classes for n in op_names_of_class(c)})
+    unlisted = [c for c in classes if not op_names_of_class(c)]
+    comment = (f"\n# Not listed (no fixed op names: shard-planner's executor keeps them, this file recomputes "
+               f"them): {', '.join(unlisted)}." if unlisted else "")
+    return ", ".join(classes), "{" + ", ".join(json.dumps(n) for n in names) + "}", comment
 
 
 def _optimizer_call(t) -> str:

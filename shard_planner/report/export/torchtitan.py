@@ -4,7 +4,8 @@ Keys (torchtitan/config/job_config.py): ``[parallelism] data_parallel_shard_degr
 ``data_parallel_replicate_degree`` (> 1 with a shard degree > 1 is HSDP), ``fsdp_reshard_after_forward``
 ("default" | "always" | "never"); ``[activation_checkpoint] mode`` ("none" | "full" | "selective") with
 ``selective_ac_option`` (an integer k checkpoints every k-th block: torchtitan counts blocks from 1 and
-checkpoints block i when i % k == 0); ``[training] local_batch_size`` (per GPU), ``seq_len``,
+checkpoints block i when i % k == 0) or ``"op"`` (per-op selective: matmul and attention outputs kept,
+for a plan whose blocks are selective); ``[training] local_batch_size`` (per GPU), ``seq_len``,
 ``mixed_precision_param`` / ``mixed_precision_reduce``, ``enable_cpu_offload``.
 
 torchtitan decides the units itself in its ``parallelize`` functions (one per transformer block, plus
@@ -15,6 +16,7 @@ as comments with the nearest setting.
 from __future__ import annotations
 
 from shard_planner import __version__
+from shard_planner.checkpointing import DEFAULT_SAVE_OPS, SELECTIVE
 from shard_planner.plan import Plan
 from shard_planner.report.export.common import (
     Export, block_units, comment_block, emit_toml, grouped_note, prefetch_notes, uniform_reshard,
@@ -38,13 +40,34 @@ def _ac_settings(flags: list[bool]) -> tuple[dict, list[str]]:
     return {"mode": "selective", "selective_ac_option": str(k)}, [note]
 
 
+def _op_sac_settings(blocks) -> tuple[dict, list[str]]:
+    """torchtitan's per-op selective checkpointing (``selective_ac_option = "op"``) for blocks of which
+    some are selective (shard_planner/checkpointing.py [Note: torchtitan's op-level policy]), and notes."""
+    modes = [u.activation_checkpoint for u in blocks]
+    notes = ["torchtitan's \"op\" policy saves mm and SDPA outputs but recomputes every second mm of a "
+             "block: a little less memory and a little more recompute than the plan's (which saves every "
+             "matmul and attention output)"]
+    if any(m != SELECTIVE for m in modes):
+        notes.append(f"the plan checkpoints {sum(m == SELECTIVE for m in modes)} of {len(modes)} blocks "
+                     "selectively and the others fully or not at all; torchtitan applies one mode to every "
+                     "block: using \"op\" on all")
+    other = sorted({tuple(u.ac_save_ops) for u in blocks if u.activation_checkpoint == SELECTIVE} - {DEFAULT_SAVE_OPS})
+    if other:
+        notes.append(f"the plan saves op classes {', '.join(map(str, other[0]))}; torchtitan's op list is fixed "
+                     "(matmuls and attention)")
+    return {"mode": "selective", "selective_ac_option": "op"}, notes
+
+
 def export_torchtitan(plan: Plan) -> Export:
     notes: list[str] = []
     reshard, reshard_notes = uniform_reshard(plan)
     notes += reshard_notes
     units = plan.inner_units
     blocks = block_units(plan)
-    ac, ac_notes = _ac_settings([u.activation_checkpoint for u in blocks])
+    if any(u.activation_checkpoint == SELECTIVE for u in blocks):
+        ac, ac_notes = _op_sac_settings(blocks)
+    else:
+        ac, ac_notes = _ac_settings([u.activation_checkpoint for u in blocks])
     notes += ac_notes
     others = [u.name for u in units if u.activation_checkpoint and u not in blocks]
     if others:

@@ -1,0 +1,128 @@
+"""Selective activation checkpointing: what a unit keeps between its forward and backward, and what
+its backward recomputes, from the trace's forward kernel records (trace/kernel_ops.py).
+
+[Note: Selective checkpointing memory] torch 2.13's selective checkpointing (torch/utils/checkpoint.py:
+non-reentrant ``checkpoint(..., context_fn=create_selective_checkpoint_contexts(policy))``) runs the
+region's forward under ``_CachingTorchDispatchMode``: every op's output whose policy is MUST_SAVE is
+stored (a detached alias: the storage stays alive) whether or not a later op saves it for backward;
+the saved tensors of the region are packed into holders (freed), and the region's inputs are kept by
+the recompute closure (as full checkpointing). In backward ``_CachedTorchDispatchMode`` re-runs the
+forward: a stored op returns its stored output (the entry is dropped, ``_CONSUMED``), every other op
+runs again. So per checkpointed block, with S the unit's ``ac_save_ops``:
+
+- held from forward to backward: its inputs nobody else holds (``kept``, as full checkpointing) plus
+  the **stash**: the storages newly allocated by forward ops of a class in S, summed over the block's
+  subtree (``KernelRecord.new_bytes``; a storage is counted at the op that allocates it);
+- recomputation: the level before the block's backward less the stash, plus the traced forward rise
+  (the stash is consumed as the recomputation reaches each stored op; exact when the forward's peak
+  is at its end, as in a transformer block where saved tensors accumulate; an upper bound of the
+  remaining stash is not added);
+- a stored output that is also the block's output (a residual ``add`` when elementwise ops are kept, a
+  block ending in a Linear) is held once: the next block already counts it (as its input or saved
+  tensor), so it leaves the stash (``ModuleTrace.output_bytes_by_class``). Measured on
+  tests/models/exec_net.py keeping matmul + elementwise outputs: +7.7% before, see
+  tests/execute/test_selective_run.py. Not modelled: such an output nobody after the block keeps.
+
+[Note: Selective checkpointing time] The recomputation runs the forward's ops that are not stored:
+device time is the block's forward device time (CostModel.block_compute_s: FLOPs, kernel records or
+measured) times the share of it the non-stored classes take, priced the same way (kernel records by
+the roofline when the profile uses it, else their traced FLOPs); every op still goes through the
+dispatcher (a stored op returns its cached output from the Python dispatch mode), so the host time is
+the block's forward op count, as for full checkpointing.
+
+A module whose forward has no kernel records (its op sequences did not pair across the traced batch
+sizes, or a trace written before ``new_bytes``) is priced as not checkpointed: its saved tensors are
+kept and it is not recomputed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from shard_planner.checkpointing import is_selective
+from shard_planner.cost.tables import CostTables
+from shard_planner.dtypes import dtype_bytes
+from shard_planner.plan import Unit
+from shard_planner.trace.types import ModelTrace, ModuleTrace
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SelectiveBlocks:
+    """Per block of the tables, at one micro-batch and param dtype: the stash a selective block keeps
+    (bytes, 0 for every other block) and the share of its forward device time the recomputation skips
+    (0 for every other block)."""
+
+    stash: tuple[float, ...]
+    skipped_share: tuple[float, ...]
+
+
+def _has_records(m: ModuleTrace) -> bool:
+    return bool(m.fwd_kernels) and all(r.new_bytes is not None for r in m.fwd_kernels)
+
+
+def supports_selective(trace: ModelTrace) -> bool:
+    """Whether ``trace`` records the storages its forward ops allocate (traces written before
+    ``KernelRecord.new_bytes`` do not: the planner then offers no selective checkpointing)."""
+    return any(r.new_bytes is not None for m in trace.modules for r in m.fwd_kernels)
+
+
+def keeps_something(trace: ModelTrace, fqn: str, save_ops: tuple[str, ...]) -> bool:
+    """Whether ``fqn``'s forward runs an op of a class in ``save_ops``: else selective checkpointing
+    stores nothing and recomputes everything, which is full checkpointing."""
+    return any(r.op_class in save_ops for m in trace.subtree(fqn) for r in m.fwd_kernels)
+
+
+def subtree_selective(trace: ModelTrace, fqn: str, save_ops: tuple[str, ...], micro_batch: int,
+                      price: Callable[[ModuleTrace, tuple], float]) -> tuple[float, float, float]:
+    """For ``fqn``'s subtree with ``save_ops`` stored: (stash bytes in the compute dtype, priced forward
+    of the stored ops, priced forward of all ops); ``price(module, records)`` prices records of the
+    module (``records is None``: its whole forward). See [Note: Selective checkpointing memory]."""
+    stash = skipped = total = 0.0
+    for m in trace.subtree(fqn):
+        if not m.fwd_ops_self:
+            continue
+        whole = price(m, None)
+        total += whole
+        if not _has_records(m):  # priced as not checkpointed (module docstring)
+            stash += m.saved_bytes_self.at(micro_batch)
+            skipped += whole
+            continue
+        kept = tuple(r for r in m.fwd_kernels if r.op_class in save_ops)
+        stash += sum(r.new_bytes.at(micro_batch) for r in kept)
+        skipped += price(m, kept) if kept else 0.0
+    # a stored output that is the block's own output is held once: the next block counts it
+    outputs = trace.module(fqn).output_bytes_by_class
+    stash -= sum(outputs[c].at(micro_batch) for c in save_ops if c in outputs)
+    return max(0.0, stash), skipped, total
+
+
+def selective_blocks(trace: ModelTrace, t: CostTables, units: tuple[Unit, ...], micro_batch: int, param_dtype: str,
+                     price: Callable[[ModuleTrace, tuple], float]) -> SelectiveBlocks | None:
+    """The :class:`SelectiveBlocks` of ``units`` segmented as ``t``; None when no unit is selective."""
+    if not any(is_selective(u.activation_checkpoint) for u in units):
+        return None
+    scale = dtype_bytes(param_dtype) / dtype_bytes(trace.compute_dtype)  # memory.py [Note: Activations]
+    stash, share = [], []
+    for blk in t.blocks:
+        u = units[blk.unit]
+        if not (blk.unit_module and is_selective(u.activation_checkpoint)):
+            stash.append(0.0)
+            share.append(0.0)
+            continue
+        s, skipped, total = subtree_selective(trace, blk.fqn, u.ac_save_ops, micro_batch, price)
+        stash.append(s * scale)
+        share.append(min(1.0, skipped / total) if total > 0 else 0.0)
+    return SelectiveBlocks(stash=tuple(stash), skipped_share=tuple(share))
+
+
+def flops_price(micro_batch: int) -> Callable[[ModuleTrace, tuple | None], float]:
+    """Prices records by their traced FLOPs (the module's own forward FLOPs for ``None``)."""
+    def price(m: ModuleTrace, records) -> float:
+        if records is None:
+            return m.fwd_flops_self.at(micro_batch)
+        return sum(r.flops.at(micro_batch) for r in records)
+    return price

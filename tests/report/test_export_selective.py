@@ -1,0 +1,80 @@
+"""Exports of plans with selective activation checkpointing: torchtitan's ``mode = "selective"`` with
+``selective_ac_option = "op"`` (or k for every k-th block), notes where Accelerate and DeepSpeed cannot
+say it, and FSDP2 code that checkpoints selectively as apply_plan does."""
+
+import tomllib
+from dataclasses import replace
+
+import pytest
+import torch
+
+from shard_planner.modelfile import load_model_file
+from shard_planner.plan import Unit
+from shard_planner.report.export import export_plan, model_info_from_trace
+from shard_planner.trace.kernel_ops import op_class
+from tests.models.report_fixtures import make_plan, make_trace
+from tests.report.test_export import GPT2, gpt2_plan
+
+pytestmark = pytest.mark.usefixtures("in_repository_root")
+SEL = "selective"
+
+
+def _with_blocks(modes, save_ops=()):
+    base = make_plan(len(modes), checkpoint_every=0)
+    units = [replace(u, activation_checkpoint=modes[int(u.modules[0].split(".")[1])],
+                     ac_save_ops=save_ops if modes[int(u.modules[0].split(".")[1])] == SEL else ())
+             if u.modules[0].startswith("blocks.") else u for u in base.units]
+    return replace(base, units=tuple(units))
+
+
+def test_torchtitan_op_level_selective():
+    export = export_plan(_with_blocks([SEL] * 4), "torchtitan")
+    ac = tomllib.loads(export.text)["activation_checkpoint"]
+    assert ac == {"mode": "selective", "selective_ac_option": "op"}
+    assert any("every second mm" in n for n in export.notes)
+
+
+def test_torchtitan_every_kth_block_stays_k_and_mixed_selective_is_noted():
+    every3 = tomllib.loads(export_plan(_with_blocks([False, False, True] * 2), "torchtitan").text)
+    assert every3["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "3"}
+    mixed = export_plan(_with_blocks([SEL, True, SEL, False]), "torchtitan")
+    assert tomllib.loads(mixed.text)["activation_checkpoint"]["selective_ac_option"] == "op"
+    assert any("2 of 4 blocks selectively" in n for n in mixed.notes)
+    other = export_plan(_with_blocks([SEL] * 2, ("matmul", "elementwise")), "torchtitan")
+    assert any("saves op classes matmul, elementwise" in n for n in other.notes)
+
+
+def test_accelerate_and_deepspeed_say_they_cannot_express_selective():
+    plan = _with_blocks([SEL] * 4)
+    info = model_info_from_trace(make_trace(4))
+    acc = export_plan(plan, "accelerate", info)
+    assert any("no per-op policy" in n for n in acc.notes)
+    ds = export_plan(plan, "deepspeed", info)
+    assert any("DeepSpeed has no per-op checkpointing policy" in n for n in ds.notes)
+    assert not any("selectively" in n for n in export_plan(_with_blocks([True] * 4), "deepspeed", info).notes)
+
+
+@pytest.mark.parametrize("fake_world", [8], indirect=True)
+def test_fsdp2_export_checkpoints_selectively_like_apply_plan(fake_world):
+    from shard_planner.execute.apply import apply_plan, describe_sharding
+
+    plan = gpt2_plan([Unit(("",), False), Unit(("blocks.0",), True, SEL), Unit(("blocks.1",), True, True),
+                      *(Unit((f"blocks.{i}",), True, SEL) for i in (2, 3))])
+    mf = load_model_file(GPT2)
+    reference = describe_sharding(apply_plan(mf.build(), plan, fake_world))
+    source = export_plan(plan, "fsdp2").text
+    namespace: dict = {}
+    exec(compile(source, "apply_sharding.py", "exec"), namespace)
+    model = namespace["apply_sharding"](mf.build(), fake_world)
+    assert [u.modules for u in describe_sharding(model)] == [u.modules for u in reference]
+    assert [u.activation_checkpoint for u in reference if u.modules != ("",)] == [SEL, True, SEL, SEL]
+    # the generated policy keeps exactly the ops of the saved classes, by the tracer's classification
+    saved = namespace["SAVED_OPS"]
+    for func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.gelu.default,
+                 torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, torch.ops.aten.add.Tensor):
+        kept = namespace["_save_policy"](None, func).name == "MUST_SAVE"
+        assert kept == (op_class(func, torch.empty(1)) in ("matmul", "attention_fwd")), func
+    assert "mm" in saved
+    inputs, targets = mf.batch(2)
+    mf.loss(model(*inputs), targets).backward()
+    assert all(p.grad is not None for p in model.parameters())
