@@ -18,8 +18,12 @@ collections", https://docs.python.org/3/library/gc.html#gc.freeze). So:
   frees everything it frees today; objects are not kept alive by this).
 - :func:`without_collections` wraps the stretches that mostly build objects that stay (the heavy imports,
   the trace with its import of torch._dynamo, the report with matplotlib): no collections during them,
-  and what they leave is frozen at their end. Their cyclic garbage waits for the end of the command; on
-  Llama 8B the process's peak memory is the same (it is set by the trace's tables, not by garbage).
+  and what they leave is frozen at their end. Their cyclic garbage waits for the end of the command: the
+  process's peak memory grows by about 2% (447 -> 456 MB planning Llama 70B, 466 -> 475 MB for
+  transformers' Llama 8B).
+
+Measured on ``plan`` of Llama 8B / 8 GPUs / 40GB: 7.9 -> 6.2 s of CPU for the whole command, the plan and
+the report unchanged; the collector then runs about 0.1 s in all.
 """
 
 from __future__ import annotations
