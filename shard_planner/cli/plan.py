@@ -8,15 +8,18 @@ import logging
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shard_planner.cli.args import add_hf_arguments, byte_size, hf_options, positive_float, positive_int
+from shard_planner.cli.collector import command_collector, without_collections
 from shard_planner.fileio import check_output_dir, check_output_file
 from shard_planner.plan import Plan, report_dir_for, save_plan, with_model_located
-from shard_planner.solve.request import PlanRequest, PlanResult
 from shard_planner.units import DTYPE_NAMES, format_bytes
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:  # the planner (torch, CP-SAT) is imported when the command runs, not to build the parser
+    from shard_planner.solve.request import PlanResult
 
+logger = logging.getLogger(__name__)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -60,20 +63,28 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shard_planner.modelfile import load_unless_trace, training_defaults
-    from shard_planner.solve import plan_model
-    from shard_planner.timings import load_priced_profile
-    from shard_planner.trace import trace_model, trace_or_load
-    from shard_planner.trace.files import trace_model_file
+    with command_collector():  # see [Note: the collector during a command]
+        return _run(args)
 
+
+def _run(args: argparse.Namespace) -> int:
     check_output_file(args.output, "plan")
     if args.report:
         check_output_dir(_report_dir(args), "report")
     t0 = time.perf_counter()
-    profile = load_priced_profile(args.profile, args.timings)
-    dtype = DTYPE_NAMES[args.dtype]
-    model_file = load_unless_trace(args.model, hf_options(args))
-    trace = trace_or_load(args.model, dtype=dtype) if model_file is None else trace_model(model_file, dtype=dtype)
+    with without_collections():
+        from shard_planner.modelfile import load_unless_trace, training_defaults
+        from shard_planner.solve import PlanRequest, plan_model
+        from shard_planner.timings import load_priced_profile
+        from shard_planner.trace import trace_model, trace_or_load
+        from shard_planner.trace.files import trace_model_file
+
+        import_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        profile = load_priced_profile(args.profile, args.timings)
+        dtype = DTYPE_NAMES[args.dtype]
+        model_file = load_unless_trace(args.model, hf_options(args))
+        trace = trace_or_load(args.model, dtype=dtype) if model_file is None else trace_model(model_file, dtype=dtype)
     trace_s = time.perf_counter() - t0
     # A plan made from a trace.json records the trace's model file (never the trace), and uses the TRAINING
     # defaults the trace carries from it.
@@ -93,18 +104,21 @@ def run(args: argparse.Namespace) -> int:
     report_s = None
     if args.report:
         t1 = time.perf_counter()
-        out = _write_report(result, _report_dir(args), trace, profile)
+        with without_collections():
+            out = _write_report(result, _report_dir(args), trace, profile)
         report_s = time.perf_counter() - t1
         if out is not None:
             print(f"report: {out}")
-    print(f"time: {time_line(result, trace_s, report_s)}")
+    print(f"time: {time_line(result, trace_s, report_s, import_s)}")
     return 0
 
 
-def time_line(result: PlanResult, trace_s: float | None, report_s: float | None) -> str:
-    """Where the time went, in one line: trace, the planner's stages, the report."""
+def time_line(result: PlanResult, trace_s: float | None, report_s: float | None, import_s: float | None = None) -> str:
+    """Where the time went, in one line: importing the planner (torch, CP-SAT), trace, the planner's
+    stages, the report (matplotlib's import included)."""
     t = result.timings
-    parts = ([f"trace {trace_s:.2f} s"] if trace_s is not None else []) + [
+    parts = ([f"imports {import_s:.2f} s"] if import_s is not None else []) + (
+        [f"trace {trace_s:.2f} s"] if trace_s is not None else []) + [
         f"screen {t.screen_s:.2f} s", f"solve {t.solve_s:.2f} s", f"frontier {t.frontier_s:.2f} s",
         f"baselines {t.baselines_s:.2f} s", f"polish {t.polish_s:.2f} s", f"simplify {t.simplify_s:.2f} s",
     ] + ([f"report {report_s:.2f} s"] if report_s is not None else [])
@@ -139,7 +153,7 @@ def summary(result: PlanResult | Plan, profile) -> str:
     plan, what that costs against the fastest it found)."""
     from shard_planner.solve import summarize_units
 
-    plan = result.plan if isinstance(result, PlanResult) else result
+    plan = result if isinstance(result, Plan) else result.plan
     pr = plan.predicted
     budget = profile.tensor_budget_bytes(plan.cluster.mem_budget_bytes)
     tr = plan.training
