@@ -248,8 +248,14 @@ class _MemoryWalk:
                 self.peak_event = (what, who, phase, snap)
 
     def run(self) -> MemoryEstimate:
+        self.handlers = self.dispatch()
+        self.walk(self.schedule.events)
+        return self.result()
+
+    def dispatch(self) -> list:
+        """The handler of each event kind, indexed by the kind (an IntEnum): the hot loop's dispatch."""
         K = EventKind
-        handlers: list = [None] * len(K)  # indexed by the kind (an IntEnum): the hot loop's dispatch
+        handlers: list = [None] * len(K)
         handlers[K.PRE_FORWARD], handlers[K.ALL_GATHER], handlers[K.ALL_GATHER_WAIT] = (
             self.pre_forward, self.all_gather, self.wait)
         handlers[K.FORWARD], handlers[K.RESHARD], handlers[K.FORWARD_END] = self.forward, self.reshard, self.forward_end
@@ -257,9 +263,13 @@ class _MemoryWalk:
         handlers[K.BACKWARD], handlers[K.POST_BACKWARD], handlers[K.BACKWARD_END] = (
             self.backward, self.post_backward, self.backward_end)
         handlers[K.OPTIMIZER] = self.optimizer
-        for ev in self.schedule.events:
+        return handlers
+
+    def walk(self, events) -> None:
+        """Handle ``events`` in order (cost/accumulation.py walks one step's events once per micro-step)."""
+        handlers = self.handlers
+        for ev in events:
             handlers[ev.kind](ev)
-        return self.result()
 
     # ---- all-gathers and resharding: see [Note: All-gather buffers] ----
     def issue(self, u: int, phase: str) -> None:

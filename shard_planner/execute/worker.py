@@ -49,13 +49,14 @@ import torch.distributed as dist
 
 from shard_planner.argtypes import non_negative_int, positive_float, positive_int
 from shard_planner.errors import RunError, UserError, first_line
+from shard_planner.execute.accumulate import batch_index, set_micro_step
 from shard_planner.execute.apply import apply_plan, build_mesh
 from shard_planner.execute.memtrack import StorageTracker
 from shard_planner.execute.runner import with_prediction
 from shard_planner.measurement import Measurement, RankMemory, plan_fingerprint, save_measurement
 from shard_planner.hf import HfOptions, config_file
 from shard_planner.modelfile import ModelFile, load_model_file, map_inputs
-from shard_planner.plan import OPTIMIZER_TORCH, Plan, load_plan
+from shard_planner.plan import OPTIMIZER_TORCH, Plan, Training, load_plan
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +182,7 @@ def train_and_measure(plan: Plan, model_path: str, options: RunOptions, device: 
     status.progress("build")
     model = apply_plan(build_on_device(model_file, device), plan, mesh)
     optimizer = make_optimizer(plan, model.parameters())
-    step = _Stepper(model_file, model, optimizer, plan.training.micro_batch, rank, device)
+    step = _Stepper(model_file, model, optimizer, plan.training, rank, device)
 
     losses = []
     for s in range(options.warmup):
@@ -222,12 +223,14 @@ def train_and_measure(plan: Plan, model_path: str, options: RunOptions, device: 
 
 
 class _Stepper:
-    """One training step on synthetic batch ``s``: zero_grad, forward + loss, backward, optimizer step;
-    returns the loss. While ``tracker`` is set it is told the phase (forward / backward / optimizer)."""
+    """One optimizer step ``s``: zero_grad, then per micro-step (``training.accumulation_steps``, see
+    execute/accumulate.py) its synthetic batch, forward + loss, backward; then the optimizer step.
+    Returns the loss (the micro-steps' mean). While ``tracker`` is set it is told the phase (forward /
+    backward / optimizer)."""
 
-    def __init__(self, model_file, model, optimizer, micro_batch: int, rank: int, device: torch.device):
+    def __init__(self, model_file, model, optimizer, training: Training, rank: int, device: torch.device):
         self.model_file, self.model, self.optimizer = model_file, model, optimizer
-        self.micro_batch, self.rank, self.device = micro_batch, rank, device
+        self.training, self.micro_batch, self.rank, self.device = training, training.micro_batch, rank, device
         self.tracker: StorageTracker | None = None
 
     def _phase(self, name: str) -> None:
@@ -235,14 +238,22 @@ class _Stepper:
             self.tracker.phase = name
 
     def __call__(self, s: int) -> torch.Tensor:
-        inputs, targets = make_step_batch(self.model_file, self.micro_batch, s, self.rank, self.device)
         self.optimizer.zero_grad(set_to_none=True)
+        n = self.training.accumulation_steps
+        losses = [self._micro_step(s, m) for m in range(n)]
+        self._phase("optimizer")
+        self.optimizer.step()
+        return losses[0] if n == 1 else torch.stack(losses).mean()
+
+    def _micro_step(self, s: int, m: int) -> torch.Tensor:
+        set_micro_step(self.model, self.training, m)
+        inputs, targets = make_step_batch(self.model_file, self.micro_batch, batch_index(self.training, s, m),
+                                          self.rank, self.device)
         self._phase("forward")
         loss = self.model_file.loss(self.model_file.forward(self.model, inputs), targets)
         self._phase("backward")
-        loss.backward()
-        self._phase("optimizer")
-        self.optimizer.step()
+        n = self.training.accumulation_steps
+        (loss if n == 1 else loss / n).backward()  # a mean over the global batch: execute/accumulate.py
         return loss.detach()
 
 
