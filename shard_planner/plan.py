@@ -287,6 +287,18 @@ class Plan:
         return self.training.micro_batch * self.training.accumulation_steps * self.mesh.world_size
 
     @property
+    def accumulation_text(self) -> str:
+        """For people: "" without accumulation, else e.g. ``global batch 512 = micro-batch 4 x 16 micro-steps x
+        8 GPUs, gradients reduce-scattered on the last micro-step only, parameters kept gathered between them``."""
+        tr = self.training
+        if tr.accumulation_steps == 1:
+            return ""
+        sync = "every micro-step" if tr.gradient_sync == GRADIENT_SYNCS[0] else "the last micro-step only"
+        kept = ", parameters kept gathered between them" if tr.keep_params_gathered else ""
+        return (f"global batch {self.global_batch_samples} = micro-batch {tr.micro_batch} x {tr.accumulation_steps} "
+                f"micro-steps x {self.mesh.world_size} GPUs, gradients reduce-scattered on {sync}{kept}")
+
+    @property
     def inner_units(self) -> tuple[Unit, ...]:
         """Every unit but the root, in forward order."""
         return tuple(u for u in self.units if not u.is_root)
