@@ -201,7 +201,7 @@ class _AccumulationWalk(_MemoryWalk):
         if ev.block < 0:  # the root's, from the final callback: every block's backward is done
             self.flow = 0.0
             cat[_AC] = self.batch_bytes + max(self.saved_sum, 0.0)
-        if not self.step.keep and st.sharding is Sharding.UNSHARDED:
+        if self.reshards_after_backward() and st.sharding is Sharding.UNSHARDED:
             cat[_UP] -= x.unsharded
             st.sharding = Sharding.SHARDED
         new = st.grad_bytes
@@ -214,6 +214,9 @@ class _AccumulationWalk(_MemoryWalk):
             self.acc[u] = x.rs_input
             self.record("hold gradients", self.t.unit_names[u], "backward")
         cat[_GR] -= new
+
+    def reshards_after_backward(self) -> bool:
+        return not self.step.keep
 
     def optimizer(self, ev) -> None:
         super().optimizer(ev)

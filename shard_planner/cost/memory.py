@@ -402,7 +402,7 @@ class _MemoryWalk:
         if ev.block < 0:  # the root's, from the final callback: every block's backward is done
             self.flow = 0.0
             cat[_AC] = self.batch_bytes + max(self.saved_sum, 0.0)
-        if st.sharding is Sharding.UNSHARDED:
+        if st.sharding is Sharding.UNSHARDED and self.reshards_after_backward():
             cat[_UP] -= x.unsharded
             st.sharding = Sharding.SHARDED
         if self.held_reduce_scatter:
@@ -426,6 +426,10 @@ class _MemoryWalk:
             cat[_GR] += x.sharded_grad
         if self.plan.mesh.replicate > 1 and x.grad_cast:
             cat[_CB] += x.rs_output  # kept for the replica all-reduce (FSDPParamGroup._all_reduce_state)
+
+    def reshards_after_backward(self) -> bool:
+        """FSDP2's ``reshard_after_backward`` (True; cost/accumulation.py keeps parameters between micro-steps)."""
+        return True
 
     def backward_end(self, ev) -> None:
         if self.held_reduce_scatter:

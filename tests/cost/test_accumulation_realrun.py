@@ -54,6 +54,9 @@ def _configs():
         "3 micro-steps, deferred sync, parameters kept, mb 8": _mlp(fp, n=3, sync=LAST, keep=True, mb=8),
         "2 micro-steps, sync every step, parameters kept, fp32": _mlp(fp, n=2, sync=EVERY, keep=True, pd="float32",
                                                                     mb=256),
+        "3 micro-steps, sync every step, parameters kept, mb 8": _mlp(fp, n=3, sync=EVERY, keep=True, mb=8),
+        "2 micro-steps, deferred sync, kept, 2 parameters per unit, fp32": _mlp(fp, n=2, sync=LAST, keep=True,
+                                                                              grouped=True, pd="float32", mb=8),
         "gpt2 tiny (traced), 2 micro-steps, deferred sync": _gpt2(n=2, sync=LAST),
         "gpt2 tiny (traced), 2 micro-steps, sync every step": _gpt2(n=2, sync=EVERY),
     }
