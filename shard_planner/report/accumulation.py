@@ -50,12 +50,15 @@ def draw_micro_steps(ax, events: Sequence[MemoryEvent], scale: float, unit: str)
     if not spans:
         return
     held = dict(held_gradient_bytes(events))
+    n = spans[0][1]
+    middle = f"; micro-step 2 stands for 2..{n - 1}" if n > 3 else ""
+    ax.set_xlabel(f"event in one optimizer step of {n} micro-steps (index, in execution order{middle})")
     for k, n, lo, hi in spans:
         if lo:
             ax.axvline(lo - 0.5, color="#555555", ls="--", lw=0.8, zorder=3, gid=f"micro-step:{k}")
-        name = f"micro-step {k}/{n}" if k in (1, n) or n == 3 else f"micro-step {k}/{n} (x{n - 2}: 2..{n - 1})"
-        ax.text((lo + hi) / 2, 0.02, name, transform=ax.get_xaxis_transform(), ha="center", va="bottom",
-                fontsize=8, color="#333333", zorder=6)
+        name = f"micro-step {k}/{n}" if k in (1, n) or n == 3 else f"micro-steps 2..{n - 1} of {n}"
+        ax.text(lo, 0.86, f" {name}", transform=ax.get_xaxis_transform(), ha="left", va="top", fontsize=8,
+                color="#333333", zorder=6)  # at its start: the peak's label is mostly mid-span
         if lo in held:
             ax.annotate(f"gradients held: {held[lo] / scale:.3g} {unit}", (lo - 0.5, held[lo] / scale),
                         xytext=(4, 4), textcoords="offset points", fontsize=7, color="#222222", zorder=6,

@@ -234,8 +234,8 @@ def plot_memory_timeline(memory: MemoryEstimate, budget: ReportBudget, title: st
                 va="bottom", fontsize=8, zorder=6,
                 bbox=dict(boxstyle="round,pad=0.25", fc="white", ec="#999999", alpha=0.95))
     draw_budget(ax, budget, scale, vertical=False)
-    draw_micro_steps(ax, events, scale, unit)  # gradient accumulation: report/accumulation.py
     ax.set_xlabel("event in one training step (index, in execution order)")
+    draw_micro_steps(ax, events, scale, unit)  # gradient accumulation: report/accumulation.py
     ax.set_ylabel(f"live memory per GPU ({unit})")
     ax.set_title(title or "Memory over one training step (predicted)")
     ax.grid(True, axis="y", alpha=0.3)
