@@ -31,7 +31,12 @@ torch/distributed/fsdp/_fully_shard/_fully_shard.py and _fsdp_param_group.py ``p
   way every unit holds ``float numel x reduce-dtype bytes`` of unsharded gradients (its reduce-scatter
   input's size) from its first post-backward until the last micro-step's reduce-scatter copies them
   in: these are the "grads" the report's timeline shows growing in micro-step 1 and staying through
-  micro-steps 2..n. The last micro-step reduce-scatters the accumulated gradients once.
+  micro-steps 2..n. The last micro-step reduce-scatters the accumulated gradients once. In the in-place
+  case a held gradient that garbage from the micro-step before still references (cost/memory.py
+  [Note: Measured peaks move by one activation]) makes ``AccumulateGrad`` add out of place, one
+  parameter's gradient more for a moment: seen once in a dozen real runs of the fp32 configurations
+  of tests/cost/test_accumulation_realrun.py (+64 KiB on both ranks); the simulator predicts the
+  prompt case.
 
 [Note: Held through the reduce-scatter]
   Without accumulation one gradient (the last autograd produced for the unit) stays referenced through
@@ -153,19 +158,17 @@ class _AccumulationWalk(_MemoryWalk):
 
     def backward(self, ev) -> None:
         """Equal dtypes, gradients held: autograd adds the new gradients into them in place, so they are
-        live only during the block's backward ([Note: Deferred gradient sync]), and not on top of its other
-        temporaries: the block's rise is the larger of the two, not their sum (measured, cost_mlp fp32:
-        the sum over-counts by one activation)."""
-        i = ev.block
-        blk = self.t.blocks[i]
+        live only during the block's backward ([Note: Deferred gradient sync]). While it runs they are
+        counted on top of its traced rise, as without accumulation: exact where the weight gradient meets
+        the block's largest temporary (measured: cost_mlp's head), one activation high where that was freed
+        first (its GELU blocks: +2.3% at micro-batch 64), never low."""
+        blk = self.t.blocks[ev.block]
         held = not self.converts and self.acc[blk.unit]
         if not held:
             return super().backward(ev)
         before = self.cat[_GR]
         owners = (blk.unit, *blk.nested)
         grads = [self.units[u].grad_bytes for u in owners]
-        new = self.acts.own_grads[i] + sum(self.t.unit_float_numel[v] * self.param_elem for v in blk.nested)
-        self.cat[_GR] -= min(self.acts.bwd_rise[i], new)  # the walk adds rise + new: leaves max(rise, new)
         super().backward(ev)
         self.cat[_GR] = before
         for u, g in zip(owners, grads):
