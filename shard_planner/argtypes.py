@@ -52,3 +52,20 @@ def byte_size(text: str) -> int:
     except UserError:
         raise argparse.ArgumentTypeError(
             f"must be a positive memory size such as 40GB, 80GiB or 512MB, got {text!r}") from None
+
+
+_TOKEN_SUFFIXES = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def token_count(text: str) -> int:
+    """``type=`` for token counts: ``4194304``, or with K, M, G as powers of 1024 (``4M`` = 4,194,304: the
+    "4M tokens" global batch of the Llama papers is 2048 sequences of 2048 tokens)."""
+    t = text.strip().upper().removesuffix("-TOKENS").removesuffix("TOKENS")
+    suffix = t[-1:] if t[-1:] in _TOKEN_SUFFIXES else ""
+    try:
+        value = int(t[: len(t) - len(suffix)]) * _TOKEN_SUFFIXES[suffix]
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive number of tokens such as 4194304 or 4M, got {text!r}")
+    return value

@@ -36,6 +36,9 @@ OPTIMIZER_TORCH = {"adamw": ("AdamW", {}), "adam": ("Adam", {}), "sgd": ("SGD", 
                    "sgd_momentum": ("SGD", {"momentum": 0.9})}
 OPTIMIZERS = tuple(OPTIMIZER_TORCH)
 DTYPES = ("float32", "bfloat16", "float16")
+# Training.gradient_sync: FSDP2 reduce-scatters every micro-step's gradients, or only the last one's
+# (``set_requires_gradient_sync(False)`` on the others: unsharded gradients held in between).
+GRADIENT_SYNCS = ("every_micro_step", "last_micro_step")
 MEMORY_CATEGORIES = (
     "sharded_params",
     "unsharded_params",
@@ -167,10 +170,25 @@ class Training:
     reduce_dtype: str = "float32"  # MixedPrecisionPolicy.reduce_dtype: gradient reduce-scatter dtype
     cpu_offload: bool = False  # CPUOffloadPolicy: sharded params, grads and optimizer states on the host
     lr: float = 1e-3
+    # Gradient accumulation (cost/accumulation.py): micro-steps per optimizer step; whether gradients are
+    # reduce-scattered every micro-step or only on the last (GRADIENT_SYNCS); whether parameters stay
+    # gathered from one micro-step's backward to the next forward (set_reshard_after_backward(False) on
+    # all but the last). The global batch is micro_batch x accumulation_steps x mesh.world_size samples.
+    accumulation_steps: int = 1
+    gradient_sync: str = "every_micro_step"
+    keep_params_gathered: bool = False
 
     def __post_init__(self):
         _require(isinstance(self.micro_batch, int) and self.micro_batch >= 1,
                  f"training.micro_batch must be a positive int, got {self.micro_batch!r}")
+        _require(isinstance(self.accumulation_steps, int) and not isinstance(self.accumulation_steps, bool)
+                 and self.accumulation_steps >= 1,
+                 f"training.accumulation_steps must be a positive int, got {self.accumulation_steps!r}")
+        _require(self.gradient_sync in GRADIENT_SYNCS,
+                 f"training.gradient_sync must be one of {', '.join(GRADIENT_SYNCS)}, got {self.gradient_sync!r}")
+        _require(self.accumulation_steps > 1 or (self.gradient_sync == GRADIENT_SYNCS[0] and not self.keep_params_gathered),
+                 "training.gradient_sync and keep_params_gathered apply between micro-steps: with "
+                 "accumulation_steps 1 they must be \"every_micro_step\" and false")
         _require(self.optimizer in OPTIMIZERS, f"training.optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         for name in ("param_dtype", "reduce_dtype"):
             _require(getattr(self, name) in DTYPES, f"training.{name} must be one of {', '.join(DTYPES)}")
@@ -179,7 +197,7 @@ class Training:
 @dataclass(frozen=True)
 class Prediction:
     peak_bytes: int
-    step_time_s: float
+    step_time_s: float  # one optimizer step: every micro-step of accumulation and the optimizer's step
     memory_at_peak: dict[str, int]  # bytes by category, MEMORY_CATEGORIES
     samples_per_s: float
     tokens_per_s: float | None = None
@@ -282,6 +300,23 @@ class Plan:
         return next(u for u in self.units if u.is_root)
 
     @property
+    def global_batch_samples(self) -> int:
+        """Samples per optimizer step over the cluster: micro-batch x accumulation steps x data-parallel ranks."""
+        return self.training.micro_batch * self.training.accumulation_steps * self.mesh.world_size
+
+    @property
+    def accumulation_text(self) -> str:
+        """For people: "" without accumulation, else e.g. ``global batch 512 = micro-batch 4 x 16 micro-steps x
+        8 GPUs, gradients reduce-scattered on the last micro-step only, parameters kept gathered between them``."""
+        tr = self.training
+        if tr.accumulation_steps == 1:
+            return ""
+        sync = "every micro-step" if tr.gradient_sync == GRADIENT_SYNCS[0] else "the last micro-step only"
+        kept = ", parameters kept gathered between them" if tr.keep_params_gathered else ""
+        return (f"global batch {self.global_batch_samples} = micro-batch {tr.micro_batch} x {tr.accumulation_steps} "
+                f"micro-steps x {self.mesh.world_size} GPUs, gradients reduce-scattered on {sync}{kept}")
+
+    @property
     def inner_units(self) -> tuple[Unit, ...]:
         """Every unit but the root, in forward order."""
         return tuple(u for u in self.units if not u.is_root)
@@ -316,6 +351,9 @@ class Plan:
         for u in d["units"]:  # written for selective units only: other units' JSON stays as before
             if not u["ac_save_ops"]:
                 del u["ac_save_ops"]
+        if self.training.accumulation_steps == 1:  # plans without accumulation read as they did before it
+            for name in _ACCUMULATION_FIELDS:
+                d["training"].pop(name)
         return d
 
     def to_json(self) -> str:
@@ -335,6 +373,8 @@ class Plan:
         return Section(Plan, PLAN_RULES).load(d, "")
 
 
+_ACCUMULATION_FIELDS = ("accumulation_steps", "gradient_sync", "keep_params_gathered")
+
 # What each plan-file field may hold beyond its type hint ("Class.field" -> kind); plan_schema reads the
 # rest from the dataclasses above. One table, so every command reads a plan file the same way.
 _COUNT, _BYTES, _SECONDS = Int(least=1), Int(least=0), Number(non_negative=True)
@@ -344,6 +384,7 @@ PLAN_RULES = {
     "Mesh.shard": _COUNT, "Mesh.replicate": _COUNT,
     "Training.micro_batch": _COUNT, "Training.optimizer": Text(OPTIMIZERS),
     "Training.param_dtype": Text(DTYPES), "Training.reduce_dtype": Text(DTYPES), "Training.lr": Number(positive=True),
+    "Training.accumulation_steps": _COUNT, "Training.gradient_sync": Text(GRADIENT_SYNCS),
     "Unit.modules": ListOf(Text(), min_len=1),
     "Unit.reshard_after_forward": AnyOf(Bool(), Int(least=2), wanted="true, false or an integer >= 2"),
     "Unit.activation_checkpoint": AnyOf(Bool(), Text((SELECTIVE,)), wanted='true, false or "selective"'),

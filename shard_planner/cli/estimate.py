@@ -96,7 +96,8 @@ def report(plan: Plan, profile, est) -> str:
         f"plan: {len(plan.units)} units, {plan.mesh.description}, "
         f"micro-batch {tr.micro_batch}, {tr.optimizer}, params {tr.param_dtype} / reduce {tr.reduce_dtype}"
         f"{', CPU offload' if tr.cpu_offload else ''}; profile {profile.name}"
-        f"{'; compute from measured module times' if profile.module_timings is not None else ''}",
+        f"{'; compute from measured module times' if profile.module_timings is not None else ''}"
+        f"{'; ' + plan.accumulation_text if plan.accumulation_text else ''}",
         f"peak memory per GPU: {format_bytes(mem.peak_bytes)} at \"{mem.peak_event}\" — {fits} in "
         f"{format_bytes(budget)} ({profile.usable_reason(plan.cluster.mem_budget_bytes)})",
     ]
@@ -105,7 +106,7 @@ def report(plan: Plan, profile, est) -> str:
         share = 100 * v / mem.peak_bytes if mem.peak_bytes else 0.0
         lines.append(f"  {cat:18s} {format_bytes(v):>12s}  {share:5.1f}%")
     lines.append(
-        f"step time: {_ms(t.step_time_s)} (compute {_ms(t.compute_s)}, communication {_ms(t.comm_s)} of which "
+        f"{'optimizer step' if tr.accumulation_steps > 1 else 'step'} time: {_ms(t.step_time_s)} (compute {_ms(t.compute_s)}, communication {_ms(t.comm_s)} of which "
         f"exposed {_ms(t.exposed_comm_s)}, optimizer {_ms(t.optimizer_s)})")
     lines.append(f"throughput: {est.prediction().throughput_text} over {plan.mesh.world_size} GPUs, "
                  f"MFU {100 * t.mfu:.1f}%")

@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from shard_planner.argtypes import token_count
 from shard_planner.cli.args import add_hf_arguments, byte_size, hf_options, positive_float, positive_int
 from shard_planner.cli.collector import command_collector, without_collections
 from shard_planner.fileio import check_output_dir, check_output_file
@@ -50,6 +51,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                        "trace.json carries too, else 1)")
     batch.add_argument("--search-batch", action="store_true",
                        help="also choose the micro-batch that maximises throughput")
+    gb = p.add_mutually_exclusive_group()
+    gb.add_argument("--global-batch", type=positive_int, default=None, metavar="N",
+                    help="samples per optimizer step over all GPUs: the plan reaches it as micro-batch x gradient "
+                    "accumulation steps x GPUs, choosing the micro-batch (or using --batch-size), the steps and "
+                    "whether gradients sync every micro-step or only on the last; an N no plan can reach is refused "
+                    "with the nearest that work")
+    gb.add_argument("--global-batch-tokens", type=token_count, default=None, metavar="N",
+                    help="the same in tokens (samples x the model's sequence length), e.g. 4194304 or 4M (K, M, G: "
+                    "powers of 1024)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_NAMES), help="mixed-precision param dtype (default bf16)")
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default plan.json)")
     p.add_argument("--time-limit", type=positive_float, default=1.0, metavar="S",
@@ -90,12 +100,15 @@ def _run(args: argparse.Namespace) -> int:
     # defaults the trace carries from it.
     model_path = args.model if model_file is not None else trace_model_file(trace, args.model)
     defaults = training_defaults(model_file) if model_file is not None else _trace_defaults(trace)
+    global_batch = args.global_batch or args.global_batch_tokens
     req = PlanRequest(gpus=args.gpus, mem_budget_bytes=args.mem, profile=profile,
                       gpus_per_node=args.gpus_per_node or profile.interconnect.gpus_per_node,
-                      micro_batch=args.batch_size or (None if args.search_batch else defaults.micro_batch),
+                      # a global batch searches the micro-batch unless --batch-size fixes it
+                      micro_batch=args.batch_size or (None if args.search_batch or global_batch else defaults.micro_batch),
                       search_batch=args.search_batch, optimizer=defaults.optimizer, param_dtype=dtype,
                       time_limit_s=args.time_limit, model_path=model_path, profile_name=args.profile,
-                      timings_path=args.timings)
+                      timings_path=args.timings, global_batch_samples=args.global_batch,
+                      global_batch_tokens=args.global_batch_tokens)
     result = plan_model(trace, req)
     result = replace(result, plan=with_model_located(result.plan, args.output))
     save_plan(result.plan, args.output)
@@ -161,6 +174,8 @@ def summary(result: PlanResult | Plan, profile) -> str:
              f"micro-batch {tr.micro_batch}, "
              f"prefetch forward {plan.prefetch.forward} / backward {plan.prefetch.backward}"
              f"{', CPU offload' if tr.cpu_offload else ''}"]
+    if plan.accumulation_text:
+        lines.append(f"  {plan.accumulation_text}")
     lines += [f"  {line}" for line in summarize_units(plan.units)]
     lines.append(f"predicted peak {format_bytes(pr.peak_bytes)} per GPU of {format_bytes(budget)} usable "
                  f"({100 * pr.peak_bytes / budget:.0f}%; {profile.usable_reason(plan.cluster.mem_budget_bytes)}), "
@@ -169,7 +184,8 @@ def summary(result: PlanResult | Plan, profile) -> str:
                          pr.memory_at_peak.items(), key=lambda kv: -kv[1])[:3]))
     mfu = f", MFU {100 * pr.mfu:.0f}%" if pr.mfu else ""
     priced = f" (compute from measured module times, {plan.cluster.timings})" if plan.cluster.timings else ""
-    lines.append(f"predicted step {pr.step_time_s * 1e3:.1f} ms, {pr.throughput_text} on {plan.cluster.gpus} GPUs{mfu}"
+    step = "optimizer step" if tr.accumulation_steps > 1 else "step"
+    lines.append(f"predicted {step} {pr.step_time_s * 1e3:.1f} ms, {pr.throughput_text} on {plan.cluster.gpus} GPUs{mfu}"
                  f"{priced}")
     fitting = [b for b in plan.baselines if b.fits]
     if fitting:

@@ -40,6 +40,7 @@ import math
 from dataclasses import dataclass
 
 from shard_planner.comm import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CollectiveBytes
+from shard_planner.cost.accumulation import micro_steps
 from shard_planner.dtypes import FLOAT_DTYPES, dtype_bytes
 from shard_planner.plan import Plan
 
@@ -61,11 +62,11 @@ def padded_numel(shape: ParamShape, shard_size: int) -> int:
     return math.ceil(shape.dim0 / shard_size) * shard_size * (shape.numel // shape.dim0)
 
 
-def _add(totals: dict, collective: str, group_size: int, nbytes: int) -> None:
+def _add(totals: dict, collective: str, group_size: int, nbytes: int, times: int = 1) -> None:
     if group_size <= 1:  # nothing moves (FSDP2 skips it; a 1-rank all-reduce is not counted either)
         return
     calls, total = totals.get((collective, group_size), (0, 0))
-    totals[(collective, group_size)] = (calls + 1, total + nbytes)
+    totals[(collective, group_size)] = (calls + times, total + nbytes * times)
 
 
 def collective_bytes_per_step(plan: Plan, unit_params: tuple[tuple[ParamShape, ...], ...],
@@ -82,23 +83,28 @@ def collective_bytes_per_step(plan: Plan, unit_params: tuple[tuple[ParamShape, .
     param_elem = dtype_bytes(plan.training.param_dtype)
     reduce_elem = dtype_bytes(plan.training.reduce_dtype)
     totals: dict[tuple[str, int], tuple[int, int]] = {}
-    for unit, params in zip(plan.units, unit_params):
-        if not params:
-            continue  # no parameter group: FSDP2 issues nothing for it
-        gathered = sum(padded_numel(p, n) * (param_elem if p.dtype in FLOAT_DTYPES else dtype_bytes(p.dtype))
-                       for p in params)
-        reduced = sum(padded_numel(p, n) * reduce_elem for p in params if p.dtype in FLOAT_DTYPES)
-        _add(totals, ALL_GATHER, n, gathered)  # forward
-        r = unit.reshard_after_forward
-        if r is True or (not isinstance(r, bool) and r == n):  # an int equal to the group acts as True
-            _add(totals, ALL_GATHER, n, gathered)  # backward, from the sharded state
-        elif not isinstance(r, bool) and r is not None:
-            _add(totals, ALL_GATHER, r, gathered)  # backward, from the 1/r post-forward shards
-        if reduced:
-            _add(totals, REDUCE_SCATTER, n, reduced)
-            _add(totals, ALL_REDUCE, replicas, reduced // n)  # HSDP: the 1/N output across the replicas
-    for p in scalar_params:
-        if p.dtype in FLOAT_DTYPES:
-            for group_size in ((n, replicas) if replicas > 1 else (n,)):
-                _add(totals, ALL_REDUCE, group_size, p.numel * dtype_bytes(p.dtype))
+    # gradient accumulation (cost/accumulation.py): each micro-step gathers, its forward not when the one
+    # before kept the parameters gathered; it reduces only when it syncs; 0-d gradients every micro-step
+    for step in micro_steps(plan.training):
+        k = step.repeats
+        for unit, params in zip(plan.units, unit_params):
+            if not params:
+                continue  # no parameter group: FSDP2 issues nothing for it
+            gathered = sum(padded_numel(p, n) * (param_elem if p.dtype in FLOAT_DTYPES else dtype_bytes(p.dtype))
+                           for p in params)
+            reduced = sum(padded_numel(p, n) * reduce_elem for p in params if p.dtype in FLOAT_DTYPES)
+            if not step.gathered:
+                _add(totals, ALL_GATHER, n, gathered, k)  # forward
+            r = unit.reshard_after_forward
+            if r is True or (not isinstance(r, bool) and r == n):  # an int equal to the group acts as True
+                _add(totals, ALL_GATHER, n, gathered, k)  # backward, from the sharded state
+            elif not isinstance(r, bool) and r is not None:
+                _add(totals, ALL_GATHER, r, gathered, k)  # backward, from the 1/r post-forward shards
+            if reduced and step.sync:
+                _add(totals, REDUCE_SCATTER, n, reduced, k)
+                _add(totals, ALL_REDUCE, replicas, reduced // n, k)  # HSDP: the 1/N output across the replicas
+        for p in scalar_params:  # their hook all-reduces after every backward (execute/apply.py)
+            if p.dtype in FLOAT_DTYPES:
+                for group_size in ((n, replicas) if replicas > 1 else (n,)):
+                    _add(totals, ALL_REDUCE, group_size, p.numel * dtype_bytes(p.dtype), k)
     return tuple(CollectiveBytes(c, g, calls, nbytes) for (c, g), (calls, nbytes) in sorted(totals.items()))

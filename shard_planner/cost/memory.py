@@ -255,8 +255,14 @@ class _MemoryWalk:
                 self.peak_event = (what, who, phase, snap)
 
     def run(self) -> MemoryEstimate:
+        self.handlers = self.dispatch()
+        self.walk(self.schedule.events)
+        return self.result()
+
+    def dispatch(self) -> list:
+        """The handler of each event kind, indexed by the kind (an IntEnum): the hot loop's dispatch."""
         K = EventKind
-        handlers: list = [None] * len(K)  # indexed by the kind (an IntEnum): the hot loop's dispatch
+        handlers: list = [None] * len(K)
         handlers[K.PRE_FORWARD], handlers[K.ALL_GATHER], handlers[K.ALL_GATHER_WAIT] = (
             self.pre_forward, self.all_gather, self.wait)
         handlers[K.FORWARD], handlers[K.RESHARD], handlers[K.FORWARD_END] = self.forward, self.reshard, self.forward_end
@@ -264,9 +270,13 @@ class _MemoryWalk:
         handlers[K.BACKWARD], handlers[K.POST_BACKWARD], handlers[K.BACKWARD_END] = (
             self.backward, self.post_backward, self.backward_end)
         handlers[K.OPTIMIZER] = self.optimizer
-        for ev in self.schedule.events:
+        return handlers
+
+    def walk(self, events) -> None:
+        """Handle ``events`` in order (cost/accumulation.py walks one step's events once per micro-step)."""
+        handlers = self.handlers
+        for ev in events:
             handlers[ev.kind](ev)
-        return self.result()
 
     # ---- all-gathers and resharding: see [Note: All-gather buffers] ----
     def issue(self, u: int, phase: str) -> None:
@@ -401,7 +411,7 @@ class _MemoryWalk:
         if ev.block < 0:  # the root's, from the final callback: every block's backward is done
             self.flow = 0.0
             cat[_AC] = self.batch_bytes + max(self.saved_sum, 0.0)
-        if st.sharding is Sharding.UNSHARDED:
+        if st.sharding is Sharding.UNSHARDED and self.reshards_after_backward():
             cat[_UP] -= x.unsharded
             st.sharding = Sharding.SHARDED
         if self.held_reduce_scatter:
@@ -425,6 +435,10 @@ class _MemoryWalk:
             cat[_GR] += x.sharded_grad
         if self.plan.mesh.replicate > 1 and x.grad_cast:
             cat[_CB] += x.rs_output  # kept for the replica all-reduce (FSDPParamGroup._all_reduce_state)
+
+    def reshards_after_backward(self) -> bool:
+        """FSDP2's ``reshard_after_backward`` (True; cost/accumulation.py keeps parameters between micro-steps)."""
+        return True
 
     def backward_end(self, ev) -> None:
         if self.held_reduce_scatter:

@@ -26,6 +26,7 @@ import logging
 from collections import OrderedDict
 from dataclasses import replace
 
+from shard_planner.cost.accumulation import accumulated_time, simulate_accumulated_memory
 from shard_planner.cost.kernels import (
     block_kernel_s, device_of, has_kernel_records, loss_kernel_s, module_kernel_s, records_time_s,
 )
@@ -276,9 +277,11 @@ class CostModel:
             if not timeline and with_timeline is not None:  # the same walk, its timeline dropped
                 return replace(with_timeline, timeline=())
             t = self.tables(plan.units, k.modules)
-            return simulate_memory_walk(self.trace, t, plan, self.profile, self.unit_bytes(plan, k),
-                                        self.schedule(plan.units, plan.prefetch, k), self.block_activations(plan, k),
-                                        timeline=timeline, selective=self.selective_blocks(plan, k))
+            # several micro-steps per optimizer step: cost/accumulation.py
+            walk = simulate_memory_walk if plan.training.accumulation_steps == 1 else simulate_accumulated_memory
+            return walk(self.trace, t, plan, self.profile, self.unit_bytes(plan, k),
+                        self.schedule(plan.units, plan.prefetch, k), self.block_activations(plan, k),
+                        timeline=timeline, selective=self.selective_blocks(plan, k))
         return self._memory.get_or((k.decisions, timeline), simulate)
 
     def _time_of(self, plan: Plan, k: PlanKey) -> TimeEstimate:
@@ -290,6 +293,13 @@ class CostModel:
                                            lambda: self.block_compute_s(t, tr.micro_batch, tr.param_dtype))
             comm = self._collectives.get_or((k.units, plan.mesh, tr.param_dtype, tr.reduce_dtype, tr.cpu_offload),
                                             lambda: unit_collectives_s(plan, ub, self.profile))
-            return simulate_time_walk(self.trace, t, plan, self.profile, self.schedule(plan.units, plan.prefetch, k),
-                                      compute, comm, selective=self.selective_blocks(plan, k))
+            schedule = self.schedule(plan.units, plan.prefetch, k)
+            selective = self.selective_blocks(plan, k)
+
+            def walk(collectives):
+                return simulate_time_walk(self.trace, t, plan, self.profile, schedule, compute, collectives,
+                                          selective=selective)
+            if tr.accumulation_steps == 1:
+                return walk(comm)
+            return accumulated_time(tr, walk, comm, self.trace.tokens_per_sample, plan.mesh.world_size)
         return self._time.get_or(k.decisions, simulate)

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from shard_planner.argtypes import non_negative_int, positive_float, positive_int
 from shard_planner.errors import RunError, UserError, first_line
 from shard_planner.cost.comm_bytes import collective_bytes_per_step
+from shard_planner.execute.accumulate import batch_index, set_micro_step
 from shard_planner.execute.apply import apply_plan, build_mesh
 from shard_planner.execute.checkpoint import (differing_entries, load_checkpoint, loss_tolerance, regrouped_batch,
                                               save_checkpoint, state_digests)
@@ -62,7 +63,7 @@ from shard_planner.measurement import (CheckpointResult, Measurement, RankMemory
                                        save_measurement)
 from shard_planner.hf import HfOptions, config_file
 from shard_planner.modelfile import ModelFile, load_model_file, map_inputs
-from shard_planner.plan import OPTIMIZER_TORCH, Plan, load_plan
+from shard_planner.plan import OPTIMIZER_TORCH, Plan, Training, load_plan
 
 logger = logging.getLogger(__name__)
 
@@ -202,7 +203,7 @@ def train_and_measure(plan: Plan, model_path: str, options: RunOptions, device: 
     comm_predicted = collective_bytes_per_step(plan, *unit_param_shapes(model, plan))
     model = apply_plan(model, plan, mesh)
     optimizer = make_optimizer(plan, model.parameters())
-    step = _Stepper(model_file, model, optimizer, plan.training.micro_batch, rank, device)
+    step = _Stepper(model_file, model, optimizer, plan.training, rank, device)
 
     losses = []
     for s in range(options.warmup):
@@ -255,31 +256,41 @@ def train_and_measure(plan: Plan, model_path: str, options: RunOptions, device: 
 
 
 class _Stepper:
-    """One training step on synthetic batch ``s``: zero_grad, forward + loss, backward, optimizer step;
-    returns the loss. While ``tracker`` is set it is told the phase (forward / backward / optimizer)."""
+    """One optimizer step ``s``: zero_grad, then per micro-step (``training.accumulation_steps``, see
+    execute/accumulate.py) its synthetic batch, forward + loss, backward; then the optimizer step.
+    Returns the loss (the micro-steps' mean). While ``tracker`` is set it is told the phase (forward /
+    backward / optimizer)."""
 
-    def __init__(self, model_file, model, optimizer, micro_batch: int, rank: int, device: torch.device):
+    def __init__(self, model_file, model, optimizer, training: Training, rank: int, device: torch.device):
         self.model_file, self.model, self.optimizer = model_file, model, optimizer
-        self.micro_batch, self.rank, self.device = micro_batch, rank, device
+        self.training, self.micro_batch, self.rank, self.device = training, training.micro_batch, rank, device
         self.tracker: StorageTracker | None = None
-        self.batch_fn = None  # step -> (inputs, targets) instead of this rank's make_step_batch (a restore)
+        self.batch_fn = None  # batch index -> (inputs, targets) instead of this rank's make_step_batch (a restore)
 
     def _phase(self, name: str) -> None:
         if self.tracker is not None:
             self.tracker.phase = name
 
     def __call__(self, s: int) -> torch.Tensor:
-        if self.batch_fn is not None:
-            inputs, targets = self.batch_fn(s)
-        else:
-            inputs, targets = make_step_batch(self.model_file, self.micro_batch, s, self.rank, self.device)
         self.optimizer.zero_grad(set_to_none=True)
+        n = self.training.accumulation_steps
+        losses = [self._micro_step(s, m) for m in range(n)]
+        self._phase("optimizer")
+        self.optimizer.step()
+        return losses[0] if n == 1 else torch.stack(losses).mean()
+
+    def _micro_step(self, s: int, m: int) -> torch.Tensor:
+        set_micro_step(self.model, self.training, m)
+        index = batch_index(self.training, s, m)
+        if self.batch_fn is not None:  # a restore at another world size: the same global micro-batch regrouped
+            inputs, targets = self.batch_fn(index)
+        else:
+            inputs, targets = make_step_batch(self.model_file, self.micro_batch, index, self.rank, self.device)
         self._phase("forward")
         loss = self.model_file.loss(self.model_file.forward(self.model, inputs), targets)
         self._phase("backward")
-        loss.backward()
-        self._phase("optimizer")
-        self.optimizer.step()
+        n = self.training.accumulation_steps
+        (loss if n == 1 else loss / n).backward()  # a mean over the global batch: execute/accumulate.py
         return loss.detach()
 
 
@@ -384,7 +395,7 @@ def restore_and_compare(plan: Plan, model_path: str, directory: str, device: tor
     progress, load_s = load_checkpoint(model, optimizer, directory, device)
     status.progress("checkpoint restore: digests")
     digests = state_digests(model, optimizer)
-    step = _Stepper(model_file, model, optimizer, plan.training.micro_batch, rank, device)
+    step = _Stepper(model_file, model, optimizer, plan.training, rank, device)
     data_ranks, micro_batch = int(progress["data_ranks"]), int(progress["micro_batch"])
     if data_ranks != world_size or micro_batch != plan.training.micro_batch:
         step.batch_fn = lambda s: regrouped_batch(

@@ -24,6 +24,7 @@ from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 from shard_planner.cost.types import MemoryEstimate  # noqa: E402
 from shard_planner.plan import MEMORY_CATEGORIES, FrontierPoint, Plan, Prediction  # noqa: E402
+from shard_planner.report.accumulation import draw_micro_steps  # noqa: E402
 from shard_planner.report.budget import ReportBudget  # noqa: E402
 from shard_planner.report.rows import UnitRow  # noqa: E402
 
@@ -102,7 +103,7 @@ def plan_throughput(plan: Plan) -> Throughput:
         if p.tokens_per_s:
             return Throughput(p.tokens_per_s * p.step_time_s, "tokens/s")
         return Throughput(p.samples_per_s * p.step_time_s, "samples/s")
-    samples = plan.training.micro_batch * plan.mesh.world_size
+    samples = plan.global_batch_samples  # micro-batch x accumulation steps x data-parallel ranks
     if plan.model.seq_len:
         return Throughput(samples * plan.model.seq_len, "tokens/s")
     return Throughput(samples, "samples/s")
@@ -234,6 +235,7 @@ def plot_memory_timeline(memory: MemoryEstimate, budget: ReportBudget, title: st
                 bbox=dict(boxstyle="round,pad=0.25", fc="white", ec="#999999", alpha=0.95))
     draw_budget(ax, budget, scale, vertical=False)
     ax.set_xlabel("event in one training step (index, in execution order)")
+    draw_micro_steps(ax, events, scale, unit)  # gradient accumulation: report/accumulation.py
     ax.set_ylabel(f"live memory per GPU ({unit})")
     ax.set_title(title or "Memory over one training step (predicted)")
     ax.grid(True, axis="y", alpha=0.3)

@@ -47,7 +47,8 @@ def summary_lines(plan: Plan, budget: ReportBudget, measured: tuple[MeasuredFigu
                     f"budget {budget.describe()}"),
         ("mesh", mesh),
         ("training", f"micro-batch {t.micro_batch} per GPU, {t.optimizer}, params in {t.param_dtype}, "
-                     f"gradients reduced in {t.reduce_dtype}" + (", CPU offload" if t.cpu_offload else "")),
+                     f"gradients reduced in {t.reduce_dtype}" + (", CPU offload" if t.cpu_offload else "")
+                     + (f"; {plan.accumulation_text}" if plan.accumulation_text else "")),
         ("units", f"{len(inner)} units + root ({grouped} grouped, {checkpointed} checkpointed); "
                   f"reshard after forward: {', '.join(reshard) or '-'}; root: {_reshard_text(plan.root.reshard_after_forward)}"),
         ("prefetch", f"forward {plan.prefetch.forward}, backward {plan.prefetch.backward} unit(s) ahead"),
@@ -61,7 +62,7 @@ def summary_lines(plan: Plan, budget: ReportBudget, measured: tuple[MeasuredFigu
                                f"the {'usable ' if budget.has_usable else ''}budget, "
                                f"{format_bytes(budget.usable_bytes)})"
                                + ("" if budget.fits(p.peak_bytes) else ": DOES NOT FIT")),
-            ("predicted step", f"{p.step_time_s:.4g} s, {tp.of(p.step_time_s):,.0f} {tp.unit} (whole cluster), "
+            ("predicted optimizer step" if t.accumulation_steps > 1 else "predicted step", f"{p.step_time_s:.4g} s, {tp.of(p.step_time_s):,.0f} {tp.unit} (whole cluster), "
                                f"exposed communication {p.exposed_comm_s:.3g} s{extra}"),
         ]
         fits = [b for b in plan.baselines if b.fits and budget.fits(b.peak_bytes)]

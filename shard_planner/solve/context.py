@@ -22,7 +22,8 @@ from shard_planner.cost.types import Estimate
 from shard_planner.errors import UserError
 from shard_planner.plan import Cluster, Mesh, Plan, Training, Unit
 from shard_planner.solve import cpsat
-from shard_planner.solve.linear import MIB, GlobalChoice, LinearModel, build_linear_model, evaluate
+from shard_planner.solve.accumulation import NO_ACCUMULATION
+from shard_planner.solve.linear import MIB, GlobalChoice, LinearModel, build_linear_model, evaluate, with_accumulation
 from shard_planner.solve.request import PlanRequest, PlanTimings
 from shard_planner.solve.simulate import cover_units, make_plan
 from shard_planner.solve.space import SearchSpace, build_space
@@ -126,6 +127,9 @@ class PlanContext:
 
     def linear(self, choice: GlobalChoice) -> LinearModel:
         """The linear model of ``choice`` (built once: the screen, the solves and the sweep share it)."""
+        plain = replace(choice, accumulation=NO_ACCUMULATION)
+        if choice != plain and choice not in self._linear:  # accumulation only adds to its base
+            self._linear[choice] = with_accumulation(self.linear(plain), choice, self.trace, self.training)
         if choice not in self._linear:
             self._linear[choice] = build_linear_model(self.trace, self.space(choice.mesh), choice, self.training,
                                                       self.profile, cost_model=self.cost_model)

@@ -77,8 +77,9 @@ With ``sim_peak`` the simulated peak bytes and ``sim_s`` the simulated step time
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from shard_planner.cost.accumulation import held_between_micro_steps_bytes
 from shard_planner.cost.collectives import (
     all_gather_time_s, reduce_scatter_time_s, replica_all_reduce_time_s, ring_bandwidth_s,
 )
@@ -91,6 +92,7 @@ from shard_planner.cost.optimizer import (
 from shard_planner.dtypes import DTYPE_BYTES, FLOAT_DTYPES
 from shard_planner.plan import Mesh, Prefetch, Training
 from shard_planner.profile import HardwareProfile
+from shard_planner.solve.accumulation import NO_ACCUMULATION, Accumulation
 from shard_planner.solve.space import Candidate, SearchSpace
 from shard_planner.trace.types import ModelTrace
 
@@ -112,12 +114,20 @@ class GlobalChoice:
     prefetch: Prefetch
     mesh: Mesh
     cpu_offload: bool = False
+    accumulation: Accumulation = NO_ACCUMULATION  # micro-steps per optimizer step and their policies
 
     @property
     def label(self) -> str:
         mesh = f"{self.mesh.replicate}x{self.mesh.shard} HSDP" if self.mesh.replicate > 1 else f"FSDP {self.mesh.shard}"
         off = ", CPU offload" if self.cpu_offload else ""
-        return f"micro-batch {self.micro_batch}, prefetch fwd {self.prefetch.forward}/bwd {self.prefetch.backward}, {mesh}{off}"
+        acc = f", {self.accumulation.label}" if self.accumulation.steps > 1 else ""
+        return (f"micro-batch {self.micro_batch}{acc}, prefetch fwd {self.prefetch.forward}/bwd "
+                f"{self.prefetch.backward}, {mesh}{off}")
+
+    def training(self, base: Training) -> Training:
+        """The plan's training section for this choice: ``base`` (optimizer, dtypes) with its decisions."""
+        return replace(base, micro_batch=self.micro_batch, cpu_offload=self.cpu_offload,
+                       **self.accumulation.training_fields())
 
 
 @dataclass(frozen=True)
@@ -230,10 +240,20 @@ def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoi
 
     const_s = _constant_time_s(cm, trace, profile, fwd_s, bwd_s, choice, training, root_params, param_elem,
                                bp=bp, br=br)
-    return LinearModel(
+    return with_accumulation(LinearModel(
         space=space, choice=choice, coeffs=tuple(coeffs), base_mib=_mib(base), loss_mib=_mib(loss), optimizer_mib=_mib(optimizer),
         process_group_mib=_mib(profile.per_process_group_bytes), const_time_us=_us(const_s),
-    )
+    ), choice, trace, training)
+
+
+def with_accumulation(lm: LinearModel, choice: GlobalChoice, trace: ModelTrace, training: Training) -> LinearModel:
+    """``lm`` (built for ``choice`` without accumulation, or with the same micro-batch) for ``choice``:
+    gradient accumulation adds what it holds between micro-steps to ``base`` at every moment of the
+    step (an upper bound: cost/accumulation.py ``held_between_micro_steps_bytes``); the rest of a
+    micro-step is one step's. The program's time stays one micro-step's: the simulators price the
+    accumulated step and rank the plans."""
+    held = held_between_micro_steps_bytes(trace.param_count, choice.training(training))
+    return replace(lm, choice=choice, base_mib=lm.base_mib + _mib(held))
 
 
 def _optimizer_temp_bytes(trace: ModelTrace, training: Training, profile: HardwareProfile, shard: int,

@@ -46,6 +46,9 @@ from dataclasses import replace
 
 from shard_planner.plan import Mesh, Prefetch, SolverInfo
 from shard_planner.solve import alternatives, simpler
+from shard_planner.solve.accumulation import (
+    NO_ACCUMULATION, Accumulation, accumulation_options, resolve_global_batch, split_global_batch,
+)
 from shard_planner.solve.context import Checked, PlanContext, speed
 from shard_planner.solve.describe import budget_text, infeasible_error
 from shard_planner.solve.frontier import pareto, sweep
@@ -123,11 +126,12 @@ def _search(ctx: PlanContext) -> list[Checked]:
     it; micro-batches up the ladder while one fits); the smallest-peak plans when none does, or
     :class:`InfeasibleError`."""
     request = ctx.request
-    batches = [request.micro_batch or 1] if not request.search_batch else _batch_ladder()
+    batches = _batches(ctx)
+    ladder = request.search_batch or len(batches) > 1
     found: list[Checked] = []
     for offload in (False, True) if ctx.allow_offload else (False,):
-        for mb in batches:
-            choices = [GlobalChoice(mb, pf, mesh, offload)
+        for mb, accumulations in batches:
+            choices = [GlobalChoice(mb, pf, mesh, offload, acc) for acc in accumulations
                        for mesh in _meshes(ctx.cluster.gpus, ctx.cluster.gpus_per_node) for pf in PREFETCH_CHOICES]
             with ctx.clock.stage("screen"):
                 kept = _screen(ctx, choices)
@@ -137,9 +141,10 @@ def _search(ctx: PlanContext) -> list[Checked]:
                     checked = _solve_checked(ctx, choice, hints=tuple(c.cover for c in found
                                                                        if c.choice.mesh == choice.mesh))
                     if checked is not None:
-                        at_batch += [checked, *_other_prefetch(ctx, checked)]
+                        at_batch += [checked, *_other_prefetch(ctx, checked),
+                                     *_other_accumulation(ctx, checked, accumulations)]
             found += at_batch
-            if request.search_batch and not at_batch:
+            if ladder and not at_batch:
                 break  # a larger micro-batch only needs more memory
         if found:
             if offload:
@@ -147,12 +152,43 @@ def _search(ctx: PlanContext) -> list[Checked]:
             return found
     # The budget solves above work on the linear model, which can over-estimate the simulators'
     # peak; the smallest-peak plans are judged by the simulators, and one that fits is a plan.
+    mb, accumulations = batches[0]
     with ctx.clock.stage("solve"):
-        smallest = _smallest_peak(ctx, batches[0])
+        smallest = _smallest_peak(ctx, mb, accumulations[0])
     fitting = [c for c in smallest if c.peak_bytes <= ctx.budget_bytes]
     if not fitting:
-        raise infeasible_error(ctx, batches[0], smallest)
+        raise infeasible_error(ctx, mb, smallest)
     return fitting
+
+
+def _batches(ctx: PlanContext) -> list[tuple[int, list[Accumulation]]]:
+    """The micro-batches to try, smallest first, each with the accumulation policies to try at it:
+    the given one (or 1); the ladder with ``search_batch``; with a global batch every micro-batch that
+    reaches it (solve/accumulation.py), leanest policy first."""
+    request = ctx.request
+    batch = resolve_global_batch(request.global_batch_samples, request.global_batch_tokens,
+                                 ctx.trace.tokens_per_sample, ctx.trace.model_path)
+    if batch is None:
+        mbs = [request.micro_batch or 1] if not request.search_batch else _batch_ladder()
+        return [(mb, [NO_ACCUMULATION]) for mb in mbs]
+    pairs = split_global_batch(batch, ctx.cluster.gpus, request.micro_batch, ctx.trace.tokens_per_sample)
+    return [(mb, accumulation_options(steps)) for mb, steps in pairs]
+
+
+def _other_accumulation(ctx: PlanContext, checked: Checked, accumulations: list[Accumulation]) -> list[Checked]:
+    """The solved cover under the other accumulation policies at its micro-batch, judged by the simulators
+    (as :func:`_other_prefetch`: the policies move memory and communication, not which units are best).
+    Only those that fit the budget."""
+    out = []
+    for acc in accumulations:
+        if acc == checked.choice.accumulation:
+            continue
+        choice = replace(checked.choice, accumulation=acc)
+        c = ctx.check(ctx.linear(choice), checked.cover, f"{checked.status} (units solved with "
+                      f"{checked.choice.accumulation.label})")
+        if c.peak_bytes <= ctx.budget_bytes:
+            out.append(c)
+    return out
 
 
 def _polished(ctx: PlanContext, chosen: Checked, status: str) -> tuple[Checked, str]:
@@ -283,7 +319,7 @@ def _solve_checked(ctx: PlanContext, choice: GlobalChoice, hints: tuple = ()) ->
 
 
 
-def _smallest_peak(ctx: PlanContext, micro_batch: int) -> list[Checked]:
+def _smallest_peak(ctx: PlanContext, micro_batch: int, accumulation: Accumulation = NO_ACCUMULATION) -> list[Checked]:
     """Per mesh and offload setting, the plan of least linear-model peak, judged by the simulators;
     with the hand-written baselines at the same choices (the linear model is an approximation, so
     another plan may have the smallest simulated peak)."""
@@ -291,7 +327,7 @@ def _smallest_peak(ctx: PlanContext, micro_batch: int) -> list[Checked]:
     for mesh in _meshes(ctx.cluster.gpus, ctx.cluster.gpus_per_node):
         for offload in ((False, True) if ctx.allow_offload else (False,)):
             for pf in PREFETCH_CHOICES[:1]:  # deeper prefetch only adds memory
-                choice = GlobalChoice(micro_batch, pf, mesh, offload)
+                choice = GlobalChoice(micro_batch, pf, mesh, offload, accumulation)
                 lm = ctx.linear(choice)
                 res = ctx.min_peak(lm, ctx.time_limit_s)
                 if res.chosen is not None:

@@ -53,6 +53,10 @@ class PlanRequest:
     profile_name: str | None = None
     timings_path: str | None = None
     simpler_within: float = 0.01  # the simplest plan this close to the fastest (solve/simpler.py); 0: the fastest
+    # --global-batch (samples) or --global-batch-tokens per optimizer step over the cluster: the planner
+    # searches micro-batch x accumulation steps x ranks = it (solve/accumulation.py); None: no accumulation
+    global_batch_samples: int | None = None
+    global_batch_tokens: int | None = None
 
     def __post_init__(self):
         if not _positive_int(self.gpus) or not _positive_int(self.gpus_per_node):
@@ -66,6 +70,13 @@ class PlanRequest:
         if not _positive_int(self.max_group_size) or not _positive_int(self.frontier_points):
             raise UserError(f"max_group_size and frontier_points must be positive ints, got {self.max_group_size} "
                             f"and {self.frontier_points}")
+        for name in ("global_batch_samples", "global_batch_tokens"):
+            if getattr(self, name) is not None and not _positive_int(getattr(self, name)):
+                raise UserError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        if self.global_batch_samples is not None and self.global_batch_tokens is not None:
+            raise UserError("give the global batch in samples or in tokens, not both")
+        if self.search_batch and (self.global_batch_samples or self.global_batch_tokens):
+            raise UserError("a global batch searches the micro-batch already: drop --search-batch")
         if not 0 <= self.simpler_within < 1:
             raise UserError(f"simpler_within must be in [0, 1), got {self.simpler_within}")
         if self.optimizer not in OPTIMIZERS:

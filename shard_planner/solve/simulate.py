@@ -47,14 +47,12 @@ def cover_units(lm: LinearModel, chosen: tuple[int, ...]) -> tuple[Unit, ...]:
 def make_plan(trace: ModelTrace, units: tuple[Unit, ...], choice: GlobalChoice, *, training: Training,
               cluster: Cluster, model_path: str | None = None) -> Plan:
     """A plan without prediction: the decisions only."""
-    from dataclasses import replace
-
     return Plan(
         model=ModelRef(path=model_path or trace.model_path, fingerprint=trace.fingerprint,
                        seq_len=trace.tokens_per_sample),
         cluster=cluster,
         mesh=choice.mesh,
-        training=replace(training, micro_batch=choice.micro_batch, cpu_offload=choice.cpu_offload),
+        training=choice.training(training),
         units=units,
         prefetch=choice.prefetch,
     )

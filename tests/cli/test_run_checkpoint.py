@@ -164,3 +164,21 @@ def test_no_checkpoint_passes_none_and_checkpoint_is_the_default(tmp_path, monke
     cli_main(["run", str(tmp_path / "plan.json"), "--device", "cpu", "--checkpoint-reshard-to", "1"])
     assert seen[0] is None
     assert seen[1].directory is None and seen[1].reshard_to == 1 and seen[1].steps == 2
+
+
+@pytest.mark.multiprocess
+def test_restore_with_gradient_accumulation_at_2_and_at_4_ranks(tmp_path):
+    """Two micro-steps per optimizer step, gradients synced on the last: the restored runs take whole
+    optimizer steps, each micro-step's global micro-batch regrouped at 4 ranks."""
+    plan = make_plan([Unit(("",), False), *(Unit((b,)) for b in BLOCKS)], 2, model=str(MODELS / "exec_net.py"),
+                     accumulation_steps=2, gradient_sync="last_micro_step", keep_params_gathered=True)
+    save_plan(plan, tmp_path / "plan.json")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = cli_main(["run", str(tmp_path / "plan.json"), "--steps", "1", "--warmup", "1", "--device", "cpu",
+                         "--timeout", "240", "--checkpoint-reshard-to", "4", "--checkpoint-steps", str(STEPS_AFTER)])
+    assert code == 0, out.getvalue()
+    c = load_measurement(tmp_path / "measurement.json").checkpoint
+    same, other = c.restores
+    assert c.ok and same.losses_restored == same.losses_uninterrupted
+    assert other.max_loss_diff_rel <= other.loss_tolerance_rel and other.tensors_differing == ()

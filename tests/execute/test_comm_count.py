@@ -95,3 +95,28 @@ def test_measured_bytes_equal_predicted_world_size_4_int_reshard_and_hsdp():
         _check_exact(name, m)
     groups = {(c.collective, c.group_size) for c in result.measurements[0].comm_measured}
     assert ("all_gather", 2) in groups and ("all_gather", 4) in groups  # backward over the 2-rank group
+
+
+@pytest.mark.multiprocess
+def test_measured_bytes_equal_predicted_with_gradient_accumulation():
+    """Per optimizer step of 3 micro-steps: every micro-step gathers and reduces; deferred sync reduces
+    once; parameters kept gathered skip the forward all-gathers of micro-steps 2 and 3; the 0-d
+    parameters' all-reduce runs every micro-step."""
+    units = [Unit(("",), False), Unit(("embed",), False), Unit(("blocks.0", "blocks.1")), Unit(("blocks.2",), 2),
+             Unit(("blocks.3",)), Unit(("head",))]
+    policies = {"sync every micro-step": ("every_micro_step", False), "deferred sync": ("last_micro_step", False),
+                "deferred sync, parameters kept": ("last_micro_step", True)}
+    plans = [make_plan(units, 4, model=ODD, prefetch=(1, 1), accumulation_steps=3, gradient_sync=sync,
+                       keep_params_gathered=keep) for sync, keep in policies.values()]
+    plans.append(make_plan([Unit(("",), False), *(Unit((f"blocks.{i}",)) for i in range(4))], 4, model=SCALAR,
+                           accumulation_steps=2, gradient_sync="last_micro_step"))
+    names = [*policies, "0-d parameters, deferred sync"]
+    result = launch_plans(plans, steps=1, warmup=1, device="cpu", timeout_s=300)
+    for name, m in zip(names, result.measurements):
+        _check_exact(name, m)
+    rs = {n: sum(c.bytes for c in m.comm_measured if c.collective == "reduce_scatter")
+          for n, m in zip(names, result.measurements)}
+    assert rs["sync every micro-step"] == 3 * rs["deferred sync"]
+    ag = {n: sum(c.bytes for c in m.comm_measured if c.collective == "all_gather")
+          for n, m in zip(names, result.measurements)}
+    assert ag["deferred sync, parameters kept"] < ag["deferred sync"]

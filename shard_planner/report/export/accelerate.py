@@ -18,6 +18,7 @@ from __future__ import annotations
 from shard_planner import __version__
 from shard_planner.checkpointing import SELECTIVE
 from shard_planner.plan import Plan
+from shard_planner.report.export.accumulation import accelerate_lines, policy_notes
 from shard_planner.report.export.common import (
     Export, comment_block, emit_yaml, grouped_note, prefetch_notes, uniform_reshard,
 )
@@ -90,6 +91,7 @@ def export_accelerate(plan: Plan, info: ModelInfo) -> Export:
         notes.append(f"checkpointed unit(s) {', '.join(unwrapped_ac)} are not wrapped by class: not checkpointed here")
     notes += grouped_note(plan)
     notes += prefetch_notes(plan, where="Accelerate's FSDP2")
+    notes += policy_notes(plan, "Accelerate", syncs_every_step=False)
     fsdp["fsdp_offload_params"] = plan.training.cpu_offload
     fsdp["fsdp_cpu_ram_efficient_loading"] = True
     fsdp["fsdp_state_dict_type"] = "SHARDED_STATE_DICT"
@@ -117,6 +119,7 @@ def export_accelerate(plan: Plan, info: ModelInfo) -> Export:
         "Use: accelerate launch --config_file THIS_FILE train.py",
         f"Per-device batch size of the plan: {t.micro_batch} (set it in your DataLoader or "
         "TrainingArguments.per_device_train_batch_size; Accelerate configs do not hold it).",
+        *accelerate_lines(plan),
     ]
     if notes:
         header += ["", "Where the plan cannot be expressed exactly (the nearest setting is used below):"]

@@ -20,7 +20,7 @@ depth, ``max(forward, backward, 1)``, since FSDP2 always prefetches one unit in 
   ``reshard_after_forward``): the plan's int when all units that reshard use the same one.
 
 Plus bf16/fp16 from the plan's param dtype, the micro-batch, gradient clipping off (0.0, as the
-executor trains), no gradient accumulation, CPU offload of parameters and optimizer when planned, and
+executor trains), the plan's gradient accumulation steps and global batch (``train_batch_size``), CPU offload of parameters and optimizer when planned, and
 the optimizer (Adam/AdamW with the plan's learning rate; SGD is left to the training script).
 """
 
@@ -31,6 +31,7 @@ import json
 from shard_planner import __version__
 from shard_planner.checkpointing import SELECTIVE
 from shard_planner.plan import Plan
+from shard_planner.report.export.accumulation import policy_notes
 from shard_planner.report.export.common import Export
 from shard_planner.report.export.model_info import ModelInfo
 
@@ -128,7 +129,8 @@ def export_deepspeed(plan: Plan, info: ModelInfo) -> Export:
     if t.cpu_offload:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    notes: list[str] = []  # ZeRO-3 has no units: grouping and prefetch are expressed through the sizes above
+    # ZeRO-3 has no units: grouping and prefetch are expressed through the sizes above
+    notes: list[str] = policy_notes(plan, "ZeRO-3", syncs_every_step=True, fsdp2=False)
     if plan.mesh.replicate > 1:
         notes.append(f"HSDP ({plan.mesh.replicate} replicas x {plan.mesh.shard}-way sharding): ZeRO-3 shards over "
                      "all ranks; MiCS (mics_shard_size) is DeepSpeed's closest; mics_shard_size is set")
@@ -139,8 +141,8 @@ def export_deepspeed(plan: Plan, info: ModelInfo) -> Export:
                      f"shard-planner {__version__} (model fingerprint {plan.model.fingerprint}). Sizes are in "
                      "parameters (elements), derived from the plan's units:", *how, *notes],
         "train_micro_batch_size_per_gpu": t.micro_batch,
-        "gradient_accumulation_steps": 1,
-        "train_batch_size": t.micro_batch * plan.mesh.world_size,
+        "gradient_accumulation_steps": t.accumulation_steps,
+        "train_batch_size": plan.global_batch_samples,  # micro-batch x accumulation steps x ranks
         "gradient_clipping": 0.0,
         "bf16": {"enabled": t.param_dtype == "bfloat16"},
         "fp16": {"enabled": t.param_dtype == "float16"},

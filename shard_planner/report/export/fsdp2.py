@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from shard_planner import __version__
 from shard_planner.plan import OPTIMIZER_TORCH, Plan, Unit
+from shard_planner.report.export.accumulation import fsdp2_train_step_source
 from shard_planner.report.export.common import split_number
 from shard_planner.units import format_bytes
 
@@ -115,7 +116,8 @@ def export_fsdp2(plan: Plan) -> str:
     predicted = ""
     if plan.predicted is not None:
         predicted = (f"\nPredicted by shard-planner: peak {format_bytes(plan.predicted.peak_bytes)} per GPU (budget "
-                     f"{format_bytes(plan.cluster.mem_budget_bytes)}), step {plan.predicted.step_time_s:.4g} s at "
+                     f"{format_bytes(plan.cluster.mem_budget_bytes)}), "
+                     f"{'optimizer step' if t.accumulation_steps > 1 else 'step'} {plan.predicted.step_time_s:.4g} s at "
                      f"micro-batch {t.micro_batch} per GPU.")
     units = "\n".join("    " + line for line in _units_source(plan))
     fsdp_imports = ("CPUOffloadPolicy, " if t.cpu_offload else "") + "MixedPrecisionPolicy, fully_shard"
@@ -131,7 +133,7 @@ def export_fsdp2(plan: Plan) -> str:
         optimizer=_optimizer_call(t), fsdp_imports=fsdp_imports, units=units, forward=plan.prefetch.forward,
         backward=plan.prefetch.backward, param_dtype=_TORCH_DTYPES[t.param_dtype],
         reduce_dtype=_TORCH_DTYPES[t.reduce_dtype], offload=offload,
-    )
+    ) + fsdp2_train_step_source(plan)  # gradient accumulation: report/export/accumulation.py
 
 
 # The generated file (string.Template: $name is filled in by export_fsdp2).
