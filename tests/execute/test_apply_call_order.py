@@ -1,5 +1,5 @@
-"""A unit that groups siblings contiguous in call order but not in registration order (a tight BERT plan
-groups its word and token-type embeddings) applies and trains."""
+"""A unit that lists siblings in call order, not registration order (a tight BERT plan groups its
+embeddings as word, token_type, position) applies and trains."""
 
 import pytest
 
@@ -19,7 +19,7 @@ def test_the_trace_sees_call_order():
 
 @pytest.mark.parametrize("fake_world", [2], indirect=True)
 def test_a_group_in_call_order_applies_and_trains(fake_world):
-    plan = make_plan([Unit(("",), True), Unit(("embed.word", "embed.kind"), True), Unit(("head",), True)], 2,
+    plan = make_plan([Unit(("",), True), Unit(("embed.word", "embed.kind", "embed.position"), True), Unit(("head",), True)], 2,
                      model=MODEL)
     mf = load_model_file(MODEL)
     model = apply_plan(mf.build(), plan, fake_world)
