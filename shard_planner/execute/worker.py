@@ -53,7 +53,7 @@ from shard_planner.execute.apply import apply_plan, build_mesh
 from shard_planner.execute.memtrack import StorageTracker
 from shard_planner.execute.runner import with_prediction
 from shard_planner.measurement import Measurement, RankMemory, plan_fingerprint, save_measurement
-from shard_planner.hf import HfOptions, plan_options
+from shard_planner.hf import HfOptions, config_file
 from shard_planner.modelfile import ModelFile, load_model_file, map_inputs
 from shard_planner.plan import OPTIMIZER_TORCH, Plan, load_plan
 
@@ -88,7 +88,7 @@ def make_step_batch(model_file: ModelFile, micro_batch: int, step: int, rank: in
 
 def _hf_options(plan: Plan, model_path: str) -> HfOptions | None:
     """For a transformers config: the plan's sequence length, so the run builds the batch that was planned."""
-    return plan_options(model_path, plan.model.hf_task, plan.model.seq_len)
+    return HfOptions(task=plan.model.hf_task, seq_len=plan.model.seq_len) if config_file(model_path) is not None else None
 
 
 def build_on_device(model_file: ModelFile, device: torch.device) -> torch.nn.Module:
