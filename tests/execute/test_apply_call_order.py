@@ -19,8 +19,8 @@ def test_the_trace_sees_call_order():
 
 @pytest.mark.parametrize("fake_world", [2], indirect=True)
 def test_a_group_in_call_order_applies_and_trains(fake_world):
-    plan = make_plan([Unit(("",), True), Unit(("embed.word", "embed.kind", "embed.position"), True), Unit(("head",), True)], 2,
-                     model=MODEL)
+    units = [Unit(("",), True), Unit(("embed.word", "embed.kind", "embed.position"), True), Unit(("head",), True)]
+    plan = make_plan(units, 2, model=MODEL)
     mf = load_model_file(MODEL)
     model = apply_plan(mf.build(), plan, fake_world)
     assert {u.modules for u in describe_sharding(model)} == {u.modules for u in plan.units}

@@ -50,11 +50,12 @@ ZOO = (
                                 architectures=["T5ForConditionalGeneration"]), "config.json"),
     Arch("vit", "ViTConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                   num_attention_heads=4, image_size=32, patch_size=8, num_labels=10,
-                                  architectures=["ViTForImageClassification"]), "folder", text=False),
+                                  architectures=["ViTForImageClassification"]),
+         "folder", text=False),
     Arch("clip", "CLIPConfig", {}, "model file", text=False),
 )
 
-CLIP_MODEL_FILE = '''"""CLIP (a text and a vision tower, a 0-d logit_scale): the contrastive loss of a batch of pairs."""
+CLIP_MODEL_FILE = '''"""CLIP (a text and a vision tower, a 0-d logit_scale): the contrastive loss of a batch."""
 import torch
 from transformers import CLIPConfig, CLIPModel
 
