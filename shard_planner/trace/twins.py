@@ -139,6 +139,7 @@ class ReuseFacts:
     leaves: frozenset[str]  # modules without children: never reused (see [Note: twins])
     param_ids: dict[str, frozenset[int]]  # fqn (not a leaf) -> ids of its subtree's parameters
     attr_sigs: dict[str, tuple]  # fqn -> attribute_signatures
+    stateless: frozenset[str] = frozenset()  # modules without parameters in their subtree (a Dropout)
 
 
 def reuse_facts(model: nn.Module, hashes: dict[str, str], reuse: bool) -> ReuseFacts:
@@ -152,6 +153,7 @@ def reuse_facts(model: nn.Module, hashes: dict[str, str], reuse: bool) -> ReuseF
         leaves=leaves,
         param_ids={fqn: frozenset(id(p) for p in m.parameters()) for fqn, m in modules if fqn not in leaves},
         attr_sigs=attribute_signatures(model),
+        stateless=frozenset(fqn for fqn, m in modules if next(m.parameters(), None) is None),
     )
 
 
@@ -215,8 +217,9 @@ class Twins:
     def tainted(self, calls_by_fqn: dict[str, int]) -> set[str]:
         """Templates and twins whose subtree ran more than once (a shared module): its parameter
         gradients accumulate across calls, so a twin would not match the real run. They are traced for
-        real on a second try."""
-        shared = {fqn for fqn, n in calls_by_fqn.items() if n > 1}
+        real on a second try. A module without parameters called twice (transformers' ViTLayer calls its
+        one Dropout twice) accumulates nothing: it does not taint (else a 48-layer ViT is traced 49 times)."""
+        shared = {fqn for fqn, n in calls_by_fqn.items() if n > 1 and fqn not in self.facts.stateless}
 
         def runs_shared(fqn: str) -> bool:
             return any(is_under(s, fqn) for s in shared)
