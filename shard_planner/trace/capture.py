@@ -55,6 +55,7 @@ class Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = self.step.known.dispatch(func, args, kwargs)  # func, with [Note: balanced routing]
+        self.step.note_write(func, args)
         self.step.record_op(func, args, kwargs, out)
         return out
 
@@ -92,8 +93,6 @@ class Step:
         n = self.flops.count(func, args, kwargs, out) if func._overloadpacket in self.flops else 0
         if n:
             self._add_flops(n)
-        if self.twins.out_sids and self.phase == "fwd" and _writes_first_argument(func):
-            self._note_write(args[0])  # see [Note: unsafe reuse]
         sample = classify(func, args, kwargs, out, n)
         if sample is not None:
             self._add_kernel(sample)
@@ -104,9 +103,12 @@ class Step:
             if isinstance(t, torch.Tensor):
                 self.log.track(t)
 
-    def _note_write(self, t) -> None:
-        if isinstance(t, torch.Tensor):
-            self.twins.note_write(self.log.known_sid(t.untyped_storage()))
+    def note_write(self, func, args) -> None:
+        """An in-place op of the forward that writes a twin's output makes that twin unsafe ([Note: unsafe reuse])."""
+        if self.twins.out_sids and self.phase == "fwd" and _writes_first_argument(func):
+            t = args[0]
+            if isinstance(t, torch.Tensor):
+                self.twins.note_write(self.log.known_sid(t.untyped_storage()))
 
     def _add_op(self) -> None:
         if self.phase == "fwd" and self.fwd_stack:
