@@ -80,6 +80,12 @@ class HfModel:
     training: dict
 
 
+def plan_options(path: str, task: str | None, seq_len: int | None) -> HfOptions | None:
+    """For a plan's model at ``path``: the task and sequence length it was planned with when it is a
+    transformers config (so ``run`` and ``export`` rebuild the planned model), else None."""
+    return HfOptions(task=task, seq_len=seq_len) if config_file(path) is not None else None
+
+
 def config_file(path: str | Path) -> Path | None:
     """The transformers config file ``path`` names (itself, or ``config.json`` in a folder); None when it
     is not one (a model file, a trace.json: a config is a JSON object with a ``model_type``)."""

@@ -68,15 +68,21 @@ def default_loss_fn(output, targets):
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
 
 
+# Plain values a keyword input may also be (a flag such as CLIPModel's ``return_loss=True``).
+PLAIN_INPUTS = (bool, int, float, str, type(None))
+
+
 def input_tensors(inputs) -> list:
-    """The tensors of a batch's inputs (a tuple, or a dict of keyword inputs), in order."""
-    return list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
+    """The tensors of a batch's inputs (a tuple, or a dict of keyword inputs, less its plain values), in order."""
+    if isinstance(inputs, dict):
+        return [v for v in inputs.values() if not isinstance(v, PLAIN_INPUTS)]
+    return list(inputs)
 
 
 def map_inputs(inputs, fn):
-    """``inputs`` with ``fn`` applied to every tensor, in the same form (tuple or dict)."""
+    """``inputs`` with ``fn`` applied to every tensor, in the same form (tuple or dict; plain values kept)."""
     if isinstance(inputs, dict):
-        return {name: fn(t) for name, t in inputs.items()}
+        return {name: v if isinstance(v, PLAIN_INPUTS) else fn(v) for name, v in inputs.items()}
     return tuple(fn(t) for t in inputs)
 
 
@@ -126,7 +132,8 @@ class ModelFile:
         tensors = input_tensors(inputs)
         if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
             raise ModelFileError(
-                f"{self.path}: {what} inputs must be a tensor or a tuple of tensors (or a dict of tensors, passed as keywords)"
+                f"{self.path}: {what} inputs must be a tensor or a tuple of tensors (or a dict of tensors, passed as "
+                "keywords, which may also hold plain values: flags, numbers, strings)"
             )
         if isinstance(inputs, dict) and not all(isinstance(k, str) and k.isidentifier() for k in inputs):
             raise ModelFileError(f"{self.path}: {what} keyword inputs must be named by identifiers")

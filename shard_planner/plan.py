@@ -256,6 +256,7 @@ class ModelRef:
     fingerprint: str
     seq_len: int | None = None
     relative_path: str | None = None
+    hf_task: str | None = None  # a transformers config's --hf-task: what `run` and `export` rebuild it as
 
 
 @dataclass(frozen=True)
@@ -380,6 +381,7 @@ _ACCUMULATION_FIELDS = ("accumulation_steps", "gradient_sync", "keep_params_gath
 _COUNT, _BYTES, _SECONDS = Int(least=1), Int(least=0), Number(non_negative=True)
 PLAN_RULES = {
     "ModelRef.seq_len": Nullable(_COUNT), "ModelRef.relative_path": Nullable(Text()),
+    "ModelRef.hf_task": Nullable(Text()),
     "Cluster.gpus": _COUNT, "Cluster.gpus_per_node": _COUNT, "Cluster.mem_budget_bytes": _COUNT,
     "Mesh.shard": _COUNT, "Mesh.replicate": _COUNT,
     "Training.micro_batch": _COUNT, "Training.optimizer": Text(OPTIMIZERS),

@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     profile = load_priced_profile(req.profile or plan.cluster.profile, timings)
     options = hf_options(args)
     if config_file(req.model) is not None:  # the sequence length the plan was made for, unless given
-        options = HfOptions(args.hf_task, args.seq_len or plan.model.seq_len)
+        options = HfOptions(args.hf_task or plan.model.hf_task, args.seq_len or plan.model.seq_len)
     model_file = load_unless_trace(req.model, options)
     dtype = plan.training.param_dtype
     trace = trace_or_load(req.model, dtype=dtype) if model_file is None else trace_model(model_file, dtype=dtype)

@@ -111,6 +111,8 @@ def _run(args: argparse.Namespace) -> int:
                       global_batch_tokens=args.global_batch_tokens)
     result = plan_model(trace, req)
     result = replace(result, plan=with_model_located(result.plan, args.output))
+    if args.hf_task is not None:  # run and export rebuild the config as this task
+        result = replace(result, plan=replace(result.plan, model=replace(result.plan.model, hf_task=args.hf_task)))
     save_plan(result.plan, args.output)
     print(summary(result, profile))
     print(f"wrote {args.output}")

@@ -137,7 +137,11 @@ def _check_group(model: nn.Module, unit: Unit) -> None:
                         f"{sorted(repr(p) for p in parents)}")
     parent = model.get_submodule(parents.pop())
     order = [name for name, _ in parent.named_children()]
-    positions = [order.index(_parent_and_name(fqn)[1]) for fqn in unit.modules]
+    # Contiguous as a set, in any order: the solver lists a group in call order, which can differ from
+    # registration order (transformers' BertEmbeddings registers word, position, token_type embeddings and
+    # calls word, token_type, position), and fully_shard([m1, m2]) runs the group's pre-forward at the first
+    # of its modules to run and its post-forward after the last, whatever the order of the list.
+    positions = sorted(order.index(_parent_and_name(fqn)[1]) for fqn in unit.modules)
     if positions != list(range(positions[0], positions[0] + len(positions))):
         raise PlanError(f"unit {unit.name}: grouped modules must be a contiguous run of siblings in "
                         f"registration order, got positions {positions}")

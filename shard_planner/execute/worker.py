@@ -101,8 +101,10 @@ def make_step_batch(model_file: ModelFile, micro_batch: int, step: int, rank: in
 
 
 def _hf_options(plan: Plan, model_path: str) -> HfOptions | None:
-    """For a transformers config: the plan's sequence length, so the run builds the batch that was planned."""
-    return HfOptions(seq_len=plan.model.seq_len) if config_file(model_path) is not None else None
+    """For a transformers config: the plan's task and sequence length, so the run builds the planned model and batch."""
+    if config_file(model_path) is None:
+        return None
+    return HfOptions(task=plan.model.hf_task, seq_len=plan.model.seq_len)
 
 
 def build_on_device(model_file: ModelFile, device: torch.device) -> torch.nn.Module:

@@ -347,7 +347,9 @@ def _candidate_coeffs(c: Candidate, space: SearchSpace, saved, inputs, fwd_rise,
         root_bytes = 0.0
         fwd_mem = 2 * gather_live + fwd_act
         copy_mem = 2 * gather_live
-        bwd_mem = gather_live + live_count * bp + bwd_act
+        # every nested unit's gradients are live at the block's backward (cost/memory.py [Note: Nested
+        # units' gradients]): all ``count`` of them, not one inner unit's
+        bwd_mem = gather_live + count * bp + bwd_act
         rs_in = live_count * br
         # the copy-in holds the unit's unsharded gradients and the flat input together; then the 1/N
         # output and the backend's copy of the input (gloo) join, the gradients freed but the last one:

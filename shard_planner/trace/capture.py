@@ -38,6 +38,7 @@ from shard_planner.modelfile import ModelFile, input_tensors
 from shard_planner.trace.flops import FlopCounter
 from shard_planner.trace.kernel_ops import classify
 from shard_planner.trace.records import ENTER, EXIT, Call, Span, is_ancestor
+from shard_planner.trace.routing import KnownValues
 from shard_planner.trace.storages import SavedTensors, StorageLog
 from shard_planner.trace.twins import ReuseFacts, Twins, run_twin, twin_info
 
@@ -53,7 +54,8 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = self.step.known.dispatch(func, args, kwargs)  # func, with [Note: balanced routing]
+        self.step.note_write(func, args)
         self.step.record_op(func, args, kwargs, out)
         return out
 
@@ -68,6 +70,7 @@ class Step:
         self.log = StorageLog()
         self.saves = SavedTensors()
         self.twins = Twins(reuse, banned)
+        self.known = KnownValues()  # MoE routing under fake tensors: [Note: balanced routing]
         self.calls_by_fqn: dict[str, int] = defaultdict(int)
         # sid -> the first call that took the storage as an input (None: a batch tensor)
         self.input_owner: dict[int, Call | None] = {}
@@ -115,6 +118,13 @@ class Step:
                 seen.add(id(st))
                 total += st.nbytes()
         return total
+
+    def note_write(self, func, args) -> None:
+        """An in-place op of the forward that writes a twin's output makes that twin unsafe ([Note: unsafe reuse])."""
+        if self.twins.out_sids and self.phase == "fwd" and _writes_first_argument(func):
+            t = args[0]
+            if isinstance(t, torch.Tensor):
+                self.twins.note_write(self.log.known_sid(t.untyped_storage()))
 
     def _add_op(self) -> None:
         if self.phase == "fwd" and self.fwd_stack:
@@ -243,9 +253,11 @@ class Step:
         params = [p for p in module.parameters() if p.requires_grad][:1]  # one is enough to require grad
         self.in_twin = True
         try:
-            return run_twin(self.log, self.saves, call, template.twin_info, params, in_tensors)
+            out = run_twin(self.log, self.saves, call, template.twin_info, params, in_tensors)
         finally:
             self.in_twin = False
+        self.twins.note_outputs(call.fqn, (self.log.sid(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)))
+        return out
 
     def _shared_input_bytes(self, call: Call, in_tensors) -> int:
         """Bytes of the call's input storages already held elsewhere (ModuleTrace.input_shared_bytes):
@@ -365,6 +377,10 @@ class Step:
         """Templates and twins whose subtree ran more than once (see :meth:`Twins.tainted`)."""
         return self.twins.tainted(self.calls_by_fqn)
 
+    def unsafe_reuse(self) -> set[str]:
+        """Modules of the structure of a twin whose output was modified in place (see [Note: unsafe reuse])."""
+        return self.twins.unsafe_modules()
+
 
 def run_step(step: Step, modules: list[tuple[str, nn.Module]], inputs: tuple | dict, targets) -> None:
     """Wrap every module's forward, run the step, and unwrap them again (also on an error)."""
@@ -380,6 +396,18 @@ def unwrap(modules) -> None:
     """Remove the step's forward wrappers (instance attributes) again."""
     for _fqn, module in modules:
         module.__dict__.pop("forward", None)
+
+
+_WRITES_FIRST: dict = {}  # op -> whether it writes its first argument (an in-place op), cached
+
+
+def _writes_first_argument(func) -> bool:
+    known = _WRITES_FIRST.get(func)
+    if known is None:
+        args = func._schema.arguments
+        alias = args[0].alias_info if args else None
+        known = _WRITES_FIRST[func] = bool(alias is not None and alias.is_write)
+    return known
 
 
 def _cast(x, dtype: torch.dtype):

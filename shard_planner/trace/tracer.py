@@ -31,8 +31,10 @@ from shard_planner.modelfile import ModelFile, load_model_file
 from shard_planner.trace.build import build_fake, cast_parameters
 from shard_planner.trace.capture import Step, run_step
 from shard_planner.trace.flops import FlopCounter
+from shard_planner.trace.hf_paths import real_run_paths
 from shard_planner.trace.kernel_ops import fit_records
 from shard_planner.trace.records import StepResult
+from shard_planner.trace.routing import ASSUMPTION as ROUTING_ASSUMPTION
 from shard_planner.trace.replay import module_traces, static_facts, step_result
 from shard_planner.trace.structure import model_fingerprint, structural_hashes
 from shard_planner.trace.twins import ReuseFacts, reuse_facts
@@ -83,7 +85,11 @@ def trace_model(
         flops = FlopCounter()
         banned: set[str] = set()  # modules that turned out not to be faithful templates, for both sizes
         facts = reuse_facts(model, hashes, reuse)
-        r1, r2 = [_trace_batch(fake_mode, model, modules, mf, compute, facts, flops, banned, b) for b in (b1, b2)]
+        with real_run_paths(mf, b1):  # transformers' mask helpers: [Note: transformers under fake tensors]
+            (r1, routed), (r2, _) = [_trace_batch(fake_mode, model, modules, mf, compute, facts, flops, banned, b)
+                                     for b in (b1, b2)]
+    if routed:
+        logger.warning("%s: %s", mf.path, ROUTING_ASSUMPTION)
     if r1.forward_order != r2.forward_order:
         logger.warning("forward order differs between batch sizes %d and %d; using %d's", b1, b2, b1)
 
@@ -133,9 +139,10 @@ def _scalar_param_bytes(modules: list[tuple[str, nn.Module]]) -> dict[str, dict[
 
 def _trace_batch(fake_mode: FakeTensorMode, model: nn.Module, modules: list[tuple[str, nn.Module]], mf: ModelFile,
                  compute: torch.dtype, facts: ReuseFacts, flops: FlopCounter, banned: set[str],
-                 batch_size: int) -> StepResult:
-    """One traced step at ``batch_size``; again without the templates that ran a shared module (added
-    to ``banned``)."""
+                 batch_size: int) -> tuple[StepResult, int]:
+    """One traced step at ``batch_size``, and how many data-dependent ops it answered under the routing
+    assumption ([Note: balanced routing]); again without the templates that ran a shared module or whose
+    output a caller modified in place (added to ``banned``; [Note: unsafe reuse])."""
     while True:
         with fake_mode:
             inputs, targets = mf.batch(batch_size)
@@ -145,11 +152,20 @@ def _trace_batch(fake_mode: FakeTensorMode, model: nn.Module, modules: list[tupl
         del inputs, targets
         for p in model.parameters():
             p.grad = None
-        tainted = step.tainted_templates()
-        if not tainted:
-            return step_result(step)
-        logger.debug("re-tracing batch %d without templates %s (shared modules)", batch_size, sorted(tainted))
-        banned |= tainted
+        tainted, unsafe = step.tainted_templates(), step.unsafe_reuse() - banned
+        if not tainted and not unsafe:
+            return step_result(step), step.known.answered
+        if unsafe:
+            logger.warning("%s: not reusing identical blocks' traces for %s (a caller modifies their output in "
+                           "place); tracing them for real", mf.path, _listed(sorted(unsafe)))
+        if tainted:
+            logger.debug("re-tracing batch %d without templates %s (shared modules)", batch_size, sorted(tainted))
+        banned |= tainted | unsafe
+
+
+def _listed(fqns: list[str], shown: int = 4) -> str:
+    more = f" and {len(fqns) - shown} more" if len(fqns) > shown else ""
+    return ", ".join(fqns[:shown]) + more
 
 
 @contextmanager

@@ -13,6 +13,15 @@ backward peak depends on how a shared input's gradient accumulates), a module sh
 needs a gradient or a parameter with its template, and any module whose subtree runs more than once in
 the step (parameter gradients accumulate across calls; detected after the step by
 :meth:`Twins.tainted`, and the step is traced again without those templates).
+
+[Note: unsafe reuse] A caller may modify a block's output in place (transformers' Falcon:
+``mlp_output += attention_output``). For a twin that output is a stand-in: the real block's autograd
+graph (what it saved, whose version counter the write bumps) is not there, and an output that shares
+a storage with another cannot be written in place at all through a custom Function. Twin outputs are
+therefore made without autograd views (``set_`` on the shared storage), every in-place op of the
+forward is checked against them (:meth:`Twins.note_write`), and a step in which one was written is
+traced again with every module of that structure traced for real (:meth:`Twins.unsafe_modules`); the
+log says which.
 """
 
 from __future__ import annotations
@@ -93,8 +102,10 @@ class TwinFn(torch.autograd.Function):
                 continue
             if leaf.group not in bases:
                 bases[leaf.group] = torch.empty(leaf.group_nbytes, dtype=torch.uint8, device=leaf.device)
-            base = bases[leaf.group].view(leaf.dtype)
-            outs.append(base.as_strided(leaf.shape, leaf.stride, leaf.offset))
+            # set_ rather than as_strided: the output shares the storage but is no autograd view, so a
+            # caller's in-place op reaches the recorder (see [Note: unsafe reuse]) instead of failing here
+            out = torch.empty(0, dtype=leaf.dtype, device=leaf.device)
+            outs.append(out.set_(bases[leaf.group].untyped_storage(), leaf.offset, leaf.shape, leaf.stride))
         no_grad = [o for o, leaf in zip(outs, leaves) if not leaf.requires_grad]
         if no_grad:
             ctx.mark_non_differentiable(*no_grad)
@@ -128,6 +139,7 @@ class ReuseFacts:
     leaves: frozenset[str]  # modules without children: never reused (see [Note: twins])
     param_ids: dict[str, frozenset[int]]  # fqn (not a leaf) -> ids of its subtree's parameters
     attr_sigs: dict[str, tuple]  # fqn -> attribute_signatures
+    stateless: frozenset[str] = frozenset()  # modules without parameters in their subtree (a Dropout)
 
 
 def reuse_facts(model: nn.Module, hashes: dict[str, str], reuse: bool) -> ReuseFacts:
@@ -141,6 +153,7 @@ def reuse_facts(model: nn.Module, hashes: dict[str, str], reuse: bool) -> ReuseF
         leaves=leaves,
         param_ids={fqn: frozenset(id(p) for p in m.parameters()) for fqn, m in modules if fqn not in leaves},
         attr_sigs=attribute_signatures(model),
+        stateless=frozenset(fqn for fqn, m in modules if next(m.parameters(), None) is None),
     )
 
 
@@ -152,6 +165,24 @@ class Twins:
         self.banned = banned  # modules that turned out not to be faithful templates
         self.templates: dict[tuple, Call] = {}
         self.calls: list[Call] = []  # the twins
+        self.out_sids: dict[int, str] = {}  # storage of a twin's output -> the twin's fqn
+        self.unsafe: set[str] = set()  # twins whose output their caller modified in place
+
+    def note_outputs(self, fqn: str, sids) -> None:
+        for sid in sids:
+            self.out_sids[sid] = fqn
+
+    def note_write(self, sid: int | None) -> None:
+        """An in-place op in forward wrote storage ``sid``: if a twin's output, that twin is unsafe."""
+        fqn = self.out_sids.get(sid)
+        if fqn is not None:
+            self.unsafe.add(fqn)
+
+    def unsafe_modules(self) -> set[str]:
+        """Every module of the same structure as an unsafe twin: traced for real on a second try
+        (see [Note: unsafe reuse])."""
+        hashes = {self.facts.hashes[fqn] for fqn in self.unsafe}
+        return {fqn for fqn, h in self.facts.hashes.items() if h in hashes}
 
     def key(self, fqn: str, leaves, spec) -> tuple | None:
         """What a twin must share with its template; None for a module that is never reused."""
@@ -186,8 +217,9 @@ class Twins:
     def tainted(self, calls_by_fqn: dict[str, int]) -> set[str]:
         """Templates and twins whose subtree ran more than once (a shared module): its parameter
         gradients accumulate across calls, so a twin would not match the real run. They are traced for
-        real on a second try."""
-        shared = {fqn for fqn, n in calls_by_fqn.items() if n > 1}
+        real on a second try. A module without parameters called twice (transformers' ViTLayer calls its
+        one Dropout twice) accumulates nothing: it does not taint (else a 48-layer ViT is traced 49 times)."""
+        shared = {fqn for fqn, n in calls_by_fqn.items() if n > 1 and fqn not in self.facts.stateless}
 
         def runs_shared(fqn: str) -> bool:
             return any(is_under(s, fqn) for s in shared)

@@ -300,3 +300,32 @@ def test_export_cli_bad_input(tmp_path, capsys):
     assert err.startswith("shard-planner: error:") and "no such plan file" in err and len(err.splitlines()) == 1
     with pytest.raises(UserError, match="cannot export"):
         export_plan(make_plan(2), "megatron")
+
+
+@pytest.mark.parametrize("fake_world", [8], indirect=True)
+def test_fsdp2_export_keeps_0d_parameters_out_of_sharding(fake_world):
+    """A model with 0-d parameters (CLIP's logit_scale): the exported apply_sharding passes them as
+    ignored_params, as apply_plan does, so fully_shard does not fail and they stay plain tensors."""
+    import warnings
+
+    from torch.distributed.tensor import DTensor
+
+    from shard_planner.execute.apply import apply_plan, describe_sharding
+    from tests.execute.test_run import make_plan as exec_plan
+
+    model_path = "tests/models/exec_scalar.py"
+    plan = exec_plan([Unit(("",), True), *(Unit((f"blocks.{i}",), True) for i in range(4))], 8, model=model_path)
+    mf = load_model_file(model_path)
+    reference = describe_sharding(apply_plan(mf.build(), plan, fake_world))
+    namespace: dict = {}
+    exec(compile(export_plan(plan, "fsdp2").text, "apply_sharding.py", "exec"), namespace)
+    model = namespace["apply_sharding"](mf.build(), fake_world)
+    assert [(u.modules, u.reshard_after_forward) for u in describe_sharding(model)] == \
+        [(u.modules, u.reshard_after_forward) for u in reference]
+    for name, p in model.named_parameters():
+        assert isinstance(p, DTensor) != (p.dim() == 0), name
+    inputs, targets = mf.batch(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mf.loss(model(*inputs), targets).backward()
+    assert all(p.grad is not None for p in model.parameters())

@@ -105,8 +105,11 @@ def test_checkpointing_lands_on_the_fast_blocks(models):
     trace, _, _, _, timed = models
     full = plan_model(trace, PlanRequest(gpus=8, mem_budget_bytes=80 * 2**30, profile=timed, micro_batch=MB)).plan
     assert not any(u.activation_checkpoint for u in full.units)
-    tight = plan_model(trace, PlanRequest(gpus=8, mem_budget_bytes=int(full.predicted.peak_bytes * 0.8), profile=timed,
-                       micro_batch=MB)).plan
+    # 0.85 of the full plan's peak: two of the four blocks must be checkpointed. (At 0.8, once a nested
+    # unit's gradients count at its block's backward, three must be, and where the third goes depends on
+    # its position in the stack, not only on its speed.)
+    tight = plan_model(trace, PlanRequest(gpus=8, mem_budget_bytes=int(full.predicted.peak_bytes * 0.85),
+                                          profile=timed, micro_batch=MB)).plan
     ac = {m for u in tight.units if u.activation_checkpoint for m in u.modules}
     blocks = {f"layers.{i}" for i in range(LAYERS)}
     assert ac & blocks and not blocks <= ac, ac

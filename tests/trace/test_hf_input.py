@@ -170,3 +170,25 @@ def test_hf_task_overrides_the_architecture(configs):
     trace = trace_model(mf, dtype="float32")
     assert trace.param_count == sum(p.numel() for p in model.parameters())
     assert trace.model_class == "LlamaForSequenceClassification"
+
+
+def test_hf_task_is_recorded_in_the_plan(configs, tmp_path, capsys):
+    """plan --hf-task writes the task into the plan, so export (which rebuilds the model) and run build the
+    planned model, not the config's architecture."""
+    from shard_planner.execute.worker import _hf_options
+
+    path, _config = configs["llama"]
+    plan_file = tmp_path / "plan.json"
+    assert cli_main(["plan", path, "--gpus", "2", "--mem", "4GB", "--profile", "cpu-gloo", "-o", str(plan_file),
+                     "--no-report", "--hf-task", "sequence-classification", "--seq-len", "16"]) == 0
+    plan = load_plan(plan_file)
+    assert plan.model.hf_task == "sequence-classification" and plan.model.seq_len == 16
+    assert _hf_options(plan, plan.model.path) == HfOptions(task="sequence-classification", seq_len=16)
+    out = tmp_path / "accelerate.yaml"
+    # export builds the plan's model and checks its fingerprint: a LlamaForCausalLM would not match
+    assert cli_main(["export", str(plan_file), "--to", "accelerate", "-o", str(out)]) == 0
+    assert out.read_text().startswith("# Accelerate FSDP2 config")
+    plain = tmp_path / "plain.json"
+    assert cli_main(["plan", path, "--gpus", "2", "--mem", "4GB", "--profile", "cpu-gloo", "-o", str(plain),
+                     "--no-report", "--seq-len", "16"]) == 0
+    assert load_plan(plain).model.hf_task is None

@@ -5,7 +5,9 @@ next to their model. It does exactly what ``shard_planner.execute.apply_plan`` d
 tests/test_export.py by comparing ``describe_sharding`` of both): checkpointing by replacing a module's
 ``forward`` with a ``torch.utils.checkpoint`` call (no wrapper module, so names stay those of the plan),
 ``fully_shard`` per unit (a list for a grouped unit) deepest first and the root last, each unit's
-reshard policy, the ``MixedPrecisionPolicy``, CPU offload, and the prefetch lists (forward order: the
+reshard policy, the ``MixedPrecisionPolicy``, CPU offload, 0-d parameters kept out of sharding
+(``ignored_params``, replicated with averaged gradients, as apply_plan's [Note: 0-d parameters]), and the
+prefetch lists (forward order: the
 root, then the units; backward order: the units reversed).
 
 Runs of similar units are written as list comprehensions (``for i in range(0, 32)``) so an 80-layer
@@ -193,11 +195,29 @@ def _depth(name: str) -> int:
     return 0 if name == "" else name.count(".") + 1
 
 
+def _replicate_scalars(model: torch.nn.Module, mesh) -> set:
+    """FSDP2 cannot shard 0-d parameters (CLIP's logit_scale): kept whole on every rank (ignored_params),
+    their gradients averaged over the mesh by a hook."""
+    def average_grad(param: torch.Tensor) -> None:
+        for group in mesh.get_all_groups():  # a sum over each mesh dimension in turn: the sum over the mesh
+            torch.distributed.all_reduce(param.grad, group=group)
+        param.grad.div_(mesh.size())
+
+    scalars = {p for p in model.parameters() if p.dim() == 0}
+    for p in scalars:
+        if p.device.type not in ("meta", mesh.device_type):
+            p.data = p.data.to(torch.cuda.current_device() if mesh.device_type == "cuda" else mesh.device_type)
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(average_grad)
+    return scalars
+
+
 def apply_sharding(model: torch.nn.Module, mesh) -> torch.nn.Module:
     """Shard ``model`` in place as planned and return it; ``mesh`` is the 1-D (or HSDP 2-D) DeviceMesh."""
     policy = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=$param_dtype,
                                                             reduce_dtype=$reduce_dtype))$offload
     get = model.get_submodule
+    policy["ignored_params"] = _replicate_scalars(model, mesh) or None
     for names, _, checkpointed in UNITS:
         if checkpointed:
             for name in names:
