@@ -112,3 +112,23 @@ def test_malformed_table_is_a_profile_error():
         KernelConstants.from_table({"sm_count": 108})
     with pytest.raises(ProfileError, match="fraction"):
         KernelConstants(**{**KC.__dict__, "matmul_efficiency": 1.5})
+
+
+def test_sustained_clock_slows_only_the_gemms():
+    # [Note: sustained clock]: a compute-bound GEMM takes 1 / fraction as long; attention and memory-bound
+    # kernels keep their time; the fraction is a fraction of the boost clock (<= 1)
+    throttled = Device(KernelConstants(**{**KC.__dict__, "sustained_clock_fraction": 0.9}), 100e12, 1e12)
+    m = n = k = 1024
+    gemm = KernelOp(MATMUL, 1, 2 * m * n * k, 2 * (m * k + k * n + m * n), (1, m, n, k))
+    assert op_time_s(gemm, throttled) - 1e-6 == pytest.approx((op_time_s(gemm, DEV) - 1e-6) / 0.9)
+    attn = KernelOp(ATTENTION_FWD, 1, 4 * 8 * 4096 ** 2 * 128, 1e6, (8, 4096, 4096, 128, 1))
+    elementwise = KernelOp("elementwise", 10, 1e9, 9e9)
+    for op in (attn, elementwise):
+        assert op_time_s(op, throttled) == op_time_s(op, DEV)
+    with pytest.raises(ProfileError, match="fraction"):
+        KernelConstants(**{**KC.__dict__, "sustained_clock_fraction": 1.2})
+
+
+def test_a100_sustained_clock_is_the_hpl_clock():
+    for name in ("a100-80gb", "a100-40gb"):
+        assert kernel_constants(load_profile(name)).sustained_clock_fraction == pytest.approx(1305 / 1410, rel=1e-3)
