@@ -13,7 +13,9 @@ fitted to the ring model the cost model uses (shard_planner/cost/collectives.py)
 
 (alpha from the floor, plateau and n_1/2 by least squares on relative error: calibrate_kernels.fit_curve).
 ``fit_ring`` (alpha and busbw from a line, no curve) is the older fit, kept for callers. Every number in
-the written file says how it was measured.
+the written file says how it was measured. Matmul throughput, copy bandwidth, the kernel sweeps and the
+collectives take the fastest of their repeats (on a shared machine other processes only ever add time);
+``--quick`` runs 3 repeats instead of 5 and drops the largest CPU GEMM shape and attention sequence.
 
 Framework overheads (the time model's per-op, per-unit and per-tensor terms, shard_planner/cost/time.py):
 
