@@ -66,7 +66,7 @@ def _run_all(plans, *, world_size: int, steps: int, warmup: int, timeout_s: floa
 
 
 def measure_model(model: str, *, world_size: int, profile, steps: int, warmup: int, int_reshard: int | None,
-                  timeout_s: float, only_int: bool = False, timings: bool = False) -> list[dict]:
+                  timeout_s: float, only_int: bool = False, timings: bool = False, also=()) -> list[dict]:
     from shard_planner.cost import estimate
     from shard_planner.trace import trace_model
 
@@ -117,6 +117,11 @@ def measure_model(model: str, *, world_size: int, profile, steps: int, warmup: i
                        step_err_pct=common.error_pct(est.time.step_time_s, m.step_time_median_s),
                        step_err_timed_pct=common.error_pct(timed_s, m.step_time_median_s),
                        step_spread_s=m.step_time_spread_s)
+        for other in also:  # the same runs, predicted with another profile (--also-profile)
+            t = estimate(trace_for(plan.training.param_dtype), plan, other, timeline=False).time.step_time_s
+            row[f"pred_step_{other.name}_s"] = t
+            row[f"step_err_{other.name}_pct"] = (common.error_pct(t, m.step_time_median_s) if m is not None
+                                                 else float("nan"))
         rows.append(row)
     print(f"  {model} at world size {world_size}: {len(variants)} plans, launch {launch_s:.0f} s", flush=True)
     return rows
@@ -176,7 +181,7 @@ def plot_runs(rows: list[dict]):
     return fig
 
 
-def summary_rows(rows: list[dict]) -> list[dict]:
+def summary_rows(rows: list[dict], also=()) -> list[dict]:
     out = []
     groups = sorted({(r["model"], r["world_size"]) for r in rows}) + [("all", None)]
     for model, ws in groups:
@@ -192,6 +197,9 @@ def summary_rows(rows: list[dict]) -> list[dict]:
                         step_err_median_pct=st_med, step_err_max_pct=st_max,
                         fitted_step_err_median_pct=sf_med, fitted_step_err_max_pct=sf_max,
                         timed_step_err_median_pct=tm_med, timed_step_err_max_pct=tm_max))
+        for other in also:
+            med, mx = common.summarize([r[f"step_err_{other.name}_pct"] for r in sel])
+            out[-1].update({f"{other.name}_step_err_median_pct": med, f"{other.name}_step_err_max_pct": mx})
     return out
 
 
@@ -253,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timings", action="store_true",
                     help="also predict step time from module times measured here first (shard-planner calibrate "
                          "--model; ~30 s per model and dtype)")
+    ap.add_argument("--also-profile", nargs="*", default=[], metavar="PROFILE",
+                    help="also predict the same runs' step time with these profiles (name or path): columns "
+                         "pred_step_NAME_s, step_err_NAME_pct (e.g. a profile `shard-planner calibrate` wrote)")
     ap.add_argument("--skip-runs", action="store_true", help="only the FSDPMemTracker part")
     ap.add_argument("--skip-memtracker", action="store_true", help="only the real runs")
     args = ap.parse_args(argv)
@@ -261,22 +272,25 @@ def main(argv: list[str] | None = None) -> int:
     from shard_planner.profile import load_profile
 
     profile = load_profile(args.profile)
+    also = [load_profile(p) for p in args.also_profile]
+    print(f"machine load at start: {common.load_text()}", flush=True)
     start = time.perf_counter()
     if not args.skip_runs:
         rows = []
         for model in args.models:
             rows += measure_model(model, world_size=2, profile=profile, steps=args.steps, warmup=args.warmup,
-                                  int_reshard=None, timeout_s=args.timeout, timings=args.timings)
+                                  int_reshard=None, timeout_s=args.timeout, timings=args.timings, also=also)
             if model in args.ws4:
                 rows += measure_model(model, world_size=4, profile=profile, steps=args.steps, warmup=args.warmup,
-                                      int_reshard=2, timeout_s=args.timeout, timings=args.timings)
+                                      int_reshard=2, timeout_s=args.timeout, timings=args.timings, also=also)
         factors = cross_fitted_errors(rows, profile)
         columns = ["model", "world_size", "plan", "pred_peak_mib", "meas_peak_mib", "peak_err_pct", "pred_step_s",
                    "meas_step_s", "step_err_pct", "step_err_fitted_pct", "pred_step_timed_s", "step_err_timed_pct",
                    "step_spread_s", "estimate_ms", "error"]
+        columns += [c for o in also for c in (f"pred_step_{o.name}_s", f"step_err_{o.name}_pct")]
         common.print_table(rows, title="Predicted vs measured, real FSDP2 runs (CPU, gloo)", columns=columns)
         common.write_csv(rows, "accuracy_runs", columns=columns)
-        summary = summary_rows(rows)
+        summary = summary_rows(rows, also)
         common.print_table(summary, title="Errors |predicted - measured| / measured (%)")
         common.write_csv(summary, "accuracy_summary")
         common.save_figure(plot_runs(rows), "accuracy_runs")
@@ -296,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FSDPMemTracker agreement target (within {MEMTRACKER_TARGET_PCT}% on ungrouped plans): "
               f"{'met' if held and max(held) <= MEMTRACKER_TARGET_PCT else 'MISSED'} (max {max(held, default=float('nan')):.2f}%; "
               "grouped plans are reported, not held: the tracker reads low on them, DESIGN.md)")
+    print(f"machine load at end: {common.load_text()}")
     print(f"\nbench_accuracy: {time.perf_counter() - start:.0f} s; outputs in {common.OUT_DIR}")
     return 0
 

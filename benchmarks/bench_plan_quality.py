@@ -111,7 +111,9 @@ class Case:
         return next(n for n, _, k in self.entries if k == key)
 
 
-def prepare(model: str, profile) -> Case:
+def prepare(model: str, profile, planners=()) -> Case:
+    """The space, the budgets (from ``profile``'s predicted peaks) and the planner's plan per budget with
+    ``profile``; and with each of ``planners`` ((suffix, profile) pairs) too, as budget "label suffix"."""
     from shard_planner.cost import estimate
     from shard_planner.errors import InfeasibleError
     from shard_planner.measurement import plan_fingerprint
@@ -129,7 +131,11 @@ def prepare(model: str, profile) -> Case:
                     "tight": int(peaks[int(TIGHT_QUANTILE * (len(peaks) - 1))] * 1.05)}
     named = [(n, "space", p) for n, p in space] + [(n, "policy", p) for n, p in hand_written(trace, base)]
     planned = {}  # label -> (plan, solve_s)
+    case.budgets = {label + suffix: budget for suffix, _ in (("", profile), *planners)
+                    for label, budget in case.budgets.items()}
+    by_label = {label + suffix: prof for suffix, prof in (("", profile), *planners) for label in BUDGETS}
     for label, budget in case.budgets.items():
+        profile = by_label[label]
         t0 = time.perf_counter()
         try:
             # the budget is what a plan may fill; the planner keeps the profile's fragmentation share of --mem
@@ -352,11 +358,15 @@ def judge(case: Case, timed: dict, confirmed: dict, profile, args) -> tuple[list
     return plan_rows(case, timed, confirmed, sboot, cboot, profile), summary
 
 
-def evaluate_model(model: str, profile, args) -> tuple[list[dict], list[dict], list[dict]]:
+def evaluate_model(model: str, profile, args, also=()) -> tuple[list[dict], list[dict], list[dict]]:
+    """``also``: more profiles the planner plans with (--also-profile), judged on the same measurements;
+    with --timings the profile without its module times is planned with too."""
     t0 = time.perf_counter()
+    planners = [(f" [{p.name}]", p) for p in also]
     if args.timings:
+        planners.insert(0, (f" [{profile.name}, no timings]", profile))
         profile = common.timed_profile(model, profile, world_size=WORLD_SIZE)
-    case = prepare(model, profile)
+    case = prepare(model, profile, planners)
     print(f"  {model}: {len(case.plans)} distinct plans; traced and planned in {time.perf_counter() - t0:.0f} s",
           flush=True)
     timed, wall_s = screen(case, args)
@@ -410,7 +420,7 @@ def plot(rows: list[dict], summary: list[dict]):
         ax.scatter([r["meas_peak_mib"] for r in conf], [r["confirm_step_s"] for r in conf], s=90,
                    facecolors="none", edgecolors="black", label="confirmation median", zorder=4)
         for s in summary:
-            if s["model"] == model:
+            if s["model"] == model and "[" not in s["budget"]:  # a budget once, not per planning profile
                 ax.axvline(s["budget_mib"], ls="--", color="grey", lw=1)
                 ax.text(s["budget_mib"], ax.get_ylim()[1], f" {s['budget']} budget", va="top", fontsize=8)
         ax.set_xlabel("measured peak memory per rank (MiB)")
@@ -476,6 +486,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="fastest plans of the screen that fit, confirmed beside the chosen one (default 3)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--profile", default="cpu-gloo", help="the profile the planner plans with (name or path)")
+    ap.add_argument("--also-profile", nargs="*", default=[], metavar="PROFILE",
+                    help="the planner also plans with these profiles (name or path); their choices are confirmed "
+                         "and judged on the same measurements, as budget 'loose [NAME]' / 'tight [NAME]'")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds for one launch (default 1800)")
     ap.add_argument("--boot", type=int, default=ts.N_BOOT, help=f"bootstrap resamples (default {ts.N_BOOT})")
     ap.add_argument("--seed", type=int, default=0, help="seed of the round orders and the bootstrap")
@@ -494,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bench_plan_quality: load {common.load_text()} at the start", flush=True)
     rows, summary, steps = [], [], []
     for model in args.models:
-        r, s, t = evaluate_model(model, profile, args)
+        r, s, t = evaluate_model(model, profile, args, [load_profile(p) for p in args.also_profile])
         rows += r
         summary += s
         steps += t

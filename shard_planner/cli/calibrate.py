@@ -20,6 +20,7 @@ class CalibrateRequest:
     device: str
     output: Path
     name: str
+    quick: bool = False
 
 
 @dataclass(frozen=True)
@@ -39,14 +40,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="measure matmul throughput, memory bandwidth and collective latency/bandwidth; write a profile",
         description="Measure this machine (gloo on CPU, NCCL on GPU): matmul FLOP/s in fp32 and bf16, memory "
         "bandwidth, and all-gather / reduce-scatter times over several sizes in a spawned world, fitted "
-        "to the ring model (latency per step and bus bandwidth); and the framework overheads of the time model: "
-        "per aten op, per FSDP2 unit and step, per optimizer parameter tensor. Writes a profile TOML for --profile.",
+        "to the ring model with its bus-bandwidth curve (latency per step, plateau, n_1/2); the roofline kernel "
+        "model's constants (GEMM shape sweep, attention forward/backward, elementwise bandwidth, launch cost); and "
+        "the framework overheads of the time model: per aten op, per FSDP2 unit and step, per optimizer parameter "
+        "tensor. Writes a profile TOML for --profile that prices compute with the roofline.",
     )
     p.add_argument("--world-size", type=int, default=2, metavar="N", help="ranks for the collectives (default 2)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="default: cuda if available")
     p.add_argument("-o", "--output", default=None,
                    help="file to write (default profiles/local.toml; with --model, timings.json)")
     p.add_argument("--name", default=None, help="profile name (default: the output file's stem)")
+    p.add_argument("--quick", action="store_true", help="fewer repeats and no largest sweep shapes (CPU: ~half the time)")
     g = p.add_argument_group("module timings (--model)", "time every module's forward and backward of a "
                              "model on this device (real training steps at micro-batches B and 2B, no FSDP; the "
                              "whole model must fit on one device) and write them for the cost model")
@@ -76,16 +80,20 @@ def run(args: argparse.Namespace) -> int:
 
         if not torch.cuda.is_available():
             raise UserError("--device cuda: no CUDA device on this machine")
-    req = CalibrateRequest(args.world_size, args.device, out, args.name or out.stem)
+    req = CalibrateRequest(args.world_size, args.device, out, args.name or out.stem, args.quick)
     check_output_file(req.output, "profile")
-    profile, text = calibrate(req.world_size, req.device, req.name)
+    profile, text = calibrate(req.world_size, req.device, req.name, quick=req.quick)
     write_profile(text, str(req.output))
     ic = profile.interconnect
     print(f"device {profile.device}: matmul {profile.peak_flops_per_s['float32'] / 1e9:.1f} GFLOP/s fp32, "
           f"{profile.peak_flops_per_s['bfloat16'] / 1e9:.1f} GFLOP/s bf16; copy {profile.memory_bandwidth_bytes_per_s / 1e9:.2f} GB/s; "
           f"memory {format_bytes(profile.memory_bytes)}")
     print(f"collectives over {req.world_size} ranks: latency {ic.intra_node_latency_s * 1e6:.1f} us per step, "
-          f"busbw {ic.intra_node_busbw_bytes_per_s / 1e9:.3f} GB/s")
+          f"busbw {ic.intra_node_busbw_bytes_per_s / 1e9:.3f} GB/s, n_1/2 {ic.intra_node_busbw_half_bytes / 1024:.1f} KiB")
+    k = profile.kernels
+    print(f"kernels: matmul efficiency {k['matmul_efficiency']:.3f}, tile {k['matmul_tiles'][0]}, attention "
+          f"fwd {k['attention_fwd_efficiency']:.3f} bwd {k['attention_bwd_efficiency']:.3f}, memory efficiency "
+          f"{k['memory_efficiency']:.3f}; compute_model {profile.compute_model}")
     print(f"overheads: {profile.per_op_overhead_s * 1e6:.1f} us per op, {profile.per_unit_overhead_s * 1e3:.2f} ms per "
           f"FSDP unit and step, {profile.per_param_tensor_optimizer_overhead_s * 1e6:.0f} us per optimizer tensor")
     print(f"wrote {req.output}")

@@ -1,14 +1,21 @@
-"""Measure a hardware profile on the local machine: matmul throughput, memory bandwidth, and the
-latency and bus bandwidth of all-gather / reduce-scatter (gloo on CPU, NCCL on GPU).
+"""Measure a hardware profile on the local machine: matmul throughput, memory bandwidth, the roofline
+kernel model's constants, and the latency and bus-bandwidth curve of all-gather / reduce-scatter (gloo
+on CPU, NCCL on GPU).
 
-``calibrate(world_size=2, device="auto") -> (HardwareProfile, toml_text)``; ``write_profile`` writes the
-TOML atomically. Collectives are timed in a spawned world of ``world_size`` ranks over several sizes and
+``calibrate(world_size=2, device="auto", quick=False) -> (HardwareProfile, toml_text)``; ``write_profile``
+writes the TOML atomically. The profile says ``compute_model = "roofline"`` and carries the measured
+``[kernels]`` table: the GEMM shape sweep, attention forward/backward, elementwise bandwidth and launch
+cost, each fitted as shard_planner/execute/calibrate_kernels.py documents. Collectives are timed in a
+spawned world of ``world_size`` ranks from a 4-byte-per-rank message (the latency floor) to MiBs and
 fitted to the ring model the cost model uses (shard_planner/cost/collectives.py):
 
-    time(bytes) = alpha * (p - 1) + (p - 1) / p * bytes / busbw
+    time(bytes) = alpha * (p - 1) + (p - 1) / p * (bytes + n_1/2) / plateau
 
-by least squares: the intercept gives alpha (per ring step), the slope gives busbw. Every number in the
-written file says how it was measured.
+(alpha from the floor, plateau and n_1/2 by least squares on relative error: calibrate_kernels.fit_curve).
+``fit_ring`` (alpha and busbw from a line, no curve) is the older fit, kept for callers. Every number in
+the written file says how it was measured. Matmul throughput, copy bandwidth, the kernel sweeps and the
+collectives take the fastest of their repeats (on a shared machine other processes only ever add time);
+``--quick`` runs 3 repeats instead of 5 and drops the largest CPU GEMM shape and attention sequence.
 
 Framework overheads (the time model's per-op, per-unit and per-tensor terms, shard_planner/cost/time.py):
 
@@ -38,6 +45,8 @@ from dataclasses import dataclass
 import torch
 
 from shard_planner.cost.collectives import ring_time_s
+from shard_planner.execute.calibrate_kernels import (CurveFit, _fastest, _samples, calibrate_kernels, fit_curve,
+                                                     kernels_toml, slower)
 from shard_planner.errors import UserError
 from shard_planner.fileio import write_atomic
 from shard_planner.profile import HardwareProfile, Interconnect
@@ -45,8 +54,13 @@ from shard_planner.profile import HardwareProfile, Interconnect
 logger = logging.getLogger(__name__)
 
 MATMUL_N = {"cpu": 1024, "cuda": 8192}
+# CPU bf16 without native bf16 instructions runs a slow reference GEMM (~0.4 GFLOP/s here: 4 s per
+# 1024^3): measured at 512, its rate is the same at either size
+MATMUL_N_CPU_BF16 = 512
 COPY_BYTES = {"cpu": 64 * 2**20, "cuda": 1 * 2**30}
-COLLECTIVE_BYTES = {"cpu": (2**16, 2**18, 2**20, 4 * 2**20), "cuda": (2**20, 16 * 2**20, 128 * 2**20, 512 * 2**20)}
+# sizes of the collectives' curve (bytes, the unsharded message); the first (4 bytes per rank) is the latency floor
+COLLECTIVE_BYTES = {"cpu": (0, 2**12, 2**14, 2**16, 2**18, 2**20, 4 * 2**20),
+                    "cuda": (0, 2**16, 2**20, 16 * 2**20, 128 * 2**20, 512 * 2**20)}
 OVERHEAD_WIDTH = 16  # features of the tiny Linear layers of the overhead measurements
 OVERHEAD_LAYERS = 16
 OVERHEAD_UNITS = (1, 2, 4, 8, 16)  # units the OVERHEAD_LAYERS layers are grouped into
@@ -59,45 +73,25 @@ class CollectiveFit:
     samples: tuple[tuple[int, float], ...]  # (bytes, median seconds)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _samples(fn, device: torch.device, repeats: int, *, barrier: bool = False) -> list[float]:
-    """Seconds of ``repeats`` calls of ``fn``, each timed from a synchronised device (and, with
-    ``barrier``, after a barrier of the process group, so that ranks start together) to its end."""
-    samples = []
-    for _ in range(repeats):
-        if barrier:
-            torch.distributed.barrier()
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        samples.append(time.perf_counter() - t0)
-    return samples
-
-
 def _time(fn, device: torch.device, repeats: int) -> float:
     fn()  # warm-up
     return statistics.median(_samples(fn, device, repeats))
 
 
 def measure_matmul_flops_per_s(device: torch.device, dtype: torch.dtype, repeats: int = 5) -> float:
-    """2 n^3 FLOPs of an n x n matmul per second (n = MATMUL_N), the median of ``repeats``."""
-    n = MATMUL_N[device.type]
+    """2 n^3 FLOPs of an n x n matmul per second (n = MATMUL_N), the fastest of ``repeats``."""
+    n = MATMUL_N_CPU_BF16 if (device.type, dtype) == ("cpu", torch.bfloat16) else MATMUL_N[device.type]
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    return 2 * n**3 / _time(lambda: a @ b, device, repeats)
+    return 2 * n**3 / _fastest(lambda: a @ b, device, repeats)
 
 
 def measure_copy_bytes_per_s(device: torch.device, repeats: int = 5) -> float:
-    """Read + write bytes per second of a large tensor copy."""
+    """Read + write bytes per second of a large tensor copy, the fastest of ``repeats``."""
     numel = COPY_BYTES[device.type] // 4
     src = torch.empty(numel, device=device)
     dst = torch.empty_like(src)
-    return 2 * numel * 4 / _time(lambda: dst.copy_(src), device, repeats)
+    return 2 * numel * 4 / _fastest(lambda: dst.copy_(src), device, repeats)
 
 
 class _OpCounter:
@@ -207,6 +201,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _collective_sample(kind: str, g: int, group, nbytes: int, rank: int, device: torch.device,
+                       repeats: int) -> list[str]:
+    """One line "kind group_size bytes fastest_s" (rank 0 of the group); ranks outside the group only
+    join the barriers."""
+    import torch.distributed as dist
+
+    numel = max(nbytes // 4 // g, 1) * g
+    full = torch.zeros(numel, device=device)
+    shard = torch.zeros(numel // g, device=device)
+
+    def run():
+        if rank >= g:
+            return
+        if kind == "all_gather":
+            dist.all_gather_single(full, shard, group=group)
+        else:
+            dist.reduce_scatter_single(shard, full, group=group)
+
+    run()  # warm-up
+    # the fastest: on a shared machine other processes only ever add time (calibrate_kernels.fit_curve)
+    return [f"{kind} {g} {numel * 4} {min(_samples(run, device, repeats, barrier=True))}"]
+
+
 def _collective_rank(rank: int, world_size: int, port: int, device_type: str, out_dir: str, repeats: int) -> None:
     import torch.distributed as dist
 
@@ -218,20 +235,11 @@ def _collective_rank(rank: int, world_size: int, port: int, device_type: str, ou
     dist.init_process_group(backend, rank=rank, world_size=world_size)
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
     lines = []
-    for kind in ("all_gather", "reduce_scatter"):
-        for nbytes in COLLECTIVE_BYTES[device_type]:
-            numel = nbytes // 4 // world_size * world_size
-            full = torch.zeros(numel, device=device)
-            shard = torch.zeros(numel // world_size, device=device)
-
-            def run():
-                if kind == "all_gather":
-                    dist.all_gather_single(full, shard)
-                else:
-                    dist.reduce_scatter_single(shard, full)
-
-            run()  # warm-up
-            lines.append(f"{kind} {numel * 4} {statistics.median(_samples(run, device, repeats, barrier=True))}")
+    for g in sorted({2, world_size}):  # two group sizes tell latency from n_1/2 (calibrate_kernels.fit_curve)
+        group = dist.new_group(list(range(g))) if g < world_size else None
+        for kind in ("all_gather", "reduce_scatter"):
+            for nbytes in COLLECTIVE_BYTES[device_type]:
+                lines += _collective_sample(kind, g, group, nbytes, rank, device, repeats)
     lines += _overhead_samples(world_size, device, repeats=max(repeats, 15))
     if rank == 0:
         write_atomic(os.path.join(out_dir, "collectives.txt"), "\n".join(lines) + "\n")  # the parent reads it
@@ -254,10 +262,10 @@ def measure_collectives(world_size: int, device_type: str, repeats: int = 5) -> 
             rows = [line.split() for line in f if line.strip()]
     out = {}
     for kind in ("all_gather", "reduce_scatter"):
-        samples = [(int(b), float(t)) for k, b, t in rows if k == kind]
-        out[kind] = fit_ring(samples, world_size)
-    out["unit_samples"] = tuple((int(u), float(t)) for k, u, t in rows if k == "unit")
-    out["optimizer_samples"] = tuple((int(n), float(t)) for k, n, t in rows if k == "optimizer")
+        samples = [(int(r[1]), int(r[2]), float(r[3])) for r in rows if r[0] == kind]
+        out[kind] = fit_curve(samples)
+    out["unit_samples"] = tuple((int(r[1]), float(r[2])) for r in rows if r[0] == "unit")
+    out["optimizer_samples"] = tuple((int(r[1]), float(r[2])) for r in rows if r[0] == "optimizer")
     return out
 
 
@@ -275,13 +283,13 @@ class Overheads:
 
 
 def overheads_from(samples: dict, per_op: tuple[float, int, float], latency_s: float, busbw: float,
-                   world_size: int) -> Overheads:
+                   world_size: int, busbw_half_bytes: float = 0.0) -> Overheads:
     """Per-unit and per-tensor overheads from the world's samples (see the module docstring)."""
     units = samples["unit_samples"]
     _, slope = fit_line([float(u) for u, _ in units], [t for _, t in units])
     p = world_size
     unit_bytes = OVERHEAD_LAYERS // units[-1][0] * (OVERHEAD_WIDTH + 1) * OVERHEAD_WIDTH * 4  # the finest unit
-    one = ring_time_s(unit_bytes, p, latency_s, busbw)  # the ring model the time model uses
+    one = ring_time_s(unit_bytes, p, latency_s, busbw, busbw_half_bytes)  # the ring model the time model uses
     comm = 3 * one
     per_unit = max(0.0, slope - comm)
     if slope - comm < 0:
@@ -300,53 +308,67 @@ def _host_memory_bytes() -> int:
         return 16 * 2**30
 
 
-def calibrate(world_size: int = 2, device: str = "auto", name: str = "local") -> tuple[HardwareProfile, str]:
-    """Measure this machine; return the profile and its TOML text (with how each number was measured)."""
+def _device_facts(device: str, dev: torch.device, copy_bw: float) -> tuple[int, int, int, float, int]:
+    """(memory bytes, ranks per node, reserved bytes, host-to-device bytes/s, bytes per process group)."""
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        h2d_src = torch.empty(COPY_BYTES["cuda"] // 4, pin_memory=True)
+        h2d_dst = torch.empty_like(h2d_src, device=dev)
+        h2d = h2d_src.numel() * 4 / _time(lambda: h2d_dst.copy_(h2d_src, non_blocking=True), dev, 5)
+        return props.total_memory, torch.cuda.device_count(), 1 << 30, h2d, 1 << 30
+    return _host_memory_bytes(), 64, 0, copy_bw, 0
+
+
+def kernels_table(kc) -> dict:
+    """KernelConstants as the profile's [kernels] TOML table (tiles as "MxN" strings)."""
+    from dataclasses import asdict
+
+    d = asdict(kc)
+    d["matmul_tiles"] = [f"{m}x{n}" for m, n in kc.matmul_tiles]
+    return d
+
+
+def calibrate(world_size: int = 2, device: str = "auto", name: str = "local",
+              quick: bool = False) -> tuple[HardwareProfile, str]:
+    """Measure this machine; return the profile and its TOML text (with how each number was measured).
+    The profile prices compute with the roofline (``compute_model = "roofline"``) from the measured
+    [kernels] table (execute/calibrate_kernels.py); ``quick`` drops the largest shapes and repeats."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
     if device == "cpu":
         torch.set_num_threads(1)  # one thread per rank, as the executor's ranks run
+    repeats = 3 if quick else 5
     logger.info("calibrate: matmul and copy on %s", dev)
-    flops = {"float32": measure_matmul_flops_per_s(dev, torch.float32),
-             "bfloat16": measure_matmul_flops_per_s(dev, torch.bfloat16)}
-    copy_bw = measure_copy_bytes_per_s(dev)
-    per_op = measure_per_op_overhead_s(dev)
+    flops = {"float32": measure_matmul_flops_per_s(dev, torch.float32, repeats),
+             "bfloat16": measure_matmul_flops_per_s(dev, torch.bfloat16, repeats)}
+    copy_bw = measure_copy_bytes_per_s(dev, repeats)
+    per_op = measure_per_op_overhead_s(dev, repeats=15 if quick else 30)
+    kcal = calibrate_kernels(dev, flops, copy_bw, repeats=repeats, quick=quick)
+    flops[kcal.dtype] = kcal.peak_flops_per_s
     logger.info("calibrate: collectives over %d ranks", world_size)
-    samples = measure_collectives(world_size, device)
+    samples = measure_collectives(world_size, device, repeats=2 * repeats + 2)
     fits = {k: samples[k] for k in ("all_gather", "reduce_scatter")}
-    # the slower of the two collectives: FSDP runs both
-    latency = max(f.latency_s for f in fits.values())
-    busbw = min(f.busbw_bytes_per_s for f in fits.values())
-    over = overheads_from(samples, per_op, latency, busbw, world_size)
-    if device == "cuda":
-        props = torch.cuda.get_device_properties(dev)
-        memory = props.total_memory
-        gpus_per_node = torch.cuda.device_count()
-        reserved = 1 << 30
-        h2d_src = torch.empty(COPY_BYTES["cuda"] // 4, pin_memory=True)
-        h2d_dst = torch.empty_like(h2d_src, device=dev)
-        h2d = h2d_src.numel() * 4 / _time(lambda: h2d_dst.copy_(h2d_src, non_blocking=True), dev, 5)
-        pg_bytes = 1 << 30
-    else:
-        memory = _host_memory_bytes()
-        gpus_per_node = 64
-        reserved = 0
-        h2d = copy_bw
-        pg_bytes = 0
+    curve = fits[slower(fits, world_size)]  # FSDP runs both: the slower one prices them
+    over = overheads_from(samples, per_op, curve.latency_s, curve.busbw_bytes_per_s, world_size,
+                          curve.busbw_half_bytes)
+    memory, gpus_per_node, reserved, h2d, pg_bytes = _device_facts(device, dev, copy_bw)
+    lat, bw, half = curve.latency_s, curve.busbw_bytes_per_s, curve.busbw_half_bytes
     profile = HardwareProfile(
         name=name, device=device, memory_bytes=int(memory), usable_fraction=0.92 if device == "cuda" else 0.8,
         reserved_bytes=reserved, per_process_group_bytes=pg_bytes,
         peak_flops_per_s=dict(flops, float16=flops["bfloat16"]), compute_efficiency=1.0,
         memory_bandwidth_bytes_per_s=copy_bw, host_to_device_bytes_per_s=h2d,
-        interconnect=Interconnect(gpus_per_node=gpus_per_node, intra_node_latency_s=latency,
-                                  intra_node_busbw_bytes_per_s=busbw, inter_node_latency_s=latency,
-                                  inter_node_busbw_bytes_per_s=busbw),
+        interconnect=Interconnect(gpus_per_node=gpus_per_node, intra_node_latency_s=lat,
+                                  intra_node_busbw_bytes_per_s=bw, inter_node_latency_s=lat,
+                                  inter_node_busbw_bytes_per_s=bw, intra_node_busbw_half_bytes=half,
+                                  inter_node_busbw_half_bytes=half),
         reduce_scatter_temp_fraction=1.0 if device == "cpu" else 0.0,
         per_op_overhead_s=over.per_op_s, per_unit_overhead_s=over.per_unit_s,
         per_param_tensor_optimizer_overhead_s=over.per_tensor_s,
+        kernels=kernels_table(kcal.constants), compute_model="roofline",
     )
-    return profile, to_toml(profile, fits, world_size, over)
+    return profile, to_toml(profile, fits, world_size, over, kcal)
 
 
 def _load_note() -> str:
@@ -356,12 +378,12 @@ def _load_note() -> str:
         return "load average unknown"
 
 
-def to_toml(p: HardwareProfile, fits: dict[str, CollectiveFit], world_size: int,
-            over: Overheads | None = None) -> str:
+def to_toml(p: HardwareProfile, fits: dict[str, CollectiveFit | CurveFit], world_size: int,
+            over: Overheads | None = None, kcal=None) -> str:
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     n, backend = MATMUL_N[p.device], "nccl" if p.device == "cuda" else "gloo"
-    samples = "; ".join(f"{k}: " + ", ".join(f"{b // 1024} KiB {t * 1e3:.2f} ms" for b, t in f.samples)
-                        for k, f in fits.items())
+    samples = "; ".join(f"{k}: " + ", ".join(f"{s[-2]} B {'' if len(s) == 2 else f'p={s[0]} '}{s[-1] * 1e3:.2f} ms"
+                                             for s in f.samples) for k, f in fits.items())
     ic = p.interconnect
     lines = [
         f"# Measured by `shard-planner calibrate --world-size {world_size}` on {when} (torch {torch.__version__}).",
@@ -376,6 +398,7 @@ def to_toml(p: HardwareProfile, fits: dict[str, CollectiveFit], world_size: int,
         "compute_efficiency = 1.0  # peak_flops_per_s below is measured matmul throughput already",
         f"memory_bandwidth_bytes_per_s = {p.memory_bandwidth_bytes_per_s:.4g}  # measured: {COPY_BYTES[p.device] // 2**20} MiB tensor copy, read + write",
         f"host_to_device_bytes_per_s = {p.host_to_device_bytes_per_s:.4g}  # measured: {'pinned host-to-device copy' if p.device == 'cuda' else 'the host is the device (copy bandwidth)'}",
+        f'compute_model = "{p.compute_model}"  # {"the roofline over the measured [kernels] table below (cost/kernels.py)" if kcal is not None else "traced FLOPs at the measured matmul throughput"}',
         f"reduce_scatter_temp_fraction = {p.reduce_scatter_temp_fraction}  # {'gloo copies the reduce-scatter input (storage tracker)' if p.device == 'cpu' else 'NCCL allocates no tensor'}",
     ]
     if over is not None:
@@ -392,8 +415,8 @@ def to_toml(p: HardwareProfile, fits: dict[str, CollectiveFit], world_size: int,
     lines += [
         "",
         "[peak_flops_per_s]",
-        f"float32 = {p.peak_flops_per_s['float32']:.4g}  # measured: {n}^3 fp32 matmul",
-        f"bfloat16 = {p.peak_flops_per_s['bfloat16']:.4g}  # measured: {n}^3 bf16 matmul",
+        f"float32 = {p.peak_flops_per_s['float32']:.4g}  # measured: {n}^3 fp32 matmul{'' if kcal is None or p.device != 'cpu' else ', or the GEMM sweep best rate when higher (execute/calibrate_kernels.py)'}",
+        f"bfloat16 = {p.peak_flops_per_s['bfloat16']:.4g}  # measured: {MATMUL_N_CPU_BF16 if p.device == 'cpu' else n}^3 bf16 matmul",
         f"float16 = {p.peak_flops_per_s['float16']:.4g}  # taken equal to bfloat16",
         "",
         "[interconnect]",
@@ -403,6 +426,17 @@ def to_toml(p: HardwareProfile, fits: dict[str, CollectiveFit], world_size: int,
         f"inter_node_latency_s = {ic.inter_node_latency_s:.4g}  # not measured (one node): taken equal to intra-node",
         f"inter_node_busbw_bytes_per_s = {ic.inter_node_busbw_bytes_per_s:.4g}  # not measured (one node): taken equal to intra-node",
     ]
+    if any(isinstance(f, CurveFit) for f in fits.values()):
+        each = "; ".join(f"{k}: alpha {f.latency_s * 1e6:.1f} us, plateau {f.busbw_bytes_per_s / 1e9:.3g} GB/s, "
+                         f"n_1/2 {f.busbw_half_bytes / 1024:.1f} KiB" for k, f in fits.items())
+        lines[-4] = (f"intra_node_latency_s = {ic.intra_node_latency_s:.4g}  # latency per ring step of the curve fit (execute/calibrate_kernels.py fit_curve), "
+                     "the slower collective over the sampled sizes")
+        lines[-3] = (f"intra_node_busbw_bytes_per_s = {ic.intra_node_busbw_bytes_per_s:.4g}  # busbw(n) = plateau n / (n + n_1/2) "
+                     f"fitted by message size; {each}")
+        lines += [f"intra_node_busbw_half_bytes = {ic.intra_node_busbw_half_bytes:.4g}  # n_1/2 of the same fit",
+                  f"inter_node_busbw_half_bytes = {ic.inter_node_busbw_half_bytes:.4g}  # not measured (one node): taken equal to intra-node"]
+    if kcal is not None:
+        lines += [""] + kernels_toml(kcal)
     return "\n".join(lines) + "\n"
 
 

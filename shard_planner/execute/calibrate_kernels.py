@@ -1,0 +1,432 @@
+"""Measure and fit the roofline kernel model's constants (shard_planner/cost/kernels.py, the profile's
+``[kernels]`` table) and the collectives' bus-bandwidth curve (cost/collectives.py) on the local device.
+
+Every fit prices the measured samples with the *same functions the cost model uses* (kernels.matmul_time_s,
+kernels.attention_time_s, collectives.ring_time_s) and picks the constants that minimise the mean squared
+log error of predicted vs measured time (each measured time the fastest of ``repeats`` calls after a
+warm-up: on a shared machine other processes only ever add time) (relative error: small and large shapes count alike). Discrete
+constants are searched on a grid; each efficiency, given the discrete ones, is the closed-form geometric
+mean of (time at efficiency 1) / (measured time) over the samples, capped at 1 (a fraction of peak).
+
+What is measured, and how each quantity is fitted:
+
+- ``peak_flops_per_s`` (per dtype) is the n x n matmul of execute/calibrate.py, except that when the
+  GEMM sweep's fitted efficiency exceeds 1 (a loaded machine slowed the one long reference matmul) the
+  sweep dtype's peak is raised by that factor and ``matmul_efficiency`` set to 1;
+  ``memory_bandwidth_bytes_per_s`` is the large tensor copy. Both are the roofline's references.
+- CPU dispatch floor: the fastest one-element add. It is subtracted from every GEMM and attention sample
+  (at least 10% of the sample kept) before fitting, because on CPU each op's fixed cost is priced
+  apart, as ``per_op_overhead_s``; the fits describe the kernels' throughput only.
+- GEMM shape sweep (MATMUL_SHAPES: square 32-1024 and skinny / short-K shapes, x8 on CUDA; fp32 on CPU,
+  bf16 on CUDA; the median of ``repeats`` calls each) -> ``matmul_efficiency`` (closed form), the square
+  CTA tile ``matmul_tiles`` = [t x t] for t in TILE_GRID, ``matmul_tile_k`` (TILE_K_GRID),
+  ``matmul_stages`` (STAGES_GRID) and the tile ridge tensor/L2 (RIDGE_GRID; written as
+  ``tensor_flop_per_clk_per_sm`` = CLOCK_NORM and ``l2_bytes_per_clk_per_sm`` = CLOCK_NORM / ridge: only
+  the ratio enters the model). ``sm_count`` is not fitted: CUDA's multiprocessor count, on CPU the
+  threads of one rank (torch.get_num_threads()); split-K is searched on CUDA only (``max_split_k`` 1 on CPU,
+  where one thread gains nothing from it).
+- Attention (``scaled_dot_product_attention`` at ATTENTION_SHAPES: batch x heads, sequences 64-1024,
+  head dims 64 and 128, causal; forward timed alone, backward as forward + backward less the forward)
+  -> ``attention_block`` (BLOCK_GRID), ``attention_tile_overhead`` (TILE_OVERHEAD_GRID) and the head-dim
+  ratio r (EXP_RATIO_GRID; written as ``exp_per_clk_per_sm`` = CLOCK_NORM / (4 r)), shared by forward and
+  backward, with ``attention_fwd_efficiency`` / ``attention_bwd_efficiency`` closed form per direction
+  (time is affine in 1/efficiency there: the least-squares x = 1/eff of relative error).
+  FLOPs as the trace counts them: 4 b h s^2 d forward (causal counted in full), 2.5x that backward.
+- Elementwise / norm / reduction bandwidth (ELEMENTWISE_NUMEL elements: add, mul, GELU, softmax, LayerNorm,
+  sum; bytes read + written) -> ``memory_efficiency`` = the median achieved bytes/s / the copy bandwidth,
+  capped at 1.
+- Per-launch cost ``kernel_launch_s``: on CUDA, LAUNCH_KERNELS tiny kernels captured in a CUDA graph and
+  replayed (the device's gap between back-to-back kernels, no host launch in it); on CPU 0, because the
+  host is the device and ``per_op_overhead_s`` (execute/calibrate.py) already measures each op's whole
+  fixed cost, dispatch and kernel entry included.
+- Collectives by message size (all-gather and reduce-scatter, execute/calibrate.py's COLLECTIVE_BYTES
+  from 4 bytes per rank to MiBs, in the spawned world, over groups of 2 ranks and of the whole world):
+  t(p, n) = alpha (p-1) + (p-1)/p (n + n_1/2) / plateau, i.e. nccl-tests' busbw(n) = plateau x n /
+  (n + n_1/2) plus a latency per ring step, fitted by least squares on relative error (:func:`fit_curve`)
+  -> ``*_latency_s`` (alpha), ``*_busbw_bytes_per_s`` (plateau) and ``*_busbw_half_bytes`` (n_1/2).
+  alpha and n_1/2 are both a fixed time at one group size: with a world of 2 ranks they cannot be told
+  apart, and the fixed time is counted as latency per ring step (n_1/2 = 0); from 3 ranks on, the two
+  group sizes separate them. The profile takes the collective that is slower over the sampled sizes;
+  both fits are written in its comments. Each size's time is the fastest of the repeats, every rank
+  starting after a barrier.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from shard_planner.cost.collectives import ring_time_s
+from shard_planner.cost.kernels import (BWD_MATMUL_PER_EXP, Device, KernelConstants, KernelOp, attention_time_s,
+                                        matmul_time_s)
+
+logger = logging.getLogger(__name__)
+
+CLOCK_NORM = 1024.0  # tensor FLOP per "clock" per SM written to the profile: only ratios to it matter
+TILE_GRID = (4, 8, 16, 32, 64, 128, 256)
+TILE_K_GRID = (4, 8, 16, 32, 64, 128, 256)
+STAGES_GRID = (1, 2, 3, 4, 6)
+RIDGE_GRID = (1e-3, 1.0, 4.0, 16.0, 64.0)  # tensor FLOP per L2 byte; 1e-3: never binding
+BLOCK_GRID = (16, 32, 64, 128, 256)
+TILE_OVERHEAD_GRID = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
+EXP_RATIO_GRID = (1e-3, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)  # 1e-3: no head-dim effect
+# (M, N, K) at scale 1 (CPU); CUDA multiplies each by 8
+MATMUL_SHAPES = ((1024, 1024, 1024), (512, 512, 512), (256, 256, 256), (128, 128, 128), (64, 64, 64),
+                 (32, 32, 32), (2048, 64, 512), (64, 2048, 512), (512, 512, 32), (512, 512, 2048),
+                 (8, 1024, 1024), (1024, 8, 1024))
+# (batch x heads, sequence, head dim, causal)
+ATTENTION_SHAPES = ((8, 64, 64, 1), (8, 256, 64, 1), (4, 1024, 64, 1), (8, 256, 128, 1), (8, 256, 64, 0))
+ELEMENTWISE_NUMEL = {"cpu": 4 * 2**20, "cuda": 64 * 2**20}
+LAUNCH_KERNELS = 200
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One measured kernel: its op as the trace records it, and the median seconds."""
+
+    op: KernelOp
+    time_s: float
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _samples(fn, device: torch.device, repeats: int, *, barrier: bool = False) -> list[float]:
+    """Seconds of ``repeats`` calls of ``fn``, each timed from a synchronised device (and, with
+    ``barrier``, after a barrier of the process group, so that ranks start together) to its end."""
+    samples = []
+    for _ in range(repeats):
+        if barrier:
+            torch.distributed.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        samples.append(time.perf_counter() - t0)
+    return samples
+
+
+def _fastest(fn, device: torch.device, repeats: int) -> float:
+    """The fastest of ``repeats`` calls after a warm-up: on a shared machine other processes only add time."""
+    fn()
+    return min(_samples(fn, device, repeats))
+
+
+def _fastest_s(fn, device: torch.device, repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls after a warm-up: on a shared machine other processes only
+    ever add time, so the minimum is the estimate least biased by load."""
+    return _fastest(fn, device, repeats)
+
+
+def _msle(pred: list[float], meas: list[float]) -> float:
+    return sum(math.log(p / m) ** 2 for p, m in zip(pred, meas)) / len(meas)
+
+
+def _closed_form_eff(at_one: list[float], meas: list[float], cap: float = 1.0) -> float:
+    """Efficiency that best scales times priced at efficiency 1 to the measured ones (log mean), <= cap."""
+    return min(cap, math.exp(sum(math.log(a / m) for a, m in zip(at_one, meas)) / len(meas)))
+
+
+def _affine_eff(at_one: list[float], at_half: list[float], meas: list[float]) -> float:
+    """Attention time is affine in 1/efficiency (the head-dim term adds to it: cost/kernels.py): with
+    t_i = a_i x + b_i, x = 1/eff, from the times at eff 1 and 1/2, the x of least relative squared
+    error, closed form; eff <= 1."""
+    a = [(h - o) / m for o, h, m in zip(at_one, at_half, meas)]
+    b = [(o - (h - o)) / m for o, h, m in zip(at_one, at_half, meas)]
+    x = sum(ai * (1 - bi) for ai, bi in zip(a, b)) / sum(ai * ai for ai in a)
+    return min(1.0, 1.0 / x) if x > 0 else 1.0
+
+
+def _constants(base: KernelConstants | None = None, **kw) -> KernelConstants:
+    d = dict(sm_count=1, matmul_efficiency=1.0, matmul_tiles=((64, 64),), matmul_tile_k=64, matmul_stages=1,
+             tensor_flop_per_clk_per_sm=CLOCK_NORM, l2_bytes_per_clk_per_sm=CLOCK_NORM, exp_per_clk_per_sm=CLOCK_NORM,
+             attention_fwd_efficiency=1.0, attention_bwd_efficiency=1.0, attention_block=64,
+             attention_tile_overhead=1.0, memory_efficiency=1.0, kernel_launch_s=0.0, max_split_k=1)
+    if base is not None:
+        d.update({k: getattr(base, k) for k in d})
+    d.update(kw)
+    return KernelConstants(**d)
+
+
+# ---- matmul ----
+
+def matmul_op(m: int, n: int, k: int, elt_bytes: int) -> KernelOp:
+    return KernelOp("matmul", 1, 2.0 * m * n * k, float((m * k + k * n + m * n) * elt_bytes), (1, m, n, k))
+
+
+def fit_matmul(samples: list[Sample], peak: float, bandwidth: float, sm_count: int,
+               max_split_k: int) -> tuple[dict, float]:
+    """Grid over tile, tile K, stages and ridge; matmul_efficiency closed form over the FLOP-bound samples.
+    Returns ({constant: value}, mean squared log error)."""
+    meas = [s.time_s for s in samples]
+    best = None
+    for tile, tk, stages, ridge in itertools.product(TILE_GRID, TILE_K_GRID, STAGES_GRID, RIDGE_GRID):
+        kc = _constants(sm_count=sm_count, matmul_tiles=((tile, tile),), matmul_tile_k=tk, matmul_stages=stages,
+                        l2_bytes_per_clk_per_sm=CLOCK_NORM / ridge, max_split_k=max_split_k)
+        dev = Device(kc, peak, bandwidth)
+        at_one = [matmul_time_s(s.op, dev) for s in samples]
+        bound = [(a, t) for a, t, s in zip(at_one, meas, samples) if a > s.op.bytes / bandwidth * (1 + 1e-9)]
+        eff = _closed_form_eff(*zip(*bound), cap=math.inf) if bound else 1.0
+        # above 1 (the reference peak was slowed): the same prices as peak x eff at efficiency 1
+        dev = Device(_constants(kc, matmul_efficiency=min(eff, 1.0)), peak * max(eff, 1.0), bandwidth)
+        err = _msle([matmul_time_s(s.op, dev) for s in samples], meas)
+        if best is None or err < best[1] - 1e-12:
+            best = (dict(matmul_efficiency=eff, matmul_tiles=((tile, tile),), matmul_tile_k=tk,
+                         matmul_stages=stages, l2_bytes_per_clk_per_sm=CLOCK_NORM / ridge), err)
+    return best
+
+
+def measure_dispatch_floor_s(device: torch.device, repeats: int) -> float:
+    """CPU: the fastest call of a one-element add, the fixed cost every eager op pays before its kernel
+    works; 0 on CUDA (kernels run asynchronously, timed by the device)."""
+    if device.type != "cpu":
+        return 0.0
+    x = torch.zeros(1)
+    return _fastest_s(lambda: x + x, device, 10 * repeats)
+
+
+def _less_floor(t: float, floor_s: float) -> float:
+    return max(t - floor_s, 0.1 * t)
+
+
+def measure_matmuls(device: torch.device, dtype: torch.dtype, repeats: int, quick: bool,
+                    floor_s: float = 0.0) -> list[Sample]:
+    scale = 8 if device.type == "cuda" else 1
+    shapes = MATMUL_SHAPES[1:] if quick and device.type == "cpu" else MATMUL_SHAPES
+    out = []
+    elt = torch.empty((), dtype=dtype).element_size()
+    for m, n, k in shapes:
+        m, n, k = m * scale, n * scale, k * scale
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        out.append(Sample(matmul_op(m, n, k, elt), _less_floor(_fastest_s(lambda: a @ b, device, repeats), floor_s)))
+    return out
+
+
+# ---- attention ----
+
+def attention_ops(bh: int, s: int, d: int, causal: int, elt_bytes: int) -> tuple[KernelOp, KernelOp]:
+    """Forward and backward ops as the trace counts them (trace/flops.py: causal in full, backward 2.5x)."""
+    fwd_flops = 4.0 * bh * s * s * d
+    io = float(4 * bh * s * d * elt_bytes)  # q, k, v read, o written
+    dims = (bh, s, s, d, causal)
+    return (KernelOp("attention_fwd", 1, fwd_flops, io, dims),
+            KernelOp("attention_bwd", 1, BWD_MATMUL_PER_EXP * fwd_flops, 2 * io, dims))
+
+
+def fit_attention(fwd: list[Sample], bwd: list[Sample], peak: float, bandwidth: float) -> tuple[dict, float]:
+    """Grid over block, tile overhead and head-dim ratio r; each direction's efficiency closed form."""
+    best = None
+    for block, over, r in itertools.product(BLOCK_GRID, TILE_OVERHEAD_GRID, EXP_RATIO_GRID):
+        kc = _constants(attention_block=block, attention_tile_overhead=over, exp_per_clk_per_sm=CLOCK_NORM / (4 * r))
+        dev = Device(kc, peak, bandwidth)
+        effs, err = {}, 0.0
+        for name, samples, backward in (("attention_fwd_efficiency", fwd, False), ("attention_bwd_efficiency", bwd, True)):
+            meas = [s.time_s for s in samples]
+            half = Device(_constants(kc, **{name: 0.5}), peak, bandwidth)
+            eff = _affine_eff([attention_time_s(s.op, dev, backward) for s in samples],
+                              [attention_time_s(s.op, half, backward) for s in samples], meas)
+            d = Device(_constants(kc, **{name: eff}), peak, bandwidth)
+            err += _msle([attention_time_s(s.op, d, backward) for s in samples], meas) * len(samples)
+            effs[name] = eff
+        err /= len(fwd) + len(bwd)
+        if best is None or err < best[1] - 1e-12:
+            best = (dict(effs, attention_block=block, attention_tile_overhead=over,
+                         exp_per_clk_per_sm=CLOCK_NORM / (4 * r)), err)
+    return best
+
+
+def measure_attention(device: torch.device, dtype: torch.dtype, repeats: int,
+                      quick: bool, floor_s: float = 0.0) -> tuple[list[Sample], list[Sample]]:
+    import torch.nn.functional as F
+
+    scale = 2 if device.type == "cuda" else 1  # GPU: longer sequences (x2) and more heads (x8)
+    shapes = ATTENTION_SHAPES[:2] + ATTENTION_SHAPES[3:] if quick and device.type == "cpu" else ATTENTION_SHAPES
+    fwd, bwd = [], []
+    elt = torch.empty((), dtype=dtype).element_size()
+    for bh, s, d, causal in shapes:
+        bh, s = bh * scale ** 3, s * scale
+        q, k, v = (torch.randn(1, bh, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+
+        def forward():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=bool(causal))
+
+        def both():
+            forward().backward(grad)
+
+        grad = torch.ones(1, bh, s, d, device=device, dtype=dtype)
+        raw_fwd = _fastest_s(lambda: forward(), device, repeats)
+        t_both = _fastest_s(both, device, repeats)
+        op_f, op_b = attention_ops(bh, s, d, causal, elt)
+        fwd.append(Sample(op_f, _less_floor(raw_fwd, floor_s)))
+        bwd.append(Sample(op_b, _less_floor(max(t_both - raw_fwd, 0.05 * t_both), floor_s)))
+    return fwd, bwd
+
+
+# ---- memory-bound kernels and launch ----
+
+def measure_memory_efficiency(device: torch.device, copy_bytes_per_s: float, repeats: int) -> tuple[float, dict]:
+    """Median over elementwise / norm / reduction kernels of achieved bytes/s, / the copy bandwidth, <= 1."""
+    import torch.nn.functional as F
+
+    n = ELEMENTWISE_NUMEL[device.type]
+    a = torch.randn(n, device=device)
+    b = torch.randn(n, device=device)
+    rows = a.view(-1, 1024)
+    kernels = {  # name: (fn, bytes read + written)
+        "add": (lambda: a + b, 12 * n), "mul": (lambda: a * b, 12 * n), "gelu": (lambda: F.gelu(a), 8 * n),
+        "softmax": (lambda: torch.softmax(rows, -1), 8 * n),
+        "layer_norm": (lambda: F.layer_norm(rows, (1024,)), 8 * n), "sum": (lambda: rows.sum(-1), 4 * n),
+    }
+    achieved = {k: nbytes / _fastest_s(fn, device, repeats) for k, (fn, nbytes) in kernels.items()}
+    return min(1.0, statistics.median(achieved.values()) / copy_bytes_per_s), achieved
+
+
+def measure_launch_s(device: torch.device) -> float:
+    """Device gap between back-to-back kernels (CUDA graph replay of tiny kernels); 0 on CPU (docstring)."""
+    if device.type != "cuda":
+        return 0.0
+    x = torch.zeros(1, device=device)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            x.add_(1)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(LAUNCH_KERNELS):
+            x.add_(1)
+    return _fastest_s(graph.replay, device, 10) / LAUNCH_KERNELS
+
+
+# ---- collectives ----
+
+@dataclass(frozen=True)
+class CurveFit:
+    """A collective's fit: latency per ring step, busbw plateau and n_1/2 (module docstring)."""
+
+    latency_s: float
+    busbw_bytes_per_s: float
+    busbw_half_bytes: float
+    samples: tuple[tuple[int, int, float], ...]  # (group size, bytes, fastest seconds)
+
+    def time_s(self, nbytes: float, p: int) -> float:
+        return ring_time_s(nbytes, p, self.latency_s, self.busbw_bytes_per_s, self.busbw_half_bytes)
+
+
+def _weighted_lsq(rows: list[list[float]], ys: list[float]) -> list[float]:
+    """Least squares of relative error (weights 1/y^2) for y = rows . x."""
+    import numpy as np
+
+    a = np.array(rows, dtype=float) / np.array(ys, dtype=float)[:, None]
+    return [float(v) for v in np.linalg.lstsq(a, np.ones(len(ys)), rcond=None)[0]]
+
+
+def fit_curve(samples: list[tuple[int, int, float]]) -> CurveFit:
+    """Fit t = alpha (p-1) + (p-1)/p (n + n_1/2) / plateau to (p, n, t) samples, least squares on relative
+    error, linear in (alpha, n_1/2 / plateau, 1 / plateau). alpha and n_1/2 are told apart only across
+    group sizes (alpha grows with p - 1, the n_1/2 term with (p-1)/p); at one group size both are one
+    fixed time, counted as latency per ring step (gloo and NCCL's rings pay it per step) with n_1/2 = 0.
+    A negative alpha or n_1/2 is refitted at 0."""
+    ps = [float(p) for p, _, _ in samples]
+    feats = {"alpha": [p - 1 for p in ps], "half": [(p - 1) / p for p in ps],
+             "inv_bw": [(p - 1) / p * n for p, (_, n, _) in zip(ps, samples)]}
+    ys = [t for _, _, t in samples]
+    terms = ["alpha", "half", "inv_bw"] if len(set(ps)) > 1 else ["alpha", "inv_bw"]
+    while True:
+        x = dict(zip(terms, _weighted_lsq([[feats[k][i] for k in terms] for i in range(len(ys))], ys)))
+        neg = [k for k in ("alpha", "half") if k in x and x[k] < 0]
+        if not neg or len(terms) == 1:
+            break
+        terms.remove(neg[0])
+    inv_bw = x.get("inv_bw", 0.0)
+    busbw = 1.0 / inv_bw if inv_bw > 0 else 1e15  # flat: bandwidth unbounded at these sizes
+    return CurveFit(max(0.0, x.get("alpha", 0.0)), busbw, max(0.0, x.get("half", 0.0)) * busbw if inv_bw > 0 else 0.0,
+                    tuple(samples))
+
+
+def slower(fits: dict[str, CurveFit], p: int) -> str:
+    """The collective whose fit is slower summed over the sampled sizes."""
+    return max(fits, key=lambda k: sum(fits[k].time_s(n, p) for _, n, _ in fits[k].samples))
+
+
+# ---- all of it ----
+
+@dataclass(frozen=True)
+class KernelCalibration:
+    constants: KernelConstants
+    dtype: str  # of the sweeps
+    peak_flops_per_s: float  # the sweep dtype's peak, raised to the sweep's best rate when that is higher
+    floor_s: float  # CPU dispatch floor subtracted from each sample
+    matmul_err: float  # the fits' mean squared log errors
+    attention_err: float
+    matmul_samples: tuple[Sample, ...]
+    attention_samples: tuple[Sample, ...]
+    achieved_bytes_per_s: dict
+
+
+def calibrate_kernels(device: torch.device, peak_flops_per_s: dict[str, float], copy_bytes_per_s: float,
+                      repeats: int = 5, quick: bool = False) -> KernelCalibration:
+    """Measure the sweeps on ``device`` and fit every [kernels] constant (module docstring)."""
+    dtype_name = "bfloat16" if device.type == "cuda" else "float32"
+    dtype = getattr(torch, dtype_name)
+    peak = peak_flops_per_s[dtype_name]
+    if device.type == "cuda":
+        sm_count, max_split = torch.cuda.get_device_properties(device).multi_processor_count, 16
+    else:
+        sm_count, max_split = torch.get_num_threads(), 1
+    mem_eff, achieved = measure_memory_efficiency(device, copy_bytes_per_s, repeats)
+    bandwidth = copy_bytes_per_s * mem_eff
+    floor_s = measure_dispatch_floor_s(device, repeats)
+    logger.info("calibrate: GEMM shape sweep")
+    mm = measure_matmuls(device, dtype, repeats, quick, floor_s)
+    mm_fit, mm_err = fit_matmul(mm, peak, bandwidth, sm_count, max_split)
+    if mm_fit["matmul_efficiency"] > 1:  # the sweep beat the n x n reference: it is the peak
+        peak *= mm_fit["matmul_efficiency"]
+        mm_fit["matmul_efficiency"] = 1.0
+    logger.info("calibrate: attention forward and backward")
+    fwd, bwd = measure_attention(device, dtype, repeats, quick, floor_s)
+    at_fit, at_err = fit_attention(fwd, bwd, peak, bandwidth)
+    kc = _constants(sm_count=sm_count, max_split_k=max_split, memory_efficiency=mem_eff,
+                    kernel_launch_s=measure_launch_s(device), **mm_fit, **at_fit)
+    return KernelCalibration(kc, dtype_name, peak, floor_s, mm_err, at_err, tuple(mm), tuple(fwd + bwd), achieved)
+
+
+def kernels_toml(cal: KernelCalibration) -> list[str]:
+    """The [kernels] table's lines, each with how it was measured and fitted."""
+    kc = cal.constants
+    mm = ", ".join(f"{s.op.dims[1]}x{s.op.dims[2]}x{s.op.dims[3]} {s.time_s * 1e3:.3g} ms" for s in cal.matmul_samples)
+    at = ", ".join(f"{s.op.op_class[10:]} {s.op.dims[0]}x{s.op.dims[1]}x{s.op.dims[3]}{'c' if s.op.dims[4] else ''} "
+                   f"{s.time_s * 1e3:.3g} ms" for s in cal.attention_samples)
+    bw = ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in cal.achieved_bytes_per_s.items())
+    fit = "measured by shard-planner calibrate (execute/calibrate_kernels.py)"
+    return [
+        "[kernels]",
+        f"# The roofline kernel model (cost/kernels.py), {fit}. GEMM samples (MxNxK): {mm}",
+        f"# Attention samples (batch*heads x seq x head dim, c causal): {at}",
+        f"# Elementwise samples: {bw}",
+        f"sm_count = {kc.sm_count}  # {'multiprocessor count' if kc.max_split_k > 1 else 'threads per rank (torch.get_num_threads)'}: not fitted",
+        f"matmul_efficiency = {kc.matmul_efficiency:.4g}  # GEMM sweep: closed-form log-mean over FLOP-bound shapes (fit msle {cal.matmul_err:.3g})",
+        f"matmul_tiles = [\"{kc.matmul_tiles[0][0]}x{kc.matmul_tiles[0][1]}\"]  # GEMM sweep: square tile, grid {TILE_GRID}",
+        f"matmul_tile_k = {kc.matmul_tile_k}  # GEMM sweep: grid {TILE_K_GRID}",
+        f"matmul_stages = {kc.matmul_stages}  # GEMM sweep: grid {STAGES_GRID}",
+        f"max_split_k = {kc.max_split_k}  # {'CUDA: searched up to 16' if kc.max_split_k > 1 else 'CPU: one thread gains nothing from split-K'}",
+        f"tensor_flop_per_clk_per_sm = {kc.tensor_flop_per_clk_per_sm:.6g}  # normalisation: only ratios to it enter the model",
+        f"l2_bytes_per_clk_per_sm = {kc.l2_bytes_per_clk_per_sm:.6g}  # GEMM sweep: tile ridge {kc.ridge_flop_per_byte:.3g} FLOP/byte, grid {RIDGE_GRID}",
+        f"exp_per_clk_per_sm = {kc.exp_per_clk_per_sm:.6g}  # attention sweep: head-dim ratio r = {kc.exp_ratio:.3g}, grid {EXP_RATIO_GRID}",
+        f"attention_fwd_efficiency = {kc.attention_fwd_efficiency:.4g}  # attention sweep: closed form (fit msle {cal.attention_err:.3g}, both directions)",
+        f"attention_bwd_efficiency = {kc.attention_bwd_efficiency:.4g}  # attention sweep: closed form, backward = fwd+bwd less fwd",
+        f"attention_block = {kc.attention_block}  # attention sweep: grid {BLOCK_GRID}",
+        f"attention_tile_overhead = {kc.attention_tile_overhead}  # attention sweep: grid {TILE_OVERHEAD_GRID}",
+        f"memory_efficiency = {kc.memory_efficiency:.4g}  # median elementwise bytes/s / copy bandwidth, <= 1",
+        f"kernel_launch_s = {kc.kernel_launch_s:.4g}  # {'CUDA graph replay of tiny kernels' if kc.max_split_k > 1 else 'CPU: 0, per_op_overhead_s holds each op fixed cost'}",
+    ]
