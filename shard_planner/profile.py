@@ -86,11 +86,11 @@ class HardwareProfile:
     kernels: dict | None = None
     # How unmeasured compute is priced: "flops" (traced FLOPs x compute_efficiency) or "roofline" (the
     # trace's kernel records priced by the [kernels] table, cost/kernels.py). The shipped GPU profiles
-    # say "flops": on the published A100 runs the roofline removes the size bias of one efficiency but
-    # predicts +11.7% too fast in the median (10.2% median |error| for flops, 11.7% for roofline), and
-    # torchtitan's Llama 3 8B on 8 H100s runs 30-50% slower than it predicts
-    # (reports/benchmarks/published.md); until `calibrate` measures the kernel constants on the device,
-    # it is opt-in.
+    # say "flops": on the published A100 runs the roofline (GEMMs at the sustained clock) is closer in
+    # the median (6.1% |error| against 10.2% for flops) but biased +6.1% too fast (flops +1.8%), and
+    # torchtitan's Llama 3 8B on 8 H100s runs 20-50% slower than it predicts, because no public
+    # sustained-clock figure for the H100 is known (reports/benchmarks/published.md). `calibrate` writes
+    # a measured [kernels] table with compute_model = "roofline" (profiles/cpu-gloo-roofline.toml).
     compute_model: str = "flops"
 
     def __post_init__(self):
