@@ -157,16 +157,23 @@ def item_runs(trace) -> tuple[list[list[str]], list[str]]:
     others = [i.fqn for i in items if i not in blocks]
     runs: list[list[str]] = []
     for i in blocks:
-        if runs and runs[-1][-1] in _siblings_before(blocks, i):
+        if runs and runs[-1][-1] in _siblings_before(trace, blocks, i):
             runs[-1].append(i.fqn)
         else:
             runs.append([i.fqn])
     return runs, others
 
 
-def _siblings_before(items, item) -> set[str]:
+def _siblings_before(trace, items, item) -> set[str]:
+    """The item before ``item`` when the two may share a unit: same parent, and no sibling holding
+    parameters registered between them (the executor's rule, ownership.contiguous_among)."""
+    from shard_planner.ownership import contiguous_among
+
     idx = items.index(item)
-    return {items[idx - 1].fqn} if idx > 0 and items[idx - 1].parent == item.parent else set()
+    if idx == 0 or items[idx - 1].parent != item.parent:
+        return set()
+    siblings = [c for c in trace.module(item.parent).children if trace.subtree_param_count(c) > 0]
+    return {items[idx - 1].fqn} if contiguous_among(siblings, (items[idx - 1].fqn, item.fqn)) else set()
 
 
 def layout(trace, kind: str) -> list[tuple[str, ...]]:

@@ -48,3 +48,17 @@ def tie_groups(tied_with: Iterable[tuple[str, Iterable[str]]]) -> tuple[frozense
 def split_groups(groups: Iterable[frozenset[str]], owner: Callable[[str], Hashable]) -> tuple[frozenset[str], ...]:
     """The tie groups whose modules do not all have the same ``owner``."""
     return tuple(g for g in groups if len({owner(fqn) for fqn in g}) > 1)
+
+
+def contiguous_among(siblings: Iterable[str], group: Iterable[str]) -> bool:
+    """Whether the names in ``group`` are one unbroken run of ``siblings`` (a parent's children that
+    hold parameters, in registration order), in any listed order. The executor's check of a grouped
+    unit and the planner's candidate groups use this one rule: parameter-less siblings (dropout,
+    activations) between them do not break a group, a sibling with parameters does (its forward
+    would run inside the group's all-gather window while its parameters live in another unit)."""
+    order = list(siblings)
+    members = set(group)
+    if not members <= set(order):
+        return False
+    positions = sorted(order.index(name) for name in members)
+    return positions == list(range(positions[0], positions[0] + len(positions)))

@@ -61,7 +61,7 @@ from torch.utils.checkpoint import checkpoint
 from shard_planner.checkpointing import SELECTIVE
 from shard_planner.errors import PlanError
 from shard_planner.execute.selective import selective_context_fn
-from shard_planner.ownership import owners
+from shard_planner.ownership import contiguous_among, owners
 from shard_planner.plan import ROOT, Plan, Unit
 from shard_planner.trace.structure import model_fingerprint
 
@@ -136,15 +136,17 @@ def _check_group(model: nn.Module, unit: Unit) -> None:
         raise PlanError(f"unit {unit.name}: grouped modules must be siblings, but they have parents "
                         f"{sorted(repr(p) for p in parents)}")
     parent = model.get_submodule(parents.pop())
-    order = [name for name, _ in parent.named_children()]
     # Contiguous as a set, in any order: the solver lists a group in call order, which can differ from
     # registration order (transformers' BertEmbeddings registers word, position, token_type embeddings and
     # calls word, token_type, position), and fully_shard([m1, m2]) runs the group's pre-forward at the first
     # of its modules to run and its post-forward after the last, whatever the order of the list.
-    positions = sorted(order.index(_parent_and_name(fqn)[1]) for fqn in unit.modules)
-    if positions != list(range(positions[0], positions[0] + len(positions))):
+    # Siblings without parameters (dropout, activations) do not break a group (ownership.contiguous_among).
+    order = [name for name, child in parent.named_children() if any(True for _ in child.parameters())]
+    names = [_parent_and_name(fqn)[1] for fqn in unit.modules]
+    if not contiguous_among(order, names):
+        positions = sorted(order.index(n) for n in names if n in order)
         raise PlanError(f"unit {unit.name}: grouped modules must be a contiguous run of siblings in "
-                        f"registration order, got positions {positions}")
+                        f"registration order (siblings without parameters aside), got positions {positions}")
 
 
 # ---- mesh and policies ----

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from shard_planner.checkpointing import DEFAULT_SAVE_OPS, SELECTIVE, is_selective
 from shard_planner.cost.selective import keeps_something, supports_selective
-from shard_planner.ownership import split_groups, tie_groups
+from shard_planner.ownership import contiguous_among, split_groups, tie_groups
 from shard_planner.plan import ROOT
 from shard_planner.trace.types import ModelTrace
 
@@ -212,10 +212,20 @@ def build_space(trace: ModelTrace, *, shard_group: int, gpus_per_node: int,
     # records what forward ops allocate (cost/selective.py)
     block_acs = acs + (SELECTIVE,) if allow_checkpointing and supports_selective(trace) else acs
     candidates: list[Candidate] = []
+
+    sibling_lists: dict[str, list[str]] = {}
+
+    def siblings(parent: str) -> list[str]:  # the parent's children that hold parameters, in registration order
+        if parent not in sibling_lists:
+            sibling_lists[parent] = [c for c in trace.module(parent).children if trace.subtree_param_count(c) > 0]
+        return sibling_lists[parent]
+
     for start, first in enumerate(items):
         for stop in range(start + 1, min(start + max_group_size, len(items)) + 1):
             if items[stop - 1].parent != first.parent:
                 break
+            if stop - start > 1 and not contiguous_among(siblings(first.parent), (it.fqn for it in items[start:stop])):
+                continue  # apply_plan groups only an unbroken run of siblings (ownership.contiguous_among)
             # selective where it differs from full checkpointing: the run stores some matmul or attention output
             sac = not any(it.may_join_root for it in items[start:stop]) and any(
                 keeps_something(trace, it.fqn, DEFAULT_SAVE_OPS) for it in items[start:stop])

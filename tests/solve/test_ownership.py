@@ -1,6 +1,9 @@
 """The one ownership / tie helper (shard_planner/ownership.py)."""
 
+import pytest
+
 from shard_planner.ownership import innermost_unit, owners, split_groups, tie_groups
+from tests.paths import EXAMPLES, MODELS
 
 
 def test_innermost_unit_walks_up_to_the_nearest_wrapped_module():
@@ -23,3 +26,35 @@ def test_split_groups_names_the_groups_with_two_owners():
     assert split_groups(groups, lambda f: innermost_unit(f, unit_of)) == groups
     assert split_groups(groups, lambda f: innermost_unit(f, {"": 0, "a": 2})) == (frozenset({"a", "b"}),)
     assert split_groups(groups, lambda f: innermost_unit(f, {"": 0})) == ()
+
+
+def test_contiguous_among_is_an_unbroken_run_in_any_listed_order():
+    from shard_planner.ownership import contiguous_among
+
+    siblings = ["conv1", "norm1", "conv2", "norm2"]
+    assert contiguous_among(siblings, ["norm1", "conv2"])
+    assert contiguous_among(siblings, ["conv2", "norm1"])  # call order may differ from registration order
+    assert not contiguous_among(siblings, ["norm1", "norm2"])  # conv2 holds parameters between them
+    assert not contiguous_among(siblings, ["norm1", "drop"])  # not a sibling with parameters
+
+
+@pytest.mark.parametrize("path", [str(EXAMPLES / "unet.py"), str(MODELS / "exec_call_order.py")])
+def test_planner_groups_only_what_the_executor_applies(path):
+    """Every grouped candidate of the search space passes apply_plan's group check on the real module
+    tree: examples/unet.py's DoubleConv registers conv1, norm1, conv2, norm2; exec_call_order.py's
+    embeddings are called word, kind, position but registered word, position, kind (word + kind is
+    consecutive in call order, not a run of siblings)."""
+    import torch
+
+    from shard_planner.execute.apply import _check_group
+    from shard_planner.modelfile import load_model_file
+    from shard_planner.plan import Unit
+    from shard_planner.solve.space import build_space
+    from shard_planner.trace import trace_model
+    space = build_space(trace_model(path, dtype="float32"), shard_group=2, gpus_per_node=8, max_group_size=4)
+    with torch.device("meta"):
+        model = load_model_file(path).build()
+    groups = {tuple(it.fqn for it in space.items[c.start:c.stop]) for c in space.candidates if c.stop - c.start > 1}
+    assert groups, "unet's space has grouped candidates"
+    for modules in groups:
+        _check_group(model, Unit(modules))

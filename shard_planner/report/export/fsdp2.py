@@ -127,9 +127,8 @@ def export_fsdp2(plan: Plan) -> str:
     if t.cpu_offload:
         offload = ('\n    # Sharded parameters, gradients and optimizer states live on the host; pinned memory needs'
                    '\n    # an accelerator.\n    policy["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")')
-    save_classes, saved_ops, save_comment = _saved_ops(plan)
     return _SOURCE.substitute(
-        save_classes=save_classes, saved_ops=saved_ops, save_comment=save_comment,
+        **_checkpoint_source(plan),
         model_path=plan.model.path, gpus=plan.cluster.gpus, version=__version__,
         fingerprint=plan.model.fingerprint, predicted=predicted, mesh_shape=mesh_shape, mesh_names=mesh_names,
         optimizer=_optimizer_call(t), fsdp_imports=fsdp_imports, units=units, forward=plan.prefetch.forward,
@@ -155,7 +154,7 @@ import functools
 
 import torch
 from torch.distributed.fsdp import $fsdp_imports
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+$checkpoint_imports
 
 # One fully_shard call per unit, in forward order: (module names, reshard_after_forward, activation
 # checkpointing). Several names in one list are one unit: one all-gather and one reduce-scatter for all.
@@ -168,30 +167,7 @@ FORWARD_PREFETCH = $forward  # all-gathers issued this many units ahead in forwa
 BACKWARD_PREFETCH = $backward  # ... and in backward (FSDP2 prefetches 1 by default)
 
 
-def _checkpoint(module: torch.nn.Module, mode) -> None:
-    """Activation checkpointing without a wrapper module, so module names stay those of the plan; mode
-    True: full, "selective": the outputs of SAVED_OPS are kept and every other op is recomputed."""
-    forward = module.forward
-    extra = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _save_policy)} if mode == "selective" else {}
-
-    @functools.wraps(forward)
-    def checkpointed(*args, **kwargs):
-        return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
-
-    module.forward = checkpointed
-
-
-# Selective checkpointing keeps the outputs of these aten ops (the plan's op classes: $save_classes).$save_comment
-SAVED_OPS = frozenset($saved_ops)
-
-
-def _save_policy(ctx, func, *args, **kwargs):
-    if not getattr(func, "is_view", False) and func._overloadpacket.__name__ in SAVED_OPS:
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _depth(name: str) -> int:
+${checkpoint_source}def _depth(name: str) -> int:
     return 0 if name == "" else name.count(".") + 1
 
 
@@ -258,3 +234,55 @@ def _optimizer_call(t) -> str:
     cls, kwargs = OPTIMIZER_TORCH[t.optimizer]
     extra = "".join(f", {k}={v!r}" for k, v in kwargs.items())
     return f"torch.optim.{cls}(model.parameters(), lr={t.lr!r}{extra})"
+
+
+# How the generated file checkpoints: plans with selective units carry the op policy, others only full
+# checkpointing (string.Template, filled in by _checkpoint_source).
+_FULL_CHECKPOINT = '''def _checkpoint(module: torch.nn.Module, mode) -> None:
+    """Activation checkpointing without a wrapper module, so module names stay those of the plan."""
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def checkpointed(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    module.forward = checkpointed
+
+
+'''
+_SELECTIVE_CHECKPOINT = string.Template('''def _checkpoint(module: torch.nn.Module, mode) -> None:
+    """Activation checkpointing without a wrapper module, so module names stay those of the plan; mode
+    True: full, "selective": the outputs of SAVED_OPS are kept and every other op is recomputed."""
+    forward = module.forward
+    extra = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _save_policy)} if mode == "selective" else {}
+
+    @functools.wraps(forward)
+    def checkpointed(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
+
+    module.forward = checkpointed
+
+
+# Selective checkpointing keeps the outputs of these aten ops (the plan's op classes: $save_classes).$save_comment
+SAVED_OPS = frozenset($saved_ops)
+
+
+def _save_policy(ctx, func, *args, **kwargs):
+    if not getattr(func, "is_view", False) and func._overloadpacket.__name__ in SAVED_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+''')
+
+
+def _checkpoint_source(plan: Plan) -> dict[str, str]:
+    """The generated file's checkpoint import and ``_checkpoint`` (with ``SAVED_OPS`` and ``_save_policy``
+    when some unit is selective)."""
+    if not any(u.activation_checkpoint == "selective" for u in plan.units):
+        return dict(checkpoint_imports="from torch.utils.checkpoint import checkpoint", checkpoint_source=_FULL_CHECKPOINT)
+    save_classes, saved_ops, save_comment = _saved_ops(plan)
+    return dict(
+        checkpoint_imports="from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts",
+        checkpoint_source=_SELECTIVE_CHECKPOINT.substitute(save_classes=save_classes, saved_ops=saved_ops,
+                                                           save_comment=save_comment))
