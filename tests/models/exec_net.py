@@ -33,12 +33,12 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self):
+    def __init__(self, vocab: int = VOCAB, dim: int = DIM, layers: int = LAYERS):
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(Block(DIM) for _ in range(LAYERS))
-        self.norm = nn.LayerNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB)
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
 
     def forward(self, idx):
         x = self.embed(idx)  # (B, T, D)

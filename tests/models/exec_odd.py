@@ -7,7 +7,6 @@ import importlib.util
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 
 # exec_net.py beside this file, loaded by path (the tool loads model files by path, not as a package).
 _spec = importlib.util.spec_from_file_location("exec_net", Path(__file__).with_name("exec_net.py"))
@@ -18,23 +17,8 @@ VOCAB, DIM, SEQ, LAYERS = 61, 33, exec_net.SEQ, 4
 loss_fn, TRAINING = exec_net.loss_fn, exec_net.TRAINING
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(exec_net.Block(DIM) for _ in range(LAYERS))
-        self.norm = nn.LayerNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB)
-
-    def forward(self, idx):
-        x = self.embed(idx)  # (B, T, D)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))  # (B, T, VOCAB)
-
-
 def build_model():
-    return Net()
+    return exec_net.Net(VOCAB, DIM, LAYERS)
 
 
 def make_batch(batch_size: int):
