@@ -67,7 +67,9 @@ def _request(budget_gib, **kw):
                        time_limit_s=0.3, simpler_within=0.0, **kw)
 
 
-@pytest.mark.parametrize("budget_gib, sync, keep", [(3.0, "last_micro_step", True), (1.2, "every_micro_step", False)])
+# 1.1 GiB (was 1.2): with nested units' gradients held at their block's backward peak (cost/memory.py) the planner
+# finds a layout on which keeping parameters gathered fits 1.2 GiB; at 1.1 only the default policy does.
+@pytest.mark.parametrize("budget_gib, sync, keep", [(3.0, "last_micro_step", True), (1.1, "every_micro_step", False)])
 def test_the_fastest_policy_that_fits_is_chosen(budget_gib, sync, keep):
     """Micro-batch 1 x 8 micro-steps x 8 GPUs: with room, deferring the sync and keeping parameters
     gathered skip the most communication; on a tight budget only syncing every micro-step fits. Against
