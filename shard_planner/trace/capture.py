@@ -29,7 +29,7 @@ from functools import partial
 
 import torch
 import torch.nn as nn
-from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
+from torch.autograd.graph import _get_grad_fn_or_grad_acc, register_multi_grad_hook, saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
@@ -40,7 +40,7 @@ from shard_planner.trace.kernel_ops import classify
 from shard_planner.trace.records import ENTER, EXIT, Call, Span, is_ancestor
 from shard_planner.trace.routing import KnownValues
 from shard_planner.trace.storages import SavedTensors, StorageLog
-from shard_planner.trace.twins import ReuseFacts, Twins, run_twin, twin_info
+from shard_planner.trace.twins import OutLeaf, ReuseFacts, Twins, run_twin, twin_info
 
 logger = logging.getLogger(__name__)
 
@@ -233,7 +233,8 @@ class Step:
         call.output_by_class = self._output_by_class(call, out_tensors)
         self._hook_backward(call, in_tensors, out_tensors)
         if template is None and self.twins.may_remember(key, fqn):
-            info = twin_info(self.log, self.saves, call, in_tensors, out_leaves, out_spec)
+            info = twin_info(self.log, self.saves, call, in_tensors, out_leaves, out_spec,
+                             lambda sid: self._made_in(call, sid))
             if info is not None:
                 self.twins.remember(key, call, info, frozenset(self.log.sid(t) for t in in_tensors))
         return out
@@ -242,10 +243,17 @@ class Step:
         """Bytes of the call's distinct output storages an op inside its forward allocated, by class."""
         out: dict[str, int] = {}
         for sid in {self.log.sid(t) for t in out_tensors}:
-            made = self.producer.get(sid)
-            if made is not None and made[1] >= call.fwd.start and sid not in self.log.static:
-                out[made[0]] = out.get(made[0], 0) + self.log.nbytes[sid]
+            made = self._made_in(call, sid)
+            if made is not None:
+                out[made] = out.get(made, 0) + self.log.nbytes[sid]
         return out
+
+    def _made_in(self, call: Call, sid: int) -> str | None:
+        """The kernel class of the op inside ``call``'s forward that allocated storage ``sid``, or None."""
+        made = self.producer.get(sid)
+        if made is not None and made[1] >= call.fwd.start and sid not in self.log.static:
+            return made[0]
+        return None
 
     def _run_twin(self, call: Call, template: Call, module: nn.Module, in_tensors):
         call.template = template
@@ -256,7 +264,13 @@ class Step:
             out = run_twin(self.log, self.saves, call, template.twin_info, params, in_tensors)
         finally:
             self.in_twin = False
-        self.twins.note_outputs(call.fqn, (self.log.sid(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)))
+        pos = len(self.log.events)
+        for leaf, t in zip(template.twin_info.out_values, tree_leaves(out)):
+            if isinstance(leaf, OutLeaf) and leaf.made_by is not None:  # as if the template's op made it here
+                self.producer.setdefault(self.log.sid(t), (leaf.made_by, pos))
+        in_sids = {self.log.sid(t) for t in in_tensors}  # a PassThrough output is the caller's, not the twin's
+        self.twins.note_outputs(call.fqn, (sid for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+                                           if (sid := self.log.sid(t)) not in in_sids))
         return out
 
     def _shared_input_bytes(self, call: Call, in_tensors) -> int:
@@ -287,7 +301,7 @@ class Step:
             register_multi_grad_hook(outs, partial(self._pre_backward, call), mode="any")
         ins = [t for t in in_tensors if t.requires_grad]
         if ins:
-            register_multi_grad_hook(ins, partial(self._post_backward, call))
+            _register_all_grads_hook(ins, partial(self._post_backward, call))
 
     def _pre_backward(self, call: Call, _grads) -> None:
         if call.bwd is not None:
@@ -314,7 +328,7 @@ class Step:
             self._close_bwd_top()
         self._open(call, "bwd")
 
-    def _post_backward(self, call: Call, _grads) -> None:
+    def _post_backward(self, call: Call) -> None:
         if not call.bwd_open:
             return
         while self.bwd_stack:
@@ -374,8 +388,9 @@ class Step:
             ) from exc
 
     def tainted_templates(self) -> set[str]:
-        """Templates and twins whose subtree ran more than once (see :meth:`Twins.tainted`)."""
-        return self.twins.tainted(self.calls_by_fqn)
+        """Templates and twins whose subtree ran more than once (see :meth:`Twins.tainted`), or that were
+        first in backward to reach an input they shared (see :meth:`Twins.first_gradients`)."""
+        return self.twins.tainted(self.calls_by_fqn) | self.twins.first_gradients(self.root_call)
 
     def unsafe_reuse(self) -> set[str]:
         """Modules of the structure of a twin whose output was modified in place (see [Note: unsafe reuse])."""
@@ -396,6 +411,33 @@ def unwrap(modules) -> None:
     """Remove the step's forward wrappers (instance attributes) again."""
     for _fqn, module in modules:
         module.__dict__.pop("forward", None)
+
+
+def _register_all_grads_hook(tensors: list[torch.Tensor], fn) -> None:
+    """Call ``fn()`` once the gradients of all ``tensors`` that this backward reaches are computed.
+
+    ``register_multi_grad_hook(tensors, fn, mode="all")`` does this too, but holds each gradient until
+    the last arrives, to pass them all to ``fn``: with an input shared by every block (T5's
+    ``position_bias``, whose gradient is complete only after block 0) each block's input gradient would
+    stay alive to the end of the backward, which a real step does not do. This is its counting, from
+    torch/autograd/graph.py, without the buffer.
+    """
+    grad_fns = [_get_grad_fn_or_grad_acc(t) for t in tensors]
+    count: dict[int, int] = {}
+    expected: dict[int, int] = {}
+
+    def inner_hook(_grad) -> None:
+        task = torch._C._current_graph_task_id()
+        seen = count.get(task, 0)
+        if seen == 0:  # how many of the hooks this backward will run
+            expected[task] = sum(map(torch._C._will_engine_execute_node, grad_fns))
+        count[task] = seen + 1
+        if count[task] == expected[task]:
+            del count[task], expected[task]
+            fn()
+
+    for t in tensors:
+        t.register_hook(inner_hook)
 
 
 _WRITES_FIRST: dict = {}  # op -> whether it writes its first argument (an in-place op), cached

@@ -22,6 +22,14 @@ therefore made without autograd views (``set_`` on the shared storage), every in
 forward is checked against them (:meth:`Twins.note_write`), and a step in which one was written is
 traced again with every module of that structure traced for real (:meth:`Twins.unsafe_modules`); the
 log says which.
+
+[Note: shared input gradients] A twin may take an input that needs a gradient which its template took
+too (T5's ``position_bias``, made by block 0 and passed to every later block; the decoder's encoder
+output). Its gradient is the sum over its consumers: the consumer first in backward leaves a new
+gradient alive (autograd's buffer for the sum), each later one adds into it. Twin and template agree
+when neither is that first consumer; the one that is (T5's last block) is traced for real on a second
+try (:meth:`Twins.first_gradients`). An output that is an input itself (T5's blocks return the
+``position_bias`` they got) is returned as that input (:class:`PassThrough`), not as a new tensor.
 """
 
 from __future__ import annotations
@@ -50,6 +58,15 @@ class OutLeaf:
     requires_grad: bool
     group: int  # outputs sharing a storage share a group
     group_nbytes: int
+    made_by: str | None = None  # kernel class of the template's op that allocated it ([Note: kernel records])
+
+
+@dataclass(frozen=True, slots=True)
+class PassThrough:
+    """An output of the template that is its tensor input ``index`` itself (T5's blocks return the
+    ``position_bias`` they were given): a twin returns its own input, as the real module would."""
+
+    index: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +92,7 @@ class TwinInfo:
     """What a twin of a template call needs: the output layout and the saves across the boundary."""
 
     out_spec: Any
-    out_values: tuple  # output leaves: an OutLeaf for a tensor, the value itself otherwise
+    out_values: tuple  # output leaves: an OutLeaf or PassThrough for a tensor, the value itself otherwise
     input_saves: tuple[InputSave, ...]
     output_saves: tuple[OutputSave, ...]
 
@@ -167,6 +184,8 @@ class Twins:
         self.calls: list[Call] = []  # the twins
         self.out_sids: dict[int, str] = {}  # storage of a twin's output -> the twin's fqn
         self.unsafe: set[str] = set()  # twins whose output their caller modified in place
+        # (twin fqn, template, input storages needing a gradient that both took): [Note: shared input gradients]
+        self.shared_grads: list[tuple[str, Call, frozenset]] = []
 
     def note_outputs(self, fqn: str, sids) -> None:
         for sid in sids:
@@ -194,15 +213,18 @@ class Twins:
     def template_for(self, key: tuple | None, fqn: str, grad_input_sids) -> Call | None:
         """The template a call of ``fqn`` may stand in for, or None to trace it for real.
 
-        ``grad_input_sids()`` gives the storages of its inputs that need a gradient: sharing one, or
-        parameters (a module called twice, tied weights), with the template makes gradients accumulate
-        across both, so their backward peaks differ.
+        ``grad_input_sids()`` gives the storages of its inputs that need a gradient. Sharing parameters
+        with the template (a module called twice, tied weights) makes parameter gradients accumulate
+        across both: never a twin. Sharing an input that needs a gradient (T5's ``position_bias``, made
+        by block 0 and taken by every block) is allowed, but checked after the step (see
+        [Note: shared input gradients]).
         """
         template = self.templates.get(key) if key is not None and fqn not in self.banned else None
-        if template is None:
+        if template is None or template.param_ids & self.facts.param_ids[fqn]:
             return None
-        if template.input_sids & grad_input_sids() or template.param_ids & self.facts.param_ids[fqn]:
-            return None
+        shared = template.input_sids & grad_input_sids()
+        if shared:
+            self.shared_grads.append((fqn, template, frozenset(shared)))
         return template
 
     def may_remember(self, key: tuple | None, fqn: str) -> bool:
@@ -228,9 +250,46 @@ class Twins:
         out |= {c.template.fqn for c in self.calls if runs_shared(c.template.fqn)}
         return out
 
+    def first_gradients(self, root: Call) -> set[str]:
+        """Twins and templates that, sharing an input needing a gradient, were (or contain) the first of
+        that input's consumers in backward, with their subtrees: traced for real on a second try (see
+        [Note: shared input gradients])."""
+        if not self.shared_grads:
+            return set()
+        out = set()
+        for fqn, template, shared in self.shared_grads:
+            for sid in shared:
+                consumer = _first_consumer(root, sid)
+                for member in (fqn, template.fqn):
+                    if consumer is not None and is_under(consumer, member):
+                        out |= {m for m in self.facts.hashes if is_under(m, member)}
+        return out
 
-def twin_info(log: StorageLog, saves: SavedTensors, call: Call, in_tensors, out_leaves, out_spec) -> TwinInfo | None:
-    """What a later twin of ``call`` (just run for real) needs; None if it cannot be a template."""
+
+def _first_consumer(root: Call, sid: int) -> str | None:
+    """The innermost call that took storage ``sid`` as an input and whose backward began first: where
+    the input's first gradient was made."""
+    def takers(calls):
+        return [c for c in calls if c.bwd is not None and c.fqn is not None and sid in c.in_sids]
+
+    everywhere, stack = [], [root]
+    while stack:
+        call = stack.pop()
+        stack.extend(call.children)
+        everywhere.append(call)
+    found = takers(everywhere)
+    if not found:
+        return None
+    call = min(found, key=lambda c: c.bwd.start)
+    while inner := takers(call.children):
+        call = min(inner, key=lambda c: c.bwd.start)
+    return call.fqn
+
+
+def twin_info(log: StorageLog, saves: SavedTensors, call: Call, in_tensors, out_leaves, out_spec,
+              made_by) -> TwinInfo | None:
+    """What a later twin of ``call`` (just run for real) needs; None if it cannot be a template.
+    ``made_by(sid)``: the kernel class of the op inside the call that allocated storage ``sid``, or None."""
     if not _calls_under(call, call.fqn):  # a shared module from elsewhere ran inside: fqns do not remap
         return None
     start, end = call.fwd.start, call.fwd.end
@@ -247,10 +306,14 @@ def twin_info(log: StorageLog, saves: SavedTensors, call: Call, in_tensors, out_
         if not isinstance(v, torch.Tensor):
             values.append(v)
             continue
+        same = [i for i, t in enumerate(in_tensors) if t is v]
+        if same:
+            values.append(PassThrough(same[0]))
+            continue
         sid = log.sid(v)
         group = groups.setdefault(sid, len(groups))
         values.append(OutLeaf(tuple(v.shape), tuple(v.stride()), v.storage_offset(), v.dtype, v.device,
-                              v.requires_grad, group, log.nbytes[sid]))
+                              v.requires_grad, group, log.nbytes[sid], made_by(sid)))
         first = saves.first_within(sid, start, end)
         if first is not None and sid not in in_sids and first.counted:
             output_saves.append(OutputSave(k, join_fqn(rel_fqn(first.call.fqn, call.fqn), first.rel)))
@@ -274,7 +337,8 @@ def run_twin(log: StorageLog, saves: SavedTensors, call: Call, info: TwinInfo, p
         sid = log.sid(outs[s.index])
         saves.note(len(log.events), sid, log.nbytes[sid], call, s.rel)
     it = iter(outs)
-    leaves = [next(it) if isinstance(v, OutLeaf) else v for v in info.out_values]
+    leaves = [next(it) if isinstance(v, OutLeaf) else in_tensors[v.index] if isinstance(v, PassThrough) else v
+              for v in info.out_values]
     return tree_unflatten(leaves, info.out_spec)
 
 
@@ -294,9 +358,9 @@ def _signature(leaves, spec) -> tuple:
 
 # Attributes that number a block within its stack (transformers: layer_idx, to index a KV cache that a
 # training step does not use; torchtitan: layer_id, for its depth-scaled init), and what stands for
-# one equal to the block's index in the stack (see attribute_signatures).
+# one equal to the index of an enclosing stack entry (see attribute_signatures).
 _POSITION_NAMES = frozenset({"layer_idx", "layer_id", "layer_index", "block_idx", "block_id"})
-_POSITION = ("<position in the stack>",)
+_POSITION = "<position in the stack>"
 
 
 def attribute_signatures(model: nn.Module) -> dict[str, tuple]:
@@ -304,27 +368,38 @@ def attribute_signatures(model: nn.Module) -> dict[str, tuple]:
 
     Structural hashes see classes, parameters and buffers only; two attention modules that differ in
     ``is_causal`` or a dropout rate have the same hash but are not twins. A block number
-    (``_POSITION_NAMES``) equal to the index of the enclosing stack entry
+    (``_POSITION_NAMES``) equal to the index of an enclosing stack entry
     (``layers.7.self_attn.layer_idx == 7``) is the block's position, not its configuration, and is
-    recorded as such, so the blocks of a stack stay twins. A block whose forward branches on that
-    number (rather than on other attributes or its inputs) would be reused wrongly:
+    recorded as such, with how many numbered entries up that stack is (the outermost that matches):
+    T5's ``block.7.layer.0.SelfAttention.layer_idx == 7`` numbers the ``block`` stack, one up from the
+    block's own ``layer`` list, so the blocks of a stack stay twins. A block whose forward branches on
+    that number (rather than on other attributes or its inputs) would be reused wrongly:
     ``trace_model(..., reuse=False)`` traces everything.
     """
     sigs: dict[str, tuple] = {}
 
-    def visit(fqn: str, module: nn.Module, position: int | None) -> tuple:
+    def visit(fqn: str, module: nn.Module, positions: tuple[int, ...]) -> tuple:
         own = tuple(sorted(
-            (k, _POSITION if k in _POSITION_NAMES and type(v) is int and v == position else v)
+            (k, _position_marker(v, positions) if k in _POSITION_NAMES else v)
             for k, v in vars(module).items()
             if not k.startswith("_") and isinstance(v, (bool, int, float, str, type(None)))
         ))
-        kids = tuple((name, visit(join_fqn(fqn, name), child, int(name) if name.isdigit() else position))
+        kids = tuple((name, visit(join_fqn(fqn, name), child, positions + (int(name),) if name.isdigit() else positions))
                      for name, child in module.named_children())
         sigs[fqn] = (own, kids)
         return sigs[fqn]
 
-    visit("", model, None)
+    visit("", model, ())
     return sigs
+
+
+def _position_marker(value, positions: tuple[int, ...]):
+    """``value`` itself, or (_POSITION, k) when it equals the index of the k-th enclosing numbered
+    entry counting up from the module (0: the nearest), for the largest such k."""
+    if type(value) is not int:
+        return value
+    ups = [k for k, index in enumerate(reversed(positions)) if index == value]
+    return (_POSITION, ups[-1]) if ups else value
 
 
 def _calls_under(call: Call, base: str) -> bool:
