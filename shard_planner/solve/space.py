@@ -211,6 +211,8 @@ def build_space(trace: ModelTrace, *, shard_group: int, gpus_per_node: int,
     # selective checkpointing for repeated blocks (torchtitan checkpoints blocks only), when the trace
     # records what forward ops allocate (cost/selective.py)
     block_acs = acs + (SELECTIVE,) if allow_checkpointing and supports_selective(trace) else acs
+    # per item, once (not per segment): whether its forward stores some matmul or attention output
+    stores = [keeps_something(trace, it.fqn, DEFAULT_SAVE_OPS) if block_acs != acs else False for it in items]
     candidates: list[Candidate] = []
 
     sibling_lists: dict[str, list[str]] = {}
@@ -227,8 +229,7 @@ def build_space(trace: ModelTrace, *, shard_group: int, gpus_per_node: int,
             if stop - start > 1 and not contiguous_among(siblings(first.parent), (it.fqn for it in items[start:stop])):
                 continue  # apply_plan groups only an unbroken run of siblings (ownership.contiguous_among)
             # selective where it differs from full checkpointing: the run stores some matmul or attention output
-            sac = not any(it.may_join_root for it in items[start:stop]) and any(
-                keeps_something(trace, it.fqn, DEFAULT_SAVE_OPS) for it in items[start:stop])
+            sac = not any(it.may_join_root for it in items[start:stop]) and any(stores[start:stop])
             for r in reshards:
                 for ac in (block_acs if sac else acs):
                     candidates.append(Candidate(start, stop, Option(r, ac)))
