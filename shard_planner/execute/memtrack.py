@@ -14,6 +14,14 @@ and subtracts the storage's bytes when it is freed. It counts:
   (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, ``free_storage`` / ``alloc_storage``). The method
   is patched while a tracker is active, as torch/distributed/_tools/mem_tracker.py does.
 
+A synchronous collective's own temporaries (gloo's ``reduce_scatter_single`` allocates a buffer of the
+input's size while ``work.wait()`` runs) are counted while the collective runs and released when it
+returns: gloo drops its last reference to them later, from its worker thread, at a time that varies from
+run to run (measured on a tiny BERT plan: the same step peaked at 1,180,972 or 1,201,836 B depending on
+whether that free came before the next operator), and NCCL has no such buffer. This is the lifetime the
+cost model gives the backend's temporary (shard_planner/cost/memory.py, "Reduce-scatter buffers").
+``torch.distributed``'s collective functions are wrapped while a tracker is active, for that scope.
+
 DTensor wrappers are not counted: the mode declines DTensor operators, so DTensor desugars them into
 operators on its local tensors, which the mode then sees; the storages of a given DTensor are its local
 tensor's. Bytes are exact storage sizes (no allocator rounding).
@@ -50,6 +58,12 @@ PHASES = ("setup", "forward", "backward", "optimizer")
 _ACTIVE: list["StorageTracker"] = []
 _ORIG_RESIZE = None
 _PATCH_LOCK = threading.Lock()
+# The torch.distributed functions FSDP2 calls for its collectives (torch/distributed/fsdp/_fully_shard/
+# _fsdp_collectives.py): storages they allocate and do not return are the backend's temporaries.
+_COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
+                "reduce_scatter_tensor", "all_reduce")
+_ORIG_COLLECTIVES: dict[str, Any] = {}
+_IN_COLLECTIVE = threading.local()  # .infos: storages first seen inside the current collective call
 
 
 def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
@@ -101,6 +115,44 @@ def _patched_resize(storage: torch.UntypedStorage, size: int):
     return result
 
 
+def _scoped_collective(fn):
+    """``fn`` (a torch.distributed collective) run so that the storages it allocates on this thread are
+    released in every active tracker when it returns (see the module docstring)."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if kwargs.get("async_op") or getattr(_IN_COLLECTIVE, "infos", None) is not None:
+            return fn(*args, **kwargs)  # async: the caller waits later; nested: the outer call releases
+        _IN_COLLECTIVE.infos = []
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            infos, _IN_COLLECTIVE.infos = _IN_COLLECTIVE.infos, None
+            for tracker, info in infos:
+                tracker._release(info)
+
+    return run
+
+
+def _patch(active: bool) -> None:
+    """Install (``active``) or restore the patched ``resize_`` and collectives; under _PATCH_LOCK."""
+    global _ORIG_RESIZE
+    import torch.distributed as dist
+
+    if active:
+        _ORIG_RESIZE = torch.UntypedStorage.resize_
+        torch.UntypedStorage.resize_ = _patched_resize
+        for name in _COLLECTIVES:
+            if hasattr(dist, name):
+                _ORIG_COLLECTIVES[name] = getattr(dist, name)
+                setattr(dist, name, _scoped_collective(_ORIG_COLLECTIVES[name]))
+    else:
+        torch.UntypedStorage.resize_ = _ORIG_RESIZE
+        for name, fn in _ORIG_COLLECTIVES.items():
+            setattr(dist, name, fn)
+        _ORIG_COLLECTIVES.clear()
+
+
 @dataclass
 class _Info:
     nbytes: int
@@ -141,12 +193,10 @@ class StorageTracker(TorchDispatchMode):
 
     # ---- the mode ----
     def __enter__(self):
-        global _ORIG_RESIZE
         if self._depth == 0:
             with _PATCH_LOCK:
                 if not _ACTIVE:
-                    _ORIG_RESIZE = torch.UntypedStorage.resize_
-                    torch.UntypedStorage.resize_ = _patched_resize
+                    _patch(True)
                 _ACTIVE.append(self)
             if self._track_on_entry:
                 self.track(*self._track_on_entry)
@@ -161,7 +211,7 @@ class StorageTracker(TorchDispatchMode):
             with _PATCH_LOCK:
                 _ACTIVE.remove(self)
                 if not _ACTIVE:
-                    torch.UntypedStorage.resize_ = _ORIG_RESIZE
+                    _patch(False)
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -190,6 +240,9 @@ class StorageTracker(TorchDispatchMode):
             self._refs[key] = weakref.ref(st, lambda _ref, info=info, key=key: self._on_free(info, key))
             self.live_bytes += info.nbytes
             self._update_peak()
+            scope = getattr(_IN_COLLECTIVE, "infos", None)
+            if scope is not None:
+                scope.append((self, info))
 
     def _resize_known(self, info: _Info, st: torch.UntypedStorage) -> None:
         nbytes = st.nbytes()
@@ -207,6 +260,12 @@ class StorageTracker(TorchDispatchMode):
                 # A storage from before the tracker (FSDP2's all-gather buffers, freed with resize_(0)
                 # at the end of the previous step) is refilled: it is live memory from now on.
                 self._add_storage(st, st.device.type)
+
+    def _release(self, info: _Info) -> None:
+        """A collective's temporary is no longer counted (its storage may be freed later, elsewhere)."""
+        with self._lock:
+            self.live_bytes -= info.nbytes
+            info.nbytes = 0
 
     def _on_free(self, info: _Info, key: int) -> None:
         with self._lock:

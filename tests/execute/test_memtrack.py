@@ -190,3 +190,37 @@ def test_agrees_with_the_cuda_allocator():
     assert tracker_rise > 10 * MiB
     # The allocator rounds each block up to 512 bytes: the rises agree within a little.
     assert abs(allocator_rise - tracker_rise) <= 0.02 * tracker_rise + 2 * MiB, (allocator_rise, tracker_rise)
+
+
+def test_a_collectives_temporary_counts_while_it_runs_and_not_after(monkeypatch):
+    """gloo's reduce-scatter allocates a copy of its input and drops its last reference to it later,
+    from a worker thread; the tracker counts that copy only while the collective call runs, so the peak
+    does not depend on when the worker thread lets go (the issue behind a flaky zoo plan)."""
+    import threading
+
+    import torch.distributed as dist
+
+    release = threading.Event()
+    workers = []
+
+    def reduce_scatter_like_gloo(output, input, op=None, group=None, async_op=False):
+        temp = input.clone()  # the backend's copy of the input
+        output.copy_(temp[: output.numel()])
+        worker = threading.Thread(target=lambda held=temp: release.wait(10))  # holds it past the return
+        worker.start()
+        workers.append(worker)
+
+    monkeypatch.setattr(dist, "reduce_scatter_single", reduce_scatter_like_gloo)
+    inp, out = torch.ones(1000), torch.empty(500)  # 4000 and 2000 bytes
+    tracker = StorageTracker(track=(inp, out))
+    with tracker:
+        assert dist.reduce_scatter_single is not reduce_scatter_like_gloo  # wrapped while active
+        dist.reduce_scatter_single(out, inp)
+        assert tracker.live_bytes == 6000 and tracker.peak_bytes == 10000
+        x = torch.empty(250)  # the next operator: its 1000 bytes on top of 6000, not 10000
+        release.set()
+        workers[0].join()
+        assert tracker.live_bytes == 7000 and tracker.peak_bytes == 10000
+        del x
+    assert dist.reduce_scatter_single is reduce_scatter_like_gloo  # restored on exit
+    assert torch.equal(out, torch.ones(500))
