@@ -110,6 +110,7 @@ class _World:
         self.model_paths = model_paths  # the plans' model files, named when a rank dies without a report
         self.port = free_port()  # not reserved: another process could take it before rank 0 binds it
         self.procs: list[subprocess.Popen] = []
+        self.warned: set[int] = set()  # ranks that ended abnormally after finishing (warned once)
         try:
             self._start(worker_args, self.port)
         except BaseException:
@@ -219,10 +220,18 @@ def watch(world: _World, timeout_s: float) -> None:
             world.kill()
             raise RunError(_describe_error(rank, errors[rank]))
         for rank, code in enumerate(codes):
-            # "done" is the worker's last status (after the plan label, "plan 3/3: done", with several plans)
-            if code is not None and rank not in errors and (code != 0 or not world.status(rank).endswith("done")):
+            if code is None or rank in errors:
+                continue
+            # "done" is the worker's last status (after the plan label, "plan 3/3: done", with several plans),
+            # written once its results are: a rank that dies after it (gloo's threads can abort the
+            # interpreter's exit: "terminate called without an active exception") finished its work.
+            if not world.status(rank).endswith("done"):
                 world.kill()
                 raise RunError(_unreported_exit(world, rank, code))
+            if code != 0 and rank not in world.warned:
+                world.warned.add(rank)
+                logger.warning("rank %d %s while exiting, after it had finished and written its results; "
+                               "the run's results stand", rank, _exit_status(code))
         if all(code is not None for code in codes):
             if errors:  # only communication errors, and everyone has stopped
                 rank = min(errors, key=lambda r: errors[r]["mtime"])

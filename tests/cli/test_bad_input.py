@@ -374,6 +374,28 @@ def test_a_rank_that_exits_without_reporting_names_the_model_file(tmp_path):
         assert not _alive(pid)
 
 
+@pytest.mark.multiprocess
+def test_a_rank_that_aborts_after_finishing_keeps_the_results(tmp_path, caplog):
+    """gloo's threads can abort a rank's interpreter exit after the run is done ("terminate called
+    without an active exception"): the measurement stands, and the launcher says what happened."""
+    from shard_planner.execute import launch_plans
+    from shard_planner.trace.structure import model_fingerprint
+
+    model = tmp_path / "aborts_at_exit_in_rank1.py"
+    model.write_text(f"import atexit, os, sys\nsys.path.insert(0, {str(EXEC_NET.parent)!r})\nimport exec_net\n"
+                     "make_batch, loss_fn = exec_net.make_batch, exec_net.loss_fn\n"
+                     "def build_model():\n"
+                     "    if os.environ.get('RANK') == '1':\n"
+                     "        atexit.register(os.abort)\n"
+                     "    return exec_net.build_model()\n")
+    fingerprint = model_fingerprint(load_model_file(str(model)).build())
+    plan = Plan.from_dict({**tiny_plan().to_dict(), "model": {"path": str(model), "fingerprint": fingerprint}})
+    with caplog.at_level("WARNING", logger="shard_planner.execute.launch"):
+        run = launch_plans([plan], steps=1, warmup=0, device="cpu", timeout_s=120)
+    assert run.measurements[0].memory and run.measurements[0].step_time_s
+    assert "rank 1 was killed by SIGABRT while exiting, after it had finished" in caplog.text
+
+
 def _alive(pid: int) -> bool:
     """Running (not a zombie waiting to be reaped)."""
     try:
