@@ -31,7 +31,7 @@ from shard_planner.cost.kernels import (
     block_kernel_s, device_of, has_kernel_records, loss_kernel_s, module_kernel_s, records_time_s,
 )
 from shard_planner.cost.schedule import Schedule, build_schedule
-from shard_planner.cost.selective import SelectiveBlocks, flops_price, selective_blocks
+from shard_planner.cost.selective import SelectiveBlocks, flops_price, selective_blocks, subtree_selective
 from shard_planner.cost.tables import CostTables, build_tables
 from shard_planner.cost.time import BlockCompute, measured_block_times, simulate_time_walk, unit_collectives_s
 from shard_planner.cost.memory import BlockActivations, block_activations, simulate_memory_walk
@@ -105,6 +105,7 @@ class CostModel:
         self._compute = _LRU(tables_cache_size)
         self._collectives = _LRU(tables_cache_size)
         self._selective = _LRU(tables_cache_size)
+        self._subtree_selective: dict[tuple, tuple[float, float, float]] = {}  # bounded: modules x options
         self._memory = _LRU(memo_size)
         self._time = _LRU(memo_size)
         self._timings_checked: set[str] = set()
@@ -157,8 +158,19 @@ class CostModel:
         tr = plan.training
         return self._selective.get_or(
             (k.units, tr.micro_batch, tr.param_dtype),
-            lambda: selective_blocks(self.trace, self.tables(plan.units, k.modules), plan.units, tr.micro_batch,
-                                     tr.param_dtype, self.forward_price(tr.micro_batch, tr.param_dtype)))
+            lambda: selective_blocks(self.trace, self.tables(plan.units, k.modules), plan.units, tr.param_dtype,
+                                     lambda fqn, ops: self.subtree_selective(fqn, ops, tr.micro_batch, tr.param_dtype)))
+
+    def subtree_selective(self, fqn: str, save_ops: tuple[str, ...], micro_batch: int,
+                          param_dtype: str) -> tuple[float, float, float]:
+        """cost/selective.py's :func:`~shard_planner.cost.selective.subtree_selective` of ``fqn``, priced
+        by :meth:`forward_price`; computed once per subtree (the plans the solver checks share blocks)."""
+        key = (fqn, save_ops, micro_batch, param_dtype)
+        hit = self._subtree_selective.get(key)
+        if hit is None:
+            hit = subtree_selective(self.trace, fqn, save_ops, micro_batch, self.forward_price(micro_batch, param_dtype))
+            self._subtree_selective[key] = hit
+        return hit
 
     def forward_price(self, micro_batch: int, param_dtype: str):
         """``price(module, records)``: forward device seconds of a module's kernel records (None: its

@@ -100,9 +100,10 @@ def subtree_selective(trace: ModelTrace, fqn: str, save_ops: tuple[str, ...], mi
     return max(0.0, stash), skipped, total
 
 
-def selective_blocks(trace: ModelTrace, t: CostTables, units: tuple[Unit, ...], micro_batch: int, param_dtype: str,
-                     price: Callable[[ModuleTrace, tuple], float]) -> SelectiveBlocks | None:
-    """The :class:`SelectiveBlocks` of ``units`` segmented as ``t``; None when no unit is selective."""
+def selective_blocks(trace: ModelTrace, t: CostTables, units: tuple[Unit, ...], param_dtype: str,
+                     subtree: Callable[[str, tuple[str, ...]], tuple[float, float, float]]) -> SelectiveBlocks | None:
+    """The :class:`SelectiveBlocks` of ``units`` segmented as ``t``; None when no unit is selective.
+    ``subtree(fqn, save_ops)``: :func:`subtree_selective` of that subtree at the plan's micro-batch."""
     if not any(is_selective(u.activation_checkpoint) for u in units):
         return None
     scale = dtype_bytes(param_dtype) / dtype_bytes(trace.compute_dtype)  # memory.py [Note: Activations]
@@ -113,7 +114,7 @@ def selective_blocks(trace: ModelTrace, t: CostTables, units: tuple[Unit, ...], 
             stash.append(0.0)
             share.append(0.0)
             continue
-        s, skipped, total = subtree_selective(trace, blk.fqn, u.ac_save_ops, micro_batch, price)
+        s, skipped, total = subtree(blk.fqn, u.ac_save_ops)
         stash.append(s * scale)
         share.append(min(1.0, skipped / total) if total > 0 else 0.0)
     return SelectiveBlocks(stash=tuple(stash), skipped_share=tuple(share))

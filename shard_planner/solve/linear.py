@@ -85,7 +85,6 @@ from shard_planner.cost.collectives import (
 )
 from shard_planner.checkpointing import DEFAULT_SAVE_OPS, is_selective
 from shard_planner.cost.model import CostModel
-from shard_planner.cost.selective import subtree_selective
 from shard_planner.cost.optimizer import (
     OPTIMIZER_STATES, OPTIMIZER_TEMPORARIES, OPTIMIZER_TEMPORARIES_SINGLE_TENSOR, optimizer_step_bytes,
 )
@@ -299,10 +298,9 @@ def _selective_terms(cm: CostModel, space: SearchSpace, micro_batch: int, param_
     the recomputation skips (cost/selective.py); None when no candidate is selective."""
     if not any(is_selective(c.option.activation_checkpoint) for c in space.candidates):
         return None
-    price = cm.forward_price(micro_batch, param_dtype)
     stash, share = [], []
     for it in space.items:
-        s, skipped, total = subtree_selective(cm.trace, it.fqn, DEFAULT_SAVE_OPS, micro_batch, price)
+        s, skipped, total = cm.subtree_selective(it.fqn, DEFAULT_SAVE_OPS, micro_batch, param_dtype)
         stash.append(s * act_scale)
         share.append(min(1.0, skipped / total) if total > 0 else 0.0)
     return stash, share
