@@ -46,6 +46,7 @@ from pathlib import Path
 from shard_planner.errors import RunError
 from shard_planner.measurement import Measurement, RestoreCheck, load_measurement
 from shard_planner.plan import Plan, load_plan, resolve_model_file
+from shard_planner.process import die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -91,16 +92,6 @@ class LaunchResult:
     restore: RestoreCheck | None = None  # a resume_from launch's comparison
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: on Linux, ask for SIGKILL when the launcher dies, so that even a
-    launcher killed outright (no ``finally``) leaves no rank behind. Elsewhere a no-op."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 class _World:
     """The rank processes of one run, and their reports."""
 
@@ -130,7 +121,7 @@ class _World:
                     "--status-dir", str(run_dir)]
             self.procs.append(subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT,
                                                stdin=subprocess.DEVNULL, start_new_session=True,
-                                               preexec_fn=_die_with_parent))
+                                               preexec_fn=die_with_parent))
             log.close()
 
     @property
