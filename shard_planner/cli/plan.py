@@ -11,8 +11,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shard_planner.argtypes import token_count
+from shard_planner.cli.background import Helper, HelperDied, helper_process
 from shard_planner.cli.args import add_hf_arguments, byte_size, hf_options, positive_float, positive_int
 from shard_planner.cli.collector import command_collector, without_collections
+from shard_planner.errors import ModelFileError
 from shard_planner.fileio import check_output_dir, check_output_file
 from shard_planner.plan import Plan, report_dir_for, save_plan, with_model_located
 from shard_planner.units import DTYPE_NAMES, format_bytes
@@ -73,33 +75,38 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    with command_collector():  # see [Note: the collector during a command]
-        return _run(args)
+    # The helper process traces beside the planner's imports and renders figures beside the command's
+    # (see cli/background.py); it ends with the command.
+    with command_collector(), helper_process() as helper:  # see [Note: the collector during a command]
+        return _run(args, helper)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, helper: Helper) -> int:
     check_output_file(args.output, "plan")
     if args.report:
         check_output_dir(_report_dir(args), "report")
     t0 = time.perf_counter()
+    tracing = helper.submit(_load_and_trace, args.model, hf_options(args), DTYPE_NAMES[args.dtype])
+    if args.report:
+        helper.submit(_import_report)  # once the trace is done, while this process plans
     with without_collections():
-        from shard_planner.modelfile import load_unless_trace, training_defaults
         from shard_planner.solve import PlanRequest, plan_model
         from shard_planner.timings import load_priced_profile
-        from shard_planner.trace import trace_model, trace_or_load
         from shard_planner.trace.files import trace_model_file
 
+        if args.report:
+            _import_report()
         import_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
         profile = load_priced_profile(args.profile, args.timings)
         dtype = DTYPE_NAMES[args.dtype]
-        model_file = load_unless_trace(args.model, hf_options(args))
-        trace = trace_or_load(args.model, dtype=dtype) if model_file is None else trace_model(model_file, dtype=dtype)
-    trace_s = time.perf_counter() - t0
+        try:
+            trace, defaults, trace_s = tracing.result()
+        except HelperDied as exc:
+            raise ModelFileError(f"{args.model}: {exc} (tracing it: does the model file exit or crash?)") from exc
     # A plan made from a trace.json records the trace's model file (never the trace), and uses the TRAINING
     # defaults the trace carries from it.
-    model_path = args.model if model_file is not None else trace_model_file(trace, args.model)
-    defaults = training_defaults(model_file) if model_file is not None else _trace_defaults(trace)
+    model_path = args.model if defaults is not None else trace_model_file(trace, args.model)
+    defaults = defaults if defaults is not None else _trace_defaults(trace)
     global_batch = args.global_batch or args.global_batch_tokens
     req = PlanRequest(gpus=args.gpus, mem_budget_bytes=args.mem, profile=profile,
                       gpus_per_node=args.gpus_per_node or profile.interconnect.gpus_per_node,
@@ -120,20 +127,23 @@ def _run(args: argparse.Namespace) -> int:
     if args.report:
         t1 = time.perf_counter()
         with without_collections():
-            out = _write_report(result, _report_dir(args), trace, profile)
+            out = _write_report(result, _report_dir(args), trace, profile, helper)
         report_s = time.perf_counter() - t1
         if out is not None:
             print(f"report: {out}")
-    print(f"time: {time_line(result, trace_s, report_s, import_s)}")
+    print(f"time: {time_line(result, trace_s, report_s, import_s, helper.forked)}")
     return 0
 
 
-def time_line(result: PlanResult, trace_s: float | None, report_s: float | None, import_s: float | None = None) -> str:
-    """Where the time went, in one line: importing the planner (torch, CP-SAT), trace, the planner's
-    stages, the report (matplotlib's import included)."""
+def time_line(result: PlanResult, trace_s: float | None, report_s: float | None, import_s: float | None = None,
+              traced_beside: bool = False) -> str:
+    """Where the time went, in one line: importing the planner (torch, CP-SAT; matplotlib too when there
+    is a report), trace, the planner's stages, the report. ``traced_beside``: the trace ran in the helper
+    process at the same time as the imports (cli/background.py); its time then includes its own imports."""
     t = result.timings
     parts = ([f"imports {import_s:.2f} s"] if import_s is not None else []) + (
-        [f"trace {trace_s:.2f} s"] if trace_s is not None else []) + [
+        [f"trace {trace_s:.2f} s" + (" (in the helper process, beside the imports)" if traced_beside else "")]
+        if trace_s is not None else []) + [
         f"screen {t.screen_s:.2f} s", f"solve {t.solve_s:.2f} s", f"frontier {t.frontier_s:.2f} s",
         f"baselines {t.baselines_s:.2f} s", f"polish {t.polish_s:.2f} s", f"simplify {t.simplify_s:.2f} s",
     ] + ([f"report {report_s:.2f} s"] if report_s is not None else [])
@@ -141,13 +151,50 @@ def time_line(result: PlanResult, trace_s: float | None, report_s: float | None,
             f"{t.simulate_s:.2f} s for {t.simulated_plans} plans, hints {t.hints_s:.2f} s)")
 
 
-def _write_report(result: PlanResult, report_dir: Path, trace, profile):
+def _load_and_trace(model: str, hf, dtype: str):
+    """(trace, the model file's TRAINING defaults or None for a trace.json, seconds): the model argument
+    loaded (imports included) and traced, or a trace.json read."""
+    t0 = time.perf_counter()
+    with without_collections():
+        from shard_planner.modelfile import load_unless_trace
+        from shard_planner.trace import trace_model, trace_or_load
+
+        model_file = load_unless_trace(model, hf)
+        trace = trace_or_load(model, dtype=dtype) if model_file is None else trace_model(model_file, dtype=dtype)
+    return trace, (model_file.defaults if model_file is not None else None), time.perf_counter() - t0
+
+
+def _import_report() -> None:
+    """Import the report (matplotlib) ahead of time and render one small figure (font caches), while
+    something else runs; :func:`_write_report` says when the report is missing."""
+    try:
+        from matplotlib.figure import Figure
+
+        from shard_planner.report.plots import figure_png
+    except ImportError:
+        return
+    fig = Figure(figsize=(1, 1))
+    fig.subplots().set_title("0.5 GiB")
+    figure_png(fig, dpi=20)
+
+
+def _write_report(result: PlanResult, report_dir: Path, trace, profile, helper: Helper):
     try:
         from shard_planner.report import write_report
+        from shard_planner.report.plots import figures_png
     except ImportError:
         logger.warning("the report module is not available: skipping the report")
         return None
-    return write_report(result.plan, report_dir, trace=trace, profile=profile, estimate=result.estimate)
+
+    def render(figures: dict) -> dict[str, bytes]:
+        """The first half of the figures here, the rest in the helper at the same time."""
+        names = list(figures)
+        half = (len(names) + 1) // 2
+        theirs = helper.submit(figures_png, {n: figures[n] for n in names[half:]})
+        return {**figures_png({n: figures[n] for n in names[:half]}), **theirs.result()}
+
+    return write_report(result.plan, report_dir, trace=trace, profile=profile, estimate=result.estimate,
+                        render=render)
 
 
 def _report_dir(args: argparse.Namespace) -> Path:

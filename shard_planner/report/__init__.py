@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 from shard_planner.cost.types import Estimate
 from shard_planner.fileio import write_atomic
@@ -34,7 +35,7 @@ from shard_planner.profile import HardwareProfile
 from shard_planner.report.budget import ReportBudget, load_plan_profile, report_budget
 from shard_planner.report.measured import check_measurement_matches, measured_figures, predictions_for, run_sections
 from shard_planner.report.plots import (
-    figure_png, plot_frontier, plot_measured_plans, plot_memory_at_peak, plot_memory_timeline,
+    figures_png, plot_frontier, plot_measured_plans, plot_memory_at_peak, plot_memory_timeline,
     plot_predicted_vs_measured, plot_units,
 )
 from shard_planner.report.render import ReportSection, render_html, render_markdown, summary_lines
@@ -42,6 +43,11 @@ from shard_planner.report.rows import unit_rows
 from shard_planner.report.tables import frontier_table, measurements_table, units_table
 from shard_planner.trace.types import ModelTrace
 from shard_planner.units import format_bytes
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+Renderer = Callable[[dict[str, "Figure"]], dict[str, bytes]]  # figures by file name -> PNG bytes
 
 logger = logging.getLogger(__name__)
 
@@ -190,28 +196,27 @@ def _model_name(plan: Plan) -> str:
 
 def write_report(plan: Plan, out_dir: str | os.PathLike, *, trace: ModelTrace | None = None,
                  profile: HardwareProfile | None = None, measurement=None,
-                 estimate: Estimate | None = None) -> Path:
-    """Write report.html, report.md and the PNGs into ``out_dir``; return the path of report.html."""
+                 estimate: Estimate | None = None, render: Renderer = figures_png) -> Path:
+    """Write report.html, report.md and the PNGs into ``out_dir``; return the path of report.html.
+    ``render``: the figures (by file name) to PNG bytes (the CLI renders some in a helper process)."""
     missing = ""
     if profile is None:
         profile, missing = load_plan_profile(plan)
     budget = report_budget(plan, profile, missing)
     sections = build_sections(plan, trace=trace, profile=profile, measurement=measurement, estimate=estimate,
                               budget=budget)
-    return write_sections(plan, sections, out_dir, measurement=measurement, budget=budget)
+    return write_sections(plan, sections, out_dir, measurement=measurement, budget=budget, render=render)
 
 
 def write_sections(plan: Plan, sections: list[ReportSection], out_dir: str | os.PathLike, *,
-                   measurement=None, budget: ReportBudget | None = None) -> Path:
+                   measurement=None, budget: ReportBudget | None = None, render: Renderer = figures_png) -> Path:
     """Write already built sections (:func:`build_sections`) as the report; return report.html's path.
     ``budget``: the one the sections were built with (None: :func:`report_budget` of the plan's profile)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    pngs = {}
-    for s in sections:
-        if s.figure is not None:
-            pngs[s.image] = figure_png(s.figure)
-            write_atomic(out / s.image, pngs[s.image])
+    pngs = render({s.image: s.figure for s in sections if s.figure is not None})
+    for name, png in pngs.items():
+        write_atomic(out / name, png)
     measured = None
     predicted = predictions_for(plan, measurement) if measurement is not None else None
     if predicted is not None:

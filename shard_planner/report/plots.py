@@ -54,6 +54,12 @@ def figure_png(fig: Figure, dpi: int = 110) -> bytes:
     return buf.getvalue()
 
 
+def figures_png(figures: dict[str, Figure]) -> dict[str, bytes]:
+    """Each figure as PNG bytes, by name (what :func:`shard_planner.report.write_report` renders unless
+    it is given another renderer)."""
+    return {name: figure_png(fig) for name, fig in figures.items()}
+
+
 def _byte_scale(max_bytes: float) -> tuple[float, str]:
     """A divisor and its unit name so the largest value reads between 1 and 1024."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
