@@ -37,7 +37,7 @@ import traceback
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from shard_planner.process import die_with_parent
+from shard_planner.process import die_with_parent, exit_status
 
 _LENGTH = struct.Struct("<Q")  # every message: its length, then the pickle
 
@@ -124,7 +124,8 @@ class Helper:
         if data is None:
             _, status = os.waitpid(self.pid, 0)
             self.pid = None
-            return "error", HelperDied(f"the helper process {_ended(status)} during {call._fn.__name__}"), ""
+            ended = exit_status(os.waitstatus_to_exitcode(status))
+            return "error", HelperDied(f"the helper process {ended} during {call._fn.__name__}"), ""
         try:
             return pickle.loads(data)
         except Exception as exc:
@@ -223,14 +224,3 @@ def _flush_stdio() -> None:
             stream.flush()
         except Exception:
             pass
-
-
-def _ended(status: int) -> str:
-    """'was killed by SIGKILL' / 'exited with code 3', from a waitpid status."""
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        try:
-            return f"was killed by {signal.Signals(sig).name}"
-        except ValueError:
-            return f"was killed by signal {sig}"
-    return f"exited with code {os.WEXITSTATUS(status)}"

@@ -46,7 +46,7 @@ from pathlib import Path
 from shard_planner.errors import RunError
 from shard_planner.measurement import Measurement, RestoreCheck, load_measurement
 from shard_planner.plan import Plan, load_plan, resolve_model_file
-from shard_planner.process import die_with_parent
+from shard_planner.process import die_with_parent, exit_status
 
 logger = logging.getLogger(__name__)
 
@@ -178,15 +178,6 @@ def _describe_error(rank: int, err: dict) -> str:
     return f"rank {rank} {err['kind']}: {err['message']}"
 
 
-def _exit_status(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
-
-
 def _unreported_exit(world: _World, rank: int, code: int) -> str:
     """One line for a rank that ended without reporting an error (see [Note: naming the failing rank])."""
     tail = world.log_tail(rank)
@@ -194,7 +185,7 @@ def _unreported_exit(world: _World, rank: int, code: int) -> str:
     last = tail.strip().splitlines()[-1] if tail.strip() else "no output"
     early = " before finishing" if code == 0 else ""
     model = f"model file {', '.join(world.model_paths)}; " if world.model_paths else ""
-    return f"rank {rank} {_exit_status(code)}{early} during '{world.status(rank)}' ({model}last output: {last})"
+    return f"rank {rank} {exit_status(code)}{early} during '{world.status(rank)}' ({model}last output: {last})"
 
 
 def watch(world: _World, timeout_s: float) -> None:
@@ -222,7 +213,7 @@ def watch(world: _World, timeout_s: float) -> None:
             if code != 0 and rank not in world.warned:
                 world.warned.add(rank)
                 logger.warning("rank %d %s while exiting, after it had finished and written its results; "
-                               "the run's results stand", rank, _exit_status(code))
+                               "the run's results stand", rank, exit_status(code))
         if all(code is not None for code in codes):
             if errors:  # only communication errors, and everyone has stopped
                 rank = min(errors, key=lambda r: errors[r]["mtime"])
