@@ -190,8 +190,14 @@ def _write_report(result: PlanResult, report_dir: Path, trace, profile, helper: 
         """The first half of the figures here, the rest in the helper at the same time."""
         names = list(figures)
         half = (len(names) + 1) // 2
+        t0 = time.perf_counter()
         theirs = helper.submit(figures_png, {n: figures[n] for n in names[half:]})
-        return {**figures_png({n: figures[n] for n in names[:half]}), **theirs.result()}
+        mine = figures_png({n: figures[n] for n in names[:half]})
+        t1 = time.perf_counter()
+        pngs = {**mine, **theirs.result()}
+        logger.debug("figures: %s rendered here in %.2f s, %s in the %s (%.2f s more)", names[:half], t1 - t0,
+                     names[half:], "helper" if helper.forked else "same process", time.perf_counter() - t1)
+        return pngs
 
     return write_report(result.plan, report_dir, trace=trace, profile=profile, estimate=result.estimate,
                         render=render)
