@@ -225,13 +225,12 @@ class _TwoStreams:
     the compute stream's wait for unit u's all-gathers (and, for the root, the optimizer's wait for
     the last reduce-scatter). Compute that runs while the communication stream is busy runs
     1 / (1 + ``slowdown``) as fast (cost/overlap.py [Note: Compute slowdown under overlapped
-    collectives]); ``slowed_s`` sums the time that adds."""
+    collectives]); the time that adds counts as exposed communication of the unit it slowed."""
 
     def __init__(self, schedule: Schedule, fwd_s, bwd_s, rec_s, loss_s, ag_fwd, ag_bwd, rs, needs_bwd_ag,
                  slowdown: float = 0.0):
         self.s = schedule
         self.slowdown = slowdown
-        self.slowed_s = 0.0
         self.fwd_s, self.bwd_s, self.rec_s, self.loss_s = fwd_s, bwd_s, rec_s, loss_s
         self.ag_fwd, self.ag_bwd, self.rs, self.needs_bwd_ag = ag_fwd, ag_bwd, rs, needs_bwd_ag
         n_units = len(ag_fwd)
@@ -259,9 +258,7 @@ class _TwoStreams:
         the time the slowdown adds counts as ``unit``'s exposed communication."""
         if self.slowdown and self.comm > self.comp:
             end = overlapped_compute_end_s(self.comp, work_s, self.comm, self.slowdown)
-            slowed = end - self.comp - work_s
-            self.slowed_s += slowed
-            self.exposed[unit] += slowed
+            self.exposed[unit] += end - self.comp - work_s
             self.comp = end
         else:
             self.comp += work_s
