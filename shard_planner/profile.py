@@ -87,13 +87,20 @@ class HardwareProfile:
     # How unmeasured compute is priced: "flops" (traced FLOPs x compute_efficiency) or "roofline" (the
     # trace's kernel records priced by the [kernels] table, cost/kernels.py). The shipped GPU profiles
     # say "flops": on the published A100 runs the roofline (GEMMs at the sustained clock) is closer in
-    # the median (6.1% |error| against 10.2% for flops) but biased +6.1% too fast (flops +1.8%), and
+    # the median (5.7% |error| against 10.3% for flops) but biased +5.6% too fast (flops +0.9%), and
     # torchtitan's Llama 3 8B on 8 H100s runs 20-50% slower than it predicts, because no public
     # sustained-clock figure for the H100 is known (reports/benchmarks/published.md). `calibrate` writes
     # a measured [kernels] table with compute_model = "roofline" (profiles/cpu-gloo-roofline.toml).
     compute_model: str = "flops"
+    # How much slower compute runs while a collective runs beside it on the communication stream (0.189:
+    # 18.9% slower); shard_planner/cost/overlap.py [Note: Compute slowdown under overlapped collectives].
+    # 0 (CPU profiles, profiles written before the term): overlapped compute runs as fast as alone.
+    overlap_compute_slowdown: float = 0.0
 
     def __post_init__(self):
+        if not (self.overlap_compute_slowdown >= 0.0 and math.isfinite(self.overlap_compute_slowdown)):
+            raise ProfileError(f"profile {self.name}: overlap_compute_slowdown must be a finite number >= 0, "
+                               f"got {self.overlap_compute_slowdown!r}")
         if self.compute_model not in COMPUTE_MODELS:
             raise ProfileError(f"profile {self.name}: compute_model must be one of {', '.join(COMPUTE_MODELS)}, "
                                f"got {self.compute_model!r}")

@@ -26,6 +26,12 @@ work, walking the step's event sequence (shard_planner/cost/schedule.py), with F
   max(1, k) in backward order;
 - a reduce-scatter starts after its unit's backward; the optimizer step after the last one.
 
+Compute that runs while the communication stream is busy runs slower: NCCL's kernels hold SMs and HBM
+bandwidth beside it (the profile's ``overlap_compute_slowdown``; shard_planner/cost/overlap.py [Note:
+Compute slowdown under overlapped collectives]). The time that adds counts as exposed communication
+(``TimeEstimate.exposed_comm_s`` = step - compute alone - optimizer), per unit at the unit whose
+compute was slowed; 0 prices exactly as before.
+
 On a CPU profile (gloo, synchronous collectives on the one thread that also computes) nothing
 overlaps: the step is the sum of compute, communication and the optimizer.
 
@@ -70,6 +76,7 @@ from dataclasses import dataclass
 
 from shard_planner.cost.collectives import all_gather_time_s, reduce_scatter_time_s
 from shard_planner.cost.optimizer import OPTIMIZER_ACCESSES_PER_ELEMENT, optimizer_step_bytes  # noqa: F401
+from shard_planner.cost.overlap import overlapped_compute_end_s
 from shard_planner.cost.schedule import EventKind, Schedule
 from shard_planner.cost.tables import CostTables
 from shard_planner.cost.types import TimeEstimate, UnitTime
@@ -188,7 +195,8 @@ def simulate_time_walk(trace: ModelTrace, t: CostTables, plan: Plan, profile: Ha
         exposed = [ag_fwd[u] + (ag_bwd[u] if needs_bwd_ag[u] else 0.0) + rs[u] for u in range(n_units)]
         step_s = compute_s + comm_s + optimizer_s
     else:
-        streams = _TwoStreams(schedule, fwd_s, bwd_s, rec_s, loss_s, ag_fwd, ag_bwd, rs, needs_bwd_ag)
+        streams = _TwoStreams(schedule, fwd_s, bwd_s, rec_s, loss_s, ag_fwd, ag_bwd, rs, needs_bwd_ag,
+                              profile.overlap_compute_slowdown)
         step_s = streams.run() + optimizer_s
         exposed = streams.exposed
 
@@ -215,10 +223,14 @@ class _TwoStreams:
     """A compute stream and a FIFO communication stream walking one schedule. ``run`` returns the
     time the last reduce-scatter and the last compute have both finished; ``exposed[u]`` accumulates
     the compute stream's wait for unit u's all-gathers (and, for the root, the optimizer's wait for
-    the last reduce-scatter)."""
+    the last reduce-scatter). Compute that runs while the communication stream is busy runs
+    1 / (1 + ``slowdown``) as fast (cost/overlap.py [Note: Compute slowdown under overlapped
+    collectives]); the time that adds counts as exposed communication of the unit it slowed."""
 
-    def __init__(self, schedule: Schedule, fwd_s, bwd_s, rec_s, loss_s, ag_fwd, ag_bwd, rs, needs_bwd_ag):
+    def __init__(self, schedule: Schedule, fwd_s, bwd_s, rec_s, loss_s, ag_fwd, ag_bwd, rs, needs_bwd_ag,
+                 slowdown: float = 0.0):
         self.s = schedule
+        self.slowdown = slowdown
         self.fwd_s, self.bwd_s, self.rec_s, self.loss_s = fwd_s, bwd_s, rec_s, loss_s
         self.ag_fwd, self.ag_bwd, self.rs, self.needs_bwd_ag = ag_fwd, ag_bwd, rs, needs_bwd_ag
         n_units = len(ag_fwd)
@@ -241,14 +253,24 @@ class _TwoStreams:
             handlers[ev.kind](ev)
         return max(self.comp, self.comm)
 
+    def compute(self, work_s: float, unit: int) -> None:
+        """Run ``work_s`` seconds of ``unit``'s compute, slowed while the communication stream is busy;
+        the time the slowdown adds counts as ``unit``'s exposed communication."""
+        if self.slowdown and self.comm > self.comp:
+            end = overlapped_compute_end_s(self.comp, work_s, self.comm, self.slowdown)
+            self.exposed[unit] += end - self.comp - work_s
+            self.comp = end
+        else:
+            self.comp += work_s
+
     def forward(self, ev) -> None:
-        self.comp += self.fwd_s[ev.block]
+        self.compute(self.fwd_s[ev.block], ev.unit)
 
     def backward(self, ev) -> None:  # a checkpointed block's recomputation runs right before: one sum
-        self.comp += self.bwd_s[ev.block] + self.rec_s[ev.block]
+        self.compute(self.bwd_s[ev.block] + self.rec_s[ev.block], ev.unit)
 
     def loss(self, ev) -> None:
-        self.comp += self.loss_s
+        self.compute(self.loss_s, self.s.root)
 
     def all_gather(self, ev) -> None:
         if ev.phase == "forward":
