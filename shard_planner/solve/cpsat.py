@@ -393,6 +393,21 @@ def greedy_cover(lm: LinearModel, budget_mib: int) -> tuple[int, ...] | None:
     return min(found, key=lambda c: evaluate(lm, c).time_us) if found else None
 
 
+def uniform_covers(lm: LinearModel) -> dict[str, tuple[int, ...]]:
+    """Per option (by its label), the cover that gives every item one unit with that option (the shape
+    of the hand-written policies: one unit per block, all resharded and checkpointed alike) where the
+    item offers it, and the most frugal option elsewhere (an embedding that offers no checkpointing).
+    A handful of covers for the simulators to judge directly (solve/planner.py): the linear model
+    bounds selective checkpointing's memory loosely (every stash counted at every block's backward
+    peak), so its budget can turn away a uniform cover that fits (Llama 3 8B / 8 GPUs / 40GB: every
+    block selective, 44,333 MiB by the linear model, 33,409 MiB and 629 ms by the simulators, where
+    the heuristic hint it ranked first runs 745 ms)."""
+    singles, frugal = _singles(lm), frugal_cover(lm)
+    options = dict.fromkeys(lm.space.candidates[k].option for ks in singles.values() for k in ks)
+    return {o.label: tuple(next((k for k in singles[i] if lm.space.candidates[k].option == o), frugal[i])
+                           for i in range(lm.space.n)) for o in options}
+
+
 def item_greedy_cover(lm: LinearModel, budget_mib: int) -> tuple[int, ...] | None:
     """A quick feasible cover for the hint: one unit per item, then, item by item, the fastest option
     that still fits (starting from the most memory-frugal), and finally the same for runs of items.

@@ -45,7 +45,7 @@ import math
 from dataclasses import replace
 
 from shard_planner.plan import Mesh, Prefetch, SolverInfo
-from shard_planner.solve import alternatives, simpler
+from shard_planner.solve import alternatives, cpsat, simpler
 from shard_planner.solve.accumulation import (
     NO_ACCUMULATION, Accumulation, accumulation_options, resolve_global_batch, split_global_batch,
 )
@@ -314,6 +314,10 @@ def _solve_checked(ctx: PlanContext, choice: GlobalChoice, hints: tuple = ()) ->
         effective = min(effective - 1, budget_mib - max(sim_mib - checked.linear_peak_mib, 0) - 1)
         if effective <= 0:
             break
+    for label, cover in cpsat.uniform_covers(lm).items():  # judged by the simulators alone (cpsat.uniform_covers)
+        c = ctx.check(lm, cover, f"every block {label}, judged by the simulators")
+        if c.peak_bytes <= budget_bytes and (best is None or speed(c) > speed(best)):
+            best = c
     return best
 
 
