@@ -94,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"shard-planner: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except BrokenPipeError:  # the reader of our output left (`shard-planner plan ... | head`): say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's recipe (docs of `signal`)
+        return 128 + signal.SIGPIPE
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Terminated): the command cleaned up on the way out
         terminated = isinstance(exc, Terminated)
         print(f"shard-planner: {'terminated (SIGTERM)' if terminated else 'interrupted'}", file=sys.stderr)

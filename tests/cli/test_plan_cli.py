@@ -95,3 +95,23 @@ def test_plan_with_report_runs_the_cost_model_once_for_the_timeline(trace_json, 
     line = next(ln for ln in text.splitlines() if ln.startswith("time: "))
     for stage in ("trace", "screen", "solve", "frontier", "polish", "report", "CP-SAT", "simulators"):
         assert stage in line
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path):
+    """`shard-planner plan ... | head -1`: the reader closes the pipe; the plan file is written before
+    the summary, and the command ends quietly with 128 + SIGPIPE, as a shell tool does."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.paths import REPO
+
+    proc = subprocess.Popen([sys.executable, "-m", "shard_planner.cli.main", "plan", str(EXAMPLES / "gpt2.py"),
+                             "--gpus", "2", "--mem", "2GB", "--profile", "cpu-gloo", "--no-report",
+                             "-o", str(tmp_path / "plan.json")],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # before the command prints anything
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 128 + signal.SIGPIPE, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+    assert load_plan(tmp_path / "plan.json").units
