@@ -1,20 +1,19 @@
 """Gradient accumulation in real FSDP2 runs (CPU/gloo, world size 2): n micro-steps per optimizer step
-give the losses of one single-process step over the whole global batch (every rank's micro-batches of
-every micro-step in one batch), for each gradient-sync policy and with parameters kept gathered.
+give the losses of one single-process step over the whole global batch (the mean loss over every rank's
+micro-batches of every micro-step: tests/execute/test_run.py's reference_losses), for each gradient-sync
+policy and with parameters kept gathered.
 Plain SGD: its update is proportional to the gradient, so a gradient off by the 1/n scale (or a
 micro-step's gradients lost or counted twice) changes every later loss."""
 
 from dataclasses import replace
 
 import pytest
-import torch
 
 from shard_planner.execute import launch_plans
-from shard_planner.execute.accumulate import batch_index
-from shard_planner.execute.worker import build_on_device, make_optimizer, make_step_batch
 from shard_planner.modelfile import load_model_file
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit
 from shard_planner.trace.structure import model_fingerprint
+from tests.execute.test_run import reference_losses
 
 MODEL = "tests/models/exec_net.py"
 BLOCKS = [f"blocks.{i}" for i in range(6)]
@@ -29,26 +28,6 @@ def _plan(n: int, sync: str, keep: bool, param_dtype: str = "float32") -> Plan:
                 tuple(units), Prefetch(1, 1))
 
 
-def one_big_batch_losses(plan: Plan, world_size: int, n_steps: int) -> list[float]:
-    """One process, no FSDP, no accumulation: per step one batch made of every rank's micro-batches of
-    every micro-step (the batches the run draws), one backward, one optimizer step."""
-    mf = load_model_file(plan.model.path)
-    model = build_on_device(mf, torch.device("cpu"))
-    opt = make_optimizer(plan, model.parameters())
-    losses = []
-    for s in range(n_steps):
-        opt.zero_grad()
-        parts = [make_step_batch(mf, plan.training.micro_batch, batch_index(plan.training, s, m), r, torch.device("cpu"))
-                 for m in range(plan.training.accumulation_steps) for r in range(world_size)]
-        inputs = tuple(torch.cat([p[0][i] for p in parts]) for i in range(len(parts[0][0])))
-        targets = torch.cat([p[1] for p in parts])
-        loss = mf.loss(model(*inputs), targets)  # a mean over the global batch
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
-
-
 @pytest.mark.multiprocess
 def test_accumulated_steps_match_one_big_batch_world_size_2():
     plans = {
@@ -61,7 +40,7 @@ def test_accumulated_steps_match_one_big_batch_world_size_2():
     result = launch_plans(list(plans.values()), steps=steps, warmup=warmup, device="cpu", timeout_s=300)
     n_steps = warmup + steps + 1  # + the storage-tracked step on CPU
     for (name, plan), m in zip(plans.items(), result.measurements):
-        ref = one_big_batch_losses(plan, 2, n_steps)
+        ref = reference_losses(plan, 2, n_steps)
         assert len(m.losses) == n_steps, name
         # the first step's loss is before any update; the later ones follow the accumulated updates
         tol = 2e-3 if plan.training.param_dtype == "bfloat16" else 1e-5
@@ -69,5 +48,5 @@ def test_accumulated_steps_match_one_big_batch_world_size_2():
     # summed instead of averaged, the micro-steps' gradients would take SGD steps 3x as large: the same as the
     # big batch at 3x the learning rate, which the run must not match
     every = plans["3 micro-steps, sync every micro-step"]
-    summed = one_big_batch_losses(replace(every, training=replace(every.training, lr=3 * every.training.lr)), 2, n_steps)
+    summed = reference_losses(replace(every, training=replace(every.training, lr=3 * every.training.lr)), 2, n_steps)
     assert summed[1:] != pytest.approx(result.measurements[0].losses[1:], rel=1e-3)

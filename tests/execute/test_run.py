@@ -10,6 +10,7 @@ import torch
 from shard_planner.cli.main import main as cli_main
 from shard_planner.errors import RunError, UserError
 from shard_planner.execute import launch_plans
+from shard_planner.execute.accumulate import batch_index
 from shard_planner.execute.worker import build_on_device, make_optimizer, make_step_batch
 from shard_planner.measurement import (Measurement, RankMemory, load_measurement, plan_fingerprint,
                                        save_measurement)
@@ -31,15 +32,19 @@ def make_plan(units, world_size, *, model=MODEL, replicate=1, prefetch=(0, 1), p
 
 
 def reference_losses(plan: Plan, world_size: int, n_steps: int) -> list[float]:
-    """One process, no FSDP: the same initial weights and, per step, the mean loss over every rank's batch."""
+    """One process, no FSDP, no accumulation: the same initial weights and, per step, the mean loss over
+    every rank's batch of every micro-step (the batches the run draws: execute/accumulate.py's
+    batch_index), one backward, one optimizer step."""
     mf = load_model_file(plan.model.path)
     model = build_on_device(mf, torch.device("cpu"))
     opt = make_optimizer(plan, model.parameters())
+    tr = plan.training
     losses = []
     for s in range(n_steps):
         opt.zero_grad()
-        batches = [make_step_batch(mf, plan.training.micro_batch, s, r, torch.device("cpu")) for r in range(world_size)]
-        loss = sum(mf.loss(model(*inputs), targets) for inputs, targets in batches) / world_size
+        batches = [make_step_batch(mf, tr.micro_batch, batch_index(tr, s, m), r, torch.device("cpu"))
+                   for m in range(tr.accumulation_steps) for r in range(world_size)]
+        loss = sum(mf.loss(model(*inputs), targets) for inputs, targets in batches) / len(batches)
         loss.backward()
         opt.step()
         losses.append(loss.item())
