@@ -30,6 +30,7 @@ from shard_planner.errors import UserError
 from shard_planner.modelfile import ModelFile, load_model_file
 from shard_planner.trace.build import build_fake, cast_parameters
 from shard_planner.trace.capture import Step, run_step
+from shard_planner.trace.dynamo_deferred import dynamo_deferred
 from shard_planner.trace.flops import FlopCounter
 from shard_planner.trace.hf_paths import real_run_paths
 from shard_planner.trace.kernel_ops import fit_records
@@ -72,7 +73,7 @@ def trace_model(
     b1, b2 = (int(b) for b in batch_sizes)
     if b1 < 1 or b2 < 1 or b1 == b2:
         raise UserError(f"batch_sizes must be two different positive sizes, got {tuple(batch_sizes)}")
-    with _quiet_fake_tensor_logger():
+    with dynamo_deferred(), _quiet_fake_tensor_logger():  # [Note: torch._dynamo during a trace]
         # Tensors a model file made at import time, outside the mode, are converted when first used.
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         model = build_fake(mf, fake_mode)
