@@ -18,6 +18,14 @@ DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "f
                "fp32": "float32", "float32": "float32"}
 
 
+def compute_dtype_name(dtype: str) -> str:
+    """``"bf16"`` -> ``"bfloat16"``; UserError for a dtype the tracer does not support."""
+    name = DTYPE_NAMES.get(str(dtype).lower())
+    if name is None:
+        raise UserError(f"unknown compute dtype {dtype!r}: use bf16 or fp32")
+    return name
+
+
 def parse_bytes(text: str) -> int:
     """``"40GB"`` -> 42949672960 (binary units: GB = GiB, as GPU memory is quoted)."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))

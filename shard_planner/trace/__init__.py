@@ -1,17 +1,26 @@
-"""Tracing: run one forward + backward without real memory and record what the planner needs."""
+"""Tracing: run one forward + backward without real memory and record what the planner needs.
 
-from shard_planner.trace.files import load_trace, trace_or_load
-from shard_planner.trace.realrun import Difference, compare_with_real_run
-from shard_planner.trace.tracer import trace_model
+The trace's types are imported here; the tracer (and torch with it) only when one of its names is first
+used, so the planner, the report and trace files work without importing torch (``plan`` traces in its
+helper process while the command imports the planner: cli/background.py)."""
+
+import importlib
+
 from shard_planner.trace.types import Affine, ModelTrace, ModuleTrace
 
-__all__ = [
-    "Affine",
-    "Difference",
-    "ModelTrace",
-    "ModuleTrace",
-    "compare_with_real_run",
-    "load_trace",
-    "trace_model",
-    "trace_or_load",
-]
+_LAZY = {
+    "Difference": "realrun",
+    "compare_with_real_run": "realrun",
+    "load_trace": "files",
+    "trace_model": "tracer",
+    "trace_or_load": "files",
+}
+
+__all__ = ["Affine", "ModelTrace", "ModuleTrace", *_LAZY]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from shard_planner.errors import UserError, first_line
 from shard_planner.hf import config_file
-from shard_planner.trace.tracer import compute_dtype_name, trace_model
 from shard_planner.trace.types import ModelTrace
+from shard_planner.units import compute_dtype_name
 
 
 def load_trace(path: str | Path) -> ModelTrace:
@@ -38,6 +38,8 @@ def trace_or_load(
                 f"{path}: traced in {trace.compute_dtype}, but {want} was asked for: re-run shard-planner trace --dtype"
             )
         return trace
+    from shard_planner.trace.tracer import trace_model  # torch: only to trace
+
     return trace_model(str(path), batch_sizes=batch_sizes, dtype=dtype)
 
 

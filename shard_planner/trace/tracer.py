@@ -40,17 +40,9 @@ from shard_planner.trace.replay import module_traces, static_facts, step_result
 from shard_planner.trace.structure import model_fingerprint, structural_hashes
 from shard_planner.trace.twins import ReuseFacts, reuse_facts
 from shard_planner.trace.types import Affine, ModelTrace
-from shard_planner.units import DTYPE_NAMES
+from shard_planner.units import compute_dtype_name
 
 logger = logging.getLogger(__name__)
-
-
-def compute_dtype_name(dtype: str) -> str:
-    """``"bf16"`` -> ``"bfloat16"``; UserError for a dtype the tracer does not support."""
-    name = DTYPE_NAMES.get(str(dtype).lower())
-    if name is None:
-        raise UserError(f"unknown compute dtype {dtype!r}: use bf16 or fp32")
-    return name
 
 
 def trace_model(

@@ -66,7 +66,7 @@ def tune_model(model_path: str, *, gpus: int, mem_budget_bytes: int, profile: st
     from shard_planner.modelfile import load_model_file
     from shard_planner.solve import PlanRequest, plan_model
     from shard_planner.trace import trace_model
-    from shard_planner.trace.tracer import compute_dtype_name
+    from shard_planner.units import compute_dtype_name
 
     if trials < 1:
         raise UserError(f"--trials must be at least 1, got {trials}")
