@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
@@ -115,6 +116,8 @@ class PlanContext:
         self._linear: dict[GlobalChoice, LinearModel] = {}
         self._greedy: dict[tuple[GlobalChoice, int], tuple[int, ...] | None] = {}
         self._estimates: dict[tuple, Estimate] = {}
+        self._ahead: dict[tuple[GlobalChoice, float], Future] = {}
+        self._threads: ThreadPoolExecutor | None = None
 
     def space(self, mesh: Mesh) -> SearchSpace:
         if mesh.shard not in self._spaces:
@@ -149,8 +152,34 @@ class PlanContext:
             return cpsat.solve_min_time(lm, budget_mib, **kwargs)
 
     def min_peak(self, lm: LinearModel, time_limit_s: float) -> cpsat.SolveResult:
+        ahead = self._ahead.pop((lm.choice, time_limit_s), None)
+        if ahead is not None:
+            result = ahead.result()
+            self.clock.work["cpsat"] += result.seconds
+            self.clock.counts["cpsat"] += 1
+            return result
         with self.clock.doing("cpsat"):
             return cpsat.solve_min_peak(lm, time_limit_s=time_limit_s)
+
+    def min_peak_ahead(self, lm: LinearModel, time_limit_s: float) -> None:
+        """Start :meth:`min_peak` of ``lm`` in a thread; :meth:`min_peak` then takes its result.
+
+        [Note: a solve ahead] CP-SAT releases the GIL while it searches (one worker, a deterministic
+        limit: the same cover whichever thread runs it), so a solve whose inputs are known early runs on
+        the second core while this thread solves and simulates: the frontier's smallest-peak solve
+        (solve/frontier.py) is known once the screen has picked the global choice. :meth:`close` waits
+        for it if nobody asked."""
+        key = (lm.choice, time_limit_s)
+        if key not in self._ahead:
+            if self._threads is None:
+                self._threads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cp-sat-ahead")
+            self._ahead[key] = self._threads.submit(cpsat.solve_min_peak, lm, time_limit_s=time_limit_s)
+
+    def close(self) -> None:
+        """Wait for the solves started ahead (see [Note: a solve ahead])."""
+        if self._threads is not None:
+            self._threads.shutdown(wait=True, cancel_futures=True)
+            self._threads = None
 
     def estimate(self, plan: Plan, timeline: bool = False) -> Estimate:
         """The simulators' verdict on ``plan`` (the memory timeline only when asked: the chosen plan's,

@@ -18,6 +18,12 @@ logger = logging.getLogger(__name__)
 FRONTIER_TIME_SHARE = 0.25
 
 
+def start_sweep(ctx: PlanContext, choice) -> None:
+    """Start the sweep's smallest-peak solve at ``choice`` (the screen's pick, usually the answer's
+    choice) on the second core ([Note: a solve ahead] in solve/context.py)."""
+    ctx.min_peak_ahead(ctx.linear(choice), ctx.time_limit_s * FRONTIER_TIME_SHARE)
+
+
 def sweep(ctx: PlanContext, best: Checked, points: int) -> list[Checked]:
     """Plans at ``points`` budgets from the smallest peak to that of the fastest cover, at the chosen
     global choice, each checked with the simulators: they are for the frontier's plot first (the

@@ -51,7 +51,7 @@ from shard_planner.solve.accumulation import (
 )
 from shard_planner.solve.context import Checked, PlanContext, speed
 from shard_planner.solve.describe import budget_text, infeasible_error
-from shard_planner.solve.frontier import pareto, sweep
+from shard_planner.solve.frontier import pareto, start_sweep, sweep
 from shard_planner.solve.linear import MIB, GlobalChoice
 from shard_planner.solve.polish import polish
 from shard_planner.solve.request import PlanRequest, PlanResult
@@ -86,6 +86,14 @@ def plan_model(trace: ModelTrace, request: PlanRequest) -> PlanResult:
     share), or the simplest within ``request.simpler_within`` of it, with the frontier, the hand-written
     baselines, the chosen plan's estimate and where the time went. Pure: no files, no printing."""
     ctx = PlanContext(trace, request)
+    try:
+        return _plan(ctx)
+    finally:
+        ctx.close()
+
+
+def _plan(ctx: PlanContext) -> PlanResult:
+    request = ctx.request
     profile = request.profile
     if request.mem_budget_bytes > profile.memory_bytes:
         logger.warning("budget %s exceeds the memory of a %s device (%s): planning for %s",
@@ -135,6 +143,8 @@ def _search(ctx: PlanContext) -> list[Checked]:
                        for mesh in _meshes(ctx.cluster.gpus, ctx.cluster.gpus_per_node) for pf in PREFETCH_CHOICES]
             with ctx.clock.stage("screen"):
                 kept = _screen(ctx, choices)
+            if kept and not found:
+                start_sweep(ctx, kept[0])
             at_batch = []
             for choice in kept:
                 with ctx.clock.stage("solve"):
