@@ -87,7 +87,7 @@ class HardwareProfile:
     # How unmeasured compute is priced: "flops" (traced FLOPs x compute_efficiency) or "roofline" (the
     # trace's kernel records priced by the [kernels] table, cost/kernels.py). The shipped GPU profiles
     # say "flops": on the published A100 runs the roofline (GEMMs at the sustained clock) is closer in
-    # the median (5.7% |error| against 10.3% for flops) but biased +5.6% too fast (flops +0.9%), and
+    # the median (4.3% |error| against 10.6% for flops) but biased +3.7% too fast (flops -0.5%), and
     # torchtitan's Llama 3 8B on 8 H100s runs 20-50% slower than it predicts, because no public
     # sustained-clock figure for the H100 is known (reports/benchmarks/published.md). `calibrate` writes
     # a measured [kernels] table with compute_model = "roofline" (profiles/cpu-gloo-roofline.toml).
