@@ -272,7 +272,11 @@ NOTES = """## How the rows are priced
   PR #1917) instead of FlashAttention-2's ([Note: the attention kernel of the published runs] in
   benchmarks/bench_published.py).
 - Inter-node collectives: the A100 profiles' busbw per rank is the node's aggregate NIC bandwidth (8 x 200
-  Gb/s, one NCCL ring per NIC) x 0.9.
+  Gb/s, one NCCL ring per NIC) x 0.9 = 180 GB/s. The runs' fabric is 1600 Gbps RoCE per node (the CSV), the
+  same aggregate: on Oracle's BM.GPU4.8 (8 A100, 16 x 100 Gb/s RoCE ports) NCCL reaches "above 185 GB per
+  second" per node (blogs.oracle.com/cloud-infrastructure, "Scaling with OCI cluster networking"), so the
+  plateau stands; the per-unit messages here (14 MB at 125M to 1.6 GB at 70B per all-gather) are priced
+  latency-bound where small (127 ring steps x 2.5 us at 128 GPUs).
 - Collectives by message size (shard_planner/cost/collectives.py): intra-node NVLink busbw(n) = plateau x n /
   (n + n_1/2), n_1/2 = 2.4 MB and 1.3 us per ring step on the A100 profiles (an nccl-tests curve, cited
   there); inter-node the ring with 2.5 us per step (NVIDIA/nccl-tests #119's curve). Without the slowdown below, exposed communication is at most 0.4% of a row's time here
@@ -293,20 +297,35 @@ NOTES = """## How the rows are priced
   without it (0 slowdown): median signed error +6.09% -> +5.63%, >40B bucket +15.05% -> +12.07%, by GPU count
   8: +4.1 -> +3.9, 16: +6.5 -> +6.3, 32: +10.8 -> +10.2, 64: +11.0 -> +10.1, 128: +11.2 -> +10.3; exposed_comm_s
   now holds that added time (at most 3.7% of a row's time, median 0.43%).
+- The slowest GPU sets the pace (shard_planner/cost/stragglers.py, [Note: Stragglers: the slowest of N
+  GPUs]): FSDP synchronises every rank at every collective, so a job runs at its slowest GPU's sustained
+  speed; with per-GPU speeds spread normally with relative standard deviation sigma (the A100 profiles'
+  gpu_speed_spread = 0.01, the lowest reading of Sinha et al., SC'22: 8% average performance variation
+  between GPUs of one SKU, V100 and MI60 clusters; the profiles' comment derives it), compute takes
+  1 / (1 - sigma E[max of N normals]): +1.5% on 8 GPUs, +2.1% on 32, +2.7% on 128. Against the same model
+  without it (roofline): median |error| 5.69% -> 4.31%, p90 12.35 -> 10.11, median signed +5.63 -> +3.74,
+  Spearman 0.9987 -> 0.9989, >40B bucket +12.07 -> +9.53, by GPU count 8: +3.94 -> +2.47, 16: +6.3 -> +4.44,
+  32: +10.19 -> +7.94, 64: +10.05 -> +7.51, 128: +10.28 -> +7.47; the seq-2048 rows on 16 / 32 / 64 / 128 GPUs
+  are now +1.9 / +2.8 / +2.9 / +2.6 points (median) above the same model's 8-GPU row (before: +2.4 / +3.5 /
+  +3.9 / +4.6): the growth with N is gone, a step at leaving the node remains. Flops compute: median |error|
+  10.32 -> 10.59, p90 23.27 -> 20.75, signed +0.91 -> -0.54, Spearman 0.9989 -> 0.9992 (its
+  compute_efficiency comes from a 64-GPU run, which already held its slowest GPU). sigma = 0.0135 / 0.015
+  (the other readings) would give median signed +3.06 / +2.84 (roofline).
 - What is left: the error still grows with the share of communication. Binned by comm_s / compute_s
-  (published.csv): -0.3% below 0.01 (43 rows), +4.6% at 0.01-0.02, +5.7% at 0.02-0.03, +9.0% at 0.03-0.05,
-  +10.3% at 0.05-0.08, +12.3% at 0.08-0.12 (before the slowdown: -0.2, +4.8, +6.1, +9.6, +11.2, +14.3). Part
-  of that is the sequence length, not communication: the share falls as the sequence grows, and so does the
-  error at one model and GPU count (MPT-125m on 8 A100-80GB: +7.7% at 512 tokens to -6.6% at 65536, with the
-  share between 0.009 and 0.001). At seq 2048 the rows on 16 / 32 / 64 / 128 GPUs are +2.4 / +3.5 / +3.9 /
-  +4.6 points (median) above the same model's 8-GPU row. Communication time does not explain that within
+  (published.csv): -1.4% below 0.01 (46 rows), +2.8% at 0.01-0.02, +4.2% at 0.02-0.03, +7.3% at 0.03-0.05,
+  +8.2% at 0.05-0.08, +10.1% at 0.08-0.12 (before the straggler term: -0.3, +4.6, +5.7, +9.0, +10.3, +12.3;
+  before the overlap slowdown too: -0.2, +4.8, +6.1, +9.6, +11.2, +14.3). Part of that is the sequence
+  length, not communication: the share falls as the sequence grows, and so does the error at one model and
+  GPU count (MPT-125m on 8 A100-80GB: +6.1% at 512 tokens to -8.0% at 65536, with the share between 0.009
+  and 0.001). At seq 2048 the rows on 16 / 32 / 64 / 128 GPUs were +2.4 / +3.5 / +3.9 / +4.6 points (median)
+  above the same model's 8-GPU row before the straggler term. Communication time does not explain that within
   this schedule: with inter-node busbw cut to 1/4 (45 GB/s per rank) the medians by GPU count are still
-  +5.5 / +6.0 / +7.8 / +8.5% at 16-128 GPUs, and with a slowdown of 1.0 +5.9 / +6.9 / +8.1 / +8.4%. Not
-  modelled, for want of a published figure for these GPUs: the slowest GPU setting the pace of every
-  collective (Sinha et al., SC22, "Not All GPUs Are Created Equal": 8% average performance variation
-  between GPUs of one SKU, V100 and MI60 clusters), per-step host work that grad_accum = 1 does not amortise
-  (most multi-node rows), and allocator pressure near the memory limit (MPT-13b on 8 A100-40GB at
-  grad_accum 16: +17-21%, against +1% on A100-80GB at micro-batch 20-80).
+  +5.5 / +6.0 / +7.8 / +8.5% at 16-128 GPUs, and with a slowdown of 1.0 +5.9 / +6.9 / +8.1 / +8.4% (both
+  before the straggler term). Not modelled: per-step host work that grad_accum = 1 does not amortise (most
+  multi-node rows), FSDP1's own device work (the bf16 cast of each shard before its all-gather, the
+  gradient pre/post-divide: memory-bound, under 0.1% of a row's time here), and allocator pressure near
+  the memory limit (MPT-13b on 8 A100-40GB at grad_accum 16: +15-20%, against +1% on A100-80GB at
+  micro-batch 20-80).
 """
 
 

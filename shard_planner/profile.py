@@ -87,7 +87,7 @@ class HardwareProfile:
     # How unmeasured compute is priced: "flops" (traced FLOPs x compute_efficiency) or "roofline" (the
     # trace's kernel records priced by the [kernels] table, cost/kernels.py). The shipped GPU profiles
     # say "flops": on the published A100 runs the roofline (GEMMs at the sustained clock) is closer in
-    # the median (5.7% |error| against 10.3% for flops) but biased +5.6% too fast (flops +0.9%), and
+    # the median (4.3% |error| against 10.6% for flops) but biased +3.7% too fast (flops -0.5%), and
     # torchtitan's Llama 3 8B on 8 H100s runs 20-50% slower than it predicts, because no public
     # sustained-clock figure for the H100 is known (reports/benchmarks/published.md). `calibrate` writes
     # a measured [kernels] table with compute_model = "roofline" (profiles/cpu-gloo-roofline.toml).
@@ -96,11 +96,16 @@ class HardwareProfile:
     # 18.9% slower); shard_planner/cost/overlap.py [Note: Compute slowdown under overlapped collectives].
     # 0 (CPU profiles, profiles written before the term): overlapped compute runs as fast as alone.
     overlap_compute_slowdown: float = 0.0
+    # Relative standard deviation of the sustained compute speed of GPUs of this SKU (persistent per-GPU
+    # differences); a job runs at the pace of its slowest GPU: shard_planner/cost/stragglers.py [Note:
+    # Stragglers: the slowest of N GPUs]. 0 (CPU profiles, profiles without the key): no slowdown.
+    gpu_speed_spread: float = 0.0
 
     def __post_init__(self):
-        if not (self.overlap_compute_slowdown >= 0.0 and math.isfinite(self.overlap_compute_slowdown)):
-            raise ProfileError(f"profile {self.name}: overlap_compute_slowdown must be a finite number >= 0, "
-                               f"got {self.overlap_compute_slowdown!r}")
+        for key in ("overlap_compute_slowdown", "gpu_speed_spread"):
+            value = getattr(self, key)
+            if not (value >= 0.0 and math.isfinite(value)):
+                raise ProfileError(f"profile {self.name}: {key} must be a finite number >= 0, got {value!r}")
         if self.compute_model not in COMPUTE_MODELS:
             raise ProfileError(f"profile {self.name}: compute_model must be one of {', '.join(COMPUTE_MODELS)}, "
                                f"got {self.compute_model!r}")

@@ -78,6 +78,7 @@ from shard_planner.cost.collectives import all_gather_time_s, reduce_scatter_tim
 from shard_planner.cost.optimizer import OPTIMIZER_ACCESSES_PER_ELEMENT, optimizer_step_bytes  # noqa: F401
 from shard_planner.cost.overlap import overlapped_compute_end_s
 from shard_planner.cost.schedule import EventKind, Schedule
+from shard_planner.cost.stragglers import straggler_factor
 from shard_planner.cost.tables import CostTables
 from shard_planner.cost.types import TimeEstimate, UnitTime
 from shard_planner.cost.unit_bytes import UnitBytes
@@ -136,10 +137,12 @@ def unit_collectives_s(plan: Plan, ub: tuple[UnitBytes, ...], profile: HardwareP
     return tuple(ag_fwd), tuple(ag_bwd), tuple(rs)
 
 
-def _combine(t: CostTables, s: Schedule, c: BlockCompute, profile: HardwareProfile, skipped=None):
+def _combine(t: CostTables, s: Schedule, c: BlockCompute, profile: HardwareProfile, skipped=None,
+             n_gpus: int = 1):
     """Per-block forward, backward and recompute seconds, and the loss's: device and host time
     combined (a CPU computes both in turn; a GPU's host runs ahead, so the slower one counts), plus
-    half FSDP2's per-unit overhead at a unit's first block in forward and at its last in backward."""
+    half FSDP2's per-unit overhead at a unit's first block in forward and at its last in backward.
+    On a GPU the device time is the slowest of the job's ``n_gpus`` GPUs' (cost/stragglers.py)."""
     n_blocks = len(t.blocks)
     host_fwd, host_bwd = list(c.ops_fwd_s), list(c.ops_bwd_s)
     half_unit_s = profile.per_unit_overhead_s / 2
@@ -156,10 +159,12 @@ def _combine(t: CostTables, s: Schedule, c: BlockCompute, profile: HardwareProfi
         bwd_s = [dev_bwd[i] + host_bwd[i] for i in range(n_blocks)]
         loss_s = c.loss_device_s + c.loss_host_s
     else:  # asynchronous launch: the slower of the GPU's work and the host's issuing it
-        rec_s = [max(dev_rec[i], ops_fwd[i]) if ckpt[i] else 0.0 for i in range(n_blocks)]
-        fwd_s = [max(dev_fwd[i], host_fwd[i]) for i in range(n_blocks)]
-        bwd_s = [max(dev_bwd[i], host_bwd[i]) for i in range(n_blocks)]
-        loss_s = max(c.loss_device_s, c.loss_host_s)
+        # every rank waits for the slowest GPU ([Note: Stragglers: the slowest of N GPUs]); 1 by default
+        k = straggler_factor(n_gpus, profile.gpu_speed_spread)
+        rec_s = [max(k * dev_rec[i], ops_fwd[i]) if ckpt[i] else 0.0 for i in range(n_blocks)]
+        fwd_s = [max(k * dev_fwd[i], host_fwd[i]) for i in range(n_blocks)]
+        bwd_s = [max(k * dev_bwd[i], host_bwd[i]) for i in range(n_blocks)]
+        loss_s = max(k * c.loss_device_s, c.loss_host_s)
     return fwd_s, bwd_s, rec_s, loss_s
 
 
@@ -174,7 +179,8 @@ def simulate_time_walk(trace: ModelTrace, t: CostTables, plan: Plan, profile: Ha
     ag_fwd, ag_bwd, rs = collectives
     needs_bwd_ag = [plan.units[u].reshard_after_forward is not False for u in range(n_units)]
     fwd_s, bwd_s, rec_s, loss_s = _combine(t, schedule, compute, profile,
-                                           selective.skipped_share if selective is not None else None)
+                                           selective.skipped_share if selective is not None else None,
+                                           plan.mesh.world_size)
     unit_fwd = [0.0] * n_units
     unit_bwd = [0.0] * n_units
     for i, blk in enumerate(t.blocks):
