@@ -85,12 +85,13 @@ class HardwareProfile:
     # compute_efficiency (CPU profiles, profiles written before the kernel model).
     kernels: dict | None = None
     # How unmeasured compute is priced: "flops" (traced FLOPs x compute_efficiency) or "roofline" (the
-    # trace's kernel records priced by the [kernels] table, cost/kernels.py). The shipped GPU profiles
-    # say "flops": on the published A100 runs the roofline (GEMMs at the sustained clock) is closer in
-    # the median (4.3% |error| against 10.6% for flops) but biased +3.7% too fast (flops -0.5%), and
-    # torchtitan's Llama 3 8B on 8 H100s runs 20-50% slower than it predicts, because no public
-    # sustained-clock figure for the H100 is known (reports/benchmarks/published.md). `calibrate` writes
-    # a measured [kernels] table with compute_model = "roofline" (profiles/cpu-gloo-roofline.toml).
+    # trace's kernel records priced by the [kernels] table, cost/kernels.py). The A100 profiles say
+    # "roofline": on the published A100 runs it is closer than flops in the median (4.3% |error| against
+    # 10.6%), the 90th percentile (10.1% against 20.8%) and every size bucket, though biased +3.7% too fast
+    # (flops -0.5%). The other GPU profiles say "flops": torchtitan's Llama 3 8B on 8 H100s runs 20-50%
+    # slower than the roofline predicts, because no public sustained-clock figure for the H100 is known
+    # (reports/benchmarks/published.md). `calibrate` writes a measured [kernels] table with
+    # compute_model = "roofline" (profiles/cpu-gloo-roofline.toml).
     compute_model: str = "flops"
     # How much slower compute runs while a collective runs beside it on the communication stream (0.189:
     # 18.9% slower); shard_planner/cost/overlap.py [Note: Compute slowdown under overlapped collectives].

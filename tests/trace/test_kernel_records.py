@@ -135,7 +135,7 @@ def test_grouped_mm_flops_are_counted():
 
 def test_cost_model_prices_kernels_on_gpu_profiles_only(tiny_trace):
     """A GPU profile with a [kernels] table and compute_model "roofline" prices blocks from the records;
-    the shipped profiles ("flops"), cpu-gloo and old traces from FLOPs."""
+    profiles with compute_model "flops" (h100-80gb ships it), cpu-gloo and old traces from FLOPs."""
     import dataclasses
 
     from shard_planner.cost.model import CostModel
@@ -144,8 +144,10 @@ def test_cost_model_prices_kernels_on_gpu_profiles_only(tiny_trace):
     units = (Unit(("",), False),) + tuple(Unit((f"blocks.{i}",), True) for i in range(2))
     plan = Plan(ModelRef("shape", tiny_trace.fingerprint), Cluster(8, 8, "a100-80gb", 80 * 2**30), Mesh(8),
                 Training(4), units, Prefetch())
-    shipped = load_profile("a100-80gb")
-    assert shipped.compute_model == "flops" and CostModel(tiny_trace, shipped).kernel_module_s(4, "bfloat16") is None
+    shipped = load_profile("a100-80gb")  # ships compute_model "roofline" (h100-80gb ships "flops")
+    flops = dataclasses.replace(shipped, compute_model="flops")
+    assert load_profile("h100-80gb").compute_model == "flops"
+    assert CostModel(tiny_trace, flops).kernel_module_s(4, "bfloat16") is None
     gpu = dataclasses.replace(shipped, compute_model="roofline")
     model = CostModel(tiny_trace, gpu)
     kernels = model.kernel_module_s(4, "bfloat16")
@@ -156,7 +158,7 @@ def test_cost_model_prices_kernels_on_gpu_profiles_only(tiny_trace):
     expected = sum(kernels[0][m.fqn][0] for m in tiny_trace.subtree("blocks.0"))
     assert blocks.device_fwd_s[i] == pytest.approx(expected)
     assert blocks.loss_device_s == pytest.approx(kernels[1])
-    flops_only = CostModel(tiny_trace, shipped)
+    flops_only = CostModel(tiny_trace, flops)
     assert flops_only.kernel_module_s(4, "bfloat16") is None
     rate = gpu.flops_per_s("bfloat16")
     assert (flops_only.block_compute_s(t, 4, "bfloat16").device_fwd_s[i]
