@@ -3,6 +3,7 @@
 - Every test runs with the example models at their default (tiny) size: SHARD_PLANNER_SIZE and
   SHARD_PLANNER_SEQ from the caller's environment are removed.
 - ``gloo`` / ``h100``: the shipped cpu-gloo and h100-80gb hardware profiles.
+- ``synth``: the synthetic 8-layer transformer trace of tests/models/cost_synth.py (hidden 1024, seq 512).
 - ``fake_world``: a fake process group in this process (torch.testing's FakeStore: FSDP2 runs its hooks,
   collectives are no-ops) and its 1-D CPU device mesh; world size 2, or the value given by indirect
   parametrisation (``@pytest.mark.parametrize("fake_world", [8], indirect=True)``).
@@ -31,6 +32,13 @@ def gloo():
 @pytest.fixture(scope="session")
 def h100():
     return load_profile("h100-80gb")
+
+
+@pytest.fixture(scope="session")
+def synth():
+    from tests.models import cost_synth
+
+    return cost_synth.synthetic_trace(layers=8, hidden=1024, seq=512, vocab=4096)
 
 
 @pytest.fixture

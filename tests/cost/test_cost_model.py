@@ -7,7 +7,6 @@ import pytest
 
 
 from tests.models import cost_mlp  # noqa: E402
-from tests.models import cost_synth  # noqa: E402
 
 from shard_planner.cost import estimate, model_state_bytes, simulate_memory, simulate_time  # noqa: E402
 from shard_planner.cost.collectives import all_gather_time_s, reduce_scatter_time_s, ring_time_s  # noqa: E402
@@ -43,11 +42,6 @@ def synth_plan(trace, world=8, *, fwd=0, bwd=1, mb=1, ckpt=(), reshard=True, gro
 @pytest.fixture(scope="module")
 def mlp():
     return cost_mlp.analytic_trace(D, LAYERS)
-
-
-@pytest.fixture(scope="module")
-def synth():
-    return cost_synth.synthetic_trace(layers=8, hidden=1024, seq=512, vocab=4096)
 
 
 # ---- model state: ZeRO §5 as FSDP2 realises it ----

@@ -11,14 +11,9 @@ from shard_planner.cost.overlap import hidden_comm_cost_share, overlapped_comput
 from shard_planner.errors import ProfileError
 from shard_planner.profile import load_profile
 from tests.cost.test_cost_model import mlp_plan, synth_plan
-from tests.models import cost_mlp, cost_synth
+from tests.models import cost_mlp
 
 SLOWDOWN = 0.25
-
-
-@pytest.fixture(scope="module")
-def synth():
-    return cost_synth.synthetic_trace(layers=8, hidden=1024, seq=512, vocab=4096)
 
 
 def _with(profile, slowdown):

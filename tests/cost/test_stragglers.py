@@ -10,14 +10,8 @@ from shard_planner.cost.stragglers import expected_max_std_normal, straggler_fac
 from shard_planner.errors import ProfileError
 from shard_planner.profile import load_profile
 from tests.cost.test_cost_model import synth_plan
-from tests.models import cost_synth
 
 SPREAD = 0.02
-
-
-@pytest.fixture(scope="module")
-def synth():
-    return cost_synth.synthetic_trace(layers=8, hidden=1024, seq=512, vocab=4096)
 
 
 def _with(profile, spread):
