@@ -43,7 +43,12 @@ _LENGTH = struct.Struct("<Q")  # every message: its length, then the pickle
 
 
 class HelperDied(RuntimeError):
-    """The helper process ended without answering a call (killed, crashed, ``os._exit``)."""
+    """The helper process ended without answering a call (killed, crashed, ``os._exit``); ``ended`` says
+    how (``"exited with code 3"``, ``"was killed by SIGKILL"``)."""
+
+    def __init__(self, message: str, ended: str = ""):
+        super().__init__(message)
+        self.ended = ended
 
 
 def _worth_forking() -> bool:
@@ -125,7 +130,7 @@ class Helper:
             _, status = os.waitpid(self.pid, 0)
             self.pid = None
             ended = exit_status(os.waitstatus_to_exitcode(status))
-            return "error", HelperDied(f"the helper process {ended} during {call._fn.__name__}"), ""
+            return "error", HelperDied(f"the helper process {ended} during {call._fn.__name__}", ended), ""
         try:
             return pickle.loads(data)
         except Exception as exc:

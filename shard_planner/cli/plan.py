@@ -102,7 +102,8 @@ def _run(args: argparse.Namespace, helper: Helper) -> int:
         try:
             trace, defaults, trace_s = tracing.result()
         except HelperDied as exc:
-            raise ModelFileError(f"{args.model}: {exc} (tracing it: does the model file exit or crash?)") from exc
+            raise ModelFileError(f"{args.model}: the process tracing it {exc.ended}: does the model file call exit() "
+                                 "or crash?") from exc
     # A plan made from a trace.json records the trace's model file (never the trace), and uses the TRAINING
     # defaults the trace carries from it.
     model_path = args.model if defaults is not None else trace_model_file(trace, args.model)

@@ -162,7 +162,7 @@ def test_plan_through_the_helper_writes_what_plan_writes_in_process(tmp_path):
 
 @pytest.mark.parametrize("body, message", [
     ("def build_model():\n    raise ValueError('no such layer')\n", "build_model() raised ValueError: no such layer"),
-    ("import os\ndef build_model():\n    os._exit(0)\n", "the helper process exited with code 0 during _load_and_trace"),
+    ("import os\ndef build_model():\n    os._exit(0)\n", "the process tracing it exited with code 0: does the model file call exit()"),
 ])
 def test_a_model_file_that_fails_in_the_helper_is_one_line(body, message, tmp_path):
     (tmp_path / "model.py").write_text(body + "def make_batch(b):\n    return None, None\n")
