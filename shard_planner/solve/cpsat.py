@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
+from shard_planner.solve.item_peaks import ItemCoverPeaks
 from shard_planner.solve.linear import LinearModel, evaluate
 from shard_planner.solve.request import DEFAULT_TIME_LIMIT_S
 
@@ -416,14 +417,15 @@ def item_greedy_cover(lm: LinearModel, budget_mib: int) -> tuple[int, ...] | Non
     cover = list(frugal_cover(lm))
     if evaluate(lm, cover).peak_mib > budget_mib:
         return None
+    peaks = ItemCoverPeaks(lm, cover)  # each trial's peak in O(1): solve/item_peaks.py
     for i in range(lm.space.n):
         best = cover[i]
         for k in sorted(singles[i], key=lambda k: (lm.coeffs[k].time_us, k)):
             if lm.coeffs[k].time_us >= lm.coeffs[best].time_us:
                 break
-            trial = cover[:i] + [k] + cover[i + 1:]
-            if evaluate(lm, trial).peak_mib <= budget_mib:
+            if peaks.with_item(i, k) <= budget_mib:
                 best = k
                 break
         cover[i] = best
+        peaks.set(i, best)
     return tuple(cover)

@@ -1,0 +1,91 @@
+"""The linear model's peak of a one-unit-per-item cover with one item changed, in O(1) per trial.
+
+:func:`cpsat.item_greedy_cover` tries, item by item, faster options until one fits: thousands of covers
+that differ from the current one in a single item (Llama 70B's screen: ~6,700, 1 s of
+:func:`linear.evaluate` at O(items) each). :class:`ItemCoverPeaks` answers each trial from prefix and
+suffix maxima of the current cover, and rebuilds them (O(items)) only when an item changes.
+
+The peak is :func:`linear.evaluate`'s, regrouped. With the cover's units in item order, S_j the stack of the
+units before j, and per unit
+
+    A_j = max(fwd_j + gather_{j+1} [forward prefetch >= 1], copy_j + prev_out_{j-1})
+    B_j = max(bwd_j + regather_{j-1} + rs_in_{j+1}, rs_j + regather_{j-1})
+
+(terms of units outside the cover 0), the peak is the largest of the optimizer step,
+``shared + loss + S_n`` and ``shared + max_j(S_j + A_j) + extra_f``, ``shared + max_j(S_j + B_j) + extra_b``,
+where ``shared`` = base + the units' root terms (+ one process group when any unit reshards to an int) and
+``extra_f``, ``extra_b`` are the prefetch depths' multiples of the largest gather. Changing unit i moves
+S_j by the change of its stack for j > i, and A_j, B_j only for j in i-1..i+1: the rest are the cached
+maxima. Every term is an integer (MiB), so the answer equals :func:`linear.evaluate`'s exactly
+(tests/solve/test_item_peaks.py).
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+
+from shard_planner.solve.linear import LinearModel
+
+_NEG = float("-inf")
+
+
+class ItemCoverPeaks:
+    """Peaks of ``cover`` (one single-item candidate per item, in item order) and of its one-item
+    variants (:meth:`with_item`); :meth:`set` changes an item."""
+
+    def __init__(self, lm: LinearModel, cover: list[int]):
+        self.lm, self.cover = lm, list(cover)
+        self.gather_next = lm.forward_depth >= 1
+        self.f_mult, self.b_mult = max(0, lm.forward_depth - 1), lm.backward_depth - 1
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        co = [self.lm.coeffs[k] for k in self.cover]
+        self.co, n = co, len(co)
+        self.starts = list(accumulate((c.stack_mib for c in co), initial=0))  # S_0..S_n
+        self.root = sum(c.root_mib for c in co)
+        self.int_reshard = sum(1 for c in co if c.uses_int_reshard)
+        gathers = [c.gather_mib for c in co]
+        self.gather_before = list(accumulate(gathers, max, initial=_NEG))  # max over units < j
+        self.gather_after = list(accumulate(reversed(gathers), max, initial=_NEG))[::-1]  # over units >= j
+        xs = [self.starts[j] + self._a(j, co) for j in range(n)]
+        ys = [self.starts[j] + self._b(j, co) for j in range(n)]
+        self.x_before, self.y_before = (list(accumulate(v, max, initial=_NEG)) for v in (xs, ys))
+        self.x_after, self.y_after = (list(accumulate(reversed(v), max, initial=_NEG))[::-1] for v in (xs, ys))
+
+    def _a(self, j: int, co) -> int:
+        nxt = co[j + 1].gather_mib if self.gather_next and j + 1 < len(co) else 0
+        prev = co[j - 1].prev_out_mib if j > 0 else 0
+        return max(co[j].fwd_mib + nxt, co[j].copy_mib + prev)
+
+    def _b(self, j: int, co) -> int:
+        regather = co[j - 1].regather_mib if j > 0 else 0
+        rs_in = co[j + 1].rs_in_mib if j + 1 < len(co) else 0
+        return max(co[j].bwd_mib + regather + rs_in, co[j].rs_mib + regather)
+
+    def with_item(self, i: int, k: int) -> int:
+        """The linear peak (MiB) of the cover with item ``i``'s unit replaced by candidate ``k``."""
+        lm, old, new = self.lm, self.co[i], self.lm.coeffs[k]
+        n, delta = len(self.co), new.stack_mib - old.stack_mib
+        ints = self.int_reshard - old.uses_int_reshard + new.uses_int_reshard
+        shared = lm.base_mib + self.root - old.root_mib + new.root_mib + (lm.process_group_mib if ints else 0)
+        gmax = max(self.gather_before[i], self.gather_after[i + 1], new.gather_mib)
+        # Units i-1..i+1 change their A and B; their neighbours i-2 and i+2 come along as context.
+        first = max(0, i - 2)
+        window = self.co[first:min(n, i + 3)]
+        window[i - first] = new
+        lo, hi = max(0, i - 1), min(n, i + 2)
+        x, y = self.x_before[lo], self.y_before[lo]
+        for j in range(lo, hi):
+            s = self.starts[j] + (delta if j > i else 0)
+            x = max(x, s + self._a(j - first, window))
+            y = max(y, s + self._b(j - first, window))
+        x, y = max(x, self.x_after[hi] + delta), max(y, self.y_after[hi] + delta)
+        return max(lm.optimizer_mib, shared + lm.loss_mib + self.starts[n] + delta,
+                   shared + x + self.f_mult * gmax, shared + y + self.b_mult * gmax)
+
+    def set(self, i: int, k: int) -> None:
+        """Item ``i`` takes candidate ``k``."""
+        if self.cover[i] != k:
+            self.cover[i] = k
+            self._rebuild()
