@@ -47,6 +47,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 from ortools.sat.python import cp_model
 
 from shard_planner.solve.item_peaks import ItemCoverPeaks
@@ -341,47 +342,57 @@ def frugal_cover(lm: LinearModel) -> tuple[int, ...]:
                  for i in range(lm.space.n))
 
 
-def _by_stop(lm: LinearModel) -> list[list[int]]:
-    by_stop: list[list[int]] = [[] for _ in range(lm.space.n + 1)]
-    for k, c in enumerate(lm.space.candidates):
-        by_stop[c.stop].append(k)
-    return by_stop
-
-
-def _shortest_path(lm: LinearModel, lam: float, by_stop: list[list[int]]) -> tuple[int, ...]:
-    """The cover minimising Σ_c (t_c + λ·(stack_c + root_c + gather_c)) x_c: a shortest path over the
-    boundaries 0..n, each candidate an edge from its start to its stop."""
-    cost = [0.0] + [float("inf")] * lm.space.n
-    back = [-1] * (lm.space.n + 1)
+def _shortest_paths(lm: LinearModel, prices: list[float]) -> list[tuple[int, ...]]:
+    """Per price λ, the cover minimising Σ_c (t_c + λ·(stack_c + root_c + gather_c)) x_c: a shortest path
+    over the boundaries 0..n, each candidate an edge from its start to its stop. All prices at once, one
+    boundary at a time (arrays of prices x candidates ending there); ties go to the first candidate in
+    the space's order, as a scan with a strict ``<`` would, and every sum is the scan's, in its order."""
     cands = lm.space.candidates
+    by_stop: list[list[int]] = [[] for _ in range(lm.space.n + 1)]
+    for k, c in enumerate(cands):
+        by_stop[c.stop].append(k)
+    lam = np.asarray(prices, dtype=np.float64)[:, None]
+    cost = np.full((len(prices), lm.space.n + 1), np.inf)
+    cost[:, 0] = 0.0
+    back = np.full((len(prices), lm.space.n + 1), -1, dtype=np.int64)
     for p in range(1, lm.space.n + 1):
-        for k in by_stop[p]:
-            co = lm.coeffs[k]
-            v = cost[cands[k].start] + co.time_us + lam * (co.stack_mib + co.root_mib + co.gather_mib)
-            if v < cost[p]:
-                cost[p], back[p] = v, k
-    cover, p = [], lm.space.n
-    while p > 0:
-        cover.append(back[p])
-        p = cands[back[p]].start
-    return tuple(reversed(cover))
+        ks = by_stop[p]
+        if not ks:
+            continue
+        starts = np.array([cands[k].start for k in ks])
+        t = np.array([float(lm.coeffs[k].time_us) for k in ks])
+        m = np.array([float(lm.coeffs[k].stack_mib + lm.coeffs[k].root_mib + lm.coeffs[k].gather_mib) for k in ks])
+        v = cost[:, starts] + t + lam * m
+        best = np.argmin(v, axis=1)
+        cost[:, p] = v[np.arange(len(prices)), best]
+        back[:, p] = np.asarray(ks)[best]
+    covers = []
+    for row in back:
+        cover, p = [], lm.space.n
+        while p > 0:
+            cover.append(int(row[p]))
+            p = cands[row[p]].start
+        covers.append(tuple(reversed(cover)))
+    return covers
 
 
 def fastest_cover(lm: LinearModel) -> tuple[int, ...]:
     """The fastest cover with no memory limit: the program's optimum without its memory constraints
     (the objective Σ_c t_c x_c over exact covers is a shortest path), exact, in milliseconds."""
-    return _shortest_path(lm, 0.0, _by_stop(lm))
+    return _shortest_paths(lm, [0.0])[0]
+
+
+# λ (µs per MiB left behind) for the Lagrangian heuristic: 0 and 10^(-2)..10^7 in quarter decades.
+LAGRANGE_PRICES = [0.0, *(10 ** (e / 4) for e in range(-8, 29))]
 
 
 def lagrangian_cover(lm: LinearModel, budget_mib: int) -> tuple[int, ...] | None:
     """The fastest fitting cover among the minimisers of Σ_c (t_c + λ·(stack_c + root_c + gather_c)) x_c over a grid
-    of prices λ (µs per MiB left behind): each is a shortest path over the boundaries, O(candidates).
+    of prices λ (:data:`LAGRANGE_PRICES`): each is a shortest path over the boundaries, O(candidates).
     The memory constraint relaxed into the objective (a Lagrangian heuristic, as for knapsacks); the
     result is checked against every constraint with :func:`evaluate`. None when no price gives a fit."""
-    by_stop = _by_stop(lm)
     best = None
-    for lam in (0.0, *(10 ** (e / 4) for e in range(-8, 29))):
-        cover = _shortest_path(lm, lam, by_stop)
+    for cover in _shortest_paths(lm, LAGRANGE_PRICES):
         res = evaluate(lm, cover)
         if res.peak_mib <= budget_mib and (best is None or res.time_us < best[1]):
             best = (cover, res.time_us)
