@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from shard_planner.cost.tables import CostTables
 from shard_planner.plan import Prefetch, Unit
@@ -69,8 +70,10 @@ class EventKind(enum.IntEnum):
     OPTIMIZER = 12  # the optimizer step and zero_grad
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
+class Event(NamedTuple):
+    """One event of the step. A named tuple, not a frozen dataclass: a schedule holds a few hundred and the
+    planner builds one per plan it judges (a frozen dataclass's ``__init__`` costs ~5x a tuple's)."""
+
     kind: EventKind
     phase: str  # FORWARD | BACKWARD | OPTIMIZER
     unit: int = -1  # index into the plan's units (-1: none)

@@ -177,14 +177,21 @@ class ModelTrace:
     def __contains__(self, fqn: str) -> bool:
         return fqn in self._by_fqn
 
+    @cached_property
+    def _subtrees(self) -> dict[str, tuple[ModuleTrace, ...]]:
+        return {}  # filled by subtree(): the cost tables walk the same subtrees for every plan they price
+
     def subtree(self, fqn: str) -> tuple[ModuleTrace, ...]:
         """The module and all its descendants, in named_modules() order."""
-        out, stack = [], [fqn]
-        while stack:
-            m = self.module(stack.pop())
-            out.append(m)
-            stack.extend(reversed(m.children))
-        return tuple(out)
+        found = self._subtrees.get(fqn)
+        if found is None:
+            out, stack = [], [fqn]
+            while stack:
+                m = self.module(stack.pop())
+                out.append(m)
+                stack.extend(reversed(m.children))
+            found = self._subtrees[fqn] = tuple(out)
+        return found
 
     def subtree_param_count(self, fqn: str) -> int:
         return sum(m.param_count for m in self.subtree(fqn))
