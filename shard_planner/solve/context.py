@@ -78,8 +78,12 @@ class Clock:
         try:
             yield
         finally:
-            self.work[kind] += time.perf_counter() - t0
-            self.counts[kind] += 1
+            self.add(kind, time.perf_counter() - t0)
+
+    def add(self, kind: str, seconds: float) -> None:
+        """One piece of work of ``kind`` that took ``seconds`` (timed elsewhere, e.g. in a thread)."""
+        self.work[kind] += seconds
+        self.counts[kind] += 1
 
     def elapsed_s(self) -> float:
         return time.perf_counter() - self.t0
@@ -155,8 +159,7 @@ class PlanContext:
         ahead = self._ahead.pop((lm.choice, time_limit_s), None)
         if ahead is not None:
             result = ahead.result()
-            self.clock.work["cpsat"] += result.seconds
-            self.clock.counts["cpsat"] += 1
+            self.clock.add("cpsat", result.seconds)
             return result
         with self.clock.doing("cpsat"):
             return cpsat.solve_min_peak(lm, time_limit_s=time_limit_s)

@@ -425,18 +425,17 @@ def item_greedy_cover(lm: LinearModel, budget_mib: int) -> tuple[int, ...] | Non
     that still fits (starting from the most memory-frugal), and finally the same for runs of items.
     None when even the most frugal single-item cover does not fit."""
     singles = _singles(lm)
-    cover = list(frugal_cover(lm))
-    if evaluate(lm, cover).peak_mib > budget_mib:
+    frugal = frugal_cover(lm)
+    if evaluate(lm, frugal).peak_mib > budget_mib:
         return None
-    peaks = ItemCoverPeaks(lm, cover)  # each trial's peak in O(1): solve/item_peaks.py
+    peaks = ItemCoverPeaks(lm, frugal)  # holds the cover; each trial's peak in O(1): solve/item_peaks.py
     for i in range(lm.space.n):
-        best = cover[i]
+        best = peaks.cover[i]
         for k in sorted(singles[i], key=lambda k: (lm.coeffs[k].time_us, k)):
             if lm.coeffs[k].time_us >= lm.coeffs[best].time_us:
                 break
             if peaks.with_item(i, k) <= budget_mib:
                 best = k
                 break
-        cover[i] = best
         peaks.set(i, best)
-    return tuple(cover)
+    return tuple(peaks.cover)

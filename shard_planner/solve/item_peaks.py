@@ -22,6 +22,7 @@ maxima. Every term is an integer (MiB), so the answer equals :func:`linear.evalu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import accumulate
 
 from shard_planner.solve.linear import LinearModel
@@ -33,7 +34,7 @@ class ItemCoverPeaks:
     """Peaks of ``cover`` (one single-item candidate per item, in item order) and of its one-item
     variants (:meth:`with_item`); :meth:`set` changes an item."""
 
-    def __init__(self, lm: LinearModel, cover: list[int]):
+    def __init__(self, lm: LinearModel, cover: Sequence[int]):
         self.lm, self.cover = lm, list(cover)
         self.gather_next = lm.forward_depth >= 1
         self.f_mult, self.b_mult = max(0, lm.forward_depth - 1), lm.backward_depth - 1

@@ -132,15 +132,18 @@ def _import_real(package: types.ModuleType) -> types.ModuleType:
     """The real package, imported in place of ``package`` (a block asked for more than it offers)."""
     if sys.modules.get(PACKAGE) is package:
         logger.debug("a traced model needs torch._dynamo itself: importing it")
-        del sys.modules[PACKAGE]
-        if torch.__dict__.get("_dynamo") is package:
-            delattr(torch, "_dynamo")  # torch.__getattr__ imports lazily: the real package, also mid-import
+        _unregister(package)  # torch.__getattr__ then imports lazily: the real package, also mid-import
     return importlib.import_module(PACKAGE)
 
 
-def _remove(package: types.ModuleType, before: set[str]) -> None:
+def _unregister(package: types.ModuleType) -> None:
+    """``package`` leaves ``sys.modules`` and ``torch``'s attributes."""
     del sys.modules[PACKAGE]
     if torch.__dict__.get("_dynamo") is package:
         delattr(torch, "_dynamo")
+
+
+def _remove(package: types.ModuleType, before: set[str]) -> None:
+    _unregister(package)
     for name in [n for n in sys.modules if n.startswith(PACKAGE + ".") and n not in before]:
         del sys.modules[name]
