@@ -21,6 +21,9 @@ and ``make_batch()`` are called; ``TRAINING`` is computed when the file is impor
     8b     dim 4096,  32 layers,  32 heads,  8 kv heads, ffn 14336, vocab 128256, seq 4096  (Llama 3 8B)
     70b    dim 8192,  80 layers,  64 heads,  8 kv heads, ffn 28672, vocab 128256, seq 4096  (Llama 3 70B)
     405b   dim 16384, 126 layers, 128 heads, 8 kv heads, ffn 53248, vocab 128256, seq 4096 (Llama 3.1 405B)
+    2-13b  dim 5120,  40 layers,  40 heads,  40 kv heads, ffn 13824, vocab 32000, seq 4096  (Llama 2 13B)
+    2-70b  dim 8192,  80 layers,  64 heads,  8 kv heads, ffn 28672, vocab 32000, seq 4096   (Llama 2 70B)
+           (Llama 2 rotates with theta 1e4, this file with Llama 3's 5e5: the angles change no shape or cost)
 
 ``SHARD_PLANNER_SEQ`` (optional) overrides the tokens per sample (rotary embeddings have no maximum).
 """
@@ -39,8 +42,10 @@ CONFIGS = {
     "405b": dict(
         dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248, vocab_size=128256, seq_len=4096
     ),
+    "2-13b": dict(dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, ffn_dim=13824, vocab_size=32000, seq_len=4096),
+    "2-70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=32000, seq_len=4096),
 }
-MICRO_BATCH = {"tiny": 8, "1b": 2, "8b": 1, "70b": 1, "405b": 1}
+MICRO_BATCH = {"tiny": 8, "1b": 2, "8b": 1, "70b": 1, "405b": 1, "2-13b": 1, "2-70b": 1}
 ROPE_THETA = 500000.0
 NORM_EPS = 1e-5
 

@@ -10,11 +10,17 @@ the outputs of every op whose policy is MUST_SAVE and recomputes the others in b
 priced is what runs. "Every k-th block" is per-unit choice: full AC on every k-th unit.
 
 [Note: torchtitan's op-level policy] torchtitan's ``selective_ac_option = "op"``
-(torchtitan/models/llama3/infra/parallelize.py, ``_save_list``) saves the outputs of ``aten.mm``,
-the SDPA kernels (flash, efficient, cuDNN) and the reduce-scatter of tensor parallelism, and recomputes
-every second ``mm`` of a block (an ``mm`` counter); this module's default saves every matmul and
-attention output (:data:`DEFAULT_SAVE_OPS`): at most the memory of torchtitan's policy and no more
-recompute than it.
+(torchtitan/models/llama3/infra/parallelize.py, ``_save_list`` and ``_get_custom_policy``) saves the
+outputs of ``aten.mm``, the SDPA kernels (flash, efficient, cuDNN) and the reduce-scatter of tensor
+parallelism, and recomputes every second ``mm`` of a block: a counter per checkpointed region and pass
+(forward, recomputation) numbers the mms from 1 and an even number is recomputed. The pseudo-class
+``"alternate_matmul"`` is that rule: the outputs of the odd-numbered ops of the matmul class of each
+checkpointed module (1st, 3rd, ...), counted in forward order; :data:`TORCHTITAN_OP_SAVE_OPS` is
+torchtitan's policy. torchtitan counts ``aten.mm`` only and never keeps ``addmm`` / ``bmm``; the matmul
+class holds all three, so the two agree on models whose linear layers have no bias (Llama). This
+module's default (:data:`DEFAULT_SAVE_OPS`) saves every matmul and attention output: more memory, less
+recompute than torchtitan's. In a Llama 3 block (wq, wk, wv, wo, w1, w3, w2) torchtitan's rule
+recomputes wk, wo and w3: 37% of the block's matmul FLOPs at 8B.
 """
 
 from __future__ import annotations
@@ -22,9 +28,16 @@ from __future__ import annotations
 SELECTIVE = "selective"
 # Forward op classes whose outputs a selective policy may keep (cost/kernels.py OP_CLASSES without the
 # attention backward, which runs in backward only).
+ALTERNATE_MATMUL = "alternate_matmul"  # the odd-numbered matmuls of a region ([Note: torchtitan's op-level policy])
 SAVEABLE_OP_CLASSES = ("matmul", "grouped_matmul", "attention_fwd", "elementwise", "reduction", "copy",
-                       "embedding", "loss", "other")
+                       "embedding", "loss", "other", ALTERNATE_MATMUL)
 DEFAULT_SAVE_OPS = ("matmul", "attention_fwd")  # [Note: torchtitan's op-level policy]
+TORCHTITAN_OP_SAVE_OPS = (ALTERNATE_MATMUL, "attention_fwd")  # torchtitan's selective_ac_option = "op"
+
+
+def keeps_alternate_matmuls(save_ops: tuple[str, ...]) -> bool:
+    """Whether ``save_ops`` keeps every other matmul only (``"alternate_matmul"`` without ``"matmul"``)."""
+    return ALTERNATE_MATMUL in save_ops and "matmul" not in save_ops
 
 
 def ac_mode(activation_checkpoint: bool | str) -> str:

@@ -30,6 +30,15 @@ the roofline when the profile uses it, else their traced FLOPs); every op still 
 dispatcher (a stored op returns its cached output from the Python dispatch mode), so the host time is
 the block's forward op count, as for full checkpointing.
 
+[Note: Alternate matmuls] With ``"alternate_matmul"`` (torchtitan's rule, shard_planner/checkpointing.py
+[Note: torchtitan's op-level policy]) the block's matmuls are numbered in forward order: the subtree's
+modules by first forward entry (``ModelTrace.forward_order``), a module's own matmuls at its position.
+A module whose own matmuls are numbered i+1..i+c keeps the odd numbers among them: that share of each of
+its matmul records is stored (its new bytes) and skipped by the recomputation (its price). Exact where
+each module runs one matmul per call (a Linear per module); a container interleaving its own matmuls with
+its children's is counted as if its own came first. The block's output is held once (as above) when the
+block's last matmul is kept.
+
 A module whose forward has no kernel records (its op sequences did not pair across the traced batch
 sizes, or a trace written before ``new_bytes``) is priced as not checkpointed: its saved tensors are
 kept and it is not recomputed.
@@ -41,7 +50,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shard_planner.checkpointing import is_selective
+from shard_planner.checkpointing import ALTERNATE_MATMUL, is_selective, keeps_alternate_matmuls
 from shard_planner.cost.tables import CostTables
 from shard_planner.dtypes import dtype_bytes
 from shard_planner.plan import Unit
@@ -73,16 +82,24 @@ def supports_selective(trace: ModelTrace) -> bool:
 def keeps_something(trace: ModelTrace, fqn: str, save_ops: tuple[str, ...]) -> bool:
     """Whether ``fqn``'s forward runs an op of a class in ``save_ops``: else selective checkpointing
     stores nothing and recomputes everything, which is full checkpointing."""
-    return any(r.op_class in save_ops for m in trace.subtree(fqn) for r in m.fwd_kernels)
+    kept = set(save_ops) | ({"matmul"} if ALTERNATE_MATMUL in save_ops else set())  # the 1st matmul at least
+    return any(r.op_class in kept for m in trace.subtree(fqn) for r in m.fwd_kernels)
 
 
 def subtree_selective(trace: ModelTrace, fqn: str, save_ops: tuple[str, ...], micro_batch: int,
                       price: Callable[[ModuleTrace, tuple], float]) -> tuple[float, float, float]:
     """For ``fqn``'s subtree with ``save_ops`` stored: (stash bytes in the compute dtype, priced forward
     of the stored ops, priced forward of all ops); ``price(module, records)`` prices records of the
-    module (``records is None``: its whole forward). See [Note: Selective checkpointing memory]."""
+    module (``records is None``: its whole forward). See [Note: Selective checkpointing memory] and
+    [Note: Alternate matmuls]."""
+    alternate = keeps_alternate_matmuls(save_ops)
+    modules = trace.subtree(fqn)
+    if alternate:
+        position = {f: i for i, f in enumerate(trace.forward_order)}
+        modules = sorted(modules, key=lambda m: position.get(m.fqn, len(position)))
     stash = skipped = total = 0.0
-    for m in trace.subtree(fqn):
+    matmuls = 0  # alternate: the block's matmuls numbered so far
+    for m in modules:
         if not m.fwd_ops_self:
             continue
         whole = price(m, None)
@@ -94,9 +111,18 @@ def subtree_selective(trace: ModelTrace, fqn: str, save_ops: tuple[str, ...], mi
         kept = tuple(r for r in m.fwd_kernels if r.op_class in save_ops)
         stash += sum(r.new_bytes.at(micro_batch) for r in kept)
         skipped += price(m, kept) if kept else 0.0
+        mm = tuple(r for r in m.fwd_kernels if r.op_class == "matmul") if alternate else ()
+        if mm:
+            c = sum(r.count for r in mm)
+            share = ((matmuls + c + 1) // 2 - (matmuls + 1) // 2) / c  # odd numbers in matmuls+1 .. matmuls+c
+            matmuls += c
+            stash += share * sum(r.new_bytes.at(micro_batch) for r in mm)
+            skipped += share * price(m, mm)
     # a stored output that is the block's own output is held once: the next block counts it
     outputs = trace.module(fqn).output_bytes_by_class
     stash -= sum(outputs[c].at(micro_batch) for c in save_ops if c in outputs)
+    if alternate and matmuls % 2 and "matmul" in outputs:  # the last matmul (odd) is kept
+        stash -= outputs["matmul"].at(micro_batch)
     return max(0.0, stash), skipped, total
 
 

@@ -1,5 +1,7 @@
 """Selective activation checkpointing as torch runs it: a policy that saves the outputs of the aten ops
-of the plan's ``ac_save_ops`` classes and recomputes every other op (shard_planner/checkpointing.py).
+of the plan's ``ac_save_ops`` classes and recomputes every other op (shard_planner/checkpointing.py);
+``"alternate_matmul"`` keeps the odd-numbered matmuls of each checkpointed call (torchtitan's rule:
+[Note: torchtitan's op-level policy]), with one counter for the forward and one for the recomputation.
 
 Each op is classified by :func:`shard_planner.trace.kernel_ops.op_class`, the function the tracer
 prices kernels by, so the ops the cost model counts as kept (cost/selective.py) are the ops this
@@ -10,22 +12,29 @@ gives the forward's caching dispatch mode (stores MUST_SAVE outputs) and the rec
 
 from __future__ import annotations
 
-import functools
 import logging
 
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from shard_planner.checkpointing import keeps_alternate_matmuls
 from shard_planner.trace.kernel_ops import op_class
 
 logger = logging.getLogger(__name__)
 
 
 def save_ops_policy(save_ops: tuple[str, ...]):
-    """The SAC policy function: MUST_SAVE for an op of a class in ``save_ops``, else PREFER_RECOMPUTE."""
+    """The SAC policy function of one checkpointed call: MUST_SAVE for an op of a class in ``save_ops``
+    (under ``"alternate_matmul"``, a matmul whose number in its pass is odd), else PREFER_RECOMPUTE."""
     saved = frozenset(save_ops)
+    alternate = keeps_alternate_matmuls(save_ops)
+    matmuls = {False: 0, True: 0}  # per pass (ctx.is_recompute): the matmuls seen so far
 
     def policy(ctx, func, *args, **kwargs):
-        if op_class(func, ctx.op_output) in saved:
+        cls = op_class(func, ctx.op_output)
+        if alternate and cls == "matmul":
+            matmuls[ctx.is_recompute] += 1
+            return CheckpointPolicy.MUST_SAVE if matmuls[ctx.is_recompute] % 2 else CheckpointPolicy.PREFER_RECOMPUTE
+        if cls in saved:
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -33,5 +42,6 @@ def save_ops_policy(save_ops: tuple[str, ...]):
 
 
 def selective_context_fn(save_ops: tuple[str, ...]):
-    """``context_fn`` for ``torch.utils.checkpoint.checkpoint``: selective checkpointing keeping ``save_ops``."""
-    return functools.partial(create_selective_checkpoint_contexts, save_ops_policy(save_ops))
+    """``context_fn`` for ``torch.utils.checkpoint.checkpoint``: selective checkpointing keeping
+    ``save_ops``, with a fresh policy (and matmul counters) for every checkpointed call."""
+    return lambda: create_selective_checkpoint_contexts(save_ops_policy(save_ops))

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from shard_planner.checkpointing import DEFAULT_SAVE_OPS, SAVEABLE_OP_CLASSES
+from shard_planner.checkpointing import ALTERNATE_MATMUL, DEFAULT_SAVE_OPS, SAVEABLE_OP_CLASSES, TORCHTITAN_OP_SAVE_OPS
 from shard_planner.cost import CostModel
 from shard_planner.cost.kernels import OP_CLASSES
 from shard_planner.cost.selective import subtree_selective, supports_selective, flops_price
@@ -36,7 +36,7 @@ def test_unit_accepts_selective_with_save_ops_and_old_units_load_unchanged():
     d["units"][1] = old  # a unit written before selective checkpointing: no ac_save_ops
     assert Plan.from_dict(d).units[1] == Unit(("layers.0",), True, True)
     assert Unit(("a",), True, "selective").ac_save_ops == DEFAULT_SAVE_OPS
-    assert set(SAVEABLE_OP_CLASSES) <= set(OP_CLASSES) and set(DEFAULT_SAVE_OPS) <= set(SAVEABLE_OP_CLASSES)
+    assert set(SAVEABLE_OP_CLASSES) - {ALTERNATE_MATMUL} <= set(OP_CLASSES) and set(DEFAULT_SAVE_OPS) <= set(SAVEABLE_OP_CLASSES)
 
 
 @pytest.mark.parametrize("unit,message", [
@@ -130,6 +130,32 @@ def test_llama8b_selective_between_no_ac_and_full_in_memory_and_time(llama8b, h1
     assert times[0] < times[1] < times[2], times
     # the recomputation selective AC adds is a small part of what full AC adds (elementwise ops only)
     assert times[1] - times[0] < 0.25 * (times[2] - times[0]), times
+
+
+def test_llama8b_torchtitan_policy_recomputes_wk_wo_w3(llama8b, h100):
+    """torchtitan's "op" rule numbers a block's matmuls in forward order (wq wk wv wo w1 w3 w2) and
+    recomputes the even ones: wk, wo and w3 (37% of the block's matmul FLOPs) beside what keeping every
+    matmul recomputes, and stores their outputs no more; its time lies between that policy's and full
+    AC's."""
+    b, price = 1, flops_price(1)
+    every = subtree_selective(llama8b, "layers.0", DEFAULT_SAVE_OPS, b, price)
+    alternate = subtree_selective(llama8b, "layers.0", TORCHTITAN_OP_SAVE_OPS, b, price)
+    even = [llama8b.module(f"layers.0.{m}") for m in ("attention.wk", "attention.wo", "feed_forward.w3")]
+    even_flops = sum(r.flops.at(b) for m in even for r in m.fwd_kernels if r.op_class == "matmul")
+    even_bytes = sum(r.new_bytes.at(b) for m in even for r in m.fwd_kernels if r.op_class == "matmul")
+    all_mm = sum(r.flops.at(b) for m in llama8b.subtree("layers.0") for r in m.fwd_kernels if r.op_class == "matmul")
+    assert every[1] - alternate[1] == pytest.approx(even_flops, rel=1e-9)
+    assert every[0] - alternate[0] == pytest.approx(even_bytes, rel=1e-9)
+    assert even_flops / all_mm == pytest.approx(0.365, abs=0.005)
+    cm = CostModel(llama8b, replace(h100, compute_model="roofline"))
+    plans = [_blocks_plan(llama8b, "selective", 32, 8),
+             replace(_blocks_plan(llama8b, "selective", 32, 8), units=tuple(
+                 replace(u, ac_save_ops=TORCHTITAN_OP_SAVE_OPS) if u.activation_checkpoint else u
+                 for u in _blocks_plan(llama8b, "selective", 32, 8).units)),
+             _blocks_plan(llama8b, True, 32, 8)]
+    times = [cm.time(p).step_time_s for p in plans]
+    peaks = [cm.memory(p, timeline=False).peak_bytes for p in plans]
+    assert times[0] < times[1] < times[2] and peaks[0] > peaks[1] > peaks[2], (times, peaks)
 
 
 def test_llama8b_planner_picks_selective_where_it_is_fastest_that_fits(llama8b, h100, monkeypatch):

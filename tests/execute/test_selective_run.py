@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from shard_planner.checkpointing import TORCHTITAN_OP_SAVE_OPS
 from shard_planner.cost import simulate_memory
 from shard_planner.execute import launch_plans
 from shard_planner.execute.apply import _checkpoint_forward
@@ -50,6 +51,9 @@ PLANS = {
     "net, every 3rd block (full) fp32": _plan(NET, NET_BLOCKS, [False, False, True] * 2, 64, "float32"),
     "net, selective keeping matmul + elementwise": _plan(NET, NET_BLOCKS, [SEL] * 6, 64, "float32",
                                                           ("matmul", "elementwise")),
+    # torchtitan's "op" policy: every other matmul kept (shard_planner/checkpointing.py)
+    "llama, torchtitan op policy": _plan(LLAMA, LAYERS, [SEL, SEL], 32, save_ops=TORCHTITAN_OP_SAVE_OPS),
+    "net, torchtitan op policy fp32": _plan(NET, NET_BLOCKS, [SEL] * 6, 64, "float32", TORCHTITAN_OP_SAVE_OPS),
 }
 # a nested unit inside selectively checkpointed blocks: FSDP2's hooks run inside the selective region
 # (losses only: nested units in checkpointed modules are priced apart, cost/memory.py)
@@ -77,6 +81,8 @@ def test_selective_plans_peak_within_3_percent_and_losses_match():
     # selective lies between no AC and full AC, measured and predicted
     for i in (1, 2):
         assert by["llama, no AC"][i] > by["llama, op-level selective"][i] > by["llama, full"][i], report
+        # torchtitan's policy keeps half the matmuls: between keeping them all and full checkpointing
+        assert by["llama, op-level selective"][i] > by["llama, torchtitan op policy"][i] > by["llama, full"][i], report
     assert any(r[4].startswith("backward") for r in rows), "some plan must peak in backward (recomputation)"
     for name, plan in PLANS.items():
         if plan.training.param_dtype == "float32":
@@ -112,12 +118,31 @@ def test_executor_policy_recomputes_only_the_ops_not_kept(mode, save_ops, recomp
     assert mm == 2 + 4 + recomputed_mm, ops.names
 
 
+@pytest.mark.parametrize("save_ops,recomputed_mm", [((), 2), (("matmul",), 0), (("alternate_matmul",), 1)])
+def test_alternate_matmul_policy_recomputes_every_second_matmul(save_ops, recomputed_mm):
+    """Three Linear layers with GELUs between: full checkpointing runs the first two matmuls again (the
+    third's output is not needed); keeping "alternate_matmul" keeps the 1st and 3rd and runs the 2nd
+    again (torchtitan's rule); a second forward numbers its matmuls afresh (same count)."""
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 16), torch.nn.GELU(),
+                                torch.nn.Linear(16, 8))
+    _checkpoint_forward(block, save_ops)
+    for _ in range(2):
+        x = torch.randn(4, 8, requires_grad=True)
+        with _CountOps() as ops:
+            block(x).sum().backward()
+        mm = sum(n in ("mm", "addmm") for n in ops.names)
+        # forward 3 + backward (input and weight gradients of 3 layers: 6) + the recomputation
+        assert mm == 3 + 6 + recomputed_mm, ops.names
+
+
 def test_selective_plan_with_unknown_save_ops_keeps_defaults_when_unset():
     unit = replace(Unit(("blocks.0",), True, "selective"))
     assert unit.ac_save_ops == ("matmul", "attention_fwd")
 
 
-@pytest.mark.parametrize("save_ops", [("matmul", "attention_fwd"), ("matmul",), ("elementwise", "copy")])
+@pytest.mark.parametrize("save_ops", [("matmul", "attention_fwd"), ("matmul",), ("elementwise", "copy"),
+                                      TORCHTITAN_OP_SAVE_OPS])
 def test_what_torch_keeps_is_the_predicted_stash(save_ops):
     """llama tiny (fp32, one process): after the forward, a selectively checkpointed ``layers.0`` holds
     exactly the predicted stash more than a fully checkpointed one (the StorageTracker counts storages),

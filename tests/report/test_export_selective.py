@@ -78,3 +78,26 @@ def test_fsdp2_export_checkpoints_selectively_like_apply_plan(fake_world):
     inputs, targets = mf.batch(2)
     mf.loss(model(*inputs), targets).backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_torchtitan_op_policy_plan_exports_as_op_without_a_difference_note():
+    from shard_planner.checkpointing import TORCHTITAN_OP_SAVE_OPS
+    export = export_plan(_with_blocks([SEL] * 4, TORCHTITAN_OP_SAVE_OPS), "torchtitan")
+    assert tomllib.loads(export.text)["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "op"}
+    assert not any("every second mm" in n or "saves op classes" in n for n in export.notes), export.notes
+
+
+def test_fsdp2_export_keeps_every_other_matmul_under_the_torchtitan_policy():
+    """The generated policy numbers the matmuls of each checkpointed call: 1st, 3rd, ... kept, the 2nd
+    recomputed, attention kept, elementwise recomputed; each call starts its count afresh."""
+    from shard_planner.checkpointing import TORCHTITAN_OP_SAVE_OPS
+    source = export_plan(_with_blocks([SEL] * 2, TORCHTITAN_OP_SAVE_OPS), "fsdp2").text
+    namespace: dict = {}
+    exec(compile(source, "apply_sharding.py", "exec"), namespace)
+    mm, add = torch.ops.aten.mm.default, torch.ops.aten.add.Tensor
+    sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    for _ in range(2):
+        policy = namespace["_policy"]()
+        kept = [policy(None, f).name == "MUST_SAVE" for f in (mm, add, mm, sdpa, mm, mm)]
+        assert kept == [True, False, False, True, True, False]
+    assert "mm" in namespace["ALTERNATE_OPS"] and "mm" not in namespace["SAVED_OPS"]

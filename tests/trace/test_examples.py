@@ -144,6 +144,8 @@ KNOWN_PARAMS = [
     ("llama", "8b", 8_030_261_248),  # Llama 3 8B
     ("llama", "70b", 70_553_706_496),  # Llama 3 70B
     ("llama", "405b", 405_853_388_800),  # Llama 3.1 405B
+    ("llama", "2-13b", 13_015_864_320),  # Llama 2 13B
+    ("llama", "2-70b", 68_976_648_192),  # Llama 2 70B
     ("gpt2", "small", 124_439_808),  # GPT-2 124M (HF count, incl. position embedding)
     ("gpt2", "xl", 1_557_611_200),  # GPT-2 XL
     ("vit", "base", 86_567_656),  # ViT-B/16, 1000 classes

@@ -21,6 +21,7 @@ import string
 from dataclasses import dataclass
 
 from shard_planner import __version__
+from shard_planner.checkpointing import ALTERNATE_MATMUL, keeps_alternate_matmuls
 from shard_planner.plan import OPTIMIZER_TORCH, Plan, Unit
 from shard_planner.report.export.accumulation import fsdp2_train_step_source
 from shard_planner.report.export.common import split_number
@@ -215,19 +216,24 @@ def apply_sharding(model: torch.nn.Module, mesh) -> torch.nn.Module:
 ''')
 
 
-def _saved_ops(plan: Plan) -> tuple[str, str, str]:
+def _saved_ops(plan: Plan) -> tuple[str, str, str, str]:
     """The op classes the plan's selective units keep, the aten op names of those classes (the tracer's
-    classification, trace/kernel_ops.py), and a comment for classes no name list covers."""
+    classification, trace/kernel_ops.py), the names of which every other one is kept (the matmuls under
+    ``"alternate_matmul"``: shard_planner/checkpointing.py [Note: torchtitan's op-level policy]), and a
+    comment for classes no name list covers."""
     classes = sorted({c for u in plan.units if u.activation_checkpoint == "selective" for c in u.ac_save_ops})
     if not classes:
-        return "none", "()", ""
+        return "none", "()", "()", ""
     from shard_planner.trace.kernel_ops import op_names_of_class  # torch: only for plans that need it
 
-    names = sorted({n for c in classes for n in op_names_of_class(c)})
-    unlisted = [c for c in classes if not op_names_of_class(c)]
+    listed = [c for c in classes if c != ALTERNATE_MATMUL]
+    names = sorted({n for c in listed for n in op_names_of_class(c)})
+    alternate = sorted(op_names_of_class("matmul")) if keeps_alternate_matmuls(tuple(classes)) else []
+    unlisted = [c for c in listed if not op_names_of_class(c)]
     comment = (f"\n# Not listed (no fixed op names: shard-planner's executor keeps them, this file recomputes "
                f"them): {', '.join(unlisted)}." if unlisted else "")
-    return ", ".join(classes), "{" + ", ".join(json.dumps(n) for n in names) + "}", comment
+    return (", ".join(classes), "{" + ", ".join(json.dumps(n) for n in names) + "}",
+            "{" + ", ".join(json.dumps(n) for n in alternate) + "}" if alternate else "()", comment)
 
 
 def _optimizer_call(t) -> str:
@@ -254,7 +260,7 @@ _SELECTIVE_CHECKPOINT = string.Template('''def _checkpoint(module: torch.nn.Modu
     """Activation checkpointing without a wrapper module, so module names stay those of the plan; mode
     True: full, "selective": the outputs of SAVED_OPS are kept and every other op is recomputed."""
     forward = module.forward
-    extra = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _save_policy)} if mode == "selective" else {}
+    extra = {"context_fn": lambda: create_selective_checkpoint_contexts(_policy())} if mode == "selective" else {}
 
     @functools.wraps(forward)
     def checkpointed(*args, **kwargs):
@@ -273,6 +279,23 @@ def _save_policy(ctx, func, *args, **kwargs):
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
+# Of these aten ops only the 1st, 3rd, ... of each checkpointed call are kept (torchtitan's "op" rule).
+ALTERNATE_OPS = frozenset($alternate_ops)
+
+
+def _policy():
+    """A fresh policy for one checkpointed call: it numbers the ALTERNATE_OPS it sees."""
+    seen = [0]
+
+    def policy(ctx, func, *args, **kwargs):
+        if not getattr(func, "is_view", False) and func._overloadpacket.__name__ in ALTERNATE_OPS:
+            seen[0] += 1
+            return CheckpointPolicy.MUST_SAVE if seen[0] % 2 else CheckpointPolicy.PREFER_RECOMPUTE
+        return _save_policy(ctx, func, *args, **kwargs)
+
+    return policy
+
+
 ''')
 
 
@@ -281,8 +304,8 @@ def _checkpoint_source(plan: Plan) -> dict[str, str]:
     when some unit is selective)."""
     if not any(u.activation_checkpoint == "selective" for u in plan.units):
         return dict(checkpoint_imports="from torch.utils.checkpoint import checkpoint", checkpoint_source=_FULL_CHECKPOINT)
-    save_classes, saved_ops, save_comment = _saved_ops(plan)
+    save_classes, saved_ops, alternate_ops, save_comment = _saved_ops(plan)
     return dict(
         checkpoint_imports="from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts",
-        checkpoint_source=_SELECTIVE_CHECKPOINT.substitute(save_classes=save_classes, saved_ops=saved_ops,
+        checkpoint_source=_SELECTIVE_CHECKPOINT.substitute(save_classes=save_classes, saved_ops=saved_ops, alternate_ops=alternate_ops,
                                                            save_comment=save_comment))

@@ -4,8 +4,9 @@ Keys (torchtitan/config/job_config.py): ``[parallelism] data_parallel_shard_degr
 ``data_parallel_replicate_degree`` (> 1 with a shard degree > 1 is HSDP), ``fsdp_reshard_after_forward``
 ("default" | "always" | "never"); ``[activation_checkpoint] mode`` ("none" | "full" | "selective") with
 ``selective_ac_option`` (an integer k checkpoints every k-th block: torchtitan counts blocks from 1 and
-checkpoints block i when i % k == 0) or ``"op"`` (per-op selective: matmul and attention outputs kept,
-for a plan whose blocks are selective); ``[training] local_batch_size`` (per GPU), ``global_batch_size``
+checkpoints block i when i % k == 0) or ``"op"`` (per-op selective: attention outputs and every other mm
+kept, for a plan whose blocks are selective; exactly a plan's ``ac_save_ops = ["alternate_matmul",
+"attention_fwd"]``); ``[training] local_batch_size`` (per GPU), ``global_batch_size``
 (with gradient accumulation: torchtitan runs global / (local x data-parallel degree) micro-steps per
 optimizer step), ``seq_len``,
 ``mixed_precision_param`` / ``mixed_precision_reduce``, ``enable_cpu_offload``.
@@ -18,7 +19,7 @@ as comments with the nearest setting.
 from __future__ import annotations
 
 from shard_planner import __version__
-from shard_planner.checkpointing import DEFAULT_SAVE_OPS, SELECTIVE
+from shard_planner.checkpointing import DEFAULT_SAVE_OPS, SELECTIVE, TORCHTITAN_OP_SAVE_OPS
 from shard_planner.plan import Plan
 from shard_planner.report.export.accumulation import policy_notes
 from shard_planner.report.export.common import (
@@ -47,14 +48,17 @@ def _op_sac_settings(blocks) -> tuple[dict, list[str]]:
     """torchtitan's per-op selective checkpointing (``selective_ac_option = "op"``) for blocks of which
     some are selective (shard_planner/checkpointing.py [Note: torchtitan's op-level policy]), and notes."""
     modes = [u.activation_checkpoint for u in blocks]
-    notes = ["torchtitan's \"op\" policy saves mm and SDPA outputs but recomputes every second mm of a "
-             "block: a little less memory and a little more recompute than the plan's (which saves every "
-             "matmul and attention output)"]
+    save_sets = {tuple(u.ac_save_ops) for u in blocks if u.activation_checkpoint == SELECTIVE}
+    notes = []
+    if DEFAULT_SAVE_OPS in save_sets:
+        notes.append("torchtitan's \"op\" policy saves mm and SDPA outputs but recomputes every second mm of a "
+                     "block: a little less memory and a little more recompute than the plan's (which saves every "
+                     "matmul and attention output)")
     if any(m != SELECTIVE for m in modes):
         notes.append(f"the plan checkpoints {sum(m == SELECTIVE for m in modes)} of {len(modes)} blocks "
                      "selectively and the others fully or not at all; torchtitan applies one mode to every "
                      "block: using \"op\" on all")
-    other = sorted({tuple(u.ac_save_ops) for u in blocks if u.activation_checkpoint == SELECTIVE} - {DEFAULT_SAVE_OPS})
+    other = sorted(save_sets - {DEFAULT_SAVE_OPS, TORCHTITAN_OP_SAVE_OPS})
     if other:
         notes.append(f"the plan saves op classes {', '.join(map(str, other[0]))}; torchtitan's op list is fixed "
                      "(matmuls and attention)")
