@@ -160,8 +160,9 @@ TRITON_FLASH_ATTENTION = {"attention_fwd_efficiency": 0.432, "attention_bwd_effi
 def stack_profile(name: str, compute_model: str) -> HardwareProfile:
     """The GPU's profile pricing compute by ``compute_model`` ("roofline": the kernel model, with the
     attention kernel the published runs used, [Note: the attention kernel of the published runs];
-    "flops": the shipped profile as it is)."""
-    profile = load_profile(name)
+    "flops": the shipped profile as it is), without FSDP2's copies: the runs used FSDP1, whose flat
+    parameters all-gather and reduce-scatter in place (shard_planner/cost/fsdp_copies.py)."""
+    profile = replace(load_profile(name), fsdp_copies=False)  # FSDP1: flat parameters, no copies
     if compute_model == "flops" or not profile.kernels:
         return replace(profile, compute_model="flops")
     return replace(profile, compute_model="roofline", kernels={**profile.kernels, **TRITON_FLASH_ATTENTION})

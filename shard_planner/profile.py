@@ -88,9 +88,9 @@ class HardwareProfile:
     # trace's kernel records priced by the [kernels] table, cost/kernels.py). The A100 profiles say
     # "roofline": on the published A100 runs it is closer than flops in the median (4.3% |error| against
     # 10.6%), the 90th percentile (10.1% against 20.8%) and every size bucket, though biased +3.7% too fast
-    # (flops -0.5%). The other GPU profiles say "flops": torchtitan's Llama 3 8B on 8 H100s runs 20-50%
-    # slower than the roofline predicts, because no public sustained-clock figure for the H100 is known
-    # (reports/benchmarks/published.md). `calibrate` writes a measured [kernels] table with
+    # (flops -0.5%); on torchtitan's FSDP2 runs on 64 A100s 1.7% (reports/benchmarks/torchtitan.md). The
+    # other GPU profiles say "flops": torchtitan's only H100 figures ran on 500 W HBM2e parts, where the
+    # H100 roofline is 11-20% fast, and no public sustained-clock figure for the 700 W H100 is known. `calibrate` writes a measured [kernels] table with
     # compute_model = "roofline" (profiles/cpu-gloo-roofline.toml).
     compute_model: str = "flops"
     # How much slower compute runs while a collective runs beside it on the communication stream (0.189:
@@ -101,6 +101,11 @@ class HardwareProfile:
     # differences); a job runs at the pace of its slowest GPU: shard_planner/cost/stragglers.py [Note:
     # Stragglers: the slowest of N GPUs]. 0 (CPU profiles, profiles without the key): no slowdown.
     gpu_speed_spread: float = 0.0
+    # Whether FSDP2's copy-out after each all-gather and copy-in before each reduce-scatter are priced on
+    # the compute stream (shard_planner/cost/fsdp_copies.py [Note: FSDP2's copies on the compute stream]);
+    # False prices FSDP1's flat parameters, which have neither (benchmarks/bench_published.py mirrors
+    # FSDP1 runs). Not read from profile files: what shard-planner runs is FSDP2.
+    fsdp_copies: bool = True
 
     def __post_init__(self):
         for key in ("overlap_compute_slowdown", "gpu_speed_spread"):

@@ -33,6 +33,7 @@ from shard_planner.cost.kernels import (
 from shard_planner.cost.schedule import Schedule, build_schedule
 from shard_planner.cost.selective import SelectiveBlocks, flops_price, selective_blocks, subtree_selective
 from shard_planner.cost.tables import CostTables, build_tables
+from shard_planner.cost.fsdp_copies import unit_copies_s
 from shard_planner.cost.time import BlockCompute, measured_block_times, simulate_time_walk, unit_collectives_s
 from shard_planner.cost.memory import BlockActivations, block_activations, simulate_memory_walk
 from shard_planner.cost.types import Estimate, MemoryEstimate, TimeEstimate
@@ -315,14 +316,15 @@ class CostModel:
             ub = self.unit_bytes(plan, k)
             compute = self._compute.get_or((k.modules, tr.micro_batch, tr.param_dtype),
                                            lambda: self.block_compute_s(t, tr.micro_batch, tr.param_dtype))
-            comm = self._collectives.get_or((k.units, plan.mesh, tr.param_dtype, tr.reduce_dtype, tr.cpu_offload),
-                                            lambda: unit_collectives_s(plan, ub, self.profile))
+            comm, copies = self._collectives.get_or(
+                (k.units, plan.mesh, tr.param_dtype, tr.reduce_dtype, tr.cpu_offload),
+                lambda: (unit_collectives_s(plan, ub, self.profile), unit_copies_s(ub, self.profile)))
             schedule = self.schedule(plan.units, plan.prefetch, k)
             selective = self.selective_blocks(plan, k)
 
             def walk(collectives):
                 return simulate_time_walk(self.trace, t, plan, self.profile, schedule, compute, collectives,
-                                          selective=selective)
+                                          selective=selective, copies=copies)
             if tr.accumulation_steps == 1:
                 return walk(comm)
             return accumulated_time(tr, walk, comm, self.trace.tokens_per_sample, plan.mesh.world_size)

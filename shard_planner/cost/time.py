@@ -26,6 +26,11 @@ work, walking the step's event sequence (shard_planner/cost/schedule.py), with F
   max(1, k) in backward order;
 - a reduce-scatter starts after its unit's backward; the optimizer step after the last one.
 
+FSDP2's copies run on the compute stream (shard_planner/cost/fsdp_copies.py [Note: FSDP2's copies on
+the compute stream]): a unit's all-gather copy-out after the compute stream waits for its all-gather (in
+forward, and in backward when it resharded), its reduce-scatter copy-in before the reduce-scatter is
+issued; their time counts as the unit's exposed communication (0 on a CPU profile).
+
 Compute that runs while the communication stream is busy runs slower: NCCL's kernels hold SMs and HBM
 bandwidth beside it (the profile's ``overlap_compute_slowdown``; shard_planner/cost/overlap.py [Note:
 Compute slowdown under overlapped collectives]). The time that adds counts as exposed communication
@@ -169,10 +174,13 @@ def _combine(t: CostTables, s: Schedule, c: BlockCompute, profile: HardwareProfi
 
 
 def simulate_time_walk(trace: ModelTrace, t: CostTables, plan: Plan, profile: HardwareProfile,
-                       schedule: Schedule, compute: BlockCompute, collectives, selective=None) -> TimeEstimate:
+                       schedule: Schedule, compute: BlockCompute, collectives, selective=None,
+                       copies=None) -> TimeEstimate:
     """Predicted time of one training step on one rank (module docstring); CostModel.time calls it.
     ``collectives``: ``unit_collectives_s(plan, unit bytes, profile)``; ``selective``: the share of
-    selectively checkpointed blocks' forward their recomputation skips (cost/selective.py)."""
+    selectively checkpointed blocks' forward their recomputation skips (cost/selective.py);
+    ``copies``: ``unit_copies_s(unit bytes, profile)`` (cost/fsdp_copies.py), each applied where its
+    collective runs (None: none)."""
     training = plan.training
     b = training.micro_batch
     n_units = len(plan.units)
@@ -202,7 +210,7 @@ def simulate_time_walk(trace: ModelTrace, t: CostTables, plan: Plan, profile: Ha
         step_s = compute_s + comm_s + optimizer_s
     else:
         streams = _TwoStreams(schedule, fwd_s, bwd_s, rec_s, loss_s, ag_fwd, ag_bwd, rs, needs_bwd_ag,
-                              profile.overlap_compute_slowdown)
+                              profile.overlap_compute_slowdown, copies)
         step_s = streams.run() + optimizer_s
         exposed = streams.exposed
 
@@ -231,12 +239,16 @@ class _TwoStreams:
     the compute stream's wait for unit u's all-gathers (and, for the root, the optimizer's wait for
     the last reduce-scatter). Compute that runs while the communication stream is busy runs
     1 / (1 + ``slowdown``) as fast (cost/overlap.py [Note: Compute slowdown under overlapped
-    collectives]); the time that adds counts as exposed communication of the unit it slowed."""
+    collectives]); the time that adds counts as exposed communication of the unit it slowed. FSDP2's
+    copies (``copies``: per unit, one copy-out and the reduce-scatter copy-in) run on the compute stream
+    where their collective runs, as exposed communication of their unit."""
 
     def __init__(self, schedule: Schedule, fwd_s, bwd_s, rec_s, loss_s, ag_fwd, ag_bwd, rs, needs_bwd_ag,
-                 slowdown: float = 0.0):
+                 slowdown: float = 0.0, copies=None):
         self.s = schedule
         self.slowdown = slowdown
+        zeros = (0.0,) * len(ag_fwd)
+        self.copy_out, self.copy_in = copies if copies is not None else (zeros, zeros)
         self.fwd_s, self.bwd_s, self.rec_s, self.loss_s = fwd_s, bwd_s, rec_s, loss_s
         self.ag_fwd, self.ag_bwd, self.rs, self.needs_bwd_ag = ag_fwd, ag_bwd, rs, needs_bwd_ag
         n_units = len(ag_fwd)
@@ -269,6 +281,12 @@ class _TwoStreams:
         else:
             self.comp += work_s
 
+    def copy(self, work_s: float, unit: int) -> None:
+        """One of FSDP2's copies of ``unit`` on the compute stream: exposed communication of the unit."""
+        if work_s > 0.0:
+            self.compute(work_s, unit)
+            self.exposed[unit] += work_s  # compute() counted only what the slowdown added
+
     def forward(self, ev) -> None:
         self.compute(self.fwd_s[ev.block], ev.unit)
 
@@ -290,7 +308,9 @@ class _TwoStreams:
         else:
             self.backward_all_gather(ev.unit, True)
 
-    def post_backward(self, ev) -> None:  # the reduce-scatter follows the unit's backward
+    def post_backward(self, ev) -> None:  # the reduce-scatter follows the unit's backward and its copy-in
+        if self.rs[ev.unit] > 0.0:
+            self.copy(self.copy_in[ev.unit], ev.unit)
         self.comm = max(self.comm, self.comp) + self.rs[ev.unit]
 
     def backward_end(self, ev) -> None:  # the optimizer waits for the last reduce-scatter (the root's)
@@ -312,6 +332,8 @@ class _TwoStreams:
             w = max(0.0, self.ag_end[u] - self.comp)
             self.exposed[u] += w
             self.comp += w
+            if self.ag_fwd[u] > 0.0:
+                self.copy(self.copy_out[u], u)
             self.start[u] = self.comp
 
     def backward_all_gather(self, u: int, wait: bool) -> None:
@@ -324,6 +346,8 @@ class _TwoStreams:
             w = max(0.0, self.ag_end[u] - self.comp)
             self.exposed[u] += w
             self.comp += w
+            if self.ag_bwd[u] > 0.0:
+                self.copy(self.copy_out[u], u)
 
 
 def _ignore(ev) -> None:

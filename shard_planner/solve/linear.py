@@ -35,7 +35,8 @@ Time per candidate (seconds, then µs rounded): forward and backward compute of 
 (:func:`shard_planner.cost.module_compute_s`: the items' measured times when the profile has module
 timings, else traced FLOPs at the profile's achievable FLOP/s), recomputation when checkpointed (its
 forward again: the simulator recomputes with the measured forward too; selective: the share of it the
-non-stored ops take), and *exposed*
+non-stored ops take), FSDP2's copies on the compute stream (a copy-out per all-gather and the
+reduce-scatter copy-in, cost/fsdp_copies.py, as the simulator prices them), and *exposed*
 communication, linearised per unit as ``max(0, comm - overlap x compute)``: the all-gathers and
 reduce-scatters of a unit hide behind compute of the neighbouring units; the unit's own compute stands
 in for its neighbours' (exact for uniform stacks of blocks), and the prefetch depth sets how many
@@ -80,6 +81,7 @@ import math
 from dataclasses import dataclass, replace
 
 from shard_planner.cost.accumulation import held_between_micro_steps_bytes
+from shard_planner.cost.fsdp_copies import copy_bandwidth_bytes_per_s
 from shard_planner.cost.collectives import (
     all_gather_time_s, reduce_scatter_time_s, replica_all_reduce_time_s, ring_bandwidth_s,
 )
@@ -363,12 +365,20 @@ def _candidate_coeffs(c: Candidate, space: SearchSpace, saved, inputs, fwd_rise,
         rc = sum(fwd_s[i] * (1.0 - sac[1][i]) for i in idx) if selective else cf
     exposed = _exposed_comm_s(c, parts, cf, cb + rc, bp=bp, br=br, shard=shard, replicas=replicas, profile=profile,
                               d_f=d_f, d_b=d_b, overlap=overlap, leading_root_items=leading_root_items)
+    exposed += _copies_s(count, bp, br, 1 if o.in_root or r is False else 2, profile)
     return Coeffs(
         stack_mib=_mib(act_stack + kept_params), fwd_mib=_mib(fwd_mem), copy_mib=_mib(copy_mem), bwd_mib=_mib(bwd_mem),
         rs_mib=_mib(rs_mem), gather_mib=_mib(next_gather), prev_out_mib=_mib(next_gather),
         regather_mib=_mib(regather), rs_in_mib=_mib(rs_in), root_mib=_mib(root_bytes),
         uses_int_reshard=not o.in_root and not isinstance(r, bool), time_us=_us(cf + cb + rc + exposed),
     )
+
+
+def _copies_s(count: int, bp: float, br: float, all_gathers: int, profile: HardwareProfile) -> float:
+    """FSDP2's copies of a candidate's ``count`` parameters on the compute stream: a copy-out per
+    all-gather and the reduce-scatter copy-in (cost/fsdp_copies.py; 0 on a CPU profile)."""
+    bw = copy_bandwidth_bytes_per_s(profile)
+    return (all_gathers * 2 * count * bp + count * (bp + br)) / bw if bw > 0.0 else 0.0
 
 
 def _exposed_comm_s(c: Candidate, parts: list[int], fwd_s: float, bwd_s: float, *, bp, br, shard, replicas,
