@@ -17,7 +17,8 @@ Rows (tokens/s/GPU as published):
 Mirrored plans (examples/llama.py at the row's shape, bf16): one unit per transformer block, resharded
 after forward, the root (embeddings, final norm, output) not resharded (torchtitan's parallelize);
 bf16 parameters, fp32 gradient reduction (torchtitan's mixed_precision_reduce default), AdamW, the
-row's local batch, no gradient accumulation. Activation checkpointing as torchtitan applies it:
+row's local batch, no gradient accumulation. FSDP2's copies on the compute stream are priced (the
+model's default: shard_planner/cost/fsdp_copies.py). Activation checkpointing as torchtitan applies it:
 "op" = selective on every block with torchtitan's own rule (``ac_save_ops = ["alternate_matmul",
 "attention_fwd"]``: SDPA outputs and every other mm kept, shard_planner/checkpointing.py [Note:
 torchtitan's op-level policy]); "layer" = selective_ac_option "2": full AC on every second block
