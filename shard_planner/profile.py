@@ -90,8 +90,9 @@ class HardwareProfile:
     # 10.6%), the 90th percentile (10.1% against 20.8%) and every size bucket, though biased +3.7% too fast
     # (flops -0.5%); on torchtitan's FSDP2 runs on 64 A100s 1.7% (reports/benchmarks/torchtitan.md). The
     # other GPU profiles say "flops": torchtitan's only H100 figures ran on 500 W HBM2e parts, where the
-    # H100 roofline is 11-20% fast, and no public sustained-clock figure for the 700 W H100 is known. `calibrate` writes a measured [kernels] table with
-    # compute_model = "roofline" (profiles/cpu-gloo-roofline.toml).
+    # H100 roofline is 11-20% fast, and no public sustained-clock figure for the 700 W H100 is known.
+    # `calibrate` writes a measured [kernels] table with compute_model = "roofline"
+    # (profiles/cpu-gloo-roofline.toml).
     compute_model: str = "flops"
     # How much slower compute runs while a collective runs beside it on the communication stream (0.189:
     # 18.9% slower); shard_planner/cost/overlap.py [Note: Compute slowdown under overlapped collectives].

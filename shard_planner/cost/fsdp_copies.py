@@ -28,6 +28,7 @@ on an A100 80GB: 2% of torchtitan's 64-GPU step at local batch 1.
 
 from __future__ import annotations
 
+from shard_planner.cost.kernels import kernel_constants
 from shard_planner.cost.unit_bytes import UnitBytes
 from shard_planner.profile import HardwareProfile
 
@@ -36,16 +37,23 @@ def copy_bandwidth_bytes_per_s(profile: HardwareProfile) -> float:
     """Achieved HBM bandwidth of a device copy on ``profile``; 0 where the copies are not priced."""
     if profile.device == "cpu" or not profile.fsdp_copies:
         return 0.0
-    efficiency = float((profile.kernels or {}).get("memory_efficiency", 1.0))
-    return profile.memory_bandwidth_bytes_per_s * efficiency
+    kc = kernel_constants(profile)
+    return profile.memory_bandwidth_bytes_per_s * (kc.memory_efficiency if kc is not None else 1.0)
+
+
+def copies_s(unsharded_bytes: float, rs_input_bytes: float, bw: float) -> tuple[float, float]:
+    """Seconds of one all-gather copy-out and of the reduce-scatter copy-in of a unit whose all-gather
+    output is ``unsharded_bytes`` and reduce-scatter input ``rs_input_bytes``, at copy bandwidth ``bw``
+    (> 0): [Note: FSDP2's copies on the compute stream]."""
+    return 2.0 * unsharded_bytes / bw, (unsharded_bytes + rs_input_bytes) / bw
 
 
 def unit_copies_s(ub: tuple[UnitBytes, ...], profile: HardwareProfile) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Per unit: the seconds of one all-gather copy-out and of the reduce-scatter copy-in on the compute
-    stream ([Note: FSDP2's copies on the compute stream]); zeros where they are not priced."""
+    stream (:func:`copies_s`); zeros where they are not priced."""
     bw = copy_bandwidth_bytes_per_s(profile)
     if bw <= 0.0:
         zeros = (0.0,) * len(ub)
         return zeros, zeros
-    return (tuple(2.0 * x.unsharded / bw for x in ub),
-            tuple((x.unsharded + x.rs_input) / bw for x in ub))
+    out, into = zip(*(copies_s(x.unsharded, x.rs_input, bw) for x in ub)) if ub else ((), ())
+    return tuple(out), tuple(into)

@@ -81,7 +81,7 @@ import math
 from dataclasses import dataclass, replace
 
 from shard_planner.cost.accumulation import held_between_micro_steps_bytes
-from shard_planner.cost.fsdp_copies import copy_bandwidth_bytes_per_s
+from shard_planner.cost.fsdp_copies import copies_s, copy_bandwidth_bytes_per_s
 from shard_planner.cost.collectives import (
     all_gather_time_s, reduce_scatter_time_s, replica_all_reduce_time_s, ring_bandwidth_s,
 )
@@ -378,7 +378,10 @@ def _copies_s(count: int, bp: float, br: float, all_gathers: int, profile: Hardw
     """FSDP2's copies of a candidate's ``count`` parameters on the compute stream: a copy-out per
     all-gather and the reduce-scatter copy-in (cost/fsdp_copies.py; 0 on a CPU profile)."""
     bw = copy_bandwidth_bytes_per_s(profile)
-    return (all_gathers * 2 * count * bp + count * (bp + br)) / bw if bw > 0.0 else 0.0
+    if bw <= 0.0:
+        return 0.0
+    copy_out, copy_in = copies_s(count * bp, count * br, bw)
+    return all_gathers * copy_out + copy_in
 
 
 def _exposed_comm_s(c: Candidate, parts: list[int], fwd_s: float, bwd_s: float, *, bp, br, shard, replicas,
