@@ -1,6 +1,10 @@
 """The GPU step-time model against 164 published training runs (MosaicML llm-foundry, A100 40/80 GB).
 
-    python benchmarks/bench_published.py [--csv PATH] [--trace-cache DIR] [--worst 12] [--rows N]
+    python benchmarks/bench_published.py [--csv PATH] [--out NAME] [--trace-cache DIR] [--worst 12] [--rows N]
+    python benchmarks/bench_published.py --csv benchmarks/data/llm_foundry_2023_h100_a100.csv --out published_2023
+
+The second: llm-foundry's later tables, never used to build the model (benchmarks/data/README.md): 70 H100
+80GB runs and 59 A100 80GB runs re-measured with the same newer software, the same schema.
 
 For every row of ../shared/data/published_fsdp_runs.csv: examples/shape.py at that row's shape and
 sequence length (traced once per (shape, sequence length), at micro-batches 1 and 2; every traced
@@ -66,9 +70,11 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CSV = ROOT.parent.parent / "shared" / "data" / "published_fsdp_runs.csv"
 SHAPE_FILE = ROOT / "examples" / "shape.py"
-PROFILE_OF_GPU = {"A100-80GB": "a100-80gb", "A100-40GB": "a100-40gb"}
+PROFILE_OF_GPU = {"A100-80GB": "a100-80gb", "A100-40GB": "a100-40gb", "H100-80GB": "h100-80gb"}
 GPUS_PER_NODE = 8  # the CSV's README: 8 A100s per node
-REDUCE_DTYPE = "bfloat16"  # Composer mixed_precision=PURE (module docstring)
+# Composer mixed_precision=PURE (module docstring); the later tables' DEFAULT reduces in the precision too
+# ([Note: Composer's DEFAULT mixed precision]).
+REDUCE_DTYPE = "bfloat16"
 # Model-size buckets (parameters, billions): the issue's <0.5B / 2-40B split, finer in between.
 SIZE_BUCKETS = ((0.5, "<0.5B"), (2.0, "0.5-2B"), (10.0, "2-10B"), (40.0, "10-40B"), (float("inf"), ">40B"))
 
@@ -86,6 +92,7 @@ class Run:
     grad_accum: int
     checkpoint: bool
     published_tokens_per_s_per_gpu: float
+    reshard: bool = True  # FULL_SHARD; SHARD_GRAD_OP keeps the blocks' parameters from forward to backward
 
     @property
     def seq_len(self) -> int:
@@ -105,7 +112,7 @@ def load_runs(path: Path) -> list[Run]:
                      norm="layernorm", pos="learned", bias=True)
         runs.append(Run(i, r["model"], r["gpu"], int(r["n_gpus"]), shape, int(r["micro_batch"]),
                         int(r["grad_accum"] or 1), r["activation_checkpoint"] == "full",
-                        float(r["tokens_per_s_per_gpu"])))
+                        float(r["tokens_per_s_per_gpu"]), reshard=r["sharding"] != "SHARD_GRAD_OP"))
     return runs
 
 
@@ -137,7 +144,7 @@ def trace_for(shape: dict, cache_dir: Path | None) -> tuple[ModelTrace, bool]:
 def plan_for(run: Run, trace: ModelTrace, profile_name: str, memory_bytes: int) -> Plan:
     """The plan that mirrors ``run`` (module docstring, [Note: mirroring an llm-foundry run])."""
     blocks = [f"blocks.{i}" for i in range(run.shape["n_layers"])]
-    units = (Unit(("",), False),) + tuple(Unit((b,), True, run.checkpoint) for b in blocks)
+    units = (Unit(("",), False),) + tuple(Unit((b,), run.reshard, run.checkpoint) for b in blocks)
     training = Training(run.micro_batch, "adamw", "bfloat16", REDUCE_DTYPE)
     return Plan(ModelRef(str(SHAPE_FILE), trace.fingerprint),
                 Cluster(run.n_gpus, GPUS_PER_NODE, profile_name, memory_bytes), Mesh(run.n_gpus),
@@ -153,8 +160,18 @@ def plan_for(run: Run, trace: ModelTrace, profile_name: str, memory_bytes: int) 
 # The kernel model quotes attention at head dim 128 (cost/kernels.py: 1/eff(d) = 1/eff(128) +
 # r (1/d - 1/128), r = 32 on A100, /2.5 backward), so eff(128) = 1 / (1/0.39 - 32/128) = 0.432 forward,
 # 1 / (1/0.26 - 12.8/128) = 0.267 backward. Only the attention efficiencies change; every device
-# constant stays the profile's.
+# constant stays the profile's. No measurement of that kernel on an H100 was found: the H100 rows keep the
+# h100-80gb profile's FlashAttention-2 figures (35% forward, FlashAttention-3 paper), so their attention is
+# priced as FlashAttention-2's, a kernel at least as fast as Triton's on A100 (FlashAttention-2 paper, Fig. 4).
 TRITON_FLASH_ATTENTION = {"attention_fwd_efficiency": 0.432, "attention_bwd_efficiency": 0.267}
+ATTENTION_OF_PROFILE = {"a100-80gb": TRITON_FLASH_ATTENTION, "a100-40gb": TRITON_FLASH_ATTENTION}
+
+# [Note: Composer's DEFAULT mixed precision] The later tables (benchmarks/data) say amp_bf16 with FSDP
+# mixed_precision DEFAULT. Composer of that time (torch 2.0.1, the runs' image; composer/trainer/
+# mosaic_fsdp_utils.py, get_mixed_precision) sets param_dtype and buffer_dtype to the precision for DEFAULT
+# and leaves reduce_dtype None, and FSDP1 then reduces in param_dtype (torch/distributed/fsdp/api.py,
+# MixedPrecision.reduce_dtype: None with param_dtype set takes param_dtype). So DEFAULT prices as PURE:
+# bf16 all-gathers and reduce-scatters, bf16 compute.
 
 
 def stack_profile(name: str, compute_model: str) -> HardwareProfile:
@@ -165,7 +182,7 @@ def stack_profile(name: str, compute_model: str) -> HardwareProfile:
     profile = replace(load_profile(name), fsdp_copies=False)  # FSDP1: flat parameters, no copies
     if compute_model == "flops" or not profile.kernels:
         return replace(profile, compute_model="flops")
-    return replace(profile, compute_model="roofline", kernels={**profile.kernels, **TRITON_FLASH_ATTENTION})
+    return replace(profile, compute_model="roofline", kernels={**profile.kernels, **ATTENTION_OF_PROFILE.get(name, {})})
 
 
 def predict(run: Run, trace: ModelTrace, profiles: dict, compute_model: str) -> dict:
@@ -253,7 +270,9 @@ def write_markdown(rows: list[dict], tables: dict, meta: dict, name: str) -> Pat
     import io
 
     buf = io.StringIO()
-    buf.write(f"# Step-time model ({meta['compute_model']} compute) vs 164 published llm-foundry A100 runs\n\n")
+    gpus = " / ".join(sorted({r["gpu"] for r in rows}))
+    buf.write(f"# Step-time model ({meta['compute_model']} compute) vs {len(rows)} published llm-foundry runs "
+              f"({gpus})\n\n")
     buf.write(f"Command: `{meta['command']}`; {meta['rows']} rows, {meta['traces']} traces "
               f"({meta['traced']} traced now), {meta['seconds']:.0f} s at load {meta['load']}.\n")
     buf.write(f"Error = predicted / published tokens/s/GPU - 1 (positive: predicted too fast). Targets (issue 12): "
@@ -265,6 +284,12 @@ def write_markdown(rows: list[dict], tables: dict, meta: dict, name: str) -> Pat
 
 
 NOTES = """## How the rows are priced
+
+(The later tables, `--csv benchmarks/data/llm_foundry_2023_h100_a100.csv`: as below, except that the H100
+rows are priced with the h100-80gb profile and its FlashAttention-2 attention figures (no H100 measurement
+of the runs' Triton kernel was found), six large-scale rows are SHARD_GRAD_OP (blocks not resharded after
+forward), and Composer's DEFAULT mixed precision reduces in bf16 as PURE does: [Note: Composer's DEFAULT
+mixed precision] in benchmarks/bench_published.py; benchmarks/data/README.md.)
 
 - Compute (`--compute-model roofline`, published.md): the roofline kernel model (shard_planner/cost/kernels.py) over the trace's kernel records,
   with the a100-80gb / a100-40gb profiles' [kernels] tables (datasheet, CUTLASS tiles, maximum achievable
@@ -341,10 +366,10 @@ WORST_COLUMNS = ["row", "model", "gpu", "n_gpus", "seq_len", "micro_batch", "gra
                  "predicted", "error_pct", "batch_s", "compute_s", "exposed_comm_s", "optimizer_s"]
 
 
-def _baseline_rows() -> list[dict]:
-    """The rows of reports/benchmarks/published_flops.csv (``--compute-model flops``: traced FLOPs at one
+def _baseline_rows(name: str = "published") -> list[dict]:
+    """The rows of reports/benchmarks/<name>_flops.csv (``--compute-model flops``: traced FLOPs at one
     efficiency, as the shipped profiles price compute), for comparison; [] when absent."""
-    path = OUT_DIR / "published_flops.csv"
+    path = OUT_DIR / f"{name}_flops.csv"
     if not path.is_file():
         return []
     with path.open() as f:
@@ -372,6 +397,9 @@ def run_all(runs: list[Run], cache_dir: Path | None, compute_model: str) -> tupl
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--csv", type=Path, default=DEFAULT_CSV)
+    ap.add_argument("--out", default=None, metavar="NAME",
+                    help="report name under reports/benchmarks (default published, or published_flops with "
+                         "--compute-model flops; NAME_flops then)")
     ap.add_argument("--trace-cache", type=Path, default=Path(tempfile.gettempdir()) / "shard_planner_published_traces",
                     help="directory of cached traces (keyed by shape and the tracer's code); '' for none")
     ap.add_argument("--worst", type=int, default=12)
@@ -385,13 +413,14 @@ def main(argv=None) -> None:
     runs = load_runs(args.csv)[: args.rows]
     cache = args.trace_cache if str(args.trace_cache) else None
     rows, traced = run_all(runs, cache, args.compute_model)
-    name = "published" if args.compute_model == "roofline" else "published_flops"
+    name = args.out or "published"
+    name = name if args.compute_model == "roofline" else f"{name}_flops"
     seconds = time.perf_counter() - started
     write_csv(rows, name)
     buckets = [label for _, label in SIZE_BUCKETS]
-    baseline = _baseline_rows() if args.compute_model == "roofline" else []
+    baseline = _baseline_rows(name) if args.compute_model == "roofline" else []
     tables = {
-        "all rows": [summary(rows, "all")] + ([summary(baseline, "flops compute (published_flops.csv)")]
+        "all rows": [summary(rows, "all")] + ([summary(baseline, f"flops compute ({name}_flops.csv)")]
                                               if baseline else []),
         "by model size": grouped(rows, "size_bucket", buckets),
         "by sequence length": grouped(rows, "seq_len"),
