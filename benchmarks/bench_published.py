@@ -68,7 +68,9 @@ from shard_planner.trace import ModelTrace, trace_model  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CSV = ROOT.parent.parent / "shared" / "data" / "published_fsdp_runs.csv"
+# ../shared beside the checkout (the project's layout); also one level up, for a git worktree in a subfolder
+_SHARED_CSVS = [base / "shared" / "data" / "published_fsdp_runs.csv" for base in (ROOT.parent, ROOT.parent.parent)]
+DEFAULT_CSV = next((p for p in _SHARED_CSVS if p.is_file()), _SHARED_CSVS[0])
 SHAPE_FILE = ROOT / "examples" / "shape.py"
 PROFILE_OF_GPU = {"A100-80GB": "a100-80gb", "A100-40GB": "a100-40gb", "H100-80GB": "h100-80gb"}
 GPUS_PER_NODE = 8  # the CSV's README: 8 A100s per node
@@ -408,6 +410,8 @@ def main(argv=None) -> None:
                     help="how compute is priced: the kernel model, or traced FLOPs at the profile's efficiency "
                          "(the shipped profiles' default); writes published.* or published_flops.*")
     args = ap.parse_args(argv)
+    if not args.csv.is_file():
+        ap.error(f"--csv {args.csv}: no such file (the development set is {DEFAULT_CSV})")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     started = time.perf_counter()
     runs = load_runs(args.csv)[: args.rows]

@@ -12,7 +12,9 @@ from shard_planner.trace import trace_model
 from tests.paths import EXAMPLES, REPO
 
 SHAPE = str(EXAMPLES / "shape.py")
-PUBLISHED = REPO.parent.parent / "shared" / "data" / "published_fsdp_runs.csv"
+# ../shared beside the checkout, or one level up for a git worktree in a subfolder
+_CANDIDATES = [base / "shared" / "data" / "published_fsdp_runs.csv" for base in (REPO.parent, REPO.parent.parent)]
+PUBLISHED = next((p for p in _CANDIDATES if p.is_file()), _CANDIDATES[0])
 
 
 def _mpt_shapes() -> list[dict]:
