@@ -9,12 +9,12 @@ import torch
 
 from shard_planner.modelfile import load_model_file
 from shard_planner.trace import trace_model
-from tests.paths import EXAMPLES, REPO
+from tests.paths import EXAMPLES
+
+import bench_published  # noqa: E402
 
 SHAPE = str(EXAMPLES / "shape.py")
-# ../shared beside the checkout, or one level up for a git worktree in a subfolder
-_CANDIDATES = [base / "shared" / "data" / "published_fsdp_runs.csv" for base in (REPO.parent, REPO.parent.parent)]
-PUBLISHED = next((p for p in _CANDIDATES if p.is_file()), _CANDIDATES[0])
+PUBLISHED = bench_published.DEFAULT_CSV  # where the benchmark looks for ../shared's development set
 
 
 def _mpt_shapes() -> list[dict]:
