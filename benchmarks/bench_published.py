@@ -368,7 +368,7 @@ WORST_COLUMNS = ["row", "model", "gpu", "n_gpus", "seq_len", "micro_batch", "gra
                  "predicted", "error_pct", "batch_s", "compute_s", "exposed_comm_s", "optimizer_s"]
 
 
-def _baseline_rows(name: str = "published") -> list[dict]:
+def _baseline_rows(name: str) -> list[dict]:
     """The rows of reports/benchmarks/<name>_flops.csv (``--compute-model flops``: traced FLOPs at one
     efficiency, as the shipped profiles price compute), for comparison; [] when absent."""
     path = OUT_DIR / f"{name}_flops.csv"
@@ -399,7 +399,7 @@ def run_all(runs: list[Run], cache_dir: Path | None, compute_model: str) -> tupl
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--csv", type=Path, default=DEFAULT_CSV)
-    ap.add_argument("--out", default=None, metavar="NAME",
+    ap.add_argument("--out", default="published", metavar="NAME",
                     help="report name under reports/benchmarks (default published, or published_flops with "
                          "--compute-model flops; NAME_flops then)")
     ap.add_argument("--trace-cache", type=Path, default=Path(tempfile.gettempdir()) / "shard_planner_published_traces",
@@ -417,8 +417,7 @@ def main(argv=None) -> None:
     runs = load_runs(args.csv)[: args.rows]
     cache = args.trace_cache if str(args.trace_cache) else None
     rows, traced = run_all(runs, cache, args.compute_model)
-    name = args.out or "published"
-    name = name if args.compute_model == "roofline" else f"{name}_flops"
+    name = args.out if args.compute_model == "roofline" else f"{args.out}_flops"
     seconds = time.perf_counter() - started
     write_csv(rows, name)
     buckets = [label for _, label in SIZE_BUCKETS]
