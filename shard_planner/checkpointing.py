@@ -27,9 +27,9 @@ from __future__ import annotations
 
 SELECTIVE = "selective"
 # Forward op classes whose outputs a selective policy may keep (cost/kernels.py OP_CLASSES without the
-# attention backward, which runs in backward only).
+# attention and convolution backward, which run in backward only).
 ALTERNATE_MATMUL = "alternate_matmul"  # the odd-numbered matmuls of a region ([Note: torchtitan's op-level policy])
-SAVEABLE_OP_CLASSES = ("matmul", "grouped_matmul", "attention_fwd", "elementwise", "reduction", "copy",
+SAVEABLE_OP_CLASSES = ("matmul", "grouped_matmul", "attention_fwd", "conv_fwd", "elementwise", "reduction", "copy",
                        "embedding", "loss", "other", ALTERNATE_MATMUL)
 DEFAULT_SAVE_OPS = ("matmul", "attention_fwd")  # [Note: torchtitan's op-level policy]
 TORCHTITAN_OP_SAVE_OPS = (ALTERNATE_MATMUL, "attention_fwd")  # torchtitan's selective_ac_option = "op"

@@ -24,6 +24,8 @@ Achievable FLOP/s by kernel class ([Note: kernel classes]):
       before its first MMA (CUTLASS multistage), so K/split elements run in the time of
       K/split + (stages - 1)·tk.
   Bytes: (M·K + K·N + M·N) x element size, and fp32 partial sums for split-K (written and read once).
+  The rate is also scaled by ``matmul_layout_efficiency`` of the operands' layout ([Note: matmul
+  layouts]).
 - attention (FlashAttention forward / backward, one kernel per call): peak x the published
   long-sequence efficiency at head dim 128 (``attention_fwd_efficiency``, ``..._bwd_...``), corrected
   for head dim and for short sequences:
@@ -37,6 +39,12 @@ Achievable FLOP/s by kernel class ([Note: kernel classes]):
       beside its n (causal: i + 1, the diagonal tile computed in full) key tiles.
   Traced FLOPs count causal attention as full (4·b·h·s²·d: trace/flops.py); the kernel does
   (n + 1) / 2n of it plus the overhead.
+- convolution forward / backward (input and weight gradients): FLOPs as traced at peak x
+  ``conv_fwd_efficiency`` / ``conv_bwd_efficiency``, bytes at the achieved bandwidth. Profiles without
+  them price convolutions at the large-GEMM rate (an implicit GEMM: cuDNN's convolutions run on the
+  same tensor cores); `calibrate` measures them (execute/calibrate_kernels.py measure_convolutions):
+  on this project's CPU a bf16 3x3 convolution's forward ran at 0.6-1.2 GFLOP/s, its backward at ~10,
+  against 23-78 and 40-61 in fp32.
 - everything else (elementwise, norms, softmax/reductions, copies and casts, embedding gathers and
   their backward, the loss): bytes read + written / (HBM bandwidth x ``memory_efficiency``), the FLOPs
   at the matmul ceiling as a floor (never binding for these classes).
@@ -51,7 +59,25 @@ figures are bursts at the boost clock after an idle gap (stas00/ml-engineering m
 take the fraction: FlashAttention and the memory-bound kernels keep the tensor cores below half busy
 (their published rates, 35-73% of peak) and the HBM, not the clock, bounds the rest.
 
+[Note: matmul layouts] A GEMM library may run some operand layouts on slower code than others. The
+trace records each matmul's layout (trace/kernel_ops.py matmul_layout: which dimension of A (M, K) and
+of B (K, N) is contiguous; a Linear's forward x @ W^T is "kk", its input gradient dY @ W "kn", its
+weight gradient dY^T @ X "mn"), and ``matmul_layout_efficiency`` holds each layout's rate over the best
+one, in the order kk, kn, mk, mn. Measured on the CPU this project runs on (torch 2.13.0, AVX2, no
+native bf16, one thread as each rank runs; `shard-planner calibrate`, execute/calibrate_kernels.py
+measure_layouts): a bf16 512^3 GEMM runs at 8.0 GFLOP/s as kk, 1.3 as kn, 1.3 as mk and 16.9 as mn
+(the four layouts take different loops of ATen's fallback CPU GEMM,
+aten/src/ATen/native/cpu/BlasKernel.cpp gemm_notrans_ / gemm_transa_ / gemm_transb_ / gemm_transab_);
+fp32 (MKL) runs all four within 2x of each other. A Linear's step runs one GEMM of each of kk, kn and
+mn: priced at the kn rate (what timing a @ b measures), its bf16 GEMMs came out 2.4x too slow. GPU
+profiles leave the factors at 1: cuBLAS has tensor-core kernels for every layout (not measured here).
+The same CPU's bf16 attention (ATen's flash attention for CPU) computes in fp32 blocks: its forward ran
+at 86 GFLOP/s against the bf16 GEMM's best 17, its backward at ~8; so bf16 has its own attention
+constants too, fitted against the bf16 GEMM peak without the cap at 1.
+
 Every device constant comes from the profile's ``[kernels]`` table, each with its source there.
+Constants that differ by compute dtype (a CPU's bf16 GEMM layouts and attention) are overridden in a
+sub-table named for the dtype, e.g. ``[kernels.bfloat16]``: :func:`kernel_constants`.
 """
 
 from __future__ import annotations
@@ -67,13 +93,16 @@ MATMUL = "matmul"
 GROUPED_MATMUL = "grouped_matmul"
 ATTENTION_FWD = "attention_fwd"
 ATTENTION_BWD = "attention_bwd"
+CONV_FWD = "conv_fwd"
+CONV_BWD = "conv_bwd"
 MEMORY_BOUND = ("elementwise", "reduction", "copy", "embedding", "loss", "other")
-OP_CLASSES = (MATMUL, GROUPED_MATMUL, ATTENTION_FWD, ATTENTION_BWD) + MEMORY_BOUND
+OP_CLASSES = (MATMUL, GROUPED_MATMUL, ATTENTION_FWD, ATTENTION_BWD, CONV_FWD, CONV_BWD) + MEMORY_BOUND
 
 # FlashAttention-2 backward: 5 matmuls against the forward's 2 with one exponential recomputed per score
 # (Dao 2023, Algorithm 2; trace/flops.py counts 2.5x the forward).
 BWD_MATMUL_PER_EXP = 2.5
 HEAD_DIM_REF = 128  # the head dim the profile's attention efficiencies are quoted at
+MATMUL_LAYOUTS = ("kk", "kn", "mk", "mn")  # trace/kernel_ops.py matmul_layout codes 0-3
 
 
 @dataclass(frozen=True)
@@ -88,14 +117,19 @@ class KernelConstants:
     tensor_flop_per_clk_per_sm: float
     l2_bytes_per_clk_per_sm: float
     exp_per_clk_per_sm: float
-    attention_fwd_efficiency: float  # at head dim 128, long sequences
+    attention_fwd_efficiency: float  # at head dim 128, long sequences, over the dtype's GEMM peak
     attention_bwd_efficiency: float
     attention_block: int
     attention_tile_overhead: float
     memory_efficiency: float  # achieved / datasheet HBM bandwidth
     kernel_launch_s: float  # device-side gap between back-to-back kernels
     max_split_k: int = 16
+    # convolution FLOP/s over the dtype's GEMM peak; None: the large-GEMM rate (module docstring)
+    conv_fwd_efficiency: float | None = None
+    conv_bwd_efficiency: float | None = None
     sustained_clock_fraction: float = 1.0  # power-limited GEMM clock / boost clock ([Note: sustained clock])
+    # rate of each operand layout over the best, order kk, kn, mk, mn ([Note: matmul layouts])
+    matmul_layout_efficiency: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0)
 
     def __post_init__(self):
         for f in fields(self):
@@ -103,19 +137,29 @@ class KernelConstants:
             if f.name == "matmul_tiles":
                 if not v or any(len(t) != 2 or min(t) <= 0 for t in v):
                     raise ProfileError(f"[kernels] matmul_tiles must be a list of 'MxN' tiles, got {v!r}")
+            elif f.name.startswith("conv_") and v is None:
+                continue
+            elif f.name == "matmul_layout_efficiency":
+                if len(v) != len(MATMUL_LAYOUTS) or any(not isinstance(x, (int, float)) or not 0 < x <= 1 for x in v):
+                    raise ProfileError("[kernels] matmul_layout_efficiency must be 4 fractions in (0, 1] "
+                                       f"(layouts {', '.join(MATMUL_LAYOUTS)}), got {v!r}")
             elif not (isinstance(v, (int, float)) and v >= 0) or (f.name != "kernel_launch_s" and v == 0):
                 raise ProfileError(f"[kernels] {f.name} must be a positive number, got {v!r}")
-        for name in ("matmul_efficiency", "attention_fwd_efficiency", "attention_bwd_efficiency", "memory_efficiency",
-                     "sustained_clock_fraction"):
+        # attention's efficiencies are over the dtype's GEMM peak and may exceed 1 where attention runs other
+        # code than the GEMMs (a CPU's bf16 attention computes in fp32: [Note: matmul layouts])
+        for name in ("matmul_efficiency", "memory_efficiency", "sustained_clock_fraction"):
             if getattr(self, name) > 1:
                 raise ProfileError(f"[kernels] {name} is a fraction of peak (<= 1), got {getattr(self, name)!r}")
 
     @staticmethod
     def from_table(table: dict) -> "KernelConstants":
-        """From a profile's ``[kernels]`` TOML table (tiles written as "256x128" strings)."""
-        d = dict(table)
+        """From a profile's ``[kernels]`` TOML table (tiles written as "256x128" strings); the dtype
+        sub-tables (:func:`kernel_constants`) are not constants."""
+        d = {k: v for k, v in table.items() if not isinstance(v, dict)}
         try:
             d["matmul_tiles"] = tuple(tuple(int(x) for x in str(t).lower().split("x")) for t in d["matmul_tiles"])
+            if "matmul_layout_efficiency" in d:
+                d["matmul_layout_efficiency"] = tuple(d["matmul_layout_efficiency"])
             return KernelConstants(**d)
         except (KeyError, TypeError, ValueError) as exc:
             raise ProfileError(f"[kernels] table malformed ({exc}); see profiles/a100-80gb.toml") from None
@@ -147,7 +191,8 @@ class Device:
 @dataclass(frozen=True)
 class KernelOp:
     """A group of identical kernels at one micro-batch: ``count`` launches, their total FLOPs and bytes
-    (read + written), and the shape that decides their speed: matmul (batch, M, N, K) per launch;
+    (read + written), and the shape that decides their speed: matmul (batch, M, N, K, layout) per launch
+([Note: matmul layouts]; 4 dims: layout kk);
     attention (batch x heads, seq_q, seq_k, head_dim, causal 0/1); () for the other classes."""
 
     op_class: str
@@ -186,12 +231,15 @@ def matmul_shape_factor(m: int, n: int, k: int, kc: KernelConstants, batch: int 
 
 
 def matmul_time_s(op: KernelOp, dev: Device) -> float:
-    """Device time of ``op.count`` GEMMs of shape ``op.dims`` = (batch, M, N, K), FLOPs and bytes as traced:
-    the fastest split-K, its fp32 partial sums (written and read once) counted in the bytes."""
-    batch, m, n, k = op.dims
+    """Device time of ``op.count`` GEMMs of shape ``op.dims`` = (batch, M, N, K[, layout]), FLOPs and bytes
+    as traced: the fastest split-K, its fp32 partial sums (written and read once) counted in the bytes;
+    the layout's rate ([Note: matmul layouts]; records without one price as "kk")."""
+    batch, m, n, k = op.dims[:4]
     if min(m, n, k, batch) <= 0:
         return op.bytes / dev.bandwidth_bytes_per_s
-    peak = dev.peak_flops_per_s * dev.kernels.matmul_efficiency * dev.kernels.sustained_clock_fraction
+    layout = op.dims[4] if len(op.dims) > 4 else 0
+    peak = (dev.peak_flops_per_s * dev.kernels.matmul_efficiency * dev.kernels.sustained_clock_fraction
+            * dev.kernels.matmul_layout_efficiency[layout])
     best = math.inf
     for factor, split in matmul_candidates(m, n, k, dev.kernels, batch):
         partial_bytes = op.count * 2 * 4 * m * n * batch * split if split > 1 else 0
@@ -224,6 +272,16 @@ def attention_time_s(op: KernelOp, dev: Device, backward: bool) -> float:
     return max(op.flops / (dev.peak_flops_per_s * eff), op.bytes / dev.bandwidth_bytes_per_s)
 
 
+def conv_time_s(op: KernelOp, dev: Device, backward: bool) -> float:
+    """Device time of ``op.count`` convolutions (forward, or the backward's input and weight gradients):
+    FLOPs at the profile's convolution efficiency (the large-GEMM rate without one), bytes at the
+    achieved bandwidth."""
+    kc = dev.kernels
+    eff = kc.conv_bwd_efficiency if backward else kc.conv_fwd_efficiency
+    return max(op.flops / (dev.peak_flops_per_s * (kc.matmul_efficiency if eff is None else eff)),
+               op.bytes / dev.bandwidth_bytes_per_s)
+
+
 def memory_bound_time_s(op: KernelOp, dev: Device) -> float:
     """Bytes at the achieved HBM bandwidth; the FLOPs at the large-GEMM rate as a floor."""
     return max(op.bytes / dev.bandwidth_bytes_per_s,
@@ -234,10 +292,12 @@ def op_time_s(op: KernelOp, dev: Device) -> float:
     """Device time of one group of kernels, launch gaps included."""
     if op.count <= 0:
         return 0.0
-    if op.op_class in (MATMUL, GROUPED_MATMUL) and len(op.dims) == 4:
+    if op.op_class in (MATMUL, GROUPED_MATMUL) and len(op.dims) in (4, 5):
         t = matmul_time_s(op, dev)
     elif op.op_class in (ATTENTION_FWD, ATTENTION_BWD) and len(op.dims) == 5:
         t = attention_time_s(op, dev, backward=op.op_class == ATTENTION_BWD)
+    elif op.op_class in (CONV_FWD, CONV_BWD):
+        t = conv_time_s(op, dev, backward=op.op_class == CONV_BWD)
     else:
         t = memory_bound_time_s(op, dev)
     return t + op.count * dev.kernels.kernel_launch_s
@@ -253,26 +313,29 @@ def block_time_s(ops, dev: Device, host_s: float) -> float:
     return max(ops_time_s(ops, dev), host_s)
 
 
-_CONSTANTS: dict[int, tuple[dict, KernelConstants]] = {}
+_CONSTANTS: dict[tuple[int, str | None], tuple[dict, KernelConstants]] = {}
 
 
-def kernel_constants(profile) -> KernelConstants | None:
-    """The profile's ``[kernels]`` table as :class:`KernelConstants`; None when it has none (then compute
-    is priced as traced FLOPs x compute_efficiency). Parsed once per table."""
+def kernel_constants(profile, dtype: str | None = None) -> KernelConstants | None:
+    """The profile's ``[kernels]`` table as :class:`KernelConstants`, with the keys of its sub-table for
+    compute dtype ``dtype`` (``[kernels.bfloat16]``), if any, in place of the base ones; None when the
+    profile has no table (then compute is priced as traced FLOPs x compute_efficiency). Parsed once per
+    table and dtype."""
     table = profile.kernels
     if not table:
         return None
-    hit = _CONSTANTS.get(id(table))
+    key = (id(table), dtype if isinstance(table.get(dtype), dict) else None)
+    hit = _CONSTANTS.get(key)
     if hit is not None and hit[0] is table:
         return hit[1]
-    kc = KernelConstants.from_table(table)
-    _CONSTANTS[id(table)] = (table, kc)  # the table kept alive with its key: ids are not reused
+    kc = KernelConstants.from_table({**table, **table[key[1]]} if key[1] else table)
+    _CONSTANTS[key] = (table, kc)  # the table kept alive with its key: ids are not reused
     return kc
 
 
 def device_of(profile, dtype: str) -> Device | None:
     """What pricing kernels of compute dtype ``dtype`` on ``profile`` needs; None without a [kernels] table."""
-    kc = kernel_constants(profile)
+    kc = kernel_constants(profile, dtype)
     if kc is None:
         return None
     return Device(kc, profile.peak_flops_per_s[dtype], profile.memory_bandwidth_bytes_per_s)

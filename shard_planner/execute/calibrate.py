@@ -45,8 +45,8 @@ from dataclasses import dataclass
 import torch
 
 from shard_planner.cost.collectives import ring_time_s
-from shard_planner.execute.calibrate_kernels import (CurveFit, _fastest, _samples, calibrate_kernels, fit_curve,
-                                                     kernels_toml, slower)
+from shard_planner.execute.calibrate_kernels import LAYOUT_N, CurveFit, _fastest, _samples, fit_curve, slower
+from shard_planner.execute.kernel_calibration import calibrate_kernels, kernels_toml
 from shard_planner.errors import UserError
 from shard_planner.fileio import write_atomic
 from shard_planner.profile import HardwareProfile, Interconnect
@@ -54,9 +54,6 @@ from shard_planner.profile import HardwareProfile, Interconnect
 logger = logging.getLogger(__name__)
 
 MATMUL_N = {"cpu": 1024, "cuda": 8192}
-# CPU bf16 without native bf16 instructions runs a slow reference GEMM (~0.4 GFLOP/s here: 4 s per
-# 1024^3): measured at 512, its rate is the same at either size
-MATMUL_N_CPU_BF16 = 512
 COPY_BYTES = {"cpu": 64 * 2**20, "cuda": 1 * 2**30}
 # sizes of the collectives' curve (bytes, the unsharded message); the first (4 bytes per rank) is the latency floor
 COLLECTIVE_BYTES = {"cpu": (0, 2**12, 2**14, 2**16, 2**18, 2**20, 4 * 2**20),
@@ -80,7 +77,7 @@ def _time(fn, device: torch.device, repeats: int) -> float:
 
 def measure_matmul_flops_per_s(device: torch.device, dtype: torch.dtype, repeats: int = 5) -> float:
     """2 n^3 FLOPs of an n x n matmul per second (n = MATMUL_N), the fastest of ``repeats``."""
-    n = MATMUL_N_CPU_BF16 if (device.type, dtype) == ("cpu", torch.bfloat16) else MATMUL_N[device.type]
+    n = MATMUL_N[device.type]
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     return 2 * n**3 / _fastest(lambda: a @ b, device, repeats)
@@ -319,12 +316,16 @@ def _device_facts(device: str, dev: torch.device, copy_bw: float) -> tuple[int, 
     return _host_memory_bytes(), 64, 0, copy_bw, 0
 
 
-def kernels_table(kc) -> dict:
-    """KernelConstants as the profile's [kernels] TOML table (tiles as "MxN" strings)."""
+def kernels_table(kcal) -> dict:
+    """A kernel calibration as the profile's [kernels] TOML table (tiles as "MxN" strings), with its
+    per-dtype sub-tables (cost/kernels.py kernel_constants)."""
     from dataclasses import asdict
 
+    kc = kcal.constants
     d = asdict(kc)
     d["matmul_tiles"] = [f"{m}x{n}" for m, n in kc.matmul_tiles]
+    d["matmul_layout_efficiency"] = list(kc.matmul_layout_efficiency)
+    d.update({c.dtype: c.table() for c in kcal.by_dtype})
     return d
 
 
@@ -340,12 +341,14 @@ def calibrate(world_size: int = 2, device: str = "auto", name: str = "local",
         torch.set_num_threads(1)  # one thread per rank, as the executor's ranks run
     repeats = 3 if quick else 5
     logger.info("calibrate: matmul and copy on %s", dev)
-    flops = {"float32": measure_matmul_flops_per_s(dev, torch.float32, repeats),
-             "bfloat16": measure_matmul_flops_per_s(dev, torch.bfloat16, repeats)}
+    flops = {"float32": measure_matmul_flops_per_s(dev, torch.float32, repeats)}
+    if device == "cuda":  # CPU: bf16 is calibrated by operand layout (calibrate_kernels.calibrate_dtype)
+        flops["bfloat16"] = measure_matmul_flops_per_s(dev, torch.bfloat16, repeats)
     copy_bw = measure_copy_bytes_per_s(dev, repeats)
     per_op = measure_per_op_overhead_s(dev, repeats=15 if quick else 30)
     kcal = calibrate_kernels(dev, flops, copy_bw, repeats=repeats, quick=quick)
     flops[kcal.dtype] = kcal.peak_flops_per_s
+    flops.update({d.dtype: d.peak_flops_per_s for d in kcal.by_dtype})
     logger.info("calibrate: collectives over %d ranks", world_size)
     samples = measure_collectives(world_size, device, repeats=2 * repeats + 2)
     fits = {k: samples[k] for k in ("all_gather", "reduce_scatter")}
@@ -366,7 +369,7 @@ def calibrate(world_size: int = 2, device: str = "auto", name: str = "local",
         reduce_scatter_temp_fraction=1.0 if device == "cpu" else 0.0,
         per_op_overhead_s=over.per_op_s, per_unit_overhead_s=over.per_unit_s,
         per_param_tensor_optimizer_overhead_s=over.per_tensor_s,
-        kernels=kernels_table(kcal.constants), compute_model="roofline",
+        kernels=kernels_table(kcal), compute_model="roofline",
     )
     return profile, to_toml(profile, fits, world_size, over, kcal)
 
@@ -416,7 +419,9 @@ def to_toml(p: HardwareProfile, fits: dict[str, CollectiveFit | CurveFit], world
         "",
         "[peak_flops_per_s]",
         f"float32 = {p.peak_flops_per_s['float32']:.4g}  # measured: {n}^3 fp32 matmul{'' if kcal is None or p.device != 'cpu' else ', or the GEMM sweep best rate when higher (execute/calibrate_kernels.py)'}",
-        f"bfloat16 = {p.peak_flops_per_s['bfloat16']:.4g}  # measured: {MATMUL_N_CPU_BF16 if p.device == 'cpu' else n}^3 bf16 matmul",
+        f"bfloat16 = {p.peak_flops_per_s['bfloat16']:.4g}  # measured: "
+        + (f"the fastest operand layout of a {LAYOUT_N}^3 bf16 GEMM ([kernels.bfloat16])" if p.device == "cpu"
+           else f"{n}^3 bf16 matmul"),
         f"float16 = {p.peak_flops_per_s['float16']:.4g}  # taken equal to bfloat16",
         "",
         "[interconnect]",

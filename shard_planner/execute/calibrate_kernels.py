@@ -32,6 +32,14 @@ What is measured, and how each quantity is fitted:
   backward, with ``attention_fwd_efficiency`` / ``attention_bwd_efficiency`` closed form per direction
   (time is affine in 1/efficiency there: the least-squares x = 1/eff of relative error).
   FLOPs as the trace counts them: 4 b h s^2 d forward (causal counted in full), 2.5x that backward.
+- CPU only, bf16 (``[kernels.bfloat16]``, replacing those keys of [kernels] for bf16 compute): without
+  native bf16 instructions its GEMM and attention kernels are other code than fp32's. A LAYOUT_N^3 GEMM
+  in each operand layout -> ``peak_flops_per_s.bfloat16`` (the fastest) and
+  ``matmul_layout_efficiency`` (each over it: cost/kernels.py [Note: matmul layouts]); the attention
+  sweep in bf16 against that peak -> its attention constants, fitted as above.
+- Convolutions (CONV_SHAPES, 3x3; forward alone, backward as forward + backward less the forward; FLOPs
+  by FlopCounterMode as the trace counts them) -> ``conv_fwd_efficiency`` / ``conv_bwd_efficiency``,
+  each the closed-form log mean over the samples, uncapped (in the sweep dtype, and in bf16 on CPU).
 - Elementwise / norm / reduction bandwidth (ELEMENTWISE_NUMEL elements: add, mul, GELU, softmax, LayerNorm,
   sum; bytes read + written) -> ``memory_efficiency`` = the median achieved bytes/s / the copy bandwidth,
   capped at 1.
@@ -63,8 +71,8 @@ from dataclasses import dataclass
 import torch
 
 from shard_planner.cost.collectives import ring_time_s
-from shard_planner.cost.kernels import (BWD_MATMUL_PER_EXP, Device, KernelConstants, KernelOp, attention_time_s,
-                                        matmul_time_s)
+from shard_planner.cost.kernels import (BWD_MATMUL_PER_EXP, MATMUL_LAYOUTS, Device, KernelConstants, KernelOp,
+                                        attention_time_s, conv_time_s, matmul_time_s)
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +91,9 @@ MATMUL_SHAPES = ((1024, 1024, 1024), (512, 512, 512), (256, 256, 256), (128, 128
 # (batch x heads, sequence, head dim, causal)
 ATTENTION_SHAPES = ((8, 64, 64, 1), (8, 256, 64, 1), (4, 1024, 64, 1), (8, 256, 128, 1), (8, 256, 64, 0))
 ELEMENTWISE_NUMEL = {"cpu": 4 * 2**20, "cuda": 64 * 2**20}
+# 3x3 convolutions, (batch, channels in = out, height = width) at scale 1 (CPU); CUDA: batch and channels x4
+CONV_SHAPES = ((8, 32, 32), (8, 64, 16), (8, 16, 64))
+LAYOUT_N = 512  # the GEMM of the layout measurement (CPU bf16: its slow layouts take ~0.2 s)
 LAUNCH_KERNELS = 200
 
 
@@ -135,14 +146,14 @@ def _closed_form_eff(at_one: list[float], meas: list[float], cap: float = 1.0) -
     return min(cap, math.exp(sum(math.log(a / m) for a, m in zip(at_one, meas)) / len(meas)))
 
 
-def _affine_eff(at_one: list[float], at_half: list[float], meas: list[float]) -> float:
+def _affine_eff(at_one: list[float], at_half: list[float], meas: list[float], cap: float = 1.0) -> float:
     """Attention time is affine in 1/efficiency (the head-dim term adds to it: cost/kernels.py): with
     t_i = a_i x + b_i, x = 1/eff, from the times at eff 1 and 1/2, the x of least relative squared
-    error, closed form; eff <= 1."""
+    error, closed form; eff <= cap."""
     a = [(h - o) / m for o, h, m in zip(at_one, at_half, meas)]
     b = [(o - (h - o)) / m for o, h, m in zip(at_one, at_half, meas)]
     x = sum(ai * (1 - bi) for ai, bi in zip(a, b)) / sum(ai * ai for ai in a)
-    return min(1.0, 1.0 / x) if x > 0 else 1.0
+    return min(cap, 1.0 / x) if x > 0 else min(cap, 1.0)
 
 
 def _constants(base: KernelConstants | None = None, **kw) -> KernelConstants:
@@ -158,8 +169,29 @@ def _constants(base: KernelConstants | None = None, **kw) -> KernelConstants:
 
 # ---- matmul ----
 
-def matmul_op(m: int, n: int, k: int, elt_bytes: int) -> KernelOp:
-    return KernelOp("matmul", 1, 2.0 * m * n * k, float((m * k + k * n + m * n) * elt_bytes), (1, m, n, k))
+def matmul_op(m: int, n: int, k: int, elt_bytes: int, layout: int = 1) -> KernelOp:
+    """A GEMM as the trace records it; layout 1 ("kn": both operands row-major) is what a @ b of two
+    fresh tensors runs ([Note: matmul layouts])."""
+    return KernelOp("matmul", 1, 2.0 * m * n * k, float((m * k + k * n + m * n) * elt_bytes), (1, m, n, k, layout))
+
+
+def layout_operands(n: int, layout: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """n x n operands A, B of ``layout`` (cost/kernels.py MATMUL_LAYOUTS order): A M-contiguous for
+    layouts 2-3, B K-contiguous for layouts 0 and 2 (trace/kernel_ops.py matmul_layout)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    return (a.t() if layout >= 2 else a), (b.t() if layout % 2 == 0 else b)
+
+
+def measure_layouts(device: torch.device, dtype: torch.dtype, repeats: int, n: int = LAYOUT_N) -> tuple[float, tuple[float, ...]]:
+    """An n^3 GEMM in each operand layout: (the best FLOP/s, each layout's FLOP/s over it), the
+    layouts in cost/kernels.py MATMUL_LAYOUTS order ([Note: matmul layouts])."""
+    rates = []
+    for layout in range(len(MATMUL_LAYOUTS)):
+        a, b = layout_operands(n, layout, device, dtype)
+        rates.append(2.0 * n**3 / _fastest_s(lambda: a @ b, device, repeats))
+    best = max(rates)
+    return best, tuple(r / best for r in rates)
 
 
 def fit_matmul(samples: list[Sample], peak: float, bandwidth: float, sm_count: int,
@@ -222,8 +254,10 @@ def attention_ops(bh: int, s: int, d: int, causal: int, elt_bytes: int) -> tuple
             KernelOp("attention_bwd", 1, BWD_MATMUL_PER_EXP * fwd_flops, 2 * io, dims))
 
 
-def fit_attention(fwd: list[Sample], bwd: list[Sample], peak: float, bandwidth: float) -> tuple[dict, float]:
-    """Grid over block, tile overhead and head-dim ratio r; each direction's efficiency closed form."""
+def fit_attention(fwd: list[Sample], bwd: list[Sample], peak: float, bandwidth: float,
+                  cap: float = 1.0) -> tuple[dict, float]:
+    """Grid over block, tile overhead and head-dim ratio r; each direction's efficiency closed form, at
+    most ``cap`` (1 against the sweep's own GEMM peak)."""
     best = None
     for block, over, r in itertools.product(BLOCK_GRID, TILE_OVERHEAD_GRID, EXP_RATIO_GRID):
         kc = _constants(attention_block=block, attention_tile_overhead=over, exp_per_clk_per_sm=CLOCK_NORM / (4 * r))
@@ -233,7 +267,7 @@ def fit_attention(fwd: list[Sample], bwd: list[Sample], peak: float, bandwidth: 
             meas = [s.time_s for s in samples]
             half = Device(_constants(kc, **{name: 0.5}), peak, bandwidth)
             eff = _affine_eff([attention_time_s(s.op, dev, backward) for s in samples],
-                              [attention_time_s(s.op, half, backward) for s in samples], meas)
+                              [attention_time_s(s.op, half, backward) for s in samples], meas, cap)
             d = Device(_constants(kc, **{name: eff}), peak, bandwidth)
             err += _msle([attention_time_s(s.op, d, backward) for s in samples], meas) * len(samples)
             effs[name] = eff
@@ -269,6 +303,60 @@ def measure_attention(device: torch.device, dtype: torch.dtype, repeats: int,
         fwd.append(Sample(op_f, _less_floor(raw_fwd, floor_s)))
         bwd.append(Sample(op_b, _less_floor(max(t_both - raw_fwd, 0.05 * t_both), floor_s)))
     return fwd, bwd
+
+
+# ---- convolution ----
+
+def measure_convolutions(device: torch.device, dtype: torch.dtype, repeats: int,
+                         floor_s: float = 0.0) -> tuple[list[Sample], list[Sample]]:
+    """3x3 convolutions (CONV_SHAPES): forward alone, backward (input and weight gradients) as forward +
+    backward less the forward; FLOPs counted by FlopCounterMode, as the tracer counts them."""
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import FlopCounterMode
+
+    scale = 4 if device.type == "cuda" else 1
+    fwd, bwd = [], []
+    elt = torch.empty((), dtype=dtype).element_size()
+    for b, c, hw in CONV_SHAPES:
+        b, c = b * scale, c * scale
+        x = torch.randn(b, c, hw, hw, device=device, dtype=dtype, requires_grad=True)
+        w = torch.randn(c, c, 3, 3, device=device, dtype=dtype, requires_grad=True)
+        grad = torch.ones(b, c, hw, hw, device=device, dtype=dtype)
+
+        def forward():
+            return F.conv2d(x, w, padding=1)
+
+        def both():
+            forward().backward(grad)
+
+        counter = FlopCounterMode(display=False)
+        with counter:
+            forward()
+        fwd_flops = counter.get_total_flops()
+        with counter:
+            both()
+        bwd_flops = counter.get_total_flops() - fwd_flops
+        io = float((2 * x.numel() + w.numel()) * elt)  # input and weight read, output written
+        raw_fwd = _fastest_s(forward, device, repeats)
+        t_both = _fastest_s(both, device, repeats)
+        fwd.append(Sample(KernelOp("conv_fwd", 1, float(fwd_flops), io), _less_floor(raw_fwd, floor_s)))
+        bwd.append(Sample(KernelOp("conv_bwd", 1, float(bwd_flops), 2 * io),
+                          _less_floor(max(t_both - raw_fwd, 0.05 * t_both), floor_s)))
+    return fwd, bwd
+
+
+def fit_conv(fwd: list[Sample], bwd: list[Sample], peak: float, bandwidth: float) -> tuple[dict, float]:
+    """Each direction's efficiency, closed form over the samples (uncapped: a convolution may run other
+    code than the GEMMs the peak was measured on)."""
+    dev = Device(_constants(conv_fwd_efficiency=1.0, conv_bwd_efficiency=1.0), peak, bandwidth)
+    out, err = {}, 0.0
+    for name, samples, backward in (("conv_fwd_efficiency", fwd, False), ("conv_bwd_efficiency", bwd, True)):
+        meas = [s.time_s for s in samples]
+        eff = _closed_form_eff([conv_time_s(s.op, dev, backward) for s in samples], meas, cap=math.inf)
+        fitted = Device(_constants(**{name: eff}), peak, bandwidth)
+        err += _msle([conv_time_s(s.op, fitted, backward) for s in samples], meas) * len(samples)
+        out[name] = eff
+    return out, err / (len(fwd) + len(bwd))
 
 
 # ---- memory-bound kernels and launch ----
@@ -357,76 +445,3 @@ def fit_curve(samples: list[tuple[int, int, float]]) -> CurveFit:
 def slower(fits: dict[str, CurveFit], p: int) -> str:
     """The collective whose fit is slower summed over the sampled sizes."""
     return max(fits, key=lambda k: sum(fits[k].time_s(n, p) for _, n, _ in fits[k].samples))
-
-
-# ---- all of it ----
-
-@dataclass(frozen=True)
-class KernelCalibration:
-    constants: KernelConstants
-    dtype: str  # of the sweeps
-    peak_flops_per_s: float  # the sweep dtype's peak, raised to the sweep's best rate when that is higher
-    floor_s: float  # CPU dispatch floor subtracted from each sample
-    matmul_err: float  # the fits' mean squared log errors
-    attention_err: float
-    matmul_samples: tuple[Sample, ...]
-    attention_samples: tuple[Sample, ...]
-    achieved_bytes_per_s: dict
-
-
-def calibrate_kernels(device: torch.device, peak_flops_per_s: dict[str, float], copy_bytes_per_s: float,
-                      repeats: int = 5, quick: bool = False) -> KernelCalibration:
-    """Measure the sweeps on ``device`` and fit every [kernels] constant (module docstring)."""
-    dtype_name = "bfloat16" if device.type == "cuda" else "float32"
-    dtype = getattr(torch, dtype_name)
-    peak = peak_flops_per_s[dtype_name]
-    if device.type == "cuda":
-        sm_count, max_split = torch.cuda.get_device_properties(device).multi_processor_count, 16
-    else:
-        sm_count, max_split = torch.get_num_threads(), 1
-    mem_eff, achieved = measure_memory_efficiency(device, copy_bytes_per_s, repeats)
-    bandwidth = copy_bytes_per_s * mem_eff
-    floor_s = measure_dispatch_floor_s(device, repeats)
-    logger.info("calibrate: GEMM shape sweep")
-    mm = measure_matmuls(device, dtype, repeats, quick, floor_s)
-    mm_fit, mm_err = fit_matmul(mm, peak, bandwidth, sm_count, max_split)
-    if mm_fit["matmul_efficiency"] > 1:  # the sweep beat the n x n reference: it is the peak
-        peak *= mm_fit["matmul_efficiency"]
-        mm_fit["matmul_efficiency"] = 1.0
-    logger.info("calibrate: attention forward and backward")
-    fwd, bwd = measure_attention(device, dtype, repeats, quick, floor_s)
-    at_fit, at_err = fit_attention(fwd, bwd, peak, bandwidth)
-    kc = _constants(sm_count=sm_count, max_split_k=max_split, memory_efficiency=mem_eff,
-                    kernel_launch_s=measure_launch_s(device), **mm_fit, **at_fit)
-    return KernelCalibration(kc, dtype_name, peak, floor_s, mm_err, at_err, tuple(mm), tuple(fwd + bwd), achieved)
-
-
-def kernels_toml(cal: KernelCalibration) -> list[str]:
-    """The [kernels] table's lines, each with how it was measured and fitted."""
-    kc = cal.constants
-    mm = ", ".join(f"{s.op.dims[1]}x{s.op.dims[2]}x{s.op.dims[3]} {s.time_s * 1e3:.3g} ms" for s in cal.matmul_samples)
-    at = ", ".join(f"{s.op.op_class[10:]} {s.op.dims[0]}x{s.op.dims[1]}x{s.op.dims[3]}{'c' if s.op.dims[4] else ''} "
-                   f"{s.time_s * 1e3:.3g} ms" for s in cal.attention_samples)
-    bw = ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in cal.achieved_bytes_per_s.items())
-    fit = "measured by shard-planner calibrate (execute/calibrate_kernels.py)"
-    return [
-        "[kernels]",
-        f"# The roofline kernel model (cost/kernels.py), {fit}. GEMM samples (MxNxK): {mm}",
-        f"# Attention samples (batch*heads x seq x head dim, c causal): {at}",
-        f"# Elementwise samples: {bw}",
-        f"sm_count = {kc.sm_count}  # {'multiprocessor count' if kc.max_split_k > 1 else 'threads per rank (torch.get_num_threads)'}: not fitted",
-        f"matmul_efficiency = {kc.matmul_efficiency:.4g}  # GEMM sweep: closed-form log-mean over FLOP-bound shapes (fit msle {cal.matmul_err:.3g})",
-        f"matmul_tiles = [\"{kc.matmul_tiles[0][0]}x{kc.matmul_tiles[0][1]}\"]  # GEMM sweep: square tile, grid {TILE_GRID}",
-        f"matmul_tile_k = {kc.matmul_tile_k}  # GEMM sweep: grid {TILE_K_GRID}",
-        f"matmul_stages = {kc.matmul_stages}  # GEMM sweep: grid {STAGES_GRID}",
-        f"max_split_k = {kc.max_split_k}  # {'CUDA: searched up to 16' if kc.max_split_k > 1 else 'CPU: one thread gains nothing from split-K'}",
-        f"tensor_flop_per_clk_per_sm = {kc.tensor_flop_per_clk_per_sm:.6g}  # normalisation: only ratios to it enter the model",
-        f"l2_bytes_per_clk_per_sm = {kc.l2_bytes_per_clk_per_sm:.6g}  # GEMM sweep: tile ridge {kc.ridge_flop_per_byte:.3g} FLOP/byte, grid {RIDGE_GRID}",
-        f"exp_per_clk_per_sm = {kc.exp_per_clk_per_sm:.6g}  # attention sweep: head-dim ratio r = {kc.exp_ratio:.3g}, grid {EXP_RATIO_GRID}",
-        f"attention_fwd_efficiency = {kc.attention_fwd_efficiency:.4g}  # attention sweep: closed form (fit msle {cal.attention_err:.3g}, both directions)",
-        f"attention_bwd_efficiency = {kc.attention_bwd_efficiency:.4g}  # attention sweep: closed form, backward = fwd+bwd less fwd",
-        f"attention_block = {kc.attention_block}  # attention sweep: grid {BLOCK_GRID}",
-        f"attention_tile_overhead = {kc.attention_tile_overhead}  # attention sweep: grid {TILE_OVERHEAD_GRID}",
-        f"memory_efficiency = {kc.memory_efficiency:.4g}  # median elementwise bytes/s / copy bandwidth, <= 1",
-        f"kernel_launch_s = {kc.kernel_launch_s:.4g}  # {'CUDA graph replay of tiny kernels' if kc.max_split_k > 1 else 'CPU: 0, per_op_overhead_s holds each op fixed cost'}",
-    ]

@@ -35,6 +35,10 @@ ATTENTION_FWD_OPS = {
     "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward", "_efficient_attention_forward",
 }
 ATTENTION_BWD_OPS = {name + "_backward" for name in ATTENTION_FWD_OPS}
+CONV_FWD_OPS = {"convolution", "_convolution", "conv2d", "conv1d", "conv3d", "conv_transpose2d", "conv_transpose3d",
+                "cudnn_convolution", "cudnn_convolution_transpose", "mkldnn_convolution", "_slow_conv2d_forward",
+                "slow_conv3d_forward", "slow_conv_transpose2d", "slow_conv_transpose3d", "thnn_conv2d"}
+CONV_BWD_OPS = {"convolution_backward", "_slow_conv2d_backward", "mkldnn_convolution_backward"}
 REDUCTION_OPS = {
     "_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data", "sum", "mean", "amax",
     "amin", "max", "min", "var", "var_mean", "std", "norm", "linalg_vector_norm", "logsumexp", "cumsum",
@@ -56,7 +60,8 @@ NO_KERNEL_OPS = {"_unsafe_view", "detach", "alias", "lift_fresh", "_reshape_alia
 
 # Op name sets by kernel class, in the order they are tried (the rest: "elementwise").
 _CLASS_OF_NAMES = (("matmul", MATMUL_OPS), ("grouped_matmul", GROUPED_OPS), ("attention_fwd", ATTENTION_FWD_OPS),
-                   ("attention_bwd", ATTENTION_BWD_OPS), ("reduction", REDUCTION_OPS), ("loss", LOSS_OPS),
+                   ("attention_bwd", ATTENTION_BWD_OPS), ("conv_fwd", CONV_FWD_OPS), ("conv_bwd", CONV_BWD_OPS),
+                   ("reduction", REDUCTION_OPS), ("loss", LOSS_OPS),
                    ("copy", COPY_OPS), ("embedding", EMBEDDING_OPS))
 
 
@@ -84,14 +89,30 @@ def _arg(func, args, kwargs, name: str, default=None):
     return default
 
 
+def _column_major(x: torch.Tensor) -> bool:
+    """Whether matrix operand ``x`` (..., rows, cols) is stored with its rows dimension contiguous and
+    its columns not. Anything else runs row-major: a row-major operand, a size-1 column dimension, and
+    an operand with neither dimension contiguous (the CPU GEMM copies it row-major first: ATen
+    native/LinearAlgebra.cpp addmm_impl_cpu_)."""
+    return x.stride(-2) == 1 and x.stride(-1) != 1 and x.shape[-1] != 1
+
+
+def matmul_layout(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The operand layout of C = A @ B with A (M, K) and B (K, N) ([Note: matmul layouts]):
+    2 x (A M-contiguous) + (B N-contiguous): 0 "kk" (x @ W^T, a Linear's forward), 1 "kn" (both
+    row-major: the input gradient dY @ W), 2 "mk", 3 "mn" (dY^T @ X, the weight gradient)."""
+    return 2 * _column_major(a) + (not _column_major(b))
+
+
 def _matmul_dims(name: str, args) -> tuple[int, ...]:
-    """(batch, M, N, K) of mm / addmm / bmm / baddbmm (/ _scaled_mm: mm's layout)."""
+    """(batch, M, N, K, layout) of mm / addmm / bmm / baddbmm (/ _scaled_mm: mm's layout)."""
     a, b = (args[1], args[2]) if name in ("addmm", "baddbmm", "addbmm") else (args[0], args[1])
+    layout = matmul_layout(a, b)
     if a.dim() == 3 and name != "addbmm":
-        return int(a.shape[0]), int(a.shape[1]), int(b.shape[-1]), int(a.shape[2])
+        return int(a.shape[0]), int(a.shape[1]), int(b.shape[-1]), int(a.shape[2]), layout
     if a.dim() == 3:  # addbmm: a sum over the batch of (M, K) x (K, N)
-        return 1, int(a.shape[1]), int(b.shape[-1]), int(a.shape[0] * a.shape[2])
-    return 1, int(a.shape[0]), int(b.shape[1]), int(a.shape[1])
+        return 1, int(a.shape[1]), int(b.shape[-1]), int(a.shape[0] * a.shape[2]), layout
+    return 1, int(a.shape[0]), int(b.shape[1]), int(a.shape[1]), layout
 
 
 def grouped_mm_dims(a: torch.Tensor, b: torch.Tensor) -> tuple[int, ...]:
@@ -194,6 +215,10 @@ def fit_records(seq1: list[OpSample], seq2: list[OpSample], b1: int, b2: int) ->
     out = []
     for (op_class, d1, d2), (count, f1, f2, m1, m2, n1, n2) in groups.items():
         dims = tuple(Affine.fit(b1, float(u), b2, float(v)) for u, v in zip(d1, d2))
+        if op_class == "matmul" and len(d2) == 5:
+            # the layout is a code, not a size: the larger batch's (at batch 1 a size-1 dimension's
+            # stride is arbitrary, so the smaller batch's layout can differ)
+            dims = dims[:4] + (Affine(float(d2[4]), 0.0),)
         out.append(KernelRecord(op_class, count, Affine.fit(b1, float(f1), b2, float(f2)),
                                 Affine.fit(b1, float(m1), b2, float(m2)), dims,
                                 Affine.fit(b1, float(n1), b2, float(n2))))

@@ -50,7 +50,7 @@ class KernelRecord:
     """Identical kernels of one module's forward or backward, per micro-batch (trace/kernel_ops.py,
     [Note: kernel records]): ``count`` launches of class ``op_class`` (cost/kernels.py OP_CLASSES),
     their total FLOPs and bytes read + written, and the dimensions that decide their speed — matmul
-    (batch, M, N, K), attention (batch x heads, seq_q, seq_k, head_dim, causal), none otherwise — each
+    (batch, M, N, K, layout: cost/kernels.py [Note: matmul layouts]; traces written before it have 4), attention (batch x heads, seq_q, seq_k, head_dim, causal), none otherwise — each
     affine in the micro-batch. ``new_bytes``: the storages their outputs newly allocate, deduplicated
     (a forward op's are what selective activation checkpointing keeps when its class is saved:
     cost/selective.py); None in traces written before it."""

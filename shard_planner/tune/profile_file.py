@@ -76,15 +76,22 @@ def profile_toml(fit: ProfileFit, prior: HardwareProfile, header: list[str]) -> 
     if p.kernels:
         out.append("")
         out.append("[kernels]  # the prior's kernel-model constants, unfitted: their sources are in the prior")
+        subtables = {k: v for k, v in p.kernels.items() if isinstance(v, dict)}  # per dtype (cost/kernels.py)
         for k, v in p.kernels.items():
-            text = "[" + ", ".join(_toml_value(x) for x in v) + "]" if isinstance(v, (list, tuple)) else _toml_value(v)
-            out.append(f"{k} = {text}")
+            if k not in subtables:
+                out.append(f"{k} = {_kernel_value(v)}")
+        for dtype, table in subtables.items():
+            out += ["", f"[kernels.{dtype}]"] + [f"{k} = {_kernel_value(v)}" for k, v in table.items()]
     if p.notes:
         out.append("")
         out.append("[notes]")
         for k, v in p.notes.items():
             out.append(f"{_toml_value(str(k))} = {_toml_value(str(v))}")
     return "\n".join(out) + "\n"
+
+
+def _kernel_value(v) -> str:
+    return "[" + ", ".join(_toml_value(x) for x in v) + "]" if isinstance(v, (list, tuple)) else _toml_value(v)
 
 
 def write_profile(path: str | os.PathLike, fit: ProfileFit, prior: HardwareProfile, header: list[str]) -> None:

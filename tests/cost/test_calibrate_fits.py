@@ -7,10 +7,12 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from shard_planner.cost.collectives import ring_time_s
 from shard_planner.cost.kernels import Device, KernelConstants, attention_time_s, matmul_time_s
 from shard_planner.execute import calibrate_kernels as ck
+from shard_planner.execute import kernel_calibration as kcal_mod
 from shard_planner.profile import Interconnect, load_profile
 
 PEAK, BW = 1e11, 2e10
@@ -109,7 +111,7 @@ def _written_profile(tmp_path, kcal):
                            host_to_device_bytes_per_s=2e10, interconnect=ic, reduce_scatter_temp_fraction=1.0,
                            per_op_overhead_s=9e-6, per_unit_overhead_s=3e-3,
                            per_param_tensor_optimizer_overhead_s=3e-4,
-                           kernels=kernels_table(kcal.constants), compute_model="roofline")
+                           kernels=kernels_table(kcal), compute_model="roofline")
     over = Overheads(9e-6, 225, 2e-3, 3e-3, 4e-3, 1e-3, ((1, 0.03), (16, 0.09)), 3e-4, ((32, 0.01),))
     path = tmp_path / "written.toml"
     path.write_text(to_toml(prof, {"all_gather": curve, "reduce_scatter": curve}, 2, over, kcal))
@@ -121,7 +123,7 @@ def test_written_profile_loads_validates_and_round_trips(tmp_path):
              attention_fwd_efficiency=0.8, attention_bwd_efficiency=0.5, attention_block=128,
              attention_tile_overhead=0.25, memory_efficiency=0.6, exp_per_clk_per_sm=16.0)
     op = ck.matmul_op(64, 64, 64, 4)
-    kcal = ck.KernelCalibration(kc, "float32", 9e10, 3e-6, 0.1, 0.03, (ck.Sample(op, 1e-5),),
+    kcal = kcal_mod.KernelCalibration(kc, "float32", 9e10, 3e-6, 0.1, 0.03, (ck.Sample(op, 1e-5),),
                                 (ck.Sample(ck.attention_ops(8, 64, 64, 1, 4)[0], 2e-4),), {"add": 2e10})
     prof, loaded = _written_profile(tmp_path, kcal)
     assert loaded.compute_model == "roofline"
@@ -138,3 +140,52 @@ def test_written_profile_loads_validates_and_round_trips(tmp_path):
                 assert getattr(got, k) == pytest.approx(getattr(want, k), rel=1e-3)
         else:
             assert got == want
+
+
+def test_bf16_sub_table_round_trips_and_prices_bf16_only(tmp_path):
+    """CPU bf16's own GEMM layouts and attention ([kernels.bfloat16]) load back and replace the base
+    constants for bf16 compute only (cost/kernels.py kernel_constants)."""
+    from shard_planner.cost.kernels import device_of, kernel_constants
+
+    kc = _kc(matmul_efficiency=0.9, matmul_tiles=((32, 32),), attention_fwd_efficiency=0.8,
+             attention_bwd_efficiency=0.5)
+    att = dict(attention_fwd_efficiency=0.3, attention_bwd_efficiency=0.1, attention_block=64,
+               attention_tile_overhead=0.5, exp_per_clk_per_sm=128.0)
+    conv_op = ck.KernelOp("conv_fwd", 1, 1.5e8, 1e6)
+    bf16 = kcal_mod.DtypeCalibration("bfloat16", 1.5e10, (1.0, 0.08, 0.09, 0.97), att, 0.02,
+                               (ck.Sample(ck.attention_ops(8, 64, 64, 1, 2)[0], 3e-4),),
+                               {"conv_fwd_efficiency": 0.04, "conv_bwd_efficiency": 0.5},
+                               (ck.Sample(conv_op, 0.1), ck.Sample(ck.KernelOp("conv_bwd", 1, 3e8, 2e6), 0.03)))
+    kcal = kcal_mod.KernelCalibration(kc, "float32", 9e10, 3e-6, 0.1, 0.03, (ck.Sample(ck.matmul_op(64, 64, 64, 4), 1e-5),),
+                                (ck.Sample(ck.attention_ops(8, 64, 64, 1, 4)[0], 2e-4),), {"add": 2e10}, (bf16,))
+    _, loaded = _written_profile(tmp_path, kcal)
+    assert kernel_constants(loaded, "float32") == kc == kernel_constants(loaded)
+    got = kernel_constants(loaded, "bfloat16")
+    assert got.matmul_layout_efficiency == pytest.approx((1.0, 0.08, 0.09, 0.97), rel=1e-3)
+    assert got.attention_bwd_efficiency == pytest.approx(0.1) and got.attention_block == 64
+    assert got.matmul_tiles == kc.matmul_tiles  # keys the sub-table does not name stay the base's
+    assert got.conv_fwd_efficiency == pytest.approx(0.04) and kc.conv_fwd_efficiency is None
+    dev = device_of(loaded, "bfloat16")
+    kk, kn = (ck.KernelOp("matmul", 1, 2.0 * 512**3, 3.0 * 512 * 512 * 2, (1, 512, 512, 512, layout)) for layout in (0, 1))
+    assert matmul_time_s(kn, dev) == pytest.approx(matmul_time_s(kk, dev) / 0.08, rel=1e-6)
+
+
+def test_layout_operands_have_the_layout_the_trace_records():
+    """The calibration's operands of each layout are classified as that layout by the tracer, and the
+    measured factors are fractions of the fastest."""
+    from shard_planner.trace.kernel_ops import matmul_layout
+
+    for layout in range(4):
+        a, b = ck.layout_operands(8, layout, torch.device("cpu"), torch.float32)
+        assert matmul_layout(a, b) == layout
+    peak, eff = ck.measure_layouts(torch.device("cpu"), torch.float32, 1, n=32)
+    assert peak > 0 and max(eff) == 1.0 and all(0 < e <= 1 for e in eff)
+
+
+def test_convolution_efficiencies_fit_their_samples():
+    peak, bw = 2e10, 1e10
+    f = [ck.Sample(ck.KernelOp("conv_fwd", 1, 1.5e8, 1e6), 1.5e8 / (peak * 0.05))]
+    b = [ck.Sample(ck.KernelOp("conv_bwd", 1, 3e8, 2e6), 3e8 / (peak * 0.5))]
+    fit, err = ck.fit_conv(f, b, peak, bw)
+    assert fit["conv_fwd_efficiency"] == pytest.approx(0.05) and fit["conv_bwd_efficiency"] == pytest.approx(0.5)
+    assert err == pytest.approx(0.0, abs=1e-12)

@@ -132,3 +132,32 @@ def test_sustained_clock_slows_only_the_gemms():
 def test_a100_sustained_clock_is_the_hpl_clock():
     for name in ("a100-80gb", "a100-40gb"):
         assert kernel_constants(load_profile(name)).sustained_clock_fraction == pytest.approx(1305 / 1410, rel=1e-3)
+
+
+def test_matmul_layout_scales_the_gemm_rate():
+    """[Note: matmul layouts]: a layout's rate is peak x its factor; 4-dim records price as "kk"."""
+    slow_kn = Device(KernelConstants(**{**KC.__dict__, "matmul_layout_efficiency": (1.0, 0.1, 0.5, 1.0)}),
+                     100e12, 1e12)
+    m = n = k = 1024
+    base = KernelOp(MATMUL, 1, 2 * m * n * k, 2 * (m * k + k * n + m * n), (1, m, n, k))
+    t_kk = op_time_s(base, slow_kn) - 1e-6
+    assert t_kk == pytest.approx(op_time_s(base, DEV) - 1e-6)
+    for layout, factor in ((0, 1.0), (1, 0.1), (2, 0.5), (3, 1.0)):
+        op = KernelOp(MATMUL, 1, base.flops, base.bytes, (1, m, n, k, layout))
+        assert op_time_s(op, slow_kn) - 1e-6 == pytest.approx(t_kk / factor)
+        assert op_time_s(op, DEV) == op_time_s(base, DEV)  # factors 1 (every GPU profile): layout-blind
+    with pytest.raises(ProfileError, match="matmul_layout_efficiency"):
+        KernelConstants(**{**KC.__dict__, "matmul_layout_efficiency": (1.0, 0.0, 1.0, 1.0)})
+
+
+def test_convolutions_at_their_efficiency_or_the_gemm_rate():
+    fwd = KernelOp("conv_fwd", 1, 1e12, 1e6)
+    bwd = KernelOp("conv_bwd", 1, 2e12, 2e6)
+    # without conv efficiencies: the large-GEMM rate (peak x matmul_efficiency), as before they existed
+    assert op_time_s(fwd, DEV) - 1e-6 == pytest.approx(1e12 / (100e12 * 0.8))
+    conv = Device(KernelConstants(**{**KC.__dict__, "conv_fwd_efficiency": 0.05, "conv_bwd_efficiency": 0.5}),
+                  100e12, 1e12)
+    assert op_time_s(fwd, conv) - 1e-6 == pytest.approx(1e12 / (100e12 * 0.05))
+    assert op_time_s(bwd, conv) - 1e-6 == pytest.approx(2e12 / (100e12 * 0.5))
+    memory_bound = KernelOp("conv_fwd", 1, 1e6, 1e12)
+    assert op_time_s(memory_bound, conv) - 1e-6 == pytest.approx(1e12 / (1e12 * 0.9))

@@ -5,7 +5,6 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from shard_planner.cost.kernels import device_of, has_kernel_records, module_kernel_s, records_time_s
@@ -24,12 +23,65 @@ def _classify(func, *args, flops=0, **kwargs):
         return classify(func, tuple(fake), kwargs, out, flops)
 
 
-def test_matmuls_record_m_n_k_and_bytes():
+def test_matmuls_record_m_n_k_layout_and_bytes():
+    # row-major operands: layout 1, "kn" (cost/kernels.py [Note: matmul layouts])
     s = _classify(aten.mm.default, (32, 64), (64, 128), flops=7)
-    assert s == OpSample("matmul", (1, 32, 128, 64), 7, (32 * 64 + 64 * 128 + 32 * 128) * 2)
+    assert s == OpSample("matmul", (1, 32, 128, 64, 1), 7, (32 * 64 + 64 * 128 + 32 * 128) * 2)
     s = _classify(aten.addmm.default, (128,), (32, 64), (64, 128))
-    assert s.dims == (1, 32, 128, 64) and s.bytes == (128 + 32 * 64 + 64 * 128 + 32 * 128) * 2
-    assert _classify(aten.bmm.default, (4, 32, 64), (4, 64, 16)).dims == (4, 32, 16, 64)
+    assert s.dims == (1, 32, 128, 64, 1) and s.bytes == (128 + 32 * 64 + 64 * 128 + 32 * 128) * 2
+    assert _classify(aten.bmm.default, (4, 32, 64), (4, 64, 16)).dims == (4, 32, 16, 64, 1)
+
+
+def test_a_linear_layers_three_gemms_record_their_layouts():
+    """Forward x @ W^T is "kk" (0), the input gradient dY @ W "kn" (1), the weight gradient dY^T @ X
+    "mn" (3): the layouts CPU bf16 runs 12x apart (cost/kernels.py [Note: matmul layouts])."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            s = classify(func, args, kwargs or {}, out, 0)
+            if s is not None and s.op_class == "matmul":
+                seen.append(s.dims)
+            return out
+
+    with FakeTensorMode():
+        lin = torch.nn.Linear(64, 32)
+        x = torch.randn(4, 16, 64, requires_grad=True)
+        with Record():
+            (lin(x) ** 2).sum().backward()
+    assert sorted(seen) == [(1, 32, 64, 64, 3), (1, 64, 32, 64, 0), (1, 64, 64, 32, 1)]
+
+
+def test_a_matmul_records_the_larger_batch_layout():
+    """The layout is a code, not a size: where a size-1 dimension at the smaller traced batch made it
+    differ (its stride is arbitrary), the record keeps the larger batch's."""
+    (r,) = fit_records([OpSample("matmul", (1, 10, 64, 1, 1), 1280, 10)], [OpSample("matmul", (1, 10, 64, 16, 3), 20480, 20)],
+                       1, 16)
+    assert r.dims_at(1) == (1, 10, 64, 1, 3) and r.dims_at(8) == (1, 10, 64, 8, 3)
+
+
+def test_convolutions_are_their_own_class():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            s = classify(func, args, kwargs or {}, out, 0)
+            if s is not None and s.op_class.startswith("conv"):
+                seen.append(s.op_class)
+            return out
+
+    with FakeTensorMode():
+        conv, up = torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.ConvTranspose2d(8, 4, 2, stride=2)
+        x = torch.randn(2, 8, 16, 16, requires_grad=True)
+        with Record():
+            (up(conv(x)) ** 2).sum().backward()
+    assert seen == ["conv_fwd", "conv_fwd", "conv_bwd", "conv_bwd"]
 
 
 def test_views_and_allocations_run_no_kernel():
@@ -92,7 +144,7 @@ def test_trace_carries_records_that_match_its_flops(tiny_trace):
             assert sum(r.flops.at(b) for r in m.bwd_kernels) == pytest.approx(m.bwd_flops_self.at(b))
     up = t.module("blocks.1.ffn.up")  # a twin of blocks.0: records copied from its template
     mm = [r for r in up.fwd_kernels if r.op_class == "matmul"]
-    assert [r.dims_at(3) for r in mm] == [(1, 96, 256, 64)]  # (batch, tokens = 3 x 32, d_ffn, d_model)
+    assert [r.dims_at(3) for r in mm] == [(1, 96, 256, 64, 0)]  # (batch, tokens = 3 x 32, d_ffn, d_model, "kk")
     attn = [r for r in t.module("blocks.0.attn").fwd_kernels if r.op_class == "attention_fwd"]
     assert [r.dims_at(2) for r in attn] == [(8, 32, 32, 16, 1)]
     assert {r.op_class for r in t.loss_kernels} >= {"loss", "reduction"}

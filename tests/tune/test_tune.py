@@ -147,6 +147,22 @@ def test_fitted_profile_file_round_trips(tmp_path):
     assert text.count("# fitted (") == 5  # efficiency, two bandwidths, two latencies
 
 
+def test_fitted_profile_keeps_the_kernels_dtype_sub_tables(tmp_path):
+    """A prior's [kernels.bfloat16] (cost/kernels.py kernel_constants) is written back as a sub-table."""
+    from shard_planner.cost.kernels import kernel_constants
+
+    base = load_profile("cpu-gloo-roofline")
+    sub = {"matmul_layout_efficiency": [1.0, 0.08, 0.08, 1.0], "attention_bwd_efficiency": 0.2}
+    prior = replace(base, kernels={**base.kernels, "bfloat16": sub})
+    fit = fit_profile(prior, lambda prof: [1.0], [1.0])
+    path = tmp_path / "fitted.toml"
+    path.write_text(profile_toml(fit, prior, ["fitted"]))
+    loaded = load_profile(str(path))
+    assert loaded.kernels["bfloat16"] == sub
+    assert kernel_constants(loaded, "bfloat16").matmul_layout_efficiency == (1.0, 0.08, 0.08, 1.0)
+    assert kernel_constants(loaded, "float32") == kernel_constants(base, "float32")
+
+
 # ---- rounds, early stop, choice ----
 def test_tune_runs_in_rounds_and_returns_the_measured_best():
     plans = [make_plan(keep=k, ac=a, prefetch=f) for k, a, f in ((4, 0, 0), (0, 0, 0), (2, 4, 1), (0, 4, 2))]
