@@ -1,14 +1,16 @@
 """Kernel records: each aten op of a traced step as a kernel class, the shape that decides its speed, and
 the bytes it moves; then, per module, compact records fitted over the two traced batch sizes.
 
-[Note: kernel records] The cost model prices GPU compute per kernel (shard_planner/cost/kernels.py):
-a matmul's speed depends on (M, N, K), FlashAttention's on (batch x heads, sequence, head dim,
-causal), everything else on the bytes it reads and writes. The tracer hands every op to
+[Note: kernel records] The cost model prices compute per kernel (shard_planner/cost/kernels.py):
+a matmul's speed depends on (M, N, K) and its operands' layout, FlashAttention's on (batch x heads,
+sequence, head dim, causal), a convolution's on its direction, everything else on the bytes it reads
+and writes. The tracer hands every op to
 :func:`classify` (inside its dispatch mode, where the fake tensors' sizes are known) and keeps, per
 module call and phase, the sequence of :class:`OpSample`. Both traced batch sizes run the same code, so
 their sequences pair up op by op; :func:`fit_records` aggregates the pairs by (class, shape at b1,
 shape at b2) into :class:`~shard_planner.trace.types.KernelRecord` whose FLOPs, bytes and dimensions
-are affine in the micro-batch (a token dimension is b x seq, a weight dimension fixed). Views and
+are affine in the micro-batch (a token dimension is b x seq, a weight dimension fixed; a matmul's
+layout code is the larger batch's). Views and
 allocations run no kernel and are not recorded (they still count as aten ops for the per-op host
 overhead).
 """
