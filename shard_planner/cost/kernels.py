@@ -192,8 +192,8 @@ class Device:
 class KernelOp:
     """A group of identical kernels at one micro-batch: ``count`` launches, their total FLOPs and bytes
     (read + written), and the shape that decides their speed: matmul (batch, M, N, K, layout) per launch
-([Note: matmul layouts]; 4 dims: layout kk);
-    attention (batch x heads, seq_q, seq_k, head_dim, causal 0/1); () for the other classes."""
+    ([Note: matmul layouts]; 4 dims: layout kk); attention (batch x heads, seq_q, seq_k, head_dim,
+    causal 0/1); () for the other classes."""
 
     op_class: str
     count: int

@@ -324,7 +324,6 @@ def kernels_table(kcal) -> dict:
     kc = kcal.constants
     d = asdict(kc)
     d["matmul_tiles"] = [f"{m}x{n}" for m, n in kc.matmul_tiles]
-    d["matmul_layout_efficiency"] = list(kc.matmul_layout_efficiency)
     d.update({c.dtype: c.table() for c in kcal.by_dtype})
     return d
 

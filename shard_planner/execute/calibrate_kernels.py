@@ -229,6 +229,15 @@ def _less_floor(t: float, floor_s: float) -> float:
     return max(t - floor_s, 0.1 * t)
 
 
+def _forward_backward_s(forward, device: torch.device, grad: torch.Tensor, repeats: int,
+                        floor_s: float) -> tuple[float, float]:
+    """Seconds of ``forward()`` alone and of its backward (forward + backward less the forward, at least
+    5% of the pair), each less the dispatch floor."""
+    raw_fwd = _fastest_s(forward, device, repeats)
+    t_both = _fastest_s(lambda: forward().backward(grad), device, repeats)
+    return _less_floor(raw_fwd, floor_s), _less_floor(max(t_both - raw_fwd, 0.05 * t_both), floor_s)
+
+
 def measure_matmuls(device: torch.device, dtype: torch.dtype, repeats: int, quick: bool,
                     floor_s: float = 0.0) -> list[Sample]:
     scale = 8 if device.type == "cuda" else 1
@@ -293,15 +302,11 @@ def measure_attention(device: torch.device, dtype: torch.dtype, repeats: int,
         def forward():
             return F.scaled_dot_product_attention(q, k, v, is_causal=bool(causal))
 
-        def both():
-            forward().backward(grad)
-
         grad = torch.ones(1, bh, s, d, device=device, dtype=dtype)
-        raw_fwd = _fastest_s(lambda: forward(), device, repeats)
-        t_both = _fastest_s(both, device, repeats)
+        fwd_s, bwd_s = _forward_backward_s(forward, device, grad, repeats, floor_s)
         op_f, op_b = attention_ops(bh, s, d, causal, elt)
-        fwd.append(Sample(op_f, _less_floor(raw_fwd, floor_s)))
-        bwd.append(Sample(op_b, _less_floor(max(t_both - raw_fwd, 0.05 * t_both), floor_s)))
+        fwd.append(Sample(op_f, fwd_s))
+        bwd.append(Sample(op_b, bwd_s))
     return fwd, bwd
 
 
@@ -326,22 +331,17 @@ def measure_convolutions(device: torch.device, dtype: torch.dtype, repeats: int,
         def forward():
             return F.conv2d(x, w, padding=1)
 
-        def both():
-            forward().backward(grad)
-
         counter = FlopCounterMode(display=False)
         with counter:
             forward()
         fwd_flops = counter.get_total_flops()
         with counter:
-            both()
+            forward().backward(grad)
         bwd_flops = counter.get_total_flops() - fwd_flops
         io = float((2 * x.numel() + w.numel()) * elt)  # input and weight read, output written
-        raw_fwd = _fastest_s(forward, device, repeats)
-        t_both = _fastest_s(both, device, repeats)
-        fwd.append(Sample(KernelOp("conv_fwd", 1, float(fwd_flops), io), _less_floor(raw_fwd, floor_s)))
-        bwd.append(Sample(KernelOp("conv_bwd", 1, float(bwd_flops), 2 * io),
-                          _less_floor(max(t_both - raw_fwd, 0.05 * t_both), floor_s)))
+        fwd_s, bwd_s = _forward_backward_s(forward, device, grad, repeats, floor_s)
+        fwd.append(Sample(KernelOp("conv_fwd", 1, float(fwd_flops), io), fwd_s))
+        bwd.append(Sample(KernelOp("conv_bwd", 1, float(bwd_flops), 2 * io), bwd_s))
     return fwd, bwd
 
 

@@ -33,6 +33,7 @@ class DtypeCalibration:
     attention_samples: tuple[Sample, ...]
     conv: dict = field(default_factory=dict)  # fit_conv's efficiencies for this dtype
     conv_samples: tuple[Sample, ...] = ()
+    conv_err: float = math.nan  # fit_conv's mean squared log error
 
     def table(self) -> dict:
         """The ``[kernels.<dtype>]`` sub-table (cost/kernels.py kernel_constants)."""
@@ -52,6 +53,7 @@ class KernelCalibration:
     achieved_bytes_per_s: dict
     by_dtype: tuple[DtypeCalibration, ...] = ()
     conv_samples: tuple[Sample, ...] = ()
+    conv_err: float = math.nan
 
 
 def calibrate_dtype(device: torch.device, dtype_name: str, bandwidth: float, floor_s: float, repeats: int,
@@ -64,8 +66,9 @@ def calibrate_dtype(device: torch.device, dtype_name: str, bandwidth: float, flo
     # uncapped: CPU bf16 attention computes in fp32 and can outrun the bf16 GEMMs (cost/kernels.py)
     at_fit, at_err = fit_attention(fwd, bwd, peak, bandwidth, cap=math.inf)
     cf, cb = measure_convolutions(device, dtype, repeats, floor_s)
-    conv_fit, _ = fit_conv(cf, cb, peak, bandwidth)
-    return DtypeCalibration(dtype_name, peak, layouts, at_fit, at_err, tuple(fwd + bwd), conv_fit, tuple(cf + cb))
+    conv_fit, conv_err = fit_conv(cf, cb, peak, bandwidth)
+    return DtypeCalibration(dtype_name, peak, layouts, at_fit, at_err, tuple(fwd + bwd), conv_fit, tuple(cf + cb),
+                            conv_err)
 
 
 def calibrate_kernels(device: torch.device, peak_flops_per_s: dict[str, float], copy_bytes_per_s: float,
@@ -92,21 +95,22 @@ def calibrate_kernels(device: torch.device, peak_flops_per_s: dict[str, float], 
     at_fit, at_err = fit_attention(fwd, bwd, peak, bandwidth)
     logger.info("calibrate: convolution forward and backward")
     cf, cb = measure_convolutions(device, dtype, repeats, floor_s)
-    conv_fit, _ = fit_conv(cf, cb, peak, bandwidth)
+    conv_fit, conv_err = fit_conv(cf, cb, peak, bandwidth)
     kc = _constants(sm_count=sm_count, max_split_k=max_split, memory_efficiency=mem_eff,
                     kernel_launch_s=measure_launch_s(device), **mm_fit, **at_fit, **conv_fit)
     by_dtype = (calibrate_dtype(device, "bfloat16", bandwidth, floor_s, repeats, quick),) if device.type == "cpu" else ()
     return KernelCalibration(kc, dtype_name, peak, floor_s, mm_err, at_err, tuple(mm), tuple(fwd + bwd), achieved,
-                             by_dtype, tuple(cf + cb))
+                             by_dtype, tuple(cf + cb), conv_err)
 
 
 def _conv_samples_text(samples) -> str:
     return ", ".join(f"{s.op.op_class[5:]} {s.op.flops / 1e6:.0f} MFLOP {s.time_s * 1e3:.3g} ms" for s in samples)
 
 
-def _conv_lines(effs: dict, samples, what: str) -> list[str]:
+def _conv_lines(effs: dict, samples, err: float, what: str) -> list[str]:
     return [f"conv_{d}_efficiency = {effs[f'conv_{d}_efficiency']:.4g}  # {what}3x3 convolution {d} over the GEMM "
-            f"peak, closed form over {_conv_samples_text([s for s in samples if s.op.op_class == 'conv_' + d])}"
+            f"peak, closed form (fit msle {err:.3g}, both directions) over "
+            f"{_conv_samples_text([s for s in samples if s.op.op_class == 'conv_' + d])}"
             for d in ("fwd", "bwd")]
 
 
@@ -132,7 +136,7 @@ def dtype_toml(d: DtypeCalibration, sweep_dtype: str) -> list[str]:
         f"attention_block = {a['attention_block']}  # {d.dtype} attention sweep: grid {BLOCK_GRID}",
         f"attention_tile_overhead = {a['attention_tile_overhead']}  # {d.dtype} attention sweep: grid {TILE_OVERHEAD_GRID}",
         f"exp_per_clk_per_sm = {a['exp_per_clk_per_sm']:.6g}  # {d.dtype} attention sweep: grid {EXP_RATIO_GRID}",
-    ] + (_conv_lines(d.conv, d.conv_samples, f"{d.dtype} ") if d.conv else [])
+    ] + (_conv_lines(d.conv, d.conv_samples, d.conv_err, f"{d.dtype} ") if d.conv else [])
 
 
 def kernels_toml(cal: KernelCalibration) -> list[str]:
@@ -163,5 +167,5 @@ def kernels_toml(cal: KernelCalibration) -> list[str]:
         f"memory_efficiency = {kc.memory_efficiency:.4g}  # median elementwise bytes/s / copy bandwidth, <= 1",
         f"kernel_launch_s = {kc.kernel_launch_s:.4g}  # {'CUDA graph replay of tiny kernels' if kc.max_split_k > 1 else 'CPU: 0, per_op_overhead_s holds each op fixed cost'}",
     ] + (_conv_lines({"conv_fwd_efficiency": kc.conv_fwd_efficiency, "conv_bwd_efficiency": kc.conv_bwd_efficiency},
-                     cal.conv_samples, "") if kc.conv_fwd_efficiency is not None else []) \
+                     cal.conv_samples, cal.conv_err, "") if kc.conv_fwd_efficiency is not None else []) \
       + [line for d in cal.by_dtype for line in [""] + dtype_toml(d, cal.dtype)]

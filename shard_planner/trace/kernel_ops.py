@@ -37,9 +37,9 @@ ATTENTION_FWD_OPS = {
     "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward", "_efficient_attention_forward",
 }
 ATTENTION_BWD_OPS = {name + "_backward" for name in ATTENTION_FWD_OPS}
-CONV_FWD_OPS = {"convolution", "_convolution", "conv2d", "conv1d", "conv3d", "conv_transpose2d", "conv_transpose3d",
-                "cudnn_convolution", "cudnn_convolution_transpose", "mkldnn_convolution", "_slow_conv2d_forward",
-                "slow_conv3d_forward", "slow_conv_transpose2d", "slow_conv_transpose3d", "thnn_conv2d"}
+# conv1d/2d/3d and conv_transpose* decompose to ``convolution`` above the dispatcher: not listed
+CONV_FWD_OPS = {"convolution", "_convolution", "cudnn_convolution", "cudnn_convolution_transpose", "mkldnn_convolution",
+                "_slow_conv2d_forward", "slow_conv3d_forward", "slow_conv_transpose2d", "slow_conv_transpose3d"}
 CONV_BWD_OPS = {"convolution_backward", "_slow_conv2d_backward", "mkldnn_convolution_backward"}
 REDUCTION_OPS = {
     "_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data", "sum", "mean", "amax",

@@ -32,9 +32,9 @@ def test_matmuls_record_m_n_k_layout_and_bytes():
     assert _classify(aten.bmm.default, (4, 32, 64), (4, 64, 16)).dims == (4, 32, 16, 64, 1)
 
 
-def test_a_linear_layers_three_gemms_record_their_layouts():
-    """Forward x @ W^T is "kk" (0), the input gradient dY @ W "kn" (1), the weight gradient dY^T @ X
-    "mn" (3): the layouts CPU bf16 runs 12x apart (cost/kernels.py [Note: matmul layouts])."""
+def _classified(build, step) -> list[OpSample]:
+    """Under FakeTensorMode: ``build()`` makes (modules, inputs) untraced, then every kernel that
+    ``step(*built)`` dispatches, as :func:`classify` records it."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     seen = []
@@ -43,15 +43,23 @@ def test_a_linear_layers_three_gemms_record_their_layouts():
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             s = classify(func, args, kwargs or {}, out, 0)
-            if s is not None and s.op_class == "matmul":
-                seen.append(s.dims)
+            if s is not None:
+                seen.append(s)
             return out
 
     with FakeTensorMode():
-        lin = torch.nn.Linear(64, 32)
-        x = torch.randn(4, 16, 64, requires_grad=True)
+        built = build()
         with Record():
-            (lin(x) ** 2).sum().backward()
+            step(*built)
+    return seen
+
+
+def test_a_linear_layers_three_gemms_record_their_layouts():
+    """Forward x @ W^T is "kk" (0), the input gradient dY @ W "kn" (1), the weight gradient dY^T @ X
+    "mn" (3): the layouts CPU bf16 runs 12x apart (cost/kernels.py [Note: matmul layouts])."""
+    ops = _classified(lambda: (torch.nn.Linear(64, 32), torch.randn(4, 16, 64, requires_grad=True)),
+                      lambda lin, x: (lin(x) ** 2).sum().backward())
+    seen = [s.dims for s in ops if s.op_class == "matmul"]
     assert sorted(seen) == [(1, 32, 64, 64, 3), (1, 64, 32, 64, 0), (1, 64, 64, 32, 1)]
 
 
@@ -64,23 +72,10 @@ def test_a_matmul_records_the_larger_batch_layout():
 
 
 def test_convolutions_are_their_own_class():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    seen = []
-
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            s = classify(func, args, kwargs or {}, out, 0)
-            if s is not None and s.op_class.startswith("conv"):
-                seen.append(s.op_class)
-            return out
-
-    with FakeTensorMode():
-        conv, up = torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.ConvTranspose2d(8, 4, 2, stride=2)
-        x = torch.randn(2, 8, 16, 16, requires_grad=True)
-        with Record():
-            (up(conv(x)) ** 2).sum().backward()
+    ops = _classified(lambda: (torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.ConvTranspose2d(8, 4, 2, stride=2),
+                               torch.randn(2, 8, 16, 16, requires_grad=True)),
+                      lambda conv, up, x: (up(conv(x)) ** 2).sum().backward())
+    seen = [s.op_class for s in ops if s.op_class.startswith("conv")]
     assert seen == ["conv_fwd", "conv_fwd", "conv_bwd", "conv_bwd"]
 
 
