@@ -107,12 +107,23 @@ class HardwareProfile:
     # False prices FSDP1's flat parameters, which have neither (benchmarks/bench_published.py mirrors
     # FSDP1 runs). Not read from profile files: what shard-planner runs is FSDP2.
     fsdp_copies: bool = True
+    # CPU profiles: the cores the ranks of one host share, and how many ranks ran at once when the
+    # collectives and the per-unit and optimizer overheads were measured (``calibrate --world-size``).
+    # A plan whose ranks outnumber the cores runs every rank slower by the share of a core each gets
+    # (shard_planner/cost/host_share.py [Note: CPU ranks sharing cores]). 0: unknown, no sharing (GPU
+    # profiles: each rank has its device).
+    host_cores: int = 0
+    measured_ranks: int = 0
 
     def __post_init__(self):
         for key in ("overlap_compute_slowdown", "gpu_speed_spread"):
             value = getattr(self, key)
             if not (value >= 0.0 and math.isfinite(value)):
                 raise ProfileError(f"profile {self.name}: {key} must be a finite number >= 0, got {value!r}")
+        for key in ("host_cores", "measured_ranks"):
+            value = getattr(self, key)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+                raise ProfileError(f"profile {self.name}: {key} must be a whole number >= 0, got {value!r}")
         if self.compute_model not in COMPUTE_MODELS:
             raise ProfileError(f"profile {self.name}: compute_model must be one of {', '.join(COMPUTE_MODELS)}, "
                                f"got {self.compute_model!r}")

@@ -11,7 +11,10 @@
   ``(units, shard, dtypes)``; what selectively checkpointed blocks store and skip recomputing per
   ``(units, micro-batch, dtype)`` (cost/selective.py);
 - a memo of memory and time estimates keyed by the plan's decisions (units, prefetch, mesh,
-  training), so a cover already simulated is not simulated again.
+  training), so a cover already simulated is not simulated again;
+- per world size, the CostModel that prices time on the profile as that many CPU ranks sharing the
+  host's cores see it (``for_world``; cost/host_share.py [Note: CPU ranks sharing cores]): itself
+  unless they share, always on a GPU profile. Time goes through it; memory does not depend on it.
 
 Everything it returns is frozen or must be treated as read-only (estimates are shared by the memo).
 
@@ -34,6 +37,7 @@ from shard_planner.cost.schedule import Schedule, build_schedule
 from shard_planner.cost.selective import SelectiveBlocks, flops_price, selective_blocks, subtree_selective
 from shard_planner.cost.tables import CostTables, build_tables
 from shard_planner.cost.fsdp_copies import unit_copies_s
+from shard_planner.cost.host_share import shared_profile
 from shard_planner.cost.time import BlockCompute, measured_block_times, simulate_time_walk, unit_collectives_s
 from shard_planner.cost.memory import BlockActivations, block_activations, simulate_memory_walk
 from shard_planner.cost.types import Estimate, MemoryEstimate, TimeEstimate
@@ -112,6 +116,23 @@ class CostModel:
         self._timings_checked: set[str] = set()
         self._kernel_modules = _LRU(tables_cache_size)  # (micro-batch, dtype) -> per-module and loss kernel seconds
         self._kernel_records = has_kernel_records(trace)
+        self._worlds: dict[int, CostModel] = {}
+
+    def for_world(self, world_size: int) -> "CostModel":
+        """The CostModel of this trace on the profile as ``world_size`` ranks see it when they share the
+        host's cores (cost/host_share.py ``shared_profile``): ``self`` when they do not. It shares this
+        model's tables, schedules and unit bytes (they do not depend on the profile's rates)."""
+        hit = self._worlds.get(world_size)
+        if hit is None:
+            shared = shared_profile(self.profile, world_size)
+            if shared is self.profile:
+                hit = self
+            else:
+                hit = CostModel(self.trace, shared, tables_cache_size=self._tables.size, memo_size=self._time.size)
+                hit._sums, hit._tables, hit._schedules, hit._unit_bytes = (self._sums, self._tables, self._schedules,
+                                                                          self._unit_bytes)
+            self._worlds[world_size] = hit
+        return hit
 
     # ---- per trace and segmentation ----
     def subtree_sum(self, fqn: str, attr: str) -> Affine:
@@ -288,13 +309,14 @@ class CostModel:
 
     def time(self, plan: Plan) -> TimeEstimate:
         """Step time of one rank and what it is made of (cost/time.py)."""
-        return self._time_of(plan, PlanKey(plan))
+        return self.for_world(plan.mesh.world_size)._time_of(plan, PlanKey(plan))
 
     def estimate(self, plan: Plan, *, timeline: bool = True) -> Estimate:
         """Memory and time of ``plan``; ``.prediction()`` gives the plan's ``predicted`` section.
         ``timeline=False`` skips the memory timeline (faster; the solver's checks)."""
         k = PlanKey(plan)
-        return Estimate(memory=self._memory_of(plan, k, timeline), time=self._time_of(plan, k))
+        return Estimate(memory=self._memory_of(plan, k, timeline),
+                        time=self.for_world(plan.mesh.world_size)._time_of(plan, k))
 
     def _memory_of(self, plan: Plan, k: PlanKey, timeline: bool) -> MemoryEstimate:
         def simulate():

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from shard_planner.cost.collectives import ring_time_s
+from shard_planner.cost.host_share import usable_cores
 from shard_planner.execute.calibrate_kernels import LAYOUT_N, CurveFit, _fastest, _samples, fit_curve, slower
 from shard_planner.execute.kernel_calibration import calibrate_kernels, kernels_toml
 from shard_planner.errors import UserError
@@ -369,6 +370,7 @@ def calibrate(world_size: int = 2, device: str = "auto", name: str = "local",
         per_op_overhead_s=over.per_op_s, per_unit_overhead_s=over.per_unit_s,
         per_param_tensor_optimizer_overhead_s=over.per_tensor_s,
         kernels=kernels_table(kcal), compute_model="roofline",
+        host_cores=usable_cores() if device == "cpu" else 0, measured_ranks=world_size if device == "cpu" else 0,
     )
     return profile, to_toml(profile, fits, world_size, over, kcal)
 
@@ -403,6 +405,13 @@ def to_toml(p: HardwareProfile, fits: dict[str, CollectiveFit | CurveFit], world
         f'compute_model = "{p.compute_model}"  # {"the roofline over the measured [kernels] table below (cost/kernels.py)" if kcal is not None else "traced FLOPs at the measured matmul throughput"}',
         f"reduce_scatter_temp_fraction = {p.reduce_scatter_temp_fraction}  # {'gloo copies the reduce-scatter input (storage tracker)' if p.device == 'cpu' else 'NCCL allocates no tensor'}",
     ]
+    if p.host_cores:
+        lines += [
+            f"host_cores = {p.host_cores}  # measured: the cores this process may run on (CPU affinity), shared by "
+            "the ranks of this host (cost/host_share.py [Note: CPU ranks sharing cores])",
+            f"measured_ranks = {p.measured_ranks}  # ranks running at once while the collectives and the per-unit "
+            "and optimizer overheads below were measured",
+        ]
     if over is not None:
         units = ", ".join(f"{u}: {t * 1e3:.2f} ms" for u, t in over.unit_samples)
         lines += [

@@ -43,6 +43,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from shard_planner.cost.host_share import threads_per_rank, usable_cores
 from shard_planner.errors import RunError
 from shard_planner.measurement import Measurement, RestoreCheck, load_measurement
 from shard_planner.plan import Plan, load_plan, resolve_model_file
@@ -115,7 +116,7 @@ class _World:
                        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                        PYTHONUNBUFFERED="1")
             if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: ranks must not oversubscribe the cores
-                env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world_size))
+                env["OMP_NUM_THREADS"] = str(threads_per_rank(world_size, usable_cores()))
             log = open(run_dir / f"rank{rank}.log", "wb")
             args = [sys.executable, "-m", "shard_planner.execute.worker", *worker_args,
                     "--status-dir", str(run_dir)]

@@ -60,6 +60,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shard_planner.cost.host_share import threads_per_rank, usable_cores
 from shard_planner.errors import UserError, first_line
 from shard_planner.execute.calibrate import fit_line
 from shard_planner.execute.worker import _device_name, build_on_device, make_step_batch
@@ -331,7 +332,7 @@ def _threads(world_size: int) -> int:
     env = os.environ.get("OMP_NUM_THREADS")
     if env and env.isdigit() and int(env) > 0:
         return int(env)
-    return max(1, (os.cpu_count() or 1) // world_size)
+    return threads_per_rank(world_size, usable_cores())
 
 
 def _cast(model: torch.nn.Module, dtype: torch.dtype) -> None:

@@ -189,6 +189,10 @@ def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoi
     """The coefficients for one global choice. ``cost_model``: the CostModel of ``trace`` on ``profile``
     (module compute times, subtree sums); None: a new one."""
     cm = cost_model if cost_model is not None else CostModel(trace, profile)
+    # time as the choice's ranks see the profile (CPU ranks sharing cores: cost/host_share.py); the
+    # byte figures the memory rows read are the same on it
+    cm = cm.for_world(choice.mesh.world_size)
+    profile = cm.profile
     b = choice.micro_batch
     shard = choice.mesh.shard
     param_elem = sum(m.param_bytes for m in trace.modules) / max(trace.param_count, 1)  # stored bytes per param
