@@ -11,13 +11,9 @@ import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from typing import TYPE_CHECKING
-
 from shard_planner.errors import ProfileError
+from shard_planner.timings import ModuleTimings, load_timings
 from shard_planner.units import format_bytes
-
-if TYPE_CHECKING:  # only for annotations: shard_planner.timings imports this module, not the reverse
-    from shard_planner.timings import ModuleTimings
 
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 DEFAULT_PROFILE = "h100-80gb"
@@ -206,3 +202,11 @@ def load_profile(name_or_path: str) -> HardwareProfile:
         return HardwareProfile(interconnect=Interconnect(**ic), source=str(path), **d)
     except (KeyError, TypeError) as exc:
         raise ProfileError(f"{path}: malformed profile ({exc}); see profiles/h100-80gb.toml for the fields") from None
+
+
+def load_priced_profile(profile: str, timings: str | None = None) -> HardwareProfile:
+    """The hardware profile ``profile`` (a name in profiles/ or a TOML path) that prices compute from the
+    module times in the file ``timings`` (None: from FLOPs). A plan records both (``cluster.profile``,
+    ``cluster.timings``), so ``estimate``, ``run`` and ``report`` price it as ``plan`` did."""
+    hw = load_profile(profile)
+    return hw if timings is None else hw.with_timings(load_timings(timings))

@@ -23,7 +23,6 @@ from dataclasses import asdict, dataclass, field
 
 from shard_planner.errors import ProfileError
 from shard_planner.fileio import read_json, write_atomic
-from shard_planner.profile import HardwareProfile, load_profile
 from shard_planner.trace.types import ZERO, Affine
 
 TIMINGS_SCHEMA_VERSION = 1
@@ -123,11 +122,3 @@ def load_timings(path) -> ModuleTimings:
     """Read a timings file written by ``shard-planner calibrate --model``; one ProfileError line if it is
     missing or malformed. Use it with ``profile.with_timings(load_timings(path))``."""
     return ModuleTimings.from_dict(read_json(path, ProfileError, "module-timings"), source=str(path))
-
-
-def load_priced_profile(profile: str, timings: str | None = None) -> HardwareProfile:
-    """The hardware profile ``profile`` (a name in profiles/ or a TOML path) that prices compute from the
-    module times in the file ``timings`` (None: from FLOPs). A plan records both (``cluster.profile``,
-    ``cluster.timings``), so ``estimate``, ``run`` and ``report`` price it as ``plan`` did."""
-    hw = load_profile(profile)
-    return hw if timings is None else hw.with_timings(load_timings(timings))

@@ -51,7 +51,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from shard_planner.cost import estimate
-    from shard_planner.timings import load_priced_profile
+    from shard_planner.profile import load_priced_profile
     from shard_planner.hf import HfOptions, config_file
     from shard_planner.modelfile import load_unless_trace
     from shard_planner.trace import trace_model, trace_or_load

@@ -91,7 +91,7 @@ def _run(args: argparse.Namespace, helper: Helper) -> int:
         helper.submit(_import_report)  # once the trace is done, while this process plans
     with without_collections():
         from shard_planner.solve import PlanRequest, plan_model
-        from shard_planner.timings import load_priced_profile
+        from shard_planner.profile import load_priced_profile
         from shard_planner.trace.files import trace_model_file
 
         if args.report:

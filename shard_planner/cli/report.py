@@ -56,7 +56,7 @@ def run(args) -> int:
                             "--no-trace")
     profile = None
     if args.profile:
-        from shard_planner.timings import load_priced_profile
+        from shard_planner.profile import load_priced_profile
 
         profile = load_priced_profile(args.profile, plan.cluster.timings)
     from shard_planner.report import write_report

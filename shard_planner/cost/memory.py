@@ -144,7 +144,7 @@ from shard_planner.cost.schedule import EventKind, Schedule
 from shard_planner.cost.selective import SelectiveBlocks
 from shard_planner.cost.tables import CostTables
 from shard_planner.cost.types import MemoryEstimate, MemoryEvent
-from shard_planner.cost.unit_bytes import UnitBytes, unit_bytes  # noqa: F401  (re-exported)
+from shard_planner.cost.unit_bytes import UnitBytes
 from shard_planner.dtypes import dtype_bytes
 from shard_planner.plan import MEMORY_CATEGORIES, Plan
 from shard_planner.profile import HardwareProfile

@@ -23,7 +23,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shard_planner.dtypes import DTYPE_BYTES, FLOAT_DTYPES, dtype_bytes  # noqa: F401  (re-exported)
+from shard_planner.dtypes import FLOAT_DTYPES, dtype_bytes
 from shard_planner.errors import PlanError
 from shard_planner.plan import ROOT, Unit
 from shard_planner.trace.types import ZERO, Affine, ModelTrace

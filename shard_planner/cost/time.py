@@ -38,7 +38,9 @@ Compute slowdown under overlapped collectives]). The time that adds counts as ex
 compute was slowed; 0 prices exactly as before.
 
 On a CPU profile (gloo, synchronous collectives on the one thread that also computes) nothing
-overlaps: the step is the sum of compute, communication and the optimizer.
+overlaps: the step is the sum of compute, communication and the optimizer. When the plan's ranks
+outnumber the host's cores, the CostModel hands this module a profile whose rates and overheads are
+already scaled to each rank's share of a core (cost/host_share.py [Note: CPU ranks sharing cores]).
 
 Framework overhead (the profile's ``per_op_overhead_s``, ``per_unit_overhead_s``,
 ``per_param_tensor_optimizer_overhead_s``; measured by ``shard-planner calibrate``, see
@@ -80,7 +82,7 @@ import logging
 from dataclasses import dataclass
 
 from shard_planner.cost.collectives import all_gather_time_s, reduce_scatter_time_s
-from shard_planner.cost.optimizer import OPTIMIZER_ACCESSES_PER_ELEMENT, optimizer_step_bytes  # noqa: F401
+from shard_planner.cost.optimizer import optimizer_step_bytes
 from shard_planner.cost.overlap import overlapped_compute_end_s
 from shard_planner.cost.schedule import EventKind, Schedule
 from shard_planner.cost.stragglers import straggler_factor

@@ -62,7 +62,7 @@ from shard_planner.checkpointing import SELECTIVE
 from shard_planner.errors import PlanError
 from shard_planner.execute.selective import selective_context_fn
 from shard_planner.ownership import contiguous_among, owners
-from shard_planner.plan import ROOT, Plan, Unit
+from shard_planner.plan import Plan, Unit
 from shard_planner.trace.structure import model_fingerprint
 
 logger = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ What is measured, and how each quantity is fitted:
   threads of one rank (torch.get_num_threads()); split-K is searched on CUDA only (``max_split_k`` 1 on CPU,
   where one thread gains nothing from it).
 - Attention (``scaled_dot_product_attention`` at ATTENTION_SHAPES: batch x heads, sequences 64-1024,
-  head dims 64 and 128, causal; forward timed alone, backward as forward + backward less the forward)
+  head dims 16-128, causal; forward timed alone, backward as forward + backward less the forward)
   -> ``attention_block`` (BLOCK_GRID), ``attention_tile_overhead`` (TILE_OVERHEAD_GRID) and the head-dim
   ratio r (EXP_RATIO_GRID; written as ``exp_per_clk_per_sm`` = CLOCK_NORM / (4 r)), shared by forward and
   backward, with ``attention_fwd_efficiency`` / ``attention_bwd_efficiency`` closed form per direction
@@ -89,7 +89,10 @@ MATMUL_SHAPES = ((1024, 1024, 1024), (512, 512, 512), (256, 256, 256), (128, 128
                  (32, 32, 32), (2048, 64, 512), (64, 2048, 512), (512, 512, 32), (512, 512, 2048),
                  (8, 1024, 1024), (1024, 8, 1024))
 # (batch x heads, sequence, head dim, causal)
-ATTENTION_SHAPES = ((8, 64, 64, 1), (8, 256, 64, 1), (4, 1024, 64, 1), (8, 256, 128, 1), (8, 256, 64, 0))
+# head dims 16-128: at small head dims the softmax's exponentials, not the two matmuls, set the pace (the
+# head-dim ratio r of the fit is decided by them)
+ATTENTION_SHAPES = ((8, 64, 64, 1), (8, 256, 64, 1), (4, 1024, 64, 1), (8, 256, 128, 1), (8, 256, 64, 0),
+                    (16, 128, 16, 1), (16, 128, 32, 1))
 ELEMENTWISE_NUMEL = {"cpu": 4 * 2**20, "cuda": 64 * 2**20}
 # 3x3 convolutions, (batch, channels in = out, height = width) at scale 1 (CPU); CUDA: batch and channels x4
 CONV_SHAPES = ((8, 32, 32), (8, 64, 16), (8, 16, 64))

@@ -54,7 +54,7 @@ def reestimate(plan: Plan, model_path: str) -> Prediction | None:
     model is not available or cannot estimate it (logged)."""
     try:
         from shard_planner.cost import estimate
-        from shard_planner.timings import load_priced_profile
+        from shard_planner.profile import load_priced_profile
         from shard_planner.trace import trace_model
     except ImportError:
         return None

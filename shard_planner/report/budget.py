@@ -77,7 +77,7 @@ class ReportBudget:
 def load_plan_profile(plan: Plan) -> tuple[HardwareProfile | None, str]:
     """The plan's profile priced as ``plan`` priced it (its module timings, if any), or None and the
     one-line reason it cannot be loaded here."""
-    from shard_planner.timings import load_priced_profile
+    from shard_planner.profile import load_priced_profile
 
     try:
         return load_priced_profile(plan.cluster.profile, plan.cluster.timings), ""
