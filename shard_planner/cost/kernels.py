@@ -39,12 +39,17 @@ Achievable FLOP/s by kernel class ([Note: kernel classes]):
       beside its n (causal: i + 1, the diagonal tile computed in full) key tiles.
   Traced FLOPs count causal attention as full (4·b·h·s²·d: trace/flops.py); the kernel does
   (n + 1) / 2n of it plus the overhead.
+    * a fixed time per tile it visits (``attention_tile_fwd_s`` / ``..._bwd_s``, per batch x head, query
+      tiles of ``attention_block`` rows x key blocks of ``attention_kv_block`` keys): 0 on the GPU
+      profiles; a CPU pays it ([Note: attention tiles on a CPU]).
 - convolution forward / backward (input and weight gradients): FLOPs as traced at peak x
   ``conv_fwd_efficiency`` / ``conv_bwd_efficiency``, bytes at the achieved bandwidth. Profiles without
   them price convolutions at the large-GEMM rate (an implicit GEMM: cuDNN's convolutions run on the
   same tensor cores); `calibrate` measures them (execute/calibrate_kernels.py measure_convolutions):
   on this project's CPU a bf16 3x3 convolution's forward ran at 0.6-1.2 GFLOP/s, its backward at ~10,
-  against 23-78 and 40-61 in fp32.
+  against 23-78 and 40-61 in fp32. A CPU also pays a fixed time per call (``conv_call_fwd_s`` /
+  ``conv_call_bwd_s``, 0 on GPU profiles): oneDNN's backward averaged ~0.27 ms a call in the tiny U-Net
+  (bf16, one thread), where its FLOPs take a fraction of that.
 - everything else (elementwise, norms, softmax/reductions, copies and casts, embedding gathers and
   their backward, the loss): bytes read + written / (HBM bandwidth x ``memory_efficiency``), the FLOPs
   at the matmul ceiling as a floor (never binding for these classes).
@@ -78,6 +83,17 @@ constants too, fitted against the bf16 GEMM peak without the cap at 1.
 Every device constant comes from the profile's ``[kernels]`` table, each with its source there.
 Constants that differ by compute dtype (a CPU's bf16 GEMM layouts and attention) are overridden in a
 sub-table named for the dtype, e.g. ``[kernels.bfloat16]``: :func:`kernel_constants`.
+
+[Note: attention tiles on a CPU] ATen's CPU flash attention (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp)
+walks each batch x head in query blocks against key blocks, and every block pair runs its own small GEMM
+calls, softmax bookkeeping and buffer work. At the small shapes of small models that fixed work, not the
+FLOPs, sets the pace. Measured on one thread of an AMD EPYC with AVX512-BF16 (bf16): the backward takes
+~1.8 us per query row at sequences 64-256 whatever the head dim (16-64) or causality (16x128x16 causal
+3.72 ms, 16x128x32 3.57 ms, 8x256x64 3.84 ms), while its FLOPs differ 4x. So a call costs FLOPs / (peak
+x efficiency) + batch x heads x tiles x ``attention_tile_{fwd,bwd}_s``, tiles as :func:`attention_tiles`
+counts them. ``calibrate`` fits the two times and ``attention_kv_block`` on a CPU; on that sweep the fit's
+msle falls from 0.21 to under 0.01. GPU profiles leave them 0: FlashAttention's tiles run in parallel
+across the SMs and their fixed work is inside the published efficiencies.
 """
 
 from __future__ import annotations
@@ -105,6 +121,10 @@ HEAD_DIM_REF = 128  # the head dim the profile's attention efficiencies are quot
 MATMUL_LAYOUTS = ("kk", "kn", "mk", "mn")  # trace/kernel_ops.py matmul_layout codes 0-3
 
 
+_MAY_BE_ZERO = ("kernel_launch_s", "attention_tile_fwd_s", "attention_tile_bwd_s", "attention_kv_block",
+                "conv_call_fwd_s", "conv_call_bwd_s")
+
+
 @dataclass(frozen=True)
 class KernelConstants:
     """A device's kernel constants: the profile's ``[kernels]`` table (sources there)."""
@@ -130,6 +150,15 @@ class KernelConstants:
     sustained_clock_fraction: float = 1.0  # power-limited GEMM clock / boost clock ([Note: sustained clock])
     # rate of each operand layout over the best, order kk, kn, mk, mn ([Note: matmul layouts])
     matmul_layout_efficiency: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0)
+    # fixed seconds per (query tile x key block) an attention call visits, per batch x head; key blocks of
+    # attention_kv_block keys (0: attention_block). 0: none ([Note: attention tiles on a CPU])
+    attention_tile_fwd_s: float = 0.0
+    attention_tile_bwd_s: float = 0.0
+    attention_kv_block: int = 0
+    # fixed seconds per convolution call (forward; backward's input and weight gradients), beside its FLOPs:
+    # 0: none. A CPU's oneDNN convolutions pay it at small shapes (execute/calibrate_kernels.py fit_conv)
+    conv_call_fwd_s: float = 0.0
+    conv_call_bwd_s: float = 0.0
 
     def __post_init__(self):
         for f in fields(self):
@@ -143,7 +172,7 @@ class KernelConstants:
                 if len(v) != len(MATMUL_LAYOUTS) or any(not isinstance(x, (int, float)) or not 0 < x <= 1 for x in v):
                     raise ProfileError("[kernels] matmul_layout_efficiency must be 4 fractions in (0, 1] "
                                        f"(layouts {', '.join(MATMUL_LAYOUTS)}), got {v!r}")
-            elif not (isinstance(v, (int, float)) and v >= 0) or (f.name != "kernel_launch_s" and v == 0):
+            elif not (isinstance(v, (int, float)) and v >= 0) or (f.name not in _MAY_BE_ZERO and v == 0):
                 raise ProfileError(f"[kernels] {f.name} must be a positive number, got {v!r}")
         # attention's efficiencies are over the dtype's GEMM peak and may exceed 1 where attention runs other
         # code than the GEMMs (a CPU's bf16 attention computes in fp32: [Note: matmul layouts])
@@ -265,11 +294,28 @@ def attention_efficiency(seq_q: int, seq_k: int, head_dim: int, causal: bool, ba
     return eff * counted / (visited + n_q * kc.attention_tile_overhead)
 
 
+def attention_tiles(seq_q: int, seq_k: int, causal: bool, kc: KernelConstants) -> int:
+    """Query tiles x key blocks one batch x head of an attention call visits: ``attention_block``-row
+    query tiles, ``attention_kv_block``-key blocks (0: ``attention_block``), causal: key blocks up to the
+    diagonal ([Note: attention tiles on a CPU])."""
+    bq = kc.attention_block
+    bk = kc.attention_kv_block or bq
+    n_q = math.ceil(seq_q / bq)
+    if not causal:
+        return n_q * math.ceil(seq_k / bk)
+    return sum(math.ceil(min(seq_k, (i + 1) * bq) / bk) for i in range(n_q))
+
+
 def attention_time_s(op: KernelOp, dev: Device, backward: bool) -> float:
     """Device time of ``op.count`` FlashAttention calls, dims (batch x heads, seq_q, seq_k, head_dim, causal)."""
-    _, seq_q, seq_k, head_dim, causal = op.dims
-    eff = attention_efficiency(seq_q, seq_k, head_dim, bool(causal), backward, dev.kernels)
-    return max(op.flops / (dev.peak_flops_per_s * eff), op.bytes / dev.bandwidth_bytes_per_s)
+    bh, seq_q, seq_k, head_dim, causal = op.dims
+    kc = dev.kernels
+    eff = attention_efficiency(seq_q, seq_k, head_dim, bool(causal), backward, kc)
+    t = max(op.flops / (dev.peak_flops_per_s * eff), op.bytes / dev.bandwidth_bytes_per_s)
+    tile_s = kc.attention_tile_bwd_s if backward else kc.attention_tile_fwd_s
+    if tile_s:
+        t += op.count * bh * attention_tiles(seq_q, seq_k, bool(causal), kc) * tile_s
+    return t
 
 
 def conv_time_s(op: KernelOp, dev: Device, backward: bool) -> float:
@@ -278,8 +324,9 @@ def conv_time_s(op: KernelOp, dev: Device, backward: bool) -> float:
     achieved bandwidth."""
     kc = dev.kernels
     eff = kc.conv_bwd_efficiency if backward else kc.conv_fwd_efficiency
+    call_s = kc.conv_call_bwd_s if backward else kc.conv_call_fwd_s
     return max(op.flops / (dev.peak_flops_per_s * (kc.matmul_efficiency if eff is None else eff)),
-               op.bytes / dev.bandwidth_bytes_per_s)
+               op.bytes / dev.bandwidth_bytes_per_s) + op.count * call_s
 
 
 def memory_bound_time_s(op: KernelOp, dev: Device) -> float:

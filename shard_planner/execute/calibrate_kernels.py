@@ -72,7 +72,7 @@ import torch
 
 from shard_planner.cost.collectives import ring_time_s
 from shard_planner.cost.kernels import (BWD_MATMUL_PER_EXP, MATMUL_LAYOUTS, Device, KernelConstants, KernelOp,
-                                        attention_time_s, conv_time_s, matmul_time_s)
+                                        attention_tiles, attention_time_s, conv_time_s, matmul_time_s)
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +84,7 @@ RIDGE_GRID = (1e-3, 1.0, 4.0, 16.0, 64.0)  # tensor FLOP per L2 byte; 1e-3: neve
 BLOCK_GRID = (16, 32, 64, 128, 256)
 TILE_OVERHEAD_GRID = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 EXP_RATIO_GRID = (1e-3, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)  # 1e-3: no head-dim effect
+KV_BLOCK_GRID = (0, 256, 512, 1024)  # attention_kv_block with a per-tile time (CPU); 0: attention_block
 # (M, N, K) at scale 1 (CPU); CUDA multiplies each by 8
 MATMUL_SHAPES = ((1024, 1024, 1024), (512, 512, 512), (256, 256, 256), (128, 128, 128), (64, 64, 64),
                  (32, 32, 32), (2048, 64, 512), (64, 2048, 512), (512, 512, 32), (512, 512, 2048),
@@ -95,7 +96,7 @@ ATTENTION_SHAPES = ((8, 64, 64, 1), (8, 256, 64, 1), (4, 1024, 64, 1), (8, 256, 
                     (16, 128, 16, 1), (16, 128, 32, 1))
 ELEMENTWISE_NUMEL = {"cpu": 4 * 2**20, "cuda": 64 * 2**20}
 # 3x3 convolutions, (batch, channels in = out, height = width) at scale 1 (CPU); CUDA: batch and channels x4
-CONV_SHAPES = ((8, 32, 32), (8, 64, 16), (8, 16, 64))
+CONV_SHAPES = ((8, 32, 32), (8, 64, 16), (8, 16, 64), (8, 8, 32), (8, 16, 16), (4, 32, 8))
 LAYOUT_N = 512  # the GEMM of the layout measurement (CPU bf16: its slow layouts take ~0.2 s)
 LAUNCH_KERNELS = 200
 
@@ -159,11 +160,34 @@ def _affine_eff(at_one: list[float], at_half: list[float], meas: list[float], ca
     return min(cap, 1.0 / x) if x > 0 else min(cap, 1.0)
 
 
+def _affine_eff_tile(at_one: list[float], at_half: list[float], tiles: list[float], meas: list[float],
+                     cap: float = 1.0) -> tuple[float, float]:
+    """:func:`_affine_eff` with a fixed time c per tile beside: t_i = a_i x + b_i + n_i c (``tiles``: n_i),
+    the (x, c >= 0) of least relative squared error, closed form (the 2x2 normal equations); returns
+    (efficiency <= cap, c). Where the pair leaves the bounds, c = 0 or eff = cap and the other alone."""
+    a = [(h - o) / m for o, h, m in zip(at_one, at_half, meas)]
+    r = [1 - (o - (h - o)) / m for o, h, m in zip(at_one, at_half, meas)]  # 1 - b_i
+    n = [k / m for k, m in zip(tiles, meas)]
+    saa, snn, san = sum(x * x for x in a), sum(x * x for x in n), sum(x * y for x, y in zip(a, n))
+    sar, snr = sum(x * y for x, y in zip(a, r)), sum(x * y for x, y in zip(n, r))
+    det = saa * snn - san * san
+    x = (sar * snn - snr * san) / det if det > 0 else 0.0
+    c = (saa * snr - san * sar) / det if det > 0 else -1.0
+    if c < 0 or x <= 0:  # no tile cost: the fit without it
+        return _affine_eff(at_one, at_half, meas, cap), 0.0
+    if 1.0 / x > cap:  # efficiency at its cap: the tile time alone
+        x = 1.0 / cap
+        c = max(0.0, sum(ni * (ri - ai * x) for ni, ri, ai in zip(n, r, a)) / snn) if snn > 0 else 0.0
+    return 1.0 / x, c
+
+
 def _constants(base: KernelConstants | None = None, **kw) -> KernelConstants:
     d = dict(sm_count=1, matmul_efficiency=1.0, matmul_tiles=((64, 64),), matmul_tile_k=64, matmul_stages=1,
              tensor_flop_per_clk_per_sm=CLOCK_NORM, l2_bytes_per_clk_per_sm=CLOCK_NORM, exp_per_clk_per_sm=CLOCK_NORM,
              attention_fwd_efficiency=1.0, attention_bwd_efficiency=1.0, attention_block=64,
-             attention_tile_overhead=1.0, memory_efficiency=1.0, kernel_launch_s=0.0, max_split_k=1)
+             attention_tile_overhead=1.0, memory_efficiency=1.0, kernel_launch_s=0.0, max_split_k=1,
+             attention_tile_fwd_s=0.0, attention_tile_bwd_s=0.0, attention_kv_block=0, conv_call_fwd_s=0.0,
+             conv_call_bwd_s=0.0)
     if base is not None:
         d.update({k: getattr(base, k) for k in d})
     d.update(kw)
@@ -267,26 +291,39 @@ def attention_ops(bh: int, s: int, d: int, causal: int, elt_bytes: int) -> tuple
 
 
 def fit_attention(fwd: list[Sample], bwd: list[Sample], peak: float, bandwidth: float,
-                  cap: float = 1.0) -> tuple[dict, float]:
+                  cap: float = 1.0, tile_cost: bool = False) -> tuple[dict, float]:
     """Grid over block, tile overhead and head-dim ratio r; each direction's efficiency closed form, at
-    most ``cap`` (1 against the sweep's own GEMM peak)."""
+    most ``cap`` (1 against the sweep's own GEMM peak). ``tile_cost`` (a CPU): also a fixed time per
+    visited tile in each direction, closed form beside the efficiency, and the key block over
+    KV_BLOCK_GRID (cost/kernels.py [Note: attention tiles on a CPU])."""
     best = None
-    for block, over, r in itertools.product(BLOCK_GRID, TILE_OVERHEAD_GRID, EXP_RATIO_GRID):
-        kc = _constants(attention_block=block, attention_tile_overhead=over, exp_per_clk_per_sm=CLOCK_NORM / (4 * r))
+    kv_grid = KV_BLOCK_GRID if tile_cost else (0,)
+    for block, over, r, kv in itertools.product(BLOCK_GRID, TILE_OVERHEAD_GRID, EXP_RATIO_GRID, kv_grid):
+        if kv and kv < block:
+            continue
+        kc = _constants(attention_block=block, attention_tile_overhead=over, exp_per_clk_per_sm=CLOCK_NORM / (4 * r),
+                        attention_kv_block=kv)
         dev = Device(kc, peak, bandwidth)
-        effs, err = {}, 0.0
-        for name, samples, backward in (("attention_fwd_efficiency", fwd, False), ("attention_bwd_efficiency", bwd, True)):
+        fitted, err = {}, 0.0
+        for d, samples, backward in (("fwd", fwd, False), ("bwd", bwd, True)):
+            name, tile_name = f"attention_{d}_efficiency", f"attention_tile_{d}_s"
             meas = [s.time_s for s in samples]
             half = Device(_constants(kc, **{name: 0.5}), peak, bandwidth)
-            eff = _affine_eff([attention_time_s(s.op, dev, backward) for s in samples],
-                              [attention_time_s(s.op, half, backward) for s in samples], meas, cap)
-            d = Device(_constants(kc, **{name: eff}), peak, bandwidth)
-            err += _msle([attention_time_s(s.op, d, backward) for s in samples], meas) * len(samples)
-            effs[name] = eff
+            at_one = [attention_time_s(s.op, dev, backward) for s in samples]
+            at_half = [attention_time_s(s.op, half, backward) for s in samples]
+            if tile_cost:
+                tiles = [s.op.count * s.op.dims[0] * attention_tiles(s.op.dims[1], s.op.dims[2], bool(s.op.dims[4]), kc)
+                         for s in samples]
+                eff, tile_s = _affine_eff_tile(at_one, at_half, tiles, meas, cap)
+            else:
+                eff, tile_s = _affine_eff(at_one, at_half, meas, cap), 0.0
+            fit = Device(_constants(kc, **{name: eff, tile_name: tile_s}), peak, bandwidth)
+            err += _msle([attention_time_s(s.op, fit, backward) for s in samples], meas) * len(samples)
+            fitted.update({name: eff, tile_name: tile_s})
         err /= len(fwd) + len(bwd)
         if best is None or err < best[1] - 1e-12:
-            best = (dict(effs, attention_block=block, attention_tile_overhead=over,
-                         exp_per_clk_per_sm=CLOCK_NORM / (4 * r)), err)
+            best = (dict(fitted, attention_block=block, attention_tile_overhead=over,
+                         exp_per_clk_per_sm=CLOCK_NORM / (4 * r), attention_kv_block=kv), err)
     return best
 
 
@@ -348,17 +385,26 @@ def measure_convolutions(device: torch.device, dtype: torch.dtype, repeats: int,
     return fwd, bwd
 
 
-def fit_conv(fwd: list[Sample], bwd: list[Sample], peak: float, bandwidth: float) -> tuple[dict, float]:
+def fit_conv(fwd: list[Sample], bwd: list[Sample], peak: float, bandwidth: float,
+             call_cost: bool = False) -> tuple[dict, float]:
     """Each direction's efficiency, closed form over the samples (uncapped: a convolution may run other
-    code than the GEMMs the peak was measured on)."""
+    code than the GEMMs the peak was measured on); ``call_cost`` (a CPU): and a fixed time per call beside
+    it, closed form (:func:`_affine_eff_tile` with one "tile" per call)."""
     dev = Device(_constants(conv_fwd_efficiency=1.0, conv_bwd_efficiency=1.0), peak, bandwidth)
+    half = Device(_constants(conv_fwd_efficiency=0.5, conv_bwd_efficiency=0.5), peak, bandwidth)
     out, err = {}, 0.0
-    for name, samples, backward in (("conv_fwd_efficiency", fwd, False), ("conv_bwd_efficiency", bwd, True)):
+    for d, samples, backward in (("fwd", fwd, False), ("bwd", bwd, True)):
+        name, call_name = f"conv_{d}_efficiency", f"conv_call_{d}_s"
         meas = [s.time_s for s in samples]
-        eff = _closed_form_eff([conv_time_s(s.op, dev, backward) for s in samples], meas, cap=math.inf)
-        fitted = Device(_constants(**{name: eff}), peak, bandwidth)
+        at_one = [conv_time_s(s.op, dev, backward) for s in samples]
+        if call_cost:
+            eff, call_s = _affine_eff_tile(at_one, [conv_time_s(s.op, half, backward) for s in samples],
+                                           [s.op.count for s in samples], meas, cap=math.inf)
+        else:
+            eff, call_s = _closed_form_eff(at_one, meas, cap=math.inf), 0.0
+        fitted = Device(_constants(**{name: eff, call_name: call_s}), peak, bandwidth)
         err += _msle([conv_time_s(s.op, fitted, backward) for s in samples], meas) * len(samples)
-        out[name] = eff
+        out.update({name: eff, call_name: call_s})
     return out, err / (len(fwd) + len(bwd))
 
 

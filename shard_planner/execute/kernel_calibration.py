@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from shard_planner.cost.kernels import MATMUL_LAYOUTS, KernelConstants
-from shard_planner.execute.calibrate_kernels import (BLOCK_GRID, EXP_RATIO_GRID, LAYOUT_N, RIDGE_GRID, STAGES_GRID,
+from shard_planner.execute.calibrate_kernels import (BLOCK_GRID, EXP_RATIO_GRID, KV_BLOCK_GRID, LAYOUT_N, RIDGE_GRID, STAGES_GRID,
                                                      TILE_GRID, TILE_K_GRID, TILE_OVERHEAD_GRID, Sample, _constants,
                                                      fit_attention, fit_conv, fit_matmul, measure_attention,
                                                      measure_convolutions, measure_dispatch_floor_s, measure_launch_s,
@@ -64,9 +64,9 @@ def calibrate_dtype(device: torch.device, dtype_name: str, bandwidth: float, flo
     peak, layouts = measure_layouts(device, dtype, repeats)
     fwd, bwd = measure_attention(device, dtype, repeats, quick, floor_s)
     # uncapped: CPU bf16 attention computes in fp32 and can outrun the bf16 GEMMs (cost/kernels.py)
-    at_fit, at_err = fit_attention(fwd, bwd, peak, bandwidth, cap=math.inf)
+    at_fit, at_err = fit_attention(fwd, bwd, peak, bandwidth, cap=math.inf, tile_cost=device.type == "cpu")
     cf, cb = measure_convolutions(device, dtype, repeats, floor_s)
-    conv_fit, conv_err = fit_conv(cf, cb, peak, bandwidth)
+    conv_fit, conv_err = fit_conv(cf, cb, peak, bandwidth, call_cost=device.type == "cpu")
     return DtypeCalibration(dtype_name, peak, layouts, at_fit, at_err, tuple(fwd + bwd), conv_fit, tuple(cf + cb),
                             conv_err)
 
@@ -92,10 +92,10 @@ def calibrate_kernels(device: torch.device, peak_flops_per_s: dict[str, float], 
         mm_fit["matmul_efficiency"] = 1.0
     logger.info("calibrate: attention forward and backward")
     fwd, bwd = measure_attention(device, dtype, repeats, quick, floor_s)
-    at_fit, at_err = fit_attention(fwd, bwd, peak, bandwidth)
+    at_fit, at_err = fit_attention(fwd, bwd, peak, bandwidth, tile_cost=device.type == "cpu")
     logger.info("calibrate: convolution forward and backward")
     cf, cb = measure_convolutions(device, dtype, repeats, floor_s)
-    conv_fit, conv_err = fit_conv(cf, cb, peak, bandwidth)
+    conv_fit, conv_err = fit_conv(cf, cb, peak, bandwidth, call_cost=device.type == "cpu")
     kc = _constants(sm_count=sm_count, max_split_k=max_split, memory_efficiency=mem_eff,
                     kernel_launch_s=measure_launch_s(device), **mm_fit, **at_fit, **conv_fit)
     by_dtype = (calibrate_dtype(device, "bfloat16", bandwidth, floor_s, repeats, quick),) if device.type == "cpu" else ()
@@ -107,11 +107,26 @@ def _conv_samples_text(samples) -> str:
     return ", ".join(f"{s.op.op_class[5:]} {s.op.flops / 1e6:.0f} MFLOP {s.time_s * 1e3:.3g} ms" for s in samples)
 
 
-def _conv_lines(effs: dict, samples, err: float, what: str) -> list[str]:
-    return [f"conv_{d}_efficiency = {effs[f'conv_{d}_efficiency']:.4g}  # {what}3x3 convolution {d} over the GEMM "
-            f"peak, closed form (fit msle {err:.3g}, both directions) over "
-            f"{_conv_samples_text([s for s in samples if s.op.op_class == 'conv_' + d])}"
-            for d in ("fwd", "bwd")]
+def _conv_lines(effs: dict, samples, err: float, what: str, always: bool = False) -> list[str]:
+    lines = [f"conv_{d}_efficiency = {effs[f'conv_{d}_efficiency']:.4g}  # {what}3x3 convolution {d} over the GEMM "
+             f"peak, closed form (fit msle {err:.3g}, both directions) over "
+             f"{_conv_samples_text([s for s in samples if s.op.op_class == 'conv_' + d])}"
+             for d in ("fwd", "bwd")]
+    if always or any(effs.get(f"conv_call_{d}_s") for d in ("fwd", "bwd")):  # a sub-table's 0 replaces the base's
+        lines += [f"conv_call_{d}_s = {effs.get(f'conv_call_{d}_s', 0.0):.4g}  # {what}3x3 convolution sweep: fixed time per "
+                  f"call, closed form beside the {d} efficiency" for d in ("fwd", "bwd")]
+    return lines
+
+
+def _tile_lines(a: dict, what: str, always: bool = False) -> list[str]:
+    """The per-tile attention time's lines (cost/kernels.py [Note: attention tiles on a CPU]); none when
+    both are 0 (a GPU's fit) unless ``always`` (a dtype sub-table: its 0 must replace the base table's)."""
+    if not (always or a.get("attention_tile_fwd_s") or a.get("attention_tile_bwd_s")):
+        return []
+    return [f"attention_tile_{d}_s = {a.get(f'attention_tile_{d}_s', 0.0):.4g}  # {what}attention sweep: closed form "
+            f"beside the {d} efficiency, per batch x head x (query tile x key block) visited" for d in ("fwd", "bwd")] + [
+        f"attention_kv_block = {a.get('attention_kv_block', 0)}  # {what}attention sweep: grid {KV_BLOCK_GRID} "
+        "(0: attention_block)"]
 
 
 def _attention_samples_text(samples) -> str:
@@ -136,7 +151,7 @@ def dtype_toml(d: DtypeCalibration, sweep_dtype: str) -> list[str]:
         f"attention_block = {a['attention_block']}  # {d.dtype} attention sweep: grid {BLOCK_GRID}",
         f"attention_tile_overhead = {a['attention_tile_overhead']}  # {d.dtype} attention sweep: grid {TILE_OVERHEAD_GRID}",
         f"exp_per_clk_per_sm = {a['exp_per_clk_per_sm']:.6g}  # {d.dtype} attention sweep: grid {EXP_RATIO_GRID}",
-    ] + (_conv_lines(d.conv, d.conv_samples, d.conv_err, f"{d.dtype} ") if d.conv else [])
+    ] + _tile_lines(a, f"{d.dtype} ", always=True) + (_conv_lines(d.conv, d.conv_samples, d.conv_err, f"{d.dtype} ", always=True) if d.conv else [])
 
 
 def kernels_toml(cal: KernelCalibration) -> list[str]:
@@ -164,8 +179,10 @@ def kernels_toml(cal: KernelCalibration) -> list[str]:
         f"attention_bwd_efficiency = {kc.attention_bwd_efficiency:.4g}  # attention sweep: closed form, backward = fwd+bwd less fwd",
         f"attention_block = {kc.attention_block}  # attention sweep: grid {BLOCK_GRID}",
         f"attention_tile_overhead = {kc.attention_tile_overhead}  # attention sweep: grid {TILE_OVERHEAD_GRID}",
+    ] + _tile_lines(asdict(kc), "") + [
         f"memory_efficiency = {kc.memory_efficiency:.4g}  # median elementwise bytes/s / copy bandwidth, <= 1",
         f"kernel_launch_s = {kc.kernel_launch_s:.4g}  # {'CUDA graph replay of tiny kernels' if kc.max_split_k > 1 else 'CPU: 0, per_op_overhead_s holds each op fixed cost'}",
-    ] + (_conv_lines({"conv_fwd_efficiency": kc.conv_fwd_efficiency, "conv_bwd_efficiency": kc.conv_bwd_efficiency},
+    ] + (_conv_lines({k: getattr(kc, k) for k in ("conv_fwd_efficiency", "conv_bwd_efficiency", "conv_call_fwd_s",
+                                                  "conv_call_bwd_s")},
                      cal.conv_samples, cal.conv_err, "") if kc.conv_fwd_efficiency is not None else []) \
       + [line for d in cal.by_dtype for line in [""] + dtype_toml(d, cal.dtype)]

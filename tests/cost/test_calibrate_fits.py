@@ -59,6 +59,52 @@ def test_attention_fit_recovers_block_overhead_head_dim_ratio_and_efficiencies()
     assert fit["attention_bwd_efficiency"] == pytest.approx(0.45, rel=1e-9)
 
 
+def test_attention_fit_with_tile_cost_recovers_the_per_tile_times_and_key_block():
+    """A CPU's attention: FLOPs at an efficiency plus a fixed time per (query tile x key block) visited
+    (cost/kernels.py [Note: attention tiles on a CPU]); the fit finds both per direction and the key block."""
+    truth = _kc(attention_block=32, attention_tile_overhead=0.125, exp_per_clk_per_sm=ck.CLOCK_NORM / (4 * 1e-3),
+                attention_fwd_efficiency=0.3, attention_bwd_efficiency=0.7, attention_kv_block=512,
+                attention_tile_fwd_s=8e-6, attention_tile_bwd_s=5e-5)
+    dev = Device(truth, PEAK, BW)
+    fwd, bwd = [], []
+    for bh, s, d, causal in ck.ATTENTION_SHAPES:
+        op_f, op_b = ck.attention_ops(bh, s, d, causal, 2)
+        fwd.append(ck.Sample(op_f, attention_time_s(op_f, dev, False)))
+        bwd.append(ck.Sample(op_b, attention_time_s(op_b, dev, True)))
+    fit, err = ck.fit_attention(fwd, bwd, PEAK, BW, cap=math.inf, tile_cost=True)
+    assert err < 1e-12
+    assert fit["attention_block"] == 32 and fit["attention_kv_block"] == 512
+    assert fit["attention_tile_fwd_s"] == pytest.approx(8e-6, rel=1e-6)
+    assert fit["attention_tile_bwd_s"] == pytest.approx(5e-5, rel=1e-6)
+    assert fit["attention_bwd_efficiency"] == pytest.approx(0.7, rel=1e-6)
+    # without the tile cost (a GPU's fit) the same samples fit worse, and no tile time is reported
+    plain, plain_err = ck.fit_attention(fwd, bwd, PEAK, BW, cap=math.inf)
+    assert plain_err > 1e-3 and plain["attention_tile_bwd_s"] == 0.0 and plain["attention_kv_block"] == 0
+
+
+def test_conv_fit_with_call_cost_recovers_efficiency_and_time_per_call():
+    from shard_planner.cost.kernels import conv_time_s
+
+    truth = Device(_kc(conv_fwd_efficiency=0.6, conv_bwd_efficiency=0.4, conv_call_fwd_s=5e-5, conv_call_bwd_s=2e-4),
+                   PEAK, BW)
+    ops = [(ck.KernelOp("conv_fwd", n, f, f / 100), ck.KernelOp("conv_bwd", n, 2 * f, f / 50))
+           for n, f in ((1, 1e6), (1, 2e7), (2, 1.5e8), (1, 4e8))]
+    fwd = [ck.Sample(f, conv_time_s(f, truth, False)) for f, _ in ops]
+    bwd = [ck.Sample(b, conv_time_s(b, truth, True)) for _, b in ops]
+    fit, err = ck.fit_conv(fwd, bwd, PEAK, BW, call_cost=True)
+    assert err < 1e-12
+    assert fit["conv_fwd_efficiency"] == pytest.approx(0.6, rel=1e-6)
+    assert fit["conv_call_bwd_s"] == pytest.approx(2e-4, rel=1e-6)
+    plain, plain_err = ck.fit_conv(fwd, bwd, PEAK, BW)  # a GPU's fit: no time per call
+    assert plain_err > 1e-3 and plain["conv_call_fwd_s"] == 0.0
+
+
+def test_tile_fit_without_a_tile_cost_is_the_plain_fit():
+    at_one, at_half, meas = [1.0, 2.0, 3.0], [2.0, 4.0, 6.0], [2.0, 4.0, 6.0]  # eff 0.5 exactly
+    eff, tile_s = ck._affine_eff_tile(at_one, at_half, [5.0, 1.0, 9.0], meas, cap=1.0)
+    assert eff == pytest.approx(0.5) and tile_s == pytest.approx(0.0, abs=1e-12)
+
+
 SIZES = (8, 2**12, 2**14, 2**16, 2**18, 2**20, 2**22, 2**24)
 
 
@@ -150,7 +196,8 @@ def test_bf16_sub_table_round_trips_and_prices_bf16_only(tmp_path):
     kc = _kc(matmul_efficiency=0.9, matmul_tiles=((32, 32),), attention_fwd_efficiency=0.8,
              attention_bwd_efficiency=0.5)
     att = dict(attention_fwd_efficiency=0.3, attention_bwd_efficiency=0.1, attention_block=64,
-               attention_tile_overhead=0.5, exp_per_clk_per_sm=128.0)
+               attention_tile_overhead=0.5, exp_per_clk_per_sm=128.0, attention_tile_fwd_s=0.0,
+               attention_tile_bwd_s=4e-5, attention_kv_block=512)
     conv_op = ck.KernelOp("conv_fwd", 1, 1.5e8, 1e6)
     bf16 = kcal_mod.DtypeCalibration("bfloat16", 1.5e10, (1.0, 0.08, 0.09, 0.97), att, 0.02,
                                (ck.Sample(ck.attention_ops(8, 64, 64, 1, 2)[0], 3e-4),),
@@ -163,6 +210,8 @@ def test_bf16_sub_table_round_trips_and_prices_bf16_only(tmp_path):
     got = kernel_constants(loaded, "bfloat16")
     assert got.matmul_layout_efficiency == pytest.approx((1.0, 0.08, 0.09, 0.97), rel=1e-3)
     assert got.attention_bwd_efficiency == pytest.approx(0.1) and got.attention_block == 64
+    assert got.attention_tile_bwd_s == pytest.approx(4e-5) and got.attention_kv_block == 512
+    assert kernel_constants(loaded, "float32").attention_tile_bwd_s == 0.0
     assert got.matmul_tiles == kc.matmul_tiles  # keys the sub-table does not name stay the base's
     assert got.conv_fwd_efficiency == pytest.approx(0.04) and kc.conv_fwd_efficiency is None
     dev = device_of(loaded, "bfloat16")

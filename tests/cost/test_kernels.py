@@ -161,3 +161,39 @@ def test_convolutions_at_their_efficiency_or_the_gemm_rate():
     assert op_time_s(bwd, conv) - 1e-6 == pytest.approx(2e12 / (100e12 * 0.5))
     memory_bound = KernelOp("conv_fwd", 1, 1e6, 1e12)
     assert op_time_s(memory_bound, conv) - 1e-6 == pytest.approx(1e12 / (1e12 * 0.9))
+
+
+# ---- a fixed time per attention tile (CPU; cost/kernels.py [Note: attention tiles on a CPU]) ----
+@pytest.mark.parametrize("seq, causal, bq, bk, tiles", [
+    (128, True, 32, 1024, 4),  # 4 query tiles, each within the one key block
+    (2048, False, 64, 512, 32 * 4),
+    (2048, True, 512, 512, 1 + 2 + 3 + 4),
+    (100, True, 64, 0, 1 + 2),  # key blocks of attention_block when attention_kv_block is 0
+])
+def test_attention_tiles(seq, causal, bq, bk, tiles):
+    from shard_planner.cost.kernels import attention_tiles
+    from shard_planner.execute.calibrate_kernels import _constants
+
+    assert attention_tiles(seq, seq, causal, _constants(attention_block=bq, attention_kv_block=bk)) == tiles
+
+
+def test_attention_tile_time_adds_per_call_head_and_tile():
+    from shard_planner.cost.kernels import Device, KernelOp, attention_time_s
+    from shard_planner.execute.calibrate_kernels import _constants
+
+    base = _constants(attention_block=32, attention_kv_block=1024)
+    tiled = _constants(base, attention_tile_fwd_s=1e-5, attention_tile_bwd_s=4e-5)
+    op = KernelOp("attention_bwd", 3, 1e9, 1e6, (16, 128, 128, 16, 1))  # 3 calls, 16 batch x heads, 4 tiles each
+    plain_s = attention_time_s(op, Device(base, 1e11, 1e10), True)
+    assert attention_time_s(op, Device(tiled, 1e11, 1e10), True) == pytest.approx(plain_s + 3 * 16 * 4 * 4e-5)
+    assert attention_time_s(op, Device(tiled, 1e11, 1e10), False) == pytest.approx(
+        attention_time_s(op, Device(base, 1e11, 1e10), False) + 3 * 16 * 4 * 1e-5)
+
+
+def test_attention_tile_constants_may_be_zero_but_not_negative():
+    from shard_planner.errors import ProfileError
+    from shard_planner.execute.calibrate_kernels import _constants
+
+    assert _constants(attention_tile_bwd_s=0.0, attention_kv_block=0).attention_tile_bwd_s == 0.0
+    with pytest.raises(ProfileError, match="attention_tile_bwd_s must be a positive number"):
+        _constants(attention_tile_bwd_s=-1e-6)
