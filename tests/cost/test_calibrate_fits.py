@@ -42,15 +42,21 @@ def test_matmul_fit_above_one_means_the_reference_peak_was_slow():
     assert err < 1e-12 and fit["matmul_efficiency"] == pytest.approx(1.5, rel=1e-9)
 
 
-def test_attention_fit_recovers_block_overhead_head_dim_ratio_and_efficiencies():
-    truth = _kc(attention_block=64, attention_tile_overhead=2.0, exp_per_clk_per_sm=ck.CLOCK_NORM / (4 * 8.0),
-                attention_fwd_efficiency=0.6, attention_bwd_efficiency=0.45)
+def _attention_samples(truth: KernelConstants, elt_bytes: int):
+    """Forward and backward samples of ATTENTION_SHAPES priced by ``truth`` (what a fit must recover)."""
     dev = Device(truth, PEAK, BW)
     fwd, bwd = [], []
     for bh, s, d, causal in ck.ATTENTION_SHAPES:
-        op_f, op_b = ck.attention_ops(bh, s, d, causal, 4)
+        op_f, op_b = ck.attention_ops(bh, s, d, causal, elt_bytes)
         fwd.append(ck.Sample(op_f, attention_time_s(op_f, dev, False)))
         bwd.append(ck.Sample(op_b, attention_time_s(op_b, dev, True)))
+    return fwd, bwd
+
+
+def test_attention_fit_recovers_block_overhead_head_dim_ratio_and_efficiencies():
+    truth = _kc(attention_block=64, attention_tile_overhead=2.0, exp_per_clk_per_sm=ck.CLOCK_NORM / (4 * 8.0),
+                attention_fwd_efficiency=0.6, attention_bwd_efficiency=0.45)
+    fwd, bwd = _attention_samples(truth, 4)
     fit, err = ck.fit_attention(fwd, bwd, PEAK, BW)
     assert err < 1e-12
     assert fit["attention_block"] == 64 and fit["attention_tile_overhead"] == 2.0
@@ -65,12 +71,7 @@ def test_attention_fit_with_tile_cost_recovers_the_per_tile_times_and_key_block(
     truth = _kc(attention_block=32, attention_tile_overhead=0.125, exp_per_clk_per_sm=ck.CLOCK_NORM / (4 * 1e-3),
                 attention_fwd_efficiency=0.3, attention_bwd_efficiency=0.7, attention_kv_block=512,
                 attention_tile_fwd_s=8e-6, attention_tile_bwd_s=5e-5)
-    dev = Device(truth, PEAK, BW)
-    fwd, bwd = [], []
-    for bh, s, d, causal in ck.ATTENTION_SHAPES:
-        op_f, op_b = ck.attention_ops(bh, s, d, causal, 2)
-        fwd.append(ck.Sample(op_f, attention_time_s(op_f, dev, False)))
-        bwd.append(ck.Sample(op_b, attention_time_s(op_b, dev, True)))
+    fwd, bwd = _attention_samples(truth, 2)
     fit, err = ck.fit_attention(fwd, bwd, PEAK, BW, cap=math.inf, tile_cost=True)
     assert err < 1e-12
     assert fit["attention_block"] == 32 and fit["attention_kv_block"] == 512
