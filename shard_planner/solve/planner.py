@@ -44,6 +44,7 @@ import logging
 import math
 from dataclasses import replace
 
+from shard_planner.cost.host_share import host_factors, ranks_per_host
 from shard_planner.plan import Mesh, Prefetch, SolverInfo
 from shard_planner.solve import alternatives, cpsat, simpler
 from shard_planner.solve.accumulation import (
@@ -99,6 +100,13 @@ def _plan(ctx: PlanContext) -> PlanResult:
         logger.warning("budget %s exceeds the memory of a %s device (%s): planning for %s",
                        format_bytes(request.mem_budget_bytes), profile.name, format_bytes(profile.memory_bytes),
                        budget_text(profile, request.mem_budget_bytes))
+    share = host_factors(profile, request.gpus)[0]
+    if share > 1:
+        ranks = ranks_per_host(profile, request.gpus)
+        logger.warning("%d ranks share this host's %d cores: each runs at 1/%.3g of a core, which the step time "
+                       "includes; the ranks' waits for a core at every collective are not modelled "
+                       "(`shard-planner calibrate --world-size %d` measures them into a profile)",
+                       ranks, profile.host_cores, share, ranks)
     found = _search(ctx)
     best = max(found, key=speed)
     with ctx.clock.stage("frontier"):

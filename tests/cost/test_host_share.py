@@ -117,3 +117,18 @@ def test_bad_core_counts_are_one_profile_error(tmp_path, value):
     path.write_text(text)
     with pytest.raises(ProfileError, match="host_cores must be a whole number >= 0"):
         load_profile(str(path))
+
+
+def test_the_planner_says_when_ranks_outnumber_the_cores(gloo, caplog):
+    from shard_planner.solve import PlanRequest, plan_model
+    from tests.models.solve_traces import stack_trace
+
+    trace = stack_trace(4)
+    with caplog.at_level("WARNING", logger="shard_planner.solve.planner"):
+        plan_model(trace, PlanRequest(gpus=4, mem_budget_bytes=8 * 2**30, profile=gloo, frontier_points=2))
+    assert "4 ranks share this host's 2 cores: each runs at 1/2 of a core" in caplog.text
+    assert "calibrate --world-size 4" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="shard_planner.solve.planner"):
+        plan_model(trace, PlanRequest(gpus=2, mem_budget_bytes=8 * 2**30, profile=gloo, frontier_points=2))
+    assert "share this host" not in caplog.text
