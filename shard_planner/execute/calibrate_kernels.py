@@ -31,9 +31,8 @@ What is measured, and how each quantity is fitted:
   ratio r (EXP_RATIO_GRID; written as ``exp_per_clk_per_sm`` = CLOCK_NORM / (4 r)), shared by forward and
   backward, with ``attention_fwd_efficiency`` / ``attention_bwd_efficiency`` closed form per direction
   (time is affine in 1/efficiency there: the least-squares x = 1/eff of relative error). On a CPU, also
-  ``attention_tile_fwd_s`` / ``attention_tile_bwd_s`` (a fixed time per visited query tile x key block,
-  closed form beside the efficiency: the 2x2 normal equations) and ``attention_kv_block`` (KV_BLOCK_GRID):
-  cost/kernels.py [Note: attention tiles on a CPU].
+  ``attention_tile_{fwd,bwd}_s`` (a fixed time per tile, closed form beside the efficiency) and
+  ``attention_kv_block`` (KV_BLOCK_GRID): cost/kernels.py [Note: attention tiles on a CPU].
   FLOPs as the trace counts them: 4 b h s^2 d forward (causal counted in full), 2.5x that backward.
 - CPU only, bf16 (``[kernels.bfloat16]``, replacing those keys of [kernels] for bf16 compute): without
   native bf16 instructions its GEMM and attention kernels are other code than fp32's. A LAYOUT_N^3 GEMM
@@ -43,8 +42,7 @@ What is measured, and how each quantity is fitted:
 - Convolutions (CONV_SHAPES, 3x3; forward alone, backward as forward + backward less the forward; FLOPs
   by FlopCounterMode as the trace counts them) -> ``conv_fwd_efficiency`` / ``conv_bwd_efficiency``,
   each the closed-form log mean over the samples, uncapped (in the sweep dtype, and in bf16 on CPU); on a
-  CPU with ``conv_call_fwd_s`` / ``conv_call_bwd_s``, a fixed time per call, closed form beside the
-  efficiency (the sweep's small channel counts separate the two).
+  CPU with ``conv_call_{fwd,bwd}_s``, a fixed time per call, closed form beside the efficiency.
 - Elementwise / norm / reduction bandwidth (ELEMENTWISE_NUMEL elements: add, mul, GELU, softmax, LayerNorm,
   sum; bytes read + written) -> ``memory_efficiency`` = the median achieved bytes/s / the copy bandwidth,
   capped at 1.
