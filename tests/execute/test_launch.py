@@ -40,7 +40,8 @@ def test_torchrun_two_nodes_hsdp(tmp_path):
             if a.poll() is None:
                 os.killpg(a.pid, 9)
                 a.wait()
-    logs = "\n".join((tmp_path / f"node{i}.log").read_text()[-2000:] for i in range(2))
+    # whole logs: a failure's first frames (the exception's text) come long before its last 2,000 characters
+    logs = "\n".join(f"--- node {i} ---\n" + (tmp_path / f"node{i}.log").read_text() for i in range(2))
     assert codes == [0, 0], logs
     m = load_measurement(tmp_path / "measurement.json")  # beside the plan, by default
     assert (m.world_size, m.mesh_replicate, m.mesh_shard) == (2, 2, 1)
