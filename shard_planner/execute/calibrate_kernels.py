@@ -156,11 +156,8 @@ def _closed_form_eff(at_one: list[float], meas: list[float], cap: float = 1.0) -
 def _affine_eff(at_one: list[float], at_half: list[float], meas: list[float], cap: float = 1.0) -> float:
     """Attention time is affine in 1/efficiency (the head-dim term adds to it: cost/kernels.py): with
     t_i = a_i x + b_i, x = 1/eff, from the times at eff 1 and 1/2, the x of least relative squared
-    error, closed form; eff <= cap."""
-    a = [(h - o) / m for o, h, m in zip(at_one, at_half, meas)]
-    b = [(o - (h - o)) / m for o, h, m in zip(at_one, at_half, meas)]
-    x = sum(ai * (1 - bi) for ai, bi in zip(a, b)) / sum(ai * ai for ai in a)
-    return min(cap, 1.0 / x) if x > 0 else min(cap, 1.0)
+    error, closed form; eff <= cap. (:func:`_affine_eff_tile` without tiles.)"""
+    return _affine_eff_tile(at_one, at_half, [0.0] * len(meas), meas, cap)[0]
 
 
 def _affine_eff_tile(at_one: list[float], at_half: list[float], tiles: list[float], meas: list[float],
@@ -176,8 +173,9 @@ def _affine_eff_tile(at_one: list[float], at_half: list[float], tiles: list[floa
     det = saa * snn - san * san
     x = (sar * snn - snr * san) / det if det > 0 else 0.0
     c = (saa * snr - san * sar) / det if det > 0 else -1.0
-    if c < 0 or x <= 0:  # no tile cost: the fit without it
-        return _affine_eff(at_one, at_half, meas, cap), 0.0
+    if c < 0 or x <= 0:  # no tile cost (no tiles, or a negative one): x alone
+        x = sar / saa
+        return (min(cap, 1.0 / x) if x > 0 else min(cap, 1.0)), 0.0
     if 1.0 / x > cap:  # efficiency at its cap: the tile time alone
         x = 1.0 / cap
         c = max(0.0, sum(ni * (ri - ai * x) for ni, ri, ai in zip(n, r, a)) / snn) if snn > 0 else 0.0

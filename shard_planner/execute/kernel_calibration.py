@@ -157,6 +157,7 @@ def dtype_toml(d: DtypeCalibration, sweep_dtype: str) -> list[str]:
 def kernels_toml(cal: KernelCalibration) -> list[str]:
     """The [kernels] table's lines, each with how it was measured and fitted."""
     kc = cal.constants
+    table = asdict(kc)  # the constants by name, for the line builders shared with the dtype sub-tables
     mm = ", ".join(f"{s.op.dims[1]}x{s.op.dims[2]}x{s.op.dims[3]} {s.time_s * 1e3:.3g} ms" for s in cal.matmul_samples)
     at = _attention_samples_text(cal.attention_samples)
     bw = ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in cal.achieved_bytes_per_s.items())
@@ -179,10 +180,8 @@ def kernels_toml(cal: KernelCalibration) -> list[str]:
         f"attention_bwd_efficiency = {kc.attention_bwd_efficiency:.4g}  # attention sweep: closed form, backward = fwd+bwd less fwd",
         f"attention_block = {kc.attention_block}  # attention sweep: grid {BLOCK_GRID}",
         f"attention_tile_overhead = {kc.attention_tile_overhead}  # attention sweep: grid {TILE_OVERHEAD_GRID}",
-    ] + _tile_lines(asdict(kc), "") + [
+    ] + _tile_lines(table, "") + [
         f"memory_efficiency = {kc.memory_efficiency:.4g}  # median elementwise bytes/s / copy bandwidth, <= 1",
         f"kernel_launch_s = {kc.kernel_launch_s:.4g}  # {'CUDA graph replay of tiny kernels' if kc.max_split_k > 1 else 'CPU: 0, per_op_overhead_s holds each op fixed cost'}",
-    ] + (_conv_lines({k: getattr(kc, k) for k in ("conv_fwd_efficiency", "conv_bwd_efficiency", "conv_call_fwd_s",
-                                                  "conv_call_bwd_s")},
-                     cal.conv_samples, cal.conv_err, "") if kc.conv_fwd_efficiency is not None else []) \
+    ] + (_conv_lines(table, cal.conv_samples, cal.conv_err, "") if kc.conv_fwd_efficiency is not None else []) \
       + [line for d in cal.by_dtype for line in [""] + dtype_toml(d, cal.dtype)]
