@@ -1,0 +1,290 @@
+"""The GPU kernel model against one device: time kernels of training shapes there, price them here.
+
+Two modes, so the device machine only measures:
+
+    python benchmarks/gpu_kernels.py measure --out OUT/kernels.json        # on the GPU (benchmarks/gpu_check.sh)
+    python benchmarks/gpu_kernels.py report OUT/kernels.json [--profile h200]   # anywhere, no GPU
+
+``measure`` times, with CUDA events around ``reps`` back-to-back calls after a warm-up (the median of
+three such batches; random operands, never zeros), the kernels a transformer's training step runs:
+
+- GEMMs of the Linear layers of widths 768-4096 (QKV, output, MLP up and down, the vocabulary head) at
+  2k-32k tokens, in the three operand layouts a Linear runs (forward x @ W^T "kk", input gradient
+  dY @ W "kn", weight gradient dY^T @ X "mn": cost/kernels.py [Note: matmul layouts]), and square GEMMs;
+- ``scaled_dot_product_attention`` (causal, bf16) at sequences 512-16384, head dims 64 and 128, forward
+  alone and forward + backward (the backward is the difference);
+- memory-bound kernels (add, GELU, SiLU, LayerNorm, RMSNorm, softmax, the fp32 cross-entropy of a
+  vocabulary head, a bf16 -> fp32 cast, the foreach AdamW step), with the bytes they must move;
+- the device gap between kernels (CUDA-graph replay of tiny kernels) and the host's cost per eager op.
+
+``report`` prices every sample with the cost model's own functions (cost/kernels.py ``matmul_time_s``,
+``attention_time_s``, ``memory_bound_time_s``) on the profile's ``[kernels]`` table and prints predicted
+vs measured per class, writing reports/benchmarks/gpu_kernels.{csv,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+WIDTHS = (768, 1024, 2048, 4096)
+TOKENS = (2048, 8192, 32768)
+VOCAB = 50368  # MPT's vocabulary (../shared/data/published_fsdp_runs.csv)
+SQUARE = (512, 1024, 2048, 4096, 8192)
+ATTENTION = [(s, d) for s in (512, 1024, 2048, 4096, 8192, 16384) for d in (64, 128)]
+ATTENTION_TOKENS = 32768  # batch x sequence of each attention sample
+ATTENTION_WIDTH = 2048  # heads x head dim
+LAYOUTS = ("kk", "kn", "mk", "mn")  # cost/kernels.py MATMUL_LAYOUTS order
+
+
+def linear_gemms() -> list[tuple[int, int, int, int]]:
+    """(M, N, K, layout index) of each Linear's forward, input gradient and weight gradient."""
+    out = []
+    for d in WIDTHS:
+        for t in TOKENS:
+            for n_out, n_in in ((3 * d, d), (d, d), (4 * d, d), (d, 4 * d)):
+                out += [(t, n_out, n_in, 0), (t, n_in, n_out, 1), (n_out, n_in, t, 3)]
+        t = TOKENS[1]
+        out += [(t, VOCAB, d, 0), (t, d, VOCAB, 1), (VOCAB, d, t, 3)]
+    return out + [(n, n, n, 1) for n in SQUARE]
+
+
+# ---- measure (on the GPU) ----
+
+def _events_s(fn, reps: int) -> float:
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / reps)
+    return statistics.median(times)
+
+
+def _reps(flops: float, rate: float = 4e14) -> int:
+    """Enough calls that a batch runs ~20 ms at ``rate``, at least 3, at most 200."""
+    return int(min(200, max(3, 0.02 / max(flops / rate, 1e-7))))
+
+
+def _operands(m: int, n: int, k: int, layout: int, dtype):
+    import torch
+
+    a = torch.randn(k, m, device="cuda", dtype=dtype).t() if layout >= 2 else torch.randn(m, k, device="cuda", dtype=dtype)
+    b = torch.randn(n, k, device="cuda", dtype=dtype).t() if layout % 2 == 0 else torch.randn(k, n, device="cuda", dtype=dtype)
+    return a, b
+
+
+def measure_gemms(dtype) -> list[dict]:
+    rows = []
+    for m, n, k, layout in linear_gemms():
+        a, b = _operands(m, n, k, layout, dtype)
+        t = _events_s(lambda: a @ b, _reps(2 * m * n * k))
+        rows.append(dict(kind="matmul", m=m, n=n, k=k, layout=LAYOUTS[layout], time_s=t))
+        del a, b
+    return rows
+
+
+def measure_attention(dtype) -> list[dict]:
+    import torch
+    import torch.nn.functional as F
+
+    rows = []
+    for s, d in ATTENTION:
+        b, h = max(1, ATTENTION_TOKENS // s), ATTENTION_WIDTH // d
+        q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+        grad = torch.randn(b, h, s, d, device="cuda", dtype=dtype)
+        flops = 4.0 * b * h * s * s * d
+        fwd = _events_s(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), _reps(flops, 2e14))
+
+        def both():
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+
+        total = _events_s(both, _reps(3.5 * flops, 2e14))
+        rows.append(dict(kind="attention", batch=b, heads=h, seq=s, head_dim=d, causal=1, fwd_s=fwd,
+                         bwd_s=max(total - fwd, 1e-9)))
+        del q, k, v, grad
+    return rows
+
+
+def measure_memory_bound() -> list[dict]:
+    """(name, op class as the trace records it, bytes read + written, time)."""
+    import torch
+    import torch.nn.functional as F
+
+    rows = []
+    n_tok, d = 16384, 2048
+    x = torch.randn(n_tok, d, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(n_tok, d, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(d, device="cuda", dtype=torch.bfloat16)
+    e = x.numel() * 2
+    cases = {
+        "add bf16": ("elementwise", lambda: x + y, 3 * e),
+        "gelu bf16": ("elementwise", lambda: F.gelu(x), 2 * e),
+        "silu bf16": ("elementwise", lambda: F.silu(x), 2 * e),
+        "layer_norm bf16": ("reduction", lambda: F.layer_norm(x, (d,), w, w), 2 * e),
+        "rms_norm bf16": ("reduction", lambda: F.rms_norm(x, (d,), w), 2 * e),
+        "softmax bf16": ("reduction", lambda: torch.softmax(x, -1), 2 * e),
+        "cast bf16->fp32": ("copy", lambda: x.float(), 3 * e),
+    }
+    for name, (cls, fn, nbytes) in cases.items():
+        rows.append(dict(kind="memory", name=name, op_class=cls, bytes=nbytes, time_s=_events_s(fn, 50)))
+    logits = torch.randn(8192, VOCAB, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(0, VOCAB, (8192,), device="cuda")
+
+    def ce():
+        F.cross_entropy(logits.float(), target).backward()
+
+    # fp32 upcast (read 2, write 4), log-softmax forward (read 4, write 4), backward (read 4 + 4, write 4),
+    # cast back to the bf16 gradient (read 4, write 2): 36 bytes per logit
+    rows.append(dict(kind="memory", name="cross_entropy fwd+bwd (fp32)", op_class="loss",
+                     bytes=36 * logits.numel(), time_s=_events_s(ce, 10)))
+    params = [torch.randn(4096, 4096, device="cuda", requires_grad=True) for _ in range(16)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    n = sum(p.numel() for p in params)
+    # AdamW: read param, grad, exp_avg, exp_avg_sq (16 B), write param, exp_avg, exp_avg_sq (12 B)
+    rows.append(dict(kind="memory", name=f"AdamW foreach, {len(params)} tensors", op_class="optimizer",
+                     bytes=28 * n, time_s=_events_s(opt.step, 10), tensors=len(params)))
+    return rows
+
+
+def measure_launch() -> list[dict]:
+    import torch
+
+    x = torch.zeros(1, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            x.add_(1)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(200):
+            x.add_(1)
+    gap = _events_s(graph.replay, 20) / 200
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(5000):
+        x.add_(1)
+    host = (time.perf_counter() - t0) / 5000
+    torch.cuda.synchronize()
+    return [dict(kind="launch", name="device gap per kernel (graph replay)", time_s=gap),
+            dict(kind="launch", name="host per eager op (x.add_(1))", time_s=host)]
+
+
+def measure(out: Path) -> None:
+    import torch
+
+    torch.manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    meta = dict(device=torch.cuda.get_device_name(0), sm_count=props.multi_processor_count, torch=torch.__version__,
+                cuda=torch.version.cuda, when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    rows: list[dict] = []
+    for what, fn in (("launch", measure_launch), ("memory", measure_memory_bound),
+                     ("gemm", lambda: measure_gemms(torch.bfloat16)), ("attention", lambda: measure_attention(torch.bfloat16))):
+        t0 = time.perf_counter()
+        try:
+            rows += fn()
+        except Exception as exc:  # keep what the other sweeps measured
+            print(f"!! {what} sweep failed: {type(exc).__name__}: {exc}")
+        print(f"{what} sweep: {time.perf_counter() - t0:.1f} s")
+        out.write_text(json.dumps(dict(meta=meta, samples=rows), indent=1) + "\n")
+    print(f"{len(rows)} samples -> {out}")
+
+
+# ---- report (anywhere) ----
+
+def price(rows: list[dict], profile_name: str) -> list[dict]:
+    """Each measured sample beside the cost model's time for it on ``profile_name``."""
+    from shard_planner.cost.kernels import (KernelOp, attention_time_s, device_of, matmul_time_s,
+                                            memory_bound_time_s)
+    from shard_planner.execute.calibrate_kernels import attention_ops, matmul_op
+    from shard_planner.profile import load_profile
+
+    profile = load_profile(profile_name)
+    dev = device_of(profile, "bfloat16")
+    out = []
+    for r in rows:
+        if r["kind"] == "matmul":
+            op = matmul_op(r["m"], r["n"], r["k"], 2, LAYOUTS.index(r["layout"]))
+            out.append(dict(cls=f"matmul {r['layout']}", what=f"{r['m']}x{r['n']}x{r['k']}", measured_s=r["time_s"],
+                            predicted_s=matmul_time_s(op, dev), tflops=op.flops / r["time_s"] / 1e12))
+        elif r["kind"] == "attention":
+            fwd, bwd = attention_ops(r["batch"] * r["heads"], r["seq"], r["head_dim"], r["causal"], 2)
+            what = f"b{r['batch']} h{r['heads']} s{r['seq']} d{r['head_dim']}"
+            causal = (r["seq"] + 128) / (2 * r["seq"])  # the kernel's work over the full count (FA2 tiles of 128)
+            out.append(dict(cls="attention fwd", what=what, measured_s=r["fwd_s"],
+                            predicted_s=attention_time_s(fwd, dev, False), tflops=fwd.flops * causal / r["fwd_s"] / 1e12))
+            out.append(dict(cls="attention bwd", what=what, measured_s=r["bwd_s"],
+                            predicted_s=attention_time_s(bwd, dev, True), tflops=bwd.flops * causal / r["bwd_s"] / 1e12))
+        elif r["kind"] == "memory":
+            op = KernelOp(r["op_class"], 1, 0.0, float(r["bytes"]))
+            out.append(dict(cls=r["op_class"], what=r["name"], measured_s=r["time_s"],
+                            predicted_s=memory_bound_time_s(op, dev), tflops=r["bytes"] / r["time_s"] / 1e12))
+        else:  # launch
+            ref = dev.kernels.kernel_launch_s if "gap" in r["name"] else profile.per_op_overhead_s
+            out.append(dict(cls="launch", what=r["name"], measured_s=r["time_s"], predicted_s=ref, tflops=None))
+    for r in out:
+        r["error_pct"] = round((r["predicted_s"] / r["measured_s"] - 1) * 100, 1)
+    return out
+
+
+def report(path: Path, profile_name: str) -> None:
+    from common import print_table, write_csv
+
+    data = json.loads(path.read_text())
+    rows = price(data["samples"], profile_name)
+    meta = data["meta"]
+    print(f"{meta['device']} ({meta['sm_count']} SMs), torch {meta['torch']}, CUDA {meta['cuda']}, {meta['when']}; "
+          f"priced with profile {profile_name}")
+    table = [dict(what=r["what"], cls=r["cls"], measured_us=round(r["measured_s"] * 1e6, 2),
+                  predicted_us=round(r["predicted_s"] * 1e6, 2), error_pct=r["error_pct"],
+                  achieved=None if r["tflops"] is None else round(r["tflops"], 1)) for r in rows]
+    print_table(table, title="per sample (achieved: TFLOP/s, or TB/s for memory-bound kernels)")
+    classes = sorted({r["cls"] for r in rows})
+    summary = []
+    for c in classes:
+        errs = [r["error_pct"] for r in rows if r["cls"] == c]
+        summary.append(dict(cls=c, samples=len(errs), median_signed_pct=round(statistics.median(errs), 1),
+                            median_abs_pct=round(statistics.median(abs(e) for e in errs), 1),
+                            worst_pct=max(errs, key=abs)))
+    print_table(summary, title=f"per class, profile {profile_name}")
+    write_csv(table, f"gpu_kernels_{profile_name}")
+    write_csv(summary, f"gpu_kernels_{profile_name}_summary")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="mode", required=True)
+    m = sub.add_parser("measure", help="time the kernels on this machine's GPU")
+    m.add_argument("--out", type=Path, required=True)
+    r = sub.add_parser("report", help="price a measure's samples with a profile")
+    r.add_argument("samples", type=Path)
+    r.add_argument("--profile", default="h200")
+    args = parser.parse_args(argv)
+    if args.mode == "measure":
+        measure(args.out)
+    else:
+        report(args.samples, args.profile)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
