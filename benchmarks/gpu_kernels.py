@@ -95,7 +95,6 @@ def measure_gemms(dtype) -> list[dict]:
         a, b = _operands(m, n, k, layout, dtype)
         t = _events_s(lambda: a @ b, _reps(2 * m * n * k))
         rows.append(dict(kind="matmul", m=m, n=n, k=k, layout=LAYOUTS[layout], time_s=t))
-        del a, b
     return rows
 
 
@@ -117,7 +116,6 @@ def measure_attention(dtype) -> list[dict]:
         total = _events_s(both, _reps(3.5 * flops, 2e14))
         rows.append(dict(kind="attention", batch=b, heads=h, seq=s, head_dim=d, causal=1, fwd_s=fwd,
                          bwd_s=max(total - fwd, 1e-9)))
-        del q, k, v, grad
     return rows
 
 
