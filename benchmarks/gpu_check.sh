@@ -67,7 +67,7 @@ pack
 
 if [[ "$DEVICE" == cuda ]]; then
   stamp "5/5 GPU-marked tests"
-  timeout 60 "$PY" -m pytest -q -m gpu tests/test_run.py tests/test_memtrack.py -p no:cacheprovider \
+  timeout 60 "$PY" -m pytest -q -m gpu tests/execute/test_run.py tests/execute/test_memtrack.py -p no:cacheprovider \
     || echo "!! step 5 failed (exit $?)"
 else
   stamp "5/5 GPU-marked tests: skipped (no GPU in a dry run)"

@@ -140,7 +140,7 @@ def measure_memory_bound() -> list[dict]:
         "cast bf16->fp32": ("copy", lambda: x.float(), 3 * e),
     }
     for name, (cls, fn, nbytes) in cases.items():
-        rows.append(dict(kind="memory", name=name, op_class=cls, bytes=nbytes, time_s=_events_s(fn, 50)))
+        rows.append(dict(kind="memory", name=name, op_class=cls, bytes=nbytes, time_s=_events_s(fn, 400)))
     logits = torch.randn(8192, VOCAB, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     target = torch.randint(0, VOCAB, (8192,), device="cuda")
 
@@ -154,11 +154,11 @@ def measure_memory_bound() -> list[dict]:
     params = [torch.randn(4096, 4096, device="cuda", requires_grad=True) for _ in range(16)]
     for p in params:
         p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
     n = sum(p.numel() for p in params)
-    # AdamW: read param, grad, exp_avg, exp_avg_sq (16 B), write param, exp_avg, exp_avg_sq (12 B)
-    rows.append(dict(kind="memory", name=f"AdamW foreach, {len(params)} tensors", op_class="optimizer",
-                     bytes=28 * n, time_s=_events_s(opt.step, 10), tensors=len(params)))
+    for impl in ("foreach", "fused"):  # foreach: torch's CUDA default (optim/optimizer.py _default_to_fused_or_foreach)
+        opt = torch.optim.AdamW(params, lr=1e-4, **{impl: True})
+        rows.append(dict(kind="optimizer", name=f"AdamW {impl}, {len(params)} tensors", elements=n,
+                         tensors=len(params), time_s=_events_s(opt.step, 10)))
     return rows
 
 
@@ -187,6 +187,32 @@ def measure_launch() -> list[dict]:
             dict(kind="launch", name="host per eager op (x.add_(1))", time_s=host)]
 
 
+def warm_clocks(seconds: float = 2.0) -> None:
+    """Back-to-back 8192^3 GEMMs, so that the SM clock has left its idle state before any sample
+    (nvidia-smi read 345 MHz idle on this project's H200)."""
+    import torch
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize()
+
+
+def attention_kernels() -> list[str]:
+    """The CUDA kernels one causal bf16 SDPA forward + backward runs (which backend PyTorch chose)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.profiler import ProfilerActivity, profile
+
+    q, k, v = (torch.randn(4, 16, 4096, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+        torch.cuda.synchronize()
+    return sorted({e.key for e in prof.key_averages() if e.device_type.name == "CUDA"})
+
+
 def measure(out: Path) -> None:
     import torch
 
@@ -195,8 +221,13 @@ def measure(out: Path) -> None:
     meta = dict(device=torch.cuda.get_device_name(0), sm_count=props.multi_processor_count, torch=torch.__version__,
                 cuda=torch.version.cuda, when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     rows: list[dict] = []
-    for what, fn in (("launch", measure_launch), ("memory", measure_memory_bound),
-                     ("gemm", lambda: measure_gemms(torch.bfloat16)), ("attention", lambda: measure_attention(torch.bfloat16))):
+    warm_clocks()
+    try:
+        meta["attention_kernels"] = attention_kernels()
+    except Exception as exc:
+        print(f"!! attention kernels not recorded: {type(exc).__name__}: {exc}")
+    for what, fn in (("launch", measure_launch), ("gemm", lambda: measure_gemms(torch.bfloat16)),
+                     ("memory", measure_memory_bound), ("attention", lambda: measure_attention(torch.bfloat16))):
         t0 = time.perf_counter()
         try:
             rows += fn()
@@ -213,6 +244,7 @@ def price(rows: list[dict], profile_name: str) -> list[dict]:
     """Each measured sample beside the cost model's time for it on ``profile_name``."""
     from shard_planner.cost.kernels import (KernelOp, attention_time_s, device_of, matmul_time_s,
                                             memory_bound_time_s)
+    from shard_planner.cost.optimizer import optimizer_step_bytes
     from shard_planner.execute.calibrate_kernels import attention_ops, matmul_op
     from shard_planner.profile import load_profile
 
@@ -220,6 +252,8 @@ def price(rows: list[dict], profile_name: str) -> list[dict]:
     dev = device_of(profile, "bfloat16")
     out = []
     for r in rows:
+        if r.get("op_class") == "optimizer":  # the first run's format: 28 bytes per element recorded
+            r = dict(r, kind="optimizer", elements=r["bytes"] // 28)
         if r["kind"] == "matmul":
             op = matmul_op(r["m"], r["n"], r["k"], 2, LAYOUTS.index(r["layout"]))
             out.append(dict(cls=f"matmul {r['layout']}", what=f"{r['m']}x{r['n']}x{r['k']}", measured_s=r["time_s"],
@@ -236,6 +270,11 @@ def price(rows: list[dict], profile_name: str) -> list[dict]:
             op = KernelOp(r["op_class"], 1, 0.0, float(r["bytes"]))
             out.append(dict(cls=r["op_class"], what=r["name"], measured_s=r["time_s"],
                             predicted_s=memory_bound_time_s(op, dev), tflops=r["bytes"] / r["time_s"] / 1e12))
+        elif r["kind"] == "optimizer":  # as cost/time.py prices the step: foreach bytes / bandwidth + per tensor
+            nbytes = optimizer_step_bytes("adamw", r["elements"], 4)
+            pred = nbytes / profile.memory_bandwidth_bytes_per_s + r["tensors"] * profile.per_param_tensor_optimizer_overhead_s
+            out.append(dict(cls="optimizer", what=r["name"], measured_s=r["time_s"], predicted_s=pred,
+                            tflops=nbytes / r["time_s"] / 1e12))
         else:  # launch
             ref = dev.kernels.kernel_launch_s if "gap" in r["name"] else profile.per_op_overhead_s
             out.append(dict(cls="launch", what=r["name"], measured_s=r["time_s"], predicted_s=ref, tflops=None))
