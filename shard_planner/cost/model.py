@@ -34,7 +34,8 @@ from shard_planner.cost.kernels import (
     block_kernel_s, device_of, has_kernel_records, loss_kernel_s, module_kernel_s, records_time_s,
 )
 from shard_planner.cost.schedule import Schedule, build_schedule
-from shard_planner.cost.selective import SelectiveBlocks, flops_price, selective_blocks, subtree_selective
+from shard_planner.cost.selective import (SelectiveBlocks, early_stop_share, flops_price, selective_blocks,
+                                         subtree_selective)
 from shard_planner.cost.tables import CostTables, build_tables
 from shard_planner.cost.fsdp_copies import unit_copies_s
 from shard_planner.cost.host_share import shared_profile
@@ -111,6 +112,7 @@ class CostModel:
         self._collectives = _LRU(tables_cache_size)
         self._selective = _LRU(tables_cache_size)
         self._subtree_selective: dict[tuple, tuple[float, float, float]] = {}  # bounded: modules x options
+        self._early_stop: dict[tuple, float] = {}  # bounded: modules x micro-batches x dtypes
         self._memory = _LRU(memo_size)
         self._time = _LRU(memo_size)
         self._timings_checked: set[str] = set()
@@ -174,14 +176,25 @@ class CostModel:
             lambda: block_activations(self.trace, self.tables(plan.units, k.modules), tr.micro_batch, tr.param_dtype))
 
     def selective_blocks(self, plan: Plan, _key: PlanKey | None = None) -> SelectiveBlocks | None:
-        """Per block, what selective checkpointing keeps and the share of the forward it does not
-        recompute (cost/selective.py); None when no unit of ``plan`` is selective."""
+        """Per block, what selective checkpointing keeps and the share of the forward a checkpointed
+        block does not recompute (cost/selective.py); None when no unit of ``plan`` is checkpointed."""
         k = _key or PlanKey(plan)
         tr = plan.training
         return self._selective.get_or(
             (k.units, tr.micro_batch, tr.param_dtype),
             lambda: selective_blocks(self.trace, self.tables(plan.units, k.modules), plan.units, tr.param_dtype,
-                                     lambda fqn, ops: self.subtree_selective(fqn, ops, tr.micro_batch, tr.param_dtype)))
+                                     lambda fqn, ops: self.subtree_selective(fqn, ops, tr.micro_batch, tr.param_dtype),
+                                     lambda fqn: self.early_stop_share(fqn, tr.micro_batch, tr.param_dtype)))
+
+    def early_stop_share(self, fqn: str, micro_batch: int, param_dtype: str) -> float:
+        """cost/selective.py's :func:`~shard_planner.cost.selective.early_stop_share` of ``fqn``, priced by
+        :meth:`forward_price`; computed once per subtree."""
+        key = (fqn, micro_batch, param_dtype)
+        hit = self._early_stop.get(key)
+        if hit is None:
+            hit = early_stop_share(self.trace, fqn, micro_batch, self.forward_price(micro_batch, param_dtype))
+            self._early_stop[key] = hit
+        return hit
 
     def subtree_selective(self, fqn: str, save_ops: tuple[str, ...], micro_batch: int,
                           param_dtype: str) -> tuple[float, float, float]:

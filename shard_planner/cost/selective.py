@@ -63,7 +63,8 @@ logger = logging.getLogger(__name__)
 class SelectiveBlocks:
     """Per block of the tables, at one micro-batch and param dtype: the stash a selective block keeps
     (bytes, 0 for every other block) and the share of its forward device time the recomputation skips
-    (0 for every other block)."""
+    (a selective block's stored ops, a fully checkpointed block's early-stop tail; 0 for every other
+    block)."""
 
     stash: tuple[float, ...]
     skipped_share: tuple[float, ...]
@@ -126,19 +127,38 @@ def subtree_selective(trace: ModelTrace, fqn: str, save_ops: tuple[str, ...], mi
     return max(0.0, stash), skipped, total
 
 
+def early_stop_share(trace: ModelTrace, fqn: str, micro_batch: int,
+                     price: Callable[[ModuleTrace, tuple | None], float]) -> float:
+    """The share of ``fqn``'s priced forward that a full checkpointing recomputation does not run: its
+    subtree's kernels after the last tensor the subtree saves (trace/capture.py [Note: Early stop of the
+    recomputation]); 0 for a trace without them."""
+    m = trace.module(fqn)
+    if not m.fwd_tail_kernels:
+        return 0.0
+    total = sum(price(x, None) for x in trace.subtree(fqn) if x.fwd_ops_self)
+    return min(1.0, price(m, m.fwd_tail_kernels) / total) if total > 0 else 0.0
+
+
 def selective_blocks(trace: ModelTrace, t: CostTables, units: tuple[Unit, ...], param_dtype: str,
-                     subtree: Callable[[str, tuple[str, ...]], tuple[float, float, float]]) -> SelectiveBlocks | None:
-    """The :class:`SelectiveBlocks` of ``units`` segmented as ``t``; None when no unit is selective.
-    ``subtree(fqn, save_ops)``: :func:`subtree_selective` of that subtree at the plan's micro-batch."""
-    if not any(is_selective(u.activation_checkpoint) for u in units):
+                     subtree: Callable[[str, tuple[str, ...]], tuple[float, float, float]],
+                     tail: Callable[[str], float] = lambda fqn: 0.0) -> SelectiveBlocks | None:
+    """The :class:`SelectiveBlocks` of ``units`` segmented as ``t``; None when no unit is checkpointed.
+    ``subtree(fqn, save_ops)``: :func:`subtree_selective` of that subtree at the plan's micro-batch;
+    ``tail(fqn)``: :func:`early_stop_share` of a fully checkpointed one (its stash is 0). A selective
+    unit's early stop is not priced: its recomputation skips the stored ops already."""
+    if not any(u.activation_checkpoint for u in units):
         return None
     scale = dtype_bytes(param_dtype) / dtype_bytes(trace.compute_dtype)  # memory.py [Note: Activations]
     stash, share = [], []
     for blk in t.blocks:
         u = units[blk.unit]
-        if not (blk.unit_module and is_selective(u.activation_checkpoint)):
+        if not (blk.unit_module and u.activation_checkpoint):
             stash.append(0.0)
             share.append(0.0)
+            continue
+        if not is_selective(u.activation_checkpoint):
+            stash.append(0.0)
+            share.append(tail(blk.fqn))
             continue
         s, skipped, total = subtree(blk.fqn, u.ac_save_ops)
         stash.append(s * scale)

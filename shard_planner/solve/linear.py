@@ -300,16 +300,21 @@ def _constant_time_s(cm: CostModel, trace: ModelTrace, profile: HardwareProfile,
 
 
 def _selective_terms(cm: CostModel, space: SearchSpace, micro_batch: int, param_dtype: str, act_scale: float):
-    """Per item, selective checkpointing's stash (bytes in the param dtype) and the share of its forward
-    the recomputation skips (cost/selective.py); None when no candidate is selective."""
-    if not any(is_selective(c.option.activation_checkpoint) for c in space.candidates):
+    """Per item, selective checkpointing's stash (bytes in the param dtype), the share of its forward
+    that recomputation skips, and the share full checkpointing's early stop skips (cost/selective.py);
+    None when no candidate is checkpointed."""
+    options = [c.option.activation_checkpoint for c in space.candidates]
+    if not any(options):
         return None
-    stash, share = [], []
+    stash, share, tail = [], [], []
+    any_selective = any(is_selective(o) for o in options)
     for it in space.items:
-        s, skipped, total = cm.subtree_selective(it.fqn, DEFAULT_SAVE_OPS, micro_batch, param_dtype)
+        s, skipped, total = (cm.subtree_selective(it.fqn, DEFAULT_SAVE_OPS, micro_batch, param_dtype)
+                             if any_selective else (0.0, 0.0, 0.0))
         stash.append(s * act_scale)
         share.append(min(1.0, skipped / total) if total > 0 else 0.0)
-    return stash, share
+        tail.append(cm.early_stop_share(it.fqn, micro_batch, param_dtype))
+    return stash, share, tail
 
 
 def _candidate_coeffs(c: Candidate, space: SearchSpace, saved, inputs, fwd_rise, bwd_rise, fwd_s, bwd_s, sac, *,
@@ -366,7 +371,9 @@ def _candidate_coeffs(c: Candidate, space: SearchSpace, saved, inputs, fwd_rise,
     cb = sum(bwd_s[i] for i in idx)
     rc = 0.0
     if o.activation_checkpoint:  # selective: the stored ops' share is not recomputed
-        rc = sum(fwd_s[i] * (1.0 - sac[1][i]) for i in idx) if selective else cf
+        # full: the early stop's tail is not recomputed (trace/capture.py [Note: Early stop of the
+        # recomputation]); a nested unit's own block is priced whole, as the simulator does
+        rc = sum(fwd_s[i] * (1.0 - (sac[1][i] if selective else 0.0 if o.nested else sac[2][i])) for i in idx)
     exposed = _exposed_comm_s(c, parts, cf, cb + rc, bp=bp, br=br, shard=shard, replicas=replicas, profile=profile,
                               d_f=d_f, d_b=d_b, overlap=overlap, leading_root_items=leading_root_items)
     exposed += _copies_s(count, bp, br, 1 if o.in_root or r is False else 2, profile)

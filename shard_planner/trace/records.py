@@ -50,6 +50,9 @@ class Call:
     # its own code's kernels in dispatch order (kernel_ops.OpSample; [Note: kernel records])
     fwd_kernels: list = field(default_factory=list)
     bwd_kernels: list = field(default_factory=list)
+    # its subtree's forward kernels dispatched after the last tensor its subtree saved for backward: what a
+    # checkpointed recomputation of it does not run ([Note: Early stop of the recomputation] in capture.py)
+    fwd_tail: list = field(default_factory=list)
     in_sids: frozenset = frozenset()  # the storages of its inputs
     # of output_bytes, the storages an op of its own forward (children included) allocated, by kernel
     # class (what selective checkpointing stores and the next block holds too: cost/selective.py)
@@ -93,6 +96,7 @@ class ModuleRecord:
     fwd_kernels: list = field(default_factory=list)  # kernel_ops.OpSample, in dispatch order over its calls
     bwd_kernels: list = field(default_factory=list)
     output_by_class: dict = field(default_factory=dict)  # Call.output_by_class, summed over its calls
+    fwd_tail_kernels: list = field(default_factory=list)  # Call.fwd_tail, over its calls
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,7 @@ class Replay:
             fwd_key=(call.fwd.start,), bwd_key=(call.bwd.start,) if call.bwd is not None else None,
             fwd_ops=call.fwd_ops, bwd_ops=call.bwd_ops, input_shared_bytes=call.input_shared_bytes,
             fwd_kernels=call.fwd_kernels, bwd_kernels=call.bwd_kernels, output_by_class=call.output_by_class,
+            fwd_tail_kernels=call.fwd_tail,
         )
         out = [own]
         for child in call.children:
@@ -107,7 +108,7 @@ class Replay:
                 (call.bwd.start,) + r.bwd_key if call.bwd is not None and r.bwd_key is not None else None,
                 r.fwd_ops, r.bwd_ops,
                 call.input_shared_bytes if r.fqn == t.fqn else r.input_shared_bytes,
-                r.fwd_kernels, r.bwd_kernels, r.output_by_class,
+                r.fwd_kernels, r.bwd_kernels, r.output_by_class, r.fwd_tail_kernels,
             ))
         return out
 
@@ -162,6 +163,7 @@ def _accumulate(agg: ModuleRecord, r: ModuleRecord) -> None:
     agg.bwd_ops += r.bwd_ops
     agg.fwd_kernels = agg.fwd_kernels + r.fwd_kernels  # a twin's lists are its template's: never extended
     agg.bwd_kernels = agg.bwd_kernels + r.bwd_kernels
+    agg.fwd_tail_kernels = agg.fwd_tail_kernels + r.fwd_tail_kernels
     agg.input_bytes += r.input_bytes
     agg.input_shared_bytes += r.input_shared_bytes
     agg.output_bytes += r.output_bytes
@@ -254,6 +256,7 @@ def module_traces(modules: list[tuple[str, nn.Module]], static: StaticFacts, has
             bwd_ops_self=rec1.bwd_ops if rec1 else 0,
             fwd_kernels=fit_records(rec1.fwd_kernels, rec2.fwd_kernels, b1, b2) if rec1 and rec2 else (),
             bwd_kernels=fit_records(rec1.bwd_kernels, rec2.bwd_kernels, b1, b2) if rec1 and rec2 else (),
+            fwd_tail_kernels=fit_records(rec1.fwd_tail_kernels, rec2.fwd_tail_kernels, b1, b2) if rec1 and rec2 else (),
             output_bytes_by_class=_fit_by_class(rec1, rec2, b1, b2),
         ))
     return tuple(out)

@@ -116,6 +116,10 @@ class ModuleTrace:
     # GPU kernel model (cost/kernels.py). Traces written before them load with none (priced from FLOPs).
     fwd_kernels: tuple[KernelRecord, ...] = ()
     bwd_kernels: tuple[KernelRecord, ...] = ()
+    # Of its subtree's forward kernels, those after the last tensor the subtree saves for backward: a
+    # checkpointed recomputation stops before them (trace/capture.py [Note: Early stop of the
+    # recomputation]). Traces written before this field load with none (the whole forward recomputed).
+    fwd_tail_kernels: tuple[KernelRecord, ...] = ()
     # Of ``param_bytes_by_dtype``, the 0-d parameters (CLIP's ``logit_scale``): FSDP2 cannot shard them,
     # so apply_plan replicates them on every rank (execute/apply.py, [Note: 0-d parameters]) and the cost
     # model holds them whole. Traces written before this field load with none.
@@ -251,6 +255,6 @@ def _module_from_dict(d: dict) -> ModuleTrace:
     d["children"] = tuple(d["children"])
     d["tied_with"] = tuple(d.get("tied_with", ()))
     d["output_bytes_by_class"] = {c: Affine(**v) for c, v in d.get("output_bytes_by_class", {}).items()}
-    for key in ("fwd_kernels", "bwd_kernels"):
+    for key in ("fwd_kernels", "bwd_kernels", "fwd_tail_kernels"):
         d[key] = tuple(KernelRecord.from_dict(k) for k in d.get(key, ()))
     return ModuleTrace(**d)

@@ -128,8 +128,10 @@ def test_llama8b_selective_between_no_ac_and_full_in_memory_and_time(llama8b, h1
     times = [est[a].time.step_time_s for a in (False, "selective", True)]
     assert peaks[0] > peaks[1] > peaks[2], peaks
     assert times[0] < times[1] < times[2], times
-    # the recomputation selective AC adds is a small part of what full AC adds (elementwise ops only)
-    assert times[1] - times[0] < 0.25 * (times[2] - times[0]), times
+    # the recomputation selective AC adds is a small part of what full AC adds (elementwise ops only; full
+    # AC's recomputation stops before each block's w2 and residual add: trace/capture.py [Note: Early stop
+    # of the recomputation]): 29% here
+    assert times[1] - times[0] < 0.33 * (times[2] - times[0]), times
 
 
 def test_llama8b_torchtitan_policy_recomputes_wk_wo_w3(llama8b, h100):
