@@ -20,7 +20,11 @@ The plan that mirrors a row ([Note: mirroring an llm-foundry run]):
   tied head) its own unit, not resharded after forward: FSDP1 keeps the root's parameters for backward
   (torch/distributed/fsdp/_runtime_utils.py, ``_post_forward_reshard``: ``free_unsharded_flat_param =
   not state._is_root and ...``);
-- activation checkpointing of every block when the row says ``full``;
+- activation checkpointing of every block when the row says ``full``, recomputing the whole forward: the
+  runs' torch (1.13.1 and 2.0.1, the CSV's notes) predates the early stop of non-reentrant checkpointing
+  (pytorch/pytorch #96866, March 2023, in 2.1), and Composer checkpoints reentrantly by default
+  (llm-foundry's train.py reads ``fsdp_config.get('activation_checkpointing_reentrant', True)``), which
+  never stops early (trace/capture.py [Note: Early stop of the recomputation]);
 - the row's micro-batch, on the row's GPU count, 8 per node, the a100-80gb or a100-40gb profile;
 - param dtype bf16 and reduce dtype bf16: the rows say Composer ``mixed_precision=PURE``, which sets
   param, reduce and buffer dtype all to the autocast precision (composer/trainer/mosaic_fsdp.py,
@@ -180,8 +184,10 @@ def stack_profile(name: str, compute_model: str) -> HardwareProfile:
     """The GPU's profile pricing compute by ``compute_model`` ("roofline": the kernel model, with the
     attention kernel the published runs used, [Note: the attention kernel of the published runs];
     "flops": the shipped profile as it is), without FSDP2's copies: the runs used FSDP1, whose flat
-    parameters all-gather and reduce-scatter in place (shard_planner/cost/fsdp_copies.py)."""
-    profile = replace(load_profile(name), fsdp_copies=False)  # FSDP1: flat parameters, no copies
+    parameters all-gather and reduce-scatter in place (shard_planner/cost/fsdp_copies.py); checkpointed
+    blocks recompute their whole forward (module docstring)."""
+    # FSDP1: flat parameters, no copies; torch < 2.1 or reentrant checkpointing: no early stop (docstring)
+    profile = replace(load_profile(name), fsdp_copies=False, checkpoint_early_stop=False)
     if compute_model == "flops" or not profile.kernels:
         return replace(profile, compute_model="flops")
     return replace(profile, compute_model="roofline", kernels={**profile.kernels, **ATTENTION_OF_PROFILE.get(name, {})})

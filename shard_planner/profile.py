@@ -103,6 +103,11 @@ class HardwareProfile:
     # False prices FSDP1's flat parameters, which have neither (benchmarks/bench_published.py mirrors
     # FSDP1 runs). Not read from profile files: what shard-planner runs is FSDP2.
     fsdp_copies: bool = True
+    # Whether a checkpointed recomputation stops after the last tensor its forward saved (non-reentrant
+    # torch.utils.checkpoint from torch 2.1 on, what shard-planner runs: trace/capture.py [Note: Early stop
+    # of the recomputation]); False reruns the whole forward (reentrant checkpointing, or torch < 2.1:
+    # benchmarks/bench_published.py mirrors such runs). Not read from profile files.
+    checkpoint_early_stop: bool = True
     # CPU profiles: the cores the ranks of one host share, and how many ranks ran at once when the
     # collectives and the per-unit and optimizer overheads were measured (``calibrate --world-size``).
     # A plan whose ranks outnumber the cores runs every rank slower by the share of a core each gets

@@ -188,7 +188,10 @@ class CostModel:
 
     def early_stop_share(self, fqn: str, micro_batch: int, param_dtype: str) -> float:
         """cost/selective.py's :func:`~shard_planner.cost.selective.early_stop_share` of ``fqn``, priced by
-        :meth:`forward_price`; computed once per subtree."""
+        :meth:`forward_price`; computed once per subtree. 0 where the profile's stack reruns the whole
+        forward (``HardwareProfile.checkpoint_early_stop``)."""
+        if not self.profile.checkpoint_early_stop:
+            return 0.0
         key = (fqn, micro_batch, param_dtype)
         hit = self._early_stop.get(key)
         if hit is None:

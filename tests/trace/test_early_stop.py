@@ -137,3 +137,7 @@ def test_full_checkpointing_recomputes_the_forward_less_its_tail(model_file, com
     without_stop = replace(trace, modules=tuple(replace(m, fwd_tail_kernels=()) for m in trace.modules))
     full_old = CostModel(without_stop, profile).time(_plan(without_stop, model_file, True))
     assert recompute_s == pytest.approx((full_old.compute_s - no_ac.compute_s) * (1 - share), rel=1e-6)
+    # a stack that reruns the whole forward (reentrant, torch < 2.1: benchmarks/bench_published.py)
+    rerun = CostModel(trace, replace(profile, checkpoint_early_stop=False))
+    assert rerun.early_stop_share("blocks.0", 4, "bfloat16") == 0.0
+    assert rerun.time(_plan(trace, model_file, True)).compute_s == pytest.approx(full_old.compute_s, rel=1e-9)
