@@ -25,6 +25,7 @@ vs measured per class, writing reports/benchmarks/gpu_kernels.{csv,md}.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import statistics
 import sys
@@ -283,18 +284,70 @@ def price(rows: list[dict], profile_name: str) -> list[dict]:
     return out
 
 
+LARGE_GEMM_S = 100e-6  # GEMMs this long are device-bound; shorter eager calls wait on the host (~7-12 us each)
+
+
+def implied_constants(rows: list[dict], profile_name: str) -> dict:
+    """The device constants these samples imply, the rest of the profile kept: each the closed form that
+    `shard-planner calibrate` uses (execute/calibrate_kernels.py), over the samples of its class.
+
+    - ``sustained_clock_fraction``: the log mean of (time at fraction 1) / measured over the GEMMs that run
+      at least LARGE_GEMM_S (the clock they hold back to back; the tile model sets the shape factor);
+    - ``attention_fwd_efficiency`` / ``..._bwd_...``: the least-squares 1/efficiency (time is affine in it),
+      the profile's block, tile overhead and head-dim ratio kept;
+    - ``memory_efficiency``: the median achieved bytes/s of the elementwise, norm, softmax and cast kernels
+      over the profile's bandwidth."""
+    from dataclasses import replace as dc_replace
+
+    from shard_planner.cost.kernels import Device, attention_time_s, device_of, matmul_time_s
+    from shard_planner.execute.calibrate_kernels import _affine_eff, _closed_form_eff, attention_ops, matmul_op
+    from shard_planner.profile import load_profile
+
+    profile = load_profile(profile_name)
+    dev = device_of(profile, "bfloat16")
+    kc1 = dc_replace(dev.kernels, sustained_clock_fraction=1.0)
+    at_one = Device(kc1, dev.peak_flops_per_s, dev.bandwidth_bytes_per_s)
+    gemms = [r for r in rows if r["kind"] == "matmul" and r["time_s"] >= LARGE_GEMM_S]
+    ops = [matmul_op(r["m"], r["n"], r["k"], 2, LAYOUTS.index(r["layout"])) for r in gemms]
+    out = {"sustained_clock_fraction": _closed_form_eff([matmul_time_s(o, at_one) for o in ops],
+                                                        [r["time_s"] for r in gemms])}
+    att = [r for r in rows if r["kind"] == "attention"]
+    for d, backward in (("fwd", False), ("bwd", True)):
+        name = f"attention_{d}_efficiency"
+        times = {}
+        for eff in (1.0, 0.5):
+            dv = Device(dc_replace(dev.kernels, **{name: eff}), dev.peak_flops_per_s, dev.bandwidth_bytes_per_s)
+            times[eff] = [attention_time_s(attention_ops(r["batch"] * r["heads"], r["seq"], r["head_dim"], r["causal"], 2)
+                                           [int(backward)], dv, backward) for r in att]
+        out[name] = _affine_eff(times[1.0], times[0.5], [r[f"{d}_s"] for r in att])
+    mem = [r["bytes"] / r["time_s"] for r in rows if r["kind"] == "memory" and r["op_class"] in MEMORY_CLASSES]
+    out["memory_efficiency"] = statistics.median(mem) / profile.memory_bandwidth_bytes_per_s
+    return out
+
+
+MEMORY_CLASSES = ("elementwise", "reduction", "copy")
+
+
 def report(path: Path, profile_name: str) -> None:
-    from common import print_table, write_csv
+    from common import OUT_DIR, print_table, write_csv
+
+    from shard_planner.fileio import write_atomic
 
     data = json.loads(path.read_text())
     rows = price(data["samples"], profile_name)
     meta = data["meta"]
-    print(f"{meta['device']} ({meta['sm_count']} SMs), torch {meta['torch']}, CUDA {meta['cuda']}, {meta['when']}; "
-          f"priced with profile {profile_name}")
+    out = io.StringIO()
+    print(f"# GPU kernels: the cost model ({profile_name}) vs one device\n\nCommand: `python benchmarks/gpu_kernels.py "
+          f"report {path}`; measured by `benchmarks/gpu_check.sh` on {meta['device']} ({meta['sm_count']} SMs), "
+          f"torch {meta['torch']}, CUDA {meta['cuda']}, {meta['when']}. Error = predicted / measured - 1. GEMMs under "
+          "~12 us wait on the host (one eager call each); the model prices that apart (per_op_overhead_s).", file=out)
+    if meta.get("attention_kernels"):
+        print("\nSDPA (causal, bf16) ran: " + ", ".join(k for k in meta["attention_kernels"] if "sdpa" in k or "flash" in k),
+              file=out)
     table = [dict(what=r["what"], cls=r["cls"], measured_us=round(r["measured_s"] * 1e6, 2),
                   predicted_us=round(r["predicted_s"] * 1e6, 2), error_pct=r["error_pct"],
                   achieved=None if r["tflops"] is None else round(r["tflops"], 1)) for r in rows]
-    print_table(table, title="per sample (achieved: TFLOP/s, or TB/s for memory-bound kernels)")
+    print_table(table, title="per sample (achieved: TFLOP/s, or TB/s for memory-bound kernels)", stream=out)
     classes = sorted({r["cls"] for r in rows})
     summary = []
     for c in classes:
@@ -302,9 +355,16 @@ def report(path: Path, profile_name: str) -> None:
         summary.append(dict(cls=c, samples=len(errs), median_signed_pct=round(statistics.median(errs), 1),
                             median_abs_pct=round(statistics.median(abs(e) for e in errs), 1),
                             worst_pct=max(errs, key=abs)))
-    print_table(summary, title=f"per class, profile {profile_name}")
+    print_table(summary, title=f"per class, profile {profile_name}", stream=out)
+    implied = implied_constants(data["samples"], profile_name)
+    print(f"\nConstants these samples imply (the rest of {profile_name} kept; closed forms of "
+          "execute/calibrate_kernels.py):\n", file=out)
+    for k, v in implied.items():
+        print(f"- {k} = {v:.4g}", file=out)
+    print(out.getvalue())
     write_csv(table, f"gpu_kernels_{profile_name}")
     write_csv(summary, f"gpu_kernels_{profile_name}_summary")
+    write_atomic(OUT_DIR / f"gpu_kernels_{profile_name}.md", out.getvalue())
 
 
 def main(argv=None) -> int:

@@ -16,6 +16,8 @@ not see.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import sys
@@ -33,6 +35,8 @@ from shard_planner.trace.structure import model_fingerprint  # noqa: E402
 from shard_planner.units import format_bytes  # noqa: E402
 
 MODEL = str(ROOT / "examples" / "llama.py")
+PLAN_NAMES = ("per-block", "per-block, full AC", "pairs, no reshard, AC every other pair",
+              "per-block, full AC, 2x micro-batch")
 
 
 def make_plans(model_path: str, profile: str, mem_budget_bytes: int) -> dict[str, Plan]:
@@ -54,14 +58,12 @@ def make_plans(model_path: str, profile: str, mem_budget_bytes: int) -> dict[str
         return Plan(ref, cluster, Mesh(shard=1), training, (root, *units), prefetch)
 
     pairs = [tuple(layers[i:i + 2]) for i in range(0, len(layers), 2)]
-    return {
-        "per-block": plan([Unit((name,)) for name in layers]),
-        "per-block, full AC": plan([Unit((name,), True, True) for name in layers]),
-        "pairs, no reshard, AC every other pair": plan(
-            [Unit(p, False, i % 2 == 0) for i, p in enumerate(pairs)], prefetch=Prefetch(1, 1)),
-        "per-block, full AC, 2x micro-batch": plan([Unit((name,), True, True) for name in layers],
-                                                    training=replace(training, micro_batch=2 * mb)),
-    }
+    return dict(zip(PLAN_NAMES, (
+        plan([Unit((name,)) for name in layers]),
+        plan([Unit((name,), True, True) for name in layers]),
+        plan([Unit(p, False, i % 2 == 0) for i, p in enumerate(pairs)], prefetch=Prefetch(1, 1)),
+        plan([Unit((name,), True, True) for name in layers], training=replace(training, micro_batch=2 * mb)),
+    )))
 
 
 def predict(plans: dict[str, Plan], model_path: str, profile: str) -> dict[str, Plan]:
@@ -85,38 +87,13 @@ def predict(plans: dict[str, Plan], model_path: str, profile: str) -> dict[str, 
         return plans
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--profile", default="h200")
-    parser.add_argument("--mem", default=str(139 * 2**30), help="budget in bytes recorded in the plans")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--timeout", type=float, default=240.0)
-    parser.add_argument("--out", required=True, help="folder for the plans and measurements")
-    parser.add_argument("--only", type=int, help="run only the first N plans")
-    args = parser.parse_args()
-
-    from shard_planner.execute import run_plans
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    print(f"model {MODEL} SHARD_PLANNER_SIZE={os.environ.get('SHARD_PLANNER_SIZE', 'tiny')}, device {args.device}")
-    plans = predict(make_plans(MODEL, args.profile, int(args.mem)), MODEL, args.profile)
-    names = list(plans)[: args.only]
-    for i, name in enumerate(names):
-        save_plan(plans[name], out / f"plan-{i}.json")
-    t0 = time.perf_counter()
-    measurements = run_plans([plans[n] for n in names], world_size=1, steps=args.steps, warmup=args.warmup,
-                             timeout_s=args.timeout, device=args.device)
-    print(f"ran {len(names)} plans in one launch in {time.perf_counter() - t0:.1f} s "
-          f"({measurements[0].device_name}, torch {measurements[0].torch_version})")
+def table(names: list[str], plans: dict[str, Plan], measurements) -> list[dict]:
+    """Print predicted vs measured per plan; the rows of summary.json."""
     rows = []
     head = (f"{'plan':40} {'mb':>3} {'pred alloc':>11} {'meas peak':>11} {'err':>7} {'reserved':>11} "
             f"{'pred step':>10} {'meas step':>10} {'spread':>8} {'err':>7}")
     print(head)
-    for i, (name, m) in enumerate(zip(names, measurements)):
-        save_measurement(m, out / f"measurement-{i}.json")
+    for name, m in zip(names, measurements):
         p = plans[name].predicted
         # Compared without the predicted overhead (CUDA context, NCCL), which max_memory_allocated does not see.
         p_alloc = p.peak_bytes - p.memory_at_peak.get("overhead", 0) if p else None
@@ -135,6 +112,72 @@ def main() -> int:
                      "predicted_step_time_s": p.step_time_s if p else None,
                      "step_time_median_s": m.step_time_median_s, "step_time_s": list(m.step_time_s),
                      "losses": list(m.losses)})
+    return rows
+
+
+def report(folder: Path, profile: str) -> None:
+    """Predict the plans a measure left in ``folder`` (plan-i.json, measurement-i.json) with this code."""
+    from shard_planner.measurement import load_measurement
+    from shard_planner.plan import load_plan
+
+    paths = sorted(folder.glob("plan-*.json"), key=lambda p: int(p.stem.split("-")[1]))
+    loaded = [load_plan(p) for p in paths]
+    names = [PLAN_NAMES[i] if i < len(PLAN_NAMES) else p.stem for i, p in enumerate(paths)]
+    plans = predict(dict(zip(names, (replace(p, model=replace(p.model, path=MODEL), predicted=None) for p in loaded))),
+                    MODEL, profile)
+    measurements = [load_measurement(folder / f"measurement-{p.stem.split('-')[1]}.json") for p in paths]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print(f"# Llama example plans on one GPU: predicted ({profile}) vs measured\n\nCommand: `SHARD_PLANNER_SIZE="
+              f"{os.environ.get('SHARD_PLANNER_SIZE', 'tiny')} python benchmarks/gpu_plans.py --report {folder}`; measured "
+              f"on {measurements[0].device_name}, torch {measurements[0].torch_version}. Peak: predicted without the CUDA "
+              "context and NCCL buffers, against torch.cuda.max_memory_allocated.\n\n```")
+        table(names, plans, measurements)
+        print("```")
+    print(out.getvalue())
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from common import OUT_DIR
+
+    from shard_planner.fileio import write_atomic
+    write_atomic(OUT_DIR / f"gpu_plans_{profile}.md", out.getvalue())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--profile", default="h200")
+    parser.add_argument("--mem", default=str(139 * 2**30), help="budget in bytes recorded in the plans")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=240.0)
+    parser.add_argument("--out", help="folder for the plans and measurements (required unless --report)")
+    parser.add_argument("--only", type=int, help="run only the first N plans")
+    parser.add_argument("--report", type=Path, metavar="DIR",
+                        help="predict the plans a measure left in DIR (no run; no GPU needed)")
+    args = parser.parse_args()
+    if args.report:
+        report(args.report, args.profile)
+        return 0
+    if not args.out:
+        parser.error("--out is required to measure")
+
+    from shard_planner.execute import run_plans
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"model {MODEL} SHARD_PLANNER_SIZE={os.environ.get('SHARD_PLANNER_SIZE', 'tiny')}, device {args.device}")
+    plans = predict(make_plans(MODEL, args.profile, int(args.mem)), MODEL, args.profile)
+    names = list(plans)[: args.only]
+    for i, name in enumerate(names):
+        save_plan(plans[name], out / f"plan-{i}.json")
+    t0 = time.perf_counter()
+    measurements = run_plans([plans[n] for n in names], world_size=1, steps=args.steps, warmup=args.warmup,
+                             timeout_s=args.timeout, device=args.device)
+    print(f"ran {len(names)} plans in one launch in {time.perf_counter() - t0:.1f} s "
+          f"({measurements[0].device_name}, torch {measurements[0].torch_version})")
+    rows = table(names, plans, measurements)
+    for i, m in enumerate(measurements):
+        save_measurement(m, out / f"measurement-{i}.json")
     (out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
     return 0
 

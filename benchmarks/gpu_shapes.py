@@ -21,6 +21,7 @@ the compute, FSDP2-copy, optimizer and host-overhead terms of the time model alo
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import statistics
@@ -117,8 +118,21 @@ def predictions(plan: Plan, shape: dict, profile_name: str) -> dict:
     return out
 
 
+def _measured_on(folder: Path) -> str:
+    """The device and torch of the first measurement in ``folder``."""
+    from shard_planner.measurement import load_measurement
+
+    first = next(iter(sorted(folder.glob("*-measurement.json"))), None)
+    if first is None:
+        return "no measurement"
+    m = load_measurement(first)
+    return f"{m.device_name}, torch {m.torch_version}"
+
+
 def report(folder: Path, profile_name: str) -> None:
-    from common import print_table, write_csv
+    from common import OUT_DIR, print_table, write_csv
+
+    from shard_planner.fileio import write_atomic
 
     from shard_planner.measurement import load_measurement
 
@@ -140,12 +154,22 @@ def report(folder: Path, profile_name: str) -> None:
         row.update(measured_peak_gib=round(m.peak_bytes / 2**30, 3), predicted_peak_gib=round(alloc / 2**30, 3),
                    peak_err_pct=round((alloc / m.peak_bytes - 1) * 100, 2))
         rows.append(row)
-    print_table(rows, title=f"one H200, FSDP2 at world size 1: predicted ({profile_name}) vs measured step time")
+    out = io.StringIO()
+    print(f"# Step time on one GPU: predicted ({profile_name}) vs measured\n\nCommand: `python benchmarks/gpu_shapes.py "
+          f"report {folder}`; measured by `benchmarks/gpu_check.sh` ({_measured_on(folder)}). Error = predicted / "
+          "measured - 1 (positive: predicted too slow). Peak memory: predicted without the CUDA context and NCCL "
+          "buffers, against torch.cuda.max_memory_allocated.", file=out)
+    print_table(rows, title="FSDP2 at world size 1, one unit per block", stream=out)
+    print("", file=out)
     for model in ("flops", "roofline"):
         errs = [r[f"{model}_err_pct"] for r in rows]
-        print(f"{model:8}: median |error| {statistics.median(abs(e) for e in errs):.1f}%, "
-              f"median signed {statistics.median(errs):+.1f}%, worst {max(errs, key=abs):+.1f}%")
+        print(f"- {model}: median |error| {statistics.median(abs(e) for e in errs):.1f}%, "
+              f"median signed {statistics.median(errs):+.1f}%, worst {max(errs, key=abs):+.1f}%", file=out)
+    peak = [abs(r["peak_err_pct"]) for r in rows]
+    print(f"- peak memory: median |error| {statistics.median(peak):.2f}%, worst {max(peak):.2f}%", file=out)
+    print(out.getvalue())
     write_csv(rows, f"gpu_shapes_{profile_name}")
+    write_atomic(OUT_DIR / f"gpu_shapes_{profile_name}.md", out.getvalue())
 
 
 def main(argv=None) -> int:
