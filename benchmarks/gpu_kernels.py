@@ -188,6 +188,50 @@ def measure_launch() -> list[dict]:
             dict(kind="launch", name="host per eager op (x.add_(1))", time_s=host)]
 
 
+def _host_s(fn, reps: int = 3) -> float:
+    """The fastest of ``reps`` wall-clock calls after one warm-up (host work: other processes only add)."""
+    import torch
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_host() -> list[dict]:
+    """What CPU offload runs on (cost/time.py): the host's copy bandwidth and its AdamW step with the
+    threads one rank gets here (execute/launch.py threads_per_rank), pinned host <-> device copies."""
+    import torch
+
+    from shard_planner.cost.host_share import threads_per_rank, usable_cores
+
+    threads = threads_per_rank(1, usable_cores())
+    torch.set_num_threads(threads)
+    n = 256 * 2**20  # 1 GiB of fp32
+    src, dst = torch.randn(n), torch.empty(n)
+    rows = [dict(kind="host", name=f"host copy, {threads} threads", bytes=8 * n, time_s=_host_s(lambda: dst.copy_(src)))]
+    params = [torch.randn(4096, 4096, requires_grad=True) for _ in range(16)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    for impl in ("foreach", "single-tensor"):  # CPU default: single-tensor (optim/optimizer.py, CUDA-only foreach)
+        opt = torch.optim.AdamW(params, lr=1e-4, foreach=impl == "foreach")
+        rows.append(dict(kind="host_optimizer", name=f"CPU AdamW {impl}, {threads} threads", elements=16 * 4096 * 4096,
+                         tensors=16, time_s=_host_s(opt.step)))
+    if not torch.cuda.is_available():
+        return rows
+    pinned = torch.empty(n, pin_memory=True)
+    dev = torch.empty(n, device="cuda")
+    rows.append(dict(kind="pcie", name="pinned host -> device", bytes=4 * n, time_s=_host_s(lambda: dev.copy_(pinned))))
+    rows.append(dict(kind="pcie", name="device -> pinned host", bytes=4 * n, time_s=_host_s(lambda: pinned.copy_(dev))))
+    return rows
+
+
 def warm_clocks(seconds: float = 2.0) -> None:
     """Back-to-back 8192^3 GEMMs, so that the SM clock has left its idle state before any sample
     (nvidia-smi read 345 MHz idle on this project's H200)."""
@@ -214,7 +258,7 @@ def attention_kernels() -> list[str]:
     return sorted({e.key for e in prof.key_averages() if e.device_type.name == "CUDA"})
 
 
-def measure(out: Path) -> None:
+def measure(out: Path, only: list[str] | None = None) -> None:
     import torch
 
     torch.manual_seed(0)
@@ -227,8 +271,10 @@ def measure(out: Path) -> None:
         meta["attention_kernels"] = attention_kernels()
     except Exception as exc:
         print(f"!! attention kernels not recorded: {type(exc).__name__}: {exc}")
-    for what, fn in (("launch", measure_launch), ("gemm", lambda: measure_gemms(torch.bfloat16)),
-                     ("memory", measure_memory_bound), ("attention", lambda: measure_attention(torch.bfloat16))):
+    sweeps = (("launch", measure_launch), ("gemm", lambda: measure_gemms(torch.bfloat16)),
+              ("memory", measure_memory_bound), ("attention", lambda: measure_attention(torch.bfloat16)),
+              ("host", measure_host))
+    for what, fn in sweeps if not only else [s for s in sweeps if s[0] in only]:
         t0 = time.perf_counter()
         try:
             rows += fn()
@@ -276,6 +322,17 @@ def price(rows: list[dict], profile_name: str) -> list[dict]:
             pred = nbytes / profile.memory_bandwidth_bytes_per_s + r["tensors"] * profile.per_param_tensor_optimizer_overhead_s
             out.append(dict(cls="optimizer", what=r["name"], measured_s=r["time_s"], predicted_s=pred,
                             tflops=nbytes / r["time_s"] / 1e12))
+        elif r["kind"] == "host_optimizer":  # CPU offload: cost/time.py prices the step at the host's bandwidth
+            nbytes = optimizer_step_bytes("adamw", r["elements"], 4)
+            bw = profile.host_memory_bandwidth_bytes_per_s or profile.memory_bandwidth_bytes_per_s
+            out.append(dict(cls="host optimizer", what=r["name"], measured_s=r["time_s"],
+                            predicted_s=nbytes / bw + r["tensors"] * profile.per_param_tensor_optimizer_overhead_s,
+                            tflops=nbytes / r["time_s"] / 1e12))
+        elif r["kind"] in ("host", "pcie"):
+            bw = (profile.host_to_device_bytes_per_s if r["kind"] == "pcie"
+                  else profile.host_memory_bandwidth_bytes_per_s or profile.memory_bandwidth_bytes_per_s)
+            out.append(dict(cls=r["kind"], what=r["name"], measured_s=r["time_s"], predicted_s=r["bytes"] / bw,
+                            tflops=r["bytes"] / r["time_s"] / 1e12))
         else:  # launch
             ref = dev.kernels.kernel_launch_s if "gap" in r["name"] else profile.per_op_overhead_s
             out.append(dict(cls="launch", what=r["name"], measured_s=r["time_s"], predicted_s=ref, tflops=None))
@@ -309,10 +366,12 @@ def implied_constants(rows: list[dict], profile_name: str) -> dict:
     at_one = Device(kc1, dev.peak_flops_per_s, dev.bandwidth_bytes_per_s)
     gemms = [r for r in rows if r["kind"] == "matmul" and r["time_s"] >= LARGE_GEMM_S]
     ops = [matmul_op(r["m"], r["n"], r["k"], 2, LAYOUTS.index(r["layout"])) for r in gemms]
-    out = {"sustained_clock_fraction": _closed_form_eff([matmul_time_s(o, at_one) for o in ops],
-                                                        [r["time_s"] for r in gemms])}
+    out = {}
+    if gemms:
+        out["sustained_clock_fraction"] = _closed_form_eff([matmul_time_s(o, at_one) for o in ops],
+                                                           [r["time_s"] for r in gemms])
     att = [r for r in rows if r["kind"] == "attention"]
-    for d, backward in (("fwd", False), ("bwd", True)):
+    for d, backward in (("fwd", False), ("bwd", True)) if att else ():
         name = f"attention_{d}_efficiency"
         times = {}
         for eff in (1.0, 0.5):
@@ -321,14 +380,15 @@ def implied_constants(rows: list[dict], profile_name: str) -> dict:
                                            [int(backward)], dv, backward) for r in att]
         out[name] = _affine_eff(times[1.0], times[0.5], [r[f"{d}_s"] for r in att])
     mem = [r["bytes"] / r["time_s"] for r in rows if r["kind"] == "memory" and r["op_class"] in MEMORY_CLASSES]
-    out["memory_efficiency"] = statistics.median(mem) / profile.memory_bandwidth_bytes_per_s
+    if mem:
+        out["memory_efficiency"] = statistics.median(mem) / profile.memory_bandwidth_bytes_per_s
     return out
 
 
 MEMORY_CLASSES = ("elementwise", "reduction", "copy")
 
 
-def report(path: Path, profile_name: str) -> None:
+def report(path: Path, profile_name: str, name: str | None = None) -> None:
     from common import OUT_DIR, print_table, write_csv
 
     from shard_planner.fileio import write_atomic
@@ -362,9 +422,10 @@ def report(path: Path, profile_name: str) -> None:
     for k, v in implied.items():
         print(f"- {k} = {v:.4g}", file=out)
     print(out.getvalue())
-    write_csv(table, f"gpu_kernels_{profile_name}")
-    write_csv(summary, f"gpu_kernels_{profile_name}_summary")
-    write_atomic(OUT_DIR / f"gpu_kernels_{profile_name}.md", out.getvalue())
+    name = name or f"gpu_kernels_{profile_name}"
+    write_csv(table, name)
+    write_csv(summary, f"{name}_summary")
+    write_atomic(OUT_DIR / f"{name}.md", out.getvalue())
 
 
 def main(argv=None) -> int:
@@ -372,14 +433,17 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="mode", required=True)
     m = sub.add_parser("measure", help="time the kernels on this machine's GPU")
     m.add_argument("--out", type=Path, required=True)
+    m.add_argument("--only", nargs="*", choices=("launch", "gemm", "memory", "attention", "host"),
+                   help="these sweeps only (default: all)")
     r = sub.add_parser("report", help="price a measure's samples with a profile")
     r.add_argument("samples", type=Path)
     r.add_argument("--profile", default="h200")
+    r.add_argument("--name", help="report files' name under reports/benchmarks (default gpu_kernels_PROFILE)")
     args = parser.parse_args(argv)
     if args.mode == "measure":
-        measure(args.out)
+        measure(args.out, args.only)
     else:
-        report(args.samples, args.profile)
+        report(args.samples, args.profile, args.name)
     return 0
 
 

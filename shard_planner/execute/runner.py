@@ -9,6 +9,7 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from shard_planner.checkpointing import is_selective
 from shard_planner.errors import ModelFileError, RunError
 from shard_planner.execute.checkpoint_dir import check_new_directory, read_side_file
 from shard_planner.execute.launch import LaunchResult, launch_local, resolve_device, resolve_model_path
@@ -29,6 +30,18 @@ def _check_world(world_size: int, device: str) -> None:
         if world_size > available:
             raise RunError(f"the run needs {world_size} GPUs on this machine but it has {available}; "
                            "use --world-size, --device cpu, or torchrun across nodes")
+
+
+def _check_selective_supported(plans: list[Plan]) -> None:
+    """Selective checkpointing's policy reads ``SelectiveCheckpointContext.op_output`` (execute/selective.py),
+    which torch before 2.13 lacks (seen on torch 2.11: every rank failed with an AttributeError)."""
+    import torch
+    from torch.torch_version import TorchVersion
+
+    if TorchVersion(torch.__version__) < (2, 13) and any(
+            is_selective(u.activation_checkpoint) for p in plans for u in p.units):
+        raise RunError(f"selective activation checkpointing needs torch >= 2.13 (this is {torch.__version__}): "
+                       "install torch 2.13, or plan with full checkpointing only")
 
 
 def _check_model_file(path: str) -> None:
@@ -94,6 +107,7 @@ def launch_plans(plans: list[Plan], *, world_size: int | None = None, steps: int
             for plan, source in zip(plans, plan_paths)]
     for run in runs:  # before the ranks start (10-20 s on CPU) rather than in every rank
         _check_model_file(run.model.path)
+    _check_selective_supported(runs)
     with tempfile.TemporaryDirectory(prefix="shard-planner-plan-") as tmp:
         paths = []
         for i, run in enumerate(runs):

@@ -166,3 +166,15 @@ def test_what_torch_keeps_is_the_predicted_stash(save_ops):
     trace = trace_model(LLAMA, dtype="float32")
     stash = subtree_selective(trace, "layers.0", save_ops, batch, flops_price(batch))[0]
     assert stash > 0 and held[save_ops] - held[()] == stash
+
+
+def test_selective_plans_on_torch_before_2_13_stop_before_the_ranks_start(monkeypatch):
+    """Seen on torch 2.11 (an H200 machine): every rank failed with an AttributeError on
+    SelectiveCheckpointContext.op_output. Now one line before any rank starts; full checkpointing runs."""
+    from shard_planner.errors import RunError
+    from shard_planner.execute.runner import _check_selective_supported
+
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    with pytest.raises(RunError, match=r"selective activation checkpointing needs torch >= 2.13 \(this is 2.11.0"):
+        launch_plans([PLANS["llama, op-level selective"]], steps=1, warmup=0, device="cpu")
+    _check_selective_supported([PLANS["llama, full"]])  # no selective unit: nothing to say
