@@ -166,18 +166,10 @@ def measure_memory_bound() -> list[dict]:
 def measure_launch() -> list[dict]:
     import torch
 
+    from shard_planner.execute.calibrate_kernels import tiny_kernel_graph
+
+    gap = _events_s(tiny_kernel_graph(torch.device("cuda"), 200).replay, 20) / 200
     x = torch.zeros(1, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            x.add_(1)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(200):
-            x.add_(1)
-    gap = _events_s(graph.replay, 20) / 200
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(5000):

@@ -44,12 +44,10 @@ What is measured, and how each quantity is fitted:
   each the closed-form log mean over the samples, uncapped (in the sweep dtype, and in bf16 on CPU); on a
   CPU with ``conv_call_{fwd,bwd}_s``, a fixed time per call, closed form beside the efficiency.
 - Elementwise / norm / reduction bandwidth (ELEMENTWISE_NUMEL elements: add, mul, GELU, softmax, LayerNorm,
-  sum; bytes read + written) -> ``memory_efficiency`` = the median achieved bytes/s / the copy bandwidth,
-  capped at 1.
-- Per-launch cost ``kernel_launch_s``: on CUDA, LAUNCH_KERNELS tiny kernels captured in a CUDA graph and
-  replayed (the device's gap between back-to-back kernels, no host launch in it); on CPU 0, because the
-  host is the device and ``per_op_overhead_s`` (execute/calibrate.py) already measures each op's whole
-  fixed cost, dispatch and kernel entry included.
+  sum; bytes read + written) -> ``memory_efficiency`` = median achieved bytes/s / copy bandwidth, <= 1.
+- Per-launch cost ``kernel_launch_s``: on CUDA, LAUNCH_KERNELS tiny kernels in a replayed CUDA graph (the
+  device's gap between kernels, no host launch in it); on CPU 0: ``per_op_overhead_s`` (calibrate.py)
+  measures each op's whole fixed cost, dispatch and kernel entry included.
 - Collectives by message size (all-gather and reduce-scatter, execute/calibrate.py's COLLECTIVE_BYTES
   from 4 bytes per rank to MiBs, in the spawned world, over groups of 2 ranks and of the whole world):
   t(p, n) = alpha (p-1) + (p-1)/p (n + n_1/2) / plateau, i.e. nccl-tests' busbw(n) = plateau x n /
@@ -428,10 +426,8 @@ def measure_memory_efficiency(device: torch.device, copy_bytes_per_s: float, rep
     return min(1.0, statistics.median(achieved.values()) / copy_bytes_per_s), achieved
 
 
-def measure_launch_s(device: torch.device) -> float:
-    """Device gap between back-to-back kernels (CUDA graph replay of tiny kernels); 0 on CPU (docstring)."""
-    if device.type != "cuda":
-        return 0.0
+def tiny_kernel_graph(device: torch.device, kernels: int = LAUNCH_KERNELS):
+    """A CUDA graph of ``kernels`` one-element adds (warmed up on a side stream, as capture requires)."""
     x = torch.zeros(1, device=device)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -441,9 +437,16 @@ def measure_launch_s(device: torch.device) -> float:
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(LAUNCH_KERNELS):
+        for _ in range(kernels):
             x.add_(1)
-    return _fastest_s(graph.replay, device, 10) / LAUNCH_KERNELS
+    return graph
+
+
+def measure_launch_s(device: torch.device) -> float:
+    """Device gap between back-to-back kernels (CUDA graph replay of tiny kernels); 0 on CPU (docstring)."""
+    if device.type != "cuda":
+        return 0.0
+    return _fastest_s(tiny_kernel_graph(device).replay, device, 10) / LAUNCH_KERNELS
 
 
 # ---- collectives ----
