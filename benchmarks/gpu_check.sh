@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
-# One prepared GPU check for a machine with ONE GPU (sized for an H200; ~5 minutes, at most ~8.5):
+# One prepared GPU check for a machine with ONE GPU (sized for an H200: steps 1-5 took 3.5 minutes there on
+# 2026-12-04, step 6 about 3 more; each step has its own timeout, so give the call the device's 10 minutes):
 #   1. kernels of training shapes (GEMMs in the three layouts a Linear runs, FlashAttention forward and
-#      backward, memory-bound kernels, launch gaps) timed with CUDA events (benchmarks/gpu_kernels.py);
+#      backward, memory-bound kernels, launch gaps) timed with CUDA events, and the host's AdamW and PCIe
+#      copies (benchmarks/gpu_kernels.py);
 #   2. step time and peak memory of published MPT shapes with real FSDP2 at world size 1, with and
 #      without full activation checkpointing (benchmarks/gpu_shapes.py);
 #   3. predicted vs measured peak memory and step time for four plans of a ~1B Llama-style model
 #      (examples/llama.py, SHARD_PLANNER_SIZE=1b: Llama 3.2 1B shapes, seq 4096) (benchmarks/gpu_plans.py);
 #   4. per-module forward/backward compute timings and achieved FLOP/s (benchmarks/gpu_modules.py);
-#   5. the GPU-marked tests (tests/ -m gpu).
+#   5. the GPU-marked tests (tests/ -m gpu);
+#   6. the planner's own plans for the Llama-1B example (benchmarks/data/h200_2026-12-04/planner: --mem 16GB and
+#      24GB offload to the CPU, 40GB checkpoints selectively) run by `shard-planner run`, and the offload plans'
+#      forward + backward and optimizer step timed apart (benchmarks/gpu_phases.py).
 # Steps 1 and 2 only measure: their samples are priced afterwards, anywhere, by the scripts' report modes
 # (`python benchmarks/gpu_kernels.py report kernels.json`, `python benchmarks/gpu_shapes.py report shapes/`).
 # Usage: benchmarks/gpu_check.sh [--dry-run]
@@ -44,32 +49,47 @@ if [[ "$DEVICE" == cuda ]]; then
 fi
 
 if [[ "$DEVICE" == cuda ]]; then
-  stamp "1/5 kernel sweep"
+  stamp "1/6 kernel sweep"
   timeout 120 "$PY" benchmarks/gpu_kernels.py measure --out "$RES/kernels.json" || echo "!! step 1 failed (exit $?)"
 else
-  stamp "1/5 kernel sweep: skipped (CUDA only)"
+  stamp "1/6 kernel sweep: skipped (CUDA only)"
 fi
 pack
 
-stamp "2/5 published shapes with FSDP2 at world size 1"
+stamp "2/6 published shapes with FSDP2 at world size 1"
 timeout 240 "$PY" benchmarks/gpu_shapes.py measure --out "$RES/shapes" "${SHAPE_ARGS[@]}" || echo "!! step 2 failed (exit $?)"
 pack
 
-stamp "3/5 plans of the Llama model: predicted vs measured (world size 1)"
+stamp "3/6 plans of the Llama model: predicted vs measured (world size 1)"
 timeout 120 "$PY" benchmarks/gpu_plans.py --device "$DEVICE" --profile h200 --out "$RES/plans" "${PLAN_ARGS[@]}" \
   || echo "!! step 3 failed (exit $?)"
 pack
 
-stamp "4/5 per-module compute timings"
+stamp "4/6 per-module compute timings"
 timeout 60 "$PY" benchmarks/gpu_modules.py --device "$DEVICE" --out "$RES/module_times.json" "${MOD_ARGS[@]}" \
   || echo "!! step 4 failed (exit $?)"
 pack
 
 if [[ "$DEVICE" == cuda ]]; then
-  stamp "5/5 GPU-marked tests"
+  stamp "5/6 GPU-marked tests"
   timeout 60 "$PY" -m pytest -q -m gpu tests/execute/test_run.py tests/execute/test_memtrack.py -p no:cacheprovider \
     || echo "!! step 5 failed (exit $?)"
 else
-  stamp "5/5 GPU-marked tests: skipped (no GPU in a dry run)"
+  stamp "5/6 GPU-marked tests: skipped (no GPU in a dry run)"
+fi
+
+if [[ "$DEVICE" == cuda ]]; then
+  stamp "6/6 the planner's plans for Llama-1B, run"
+  PLANS=benchmarks/data/h200_2026-12-04/planner
+  mkdir -p "$RES/planner"
+  for m in 40GB 24GB 16GB; do
+    timeout 140 "$PY" -m shard_planner.cli.main run "$PLANS/llama1b-$m.json" --timeout 130 --no-checkpoint \
+      -o "$RES/planner/measurement-$m.json" || echo "!! plan $m failed (exit $?)"
+  done
+  for m in 24GB 16GB; do
+    timeout 100 "$PY" benchmarks/gpu_phases.py "$PLANS/llama1b-$m.json" --out "$RES/planner/phases-$m.json" \
+      > "$RES/planner/phases-$m.txt" 2>&1 || echo "!! phases $m failed (exit $?)"
+  done
+  pack
 fi
 stamp "done; results in $OUT"

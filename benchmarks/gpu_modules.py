@@ -48,8 +48,14 @@ def _timer(device: torch.device):
 
 
 def _flops(fn) -> int:
-    with FlopCounterMode(display=False) as counter:
-        fn()
+    """FLOPs of ``fn`` by FlopCounterMode; 0 (shown as '-') where it cannot count them: torch 2.11's SDPA
+    formula rejects grouped-query shapes (seen on an H200 machine), which torch 2.13 counts."""
+    try:
+        with FlopCounterMode(display=False) as counter:
+            fn()
+    except AssertionError as exc:
+        print(f"no FLOP count: {exc}")
+        return 0
     return counter.get_total_flops()
 
 
