@@ -6,7 +6,6 @@ the plan; plan files written before ``relative_path`` still load and resolve."""
 import json
 import shutil
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
