@@ -2,8 +2,9 @@
 and a two-stream simulation of their overlap.
 
 Compute: each block's traced forward and backward FLOPs at ``profile.flops_per_s(param dtype)`` (peak
-x efficiency); a checkpointed block runs its forward again before its backward (a selectively
-checkpointed one only the ops it did not store: cost/selective.py); the loss's FLOPs run between
+x efficiency); a checkpointed block runs its forward again before its backward, up to its last saved
+tensor (trace/capture.py [Note: Early stop of the recomputation]; a selectively checkpointed one only the
+ops it did not store: cost/selective.py); the loss's FLOPs run between
 forward and backward. On a GPU profile with a ``[kernels]`` table and a trace with kernel
 records, a block's device time is instead its kernels priced one by one by the roofline kernel model
 (shard_planner/cost/kernels.py; CostModel.kernel_module_s).

@@ -34,8 +34,8 @@ Memory per rank (bytes, then MiB rounded *up* so the linear model never under-co
 Time per candidate (seconds, then µs rounded): forward and backward compute of its items
 (:func:`shard_planner.cost.module_compute_s`: the items' measured times when the profile has module
 timings, else traced FLOPs at the profile's achievable FLOP/s), recomputation when checkpointed (its
-forward again: the simulator recomputes with the measured forward too; selective: the share of it the
-non-stored ops take), FSDP2's copies on the compute stream (a copy-out per all-gather and the
+forward again, less the early stop's tail: the simulator recomputes with the measured forward too;
+selective: the share of it the non-stored ops take), FSDP2's copies on the compute stream (a copy-out per all-gather and the
 reduce-scatter copy-in, cost/fsdp_copies.py, as the simulator prices them), and *exposed*
 communication, linearised per unit as ``max(0, comm - overlap x compute)``: the all-gathers and
 reduce-scatters of a unit hide behind compute of the neighbouring units; the unit's own compute stands
