@@ -82,18 +82,14 @@ def _reps(flops: float, rate: float = 4e14) -> int:
     return int(min(200, max(3, 0.02 / max(flops / rate, 1e-7))))
 
 
-def _operands(m: int, n: int, k: int, layout: int, dtype):
+def measure_gemms(dtype) -> list[dict]:
     import torch
 
-    a = torch.randn(k, m, device="cuda", dtype=dtype).t() if layout >= 2 else torch.randn(m, k, device="cuda", dtype=dtype)
-    b = torch.randn(n, k, device="cuda", dtype=dtype).t() if layout % 2 == 0 else torch.randn(k, n, device="cuda", dtype=dtype)
-    return a, b
+    from shard_planner.execute.calibrate_kernels import layout_operands
 
-
-def measure_gemms(dtype) -> list[dict]:
     rows = []
     for m, n, k, layout in linear_gemms():
-        a, b = _operands(m, n, k, layout, dtype)
+        a, b = layout_operands(m, n, k, layout, torch.device("cuda"), dtype)
         t = _events_s(lambda: a @ b, _reps(2 * m * n * k))
         rows.append(dict(kind="matmul", m=m, n=n, k=k, layout=LAYOUTS[layout], time_s=t))
     return rows
@@ -180,47 +176,35 @@ def measure_launch() -> list[dict]:
             dict(kind="launch", name="host per eager op (x.add_(1))", time_s=host)]
 
 
-def _host_s(fn, reps: int = 3) -> float:
-    """The fastest of ``reps`` wall-clock calls after one warm-up (host work: other processes only add)."""
-    import torch
-
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def measure_host() -> list[dict]:
     """What CPU offload runs on (cost/time.py): the host's copy bandwidth and its AdamW step with the
     threads one rank gets here (execute/launch.py threads_per_rank), pinned host <-> device copies."""
     import torch
 
     from shard_planner.cost.host_share import threads_per_rank, usable_cores
+    from shard_planner.execute.calibrate_kernels import _fastest
+
+    def host_s(fn) -> float:  # the fastest of 3 host-clock calls after a warm-up, the device synchronised
+        return _fastest(fn, torch.device("cuda" if torch.cuda.is_available() else "cpu"), 3)
 
     threads = threads_per_rank(1, usable_cores())
     torch.set_num_threads(threads)
     n = 256 * 2**20  # 1 GiB of fp32
     src, dst = torch.randn(n), torch.empty(n)
-    rows = [dict(kind="host", name=f"host copy, {threads} threads", bytes=8 * n, time_s=_host_s(lambda: dst.copy_(src)))]
+    rows = [dict(kind="host", name=f"host copy, {threads} threads", bytes=8 * n, time_s=host_s(lambda: dst.copy_(src)))]
     params = [torch.randn(4096, 4096, requires_grad=True) for _ in range(16)]
     for p in params:
         p.grad = torch.randn_like(p)
     for impl in ("foreach", "single-tensor"):  # CPU default: single-tensor (optim/optimizer.py, CUDA-only foreach)
         opt = torch.optim.AdamW(params, lr=1e-4, foreach=impl == "foreach")
         rows.append(dict(kind="host_optimizer", name=f"CPU AdamW {impl}, {threads} threads", elements=16 * 4096 * 4096,
-                         tensors=16, time_s=_host_s(opt.step)))
+                         tensors=16, time_s=host_s(opt.step)))
     if not torch.cuda.is_available():
         return rows
     pinned = torch.empty(n, pin_memory=True)
     dev = torch.empty(n, device="cuda")
-    rows.append(dict(kind="pcie", name="pinned host -> device", bytes=4 * n, time_s=_host_s(lambda: dev.copy_(pinned))))
-    rows.append(dict(kind="pcie", name="device -> pinned host", bytes=4 * n, time_s=_host_s(lambda: pinned.copy_(dev))))
+    rows.append(dict(kind="pcie", name="pinned host -> device", bytes=4 * n, time_s=host_s(lambda: dev.copy_(pinned))))
+    rows.append(dict(kind="pcie", name="device -> pinned host", bytes=4 * n, time_s=host_s(lambda: pinned.copy_(dev))))
     return rows
 
 

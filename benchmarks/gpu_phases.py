@@ -15,22 +15,10 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-
-
-def _timed(fn) -> float:
-    import torch
-
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    sync()
-    t0 = time.perf_counter()
-    fn()
-    sync()
-    return time.perf_counter() - t0
 
 
 def main(argv=None) -> int:
@@ -39,6 +27,7 @@ def main(argv=None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from shard_planner.execute.apply import apply_plan, build_mesh
+    from shard_planner.execute.calibrate_kernels import _samples
     from shard_planner.execute.worker import build_on_device, make_optimizer, make_step_batch
     from shard_planner.modelfile import load_model_file
     from shard_planner.plan import load_plan
@@ -68,7 +57,9 @@ def main(argv=None) -> int:
     rows = []
     for s in range(args.steps + 1):  # the first is a warm-up
         optimizer.zero_grad(set_to_none=True)
-        row = dict(step=s, fwd_bwd_s=_timed(lambda: fwd_bwd(s)), optimizer_s=_timed(optimizer.step))
+        # one host-clock call each, the device synchronised before and after
+        row = dict(step=s, fwd_bwd_s=_samples(lambda: fwd_bwd(s), device, 1)[0],
+                   optimizer_s=_samples(optimizer.step, device, 1)[0])
         print(row)
         rows.append(row)
     optimizer.zero_grad(set_to_none=True)

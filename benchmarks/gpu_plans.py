@@ -27,6 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from shard_planner.measurement import save_measurement  # noqa: E402
 from shard_planner.modelfile import load_model_file  # noqa: E402
@@ -135,7 +136,6 @@ def report(folder: Path, profile: str) -> None:
         table(names, plans, measurements)
         print("```")
     print(out.getvalue())
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from common import OUT_DIR
 
     from shard_planner.fileio import write_atomic

@@ -201,12 +201,12 @@ def matmul_op(m: int, n: int, k: int, elt_bytes: int, layout: int = 1) -> Kernel
     return KernelOp("matmul", 1, 2.0 * m * n * k, float((m * k + k * n + m * n) * elt_bytes), (1, m, n, k, layout))
 
 
-def layout_operands(n: int, layout: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """n x n operands A, B of ``layout`` (cost/kernels.py MATMUL_LAYOUTS order): A M-contiguous for
-    layouts 2-3, B K-contiguous for layouts 0 and 2 (trace/kernel_ops.py matmul_layout)."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    return (a.t() if layout >= 2 else a), (b.t() if layout % 2 == 0 else b)
+def layout_operands(m: int, n: int, k: int, layout: int, device: torch.device, dtype: torch.dtype):
+    """Operands A (m x k), B (k x n) of ``layout`` (cost/kernels.py MATMUL_LAYOUTS order): A M-contiguous
+    for layouts 2-3, B K-contiguous for layouts 0 and 2 (trace/kernel_ops.py matmul_layout)."""
+    a = torch.randn(k, m, device=device, dtype=dtype).t() if layout >= 2 else torch.randn(m, k, device=device, dtype=dtype)
+    b = torch.randn(n, k, device=device, dtype=dtype).t() if layout % 2 == 0 else torch.randn(k, n, device=device, dtype=dtype)
+    return a, b
 
 
 def measure_layouts(device: torch.device, dtype: torch.dtype, repeats: int, n: int = LAYOUT_N) -> tuple[float, tuple[float, ...]]:
@@ -214,7 +214,7 @@ def measure_layouts(device: torch.device, dtype: torch.dtype, repeats: int, n: i
     layouts in cost/kernels.py MATMUL_LAYOUTS order ([Note: matmul layouts])."""
     rates = []
     for layout in range(len(MATMUL_LAYOUTS)):
-        a, b = layout_operands(n, layout, device, dtype)
+        a, b = layout_operands(n, n, n, layout, device, dtype)
         rates.append(2.0 * n**3 / _fastest_s(lambda: a @ b, device, repeats))
     best = max(rates)
     return best, tuple(r / best for r in rates)

@@ -226,7 +226,7 @@ def test_layout_operands_have_the_layout_the_trace_records():
     from shard_planner.trace.kernel_ops import matmul_layout
 
     for layout in range(4):
-        a, b = ck.layout_operands(8, layout, torch.device("cpu"), torch.float32)
+        a, b = ck.layout_operands(8, 8, 8, layout, torch.device("cpu"), torch.float32)
         assert matmul_layout(a, b) == layout
     peak, eff = ck.measure_layouts(torch.device("cpu"), torch.float32, 1, n=32)
     assert peak > 0 and max(eff) == 1.0 and all(0 < e <= 1 for e in eff)
