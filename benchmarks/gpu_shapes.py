@@ -21,6 +21,7 @@ the compute, FSDP2-copy, optimizer and host-overhead terms of the time model alo
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import json
 import os
@@ -102,13 +103,20 @@ def measure(out: Path, steps: int, warmup: int, timeout_s: float, only: list[str
         print(f"   ({time.perf_counter() - t0:.1f} s)")
 
 
+@functools.lru_cache(maxsize=None)
+def _trace(shape_json: str):
+    """The trace of examples/shape.py at one shape (each shape has an AC and a no-AC run: traced once)."""
+    from shard_planner.trace import trace_model
+
+    os.environ["SHARD_PLANNER_SHAPE"] = shape_json
+    return trace_model(str(SHAPE_FILE), dtype="bfloat16")
+
+
 def predictions(plan: Plan, shape: dict, profile_name: str) -> dict:
     from shard_planner.cost import estimate
     from shard_planner.profile import load_profile
-    from shard_planner.trace import trace_model
 
-    os.environ["SHARD_PLANNER_SHAPE"] = json.dumps(shape)
-    trace = trace_model(str(SHAPE_FILE), dtype="bfloat16")
+    trace = _trace(json.dumps(shape, sort_keys=True))
     plan = replace(plan, model=replace(plan.model, fingerprint=trace.fingerprint))
     base = load_profile(profile_name)
     out = {}
