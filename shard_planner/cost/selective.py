@@ -141,7 +141,7 @@ def early_stop_share(trace: ModelTrace, fqn: str, micro_batch: int,
 
 def selective_blocks(trace: ModelTrace, t: CostTables, units: tuple[Unit, ...], param_dtype: str,
                      subtree: Callable[[str, tuple[str, ...]], tuple[float, float, float]],
-                     tail: Callable[[str], float] = lambda fqn: 0.0) -> SelectiveBlocks | None:
+                     tail: Callable[[str], float]) -> SelectiveBlocks | None:
     """The :class:`SelectiveBlocks` of ``units`` segmented as ``t``; None when no unit is checkpointed.
     ``subtree(fqn, save_ops)``: :func:`subtree_selective` of that subtree at the plan's micro-batch;
     ``tail(fqn)``: :func:`early_stop_share` of a fully checkpointed one (its stash is 0). A selective
@@ -152,13 +152,10 @@ def selective_blocks(trace: ModelTrace, t: CostTables, units: tuple[Unit, ...], 
     stash, share = [], []
     for blk in t.blocks:
         u = units[blk.unit]
-        if not (blk.unit_module and u.activation_checkpoint):
+        checkpointed = blk.unit_module and u.activation_checkpoint
+        if not (checkpointed and is_selective(u.activation_checkpoint)):  # none, or full: its early stop
             stash.append(0.0)
-            share.append(0.0)
-            continue
-        if not is_selective(u.activation_checkpoint):
-            stash.append(0.0)
-            share.append(tail(blk.fqn))
+            share.append(tail(blk.fqn) if checkpointed else 0.0)
             continue
         s, skipped, total = subtree(blk.fqn, u.ac_save_ops)
         stash.append(s * scale)
