@@ -12,7 +12,11 @@
 #   5. the GPU-marked tests (tests/ -m gpu);
 #   6. the planner's own plans for the Llama-1B example (benchmarks/data/h200_2026-12-04/planner: --mem 16GB and
 #      24GB offload to the CPU, 40GB checkpoints selectively) run by `shard-planner run`, and the offload plans'
-#      forward + backward and optimizer step timed apart (benchmarks/gpu_phases.py).
+#      forward + backward and optimizer step timed apart (benchmarks/gpu_phases.py);
+#   7. `calibrate`'s kernel sweeps on the device, timed by execute/kernel_timing.py (captured CUDA graphs;
+#      never run on a GPU before 2026-12-04's session 12), written as the [kernels] table they fit, to set
+#      beside step 1's measured constants (`python benchmarks/gpu_kernels.py report`). The full
+#      `shard-planner calibrate` needs two GPUs for its collectives.
 # Steps 1 and 2 only measure: their samples are priced afterwards, anywhere, by the scripts' report modes
 # (`python benchmarks/gpu_kernels.py report kernels.json`, `python benchmarks/gpu_shapes.py report shapes/`).
 # Usage: benchmarks/gpu_check.sh [--dry-run]
@@ -49,37 +53,37 @@ if [[ "$DEVICE" == cuda ]]; then
 fi
 
 if [[ "$DEVICE" == cuda ]]; then
-  stamp "1/6 kernel sweep"
+  stamp "1/7 kernel sweep"
   timeout 120 "$PY" benchmarks/gpu_kernels.py measure --out "$RES/kernels.json" || echo "!! step 1 failed (exit $?)"
 else
-  stamp "1/6 kernel sweep: skipped (CUDA only)"
+  stamp "1/7 kernel sweep: skipped (CUDA only)"
 fi
 pack
 
-stamp "2/6 published shapes with FSDP2 at world size 1"
+stamp "2/7 published shapes with FSDP2 at world size 1"
 timeout 240 "$PY" benchmarks/gpu_shapes.py measure --out "$RES/shapes" "${SHAPE_ARGS[@]}" || echo "!! step 2 failed (exit $?)"
 pack
 
-stamp "3/6 plans of the Llama model: predicted vs measured (world size 1)"
+stamp "3/7 plans of the Llama model: predicted vs measured (world size 1)"
 timeout 120 "$PY" benchmarks/gpu_plans.py --device "$DEVICE" --profile h200 --out "$RES/plans" "${PLAN_ARGS[@]}" \
   || echo "!! step 3 failed (exit $?)"
 pack
 
-stamp "4/6 per-module compute timings"
+stamp "4/7 per-module compute timings"
 timeout 60 "$PY" benchmarks/gpu_modules.py --device "$DEVICE" --out "$RES/module_times.json" "${MOD_ARGS[@]}" \
   || echo "!! step 4 failed (exit $?)"
 pack
 
 if [[ "$DEVICE" == cuda ]]; then
-  stamp "5/6 GPU-marked tests"
-  timeout 60 "$PY" -m pytest -q -m gpu tests/execute/test_run.py tests/execute/test_memtrack.py -p no:cacheprovider \
+  stamp "5/7 GPU-marked tests"
+  timeout 60 "$PY" -m pytest -q -m gpu tests/execute/test_run.py tests/execute/test_memtrack.py tests/execute/test_kernel_timing.py -p no:cacheprovider \
     || echo "!! step 5 failed (exit $?)"
 else
-  stamp "5/6 GPU-marked tests: skipped (no GPU in a dry run)"
+  stamp "5/7 GPU-marked tests: skipped (no GPU in a dry run)"
 fi
 
 if [[ "$DEVICE" == cuda ]]; then
-  stamp "6/6 the planner's plans for Llama-1B, run"
+  stamp "6/7 the planner's plans for Llama-1B, run"
   PLANS=benchmarks/data/h200_2026-12-04/planner
   mkdir -p "$RES/planner"
   for m in 40GB 24GB 16GB; do
@@ -92,4 +96,19 @@ if [[ "$DEVICE" == cuda ]]; then
   done
   pack
 fi
+stamp "7/7 calibrate's kernel sweeps on this device (execute/kernel_timing.py)"
+timeout 150 "$PY" - "$DEVICE" "$RES/calibrated_kernels.toml" <<'PYEOF' || echo "!! step 7 failed (exit $?)"
+import logging, sys, torch
+from shard_planner.execute.calibrate import measure_copy_bytes_per_s, measure_matmul_flops_per_s
+from shard_planner.execute.kernel_calibration import calibrate_kernels, kernels_toml
+logging.basicConfig(level=logging.INFO)
+device = torch.device(sys.argv[1])
+dtype = "bfloat16" if device.type == "cuda" else "float32"
+peak = {dtype: measure_matmul_flops_per_s(device, getattr(torch, dtype))}
+cal = calibrate_kernels(device, peak, measure_copy_bytes_per_s(device), quick=device.type == "cpu")
+text = "\n".join([f"# peak {dtype} {cal.peak_flops_per_s:.4g} FLOP/s, dispatch floor {cal.floor_s:.3g} s"] + kernels_toml(cal))
+open(sys.argv[2], "w").write(text + "\n")
+print(text)
+PYEOF
+pack
 stamp "done; results in $OUT"

@@ -36,6 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from shard_planner.execute.kernel_timing import events_s  # noqa: E402  (after the path insert)
+
 WIDTHS = (768, 1024, 2048, 4096)
 TOKENS = (2048, 8192, 32768)
 VOCAB = 50368  # MPT's vocabulary (../shared/data/published_fsdp_runs.csv)
@@ -60,23 +62,6 @@ def linear_gemms() -> list[tuple[int, int, int, int]]:
 
 # ---- measure (on the GPU) ----
 
-def _events_s(fn, reps: int) -> float:
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / reps)
-    return statistics.median(times)
-
-
 def _reps(flops: float, rate: float = 4e14) -> int:
     """Enough calls that a batch runs ~20 ms at ``rate``, at least 3, at most 200."""
     return int(min(200, max(3, 0.02 / max(flops / rate, 1e-7))))
@@ -90,7 +75,7 @@ def measure_gemms(dtype) -> list[dict]:
     rows = []
     for m, n, k, layout in linear_gemms():
         a, b = layout_operands(m, n, k, layout, torch.device("cuda"), dtype)
-        t = _events_s(lambda: a @ b, _reps(2 * m * n * k))
+        t = events_s(lambda: a @ b, _reps(2 * m * n * k))
         rows.append(dict(kind="matmul", m=m, n=n, k=k, layout=LAYOUTS[layout], time_s=t))
     return rows
 
@@ -105,12 +90,12 @@ def measure_attention(dtype) -> list[dict]:
         q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
         grad = torch.randn(b, h, s, d, device="cuda", dtype=dtype)
         flops = 4.0 * b * h * s * s * d
-        fwd = _events_s(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), _reps(flops, 2e14))
+        fwd = events_s(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), _reps(flops, 2e14))
 
         def both():
             F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
 
-        total = _events_s(both, _reps(3.5 * flops, 2e14))
+        total = events_s(both, _reps(3.5 * flops, 2e14))
         rows.append(dict(kind="attention", batch=b, heads=h, seq=s, head_dim=d, causal=1, fwd_s=fwd,
                          bwd_s=max(total - fwd, 1e-9)))
     return rows
@@ -137,7 +122,7 @@ def measure_memory_bound() -> list[dict]:
         "cast bf16->fp32": ("copy", lambda: x.float(), 3 * e),
     }
     for name, (cls, fn, nbytes) in cases.items():
-        rows.append(dict(kind="memory", name=name, op_class=cls, bytes=nbytes, time_s=_events_s(fn, 400)))
+        rows.append(dict(kind="memory", name=name, op_class=cls, bytes=nbytes, time_s=events_s(fn, 400)))
     logits = torch.randn(8192, VOCAB, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     target = torch.randint(0, VOCAB, (8192,), device="cuda")
 
@@ -147,7 +132,7 @@ def measure_memory_bound() -> list[dict]:
     # fp32 upcast (read 2, write 4), log-softmax forward (read 4, write 4), backward (read 4 + 4, write 4),
     # cast back to the bf16 gradient (read 4, write 2): 36 bytes per logit
     rows.append(dict(kind="memory", name="cross_entropy fwd+bwd (fp32)", op_class="loss",
-                     bytes=36 * logits.numel(), time_s=_events_s(ce, 10)))
+                     bytes=36 * logits.numel(), time_s=events_s(ce, 10)))
     params = [torch.randn(4096, 4096, device="cuda", requires_grad=True) for _ in range(16)]
     for p in params:
         p.grad = torch.randn_like(p)
@@ -155,16 +140,16 @@ def measure_memory_bound() -> list[dict]:
     for impl in ("foreach", "fused"):  # foreach: torch's CUDA default (optim/optimizer.py _default_to_fused_or_foreach)
         opt = torch.optim.AdamW(params, lr=1e-4, **{impl: True})
         rows.append(dict(kind="optimizer", name=f"AdamW {impl}, {len(params)} tensors", elements=n,
-                         tensors=len(params), time_s=_events_s(opt.step, 10)))
+                         tensors=len(params), time_s=events_s(opt.step, 10)))
     return rows
 
 
 def measure_launch() -> list[dict]:
     import torch
 
-    from shard_planner.execute.calibrate_kernels import tiny_kernel_graph
+    from shard_planner.execute.kernel_timing import LAUNCH_KERNELS, tiny_kernel_graph
 
-    gap = _events_s(tiny_kernel_graph(torch.device("cuda"), 200).replay, 20) / 200
+    gap = events_s(tiny_kernel_graph(torch.device("cuda")).replay, 20) / LAUNCH_KERNELS
     x = torch.zeros(1, device="cuda")
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -182,10 +167,10 @@ def measure_host() -> list[dict]:
     import torch
 
     from shard_planner.cost.host_share import threads_per_rank, usable_cores
-    from shard_planner.execute.calibrate_kernels import _fastest
+    from shard_planner.execute.kernel_timing import fastest_host_s
 
     def host_s(fn) -> float:  # the fastest of 3 host-clock calls after a warm-up, the device synchronised
-        return _fastest(fn, torch.device("cuda" if torch.cuda.is_available() else "cpu"), 3)
+        return fastest_host_s(fn, torch.device("cuda" if torch.cuda.is_available() else "cpu"), 3)
 
     threads = threads_per_rank(1, usable_cores())
     torch.set_num_threads(threads)

@@ -27,7 +27,7 @@ def main(argv=None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from shard_planner.execute.apply import apply_plan, build_mesh
-    from shard_planner.execute.calibrate_kernels import _samples
+    from shard_planner.execute.kernel_timing import host_samples
     from shard_planner.execute.worker import build_on_device, make_optimizer, make_step_batch
     from shard_planner.modelfile import load_model_file
     from shard_planner.plan import load_plan
@@ -58,8 +58,8 @@ def main(argv=None) -> int:
     for s in range(args.steps + 1):  # the first is a warm-up
         optimizer.zero_grad(set_to_none=True)
         # one host-clock call each, the device synchronised before and after
-        row = dict(step=s, fwd_bwd_s=_samples(lambda: fwd_bwd(s), device, 1)[0],
-                   optimizer_s=_samples(optimizer.step, device, 1)[0])
+        row = dict(step=s, fwd_bwd_s=host_samples(lambda: fwd_bwd(s), device, 1)[0],
+                   optimizer_s=host_samples(optimizer.step, device, 1)[0])
         print(row)
         rows.append(row)
     optimizer.zero_grad(set_to_none=True)

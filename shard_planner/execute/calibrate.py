@@ -46,7 +46,8 @@ import torch
 
 from shard_planner.cost.collectives import ring_time_s
 from shard_planner.cost.host_share import usable_cores
-from shard_planner.execute.calibrate_kernels import LAYOUT_N, CurveFit, _fastest, _samples, fit_curve, slower
+from shard_planner.execute.calibrate_kernels import LAYOUT_N, CurveFit, fit_curve, slower
+from shard_planner.execute.kernel_timing import device_time_s, host_samples
 from shard_planner.execute.kernel_calibration import calibrate_kernels, kernels_toml
 from shard_planner.errors import UserError
 from shard_planner.fileio import write_atomic
@@ -73,23 +74,23 @@ class CollectiveFit:
 
 def _time(fn, device: torch.device, repeats: int) -> float:
     fn()  # warm-up
-    return statistics.median(_samples(fn, device, repeats))
+    return statistics.median(host_samples(fn, device, repeats))
 
 
 def measure_matmul_flops_per_s(device: torch.device, dtype: torch.dtype, repeats: int = 5) -> float:
-    """2 n^3 FLOPs of an n x n matmul per second (n = MATMUL_N), the fastest of ``repeats``."""
+    """2 n^3 FLOPs of an n x n matmul per second (n = MATMUL_N), one call as kernel_timing.device_time_s times it."""
     n = MATMUL_N[device.type]
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    return 2 * n**3 / _fastest(lambda: a @ b, device, repeats)
+    return 2 * n**3 / device_time_s(lambda: a @ b, device, repeats)
 
 
 def measure_copy_bytes_per_s(device: torch.device, repeats: int = 5) -> float:
-    """Read + write bytes per second of a large tensor copy, the fastest of ``repeats``."""
+    """Read + write bytes per second of a large tensor copy, one call as kernel_timing.device_time_s times it."""
     numel = COPY_BYTES[device.type] // 4
     src = torch.empty(numel, device=device)
     dst = torch.empty_like(src)
-    return 2 * numel * 4 / _fastest(lambda: dst.copy_(src), device, repeats)
+    return 2 * numel * 4 / device_time_s(lambda: dst.copy_(src), device, repeats)
 
 
 class _OpCounter:
@@ -142,7 +143,7 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - b * mx, b
 
 
-def _overhead_samples(world_size: int, device: torch.device, repeats: int) -> list[str]:
+def _overheadhost_samples(world_size: int, device: torch.device, repeats: int) -> list[str]:
     """Step time of OVERHEAD_LAYERS tiny layers in U FSDP2 units, for U in OVERHEAD_UNITS; and AdamW's
     step time over the finest model's sharded parameters (lines for the rank-0 file)."""
     from torch.distributed.fsdp import fully_shard
@@ -165,10 +166,10 @@ def _overhead_samples(world_size: int, device: torch.device, repeats: int) -> li
         for _ in range(3):
             step()
         # the fastest step: on a shared machine other processes only ever add time
-        lines.append(f"unit {units} {min(_samples(step, device, repeats, barrier=True))}")
+        lines.append(f"unit {units} {min(host_samples(step, device, repeats, barrier=True))}")
         if units == OVERHEAD_UNITS[-1]:
             tensors = sum(1 for _ in model.parameters())
-            lines.append(f"optimizer {tensors} {min(_samples(opt.step, device, repeats))}")
+            lines.append(f"optimizer {tensors} {min(host_samples(opt.step, device, repeats))}")
     return lines
 
 
@@ -219,7 +220,7 @@ def _collective_sample(kind: str, g: int, group, nbytes: int, rank: int, device:
 
     run()  # warm-up
     # the fastest: on a shared machine other processes only ever add time (calibrate_kernels.fit_curve)
-    return [f"{kind} {g} {numel * 4} {min(_samples(run, device, repeats, barrier=True))}"]
+    return [f"{kind} {g} {numel * 4} {min(host_samples(run, device, repeats, barrier=True))}"]
 
 
 def _collective_rank(rank: int, world_size: int, port: int, device_type: str, out_dir: str, repeats: int) -> None:
@@ -238,7 +239,7 @@ def _collective_rank(rank: int, world_size: int, port: int, device_type: str, ou
         for kind in ("all_gather", "reduce_scatter"):
             for nbytes in COLLECTIVE_BYTES[device_type]:
                 lines += _collective_sample(kind, g, group, nbytes, rank, device, repeats)
-    lines += _overhead_samples(world_size, device, repeats=max(repeats, 15))
+    lines += _overheadhost_samples(world_size, device, repeats=max(repeats, 15))
     if rank == 0:
         write_atomic(os.path.join(out_dir, "collectives.txt"), "\n".join(lines) + "\n")  # the parent reads it
     dist.destroy_process_group()

@@ -3,8 +3,10 @@
 
 Every fit prices the measured samples with the *same functions the cost model uses* (kernels.matmul_time_s,
 kernels.attention_time_s, collectives.ring_time_s) and picks the constants that minimise the mean squared
-log error of predicted vs measured time (each measured time the fastest of ``repeats`` calls after a
-warm-up: on a shared machine other processes only ever add time) (relative error: small and large shapes count alike). Discrete
+log error of predicted vs measured time (relative error: small and large shapes count alike). Each
+measured time is one call as execute/kernel_timing.py times it: on CPU the fastest of ``repeats``
+host-clock calls after a warm-up, on CUDA the device time of a captured batch of calls ([Note: timing a
+kernel on the device]: the host clock around one call measured the host there). Discrete
 constants are searched on a grid; each efficiency, given the discrete ones, is the closed-form geometric
 mean of (time at efficiency 1) / (measured time) over the samples, capped at 1 (a fraction of peak).
 
@@ -14,9 +16,10 @@ What is measured, and how each quantity is fitted:
   GEMM sweep's fitted efficiency exceeds 1 (a loaded machine slowed the one long reference matmul) the
   sweep dtype's peak is raised by that factor and ``matmul_efficiency`` set to 1;
   ``memory_bandwidth_bytes_per_s`` is the large tensor copy. Both are the roofline's references.
-- CPU dispatch floor: the fastest one-element add. It is subtracted from every GEMM and attention sample
-  (at least 10% of the sample kept) before fitting, because on CPU each op's fixed cost is priced
-  apart, as ``per_op_overhead_s``; the fits describe the kernels' throughput only.
+- Dispatch floor: on CPU the fastest one-element add, on CUDA the device gap between kernels
+  (``kernel_launch_s``, below). It is subtracted from every GEMM, attention and convolution sample (at
+  least 10% of the sample kept) before fitting, because the cost model prices each op's fixed cost apart
+  (``per_op_overhead_s`` on CPU, ``kernel_launch_s`` per kernel); the fits describe throughput only.
 - GEMM shape sweep (MATMUL_SHAPES: square 32-1024 and skinny / short-K shapes, x8 on CUDA; fp32 on CPU,
   bf16 on CUDA; the median of ``repeats`` calls each) -> ``matmul_efficiency`` (closed form), the square
   CTA tile ``matmul_tiles`` = [t x t] for t in TILE_GRID, ``matmul_tile_k`` (TILE_K_GRID),
@@ -45,7 +48,7 @@ What is measured, and how each quantity is fitted:
   CPU with ``conv_call_{fwd,bwd}_s``, a fixed time per call, closed form beside the efficiency.
 - Elementwise / norm / reduction bandwidth (ELEMENTWISE_NUMEL elements: add, mul, GELU, softmax, LayerNorm,
   sum; bytes read + written) -> ``memory_efficiency`` = median achieved bytes/s / copy bandwidth, <= 1.
-- Per-launch cost ``kernel_launch_s``: on CUDA, LAUNCH_KERNELS tiny kernels in a replayed CUDA graph (the
+- Per-launch cost ``kernel_launch_s``: on CUDA, kernel_timing.LAUNCH_KERNELS tiny kernels in a replayed CUDA graph (the
   device's gap between kernels, no host launch in it); on CPU 0: ``per_op_overhead_s`` (calibrate.py)
   measures each op's whole fixed cost, dispatch and kernel entry included.
 - Collectives by message size (all-gather and reduce-scatter, execute/calibrate.py's COLLECTIVE_BYTES
@@ -66,7 +69,6 @@ import itertools
 import logging
 import math
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +76,7 @@ import torch
 from shard_planner.cost.collectives import ring_time_s
 from shard_planner.cost.kernels import (BWD_MATMUL_PER_EXP, MATMUL_LAYOUTS, Device, KernelConstants, KernelOp,
                                         attention_tiles, attention_time_s, conv_time_s, matmul_time_s)
+from shard_planner.execute.kernel_timing import device_time_s, measure_launch_s
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +102,6 @@ ELEMENTWISE_NUMEL = {"cpu": 4 * 2**20, "cuda": 64 * 2**20}
 # 3x3 convolutions, (batch, channels in = out, height = width) at scale 1 (CPU); CUDA: batch and channels x4
 CONV_SHAPES = ((8, 32, 32), (8, 64, 16), (8, 16, 64), (8, 8, 32), (8, 16, 16), (4, 32, 8))
 LAYOUT_N = 512  # the GEMM of the layout measurement (CPU bf16: its slow layouts take ~0.2 s)
-LAUNCH_KERNELS = 200
 
 
 @dataclass(frozen=True)
@@ -108,38 +110,6 @@ class Sample:
 
     op: KernelOp
     time_s: float
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _samples(fn, device: torch.device, repeats: int, *, barrier: bool = False) -> list[float]:
-    """Seconds of ``repeats`` calls of ``fn``, each timed from a synchronised device (and, with
-    ``barrier``, after a barrier of the process group, so that ranks start together) to its end."""
-    samples = []
-    for _ in range(repeats):
-        if barrier:
-            torch.distributed.barrier()
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        samples.append(time.perf_counter() - t0)
-    return samples
-
-
-def _fastest(fn, device: torch.device, repeats: int) -> float:
-    """The fastest of ``repeats`` calls after a warm-up: on a shared machine other processes only add time."""
-    fn()
-    return min(_samples(fn, device, repeats))
-
-
-def _fastest_s(fn, device: torch.device, repeats: int) -> float:
-    """The fastest of ``repeats`` timed calls after a warm-up: on a shared machine other processes only
-    ever add time, so the minimum is the estimate least biased by load."""
-    return _fastest(fn, device, repeats)
 
 
 def _msle(pred: list[float], meas: list[float]) -> float:
@@ -215,7 +185,7 @@ def measure_layouts(device: torch.device, dtype: torch.dtype, repeats: int, n: i
     rates = []
     for layout in range(len(MATMUL_LAYOUTS)):
         a, b = layout_operands(n, n, n, layout, device, dtype)
-        rates.append(2.0 * n**3 / _fastest_s(lambda: a @ b, device, repeats))
+        rates.append(2.0 * n**3 / device_time_s(lambda: a @ b, device, repeats))
     best = max(rates)
     return best, tuple(r / best for r in rates)
 
@@ -243,12 +213,13 @@ def fit_matmul(samples: list[Sample], peak: float, bandwidth: float, sm_count: i
 
 
 def measure_dispatch_floor_s(device: torch.device, repeats: int) -> float:
-    """CPU: the fastest call of a one-element add, the fixed cost every eager op pays before its kernel
-    works; 0 on CUDA (kernels run asynchronously, timed by the device)."""
-    if device.type != "cpu":
-        return 0.0
+    """The fixed cost each timed call pays that the cost model prices apart. CPU: the fastest call of a
+    one-element add, what every eager op pays before its kernel works (``per_op_overhead_s``). CUDA: the
+    device's gap between kernels in a replayed graph (``kernel_launch_s``; execute/kernel_timing.py)."""
+    if device.type == "cuda":
+        return measure_launch_s(device)
     x = torch.zeros(1)
-    return _fastest_s(lambda: x + x, device, 10 * repeats)
+    return device_time_s(lambda: x + x, device, 10 * repeats)
 
 
 def _less_floor(t: float, floor_s: float) -> float:
@@ -259,8 +230,8 @@ def _forward_backward_s(forward, device: torch.device, grad: torch.Tensor, repea
                         floor_s: float) -> tuple[float, float]:
     """Seconds of ``forward()`` alone and of its backward (forward + backward less the forward, at least
     5% of the pair), each less the dispatch floor."""
-    raw_fwd = _fastest_s(forward, device, repeats)
-    t_both = _fastest_s(lambda: forward().backward(grad), device, repeats)
+    raw_fwd = device_time_s(forward, device, repeats)
+    t_both = device_time_s(lambda: forward().backward(grad), device, repeats)
     return _less_floor(raw_fwd, floor_s), _less_floor(max(t_both - raw_fwd, 0.05 * t_both), floor_s)
 
 
@@ -274,7 +245,7 @@ def measure_matmuls(device: torch.device, dtype: torch.dtype, repeats: int, quic
         m, n, k = m * scale, n * scale, k * scale
         a = torch.randn(m, k, device=device, dtype=dtype)
         b = torch.randn(k, n, device=device, dtype=dtype)
-        out.append(Sample(matmul_op(m, n, k, elt), _less_floor(_fastest_s(lambda: a @ b, device, repeats), floor_s)))
+        out.append(Sample(matmul_op(m, n, k, elt), _less_floor(device_time_s(lambda: a @ b, device, repeats), floor_s)))
     return out
 
 
@@ -422,31 +393,8 @@ def measure_memory_efficiency(device: torch.device, copy_bytes_per_s: float, rep
         "softmax": (lambda: torch.softmax(rows, -1), 8 * n),
         "layer_norm": (lambda: F.layer_norm(rows, (1024,)), 8 * n), "sum": (lambda: rows.sum(-1), 4 * n),
     }
-    achieved = {k: nbytes / _fastest_s(fn, device, repeats) for k, (fn, nbytes) in kernels.items()}
+    achieved = {k: nbytes / device_time_s(fn, device, repeats) for k, (fn, nbytes) in kernels.items()}
     return min(1.0, statistics.median(achieved.values()) / copy_bytes_per_s), achieved
-
-
-def tiny_kernel_graph(device: torch.device, kernels: int = LAUNCH_KERNELS):
-    """A CUDA graph of ``kernels`` one-element adds (warmed up on a side stream, as capture requires)."""
-    x = torch.zeros(1, device=device)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            x.add_(1)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(kernels):
-            x.add_(1)
-    return graph
-
-
-def measure_launch_s(device: torch.device) -> float:
-    """Device gap between back-to-back kernels (CUDA graph replay of tiny kernels); 0 on CPU (docstring)."""
-    if device.type != "cuda":
-        return 0.0
-    return _fastest_s(tiny_kernel_graph(device).replay, device, 10) / LAUNCH_KERNELS
 
 
 # ---- collectives ----

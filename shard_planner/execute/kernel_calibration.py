@@ -14,8 +14,9 @@ from shard_planner.cost.kernels import MATMUL_LAYOUTS, KernelConstants
 from shard_planner.execute.calibrate_kernels import (BLOCK_GRID, EXP_RATIO_GRID, KV_BLOCK_GRID, LAYOUT_N, RIDGE_GRID, STAGES_GRID,
                                                      TILE_GRID, TILE_K_GRID, TILE_OVERHEAD_GRID, Sample, _constants,
                                                      fit_attention, fit_conv, fit_matmul, measure_attention,
-                                                     measure_convolutions, measure_dispatch_floor_s, measure_launch_s,
-                                                     measure_layouts, measure_matmuls, measure_memory_efficiency)
+                                                     measure_convolutions, measure_dispatch_floor_s, measure_layouts,
+                                                     measure_matmuls, measure_memory_efficiency)
+from shard_planner.execute.kernel_timing import measure_launch_s
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class KernelCalibration:
     constants: KernelConstants
     dtype: str  # of the sweeps
     peak_flops_per_s: float  # the sweep dtype's peak, raised to the sweep's best rate when that is higher
-    floor_s: float  # CPU dispatch floor subtracted from each sample
+    floor_s: float  # dispatch floor subtracted from each sample (CPU: per eager op; CUDA: the gap per kernel)
     matmul_err: float  # the fits' mean squared log errors
     attention_err: float
     matmul_samples: tuple[Sample, ...]
