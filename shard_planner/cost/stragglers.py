@@ -10,7 +10,11 @@ chip settles at its own clock (manufacturing variability and the chip's power ma
 differences persist from step to step (Sinha et al., "Not All GPUs Are Created Equal: Characterizing
 Variability in Large-Scale, Accelerator-Rich Systems", SC'22, arXiv 2208.11035: across the GPUs of
 Summit, Vortex, Frontera, Longhorn (V100) and Corona (MI60), 8% (max 22%) average performance variation
-for one SKU, outliers up to 1.5x slower than the median GPU).
+for one SKU, outliers up to 1.5x slower than the median GPU). Inside one node too: the maximum achievable
+matmul FLOPS of the eight GPUs of one NVIDIA node differ by "5% and higher", "even when all of them pass
+the same factory binning" (stas00/ml-engineering, compute/accelerator/README.md, "Not all accelerators are
+created equal": silicon lottery and uneven cooling), which the GPU profiles read as the expected range of
+8 samples, 2 m_8 sigma: sigma = 5% / 2.85 = 1.76%.
 
 Model: the sustained speed of a GPU relative to the typical one (the profile's compute constants) is
 1 + sigma Z, Z standard normal, independent between GPUs; sigma is the profile's ``gpu_speed_spread``
