@@ -61,8 +61,11 @@ def test_one_gpu_and_cpu_profiles_are_not_slowed(synth, h100):
         simulate_time(synth, plan, cpu).step_time_s
 
 
-def test_a100_profiles_carry_the_spread_and_bad_values_are_refused(h100):
-    assert load_profile("a100-80gb").gpu_speed_spread > 0 and load_profile("a100-40gb").gpu_speed_spread > 0
+def test_roofline_gpu_profiles_carry_the_spread_and_bad_values_are_refused(h100):
+    # their kernel constants describe one typical GPU, so a job on N of them waits on the slowest
+    for name in ("a100-80gb", "a100-40gb", "h200"):
+        profile = load_profile(name)
+        assert profile.compute_model == "roofline" and profile.gpu_speed_spread > 0, name
     assert h100.gpu_speed_spread == 0.0  # its compute_efficiency was fitted on 8 GPUs: holds it already
     for bad in (-0.01, float("nan"), float("inf")):
         with pytest.raises(ProfileError, match="gpu_speed_spread"):
