@@ -143,7 +143,7 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - b * mx, b
 
 
-def _overheadhost_samples(world_size: int, device: torch.device, repeats: int) -> list[str]:
+def _overhead_samples(world_size: int, device: torch.device, repeats: int) -> list[str]:
     """Step time of OVERHEAD_LAYERS tiny layers in U FSDP2 units, for U in OVERHEAD_UNITS; and AdamW's
     step time over the finest model's sharded parameters (lines for the rank-0 file)."""
     from torch.distributed.fsdp import fully_shard
@@ -239,7 +239,7 @@ def _collective_rank(rank: int, world_size: int, port: int, device_type: str, ou
         for kind in ("all_gather", "reduce_scatter"):
             for nbytes in COLLECTIVE_BYTES[device_type]:
                 lines += _collective_sample(kind, g, group, nbytes, rank, device, repeats)
-    lines += _overheadhost_samples(world_size, device, repeats=max(repeats, 15))
+    lines += _overhead_samples(world_size, device, repeats=max(repeats, 15))
     if rank == 0:
         write_atomic(os.path.join(out_dir, "collectives.txt"), "\n".join(lines) + "\n")  # the parent reads it
     dist.destroy_process_group()

@@ -21,7 +21,7 @@ What is measured, and how each quantity is fitted:
   least 10% of the sample kept) before fitting, because the cost model prices each op's fixed cost apart
   (``per_op_overhead_s`` on CPU, ``kernel_launch_s`` per kernel); the fits describe throughput only.
 - GEMM shape sweep (MATMUL_SHAPES: square 32-1024 and skinny / short-K shapes, x8 on CUDA; fp32 on CPU,
-  bf16 on CUDA; the median of ``repeats`` calls each) -> ``matmul_efficiency`` (closed form), the square
+  bf16 on CUDA; each timed as above) -> ``matmul_efficiency`` (closed form), the square
   CTA tile ``matmul_tiles`` = [t x t] for t in TILE_GRID, ``matmul_tile_k`` (TILE_K_GRID),
   ``matmul_stages`` (STAGES_GRID) and the tile ridge tensor/L2 (RIDGE_GRID; written as
   ``tensor_flop_per_clk_per_sm`` = CLOCK_NORM and ``l2_bytes_per_clk_per_sm`` = CLOCK_NORM / ridge: only

@@ -16,7 +16,6 @@ from shard_planner.execute.calibrate_kernels import (BLOCK_GRID, EXP_RATIO_GRID,
                                                      fit_attention, fit_conv, fit_matmul, measure_attention,
                                                      measure_convolutions, measure_dispatch_floor_s, measure_layouts,
                                                      measure_matmuls, measure_memory_efficiency)
-from shard_planner.execute.kernel_timing import measure_launch_s
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +97,8 @@ def calibrate_kernels(device: torch.device, peak_flops_per_s: dict[str, float], 
     cf, cb = measure_convolutions(device, dtype, repeats, floor_s)
     conv_fit, conv_err = fit_conv(cf, cb, peak, bandwidth, call_cost=device.type == "cpu")
     kc = _constants(sm_count=sm_count, max_split_k=max_split, memory_efficiency=mem_eff,
-                    kernel_launch_s=measure_launch_s(device), **mm_fit, **at_fit, **conv_fit)
+                    # on CUDA the floor is the launch gap itself (measure_dispatch_floor_s); a CPU has none
+                    kernel_launch_s=floor_s if device.type == "cuda" else 0.0, **mm_fit, **at_fit, **conv_fit)
     by_dtype = (calibrate_dtype(device, "bfloat16", bandwidth, floor_s, repeats, quick),) if device.type == "cpu" else ()
     return KernelCalibration(kc, dtype_name, peak, floor_s, mm_err, at_err, tuple(mm), tuple(fwd + bwd), achieved,
                              by_dtype, tuple(cf + cb), conv_err)
