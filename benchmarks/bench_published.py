@@ -63,7 +63,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from common import OUT_DIR, print_table, write_csv  # noqa: E402
-from published_classes import attribution, class_shares  # noqa: E402
+from published_classes import by_gpu, class_shares  # noqa: E402
 
 from shard_planner.cost import simulate_time  # noqa: E402
 from shard_planner.fileio import write_atomic  # noqa: E402
@@ -450,18 +450,13 @@ def main(argv=None) -> None:
         "by activation checkpointing": grouped(rows, "ac"),
         "by GPU": grouped(rows, "gpu"),
         "by GPU count (8 per node)": grouped(rows, "n_gpus", sorted({r["n_gpus"] for r in rows})),
+        # the shares are of the kernel model's priced time
+        **({"error by kernel class (a diagnosis: benchmarks/published_classes.py)": by_gpu(rows, GPUS_PER_NODE)}
+           if args.compute_model == "roofline" else {}),
         f"worst {args.worst} rows (times per global batch, s)": [
             {k: (round(r[k], 4) if isinstance(r[k], float) else r[k]) for k in WORST_COLUMNS}
             for r in sorted(rows, key=lambda r: -abs(r["error_pct"]))[: args.worst]],
     }
-    if args.compute_model == "roofline":  # the shares are of the kernel model's priced time
-        worst = tables.popitem()
-        tables["error by kernel class (a diagnosis: benchmarks/published_classes.py)"] = [
-            attribution([r for r in rows if r["gpu"] == gpu and keep(r)], f"{gpu}, {label}")
-            for gpu in sorted({r["gpu"] for r in rows}) for label, keep in (
-                ("all rows", lambda r: True),
-                ("8 GPUs, no AC", lambda r: r["n_gpus"] == GPUS_PER_NODE and r["ac"] == "none"))]
-        tables[worst[0]] = worst[1]
     meta = dict(command="python benchmarks/bench_published.py " + " ".join(argv or sys.argv[1:]), rows=len(rows),
                 traces=len({json.dumps(r.shape, sort_keys=True) for r in runs}), traced=traced, seconds=seconds,
                 load=" ".join(f"{x:.1f}" for x in os.getloadavg()), compute_model=args.compute_model)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 
-from shard_planner.cost.kernels import ATTENTION_BWD, ATTENTION_FWD, MATMUL, KernelOp, device_of, op_time_s
+from shard_planner.cost.kernels import ATTENTION_BWD, ATTENTION_FWD, MATMUL, device_of, records_time_s
 
 CLASSES = ("matmul", "attention", "memory_bound")
 
@@ -40,9 +40,7 @@ def class_shares(trace, micro_batch: int, profile, checkpointed_prefix: str | No
 
     def add(records, times: int = 1) -> None:
         for r in records:
-            op = KernelOp(r.op_class, r.count, max(0.0, r.flops.at(micro_batch)), max(0.0, r.bytes.at(micro_batch)),
-                          r.dims_at(micro_batch))
-            seconds[_class_of(r.op_class)] += times * op_time_s(op, dev)
+            seconds[_class_of(r.op_class)] += times * records_time_s((r,), micro_batch, dev)
 
     for m in trace.modules:
         recomputed = checkpointed_prefix is not None and m.fqn.startswith(checkpointed_prefix)
@@ -67,3 +65,12 @@ def attribution(rows: list[dict], label: str) -> dict:
     resid = y - x @ coef
     return dict(group=label, rows=len(rows), **{f"{k}_pct": round(float(c) * 100, 1) for k, c in zip(CLASSES, coef)},
                 median_abs_residual_pct=round(float(np.median(np.abs(resid))) * 100, 2))
+
+
+def by_gpu(rows: list[dict], gpus_per_node: int) -> list[dict]:
+    """:func:`attribution` per GPU model, over all its rows and over its one-node rows without AC (the
+    rows communication and recomputation confound least)."""
+    return [attribution([r for r in rows if r["gpu"] == gpu and keep(r)], f"{gpu}, {label}")
+            for gpu in sorted({r["gpu"] for r in rows}) for label, keep in (
+                ("all rows", lambda r: True),
+                (f"{gpus_per_node} GPUs, no AC", lambda r: r["n_gpus"] == gpus_per_node and r["ac"] == "none"))]
