@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 from shard_planner.errors import ModelFileError
 from shard_planner.errors import first_line as _first_line
-from shard_planner.plan import OPTIMIZERS
+from shard_planner.plan import DEFAULT_LR, OPTIMIZERS
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,12 @@ class TrainingDefaults:
 
     micro_batch: int = 1
     optimizer: str = "adamw"
+    lr: float = DEFAULT_LR
+
+    @classmethod
+    def of(cls, training: dict) -> "TrainingDefaults":
+        """The defaults a TRAINING dict names (``seq_len`` is the model's, not the plan's: left out)."""
+        return cls(**{k: training[k] for k in ("micro_batch", "optimizer", "lr") if k in training})
 
 
 IGNORE_INDEX = -100  # targets the loss skips: transformers' and F.cross_entropy's ignore_index
@@ -98,8 +104,9 @@ class ModelFile:
 
     @property
     def defaults(self) -> TrainingDefaults:
-        """The TRAINING micro-batch and optimizer, with :class:`TrainingDefaults` where it names none."""
-        return TrainingDefaults(**{k: self.training[k] for k in ("micro_batch", "optimizer") if k in self.training})
+        """The TRAINING micro-batch, optimizer and learning rate, with :class:`TrainingDefaults` where it
+        names none."""
+        return TrainingDefaults.of(self.training)
 
     def build(self):
         """Call ``build_model()`` and check that it returns an nn.Module."""

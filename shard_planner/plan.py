@@ -35,6 +35,7 @@ PLAN_SCHEMA_VERSION = 1
 OPTIMIZER_TORCH = {"adamw": ("AdamW", {}), "adam": ("Adam", {}), "sgd": ("SGD", {}),
                    "sgd_momentum": ("SGD", {"momentum": 0.9})}
 OPTIMIZERS = tuple(OPTIMIZER_TORCH)
+DEFAULT_LR = 1e-3  # the learning rate of a plan whose model file's TRAINING names none
 DTYPES = ("float32", "bfloat16", "float16")
 # Training.gradient_sync: FSDP2 reduce-scatters every micro-step's gradients, or only the last one's
 # (``set_requires_gradient_sync(False)`` on the others: unsharded gradients held in between).
@@ -169,7 +170,7 @@ class Training:
     param_dtype: str = "bfloat16"  # MixedPrecisionPolicy.param_dtype: the compute dtype
     reduce_dtype: str = "float32"  # MixedPrecisionPolicy.reduce_dtype: gradient reduce-scatter dtype
     cpu_offload: bool = False  # CPUOffloadPolicy: sharded params, grads and optimizer states on the host
-    lr: float = 1e-3
+    lr: float = DEFAULT_LR
     # Gradient accumulation (cost/accumulation.py): micro-steps per optimizer step; whether gradients are
     # reduce-scattered every micro-step or only on the last (GRADIENT_SYNCS); whether parameters stay
     # gathered from one micro-step's backward to the next forward (set_reshard_after_backward(False) on

@@ -113,7 +113,7 @@ def _run(args: argparse.Namespace, helper: Helper) -> int:
                       gpus_per_node=args.gpus_per_node or profile.interconnect.gpus_per_node,
                       # a global batch searches the micro-batch unless --batch-size fixes it
                       micro_batch=args.batch_size or (None if args.search_batch or global_batch else defaults.micro_batch),
-                      search_batch=args.search_batch, optimizer=defaults.optimizer, param_dtype=dtype,
+                      search_batch=args.search_batch, optimizer=defaults.optimizer, lr=defaults.lr, param_dtype=dtype,
                       time_limit_s=args.time_limit, model_path=model_path, profile_name=args.profile,
                       timings_path=args.timings, global_batch_samples=args.global_batch,
                       global_batch_tokens=args.global_batch_tokens)
@@ -213,7 +213,7 @@ def _trace_defaults(trace):
     """The TRAINING defaults a trace.json carries (ModelTrace.training), as a model file's."""
     from shard_planner.modelfile import TrainingDefaults
 
-    return TrainingDefaults(**{k: trace.training[k] for k in ("micro_batch", "optimizer") if k in trace.training})
+    return TrainingDefaults.of(trace.training)
 
 
 def summary(result: PlanResult | Plan, profile) -> str:

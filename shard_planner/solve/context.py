@@ -103,7 +103,7 @@ class PlanContext:
 
     def __init__(self, trace: ModelTrace, request: PlanRequest):
         self.trace, self.request, self.profile = trace, request, request.profile
-        self.training = Training(micro_batch=request.micro_batch or 1, optimizer=request.optimizer,
+        self.training = Training(micro_batch=request.micro_batch or 1, optimizer=request.optimizer, lr=request.lr,
                                  param_dtype=request.param_dtype, reduce_dtype=request.reduce_dtype)
         self.cluster = Cluster(gpus=request.gpus, gpus_per_node=min(request.gpus_per_node, request.gpus),
                                profile=request.profile_name or self.profile.name,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from shard_planner.cost.types import Estimate
 from shard_planner.errors import UserError
-from shard_planner.plan import OPTIMIZERS, FrontierPoint, Plan
+from shard_planner.plan import DEFAULT_LR, OPTIMIZERS, FrontierPoint, Plan
 from shard_planner.profile import HardwareProfile
 from shard_planner.solve.space import DEFAULT_MAX_GROUP_SIZE
 from shard_planner.units import DTYPE_NAMES
@@ -43,6 +43,7 @@ class PlanRequest:
     micro_batch: int | None = None
     search_batch: bool = False
     optimizer: str = "adamw"
+    lr: float = DEFAULT_LR  # the model file's TRAINING["lr"]: the plan records it, the executor and exports use it
     param_dtype: str = "bfloat16"
     reduce_dtype: str = "float32"
     time_limit_s: float = DEFAULT_TIME_LIMIT_S
@@ -81,6 +82,8 @@ class PlanRequest:
             raise UserError(f"simpler_within must be in [0, 1), got {self.simpler_within}")
         if self.optimizer not in OPTIMIZERS:
             raise UserError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not self.lr > 0:
+            raise UserError(f"lr must be a positive number, got {self.lr!r}")
         dtypes = set(DTYPE_NAMES.values())
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in dtypes:

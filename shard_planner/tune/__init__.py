@@ -81,7 +81,7 @@ def tune_model(model_path: str, *, gpus: int, mem_budget_bytes: int, profile: st
         raise UserError(f"the trace given was made in {trace.compute_dtype}, but tune was asked for {param_dtype}")
     defaults = model_file.defaults
     request = PlanRequest(gpus=gpus, mem_budget_bytes=mem_budget_bytes, profile=prior, gpus_per_node=gpus_per_node,
-                          micro_batch=micro_batch or defaults.micro_batch, optimizer=defaults.optimizer,
+                          micro_batch=micro_batch or defaults.micro_batch, optimizer=defaults.optimizer, lr=defaults.lr,
                           param_dtype=param_dtype, model_path=model_path,
                           profile_name=profile if isinstance(profile, str) else None, timings_path=timings,
                           **(plan_options or {}))

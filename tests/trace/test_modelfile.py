@@ -122,20 +122,21 @@ def test_training_defaults(tmp_path):
 
     path = tmp_path / "good.py"
     path.write_text(GOOD_MODEL + GOOD_BATCH + "\nTRAINING = {'micro_batch': 3, 'optimizer': 'sgd', 'lr': 0.1}\n")
-    assert training_defaults(load_model_file(str(path))) == TrainingDefaults(micro_batch=3, optimizer="sgd")
+    assert training_defaults(load_model_file(str(path))) == TrainingDefaults(micro_batch=3, optimizer="sgd", lr=0.1)
     path.write_text(GOOD_MODEL + GOOD_BATCH + "\nTRAINING = {'micro_batch': 5}\n")
-    assert load_model_file(str(path)).defaults == TrainingDefaults(micro_batch=5, optimizer="adamw")
+    assert load_model_file(str(path)).defaults == TrainingDefaults(micro_batch=5, optimizer="adamw", lr=1e-3)
     assert training_defaults(None) == TrainingDefaults(micro_batch=1, optimizer="adamw")  # a trace.json
 
 
 def test_plan_and_tune_load_the_model_file_once(tmp_path, monkeypatch):
-    """plan reads the TRAINING defaults from the file it traced; tune traces in the dtype asked."""
+    """plan reads the TRAINING defaults (learning rate included) from the file it traced, and from a trace.json
+    of it; tune traces in the dtype asked."""
     import shard_planner.modelfile as modelfile
     import shard_planner.solve as solve
     from shard_planner.tune import tune_model
 
     path = tmp_path / "good.py"
-    path.write_text(GOOD_MODEL + GOOD_BATCH + "\nTRAINING = {'micro_batch': 3, 'optimizer': 'sgd'}\n")
+    path.write_text(GOOD_MODEL + GOOD_BATCH + "\nTRAINING = {'micro_batch': 3, 'optimizer': 'sgd', 'lr': 3e-4}\n")
     imports = []
     real_import = modelfile._import
     monkeypatch.setattr(modelfile, "_import", lambda p: imports.append(p) or real_import(p))
@@ -146,7 +147,13 @@ def test_plan_and_tune_load_the_model_file_once(tmp_path, monkeypatch):
 
     plan = load_plan(out)
     assert (plan.training.micro_batch, plan.training.optimizer, plan.training.param_dtype) == (3, "sgd", "float32")
+    assert plan.training.lr == 3e-4
     assert len(imports) == 1
+    traced = tmp_path / "trace.json"
+    assert main(["trace", str(path), "--dtype", "fp32", "-o", str(traced)]) == 0
+    assert main(["plan", str(traced), "--gpus", "2", "--mem", "1GB", "--profile", "cpu-gloo", "--dtype", "fp32",
+                 "-o", str(out), "--no-report", "--time-limit", "1"]) == 0
+    assert load_plan(out).training.lr == 3e-4
 
     class Stop(Exception):
         pass
@@ -162,5 +169,5 @@ def test_plan_and_tune_load_the_model_file_once(tmp_path, monkeypatch):
     with pytest.raises(Stop):
         tune_model(str(path), gpus=2, mem_budget_bytes=2**30, profile="cpu-gloo", dtype="float32")
     assert seen["trace_dtype"] == seen["param_dtype"] == "float32"
-    assert (seen["micro_batch"], seen["optimizer"]) == (3, "sgd")
+    assert (seen["micro_batch"], seen["optimizer"], seen["lr"]) == (3, "sgd", 3e-4)
     assert len(imports) == 1
