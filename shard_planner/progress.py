@@ -68,10 +68,12 @@ class Progress:
         """The text of the progress line (also what a test can check)."""
         if self.total:
             pct = 100.0 * min(self.done, self.total) / self.total
-            count = f"{self.done}/{self.total} [{pct:3.0f}%]"
-        else:
-            count = f"{self.done}"
-        text = f"{self.label}: {count} {self.elapsed_s:.1f}s"
+            count = f"{self.done}/{self.total} [{pct:3.0f}%] "
+        elif self.done:
+            count = f"{self.done} "
+        else:  # work that is not counted (one trace, one report): a count that stays at 0 says nothing
+            count = ""
+        text = f"{self.label}: {count}{self.elapsed_s:.1f}s"
         return f"{text} {self.detail}" if self.detail else text
 
     def _draw(self, force: bool) -> None:

@@ -455,6 +455,14 @@ def test_progress_line_on_a_terminal(monkeypatch):
     assert "\rsolving: 4/4 [100%]" in text
 
 
+def test_progress_without_a_total_shows_no_count_until_one_moves():
+    clock = iter([0.0, 2.0, 2.5])
+    p = Progress("tracing m.py", stream=_Tty(), enabled=False, clock=lambda: next(clock))
+    assert p.line() == "tracing m.py: 2.0s"  # uncounted work: elapsed time only, no count stuck at 0
+    p.advance(2)
+    assert p.line() == "tracing m.py: 2 2.5s"
+
+
 def test_progress_quiet_in_ci_and_pipes(monkeypatch):
     monkeypatch.setenv("CI", "1")
     stream = _Tty()
