@@ -6,8 +6,10 @@ reports a bad value in one line.
 
 A type that rejects a value raises ``argparse.ArgumentTypeError("must be ..., got '0'")``; :class:`Parser`
 turns argparse's ``argument --gpus: must be ...`` into :class:`ArgumentValueError` (``--gpus must be a
-positive integer, got '0'``), which the entry point prints as one line and exits 2. Other argparse
-errors (a missing argument, an unknown choice) keep argparse's usage message.
+positive integer, got '0'``), which the entry point prints as one line and exits 2. Every other argparse
+error (a missing argument, an unknown choice or option) is one line too, argparse's message and where
+the usage is: ``the following arguments are required: --mem; see shard-planner plan --help`` — not the
+usage itself, whose dozen lines would bury the one that says what is wrong.
 """
 
 from __future__ import annotations
@@ -22,21 +24,27 @@ __all__ = ["ArgumentValueError", "Parser", "byte_size", "non_negative_int", "pos
 
 # argparse words a rejected value as "argument <flags>: <the type's message>" (argparse.ArgumentError).
 _REJECTED_VALUE = re.compile(r"argument (\S+): (must be .*)")
+_MISSING_VALUE = re.compile(r"argument (\S+): expected one argument")
 
 
 class ArgumentValueError(UserError):
-    """A command-line value of the right shape but out of range (``--gpus 0``, ``--mem forty``)."""
+    """A command line argparse rejects: a value out of range (``--gpus 0``, ``--mem forty``), a missing
+    argument, an unknown option or choice."""
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse.ArgumentParser whose type errors become one-line :class:`ArgumentValueError`\\ s
+    """argparse.ArgumentParser whose errors become one-line :class:`ArgumentValueError`\\ s
     (sub-command parsers inherit the class)."""
 
     def error(self, message: str):
         m = _REJECTED_VALUE.fullmatch(message)
         if m:
             raise ArgumentValueError(f"{m.group(1)} {m.group(2)}")
-        super().error(message)
+        m = _MISSING_VALUE.fullmatch(message)
+        if m:  # `--mem -1GB`: argparse reads a value that starts with '-' as the next option
+            message = (f"{m.group(1)} needs a value (one that starts with '-' is read as an option: "
+                       f"write {m.group(1)}=VALUE)")
+        raise ArgumentValueError(f"{message}; see {self.prog} --help")
 
 
 def add_hf_arguments(p: argparse.ArgumentParser) -> None:

@@ -61,14 +61,27 @@ def test_good_values_parse_to_numbers(argv, flag, value, message):
     assert getattr(args, flag.lstrip("-").replace("-", "_")) == good[1]
 
 
-def test_other_argparse_errors_keep_the_usage(capsys):
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "m.py", "--gpus", "8"], "the following arguments are required: --mem; see shard-planner plan --help"),
+    (["plan", "m.py", "--mem", "40GB"], "the following arguments are required: --gpus; see shard-planner plan --help"),
+    (["plan", "m.py", "--gpus", "8", "--mem", "-1GB"],
+     "--mem needs a value (one that starts with '-' is read as an option: write --mem=VALUE); see shard-planner plan"),
+    (["plan", "m.py", "--gpus", "8", "--mem=-1GB"], "--mem must be a positive memory size"),
+    (["plan", "m.py", "--gpus", "8", "--mem", "40GB", "--dtype", "int8"], "argument --dtype: invalid choice"),
+    (["plan", "m.py", "--gpus", "8", "--mem", "40GB", "--gpu", "8"], "ambiguous option: --gpu could match --gpus"),
+    (["plan", "m.py", "--gpus", "8", "--mem", "40GB", "--nodes", "2"], "unrecognized arguments: --nodes 2"),
+    (["plann", "m.py"], "invalid choice: 'plann'"),
+    ([], "the following arguments are required: COMMAND; see shard-planner --help"),
+])
+def test_other_argparse_errors_are_one_line_too(argv, message, capsys):
+    """Not argparse's usage (a dozen lines for plan) before the line that says what is wrong."""
     from shard_planner.cli.main import main
 
-    with pytest.raises(SystemExit) as info:
-        main(["plan", "m.py", "--gpus", "8"])  # --mem missing
-    assert info.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith("usage: shard-planner plan") and "the following arguments are required: --mem" in err
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("shard-planner: error: ") and captured.err.count("\n") == 1, captured.err
+    assert message in captured.err and captured.out == ""
+    assert "usage:" not in captured.err
 
 
 def test_the_worker_entry_point_checks_its_counts_too(capsys):
