@@ -32,35 +32,10 @@ def gpt2_plan(units, prefetch=Prefetch(2, 2), world=8, **training) -> Plan:
 
 
 def parse_yaml(text: str) -> dict:
-    """A minimal parser for the YAML subset the exporter writes: comments, nested block mappings of
-    scalars by two-space indentation, plain or single-quoted strings, ints, booleans."""
-    root: dict = {}
-    stack = [(-1, root)]
-    for raw in text.splitlines():
-        line = raw.split(" #")[0].rstrip() if not raw.lstrip().startswith("#") else ""
-        if not line.strip():
-            continue
-        indent = len(line) - len(line.lstrip())
-        key, _, value = line.strip().partition(":")
-        assert _, f"not a mapping line: {raw!r}"
-        while stack[-1][0] >= indent:
-            stack.pop()
-        parent = stack[-1][1]
-        value = value.strip()
-        if not value:
-            parent[key] = {}
-            stack.append((indent, parent[key]))
-        elif value in ("true", "false"):
-            parent[key] = value == "true"
-        elif value.lstrip("-").isdigit():
-            parent[key] = int(value)
-        elif value.startswith("'"):
-            assert value.endswith("'")
-            parent[key] = value[1:-1].replace("''", "'")
-        else:
-            assert value.lower() not in ("yes", "no", "on", "off", "null"), f"ambiguous plain scalar {value!r}"
-            parent[key] = value
-    return root
+    """The Accelerate config as Accelerate reads it (PyYAML's safe_load, accelerate/commands/config/config_args.py)."""
+    import yaml
+
+    return yaml.safe_load(text)
 
 
 # ---- fsdp2 ----

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import math
 import re
 import textwrap
 from collections import Counter
@@ -86,20 +86,66 @@ def prefetch_notes(plan: Plan, *, where: str) -> list[str]:
 
 
 # ---- YAML (block style, the subset accelerate writes: nested mappings of scalars) ----
+# [Note: YAML 1.1 scalars] Accelerate reads its config with PyYAML (accelerate 1.16,
+# commands/config/config_args.py: yaml.safe_load), which resolves plain scalars by YAML 1.1's rules
+# (PyYAML 6, yaml/resolver.py): a float needs a "." (`1e+20` is a string, `1.0e+20` a float), yes/no/on/off
+# are booleans, and a line break inside a plain or single-quoted scalar folds to a space. So strings that
+# are not plain identifiers are written double-quoted with every line break and non-printable character
+# escaped, and floats always with a "." (or .inf/.nan).
 
-_PLAIN = re.compile(r"^[A-Za-z_][A-Za-z0-9_.,/-]*$")
+_PLAIN = re.compile(r"[A-Za-z_][A-Za-z0-9_.,/-]*")
 _YAML_WORDS = {"y", "n", "yes", "no", "true", "false", "on", "off", "null", "~"}
 
 
+def _yaml_printable(ch: str) -> bool:
+    """Characters YAML 1.1 lets stand unescaped inside a double-quoted scalar (its c-printable set,
+    without the line breaks NEL, LS and PS, which it would fold)."""
+    c = ord(ch)
+    return 0x20 <= c <= 0x7E or 0xA0 <= c <= 0xD7FF and c not in (0x2028, 0x2029) or 0xE000 <= c <= 0xFFFD \
+        or c >= 0x10000
+
+
+def _yaml_quoted(text: str) -> str:
+    out = []
+    for ch in text:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif _yaml_printable(ch):
+            out.append(ch)
+        elif ord(ch) <= 0xFF:
+            out.append(f"\\x{ord(ch):02x}")
+        elif ord(ch) <= 0xFFFF:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(f"\\U{ord(ch):08x}")
+    return '"' + "".join(out) + '"'
+
+
+def _yaml_float(value: float) -> str:
+    """See [Note: YAML 1.1 scalars]."""
+    if math.isnan(value):
+        return ".nan"
+    if math.isinf(value):
+        return ".inf" if value > 0 else "-.inf"
+    text = repr(value)
+    mantissa, e, exponent = text.partition("e")
+    if "." not in mantissa:
+        mantissa += ".0"
+    return mantissa + (e + (exponent if exponent[0] in "+-" else "+" + exponent) if e else "")
+
+
 def yaml_scalar(value) -> str:
+    """``value`` (bool, int, float or str) as a YAML scalar that ``yaml.safe_load`` reads back as itself."""
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, (int, float)):
+    if isinstance(value, int):
         return repr(value)
+    if isinstance(value, float):
+        return _yaml_float(value)
     text = str(value)
-    if _PLAIN.match(text) and text.lower() not in _YAML_WORDS:
+    if _PLAIN.fullmatch(text) and text.lower() not in _YAML_WORDS:
         return text
-    return "'" + text.replace("'", "''") + "'"
+    return _yaml_quoted(text)
 
 
 def emit_yaml(mapping: dict, indent: int = 0) -> list[str]:
@@ -107,33 +153,52 @@ def emit_yaml(mapping: dict, indent: int = 0) -> list[str]:
     for key, value in mapping.items():
         pad = "  " * indent
         if isinstance(value, dict):
-            lines.append(f"{pad}{key}:")
+            lines.append(f"{pad}{yaml_scalar(key)}:")
             lines.extend(emit_yaml(value, indent + 1))
         else:
-            lines.append(f"{pad}{key}: {yaml_scalar(value)}")
+            lines.append(f"{pad}{yaml_scalar(key)}: {yaml_scalar(value)}")
     return lines
 
 
-# ---- TOML (tables of scalars, what torchtitan's job configs hold) ----
+# ---- TOML (tables of scalars) ----
+# A TOML basic string holds any Unicode scalar value unescaped except the quote, the backslash and
+# control characters (TOML 1.0, "String"; Python's tomllib); json.dumps would escape non-BMP characters
+# as UTF-16 surrogate pairs (\\ud83d...), which TOML forbids.
+
+_TOML_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def toml_string(text: str) -> str:
+    out = []
+    for ch in text:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
 
 def toml_scalar(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
-        return repr(value)
-    return json.dumps(str(value))  # a TOML basic string is a JSON string for the characters we write
+        return repr(value)  # TOML spells floats as Python does: 1e+20, 0.0003, inf, -inf, nan
+    return toml_string(str(value))
 
 
 def emit_toml(tables: dict[str, dict], comments: dict[str, str] | None = None) -> list[str]:
     """``comments``: "table.key" -> a comment written on the line above that key."""
     comments = comments or {}
+    key = lambda k: k if _TOML_BARE_KEY.match(k) else toml_string(k)
     lines: list[str] = []
     for name, table in tables.items():
-        lines += ["", f"[{name}]"]
-        for key, value in table.items():
-            if f"{name}.{key}" in comments:
-                lines.append(f"# {comments[f'{name}.{key}']}")
-            lines.append(f"{key} = {toml_scalar(value)}")
+        lines += ["", f"[{key(name)}]"]
+        for k, value in table.items():
+            if f"{name}.{k}" in comments:
+                lines.append(f"# {comments[f'{name}.{k}']}")
+            lines.append(f"{key(k)} = {toml_scalar(value)}")
     return lines
 
 
