@@ -304,3 +304,26 @@ def test_fsdp2_export_keeps_0d_parameters_out_of_sharding(fake_world):
         warnings.simplefilter("ignore")
         mf.loss(model(*inputs), targets).backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("path", ["C:\\new\\N{x}\\models\\llama.py", 'a"""b.py', "a'''b.py", "line\nbreak.py",
+                                  "ünï 😀.py", "back\\", "surrogate-\udcff.py", "#{$model_path}.py"])
+def test_fsdp2_export_compiles_for_any_model_path(path):
+    """The model path is written as a Python literal (MODEL_PATH), never into the docstring, so any path
+    gives a file that compiles and names the path exactly."""
+    plan = make_plan(4)
+    plan = replace(plan, model=replace(plan.model, path=path))
+    namespace: dict = {}
+    exec(compile(export_plan(plan, "fsdp2").text, "apply_sharding.py", "exec"), namespace)
+    assert namespace["MODEL_PATH"] == path
+
+
+def test_fsdp2_export_module_names_that_need_quoting():
+    """Module names holding quotes, braces or backslashes (a ModuleDict key can) stay literal and exact."""
+    plan = make_plan(4)
+    odd = ['blocks.0.{x}', 'blocks.1."q"', "blocks.2.\\N", "blocks.3.'s"]
+    units = (plan.units[0], *(Unit((name,)) for name in odd))
+    source = export_plan(replace(plan, units=units), "fsdp2").text
+    ns: dict = {}
+    exec(source[source.index("UNITS = ["):source.index("FORWARD_PREFETCH")], ns)
+    assert [m for names, _, _ in ns["UNITS"] for m in names] == ["", *odd]
