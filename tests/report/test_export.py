@@ -235,7 +235,9 @@ def test_deepspeed_json_derived_from_plan():
     assert zero["stage3_prefetch_bucket_size"] == 2000  # the 2 units after the running one (wte never follows)
     kept = 0 + 2048  # lm_head keeps its (no) params; the root owns ln_f (2048) and does not reshard
     assert zero["stage3_max_live_parameters"] == kept + 40_000_000 + 2000
-    assert zero["stage3_param_persistence_threshold"] == 2048
+    # ln_f (2048, the root's) is larger than a block's tensors (unknown sizes from this trace: at least 1
+    # element), so it cannot stay whole without blocks staying whole too: nothing persists
+    assert zero["stage3_param_persistence_threshold"] == 0
     assert zero["reduce_bucket_size"] == max(p)
     assert config["train_micro_batch_size_per_gpu"] == 8 and config["gradient_clipping"] == 0.0
     assert config["bf16"] == {"enabled": True} and config["train_batch_size"] == 64
@@ -327,3 +329,47 @@ def test_fsdp2_export_module_names_that_need_quoting():
     ns: dict = {}
     exec(source[source.index("UNITS = ["):source.index("FORWARD_PREFETCH")], ns)
     assert [m for names, _, _ in ns["UNITS"] for m in names] == ["", *odd]
+
+
+def test_deepspeed_persistence_keeps_only_root_tensors_below_every_unit_tensor():
+    """DeepSpeed keeps whole every TENSOR of at most stage3_param_persistence_threshold elements: the
+    threshold lies below the smallest tensor the plan's units own (GPT-2's blocks: LayerNorm weights of
+    n_embd), and covers the root's smaller tensors only; 0 when the root reshards."""
+    import torch
+
+    plan = gpt2_plan([Unit(("",), False), *[Unit((f"blocks.{i}",)) for i in range(4)]])
+    model = load_model_file(GPT2).build()
+    info = model_info_for_plan(plan)
+    zero, how = derive_zero3(plan, info)
+    block_tensors = [p.numel() for i in range(4) for p in model.blocks[i].parameters()]
+    threshold = zero["stage3_param_persistence_threshold"]
+    assert threshold < min(block_tensors)
+    root_tensors = [p.numel() for n, p in model.named_parameters() if not n.startswith("blocks.")]
+    assert threshold == max([n for n in root_tensors if n < min(block_tensors)], default=0)
+    assert any("persistence" in line and "smaller than every tensor" in line or "0: no tensor" in line for line in how)
+    resharding_root = replace(plan, units=(Unit(("",), True), *plan.units[1:]))
+    assert derive_zero3(resharding_root, info)[0]["stage3_param_persistence_threshold"] == 0
+    # a root-owned tensor smaller than every block tensor is the threshold
+    tiny = torch.nn.Module()
+    tiny.blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(2)])
+    tiny.scale = torch.nn.Parameter(torch.ones(3))
+    tiny.head = torch.nn.Linear(8, 100)
+    from shard_planner.report.export import model_info_from_model
+
+    tiny_plan = replace(plan, units=(Unit(("",), False), Unit(("blocks.0",)), Unit(("blocks.1",))))
+    assert derive_zero3(tiny_plan, model_info_from_model(tiny))[0]["stage3_param_persistence_threshold"] == 3
+
+
+@pytest.mark.parametrize("optimizer, cls, extra", [
+    ("adamw", "AdamW", {"betas": [0.9, 0.999], "eps": 1e-08, "weight_decay": 0.01}),
+    ("adam", "Adam", {"betas": [0.9, 0.999], "eps": 1e-08, "weight_decay": 0}),
+    ("sgd_momentum", "SGD", {"momentum": 0.9}),
+])
+def test_deepspeed_optimizer_is_the_plans(optimizer, cls, extra):
+    """The plan's optimizer and lr, with torch's defaults written out (DeepSpeed's own Adam would default
+    weight_decay to 0.0); SGD is allowed under ZeRO explicitly."""
+    plan = make_plan(4, checkpoint_every=0)
+    plan = replace(plan, training=replace(plan.training, optimizer=optimizer, lr=3e-4))
+    config = json.loads(export_plan(plan, "deepspeed", model_info_from_trace(make_trace(4))).text)
+    assert config["optimizer"] == {"type": cls, "params": {"lr": 3e-4, **extra}}
+    assert config.get("zero_allow_untested_optimizer", False) == (cls == "SGD")
