@@ -373,3 +373,19 @@ def test_deepspeed_optimizer_is_the_plans(optimizer, cls, extra):
     config = json.loads(export_plan(plan, "deepspeed", model_info_from_trace(make_trace(4))).text)
     assert config["optimizer"] == {"type": cls, "params": {"lr": 3e-4, **extra}}
     assert config.get("zero_allow_untested_optimizer", False) == (cls == "SGD")
+
+
+def test_accelerate_says_what_it_reduces_in_and_how_to_run_the_plan():
+    """Accelerate's config cannot hold a reduce dtype: the note says Accelerate reduces in bf16, that the
+    plan was priced for fp32, and gives the plugin call; sync_module_states accompanies cpu_ram_efficient
+    loading (accelerate launch refuses one without the other); the header names the plan's optimizer."""
+    plan = gpt2_plan([Unit(("",), False), *[Unit((f"blocks.{i}",)) for i in range(4)]], lr=3e-4)
+    export = export_plan(plan, "accelerate")
+    note = next(n for n in export.notes if "reduce" in n)
+    assert "Accelerate reduce-scatters them in bfloat16" in note and "priced for float32" in note
+    assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)" in note
+    fsdp = parse_yaml(export.text)["fsdp_config"]
+    assert fsdp["fsdp_cpu_ram_efficient_loading"] is True and fsdp["fsdp_sync_module_states"] is True
+    assert "torch.optim.AdamW(model.parameters(), lr=0.0003)" in export.text
+    same = gpt2_plan(list(plan.units), reduce_dtype="bfloat16")
+    assert not any("reduce" in n for n in export_plan(same, "accelerate").notes)

@@ -8,7 +8,10 @@ import textwrap
 from collections import Counter
 from dataclasses import dataclass
 
-from shard_planner.plan import Plan, Unit
+from shard_planner.plan import OPTIMIZER_TORCH, Plan, Training, Unit
+
+# The plan's dtype names as torch spells them in generated code and notes.
+TORCH_DTYPES = {"float32": "torch.float32", "bfloat16": "torch.bfloat16", "float16": "torch.float16"}
 
 
 @dataclass(frozen=True)
@@ -19,6 +22,13 @@ class Export:
     text: str
     suffix: str  # ".py", ".yaml", ".toml", ".json"
     notes: tuple[str, ...] = ()  # "what the plan says -> the nearest setting used"
+
+
+def optimizer_call(t: Training) -> str:
+    """The plan's optimizer as the torch call that builds it (what the executor builds)."""
+    cls, kwargs = OPTIMIZER_TORCH[t.optimizer]
+    extra = "".join(f", {k}={v!r}" for k, v in kwargs.items())
+    return f"torch.optim.{cls}(model.parameters(), lr={t.lr!r}{extra})"
 
 
 def uniform_reshard(plan: Plan) -> tuple[bool, list[str]]:

@@ -23,14 +23,13 @@ from dataclasses import dataclass
 
 from shard_planner import __version__
 from shard_planner.checkpointing import ALTERNATE_MATMUL, keeps_alternate_matmuls
-from shard_planner.plan import OPTIMIZER_TORCH, Plan, Unit
+from shard_planner.plan import Plan, Unit
 from shard_planner.report.export.accumulation import fsdp2_train_step_source
-from shard_planner.report.export.common import split_number
+from shard_planner.report.export.common import TORCH_DTYPES, optimizer_call, split_number
 from shard_planner.units import format_bytes
 
 # Module names folded into f-string templates (f"blocks.{i}"): characters that stand as themselves there.
 _TEMPLATE_SAFE = re.compile(r"[A-Za-z0-9_.\-]+")
-_TORCH_DTYPES = {"float32": "torch.float32", "bfloat16": "torch.bfloat16", "float16": "torch.float16"}
 
 
 @dataclass(frozen=True)
@@ -147,9 +146,9 @@ def export_fsdp2(plan: Plan) -> str:
         **_checkpoint_source(plan),
         model_path=_py_str(plan.model.path), gpus=plan.cluster.gpus, version=__version__,
         fingerprint=plan.model.fingerprint, predicted=predicted, mesh_shape=mesh_shape, mesh_names=mesh_names,
-        optimizer=_optimizer_call(t), fsdp_imports=fsdp_imports, units=units, forward=plan.prefetch.forward,
-        backward=plan.prefetch.backward, param_dtype=_TORCH_DTYPES[t.param_dtype],
-        reduce_dtype=_TORCH_DTYPES[t.reduce_dtype], offload=offload,
+        optimizer=optimizer_call(t), fsdp_imports=fsdp_imports, units=units, forward=plan.prefetch.forward,
+        backward=plan.prefetch.backward, param_dtype=TORCH_DTYPES[t.param_dtype],
+        reduce_dtype=TORCH_DTYPES[t.reduce_dtype], offload=offload,
     ) + fsdp2_train_step_source(plan)  # gradient accumulation: report/export/accumulation.py
 
 
@@ -249,12 +248,6 @@ def _saved_ops(plan: Plan) -> tuple[str, str, str, str]:
                f"them): {', '.join(unlisted)}." if unlisted else "")
     return (", ".join(classes), "{" + ", ".join(json.dumps(n) for n in names) + "}",
             "{" + ", ".join(json.dumps(n) for n in alternate) + "}" if alternate else "()", comment)
-
-
-def _optimizer_call(t) -> str:
-    cls, kwargs = OPTIMIZER_TORCH[t.optimizer]
-    extra = "".join(f", {k}={v!r}" for k, v in kwargs.items())
-    return f"torch.optim.{cls}(model.parameters(), lr={t.lr!r}{extra})"
 
 
 # How the generated file checkpoints: plans with selective units carry the op policy, others only full
