@@ -20,7 +20,7 @@ class Export:
 
     target: str  # "fsdp2" | "accelerate" | "torchtitan" | "deepspeed"
     text: str
-    suffix: str  # ".py", ".yaml", ".toml", ".json"
+    suffix: str  # ".py", ".yaml", ".json"
     notes: tuple[str, ...] = ()  # "what the plan says -> the nearest setting used"
 
 
@@ -115,20 +115,16 @@ def _yaml_printable(ch: str) -> bool:
         or c >= 0x10000
 
 
+def _escaped(ch: str) -> str:
+    """``ch`` as it stands in a YAML double-quoted scalar (the escapes Python writes too)."""
+    if _yaml_printable(ch):
+        return "\\" + ch if ch in '"\\' else ch
+    code = ord(ch)
+    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
+
+
 def _yaml_quoted(text: str) -> str:
-    out = []
-    for ch in text:
-        if ch in '"\\':
-            out.append("\\" + ch)
-        elif _yaml_printable(ch):
-            out.append(ch)
-        elif ord(ch) <= 0xFF:
-            out.append(f"\\x{ord(ch):02x}")
-        elif ord(ch) <= 0xFFFF:
-            out.append(f"\\u{ord(ch):04x}")
-        else:
-            out.append(f"\\U{ord(ch):08x}")
-    return '"' + "".join(out) + '"'
+    return '"' + "".join(map(_escaped, text)) + '"'
 
 
 def _yaml_float(value: float) -> str:
@@ -170,52 +166,13 @@ def emit_yaml(mapping: dict, indent: int = 0) -> list[str]:
     return lines
 
 
-# ---- TOML (tables of scalars) ----
-# A TOML basic string holds any Unicode scalar value unescaped except the quote, the backslash and
-# control characters (TOML 1.0, "String"; Python's tomllib); json.dumps would escape non-BMP characters
-# as UTF-16 surrogate pairs (\\ud83d...), which TOML forbids.
-
-_TOML_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
-
-
-def toml_string(text: str) -> str:
-    out = []
-    for ch in text:
-        if ch in '"\\':
-            out.append("\\" + ch)
-        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
-            out.append(f"\\u{ord(ch):04x}")
-        else:
-            out.append(ch)
-    return '"' + "".join(out) + '"'
-
-
-def toml_scalar(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)  # TOML spells floats as Python does: 1e+20, 0.0003, inf, -inf, nan
-    return toml_string(str(value))
-
-
-def emit_toml(tables: dict[str, dict], comments: dict[str, str] | None = None) -> list[str]:
-    """``comments``: "table.key" -> a comment written on the line above that key."""
-    comments = comments or {}
-    key = lambda k: k if _TOML_BARE_KEY.match(k) else toml_string(k)
-    lines: list[str] = []
-    for name, table in tables.items():
-        lines += ["", f"[{key(name)}]"]
-        for k, value in table.items():
-            if f"{name}.{k}" in comments:
-                lines.append(f"# {comments[f'{name}.{k}']}")
-            lines.append(f"{key(k)} = {toml_scalar(value)}")
-    return lines
-
-
 def comment_block(lines: list[str], prefix: str = "# ", width: int = 100) -> list[str]:
     """Comment lines wrapped at ``width``; a "- " bullet's continuation lines are indented under it."""
     out = []
     for line in lines:
+        # PyYAML refuses non-printable characters even in comments and reads NEL, LS and PS as line
+        # breaks; Python ends a comment at \n or \r: all escaped (see _yaml_printable)
+        line = "".join(ch if _yaml_printable(ch) else _escaped(ch) for ch in line)
         if not line:
             out.append(prefix.rstrip())
             continue
