@@ -412,3 +412,12 @@ def test_accelerate_says_what_it_reduces_in_and_how_to_run_the_plan():
     assert "torch.optim.AdamW(model.parameters(), lr=0.0003)" in export.text
     same = gpt2_plan(list(plan.units), reduce_dtype="bfloat16")
     assert not any("reduce" in n for n in export_plan(same, "accelerate").notes)
+
+
+def test_every_export_carries_the_plans_lr():
+    plan = gpt2_plan([Unit(("",), False), *[Unit((f"blocks.{i}",)) for i in range(4)]], lr=3e-4)
+    exports = {t: export_plan(plan, t) for t in TARGETS}
+    assert "torch.optim.AdamW(model.parameters(), lr=0.0003)" in exports["fsdp2"].text
+    assert "torch.optim.AdamW(model.parameters(), lr=0.0003)" in exports["accelerate"].text
+    assert json.loads(exports["deepspeed"].text)["optimizer"]["params"]["lr"] == 3e-4
+    assert torchtitan_settings(exports["torchtitan"].text)["OPTIMIZER"] == ("AdamW", {"lr": 3e-4})

@@ -122,6 +122,8 @@ def _persistence_threshold(plan: Plan, info: ModelInfo) -> tuple[int, str]:
     smallest = min(tensors(on_root=False), default=None)
     root_tensors = tensors(on_root=True)
     below = [n for n in root_tensors if smallest is None or n < smallest]
+    if smallest is None:  # the root is the only unit: FSDP2 keeps the whole model gathered in the step
+        return max(below, default=0), "the largest tensor: the root is the plan's only unit and does not reshard"
     if not below:
         return 0, (f"0: no tensor of the root unit is smaller than the smallest tensor of the other units "
                    f"({smallest:,}), so none can stay whole without keeping a unit's tensors whole too")
