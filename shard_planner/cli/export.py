@@ -15,8 +15,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "export", help="write the plan for a training stack: FSDP2 code, Accelerate, torchtitan or DeepSpeed config",
         description="Export a plan for a training stack. fsdp2 writes a Python function apply_sharding(model, mesh) "
-                    "that needs only torch; accelerate, torchtitan and deepspeed write configs and list what the "
-                    "plan decides that the stack cannot express, with the nearest setting used.")
+                    "that needs only torch; accelerate (YAML), torchtitan (a torchtitan 0.3 config module for "
+                    "--module/--config) and deepspeed (JSON) write configs and list what the plan decides that the "
+                    "stack cannot express, with the nearest setting used.")
     p.add_argument("plan", help="plan.json written by shard-planner plan")
     p.add_argument("--to", required=True, choices=TARGETS, help="the training stack")
     p.add_argument("-o", "--output", help="file to write (default: standard output)")

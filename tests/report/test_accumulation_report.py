@@ -3,7 +3,6 @@ gradients held between them (a deferred plan's extra gradient memory), the summa
 batch and policies, and every export carries the accumulation steps / global batch."""
 
 import json
-import tomllib
 from dataclasses import replace
 
 import pytest
@@ -21,6 +20,7 @@ from shard_planner.report.render import summary_lines
 from shard_planner.modelfile import load_model_file
 from shard_planner.trace.structure import model_fingerprint
 from tests.models import solve_traces
+from tests.report.test_export import torchtitan_settings
 
 EVERY, LAST = "every_micro_step", "last_micro_step"
 GPT2 = "examples/gpt2.py"
@@ -85,7 +85,7 @@ def test_exports_carry_the_accumulation(gpt2_accumulated):
     assert ds["train_micro_batch_size_per_gpu"] == 2
     assert any("ZeRO-3 reduces them every micro-step" in line for line in ds["_comment"])
     tt = export_plan(plan, "torchtitan")
-    training = tomllib.loads(tt.text)["training"]
+    training = torchtitan_settings(tt.text)["TRAINING"]
     assert training["global_batch_size"] == 64 and training["local_batch_size"] == 2
     assert any("torchtitan reduces them every micro-step" in n for n in tt.notes)
     acc = export_plan(plan, "accelerate", info).text
@@ -95,7 +95,7 @@ def test_exports_carry_the_accumulation(gpt2_accumulated):
     # without accumulation the exports say one step, as before
     one = replace(plan, training=Training(2))
     assert json.loads(export_plan(one, "deepspeed", info).text)["gradient_accumulation_steps"] == 1
-    assert "global_batch_size" not in tomllib.loads(export_plan(one, "torchtitan").text)["training"]
+    assert "global_batch_size" not in torchtitan_settings(export_plan(one, "torchtitan").text)["TRAINING"]
     assert "train_step" not in export_fsdp2(one)
 
 

@@ -2,7 +2,6 @@
 DeepSpeed JSON that parse, hold the expected keys, and say what they cannot express."""
 
 import json
-import tomllib
 from dataclasses import replace
 
 
@@ -32,35 +31,10 @@ def gpt2_plan(units, prefetch=Prefetch(2, 2), world=8, **training) -> Plan:
 
 
 def parse_yaml(text: str) -> dict:
-    """A minimal parser for the YAML subset the exporter writes: comments, nested block mappings of
-    scalars by two-space indentation, plain or single-quoted strings, ints, booleans."""
-    root: dict = {}
-    stack = [(-1, root)]
-    for raw in text.splitlines():
-        line = raw.split(" #")[0].rstrip() if not raw.lstrip().startswith("#") else ""
-        if not line.strip():
-            continue
-        indent = len(line) - len(line.lstrip())
-        key, _, value = line.strip().partition(":")
-        assert _, f"not a mapping line: {raw!r}"
-        while stack[-1][0] >= indent:
-            stack.pop()
-        parent = stack[-1][1]
-        value = value.strip()
-        if not value:
-            parent[key] = {}
-            stack.append((indent, parent[key]))
-        elif value in ("true", "false"):
-            parent[key] = value == "true"
-        elif value.lstrip("-").isdigit():
-            parent[key] = int(value)
-        elif value.startswith("'"):
-            assert value.endswith("'")
-            parent[key] = value[1:-1].replace("''", "'")
-        else:
-            assert value.lower() not in ("yes", "no", "on", "off", "null"), f"ambiguous plain scalar {value!r}"
-            parent[key] = value
-    return root
+    """The Accelerate config as Accelerate reads it (PyYAML's safe_load, accelerate/commands/config/config_args.py)."""
+    import yaml
+
+    return yaml.safe_load(text)
 
 
 # ---- fsdp2 ----
@@ -207,32 +181,56 @@ def test_model_info_from_model_file_matches_trace():
 
 # ---- torchtitan ----
 
-def test_torchtitan_toml_parses():
+def torchtitan_settings(text: str) -> dict:
+    """The plan's settings in a torchtitan export (a Python module; it imports torchtitan only when its
+    config function runs): PARALLELISM, TRAINING, ACTIVATION_CHECKPOINT, OPTIMIZER."""
+    namespace: dict = {}
+    exec(compile(text, "shard_planner_torchtitan.py", "exec"), namespace)
+    return {k: namespace[k] for k in ("PARALLELISM", "TRAINING", "ACTIVATION_CHECKPOINT", "OPTIMIZER")}
+
+
+def test_torchtitan_module_holds_the_plans_settings():
     plan = make_plan(8, checkpoint_every=0)
+    plan = replace(plan, training=replace(plan.training, lr=3e-4))
     export = export_plan(plan, "torchtitan")
-    cfg = tomllib.loads(export.text)
-    assert cfg["parallelism"] == {"data_parallel_shard_degree": 8, "data_parallel_replicate_degree": 1,
+    assert export.suffix == ".py" and "--module shard_planner_torchtitan --config shard_planner_plan" in export.text
+    cfg = torchtitan_settings(export.text)
+    assert cfg["PARALLELISM"] == {"data_parallel_shard_degree": 8, "data_parallel_replicate_degree": 1,
                                   "fsdp_reshard_after_forward": "always"}
-    assert cfg["activation_checkpoint"] == {"mode": "none"}
-    assert cfg["training"]["local_batch_size"] == 8 and cfg["training"]["seq_len"] == 1024
-    assert cfg["training"]["mixed_precision_param"] == "bfloat16"
+    assert cfg["ACTIVATION_CHECKPOINT"] == "none"
+    assert cfg["TRAINING"]["local_batch_size"] == 8 and cfg["TRAINING"]["seq_len"] == 1024
+    assert "global_batch_size" not in cfg["TRAINING"]  # torchtitan's default: local x data-parallel degree
+    assert cfg["TRAINING"]["mixed_precision_param"] == "bfloat16"
+    assert cfg["OPTIMIZER"] == ("AdamW", {"lr": 3e-4})
     assert any("forward prefetch of 2" in n for n in export.notes)
 
 
 @pytest.mark.parametrize("flags, expected, noted", [
-    ([True] * 8, {"mode": "full"}, False),
-    ([False, True] * 4, {"mode": "selective", "selective_ac_option": "2"}, False),  # blocks 2, 4, ... (1-based)
-    ([False, False, True] * 3, {"mode": "selective", "selective_ac_option": "3"}, False),
-    ([True, False] * 4, {"mode": "selective", "selective_ac_option": "2"}, True),  # same count, other blocks
-    ([True, True, True, False, False, False, False, False], {"mode": "selective", "selective_ac_option": "2"}, True),
+    ([True] * 8, "full", False),
+    ([False] * 8, "none", False),
+    # torchtitan 0.3 has no every-k-th-block option (0.2's selective_ac_option = k is gone), and a pattern
+    # it cannot say falls back to full checkpointing of every block: never less memory-safe than the plan
+    ([False, True] * 4, "full", True),
+    ([False, False, True] * 3, "full", True),
+    ([True, False] * 4, "full", True),
+    ([True, True, True, False, False, False, False, False], "full", True),
+    ([True] * 26 + [False] * 6, "full", True),  # the issue's 26 of 32: not every 2nd block (16 of 32)
 ])
 def test_torchtitan_checkpoint_pattern(flags, expected, noted):
     base = make_plan(len(flags), checkpoint_every=0)
     units = [u if not u.modules[0].startswith("blocks.") else
              Unit(u.modules, u.reshard_after_forward, flags[int(u.modules[0].split(".")[1])]) for u in base.units]
     export = export_plan(Plan(**{**base.__dict__, "units": tuple(units)}), "torchtitan")
-    assert tomllib.loads(export.text)["activation_checkpoint"] == expected
-    assert any("not every k-th" in n for n in export.notes) == noted
+    assert torchtitan_settings(export.text)["ACTIVATION_CHECKPOINT"] == expected
+    assert any("no every-k-th-block option" in n and "full checkpointing of every block" in n
+               for n in export.notes) == noted
+
+
+def test_torchtitan_module_compiles_for_any_model_path():
+    plan = make_plan(4)
+    for path in ['a"""b\\N{x}.py', "line\nbreak\u2028.py", "😀.py"]:
+        text = export_plan(replace(plan, model=replace(plan.model, path=path)), "torchtitan").text
+        assert torchtitan_settings(text)["PARALLELISM"]["data_parallel_shard_degree"] == 8
 
 
 def test_uniform_reshard_picks_least_memory():
@@ -260,7 +258,9 @@ def test_deepspeed_json_derived_from_plan():
     assert zero["stage3_prefetch_bucket_size"] == 2000  # the 2 units after the running one (wte never follows)
     kept = 0 + 2048  # lm_head keeps its (no) params; the root owns ln_f (2048) and does not reshard
     assert zero["stage3_max_live_parameters"] == kept + 40_000_000 + 2000
-    assert zero["stage3_param_persistence_threshold"] == 2048
+    # ln_f (2048, the root's) is larger than a block's tensors (unknown sizes from this trace: at least 1
+    # element), so it cannot stay whole without blocks staying whole too: nothing persists
+    assert zero["stage3_param_persistence_threshold"] == 0
     assert zero["reduce_bucket_size"] == max(p)
     assert config["train_micro_batch_size_per_gpu"] == 8 and config["gradient_clipping"] == 0.0
     assert config["bf16"] == {"enabled": True} and config["train_batch_size"] == 64
@@ -287,7 +287,7 @@ def test_export_cli_writes_and_notes(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "cannot be expressed exactly" in captured.err and "group several modules" in captured.err
     json.loads((tmp_path / "out-deepspeed").read_text())
-    tomllib.loads((tmp_path / "out-torchtitan").read_text())
+    torchtitan_settings((tmp_path / "out-torchtitan").read_text())
     parse_yaml((tmp_path / "out-accelerate").read_text())
     compile((tmp_path / "out-fsdp2").read_text(), "x.py", "exec")
     assert main(["export", str(tmp_path / "plan.json"), "--to", "fsdp2"]) == 0
@@ -329,3 +329,95 @@ def test_fsdp2_export_keeps_0d_parameters_out_of_sharding(fake_world):
         warnings.simplefilter("ignore")
         mf.loss(model(*inputs), targets).backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("path", ["C:\\new\\N{x}\\models\\llama.py", 'a"""b.py', "a'''b.py", "line\nbreak.py",
+                                  "ünï 😀.py", "back\\", "surrogate-\udcff.py", "#{$model_path}.py"])
+def test_fsdp2_export_compiles_for_any_model_path(path):
+    """The model path is written as a Python literal (MODEL_PATH), never into the docstring, so any path
+    gives a file that compiles and names the path exactly."""
+    plan = make_plan(4)
+    plan = replace(plan, model=replace(plan.model, path=path))
+    namespace: dict = {}
+    exec(compile(export_plan(plan, "fsdp2").text, "apply_sharding.py", "exec"), namespace)
+    assert namespace["MODEL_PATH"] == path
+
+
+def test_fsdp2_export_module_names_that_need_quoting():
+    """Module names holding quotes, braces or backslashes (a ModuleDict key can) stay literal and exact."""
+    plan = make_plan(4)
+    odd = ['blocks.0.{x}', 'blocks.1."q"', "blocks.2.\\N", "blocks.3.'s"]
+    units = (plan.units[0], *(Unit((name,)) for name in odd))
+    source = export_plan(replace(plan, units=units), "fsdp2").text
+    ns: dict = {}
+    exec(source[source.index("UNITS = ["):source.index("FORWARD_PREFETCH")], ns)
+    assert [m for names, _, _ in ns["UNITS"] for m in names] == ["", *odd]
+
+
+def test_deepspeed_persistence_keeps_only_root_tensors_below_every_unit_tensor():
+    """DeepSpeed keeps whole every TENSOR of at most stage3_param_persistence_threshold elements: the
+    threshold lies below the smallest tensor the plan's units own (GPT-2's blocks: LayerNorm weights of
+    n_embd), and covers the root's smaller tensors only; 0 when the root reshards."""
+    import torch
+
+    plan = gpt2_plan([Unit(("",), False), *[Unit((f"blocks.{i}",)) for i in range(4)]])
+    model = load_model_file(GPT2).build()
+    info = model_info_for_plan(plan)
+    zero, how = derive_zero3(plan, info)
+    block_tensors = [p.numel() for i in range(4) for p in model.blocks[i].parameters()]
+    threshold = zero["stage3_param_persistence_threshold"]
+    assert threshold < min(block_tensors)
+    root_tensors = [p.numel() for n, p in model.named_parameters() if not n.startswith("blocks.")]
+    assert threshold == max([n for n in root_tensors if n < min(block_tensors)], default=0)
+    assert any("persistence" in line and "smaller than every tensor" in line or "0: no tensor" in line for line in how)
+    resharding_root = replace(plan, units=(Unit(("",), True), *plan.units[1:]))
+    assert derive_zero3(resharding_root, info)[0]["stage3_param_persistence_threshold"] == 0
+    # a root-owned tensor smaller than every block tensor is the threshold
+    tiny = torch.nn.Module()
+    tiny.blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(2)])
+    tiny.scale = torch.nn.Parameter(torch.ones(3))
+    tiny.head = torch.nn.Linear(8, 100)
+    from shard_planner.report.export import model_info_from_model
+
+    tiny_plan = replace(plan, units=(Unit(("",), False), Unit(("blocks.0",)), Unit(("blocks.1",))))
+    assert derive_zero3(tiny_plan, model_info_from_model(tiny))[0]["stage3_param_persistence_threshold"] == 3
+
+
+@pytest.mark.parametrize("optimizer, cls, extra", [
+    ("adamw", "AdamW", {"betas": [0.9, 0.999], "eps": 1e-08, "weight_decay": 0.01}),
+    ("adam", "Adam", {"betas": [0.9, 0.999], "eps": 1e-08, "weight_decay": 0}),
+    ("sgd_momentum", "SGD", {"momentum": 0.9}),
+])
+def test_deepspeed_optimizer_is_the_plans(optimizer, cls, extra):
+    """The plan's optimizer and lr, with torch's defaults written out (DeepSpeed's own Adam would default
+    weight_decay to 0.0); SGD is allowed under ZeRO explicitly."""
+    plan = make_plan(4, checkpoint_every=0)
+    plan = replace(plan, training=replace(plan.training, optimizer=optimizer, lr=3e-4))
+    config = json.loads(export_plan(plan, "deepspeed", model_info_from_trace(make_trace(4))).text)
+    assert config["optimizer"] == {"type": cls, "params": {"lr": 3e-4, **extra}}
+    assert config.get("zero_allow_untested_optimizer", False) == (cls == "SGD")
+
+
+def test_accelerate_says_what_it_reduces_in_and_how_to_run_the_plan():
+    """Accelerate's config cannot hold a reduce dtype: the note says Accelerate reduces in bf16, that the
+    plan was priced for fp32, and gives the plugin call; sync_module_states accompanies cpu_ram_efficient
+    loading (accelerate launch refuses one without the other); the header names the plan's optimizer."""
+    plan = gpt2_plan([Unit(("",), False), *[Unit((f"blocks.{i}",)) for i in range(4)]], lr=3e-4)
+    export = export_plan(plan, "accelerate")
+    note = next(n for n in export.notes if "reduce" in n)
+    assert "Accelerate reduce-scatters them in bfloat16" in note and "priced for float32" in note
+    assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)" in note
+    fsdp = parse_yaml(export.text)["fsdp_config"]
+    assert fsdp["fsdp_cpu_ram_efficient_loading"] is True and fsdp["fsdp_sync_module_states"] is True
+    assert "torch.optim.AdamW(model.parameters(), lr=0.0003)" in export.text
+    same = gpt2_plan(list(plan.units), reduce_dtype="bfloat16")
+    assert not any("reduce" in n for n in export_plan(same, "accelerate").notes)
+
+
+def test_every_export_carries_the_plans_lr():
+    plan = gpt2_plan([Unit(("",), False), *[Unit((f"blocks.{i}",)) for i in range(4)]], lr=3e-4)
+    exports = {t: export_plan(plan, t) for t in TARGETS}
+    assert "torch.optim.AdamW(model.parameters(), lr=0.0003)" in exports["fsdp2"].text
+    assert "torch.optim.AdamW(model.parameters(), lr=0.0003)" in exports["accelerate"].text
+    assert json.loads(exports["deepspeed"].text)["optimizer"]["params"]["lr"] == 3e-4
+    assert torchtitan_settings(exports["torchtitan"].text)["OPTIMIZER"] == ("AdamW", {"lr": 3e-4})

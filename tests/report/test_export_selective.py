@@ -1,8 +1,7 @@
-"""Exports of plans with selective activation checkpointing: torchtitan's ``mode = "selective"`` with
-``selective_ac_option = "op"`` (or k for every k-th block), notes where Accelerate and DeepSpeed cannot
-say it, and FSDP2 code that checkpoints selectively as apply_plan does."""
+"""Exports of plans with selective activation checkpointing: torchtitan 0.3's per-op ``SelectiveAC``
+(full checkpointing where its one-mode-for-all-blocks cannot say the plan), notes where Accelerate and
+DeepSpeed cannot say it, and FSDP2 code that checkpoints selectively as apply_plan does."""
 
-import tomllib
 from dataclasses import replace
 
 import pytest
@@ -13,7 +12,7 @@ from shard_planner.plan import Unit
 from shard_planner.report.export import export_plan, model_info_from_trace
 from shard_planner.trace.kernel_ops import op_class
 from tests.models.report_fixtures import make_plan, make_trace
-from tests.report.test_export import GPT2, gpt2_plan
+from tests.report.test_export import GPT2, gpt2_plan, torchtitan_settings
 
 pytestmark = pytest.mark.usefixtures("in_repository_root")
 SEL = "selective"
@@ -29,19 +28,23 @@ def _with_blocks(modes, save_ops=()):
 
 def test_torchtitan_op_level_selective():
     export = export_plan(_with_blocks([SEL] * 4), "torchtitan")
-    ac = tomllib.loads(export.text)["activation_checkpoint"]
-    assert ac == {"mode": "selective", "selective_ac_option": "op"}
+    assert torchtitan_settings(export.text)["ACTIVATION_CHECKPOINT"] == "selective"
     assert any("every second mm" in n for n in export.notes)
 
 
-def test_torchtitan_every_kth_block_stays_k_and_mixed_selective_is_noted():
-    every3 = tomllib.loads(export_plan(_with_blocks([False, False, True] * 2), "torchtitan").text)
-    assert every3["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "3"}
+def test_torchtitan_patterns_it_cannot_say_fall_back_to_full():
+    """Every k-th block, selective mixed with full, or a selective save set that keeps less than
+    torchtitan's SelectiveAC: full checkpointing of every block (no more memory than the plan);
+    selective mixed with unchekpointed blocks: SelectiveAC on all (also no more memory)."""
+    ac = lambda plan: torchtitan_settings(export_plan(plan, "torchtitan").text)["ACTIVATION_CHECKPOINT"]
+    assert ac(_with_blocks([False, False, True] * 2)) == "full"
     mixed = export_plan(_with_blocks([SEL, True, SEL, False]), "torchtitan")
-    assert tomllib.loads(mixed.text)["activation_checkpoint"]["selective_ac_option"] == "op"
-    assert any("2 of 4 blocks selectively" in n for n in mixed.notes)
-    other = export_plan(_with_blocks([SEL] * 2, ("matmul", "elementwise")), "torchtitan")
-    assert any("saves op classes matmul, elementwise" in n for n in other.notes)
+    assert torchtitan_settings(mixed.text)["ACTIVATION_CHECKPOINT"] == "full"
+    assert any("2 fully" not in n and "1 fully, 2 selectively" in n for n in mixed.notes)
+    partial = export_plan(_with_blocks([SEL, False, SEL, False]), "torchtitan")
+    assert torchtitan_settings(partial.text)["ACTIVATION_CHECKPOINT"] == "selective"
+    assert any("2 of 4 blocks selectively" in n for n in partial.notes)
+    assert ac(_with_blocks([SEL] * 2, ("matmul", "elementwise"))) == "full"  # no attention kept: torchtitan keeps more
 
 
 def test_accelerate_and_deepspeed_say_they_cannot_express_selective():
@@ -83,7 +86,7 @@ def test_fsdp2_export_checkpoints_selectively_like_apply_plan(fake_world):
 def test_torchtitan_op_policy_plan_exports_as_op_without_a_difference_note():
     from shard_planner.checkpointing import TORCHTITAN_OP_SAVE_OPS
     export = export_plan(_with_blocks([SEL] * 4, TORCHTITAN_OP_SAVE_OPS), "torchtitan")
-    assert tomllib.loads(export.text)["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "op"}
+    assert torchtitan_settings(export.text)["ACTIVATION_CHECKPOINT"] == "selective"
     assert not any("every second mm" in n or "saves op classes" in n for n in export.notes), export.notes
 
 

@@ -20,7 +20,7 @@ from shard_planner.checkpointing import SELECTIVE
 from shard_planner.plan import Plan
 from shard_planner.report.export.accumulation import accelerate_lines, policy_notes
 from shard_planner.report.export.common import (
-    Export, comment_block, emit_yaml, grouped_note, prefetch_notes, uniform_reshard,
+    TORCH_DTYPES, Export, comment_block, emit_yaml, optimizer_call, grouped_note, prefetch_notes, uniform_reshard,
 )
 from shard_planner.report.export.model_info import ModelInfo
 
@@ -50,6 +50,29 @@ def wrap_classes(plan: Plan, info: ModelInfo) -> tuple[list[str], list[str]]:
             else:
                 classes.append(cls)
     return classes, notes
+
+
+# [Note: Accelerate reduces in the compute dtype] The config file cannot say a reduce dtype: `accelerate
+# launch` turns fsdp_config into FSDP_* environment variables, none of them a mixed-precision policy
+# (accelerate 1.16, utils/launch.py prepare_multi_gpu_env), and AcceleratorState then calls
+# FullyShardedDataParallelPlugin.set_mixed_precision(mixed_precision) (state.py), which, when the plugin
+# has no policy, builds MixedPrecisionPolicy(param_dtype=d, reduce_dtype=d) with d the compute dtype
+# (utils/dataclasses.py). A plugin constructed in code with mixed_precision_policy keeps its policy, and
+# reads everything else from the same environment.
+
+
+def _reduce_dtype_notes(t) -> list[str]:
+    """What Accelerate reduces gradients in, when it is not the plan's reduce dtype, and the code that
+    makes it the plan's. See [Note: Accelerate reduces in the compute dtype]."""
+    if t.param_dtype == "float32" or t.reduce_dtype == t.param_dtype:
+        return []
+    return [f"the plan reduces gradients in {t.reduce_dtype} (it was priced for {t.reduce_dtype} reduce-scatters); with "
+            f"this config alone Accelerate reduce-scatters them in {t.param_dtype} (its FSDP2 plugin builds "
+            f"MixedPrecisionPolicy(param_dtype={t.param_dtype}, reduce_dtype={t.param_dtype}); the config file "
+            "cannot hold a reduce dtype). To run the plan, create the Accelerator with fsdp_plugin=FullyShardedDataParallelPlugin(mixed_precision_policy="
+            f"MixedPrecisionPolicy(param_dtype={TORCH_DTYPES[t.param_dtype]}, reduce_dtype="
+            f"{TORCH_DTYPES[t.reduce_dtype]})) (torch.distributed.fsdp.MixedPrecisionPolicy); the plugin reads "
+            "the rest of this file from accelerate launch's environment"]
 
 
 def export_accelerate(plan: Plan, info: ModelInfo) -> Export:
@@ -95,11 +118,9 @@ def export_accelerate(plan: Plan, info: ModelInfo) -> Export:
     fsdp["fsdp_offload_params"] = plan.training.cpu_offload
     fsdp["fsdp_cpu_ram_efficient_loading"] = True
     fsdp["fsdp_state_dict_type"] = "SHARDED_STATE_DICT"
+    fsdp["fsdp_sync_module_states"] = True  # accelerate launch requires it with cpu_ram_efficient_loading
     t = plan.training
-    if t.param_dtype != "float32" and t.reduce_dtype == "float32":
-        notes.append(f"the plan computes in {t.param_dtype} and reduces gradients in float32; check that your "
-                     "Accelerate version's FSDP2 mixed-precision policy does, or pass FullyShardedDataParallelPlugin("
-                     "mixed_precision_policy=MixedPrecisionPolicy(param_dtype=..., reduce_dtype=torch.float32)) in code")
+    notes += _reduce_dtype_notes(t)
 
     config: dict = {
         "compute_environment": "LOCAL_MACHINE",
@@ -119,6 +140,7 @@ def export_accelerate(plan: Plan, info: ModelInfo) -> Export:
         "Use: accelerate launch --config_file THIS_FILE train.py",
         f"Per-device batch size of the plan: {t.micro_batch} (set it in your DataLoader or "
         "TrainingArguments.per_device_train_batch_size; Accelerate configs do not hold it).",
+        f"Optimizer of the plan: {optimizer_call(t)} (build it in your script; Accelerate configs do not hold it).",
         *accelerate_lines(plan),
     ]
     if notes:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-import json
+import math
 import re
 import textwrap
 from collections import Counter
 from dataclasses import dataclass
 
-from shard_planner.plan import Plan, Unit
+from shard_planner.plan import OPTIMIZER_TORCH, Plan, Training, Unit
+
+# The plan's dtype names as torch spells them in generated code and notes.
+TORCH_DTYPES = {"float32": "torch.float32", "bfloat16": "torch.bfloat16", "float16": "torch.float16"}
 
 
 @dataclass(frozen=True)
@@ -17,8 +20,15 @@ class Export:
 
     target: str  # "fsdp2" | "accelerate" | "torchtitan" | "deepspeed"
     text: str
-    suffix: str  # ".py", ".yaml", ".toml", ".json"
+    suffix: str  # ".py", ".yaml", ".json"
     notes: tuple[str, ...] = ()  # "what the plan says -> the nearest setting used"
+
+
+def optimizer_call(t: Training) -> str:
+    """The plan's optimizer as the torch call that builds it (what the executor builds)."""
+    cls, kwargs = OPTIMIZER_TORCH[t.optimizer]
+    extra = "".join(f", {k}={v!r}" for k, v in kwargs.items())
+    return f"torch.optim.{cls}(model.parameters(), lr={t.lr!r}{extra})"
 
 
 def uniform_reshard(plan: Plan) -> tuple[bool, list[str]]:
@@ -86,20 +96,62 @@ def prefetch_notes(plan: Plan, *, where: str) -> list[str]:
 
 
 # ---- YAML (block style, the subset accelerate writes: nested mappings of scalars) ----
+# [Note: YAML 1.1 scalars] Accelerate reads its config with PyYAML (accelerate 1.16,
+# commands/config/config_args.py: yaml.safe_load), which resolves plain scalars by YAML 1.1's rules
+# (PyYAML 6, yaml/resolver.py): a float needs a "." (`1e+20` is a string, `1.0e+20` a float), yes/no/on/off
+# are booleans, and a line break inside a plain or single-quoted scalar folds to a space. So strings that
+# are not plain identifiers are written double-quoted with every line break and non-printable character
+# escaped, and floats always with a "." (or .inf/.nan).
 
-_PLAIN = re.compile(r"^[A-Za-z_][A-Za-z0-9_.,/-]*$")
+_PLAIN = re.compile(r"[A-Za-z_][A-Za-z0-9_.,/-]*")
 _YAML_WORDS = {"y", "n", "yes", "no", "true", "false", "on", "off", "null", "~"}
 
 
+def _yaml_printable(ch: str) -> bool:
+    """Characters YAML 1.1 lets stand unescaped inside a double-quoted scalar (its c-printable set,
+    without the line breaks NEL, LS and PS, which it would fold)."""
+    c = ord(ch)
+    return 0x20 <= c <= 0x7E or 0xA0 <= c <= 0xD7FF and c not in (0x2028, 0x2029) or 0xE000 <= c <= 0xFFFD \
+        or c >= 0x10000
+
+
+def _escaped(ch: str) -> str:
+    """``ch`` as it stands in a YAML double-quoted scalar (the escapes Python writes too)."""
+    if _yaml_printable(ch):
+        return "\\" + ch if ch in '"\\' else ch
+    code = ord(ch)
+    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
+
+
+def _yaml_quoted(text: str) -> str:
+    return '"' + "".join(map(_escaped, text)) + '"'
+
+
+def _yaml_float(value: float) -> str:
+    """See [Note: YAML 1.1 scalars]."""
+    if math.isnan(value):
+        return ".nan"
+    if math.isinf(value):
+        return ".inf" if value > 0 else "-.inf"
+    text = repr(value)
+    mantissa, e, exponent = text.partition("e")
+    if "." not in mantissa:
+        mantissa += ".0"
+    return mantissa + (e + (exponent if exponent[0] in "+-" else "+" + exponent) if e else "")
+
+
 def yaml_scalar(value) -> str:
+    """``value`` (bool, int, float or str) as a YAML scalar that ``yaml.safe_load`` reads back as itself."""
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, (int, float)):
+    if isinstance(value, int):
         return repr(value)
+    if isinstance(value, float):
+        return _yaml_float(value)
     text = str(value)
-    if _PLAIN.match(text) and text.lower() not in _YAML_WORDS:
+    if _PLAIN.fullmatch(text) and text.lower() not in _YAML_WORDS:
         return text
-    return "'" + text.replace("'", "''") + "'"
+    return _yaml_quoted(text)
 
 
 def emit_yaml(mapping: dict, indent: int = 0) -> list[str]:
@@ -107,33 +159,10 @@ def emit_yaml(mapping: dict, indent: int = 0) -> list[str]:
     for key, value in mapping.items():
         pad = "  " * indent
         if isinstance(value, dict):
-            lines.append(f"{pad}{key}:")
+            lines.append(f"{pad}{yaml_scalar(key)}:")
             lines.extend(emit_yaml(value, indent + 1))
         else:
-            lines.append(f"{pad}{key}: {yaml_scalar(value)}")
-    return lines
-
-
-# ---- TOML (tables of scalars, what torchtitan's job configs hold) ----
-
-def toml_scalar(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    return json.dumps(str(value))  # a TOML basic string is a JSON string for the characters we write
-
-
-def emit_toml(tables: dict[str, dict], comments: dict[str, str] | None = None) -> list[str]:
-    """``comments``: "table.key" -> a comment written on the line above that key."""
-    comments = comments or {}
-    lines: list[str] = []
-    for name, table in tables.items():
-        lines += ["", f"[{name}]"]
-        for key, value in table.items():
-            if f"{name}.{key}" in comments:
-                lines.append(f"# {comments[f'{name}.{key}']}")
-            lines.append(f"{key} = {toml_scalar(value)}")
+            lines.append(f"{pad}{yaml_scalar(key)}: {yaml_scalar(value)}")
     return lines
 
 
@@ -141,6 +170,9 @@ def comment_block(lines: list[str], prefix: str = "# ", width: int = 100) -> lis
     """Comment lines wrapped at ``width``; a "- " bullet's continuation lines are indented under it."""
     out = []
     for line in lines:
+        # PyYAML refuses non-printable characters even in comments and reads NEL, LS and PS as line
+        # breaks; Python ends a comment at \n or \r: all escaped (see _yaml_printable)
+        line = "".join(ch if _yaml_printable(ch) else _escaped(ch) for ch in line)
         if not line:
             out.append(prefix.rstrip())
             continue

@@ -9,9 +9,10 @@ depth, ``max(forward, backward, 1)``, since FSDP2 always prefetches one unit in 
 - ``stage3_max_live_parameters`` = (parameters of units kept gathered after forward: reshard False,
   the root included when it does not reshard) + max_i (p_i + ... + p_{i+k}): the running unit and its
   prefetched successors;
-- ``stage3_param_persistence_threshold``: ZeRO-3 never partitions parameters up to this size. The
-  plan keeps the root unit's parameters (norms, small heads) gathered for the whole step when the root
-  does not reshard: the largest parameter count of a module the root owns; 0 when the root reshards;
+- ``stage3_param_persistence_threshold``: ZeRO-3 never partitions a parameter TENSOR of at most this
+  many elements (see [Note: ZeRO-3 persistence is per tensor]). The plan keeps whole only what the
+  non-resharding root owns, so: the largest root-owned tensor smaller than every tensor the other units
+  own; 0 when the root reshards or no root tensor is that small;
 - ``reduce_bucket_size`` = max_i p_i: FSDP2 reduce-scatters one unit's gradients at a time;
 - ``stage3_max_reuse_distance``: 0 when every unit reshards after forward (always re-fetch in
   backward), the whole model when none does (keep until backward), else 0 (the plan's mix has no
@@ -21,7 +22,7 @@ depth, ``max(forward, backward, 1)``, since FSDP2 always prefetches one unit in 
 
 Plus bf16/fp16 from the plan's param dtype, the micro-batch, gradient clipping off (0.0, as the
 executor trains), the plan's gradient accumulation steps and global batch (``train_batch_size``), CPU offload of parameters and optimizer when planned, and
-the optimizer (Adam/AdamW with the plan's learning rate; SGD is left to the training script).
+the plan's optimizer with its learning rate (``plan.training.lr``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import json
 
 from shard_planner import __version__
 from shard_planner.checkpointing import SELECTIVE
-from shard_planner.plan import Plan
+from shard_planner.plan import OPTIMIZER_TORCH, Plan
 from shard_planner.report.export.accumulation import policy_notes
 from shard_planner.report.export.common import Export
 from shard_planner.report.export.model_info import ModelInfo
@@ -54,10 +55,7 @@ def derive_zero3(plan: Plan, info: ModelInfo) -> tuple[dict, list[str]]:
     root_index = plan.units.index(plan.root)
     if plan.root.reshard_after_forward is False:
         kept += counts[root_index]
-        root_sizes = [m.param_count for m in info.owned_modules(plan, root_index) if m.param_count]
-        persistence = max(root_sizes, default=0)
-    else:
-        persistence = 0
+    persistence, persistence_how = _persistence_threshold(plan, info)
     prefetch_bucket = _window_max(p[1:], k) if len(p) > 1 else 0
     max_live = kept + _window_max(p, k + 1)
     reduce_bucket = max(p, default=counts[root_index])
@@ -84,8 +82,7 @@ def derive_zero3(plan: Plan, info: ModelInfo) -> tuple[dict, list[str]]:
         f"stage3_prefetch_bucket_size = {prefetch_bucket:,}: the largest {k} consecutive units after the running one",
         f"stage3_max_live_parameters = {max_live:,}: {kept:,} kept gathered (reshard False) + the largest "
         f"{k + 1} consecutive units",
-        f"stage3_param_persistence_threshold = {persistence:,}: "
-        + ("the largest module the non-resharding root unit owns" if persistence else "0, the root reshards or owns nothing"),
+        f"stage3_param_persistence_threshold = {persistence:,}: {persistence_how}",
         f"reduce_bucket_size = {reduce_bucket:,}: the largest unit (one reduce-scatter per unit)",
         f"stage3_max_reuse_distance = {reuse_how}",
     ]
@@ -96,6 +93,43 @@ def derive_zero3(plan: Plan, info: ModelInfo) -> tuple[dict, list[str]]:
     elif ints:
         how.append(f"partial reshards to {ints} ranks mixed with other settings: no hpZ (ZeRO++) set")
     return zero, how
+
+
+# [Note: ZeRO-3 persistence is per tensor] DeepSpeed marks a parameter persistent (never partitioned,
+# whole on every rank for the whole run) when its own element count is at most
+# stage3_param_persistence_threshold (deepspeed 0.19.8, runtime/zero/parameter_offload.py,
+# mark_persistent_parameters: ``param.ds_numel <= param_threshold``, per tensor of named_parameters()).
+# A threshold as large as a module (e.g. Llama 8B's 525,336,576-element embedding) therefore keeps every
+# tensor of the model whole: no sharding at all. Only tensors the plan keeps whole may fall under it.
+
+
+def _persistence_threshold(plan: Plan, info: ModelInfo) -> tuple[int, str]:
+    """stage3_param_persistence_threshold and how it was derived. See [Note: ZeRO-3 persistence is per tensor].
+
+    Persistent: tensors of the root unit when it does not reshard (FSDP2 keeps them gathered from forward
+    to backward). The threshold t must stay below the smallest tensor any other unit owns (s_min), so
+    t = the largest root-owned tensor < s_min, or 0. A module whose tensor sizes are unknown (a trace
+    records only totals) counts as owning a 1-element tensor on a unit, and as owning nothing on the root."""
+    if plan.root.reshard_after_forward is not False:
+        return 0, "0: the root unit reshards after forward, so every tensor is partitioned"
+    root_index = plan.units.index(plan.root)
+    owners = info.unit_owners(plan)
+    def tensors(on_root: bool) -> list[int]:
+        unknown = () if on_root else (1,)  # see the docstring: never more persistence than known
+        return [n for m in info.modules if m.param_count and (owners[m.fqn] == root_index) == on_root
+                for n in (m.param_numels if m.param_numels is not None else unknown)]
+
+    smallest = min(tensors(on_root=False), default=None)
+    root_tensors = tensors(on_root=True)
+    below = [n for n in root_tensors if smallest is None or n < smallest]
+    if smallest is None:  # the root is the only unit: FSDP2 keeps the whole model gathered in the step
+        return max(below, default=0), "the largest tensor: the root is the plan's only unit and does not reshard"
+    if not below:
+        return 0, (f"0: no tensor of the root unit is smaller than the smallest tensor of the other units "
+                   f"({smallest:,}), so none can stay whole without keeping a unit's tensors whole too")
+    return max(below), (f"the largest root-owned tensor smaller than every tensor of the other units (the smallest: "
+                        f"{smallest:,}): ZeRO-3 keeps the {len(below)} root tensor(s) up to it whole, as the "
+                        "non-resharding root unit does, and partitions every other tensor")
 
 
 def _summarise(values: list[int]) -> str:
@@ -123,6 +157,32 @@ def _checkpointing_notes(plan: Plan) -> list[str]:
     return notes
 
 
+# [Note: DeepSpeed's Adam is not torch's] For optimizer type "Adam"/"AdamW" DeepSpeed builds its own
+# FusedAdam (or DeepSpeedCPUAdam under offload) with its own defaults, weight_decay 0.0 for AdamW too
+# (deepspeed 0.19.8, runtime/engine.py get_optimizer_configuration; ops/adam/fused_adam.py), where the
+# plan's optimizer is torch.optim.AdamW with PyTorch's defaults (weight_decay 0.01). Any other type is
+# getattr(torch.optim, type)(params, **params) (engine.py _configure_basic_optimizer), PyTorch's defaults.
+
+
+def _optimizer_section(plan: Plan) -> dict:
+    """The plan's optimizer (shard_planner.plan.OPTIMIZER_TORCH) and learning rate; for Adam(W) with
+    torch's defaults written out, see [Note: DeepSpeed's Adam is not torch's]."""
+    import inspect
+
+    import torch
+
+    cls, kwargs = OPTIMIZER_TORCH[plan.training.optimizer]
+    params = {"lr": plan.training.lr, **kwargs}
+    if cls in ("Adam", "AdamW"):
+        defaults = inspect.signature(getattr(torch.optim, cls)).parameters
+        params.update({k: _json_value(defaults[k].default) for k in ("betas", "eps", "weight_decay")})
+    return {"type": cls, "params": params}
+
+
+def _json_value(value):
+    return list(value) if isinstance(value, tuple) else value
+
+
 def export_deepspeed(plan: Plan, info: ModelInfo) -> Export:
     t = plan.training
     zero, how = derive_zero3(plan, info)
@@ -148,8 +208,9 @@ def export_deepspeed(plan: Plan, info: ModelInfo) -> Export:
         "fp16": {"enabled": t.param_dtype == "float16"},
         "zero_optimization": zero,
     }
-    if t.optimizer in ("adam", "adamw"):
-        config["optimizer"] = {"type": "AdamW" if t.optimizer == "adamw" else "Adam", "params": {"lr": t.lr}}
+    config["optimizer"] = _optimizer_section(plan)
+    if config["optimizer"]["type"] not in ("Adam", "AdamW"):  # ZeRO refuses others unless told (engine.py)
+        config["zero_allow_untested_optimizer"] = True
     if t.param_dtype != "float32" and t.reduce_dtype == "float32":
         config["communication_data_type"] = "fp32"
     return Export("deepspeed", json.dumps(config, indent=2) + "\n", ".json", tuple(notes))

@@ -21,6 +21,9 @@ class ModuleInfo:
     type_name: str
     parent: str | None
     param_count: int  # parameters registered on this module itself (tied weights counted once)
+    # the element count of each of those parameter tensors; None when unknown (a trace records only
+    # the module's total and its tensor count, so a module with several tensors is unknown from a trace)
+    param_numels: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -30,34 +33,39 @@ class ModelInfo:
     def type_of(self, fqn: str) -> str:
         return next(m.type_name for m in self.modules if m.fqn == fqn)
 
+    def unit_owners(self, plan: Plan) -> dict[str, int]:
+        """Module -> index of the unit of ``plan`` that owns its parameters (innermost; the root the rest)."""
+        return unit_owners(plan, (m.fqn for m in self.modules))
+
     def unit_param_counts(self, plan: Plan) -> list[int]:
         """Parameters each unit of ``plan`` owns (innermost unit; the root owns the rest)."""
-        owners = unit_owners(plan, (m.fqn for m in self.modules))
+        owners = self.unit_owners(plan)
         counts = [0] * len(plan.units)
         for m in self.modules:
             counts[owners[m.fqn]] += m.param_count
         return counts
 
-    def owned_modules(self, plan: Plan, unit_index: int) -> list[ModuleInfo]:
-        owners = unit_owners(plan, (m.fqn for m in self.modules))
-        return [m for m in self.modules if owners[m.fqn] == unit_index]
-
 
 def model_info_from_trace(trace: ModelTrace) -> ModelInfo:
-    return ModelInfo(tuple(ModuleInfo(m.fqn, m.type_name, m.parent, m.param_count) for m in trace.modules))
+    def numels(m) -> tuple[int, ...] | None:
+        if m.param_count == 0:
+            return ()
+        return (m.param_count,) if m.param_tensors == 1 else None
+
+    return ModelInfo(tuple(ModuleInfo(m.fqn, m.type_name, m.parent, m.param_count, numels(m)) for m in trace.modules))
 
 
 def model_info_from_model(model) -> ModelInfo:
     seen: set[int] = set()
     out = []
     for fqn, module in model.named_modules():
-        count = 0
+        numels = []
         for p in module.parameters(recurse=False):
             if id(p) not in seen:
                 seen.add(id(p))
-                count += p.numel()
+                numels.append(p.numel())
         parent = None if fqn == "" else fqn.rpartition(".")[0]
-        out.append(ModuleInfo(fqn, type(module).__name__, parent, count))
+        out.append(ModuleInfo(fqn, type(module).__name__, parent, sum(numels), tuple(numels)))
     return ModelInfo(tuple(out))
 
 

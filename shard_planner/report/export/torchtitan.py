@@ -1,124 +1,195 @@
-"""Export a plan as the torchtitan job-config settings it reads for FSDP, checkpointing and batch (TOML).
+"""Export a plan as a torchtitan 0.3 config function: a Python module for ``--module/--config``.
 
-Keys (torchtitan/config/job_config.py): ``[parallelism] data_parallel_shard_degree``,
-``data_parallel_replicate_degree`` (> 1 with a shard degree > 1 is HSDP), ``fsdp_reshard_after_forward``
-("default" | "always" | "never"); ``[activation_checkpoint] mode`` ("none" | "full" | "selective") with
-``selective_ac_option`` (an integer k checkpoints every k-th block: torchtitan counts blocks from 1 and
-checkpoints block i when i % k == 0) or ``"op"`` (per-op selective: attention outputs and every other mm
-kept, for a plan whose blocks are selective; exactly a plan's ``ac_save_ops = ["alternate_matmul",
-"attention_fwd"]``); ``[training] local_batch_size`` (per GPU), ``global_batch_size``
-(with gradient accumulation: torchtitan runs global / (local x data-parallel degree) micro-steps per
-optimizer step), ``seq_len``,
-``mixed_precision_param`` / ``mixed_precision_reduce``, ``enable_cpu_offload``.
+[Note: torchtitan 0.3 configuration] torchtitan 0.3 has no TOML job config and no
+``--section.key=value`` options of its own: ``ConfigManager.parse_args`` (torchtitan 0.3.0,
+torchtitan/config/manager.py) imports ``--module`` (a model name such as ``llama3``, or any importable
+module, tried as ``MODULE.config_registry`` and then ``MODULE``), calls its ``--config`` function for a
+``Trainer.Config``, and lets ``tyro`` override fields from the remaining arguments. So the export is such
+a module: its ``shard_planner_plan()`` builds the model's own config function (named at run time by
+``SHARD_PLANNER_BASE_CONFIG``) and sets what the plan decides. The fields (torchtitan 0.3.0):
 
-torchtitan decides the units itself in its ``parallelize`` functions (one per transformer block, plus
-the embeddings and output) and sets no explicit prefetch: what the plan decides beyond that is listed
-as comments with the nearest setting.
+- ``parallelism`` (config/configs.py ParallelismConfig): ``data_parallel_shard_degree``,
+  ``data_parallel_replicate_degree`` (> 1 with a shard degree > 1 is HSDP), ``fsdp_reshard_after_forward``
+  ("default" | "always" | "never", one setting for every unit: distributed/fsdp.py);
+- ``training`` (TrainingConfig): ``local_batch_size`` (per GPU), ``global_batch_size`` (torchtitan runs
+  global / (local x data-parallel degree) micro-steps per optimizer step), ``seq_len``,
+  ``mixed_precision_param`` ("bfloat16" | "float32"), ``mixed_precision_reduce`` ("float32" only),
+  ``enable_cpu_offload``;
+- ``activation_checkpoint`` (distributed/activation_checkpoint.py): ``None``, ``FullAC.Config()`` or
+  ``SelectiveAC.Config()`` (per-op: mm and SDPA outputs kept, every second mm recomputed), applied to
+  every block alike; 0.3 has no every-k-th-block option;
+- ``optimizer.param_groups[*]`` (components/optimizer/optimizer.py ParamGroupConfig): ``optimizer_name``
+  and ``optimizer_kwargs["lr"]``.
+
+torchtitan 0.2's TOML job config is not served: its format could not be checked against an installed
+0.2 here. torchtitan decides the units itself (one per transformer block, plus embeddings and output)
+and sets no explicit prefetch: what the plan decides beyond that is listed as comments.
 """
 
 from __future__ import annotations
 
+import string
+
 from shard_planner import __version__
-from shard_planner.checkpointing import DEFAULT_SAVE_OPS, SELECTIVE, TORCHTITAN_OP_SAVE_OPS
-from shard_planner.plan import Plan
+from shard_planner.checkpointing import ALTERNATE_MATMUL, DEFAULT_SAVE_OPS, SELECTIVE
+from shard_planner.plan import OPTIMIZER_TORCH, Plan
 from shard_planner.report.export.accumulation import policy_notes
 from shard_planner.report.export.common import (
-    Export, block_units, comment_block, emit_toml, grouped_note, prefetch_notes, uniform_reshard,
+    Export, block_units, comment_block, grouped_note, prefetch_notes, uniform_reshard,
 )
 
-
-def _ac_settings(flags: list[bool]) -> tuple[dict, list[str]]:
-    """torchtitan's activation_checkpoint table for a per-block checkpoint pattern, and notes."""
-    n, count = len(flags), sum(flags)
-    if count == 0:
-        return {"mode": "none"}, []
-    if count == n:
-        return {"mode": "full"}, []
-    for k in range(2, n + 1):
-        if flags == [(i + 1) % k == 0 for i in range(n)]:
-            return {"mode": "selective", "selective_ac_option": str(k)}, []
-    # Nearest: every k-th block with k the largest that checkpoints at least as many blocks as the plan.
-    k = max(2, n // count)
-    note = (f"the plan checkpoints {count} of {n} blocks, not every k-th: torchtitan checkpoints every k-th "
-            f"block; using k = {k} ({n // k} blocks), at least as many as the plan")
-    return {"mode": "selective", "selective_ac_option": str(k)}, [note]
+def _covers_torchtitan_op_saves(save_ops: tuple[str, ...]) -> bool:
+    """The plan's selective block keeps at least what torchtitan's SelectiveAC keeps (odd-numbered mms and
+    attention; checkpointing.py [Note: torchtitan's op-level policy]), so SelectiveAC needs no more memory."""
+    return ("matmul" in save_ops or ALTERNATE_MATMUL in save_ops) and "attention_fwd" in save_ops
 
 
-def _op_sac_settings(blocks) -> tuple[dict, list[str]]:
-    """torchtitan's per-op selective checkpointing (``selective_ac_option = "op"``) for blocks of which
-    some are selective (shard_planner/checkpointing.py [Note: torchtitan's op-level policy]), and notes."""
+def ac_mode(blocks) -> tuple[str, list[str]]:
+    """torchtitan's activation-checkpointing mode for the plan's blocks, and notes.
+
+    torchtitan applies one mode to every block. A pattern it cannot say falls back to a mode needing no
+    more memory than the plan: SelectiveAC when every block is selective (keeping at least torchtitan's
+    ops) or not checkpointed; otherwise full checkpointing of every block."""
     modes = [u.activation_checkpoint for u in blocks]
-    save_sets = {tuple(u.ac_save_ops) for u in blocks if u.activation_checkpoint == SELECTIVE}
-    notes = []
-    if DEFAULT_SAVE_OPS in save_sets:
-        notes.append("torchtitan's \"op\" policy saves mm and SDPA outputs but recomputes every second mm of a "
-                     "block: a little less memory and a little more recompute than the plan's (which saves every "
-                     "matmul and attention output)")
-    if any(m != SELECTIVE for m in modes):
-        notes.append(f"the plan checkpoints {sum(m == SELECTIVE for m in modes)} of {len(modes)} blocks "
-                     "selectively and the others fully or not at all; torchtitan applies one mode to every "
-                     "block: using \"op\" on all")
-    other = sorted(save_sets - {DEFAULT_SAVE_OPS, TORCHTITAN_OP_SAVE_OPS})
-    if other:
-        notes.append(f"the plan saves op classes {', '.join(map(str, other[0]))}; torchtitan's op list is fixed "
-                     "(matmuls and attention)")
-    return {"mode": "selective", "selective_ac_option": "op"}, notes
+    n, checkpointed = len(modes), sum(bool(m) for m in modes)
+    if checkpointed == 0:
+        return "none", []
+    if all(m is True for m in modes):
+        return "full", []
+    selective = [u for u in blocks if u.activation_checkpoint == SELECTIVE]
+    if selective and all(m in (SELECTIVE, False) for m in modes) and \
+            all(_covers_torchtitan_op_saves(u.ac_save_ops) for u in selective):
+        notes = []
+        if any(u.ac_save_ops == DEFAULT_SAVE_OPS for u in selective):
+            notes.append("torchtitan's SelectiveAC saves mm and SDPA outputs but recomputes every second mm of a "
+                         "block: a little less memory and a little more recompute than the plan's (which saves "
+                         "every matmul and attention output)")
+        if len(selective) < n:
+            notes.append(f"the plan checkpoints {len(selective)} of {n} blocks selectively and leaves the others "
+                         "alone; torchtitan applies one mode to every block: using SelectiveAC on all (less "
+                         "memory, more recompute than the plan)")
+        return "selective", notes
+    return "full", [f"the plan checkpoints {checkpointed} of {n} blocks ({_pattern(modes)}); torchtitan 0.3 applies "
+                    "one mode to every block (none, full or per-op selective; no every-k-th-block option): using full "
+                    "checkpointing of every block, which needs no more memory than the plan (more recompute)"]
+
+
+def _pattern(modes) -> str:
+    full, sel = sum(m is True for m in modes), sum(m == SELECTIVE for m in modes)
+    return ", ".join(part for part in (f"{full} fully" if full else "", f"{sel} selectively" if sel else "") if part)
+
+
+def _tables(plan: Plan) -> tuple[dict, dict, list[str]]:
+    """The ``parallelism`` and ``training`` fields, and notes."""
+    t = plan.training
+    reshard, notes = uniform_reshard(plan)
+    parallelism = {"data_parallel_shard_degree": plan.mesh.shard,
+                   "data_parallel_replicate_degree": plan.mesh.replicate,
+                   "fsdp_reshard_after_forward": "always" if reshard else "never"}
+    training = {"local_batch_size": t.micro_batch}
+    if t.accumulation_steps > 1:  # torchtitan's default global batch is local x data-parallel degree
+        training["global_batch_size"] = plan.global_batch_samples
+        notes += policy_notes(plan, "torchtitan", syncs_every_step=True)
+    if plan.model.seq_len:
+        training["seq_len"] = plan.model.seq_len
+    param_dtype = t.param_dtype if t.param_dtype in ("bfloat16", "float32") else "bfloat16"
+    if param_dtype != t.param_dtype:
+        notes.append(f"torchtitan's mixed_precision_param is bfloat16 or float32; the plan computes in {t.param_dtype}: "
+                     "using bfloat16 (the same bytes)")
+    if t.reduce_dtype != "float32":
+        notes.append(f"torchtitan only accepts mixed_precision_reduce = float32; the plan reduces in {t.reduce_dtype}")
+    training.update(mixed_precision_param=param_dtype, mixed_precision_reduce="float32", enable_cpu_offload=t.cpu_offload)
+    return parallelism, training, notes
+
+
+def _literal(mapping: dict) -> str:
+    """A dict of str keys and bool/int/float/str values as Python source, one entry a line."""
+    return "{\n" + "".join(f"    {k!r}: {v!r},\n" for k, v in mapping.items()) + "}"
 
 
 def export_torchtitan(plan: Plan) -> Export:
-    notes: list[str] = []
-    reshard, reshard_notes = uniform_reshard(plan)
-    notes += reshard_notes
-    units = plan.inner_units
+    parallelism, training, notes = _tables(plan)
     blocks = block_units(plan)
-    if any(u.activation_checkpoint == SELECTIVE for u in blocks):
-        ac, ac_notes = _op_sac_settings(blocks)
-    else:
-        ac, ac_notes = _ac_settings([u.activation_checkpoint for u in blocks])
+    mode, ac_notes = ac_mode(blocks)
     notes += ac_notes
-    others = [u.name for u in units if u.activation_checkpoint and u not in blocks]
+    others = [u.name for u in plan.inner_units if u.activation_checkpoint and u not in blocks]
     if others:
         notes.append(f"checkpointed unit(s) outside the repeated blocks ({', '.join(others)}): torchtitan "
                      "checkpoints blocks only; not checkpointed here")
     notes += grouped_note(plan)
     notes += prefetch_notes(plan, where="torchtitan")
     notes.append("units: torchtitan wraps one unit per transformer block plus embeddings and output in its "
-                 "parallelize function; the plan's "
-                 f"{len(units)} units apply where they coincide (the fsdp2 export applies them exactly)")
+                 f"parallelize function; the plan's {len(plan.inner_units)} units apply where they coincide (the "
+                 "fsdp2 export applies them exactly)")
     if plan.root.reshard_after_forward:
         notes.append("the plan reshards the root after forward; torchtitan does not (FSDP2's root default)")
     t = plan.training
-    training = {"local_batch_size": t.micro_batch}
-    if t.accumulation_steps > 1:  # torchtitan derives the steps: global / (local x data-parallel degree)
-        training["global_batch_size"] = plan.global_batch_samples
-        notes += policy_notes(plan, "torchtitan", syncs_every_step=True)
-    if plan.model.seq_len:
-        training["seq_len"] = plan.model.seq_len
-    training.update(mixed_precision_param=t.param_dtype, mixed_precision_reduce=t.reduce_dtype,
-                    enable_cpu_offload=t.cpu_offload)
-    if t.reduce_dtype != "float32":
-        notes.append(f"torchtitan only accepts mixed_precision_reduce = float32; the plan reduces in {t.reduce_dtype}")
-    tables = {
-        "parallelism": {
-            "data_parallel_shard_degree": plan.mesh.shard,
-            "data_parallel_replicate_degree": plan.mesh.replicate,
-            "fsdp_reshard_after_forward": "always" if reshard else "never",
-        },
-        "activation_checkpoint": ac,
-        "training": training,
-    }
-    comments = {
-        "parallelism.fsdp_reshard_after_forward": "always/never: every block; \"default\" would let torchtitan choose",
-        "training.local_batch_size": f"per GPU; global batch = {t.micro_batch} x {plan.mesh.world_size} ranks"
-                                     + (f" x {t.accumulation_steps} accumulation steps" if t.accumulation_steps > 1 else ""),
-    }
+    cls, kwargs = OPTIMIZER_TORCH[t.optimizer]
     header = [
-        f"torchtitan settings for {plan.model.path} on {plan.cluster.gpus} GPUs, generated by shard-planner "
+        f"torchtitan 0.3 config for {plan.model.path} on {plan.cluster.gpus} GPUs, generated by shard-planner "
         f"{__version__} (model fingerprint {plan.model.fingerprint}).",
-        "Merge these tables into your job config (or pass them as --section.key=value).",
-        "",
         "Where the plan cannot be expressed exactly (the nearest setting is used below):",
         *[f"- {n}" for n in notes],
     ]
-    text = "\n".join(comment_block(header) + emit_toml(tables, comments)) + "\n"
-    return Export("torchtitan", text, ".toml", tuple(notes))
+    text = _SOURCE.substitute(
+        header="\n".join(comment_block(header)), gpus=plan.mesh.world_size, parallelism=_literal(parallelism),
+        training=_literal(training), mode=repr(mode), optimizer=repr((cls, {"lr": t.lr, **kwargs})))
+    return Export("torchtitan", text, ".py", tuple(notes))
+
+
+# The generated module (string.Template: $name is filled in by export_torchtitan).
+_SOURCE = string.Template('''"""A torchtitan 0.3 config function with shard-planner's plan (see the comments below).
+
+Use: save as shard_planner_torchtitan.py in a directory on PYTHONPATH, then
+    SHARD_PLANNER_BASE_CONFIG=llama3:llama3_8b torchrun --nproc_per_node $gpus -m torchtitan.train \\\\
+        --module shard_planner_torchtitan --config shard_planner_plan
+SHARD_PLANNER_BASE_CONFIG names your model's own config function as MODULE:FUNCTION (MODULE: a torchtitan
+model such as llama3, or an importable module); the plan's settings are applied on top of it. Options
+after --config still override fields (torchtitan's command line, e.g. --training.steps 100).
+"""
+
+import importlib
+import os
+
+$header
+
+PARALLELISM = $parallelism
+TRAINING = $training
+ACTIVATION_CHECKPOINT = $mode  # every block: "none", "full" (FullAC) or "selective" (per-op SelectiveAC)
+OPTIMIZER = $optimizer  # torch.optim class name and keyword arguments
+
+
+def base_config():
+    """The model's own torchtitan config function, named by SHARD_PLANNER_BASE_CONFIG=MODULE:FUNCTION."""
+    name = os.environ.get("SHARD_PLANNER_BASE_CONFIG")
+    if not name or ":" not in name:
+        raise ValueError("set SHARD_PLANNER_BASE_CONFIG=MODULE:FUNCTION to your model's torchtitan config function, "
+                         "e.g. llama3:llama3_8b")
+    module_name, function = name.rsplit(":", 1)
+    for candidate in (f"torchtitan.models.{module_name}.config_registry", f"{module_name}.config_registry", module_name):
+        try:
+            module = importlib.import_module(candidate)
+        except ModuleNotFoundError as error:  # only this candidate missing; a missing dependency is raised
+            if error.name and (candidate == error.name or candidate.startswith(error.name + ".")):
+                continue
+            raise
+        return getattr(module, function)()
+    raise ValueError(f"SHARD_PLANNER_BASE_CONFIG: cannot import {module_name!r}")
+
+
+def shard_planner_plan():
+    """The base config with the plan's parallelism, batch, mixed precision, checkpointing and optimizer."""
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    config = base_config()
+    for section, values in (("parallelism", PARALLELISM), ("training", TRAINING)):
+        for key, value in values.items():
+            setattr(getattr(config, section), key, value)
+    config.activation_checkpoint = {"none": None, "full": FullAC.Config(),
+                                    "selective": SelectiveAC.Config()}[ACTIVATION_CHECKPOINT]
+    name, kwargs = OPTIMIZER
+    for group in config.optimizer.param_groups:  # the base's other hyper-parameters stay for the same optimizer
+        group.optimizer_kwargs = {**group.optimizer_kwargs, **kwargs} if group.optimizer_name == name else dict(kwargs)
+        group.optimizer_name = name
+    return config
+''')

@@ -1,0 +1,54 @@
+"""Accelerate reads the exported configs as ``accelerate launch --config_file`` does (load_config_from_file,
+the launch command's validation, the FSDP_* environment it prepares) and builds its FSDP2 plugin from
+that environment: the plugin means the plan (reshard, checkpointing, offload, wrapped class), and its
+mixed precision is what the export's note says Accelerate runs (bf16 reduce unless built in code)."""
+
+import pytest
+
+from tests.ecosystem.conftest import INSTALL, PLANS_8B
+
+pytestmark = pytest.mark.ecosystem
+accelerate = pytest.importorskip("accelerate", reason=f"Accelerate: {INSTALL}")
+
+
+def _launch_env(path) -> dict[str, str]:
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    load_config_from_file(str(path))  # the file's own schema (ClusterConfig)
+    args = launch_command_parser().parse_args(["--config_file", str(path), "train.py"])
+    args, _, _ = _validate_launch_command(args)
+    return prepare_multi_gpu_env(args)
+
+
+@pytest.mark.parametrize("name", list(PLANS_8B))
+def test_accelerate_plugin_means_the_plan(name, llama_8b_exports, tmp_path, monkeypatch):
+    import torch
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    from shard_planner.report.export.common import uniform_reshard
+
+    plan, exports = llama_8b_exports[name]
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(exports["accelerate"].text)
+    env = _launch_env(path)
+    assert env["ACCELERATE_MIXED_PRECISION"] == "bf16" and env["FSDP_VERSION"] == "2"
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    plugin = FullyShardedDataParallelPlugin()
+    units = plan.inner_units
+    assert plugin.reshard_after_forward == uniform_reshard(plan)[0]  # the plan's, or true where it mixes (noted)
+    assert plugin.activation_checkpointing == any(bool(u.activation_checkpoint) for u in units)
+    assert isinstance(plugin.cpu_offload, CPUOffloadPolicy) == plan.training.cpu_offload
+    assert plugin.transformer_cls_names_to_wrap == ["TransformerBlock"]
+    plugin.set_mixed_precision("bf16")  # what AcceleratorState does with mixed_precision: bf16
+    assert plugin.mixed_precision_policy.reduce_dtype == torch.bfloat16  # the export's note says so
+    assert any("Accelerate reduce-scatters them in bfloat16" in n for n in exports["accelerate"].notes)
+    # the note's remedy: a plugin built in code keeps the plan's reduce dtype
+    coded = FullyShardedDataParallelPlugin(
+        mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    coded.set_mixed_precision("bf16")
+    assert coded.mixed_precision_policy.reduce_dtype == torch.float32
+    assert coded.reshard_after_forward == plugin.reshard_after_forward
