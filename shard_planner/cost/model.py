@@ -254,7 +254,7 @@ class CostModel:
         # A measured block's time already holds its kernels and its per-op framework time: no op overhead.
         kernels = self.kernel_module_s(b, param_dtype)
         if kernels is not None:  # GPU kernel model (cost/kernels.py) from the trace's kernel records
-            priced_fwd, priced_bwd = block_kernel_s(self.trace, [blk.fqn for blk in blocks], kernels[0])
+            priced_fwd, priced_bwd = block_kernel_s(self.trace, blocks, kernels[0])
             loss_priced = kernels[1]
         else:
             priced_fwd = tuple(blk.fwd_flops.at(b) / rate for blk in blocks)
