@@ -99,7 +99,7 @@ def build_tables(trace: ModelTrace, units: tuple[Unit, ...],
     module field over a subtree, memoised by the caller (CostModel.subtree_sum: the sums do not depend
     on the units); None: summed here, for this call only."""
     if subtree_sum is None:
-        subtree_sum = _subtree_summer(trace)
+        subtree_sum = subtree_summer(trace)
     module_unit, root_index, owner, contains_unit = _owners(trace, units)
 
     n_units = len(units)
@@ -268,8 +268,9 @@ def _block_sequence(trace: ModelTrace, module_unit: dict[str, int], owner: dict[
     return blocks
 
 
-def _subtree_summer(trace: ModelTrace) -> Callable[[str, str], Affine]:
-    """A memoised ``subtree_sum(fqn, attr)``: the module's own value plus its children's sums."""
+def subtree_summer(trace: ModelTrace) -> Callable[[str, str], Affine]:
+    """A memoised ``subtree_sum(fqn, attr)``: the module's own value plus its children's sums (in that
+    order: the sums are bit for bit those every caller has always seen). The CostModel holds one per trace."""
     sums: dict[tuple[str, str], Affine] = {}
 
     def subtree_sum(fqn: str, attr: str) -> Affine:
