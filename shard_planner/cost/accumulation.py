@@ -65,7 +65,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from shard_planner.cost.memory import _AC, _GR, _UP, Sharding, _MemoryWalk
-from shard_planner.cost.schedule import EventKind
+from shard_planner.cost.schedule import EventKind, Phase
 from shard_planner.cost.types import MemoryEstimate, TimeEstimate
 from shard_planner.dtypes import dtype_bytes
 from shard_planner.plan import GRADIENT_SYNCS, Training
@@ -219,7 +219,7 @@ class _AccumulationWalk(_MemoryWalk):
         if not self.acc[u]:  # the first: a reduce-dtype copy, the param-dtype gradients then freed
             cat[_GR] += x.rs_input
             self.acc[u] = x.rs_input
-            self.record("hold gradients", self.t.unit_names[u], "backward")
+            self.record("hold gradients", self.t.unit_names[u], Phase.BACKWARD)
         cat[_GR] -= new
 
     def reshards_after_backward(self) -> bool:

@@ -431,9 +431,9 @@ def loss_kernel_s(trace, micro_batch: int, dev: Device, fallback_flops_per_s: fl
     return trace.loss_flops.at(micro_batch) / fallback_flops_per_s
 
 
-def block_kernel_s(trace, block_fqns, per_module: dict[str, tuple[float, float]]) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Forward and backward device seconds of each block (cost/tables.py Block.fqn: a module's subtree,
-    or ``<fqn>:self`` for a container's own operations), summed from :func:`module_kernel_s`."""
+def block_kernel_s(trace, blocks, per_module: dict[str, tuple[float, float]]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Forward and backward device seconds of each of ``blocks`` (cost/tables.py Block: a module's subtree,
+    or, ``self_only``, a container's own operations), summed from :func:`module_kernel_s`."""
     memo: dict[str, tuple[float, float]] = {}
 
     def subtree(fqn: str) -> tuple[float, float]:
@@ -446,6 +446,5 @@ def block_kernel_s(trace, block_fqns, per_module: dict[str, tuple[float, float]]
             memo[fqn] = hit = (f, b)
         return hit
 
-    times = [per_module.get(fqn[: -len(":self")], (0.0, 0.0)) if fqn.endswith(":self") else subtree(fqn)
-             for fqn in block_fqns]
+    times = [per_module.get(blk.fqn, (0.0, 0.0)) if blk.self_only else subtree(blk.fqn) for blk in blocks]
     return tuple(t[0] for t in times), tuple(t[1] for t in times)

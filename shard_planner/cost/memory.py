@@ -140,7 +140,7 @@ from dataclasses import dataclass
 from shard_planner.cost.optimizer import (  # noqa: F401  (re-exported: the tables' old home)
     OPTIMIZER_STATES, OPTIMIZER_TEMPORARIES, OPTIMIZER_TEMPORARIES_SINGLE_TENSOR,
 )
-from shard_planner.cost.schedule import EventKind, Schedule
+from shard_planner.cost.schedule import EventKind, Phase, Schedule
 from shard_planner.cost.selective import SelectiveBlocks
 from shard_planner.cost.tables import CostTables
 from shard_planner.cost.types import MemoryEstimate, MemoryEvent
@@ -201,7 +201,7 @@ def block_activations(trace: ModelTrace, t: CostTables, micro_batch: int, param_
         saved=tuple(blk.saved.at(b) * s for blk in blocks), fwd_rise=tuple(blk.fwd_rise.at(b) * s for blk in blocks),
         bwd_rise=tuple(blk.bwd_rise.at(b) * s for blk in blocks),
         kept=tuple((blk.input.at(b) - blk.input_shared.at(b)) * s for blk in blocks),
-        flows=tuple(not blk.fqn.endswith(":self") for blk in blocks),
+        flows=tuple(not blk.self_only for blk in blocks),
         own_grads=tuple(blk.own_float_numel * elem for blk in blocks),
     )
 
@@ -252,7 +252,7 @@ class _MemoryWalk:
         # per block, what selective checkpointing keeps beyond the inputs: [Note: Selective checkpointing memory]
         self.stash: tuple[float, ...] = (0.0,) * len(t.blocks)
 
-    def record(self, what: str, who: str, phase: str, extra_temp: float = 0.0, extra_comm: float = 0.0) -> None:
+    def record(self, what: str, who: str, phase: Phase, extra_temp: float = 0.0, extra_comm: float = 0.0) -> None:
         """One event; its label is "<phase>: <what> <who>", built only when kept."""
         cat = self.cat
         total = cat[0] + cat[1] + cat[2] + cat[3] + cat[4] + cat[5] + cat[6] + cat[7] + extra_temp + extra_comm
@@ -289,7 +289,7 @@ class _MemoryWalk:
             handlers[ev.kind](ev)
 
     # ---- all-gathers and resharding: see [Note: All-gather buffers] ----
-    def issue(self, u: int, phase: str) -> None:
+    def issue(self, u: int, phase: Phase) -> None:
         x, st = self.ub[u], self.units[u]
         if st.pending_bytes or st.sharding is Sharding.UNSHARDED:
             return
@@ -315,7 +315,7 @@ class _MemoryWalk:
             self.issue(u, phase)
         cat[_UP] += x.unsharded
         self.record("copy-out", self.t.unit_names[u], phase)
-        if phase == "forward":
+        if phase is Phase.FORWARD:
             if self.held_all_gather:  # freed only when wait_for_unshard returns
                 cat[_CB] -= self.held_all_gather
                 self.held_all_gather = 0.0
@@ -336,7 +336,7 @@ class _MemoryWalk:
         st.sharding = Sharding.SHARDED
         if x.post_forward:
             self.cat[_UP] += x.post_forward
-            self.record("reshard to a smaller group", self.t.unit_names[u], "forward")
+            self.record("reshard to a smaller group", self.t.unit_names[u], Phase.FORWARD)
             st.group_clone_bytes = x.post_forward
             st.sharding = Sharding.RESHARDED_TO_GROUP
         self.cat[_UP] -= x.unsharded
@@ -354,16 +354,16 @@ class _MemoryWalk:
 
     def forward(self, ev) -> None:
         i, a = ev.block, self.acts
-        fqn = self.t.blocks[i].fqn
+        name = self.t.blocks[i].name
         self.enter_forward_block(i)
         rise = a.fwd_rise[i]
         if self.schedule.checkpointed[i]:
             stash = self.stash[i]  # selective: cost/selective.py [Note: Selective checkpointing memory]
-            self.record("checkpointed", fqn, "forward", extra_temp=max(a.output[i], rise - a.saved[i]) + stash)
+            self.record("checkpointed", name, Phase.FORWARD, extra_temp=max(a.output[i], rise - a.saved[i]) + stash)
             # only the inputs nobody else holds are new bytes: [Note: Checkpointed inputs held elsewhere]
             self.saved_sum += a.kept[i] + stash
         else:
-            self.record("", fqn, "forward", extra_temp=rise)
+            self.record("", name, Phase.FORWARD, extra_temp=rise)
             self.saved_sum += a.saved[i]
         if a.flows[i]:
             self.flow = a.output[i]
@@ -373,10 +373,10 @@ class _MemoryWalk:
         if self.held_all_gather:  # the root's post-forward frees the last all-gather output
             self.cat[_CB] -= self.held_all_gather
             self.held_all_gather = 0.0
-        self.record("end", "", "forward")
+        self.record("end", "", Phase.FORWARD)
 
     def loss(self, ev) -> None:
-        self.record("loss forward+backward", "", "backward", extra_temp=self.trace.loss_peak_rise_bytes.at(self.b))
+        self.record("loss forward+backward", "", Phase.BACKWARD, extra_temp=self.trace.loss_peak_rise_bytes.at(self.b))
         self.flow = self.acts.output[-1] if self.acts.output else 0.0
 
     # ---- backward ----
@@ -390,7 +390,7 @@ class _MemoryWalk:
         i, a = ev.block, self.acts
         self.enter_backward_block(i)
         stash = self.stash[i]  # consumed as the recomputation reaches it (cost/selective.py)
-        self.record("recompute", self.t.blocks[i].fqn, "backward", extra_temp=max(0.0, a.fwd_rise[i] - stash))
+        self.record("recompute", self.t.blocks[i].name, Phase.BACKWARD, extra_temp=max(0.0, a.fwd_rise[i] - stash))
         self.saved_sum += a.saved[i] - a.kept[i] - stash
         self.cat[_AC] = self.batch_bytes + self.saved_sum + self.flow
 
@@ -407,7 +407,7 @@ class _MemoryWalk:
             g = t.unit_float_numel[v] * self.param_elem
             cat[_GR] += g
             self.units[v].grad_bytes += g
-        self.record("", blk.fqn, "backward", extra_temp=a.bwd_rise[i])
+        self.record("", blk.name, Phase.BACKWARD, extra_temp=a.bwd_rise[i])
         self.saved_sum -= a.saved[i]
         if a.flows[i]:
             self.flow = a.input[i]  # the gradient of the block's input
@@ -427,19 +427,19 @@ class _MemoryWalk:
             cat[_CB] -= self.held_reduce_scatter
             self.held_reduce_scatter = 0.0
         cat[_CB] += x.rs_input
-        self.record("reduce-scatter copy-in", name, "backward")
+        self.record("reduce-scatter copy-in", name, Phase.BACKWARD)
         # the copied-in gradients are freed, but the last one autograd produced stays referenced until
         # post_backward returns; the 1/N output is allocated before the collective runs (it becomes the
         # sharded gradient). See [Note: Reduce-scatter buffers].
         held = min(x.last_grad, st.grad_bytes)
         cat[_GR] -= st.grad_bytes - held
-        self.record("reduce-scatter", name, "backward",
+        self.record("reduce-scatter", name, Phase.BACKWARD,
                     extra_temp=x.rs_input * self.profile.reduce_scatter_temp_fraction, extra_comm=x.rs_output)
         cat[_GR] -= held
         st.grad_bytes = 0.0
         self.held_reduce_scatter = x.rs_input
         if x.grad_cast:
-            self.record("reduce-scatter output", name, "backward", extra_temp=x.rs_output + x.sharded_grad)
+            self.record("reduce-scatter output", name, Phase.BACKWARD, extra_temp=x.rs_output + x.sharded_grad)
         if not self.offload_off_device:
             cat[_GR] += x.sharded_grad
         if self.plan.mesh.replicate > 1 and x.grad_cast:
@@ -453,7 +453,7 @@ class _MemoryWalk:
         if self.held_reduce_scatter:
             self.cat[_CB] -= self.held_reduce_scatter
             self.held_reduce_scatter = 0.0
-        self.record("end", "", "backward")
+        self.record("end", "", Phase.BACKWARD)
 
     # ---- optimizer step: see [Note: Optimizer step] ----
     def optimizer(self, ev) -> None:
@@ -464,9 +464,9 @@ class _MemoryWalk:
                         / plan.mesh.shard)
             else:
                 temp = OPTIMIZER_TEMPORARIES[training.optimizer] * sum(x.sharded_grad for x in self.ub)
-            self.record("step", "", "optimizer", extra_temp=temp)
+            self.record("step", "", Phase.OPTIMIZER, extra_temp=temp)
         self.cat[_GR] = 0.0
-        self.record("zero_grad", "", "optimizer")
+        self.record("zero_grad", "", Phase.OPTIMIZER)
 
     def result(self) -> MemoryEstimate:
         what, who, phase, snap = self.peak_event
@@ -487,8 +487,8 @@ def _to_dict(s: tuple) -> dict[str, int]:  # MEMORY_CATEGORIES, in order (a lite
             "temporaries": int(s[5] + 0.5), "comm_buffers": int(s[6] + 0.5), "overhead": int(s[7] + 0.5)}
 
 
-def _label(what: str, who: str, phase: str) -> str:
-    if phase == "optimizer":
+def _label(what: str, who: str, phase: Phase) -> str:
+    if phase is Phase.OPTIMIZER:
         return "optimizer step" if what == "step" else what
     if what.startswith("loss"):
         return what

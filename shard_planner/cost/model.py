@@ -36,7 +36,7 @@ from shard_planner.cost.kernels import (
 from shard_planner.cost.schedule import Schedule, build_schedule
 from shard_planner.cost.selective import (SelectiveBlocks, early_stop_share, flops_price, selective_blocks,
                                          subtree_selective)
-from shard_planner.cost.tables import CostTables, build_tables
+from shard_planner.cost.tables import CostTables, build_tables, subtree_summer
 from shard_planner.cost.fsdp_copies import unit_copies_s
 from shard_planner.cost.host_share import shared_profile
 from shard_planner.cost.time import BlockCompute, measured_block_times, simulate_time_walk, unit_collectives_s
@@ -102,7 +102,7 @@ class CostModel:
                  memo_size: int = MEMO_SIZE):
         self.trace = trace
         self.profile = profile
-        self._sums: dict[tuple[str, str], Affine] = {}
+        self._subtree_sum = subtree_summer(trace)
         self._tables = _LRU(tables_cache_size)
         self._measured = _LRU(tables_cache_size)
         self._schedules = _LRU(tables_cache_size)
@@ -131,28 +131,21 @@ class CostModel:
                 hit = self
             else:
                 hit = CostModel(self.trace, shared, tables_cache_size=self._tables.size, memo_size=self._time.size)
-                hit._sums, hit._tables, hit._schedules, hit._unit_bytes = (self._sums, self._tables, self._schedules,
-                                                                          self._unit_bytes)
+                hit._subtree_sum, hit._tables, hit._schedules, hit._unit_bytes = (
+                    self._subtree_sum, self._tables, self._schedules, self._unit_bytes)
             self._worlds[world_size] = hit
         return hit
 
     # ---- per trace and segmentation ----
     def subtree_sum(self, fqn: str, attr: str) -> Affine:
-        """Sum of the Affine field ``attr`` (e.g. ``"fwd_flops_self"``) over ``fqn``'s subtree."""
-        key = (fqn, attr)
-        hit = self._sums.get(key)
-        if hit is None:
-            m = self.trace.module(fqn)
-            hit = getattr(m, attr)
-            for c in m.children:
-                hit = hit + self.subtree_sum(c, attr)
-            self._sums[key] = hit
-        return hit
+        """Sum of the Affine field ``attr`` (e.g. ``"fwd_flops_self"``) over ``fqn``'s subtree, memoised
+        (cost/tables.py ``subtree_summer``)."""
+        return self._subtree_sum(fqn, attr)
 
     def tables(self, units: tuple[Unit, ...], _modules: tuple | None = None) -> CostTables:
         """The cost tables of the trace segmented into ``units`` (only their modules matter)."""
         key = _modules if _modules is not None else tuple(u.modules for u in units)
-        return self._tables.get_or(key, lambda: build_tables(self.trace, units, self.subtree_sum))
+        return self._tables.get_or(key, lambda: build_tables(self.trace, units, self._subtree_sum))
 
     def schedule(self, units: tuple[Unit, ...], prefetch, _key: PlanKey | None = None) -> Schedule:
         """The step's event sequence (cost/schedule.py) for ``units`` and ``prefetch``."""
@@ -254,7 +247,7 @@ class CostModel:
         # A measured block's time already holds its kernels and its per-op framework time: no op overhead.
         kernels = self.kernel_module_s(b, param_dtype)
         if kernels is not None:  # GPU kernel model (cost/kernels.py) from the trace's kernel records
-            priced_fwd, priced_bwd = block_kernel_s(self.trace, [blk.fqn for blk in blocks], kernels[0])
+            priced_fwd, priced_bwd = block_kernel_s(self.trace, blocks, kernels[0])
             loss_priced = kernels[1]
         else:
             priced_fwd = tuple(blk.fwd_flops.at(b) / rate for blk in blocks)

@@ -49,7 +49,13 @@ from typing import NamedTuple
 from shard_planner.cost.tables import CostTables
 from shard_planner.plan import Prefetch, Unit
 
-FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"  # phases, as MemoryEvent.phase
+class Phase(enum.StrEnum):
+    """The part of the step an event belongs to. A str enum: its value is the word the memory timeline's
+    labels, the report's plots and the timeline's JSON show ("forward: all-gather layers.3")."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
 
 
 class EventKind(enum.IntEnum):
@@ -75,7 +81,7 @@ class Event(NamedTuple):
     planner builds one per plan it judges (a frozen dataclass's ``__init__`` costs ~5x a tuple's)."""
 
     kind: EventKind
-    phase: str  # FORWARD | BACKWARD | OPTIMIZER
+    phase: Phase
     unit: int = -1  # index into the plan's units (-1: none)
     block: int = -1  # index into the tables' blocks (-1: none; a unit's event: the block where it happens)
     implicit: bool = False  # ALL_GATHER only: FSDP2's implicit forward prefetch (see the module docstring)
@@ -108,32 +114,32 @@ def build_schedule(t: CostTables, units: tuple[Unit, ...], prefetch: Prefetch) -
     bpos = {u: i for i, u in enumerate(bwd_units)}
 
     def pre_forward(u: int, block: int) -> None:
-        ev.append(Event(EventKind.PRE_FORWARD, FORWARD, u, block))
-        ev.append(Event(EventKind.ALL_GATHER_WAIT, FORWARD, u, block))
+        ev.append(Event(EventKind.PRE_FORWARD, Phase.FORWARD, u, block))
+        ev.append(Event(EventKind.ALL_GATHER_WAIT, Phase.FORWARD, u, block))
         i = fpos[u]
         for j, v in enumerate(fwd_units[i + 1: i + 1 + k_fwd_eff]):
-            ev.append(Event(EventKind.ALL_GATHER, FORWARD, v, block, implicit=j >= k_fwd))
+            ev.append(Event(EventKind.ALL_GATHER, Phase.FORWARD, v, block, implicit=j >= k_fwd))
 
     def pre_backward(u: int, block: int) -> None:
-        ev.append(Event(EventKind.PRE_BACKWARD, BACKWARD, u, block))
-        ev.append(Event(EventKind.ALL_GATHER_WAIT, BACKWARD, u, block))
+        ev.append(Event(EventKind.PRE_BACKWARD, Phase.BACKWARD, u, block))
+        ev.append(Event(EventKind.ALL_GATHER_WAIT, Phase.BACKWARD, u, block))
         i = bpos[u]
         for v in bwd_units[i + 1: i + 1 + (1 if u == root else k_bwd)]:
-            ev.append(Event(EventKind.ALL_GATHER, BACKWARD, v, block))
+            ev.append(Event(EventKind.ALL_GATHER, Phase.BACKWARD, v, block))
 
     pre_forward(root, -1)
     for i, blk in enumerate(blocks):
         for u in (blk.unit, *blk.nested):
             if t.unit_first_block[u] == i and u != root:
                 pre_forward(u, i)
-        ev.append(Event(EventKind.FORWARD, FORWARD, blk.unit, i))
+        ev.append(Event(EventKind.FORWARD, Phase.FORWARD, blk.unit, i))
         for u in (*blk.nested, blk.unit):
             if t.unit_last_block[u] == i and u != root and units[u].reshard_after_forward is not False:
-                ev.append(Event(EventKind.RESHARD, FORWARD, u, i))
+                ev.append(Event(EventKind.RESHARD, Phase.FORWARD, u, i))
     if units[root].reshard_after_forward is not False:
-        ev.append(Event(EventKind.RESHARD, FORWARD, root))
-    ev.append(Event(EventKind.FORWARD_END, FORWARD, root))
-    ev.append(Event(EventKind.LOSS, BACKWARD))
+        ev.append(Event(EventKind.RESHARD, Phase.FORWARD, root))
+    ev.append(Event(EventKind.FORWARD_END, Phase.FORWARD, root))
+    ev.append(Event(EventKind.LOSS, Phase.BACKWARD))
 
     pre_backward(root, -1)
     started = {root}
@@ -144,14 +150,14 @@ def build_schedule(t: CostTables, units: tuple[Unit, ...], prefetch: Prefetch) -
                 pre_backward(u, i)
                 started.add(u)
         if ckpt[i]:
-            ev.append(Event(EventKind.RECOMPUTE, BACKWARD, blk.unit, i))
-        ev.append(Event(EventKind.BACKWARD, BACKWARD, blk.unit, i))
+            ev.append(Event(EventKind.RECOMPUTE, Phase.BACKWARD, blk.unit, i))
+        ev.append(Event(EventKind.BACKWARD, Phase.BACKWARD, blk.unit, i))
         for u in (*blk.nested, blk.unit):
             if u != root and t.unit_first_block[u] == i:
-                ev.append(Event(EventKind.POST_BACKWARD, BACKWARD, u, i))
-    ev.append(Event(EventKind.POST_BACKWARD, BACKWARD, root))
-    ev.append(Event(EventKind.BACKWARD_END, BACKWARD, root))
-    ev.append(Event(EventKind.OPTIMIZER, OPTIMIZER))
+                ev.append(Event(EventKind.POST_BACKWARD, Phase.BACKWARD, u, i))
+    ev.append(Event(EventKind.POST_BACKWARD, Phase.BACKWARD, root))
+    ev.append(Event(EventKind.BACKWARD_END, Phase.BACKWARD, root))
+    ev.append(Event(EventKind.OPTIMIZER, Phase.OPTIMIZER))
     return Schedule(events=tuple(ev), root=root, forward_units=fwd_units, backward_units=bwd_units,
                     checkpointed=ckpt, forward_depth=k_fwd, forward_depth_effective=k_fwd_eff,
                     backward_depth=k_bwd)

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 class Block:
     """One stretch of forward computation owned by one unit (see the module docstring)."""
 
-    fqn: str  # the module (for a container's own operations: "<fqn>:self")
+    fqn: str  # the module: its subtree, or (``self_only``) the container's own operations
     unit: int  # index into the plan's units of the owner
     nested: tuple[int, ...]  # units nested inside this block's module
     unit_module: bool  # the block is a module listed in its unit (activation checkpointing applies)
@@ -52,6 +52,12 @@ class Block:
     # of ``input``, storages already held elsewhere (ModuleTrace.input_shared_bytes): a checkpointed
     # block keeps ``input - input_shared`` new bytes (memory.py, [Note: Checkpointed inputs held elsewhere])
     input_shared: Affine = ZERO
+    self_only: bool = False  # a container's own operations, its children (and their units) left out
+
+    @property
+    def name(self) -> str:
+        """For people (the memory timeline's labels): the module, ``<fqn>:self`` for its own operations."""
+        return f"{self.fqn}:self" if self.self_only else self.fqn
 
 
 @dataclass(frozen=True)
@@ -93,7 +99,7 @@ def build_tables(trace: ModelTrace, units: tuple[Unit, ...],
     module field over a subtree, memoised by the caller (CostModel.subtree_sum: the sums do not depend
     on the units); None: summed here, for this call only."""
     if subtree_sum is None:
-        subtree_sum = _subtree_summer(trace)
+        subtree_sum = subtree_summer(trace)
     module_unit, root_index, owner, contains_unit = _owners(trace, units)
 
     n_units = len(units)
@@ -251,7 +257,7 @@ def _block_sequence(trace: ModelTrace, module_unit: dict[str, int], owner: dict[
         m = trace.module(fqn)
         own = {dt: nb // dtype_bytes(dt) for dt, nb in m.sharded_param_bytes_by_dtype.items()}
         blocks.append(Block(
-            fqn=f"{fqn}:self", unit=owner[fqn], nested=(), unit_module=False, own_param_numel=own,
+            fqn=fqn, self_only=True, unit=owner[fqn], nested=(), unit_module=False, own_param_numel=own,
             own_float_numel=sum(k for dt, k in own.items() if dt in FLOAT_DTYPES),
             saved=m.saved_bytes_self, input=ZERO, output=ZERO, fwd_rise=ZERO, bwd_rise=ZERO,
             fwd_flops=m.fwd_flops_self, bwd_flops=m.bwd_flops_self,
@@ -262,8 +268,9 @@ def _block_sequence(trace: ModelTrace, module_unit: dict[str, int], owner: dict[
     return blocks
 
 
-def _subtree_summer(trace: ModelTrace) -> Callable[[str, str], Affine]:
-    """A memoised ``subtree_sum(fqn, attr)``: the module's own value plus its children's sums."""
+def subtree_summer(trace: ModelTrace) -> Callable[[str, str], Affine]:
+    """A memoised ``subtree_sum(fqn, attr)``: the module's own value plus its children's sums (in that
+    order: the sums are bit for bit those every caller has always seen). The CostModel holds one per trace."""
     sums: dict[tuple[str, str], Affine] = {}
 
     def subtree_sum(fqn: str, attr: str) -> Affine:

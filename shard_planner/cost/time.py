@@ -62,9 +62,10 @@ Measured module times (``profile.module_timings``, from ``shard-planner calibrat
 shard_planner/timings.py and shard_planner/execute/module_timing.py): a block whose module was timed on
 the device takes its measured forward and backward at the plan's micro-batch instead of FLOPs /
 throughput + ops x per-op overhead — the measurement holds both (a module block: its subtree's time; a
-container's ``:self`` block: the container less its nearest timed descendants). A checkpointed block
-recomputes with its measured forward; the loss takes its measured forward + backward. FSDP2's per-unit
-overhead, the collectives and the optimizer stay as above; blocks the timings lack fall back to FLOPs.
+container's own operations, a ``self_only`` block: the container less its nearest timed descendants). A
+checkpointed block recomputes with its measured forward; the loss takes its measured forward + backward.
+FSDP2's per-unit overhead, the collectives and the optimizer stay as above; blocks the timings lack fall
+back to FLOPs.
 The timings must be for the trace's model (structure fingerprint) and the plan's param dtype, else one
 ProfileError line, checked once per param dtype by the CostModel. Per-block measured times are
 computed once per segmentation (``measured_block_times``, memoised by the CostModel).
@@ -85,7 +86,7 @@ from dataclasses import dataclass
 from shard_planner.cost.collectives import all_gather_time_s, reduce_scatter_time_s
 from shard_planner.cost.optimizer import optimizer_step_bytes
 from shard_planner.cost.overlap import overlapped_compute_end_s
-from shard_planner.cost.schedule import EventKind, Schedule
+from shard_planner.cost.schedule import EventKind, Phase, Schedule
 from shard_planner.cost.stragglers import straggler_factor
 from shard_planner.cost.tables import CostTables
 from shard_planner.cost.types import TimeEstimate, UnitTime
@@ -114,14 +115,14 @@ class BlockCompute:
 
 
 def measured_block_times(trace: ModelTrace, t: CostTables, timings: ModuleTimings) -> tuple[ModuleTime | None, ...]:
-    """Per block of ``t``, its measured time: a module block's subtree time, a ``<fqn>:self`` block's
+    """Per block of ``t``, its measured time: a module block's subtree time, a ``self_only`` block's
     container time less its nearest timed descendants' (``ModuleTimings.self_time``); None where the
     timings lack the module (priced from FLOPs). The CostModel memoises it per segmentation."""
     children = {m.fqn: m.children for m in trace.modules}
     out = []
     for blk in t.blocks:
-        if blk.fqn.endswith(":self"):
-            out.append(timings.self_time(blk.fqn[: -len(":self")], children))
+        if blk.self_only:
+            out.append(timings.self_time(blk.fqn, children))
         else:
             out.append(timings.modules.get(blk.fqn))
     return tuple(out)
@@ -300,13 +301,13 @@ class _TwoStreams:
         self.compute(self.loss_s, self.s.root)
 
     def all_gather(self, ev) -> None:
-        if ev.phase == "forward":
+        if ev.phase is Phase.FORWARD:
             self.forward_all_gather(ev.unit, False)
         else:
             self.backward_all_gather(ev.unit, False)
 
     def wait(self, ev) -> None:
-        if ev.phase == "forward":
+        if ev.phase is Phase.FORWARD:
             self.forward_all_gather(ev.unit, True)
         else:
             self.backward_all_gather(ev.unit, True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shard_planner.cost.schedule import Phase
 from shard_planner.plan import MEMORY_CATEGORIES, Prediction
 
 
@@ -17,7 +18,7 @@ class MemoryEvent:
     """Live bytes on one rank right after one event of the training step."""
 
     label: str  # e.g. "forward: all-gather layers.3", "backward: reduce-scatter layers.3", "optimizer step"
-    phase: str  # "forward" | "backward" | "optimizer"
+    phase: Phase
     bytes_by_category: dict[str, int]  # MEMORY_CATEGORIES -> bytes
 
     @property

@@ -22,6 +22,7 @@ matplotlib.use("Agg")  # the report never opens a window; harmless if a caller a
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
+from shard_planner.cost.schedule import Phase  # noqa: E402
 from shard_planner.cost.types import MemoryEstimate  # noqa: E402
 from shard_planner.plan import MEMORY_CATEGORIES, FrontierPoint, Plan, Prediction  # noqa: E402
 from shard_planner.report.accumulation import draw_micro_steps  # noqa: E402
@@ -194,7 +195,7 @@ def _phase_spans(phases: Sequence[str]) -> list[tuple[str, int, int]]:
     return spans
 
 
-PHASE_SHADES = {"forward": "#e8f1fa", "backward": "#fdf0e6", "optimizer": "#eaf5ea"}
+PHASE_SHADES = {Phase.FORWARD: "#e8f1fa", Phase.BACKWARD: "#fdf0e6", Phase.OPTIMIZER: "#eaf5ea"}
 
 
 def plot_memory_timeline(memory: MemoryEstimate, budget: ReportBudget, title: str = "") -> Figure:
