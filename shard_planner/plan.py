@@ -58,6 +58,13 @@ def _require(cond: bool, message: str) -> None:
         raise PlanError(message)
 
 
+def unit_name(modules: tuple[str, ...]) -> str:
+    """A unit's short label: the module, or ``first..last`` for a group; ``<root>`` for the root."""
+    if modules == (ROOT,):
+        return "<root>"
+    return modules[0] if len(modules) == 1 else f"{modules[0]}..{modules[-1]}"
+
+
 @dataclass(frozen=True)
 class Unit:
     """One ``fully_shard`` call: one module, or a contiguous run of siblings grouped in a list."""
@@ -94,10 +101,8 @@ class Unit:
 
     @property
     def name(self) -> str:
-        """A short label: the module, or ``first..last`` for a group; ``<root>`` for the root."""
-        if self.modules == (ROOT,):
-            return "<root>"
-        return self.modules[0] if len(self.modules) == 1 else f"{self.modules[0]}..{self.modules[-1]}"
+        """A short label (:func:`unit_name`)."""
+        return unit_name(self.modules)
 
     @property
     def is_root(self) -> bool:

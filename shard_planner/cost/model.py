@@ -239,7 +239,7 @@ class CostModel:
         timings = profile.module_timings
         if timings is not None:
             self._check_timings(param_dtype)
-            measured = self._measured.get_or(tuple(u.modules for u in t.units),
+            measured = self._measured.get_or(t.segmentation,
                                              lambda: measured_block_times(self.trace, t, timings))
         else:
             measured = (None,) * len(t.blocks)

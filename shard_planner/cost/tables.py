@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from shard_planner.dtypes import FLOAT_DTYPES, dtype_bytes
 from shard_planner.errors import PlanError
-from shard_planner.plan import ROOT, Unit
+from shard_planner.plan import ROOT, Unit, unit_name
 from shard_planner.trace.types import ZERO, Affine, ModelTrace
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,9 @@ class Block:
 class CostTables:
     """What the simulators need about a trace under one segmentation into units."""
 
-    units: tuple[Unit, ...]
+    # the units' modules: the segmentation these tables are of. Only the modules: the tables are shared
+    # by every plan of that segmentation, whatever its units' reshard and checkpoint decisions.
+    segmentation: tuple[tuple[str, ...], ...]
     blocks: tuple[Block, ...]
     unit_param_numel: tuple[dict[str, int], ...]  # per unit, parameters it owns: dtype -> elements
     # per unit, the parameters of its first module in forward order that holds some: their gradient
@@ -95,14 +97,22 @@ class CostTables:
 
 def build_tables(trace: ModelTrace, units: tuple[Unit, ...],
                  subtree_sum: Callable[[str, str], Affine] | None = None) -> CostTables:
-    """The tables of ``trace`` segmented into ``units``. ``subtree_sum(fqn, attr)``: the sum of a
-    module field over a subtree, memoised by the caller (CostModel.subtree_sum: the sums do not depend
-    on the units); None: summed here, for this call only."""
+    """The tables of ``trace`` segmented into ``units`` (only their modules matter):
+    :func:`segment_tables` of their modules."""
+    return segment_tables(trace, tuple(u.modules for u in units), subtree_sum)
+
+
+def segment_tables(trace: ModelTrace, segmentation: tuple[tuple[str, ...], ...],
+                   subtree_sum: Callable[[str, str], Affine] | None = None) -> CostTables:
+    """The tables of ``trace`` segmented into units of the modules ``segmentation`` (one tuple of module
+    names per unit). ``subtree_sum(fqn, attr)``: the sum of a module field over a subtree, memoised by
+    the caller (CostModel.subtree_sum: the sums do not depend on the units); None: summed here, for
+    this call only."""
     if subtree_sum is None:
         subtree_sum = subtree_summer(trace)
-    module_unit, root_index, owner, contains_unit = _owners(trace, units)
+    module_unit, root_index, owner, contains_unit = _owners(trace, segmentation)
 
-    n_units = len(units)
+    n_units = len(segmentation)
     unit_numel: list[dict[str, int]] = [{} for _ in range(n_units)]
     dtype_totals: dict[str, int] = {}
     replicated = [0] * n_units  # 0-d parameters: not sharded, whole on every rank ([Note: 0-d parameters])
@@ -143,11 +153,11 @@ def build_tables(trace: ModelTrace, units: tuple[Unit, ...],
     fwd_total = subtree_sum(ROOT, "fwd_flops_self")
     bwd_total = subtree_sum(ROOT, "bwd_flops_self")
     return CostTables(
-        units=tuple(units), blocks=tuple(blocks), unit_param_numel=tuple(unit_numel),
+        segmentation=segmentation, blocks=tuple(blocks), unit_param_numel=tuple(unit_numel),
         unit_first_param_numel=tuple(first_params),
         unit_first_block=tuple(first), unit_last_block=tuple(last), forward_units=forward_units,
         built_dtype=built_dtype,
-        unit_names=tuple(u.name for u in units),
+        unit_names=tuple(unit_name(modules) for modules in segmentation),
         unit_float_numel=tuple(sum(k for dt, k in d.items() if dt in FLOAT_DTYPES) for d in unit_numel),
         unit_float_built_bytes=tuple(sum(k * dtype_bytes(dt) for dt, k in d.items() if dt in FLOAT_DTYPES)
                                      for d in unit_numel),
@@ -165,17 +175,17 @@ def build_tables(trace: ModelTrace, units: tuple[Unit, ...],
     )
 
 
-def _owners(trace: ModelTrace, units: tuple[Unit, ...]):
+def _owners(trace: ModelTrace, segmentation: tuple[tuple[str, ...], ...]):
     """Which unit lists each module (``module_unit``), the root unit's index, the owner of every module
     (the innermost unit containing it) and whether a module's subtree holds a unit below it."""
     module_unit: dict[str, int] = {}
     root_index = -1
-    for i, u in enumerate(units):
-        for fqn in u.modules:
+    for i, modules in enumerate(segmentation):
+        for fqn in modules:
             if fqn not in trace:
-                raise PlanError(f"unit {u.name}: module {fqn!r} is not in the model ({trace.model_path})")
+                raise PlanError(f"unit {unit_name(modules)}: module {fqn!r} is not in the model ({trace.model_path})")
             module_unit[fqn] = i
-        if u.is_root:
+        if modules == (ROOT,):
             root_index = i
     if root_index < 0:
         raise PlanError("a plan needs a unit for the root module")
