@@ -140,13 +140,14 @@ from dataclasses import dataclass
 from shard_planner.cost.optimizer import (  # noqa: F401  (re-exported: the tables' old home)
     OPTIMIZER_STATES, OPTIMIZER_TEMPORARIES, OPTIMIZER_TEMPORARIES_SINGLE_TENSOR,
 )
+from shard_planner.cost.queries import PlanQuery
 from shard_planner.cost.schedule import EventKind, Phase, Schedule
 from shard_planner.cost.selective import SelectiveBlocks
 from shard_planner.cost.tables import CostTables
 from shard_planner.cost.types import MemoryEstimate, MemoryEvent
 from shard_planner.cost.unit_bytes import UnitBytes
 from shard_planner.dtypes import dtype_bytes
-from shard_planner.plan import MEMORY_CATEGORIES, Plan
+from shard_planner.plan import MEMORY_CATEGORIES
 from shard_planner.profile import HardwareProfile
 from shard_planner.trace.types import ModelTrace
 
@@ -206,7 +207,7 @@ def block_activations(trace: ModelTrace, t: CostTables, micro_batch: int, param_
     )
 
 
-def simulate_memory_walk(trace: ModelTrace, t: CostTables, plan: Plan, profile: HardwareProfile,
+def simulate_memory_walk(trace: ModelTrace, t: CostTables, plan: PlanQuery, profile: HardwareProfile,
                          ub: tuple[UnitBytes, ...], schedule: Schedule, acts: BlockActivations, *,
                          timeline: bool, selective: SelectiveBlocks | None = None) -> MemoryEstimate:
     """Walk ``schedule`` tracking live bytes (the module docstring); CostModel.memory calls it.
@@ -220,7 +221,7 @@ def simulate_memory_walk(trace: ModelTrace, t: CostTables, plan: Plan, profile: 
 class _MemoryWalk:
     """Live bytes by category while walking one schedule; each event kind has one handler."""
 
-    def __init__(self, trace, t: CostTables, plan: Plan, profile: HardwareProfile, ub, schedule: Schedule,
+    def __init__(self, trace, t: CostTables, plan: PlanQuery, profile: HardwareProfile, ub, schedule: Schedule,
                  acts: BlockActivations, timeline: bool):
         self.t, self.plan, self.profile, self.ub, self.schedule, self.timeline = t, plan, profile, ub, schedule, timeline
         self.trace, self.acts = trace, acts

@@ -3,7 +3,7 @@
 ``CostModel(trace, profile)`` owns, for its trace and profile only (no module-level caches keyed by
 ``id()``):
 
-- the cost tables per segmentation (cost/tables.py), an LRU dict keyed by the units' module tuples;
+- the cost tables per segmentation (cost/tables.py), an LRU dict keyed by the units' modules;
 - subtree sums of the trace's per-module fields, shared by every segmentation;
 - the measured per-block times per segmentation, when the profile has module timings; the timings'
   fingerprint/dtype check runs once per param dtype (a failing check raises every time);
@@ -11,8 +11,12 @@
   ``(units, shard, dtypes)``; what selectively checkpointed blocks store and skip recomputing per
   ``(units, micro-batch, dtype)`` (cost/selective.py);
 - a memo of memory and time estimates keyed by the plan's decisions (units, prefetch, mesh,
-  training), so a cover already simulated is not simulated again;
-- per world size, the CostModel that prices time on the profile as that many CPU ranks sharing the
+  training), so a cover already simulated is not simulated again.
+
+Every memo is keyed by the frozen query its function takes and reads nothing else (cost/queries.py
+[Note: A memo is keyed by its function's query]): the keys listed above are those queries' fields;
+
+Per world size, the CostModel that prices time on the profile as that many CPU ranks sharing the
   host's cores see it (``for_world``; cost/host_share.py [Note: CPU ranks sharing cores]): itself
   unless they share, always on a GPU profile. Time goes through it; memory does not depend on it.
 
@@ -36,13 +40,15 @@ from shard_planner.cost.kernels import (
 from shard_planner.cost.schedule import Schedule, build_schedule
 from shard_planner.cost.selective import (SelectiveBlocks, early_stop_share, flops_price, selective_blocks,
                                          subtree_selective)
-from shard_planner.cost.tables import CostTables, build_tables, subtree_summer
+from shard_planner.cost.queries import (BatchQuery, BlockQuery, CollectivesQuery, PlanQuery, ScheduleQuery,
+                                        SelectiveQuery, SubtreeQuery, UnitBytesQuery, segmentation_of)
+from shard_planner.cost.tables import CostTables, segment_tables, subtree_summer
 from shard_planner.cost.fsdp_copies import unit_copies_s
 from shard_planner.cost.host_share import shared_profile
 from shard_planner.cost.time import BlockCompute, measured_block_times, simulate_time_walk, unit_collectives_s
 from shard_planner.cost.memory import BlockActivations, block_activations, simulate_memory_walk
 from shard_planner.cost.types import Estimate, MemoryEstimate, TimeEstimate
-from shard_planner.cost.unit_bytes import UnitBytes, unit_bytes
+from shard_planner.cost.unit_bytes import UnitBytes, query_unit_bytes
 from shard_planner.plan import Plan, Unit
 from shard_planner.profile import HardwareProfile
 from shard_planner.trace.types import Affine, ModelTrace
@@ -54,43 +60,25 @@ MEMO_SIZE = 4096  # estimates kept per kind (memory with timeline, without, time
 
 
 class _LRU(OrderedDict):
-    """A dict that keeps its ``size`` most recently used entries."""
+    """A dict that keeps its ``size`` most recently used entries (None: all)."""
 
     def __init__(self, size: int):
         super().__init__()
         self.size = size
 
-    def get_or(self, key, make):
+    def get_or(self, query, price):
+        """``price(query)``, computed once per ``query`` while it is kept. See [Note: A memo is keyed by
+        its function's query] in cost/queries.py: ``price`` reads nothing but ``query``."""
         try:
-            self.move_to_end(key)
-            return self[key]
+            self.move_to_end(query)
+            return self[query]
         except KeyError:
-            value = make()
-            if self.size > 0:
-                self[key] = value
-                if len(self) > self.size:
+            value = price(query)
+            if self.size is None or self.size > 0:
+                self[query] = value
+                if self.size is not None and len(self) > self.size:
                     self.popitem(last=False)
             return value
-
-
-def units_key(units: tuple[Unit, ...]) -> tuple:
-    """The units' decisions as plain tuples (see PlanKey)."""
-    return tuple((u.modules, u.reshard_after_forward.__class__, u.reshard_after_forward, u.activation_checkpoint,
-                  u.ac_save_ops) for u in units)
-
-
-class PlanKey:
-    """What of a plan the cost model reads — its decisions (units, prefetch, mesh, training), not its
-    prediction, solver or frontier — as plain tuples, built once per call: hashing the plan's 80
-    frozen Units takes longer than a step of the simulation. ``reshard_after_forward``'s type is
-    part of the key (True == 1 in Python)."""
-
-    __slots__ = ("units", "modules", "decisions")
-
-    def __init__(self, plan: Plan):
-        self.units = units_key(plan.units)
-        self.modules = tuple(u.modules for u in plan.units)  # the segmentation
-        self.decisions = (self.units, plan.prefetch, plan.mesh, plan.training)
 
 
 class CostModel:
@@ -111,12 +99,12 @@ class CostModel:
         self._compute = _LRU(tables_cache_size)
         self._collectives = _LRU(tables_cache_size)
         self._selective = _LRU(tables_cache_size)
-        self._subtree_selective: dict[tuple, tuple[float, float, float]] = {}  # bounded: modules x options
-        self._early_stop: dict[tuple, float] = {}  # bounded: modules x micro-batches x dtypes
-        self._memory = _LRU(memo_size)
+        self._subtrees = _LRU(None)  # bounded: modules x options x micro-batches x dtypes
+        self._memory = _LRU(memo_size)  # with its timeline
+        self._memory_totals = _LRU(memo_size)  # without
         self._time = _LRU(memo_size)
         self._timings_checked: set[str] = set()
-        self._kernel_modules = _LRU(tables_cache_size)  # (micro-batch, dtype) -> per-module and loss kernel seconds
+        self._kernel_modules = _LRU(tables_cache_size)  # per-module and loss kernel seconds
         self._kernel_records = has_kernel_records(trace)
         self._worlds: dict[int, CostModel] = {}
 
@@ -142,66 +130,71 @@ class CostModel:
         (cost/tables.py ``subtree_summer``)."""
         return self._subtree_sum(fqn, attr)
 
-    def tables(self, units: tuple[Unit, ...], _modules: tuple | None = None) -> CostTables:
+    def tables(self, units: tuple[Unit, ...]) -> CostTables:
         """The cost tables of the trace segmented into ``units`` (only their modules matter)."""
-        key = _modules if _modules is not None else tuple(u.modules for u in units)
-        return self._tables.get_or(key, lambda: build_tables(self.trace, units, self._subtree_sum))
+        return self.segment_tables(segmentation_of(units))
 
-    def schedule(self, units: tuple[Unit, ...], prefetch, _key: PlanKey | None = None) -> Schedule:
+    def segment_tables(self, segmentation: tuple[tuple[str, ...], ...]) -> CostTables:
+        """The cost tables of the trace segmented into units of these modules (cost/tables.py)."""
+        return self._tables.get_or(segmentation, lambda seg: segment_tables(self.trace, seg, self._subtree_sum))
+
+    def schedule(self, units: tuple[Unit, ...], prefetch) -> Schedule:
         """The step's event sequence (cost/schedule.py) for ``units`` and ``prefetch``."""
-        ukey = _key.units if _key is not None else units_key(units)
-        return self._schedules.get_or((ukey, prefetch),
-                                      lambda: build_schedule(self.tables(units), units, prefetch))
+        return self._schedule(ScheduleQuery(units, prefetch))
 
-    def unit_bytes(self, plan: Plan, _key: PlanKey | None = None) -> tuple[UnitBytes, ...]:
+    def _schedule(self, q: ScheduleQuery) -> Schedule:
+        return self._schedules.get_or(q, lambda q: build_schedule(self.tables(q.units), q.units, q.prefetch))
+
+    def unit_bytes(self, plan: Plan) -> tuple[UnitBytes, ...]:
         """Every unit's byte sizes under ``plan`` (cost/unit_bytes.py)."""
-        k = _key or PlanKey(plan)
-        tr = plan.training
-        return self._unit_bytes.get_or((k.units, plan.mesh.shard, tr.param_dtype, tr.reduce_dtype),
-                                       lambda: unit_bytes(self.tables(plan.units, k.modules), plan))
+        return self._unit_bytes_of(UnitBytesQuery.of(plan))
 
-    def block_activations(self, plan: Plan, _key: PlanKey | None = None) -> BlockActivations:
+    def _unit_bytes_of(self, q: UnitBytesQuery) -> tuple[UnitBytes, ...]:
+        return self._unit_bytes.get_or(q, lambda q: query_unit_bytes(self.tables(q.units), q))
+
+    def block_activations(self, plan: Plan) -> BlockActivations:
         """Every block's activation bytes at the plan's micro-batch and param dtype (cost/memory.py)."""
-        k = _key or PlanKey(plan)
-        tr = plan.training
-        return self._activations.get_or(
-            (k.modules, tr.micro_batch, tr.param_dtype),
-            lambda: block_activations(self.trace, self.tables(plan.units, k.modules), tr.micro_batch, tr.param_dtype))
+        return self._block_activations(BlockQuery.of(plan))
 
-    def selective_blocks(self, plan: Plan, _key: PlanKey | None = None) -> SelectiveBlocks | None:
+    def _block_activations(self, q: BlockQuery) -> BlockActivations:
+        return self._activations.get_or(q, lambda q: block_activations(
+            self.trace, self.segment_tables(q.segmentation), q.batch.micro_batch, q.batch.param_dtype))
+
+    def selective_blocks(self, plan: Plan) -> SelectiveBlocks | None:
         """Per block, what selective checkpointing keeps and the share of the forward a checkpointed
         block does not recompute (cost/selective.py); None when no unit of ``plan`` is checkpointed."""
-        k = _key or PlanKey(plan)
-        tr = plan.training
-        return self._selective.get_or(
-            (k.units, tr.micro_batch, tr.param_dtype),
-            lambda: selective_blocks(self.trace, self.tables(plan.units, k.modules), plan.units, tr.param_dtype,
-                                     lambda fqn, ops: self.subtree_selective(fqn, ops, tr.micro_batch, tr.param_dtype),
-                                     lambda fqn: self.early_stop_share(fqn, tr.micro_batch, tr.param_dtype)))
+        return self._selective_blocks(SelectiveQuery.of(plan))
+
+    def _selective_blocks(self, q: SelectiveQuery) -> SelectiveBlocks | None:
+        def price(q: SelectiveQuery) -> SelectiveBlocks | None:
+            b = q.batch
+            return selective_blocks(self.trace, self.tables(q.units), q.units, b.param_dtype,
+                                    lambda fqn, ops: self._subtree(SubtreeQuery(fqn, ops, b)),
+                                    lambda fqn: self._subtree(SubtreeQuery(fqn, None, b)))
+        return self._selective.get_or(q, price)
 
     def early_stop_share(self, fqn: str, micro_batch: int, param_dtype: str) -> float:
         """cost/selective.py's :func:`~shard_planner.cost.selective.early_stop_share` of ``fqn``, priced by
         :meth:`forward_price`; computed once per subtree. 0 where the profile's stack reruns the whole
         forward (``HardwareProfile.checkpoint_early_stop``)."""
-        if not self.profile.checkpoint_early_stop:
-            return 0.0
-        key = (fqn, micro_batch, param_dtype)
-        hit = self._early_stop.get(key)
-        if hit is None:
-            hit = early_stop_share(self.trace, fqn, micro_batch, self.forward_price(micro_batch, param_dtype))
-            self._early_stop[key] = hit
-        return hit
+        return self._subtree(SubtreeQuery(fqn, None, BatchQuery(micro_batch, param_dtype)))
 
     def subtree_selective(self, fqn: str, save_ops: tuple[str, ...], micro_batch: int,
                           param_dtype: str) -> tuple[float, float, float]:
         """cost/selective.py's :func:`~shard_planner.cost.selective.subtree_selective` of ``fqn``, priced
         by :meth:`forward_price`; computed once per subtree (the plans the solver checks share blocks)."""
-        key = (fqn, save_ops, micro_batch, param_dtype)
-        hit = self._subtree_selective.get(key)
-        if hit is None:
-            hit = subtree_selective(self.trace, fqn, save_ops, micro_batch, self.forward_price(micro_batch, param_dtype))
-            self._subtree_selective[key] = hit
-        return hit
+        return self._subtree(SubtreeQuery(fqn, save_ops, BatchQuery(micro_batch, param_dtype)))
+
+    def _subtree(self, q: SubtreeQuery):
+        """:meth:`early_stop_share` (``q.save_ops`` None) or :meth:`subtree_selective` of ``q``."""
+        def price(q: SubtreeQuery):
+            forward = self.forward_price(q.batch.micro_batch, q.batch.param_dtype)
+            if q.save_ops is not None:
+                return subtree_selective(self.trace, q.fqn, q.save_ops, q.batch.micro_batch, forward)
+            if not self.profile.checkpoint_early_stop:
+                return 0.0
+            return early_stop_share(self.trace, q.fqn, q.batch.micro_batch, forward)
+        return self._subtrees.get_or(q, price)
 
     def forward_price(self, micro_batch: int, param_dtype: str):
         """``price(module, records)``: forward device seconds of a module's kernel records (None: its
@@ -239,8 +232,8 @@ class CostModel:
         timings = profile.module_timings
         if timings is not None:
             self._check_timings(param_dtype)
-            measured = self._measured.get_or(t.segmentation,
-                                             lambda: measured_block_times(self.trace, t, timings))
+            measured = self._measured.get_or(t.segmentation, lambda seg: measured_block_times(
+                self.trace, self.segment_tables(seg), timings))
         else:
             measured = (None,) * len(t.blocks)
         blocks = t.blocks
@@ -281,11 +274,12 @@ class CostModel:
         if dev is None:
             return None
 
-        def price():
-            rate = self.profile.flops_per_s(param_dtype)  # for modules whose records did not pair
-            return (module_kernel_s(self.trace, micro_batch, dev, rate),
-                    loss_kernel_s(self.trace, micro_batch, dev, rate))
-        return self._kernel_modules.get_or((micro_batch, param_dtype), price)
+        def price(q: BatchQuery):
+            rate = self.profile.flops_per_s(q.param_dtype)  # for modules whose records did not pair
+            dev = device_of(self.profile, q.param_dtype)
+            return (module_kernel_s(self.trace, q.micro_batch, dev, rate),
+                    loss_kernel_s(self.trace, q.micro_batch, dev, rate))
+        return self._kernel_modules.get_or(BatchQuery(micro_batch, param_dtype), price)
 
     def module_compute_s(self, fqn: str | None, micro_batch: int, param_dtype: str) -> tuple[float, float]:
         """Forward and backward seconds of ``fqn``'s subtree at ``micro_batch``, compute only (no FSDP2 or
@@ -314,49 +308,55 @@ class CostModel:
     # ---- estimates ----
     def memory(self, plan: Plan, *, timeline: bool = True) -> MemoryEstimate:
         """Peak live bytes of one rank over one step, its breakdown, and (``timeline``) every event."""
-        return self._memory_of(plan, PlanKey(plan), timeline)
+        return self._memory_of(PlanQuery.of(plan), timeline)
 
     def time(self, plan: Plan) -> TimeEstimate:
         """Step time of one rank and what it is made of (cost/time.py)."""
-        return self.for_world(plan.mesh.world_size)._time_of(plan, PlanKey(plan))
+        return self.for_world(plan.mesh.world_size)._time_of(PlanQuery.of(plan))
 
     def estimate(self, plan: Plan, *, timeline: bool = True) -> Estimate:
         """Memory and time of ``plan``; ``.prediction()`` gives the plan's ``predicted`` section.
         ``timeline=False`` skips the memory timeline (faster; the solver's checks)."""
-        k = PlanKey(plan)
-        return Estimate(memory=self._memory_of(plan, k, timeline),
-                        time=self.for_world(plan.mesh.world_size)._time_of(plan, k))
+        q = PlanQuery.of(plan)
+        return Estimate(memory=self._memory_of(q, timeline), time=self.for_world(plan.mesh.world_size)._time_of(q))
 
-    def _memory_of(self, plan: Plan, k: PlanKey, timeline: bool) -> MemoryEstimate:
-        def simulate():
-            with_timeline = self._memory.get((k.decisions, True))
-            if not timeline and with_timeline is not None:  # the same walk, its timeline dropped
-                return replace(with_timeline, timeline=())
-            t = self.tables(plan.units, k.modules)
-            # several micro-steps per optimizer step: cost/accumulation.py
-            walk = simulate_memory_walk if plan.training.accumulation_steps == 1 else simulate_accumulated_memory
-            return walk(self.trace, t, plan, self.profile, self.unit_bytes(plan, k),
-                        self.schedule(plan.units, plan.prefetch, k), self.block_activations(plan, k),
-                        timeline=timeline, selective=self.selective_blocks(plan, k))
-        return self._memory.get_or((k.decisions, timeline), simulate)
+    def _memory_of(self, q: PlanQuery, timeline: bool) -> MemoryEstimate:
+        if timeline:
+            return self._memory.get_or(q, lambda q: self._simulate_memory(q, True))
+        with_timeline = self._memory.get(q)
+        if with_timeline is not None:  # the same walk, its timeline dropped
+            return self._memory_totals.get_or(q, lambda q: replace(with_timeline, timeline=()))
+        return self._memory_totals.get_or(q, lambda q: self._simulate_memory(q, False))
 
-    def _time_of(self, plan: Plan, k: PlanKey) -> TimeEstimate:
-        def simulate():
-            t = self.tables(plan.units, k.modules)
-            tr = plan.training
-            ub = self.unit_bytes(plan, k)
-            compute = self._compute.get_or((k.modules, tr.micro_batch, tr.param_dtype),
-                                           lambda: self.block_compute_s(t, tr.micro_batch, tr.param_dtype))
-            comm, copies = self._collectives.get_or(
-                (k.units, plan.mesh, tr.param_dtype, tr.reduce_dtype, tr.cpu_offload),
-                lambda: (unit_collectives_s(plan, ub, self.profile), unit_copies_s(ub, self.profile)))
-            schedule = self.schedule(plan.units, plan.prefetch, k)
-            selective = self.selective_blocks(plan, k)
+    def _simulate_memory(self, q: PlanQuery, timeline: bool) -> MemoryEstimate:
+        """The memory walk of ``q`` (cost/memory.py; several micro-steps per optimizer step:
+        cost/accumulation.py). ``q`` is the ``plan`` the walk reads."""
+        walk = simulate_memory_walk if q.training.accumulation_steps == 1 else simulate_accumulated_memory
+        return walk(self.trace, self.tables(q.units), q, self.profile, self._unit_bytes_of(UnitBytesQuery.of(q)),
+                    self._schedule(ScheduleQuery.of(q)), self._block_activations(BlockQuery.of(q)),
+                    timeline=timeline, selective=self._selective_blocks(SelectiveQuery.of(q)))
 
-            def walk(collectives):
-                return simulate_time_walk(self.trace, t, plan, self.profile, schedule, compute, collectives,
-                                          selective=selective, copies=copies)
-            if tr.accumulation_steps == 1:
-                return walk(comm)
-            return accumulated_time(tr, walk, comm, self.trace.tokens_per_sample, plan.mesh.world_size)
-        return self._time.get_or(k.decisions, simulate)
+    def _time_of(self, q: PlanQuery) -> TimeEstimate:
+        return self._time.get_or(q, self._simulate_time)
+
+    def _simulate_time(self, q: PlanQuery) -> TimeEstimate:
+        """The two-stream time walk of ``q`` (cost/time.py; accumulation: cost/accumulation.py)."""
+        t = self.tables(q.units)
+        block = BlockQuery.of(q)
+        compute = self._compute.get_or(block, lambda b: self.block_compute_s(
+            self.segment_tables(b.segmentation), b.batch.micro_batch, b.batch.param_dtype))
+        comm, copies = self._collectives.get_or(CollectivesQuery.of(q), self._collectives_s)
+        schedule = self._schedule(ScheduleQuery.of(q))
+        selective = self._selective_blocks(SelectiveQuery.of(q))
+
+        def walk(collectives):
+            return simulate_time_walk(self.trace, t, q, self.profile, schedule, compute, collectives,
+                                      selective=selective, copies=copies)
+        if q.training.accumulation_steps == 1:
+            return walk(comm)
+        return accumulated_time(q.training, walk, comm, self.trace.tokens_per_sample, q.mesh.world_size)
+
+    def _collectives_s(self, q: CollectivesQuery):
+        """Per unit its collectives' and its FSDP2 copies' seconds (cost/time.py, cost/fsdp_copies.py)."""
+        ub = self._unit_bytes_of(q.unit_bytes)
+        return unit_collectives_s(q, ub, self.profile), unit_copies_s(ub, self.profile)

@@ -86,13 +86,13 @@ from dataclasses import dataclass
 from shard_planner.cost.collectives import all_gather_time_s, reduce_scatter_time_s
 from shard_planner.cost.optimizer import optimizer_step_bytes
 from shard_planner.cost.overlap import overlapped_compute_end_s
+from shard_planner.cost.queries import CollectivesQuery, PlanQuery
 from shard_planner.cost.schedule import EventKind, Phase, Schedule
 from shard_planner.cost.stragglers import straggler_factor
 from shard_planner.cost.tables import CostTables
 from shard_planner.cost.types import TimeEstimate, UnitTime
 from shard_planner.cost.unit_bytes import UnitBytes
 from shard_planner.dtypes import dtype_bytes
-from shard_planner.plan import Plan
 from shard_planner.profile import HardwareProfile
 from shard_planner.timings import ModuleTime, ModuleTimings
 from shard_planner.trace.types import ModelTrace
@@ -128,18 +128,20 @@ def measured_block_times(trace: ModelTrace, t: CostTables, timings: ModuleTiming
     return tuple(out)
 
 
-def unit_collectives_s(plan: Plan, ub: tuple[UnitBytes, ...], profile: HardwareProfile):
+def unit_collectives_s(q: CollectivesQuery, ub: tuple[UnitBytes, ...], profile: HardwareProfile):
     """Per unit: forward all-gather, backward all-gather (0 when it keeps its parameters; the root
-    never reshards unless the plan says so) and reduce-scatter (+ the HSDP all-reduce) seconds."""
-    n, offload, h2d = plan.mesh.shard, plan.training.cpu_offload, profile.host_to_device_bytes_per_s
+    never reshards unless the plan says so) and reduce-scatter (+ the HSDP all-reduce) seconds; ``ub``
+    are ``q.unit_bytes``'s. Reads only ``q`` (cost/queries.py [Note: A memo is keyed by its function's
+    query])."""
+    n, offload, h2d = q.mesh.shard, q.cpu_offload, profile.host_to_device_bytes_per_s
     ag_fwd, ag_bwd, rs = [], [], []
-    for unit, x in zip(plan.units, ub):
+    for unit, x in zip(q.unit_bytes.units, ub):
         copy_in = x.sharded / h2d if offload else 0.0
         fwd = all_gather_time_s(profile, x.unsharded, n) + copy_in
         r = unit.reshard_after_forward
         ag_fwd.append(fwd)
         ag_bwd.append(fwd if r is True else 0.0 if r is False else all_gather_time_s(profile, x.unsharded, r))
-        red = reduce_scatter_time_s(profile, x.rs_input, n, plan.mesh.replicate)
+        red = reduce_scatter_time_s(profile, x.rs_input, n, q.mesh.replicate)
         if offload:
             red += x.sharded_grad / h2d
         rs.append(red)
@@ -177,11 +179,11 @@ def _combine(t: CostTables, s: Schedule, c: BlockCompute, profile: HardwareProfi
     return fwd_s, bwd_s, rec_s, loss_s
 
 
-def simulate_time_walk(trace: ModelTrace, t: CostTables, plan: Plan, profile: HardwareProfile,
+def simulate_time_walk(trace: ModelTrace, t: CostTables, plan: PlanQuery, profile: HardwareProfile,
                        schedule: Schedule, compute: BlockCompute, collectives, selective=None,
                        copies=None) -> TimeEstimate:
     """Predicted time of one training step on one rank (module docstring); CostModel.time calls it.
-    ``collectives``: ``unit_collectives_s(plan, unit bytes, profile)``; ``selective``: the share of
+    ``collectives``: ``unit_collectives_s(CollectivesQuery.of(plan), unit bytes, profile)``; ``selective``: the share of
     selectively checkpointed blocks' forward their recomputation skips (cost/selective.py);
     ``copies``: ``unit_copies_s(unit bytes, profile)`` (cost/fsdp_copies.py), each applied where its
     collective runs (None: none)."""

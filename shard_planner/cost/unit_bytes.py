@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shard_planner.cost.queries import UnitBytesQuery
 from shard_planner.cost.tables import CostTables
 from shard_planner.dtypes import dtype_bytes
 from shard_planner.plan import Plan
@@ -32,12 +33,18 @@ class UnitBytes:
 
 
 def unit_bytes(t: CostTables, plan: Plan) -> tuple[UnitBytes, ...]:
-    """The byte sizes of every unit of ``plan`` (segmented as ``t``)."""
-    n = plan.mesh.shard
-    param_dtype, reduce_dtype = plan.training.param_dtype, plan.training.reduce_dtype
+    """The byte sizes of every unit of ``plan`` (segmented as ``t``): :func:`query_unit_bytes`."""
+    return query_unit_bytes(t, UnitBytesQuery.of(plan))
+
+
+def query_unit_bytes(t: CostTables, q: UnitBytesQuery) -> tuple[UnitBytes, ...]:
+    """The byte sizes of every unit of ``q`` (segmented as ``t``); reads only ``q``
+    (cost/queries.py [Note: A memo is keyed by its function's query])."""
+    n = q.shard
+    param_dtype, reduce_dtype = q.param_dtype, q.reduce_dtype
     pd_elem, rs_elem = dtype_bytes(param_dtype), dtype_bytes(reduce_dtype)
     out = []
-    for i, u in enumerate(plan.units):
+    for i, u in enumerate(q.units):
         float_numel = t.unit_float_numel[i]
         float_built = t.unit_float_built_bytes[i]
         other = t.unit_other_bytes[i]
