@@ -144,6 +144,7 @@ def test_llama_with_and_without_a_cache_traced_as_a_real_run(use_cache, tmp_path
     mf = load_config(write_config(tmp_path, use_cache))
     trace = trace_model(mf, dtype="fp32")
     assert compare_with_real_run(mf, trace, batch_size=2) == ()
+    assert (trace.forward_cache is not None) == use_cache
 
 
 def _attention_saved_bytes(trace) -> float:
