@@ -26,6 +26,7 @@ from collections import Counter
 
 from shard_planner.plan import ROOT, Unit
 from shard_planner.solve.space import SearchSpace, checkpointing_allowed
+from shard_planner.trace.types import ModelTrace
 
 SIZE_BASED_MIN_NUM_PARAMS = 100_000_000  # accelerate FullyShardedDataParallelPlugin default (min_num_params=1e8)
 
@@ -74,10 +75,9 @@ POLICIES = (
 )
 
 
-def hand_written_units(space: SearchSpace, trace) -> list[tuple[str, tuple[Unit, ...]]]:
+def hand_written_units(space: SearchSpace, trace: ModelTrace) -> list[tuple[str, tuple[Unit, ...]]]:
     """(name, units) of each policy in :data:`POLICIES` for ``space``, without those that checkpoint a
     model that may not be checkpointed (:func:`~shard_planner.solve.space.checkpointing_allowed`)."""
     allowed = checkpointing_allowed(trace)
     made = [(name, make(space)) for name, make in POLICIES]
     return [(name, units) for name, units in made if allowed or not any(u.activation_checkpoint for u in units)]
-
