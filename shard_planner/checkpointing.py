@@ -49,3 +49,34 @@ def ac_mode(activation_checkpoint: bool | str) -> str:
 
 def is_selective(activation_checkpoint: bool | str) -> bool:
     return activation_checkpoint == SELECTIVE
+
+
+# [Note: No checkpointing of a forward that builds a cache] The one rule that follows from
+# shard_planner/trace/cache.py ([Note: A forward that builds a cache]): a model whose forward returns a
+# cache for a later call (``ModelTrace.forward_cache``) is never checkpointed, neither fully nor
+# selectively: the solver offers no checkpointing for it and a plan that checkpoints it is refused
+# before it is estimated or run. Training does not read the cache, so building the model without one
+# allows checkpointing again.
+USE_CACHE_FIX = 'build the model with use_cache=False (in a config.json: "use_cache": false)'
+
+
+def checkpointing_refusal(model: str, forward_cache: str | None) -> str | None:
+    """Why no unit of ``model`` may be checkpointed (one line that names the fix), or None when it may.
+    See [Note: No checkpointing of a forward that builds a cache]."""
+    if forward_cache is None:
+        return None
+    return (f"{model}: its forward returns a cache ({forward_cache}) that activation checkpointing's "
+            f"recomputation would extend again (selective checkpointing fails on it in backward); "
+            f"{USE_CACHE_FIX} to allow checkpointing")
+
+
+def check_checkpointing_allowed(units, model: str, forward_cache: str | None) -> None:
+    """Raise PlanError when one of ``units`` (plan.Unit) checkpoints a model that may not be
+    (:func:`checkpointing_refusal`)."""
+    refusal = checkpointing_refusal(model, forward_cache)
+    checkpointed = [u.name for u in units if u.activation_checkpoint]
+    if refusal is not None and checkpointed:
+        from shard_planner.errors import PlanError
+
+        more = f" and {len(checkpointed) - 1} more" if len(checkpointed) > 1 else ""
+        raise PlanError(f"the plan checkpoints {checkpointed[0]}{more}, but {refusal}")

@@ -6,6 +6,7 @@ imports back (tests/test_layering.py)."""
 
 from __future__ import annotations
 
+from shard_planner.checkpointing import check_checkpointing_allowed
 from shard_planner.cost.model import CostModel
 from shard_planner.cost.optimizer import OPTIMIZER_STATES
 from shard_planner.cost.tables import CostTables, build_tables
@@ -18,7 +19,10 @@ from shard_planner.trace.types import ModelTrace
 
 def estimate(trace: ModelTrace, plan: Plan, profile: HardwareProfile, *, timeline: bool = True) -> Estimate:
     """Memory and time of ``plan`` for ``trace`` on ``profile``; ``.prediction()`` gives the plan's
-    ``predicted`` section. ``timeline=False`` skips the memory timeline (faster; the solver's case)."""
+    ``predicted`` section. ``timeline=False`` skips the memory timeline (faster; the solver's case).
+    A plan that checkpoints a model whose forward builds a cache is refused (PlanError; see
+    [Note: No checkpointing of a forward that builds a cache] in shard_planner/checkpointing.py)."""
+    check_checkpointing_allowed(plan.units, trace.model_path, trace.forward_cache)
     return CostModel(trace, profile).estimate(plan, timeline=timeline)
 
 

@@ -101,9 +101,9 @@ a note below.
   the block's own, until the nested unit's post-backward reduce-scatters them. Counting them only after
   the block's backward event under-predicted every plan with a nested unit, most visibly when the block
   is checkpointed (its backward, after the recompute, is the step's peak). Measured (tiny transformers,
-  bf16, 2 ranks, blocks checkpointed, one MLP nested; tests/hf/): GPT-2 -4.9% before, -0.5% after;
-  Llama -2.6% before, +1.1% after. With every block's MLP nested the error is still -3 to -4% (GPT-2,
-  Llama): not modelled yet.
+  bf16, 2 ranks, blocks checkpointed, one MLP nested; tests/hf/): GPT-2 -4.9% before, -0.5% after; Llama
+  -2.6% before, +1.1% after with use_cache=True, +3.55% with use_cache=False (tests/hf/test_zoo.py
+  OVER_PREDICTED). With every block's MLP nested the error is still -3 to -4% (GPT-2, Llama): not modelled yet.
 
 [Note: Optimizer step]
   Optimizer states are created at the first step and live from then on (the simulated step is a

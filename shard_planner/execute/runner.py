@@ -9,7 +9,7 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from shard_planner.checkpointing import is_selective
+from shard_planner.checkpointing import check_checkpointing_allowed, is_selective
 from shard_planner.errors import ModelFileError, RunError
 from shard_planner.execute.checkpoint_dir import check_new_directory, read_side_file
 from shard_planner.execute.launch import LaunchResult, launch_local, resolve_device, resolve_model_path
@@ -50,6 +50,38 @@ def _check_model_file(path: str) -> None:
     if path.endswith(".py") and not Path(path).is_file():
         where = "is a folder" if Path(path).is_dir() else "no such file here or beside the plan"
         raise ModelFileError(f"{path}: the plan's model file: {where}")
+
+
+def _check_checkpointing_allowed(plans: list[Plan]) -> None:
+    """A plan that checkpoints a model whose forward builds a cache fails in backward (selective) or
+    runs what was not priced (full): refused here, in one line, before the ranks start. Only plans that
+    checkpoint are asked, each model once, by one forward under fake tensors (trace/cache.py; seconds
+    at 8B). See [Note: No checkpointing of a forward that builds a cache] in shard_planner/checkpointing.py."""
+    probed: dict[tuple, str | None] = {}
+    for plan in plans:
+        if not any(u.activation_checkpoint for u in plan.units):
+            continue
+        key = (plan.model.path, plan.model.hf_task, plan.model.seq_len)
+        if key not in probed:
+            probed[key] = _probe_forward_cache(plan)
+        check_checkpointing_allowed(plan.units, plan.model.path, probed[key])
+
+
+def _probe_forward_cache(plan: Plan) -> str | None:
+    """trace/cache.py's probe of ``plan``'s model; None (logged) when the probe itself fails: the run
+    then goes on, as it did before the probe."""
+    from shard_planner.hf import plan_options
+    from shard_planner.modelfile import load_model_file
+    from shard_planner.trace.cache import probe_forward_cache
+
+    path = plan.model.path
+    model_file = load_model_file(path, plan_options(path, plan.model.hf_task, plan.model.seq_len))
+    try:
+        return probe_forward_cache(model_file)
+    except Exception as exc:  # a check, not the run: the ranks report the model's own errors
+        logger.warning("%s: could not check whether its forward builds a cache (%s: %s); running the plan as "
+                       "given", path, type(exc).__name__, exc)
+        return None
 
 
 def with_prediction(measurement: Measurement, predicted: Prediction | None) -> Measurement:
@@ -108,6 +140,7 @@ def launch_plans(plans: list[Plan], *, world_size: int | None = None, steps: int
     for run in runs:  # before the ranks start (10-20 s on CPU) rather than in every rank
         _check_model_file(run.model.path)
     _check_selective_supported(runs)
+    _check_checkpointing_allowed(runs)
     with tempfile.TemporaryDirectory(prefix="shard-planner-plan-") as tmp:
         paths = []
         for i, run in enumerate(runs):

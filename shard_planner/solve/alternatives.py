@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from shard_planner.plan import ROOT, FrontierPoint, Prefetch, Unit
-from shard_planner.solve.baselines import POLICIES
+from shard_planner.solve.baselines import hand_written_units
 from shard_planner.solve.context import Checked, PlanContext
 from shard_planner.solve.linear import GlobalChoice
 
@@ -16,7 +16,8 @@ def hand_written(ctx: PlanContext, choice: GlobalChoice) -> list[Checked]:
     """The hand-written policies at the chosen micro-batch and mesh, FSDP2's default prefetch."""
     space = ctx.space(choice.mesh)
     base_choice = replace(choice, prefetch=Prefetch())
-    return [ctx.check_units(policy(space), base_choice, name, method="hand-written") for name, policy in POLICIES]
+    return [ctx.check_units(units, base_choice, name, method="hand-written")
+            for name, units in hand_written_units(space, ctx.trace)]
 
 
 def root_resharded(ctx: PlanContext, found: list[Checked]) -> list[Checked]:

@@ -25,7 +25,8 @@ from __future__ import annotations
 from collections import Counter
 
 from shard_planner.plan import ROOT, Unit
-from shard_planner.solve.space import SearchSpace
+from shard_planner.solve.space import SearchSpace, checkpointing_allowed
+from shard_planner.trace.types import ModelTrace
 
 SIZE_BASED_MIN_NUM_PARAMS = 100_000_000  # accelerate FullyShardedDataParallelPlugin default (min_num_params=1e8)
 
@@ -72,3 +73,11 @@ POLICIES = (
     ("ZeRO-2-like (no reshard)", zero2_like),
     ("full activation checkpointing", full_checkpointing),
 )
+
+
+def hand_written_units(space: SearchSpace, trace: ModelTrace) -> list[tuple[str, tuple[Unit, ...]]]:
+    """(name, units) of each policy in :data:`POLICIES` for ``space``, without those that checkpoint a
+    model that may not be checkpointed (:func:`~shard_planner.solve.space.checkpointing_allowed`)."""
+    allowed = checkpointing_allowed(trace)
+    made = [(name, make(space)) for name, make in POLICIES]
+    return [(name, units) for name, units in made if allowed or not any(u.activation_checkpoint for u in units)]

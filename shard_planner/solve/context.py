@@ -18,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
+from shard_planner.checkpointing import checkpointing_refusal
 from shard_planner.cost.model import CostModel
 from shard_planner.cost.types import Estimate
 from shard_planner.errors import UserError
@@ -115,6 +116,9 @@ class PlanContext:
         self.max_group_size = request.max_group_size
         self.allow_offload = request.allow_offload and self.profile.device != "cpu"
         self.cost_model = CostModel(trace, request.profile)
+        refusal = checkpointing_refusal(trace.model_path, trace.forward_cache)
+        if refusal is not None:  # the search space offers none (space.checkpointing_allowed)
+            logger.warning("planning without activation checkpointing: %s", refusal)
         self.clock = Clock()
         self._spaces: dict[int, SearchSpace] = {}
         self._linear: dict[GlobalChoice, LinearModel] = {}

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import re
 
+from shard_planner.checkpointing import USE_CACHE_FIX
 from shard_planner.errors import InfeasibleError
 from shard_planner.plan import Unit
 from shard_planner.profile import HardwareProfile
 from shard_planner.solve.linear import GlobalChoice
+from shard_planner.solve.space import checkpointing_allowed
 from shard_planner.units import format_bytes
 
 
@@ -67,7 +69,8 @@ def infeasible_error(ctx, micro_batch: int, smallest: list) -> InfeasibleError:
     top = "overhead" if fixed_bytes >= ctx.budget_bytes or not changeable else max(changeable, key=at_peak.get)
     advice = {
         "activations": (f"try --batch-size {max(1, micro_batch // 2)}" if micro_batch > 1 else "add GPUs") + (
-            "" if any(u.activation_checkpoint for u in best.units) else " or allow checkpointing"),
+            "" if any(u.activation_checkpoint for u in best.units) else
+            " or allow checkpointing" if checkpointing_allowed(ctx.trace) else f" or {USE_CACHE_FIX} to allow checkpointing"),
         "temporaries": f"try --batch-size {max(1, micro_batch // 2)}" if micro_batch > 1 else "add GPUs",
         "sharded_params": "add GPUs (sharded state divides by the shard group)",
         "optimizer_states": "add GPUs or use a lighter optimizer (sgd keeps no states)",

@@ -37,7 +37,7 @@ from shard_planner.cost.selective import keeps_something, supports_selective
 from shard_planner.cost.types import Estimate
 from shard_planner.plan import ROOT, Plan, Prefetch, Unit
 from shard_planner.profile import HardwareProfile
-from shard_planner.solve.space import DEFAULT_MAX_GROUP_SIZE, first_calls
+from shard_planner.solve.space import DEFAULT_MAX_GROUP_SIZE, checkpointing_allowed, first_calls
 from shard_planner.trace.types import ModelTrace
 
 logger = logging.getLogger(__name__)
@@ -175,7 +175,8 @@ def neighbours(trace: ModelTrace, units: tuple[Unit, ...], prefetch: Prefetch, *
                               frozenset(m for u in touched_units for m in u.modules), is_global))
 
     checkpointed = [u for u in units if u.activation_checkpoint]
-    ac_modes = (False, True, SELECTIVE) if supports_selective(trace) else (False, True)
+    ac_modes = ((False,) if not checkpointing_allowed(trace) else
+                (False, True, SELECTIVE) if supports_selective(trace) else (False, True))
     for i, u in enumerate(units):
         others = list(units[:i]) + list(units[i + 1:])
         r = u.reshard_after_forward

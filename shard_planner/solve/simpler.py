@@ -29,7 +29,7 @@ from typing import Callable, Sequence, TypeVar
 from shard_planner.plan import Unit
 from shard_planner.solve.context import Checked, PlanContext
 from shard_planner.solve.polish import in_forward_order
-from shard_planner.solve.space import SearchSpace, first_calls
+from shard_planner.solve.space import SearchSpace, checkpointing_allowed, first_calls
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ def uniform_variants(ctx: PlanContext, chosen: Checked, space: SearchSpace) -> l
                 out.append(c)
                 return c
 
-            _fewest_checkpointed(judge, len(groups), ctx.budget_bytes)
+            _fewest_checkpointed(judge, len(groups) if checkpointing_allowed(ctx.trace) else 0, ctx.budget_bytes)
     return out
 
 

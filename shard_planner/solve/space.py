@@ -21,7 +21,8 @@ Built from the trace's module tree, without running anything:
   selective with torchtitan's op-level classes (shard_planner/checkpointing.py), *nested* (a single item whose large children become
   units of their own inside it, e.g. a block's attention and MLP), or *in root* (a single item left
   to the root unit: gathered at the start of the step and kept, as FSDP2 does with the root's own
-  parameters).
+  parameters). No checkpointing at all for a model whose forward builds a cache
+  (:func:`checkpointing_allowed`).
 
 Global choices (prefetch depths, micro-batch, mesh, CPU offload) are not part of a segment: the
 solver loops over them (:mod:`shard_planner.solve.planner`).
@@ -34,7 +35,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
-from shard_planner.checkpointing import DEFAULT_SAVE_OPS, SELECTIVE, is_selective
+from shard_planner.checkpointing import DEFAULT_SAVE_OPS, SELECTIVE, checkpointing_refusal, is_selective
 from shard_planner.cost.selective import keeps_something, supports_selective
 from shard_planner.ownership import contiguous_among, split_groups, tie_groups
 from shard_planner.plan import ROOT
@@ -192,6 +193,12 @@ def splits_ties(trace: ModelTrace, fqn: str) -> bool:
     return bool(split_groups(groups, inside.__contains__))
 
 
+def checkpointing_allowed(trace: ModelTrace) -> bool:
+    """Whether any unit of ``trace``'s model may be checkpointed: the solver's reading of
+    shard_planner/checkpointing.py's [Note: No checkpointing of a forward that builds a cache]."""
+    return checkpointing_refusal(trace.model_path, trace.forward_cache) is None
+
+
 def reshard_choices(shard_group: int, gpus_per_node: int) -> tuple[bool | int, ...]:
     """True, False, and the int divisors worth trying: the node size when the group spans nodes
     (re-gather inside the node over NVLink instead of across the network in backward)."""
@@ -202,7 +209,9 @@ def reshard_choices(shard_group: int, gpus_per_node: int) -> tuple[bool | int, .
 def build_space(trace: ModelTrace, *, shard_group: int, gpus_per_node: int,
                 max_group_size: int = DEFAULT_MAX_GROUP_SIZE, allow_checkpointing: bool = True,
                 allow_nested: bool = True) -> SearchSpace:
-    """Every candidate segment x option for ``trace`` on a shard group of ``shard_group`` ranks."""
+    """Every candidate segment x option for ``trace`` on a shard group of ``shard_group`` ranks
+    (checkpointing only where ``allow_checkpointing`` and :func:`checkpointing_allowed`)."""
+    allow_checkpointing = allow_checkpointing and checkpointing_allowed(trace)
     items = find_items(trace)
     if len(items) > LONG_SEQUENCE_ITEMS:
         max_group_size = min(max_group_size, LONG_SEQUENCE_MAX_GROUP_SIZE)

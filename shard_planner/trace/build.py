@@ -9,12 +9,27 @@ trace is the same. ``nn.init.trunc_normal_`` (ViT, DeiT, Swin, DINOv2 under tran
 for a fake tensor (:func:`_skip_trunc_normal`): its rejection loop asks ``mask.any()``, a value a fake
 tensor does not have (DataDependentOutputException). A fake tensor that holds a constant (one made from Python data, e.g.
 ``torch.tensor(0.5)``, whose value fake mode tracks and ``.item()`` can read) is initialised as usual.
+A ``build_model()`` that casts or moves its model (``.to(torch.bfloat16)``, ``.half()``) works under fake
+tensors too (:func:`_swappable_fakes`, [Note: Casting a fake model]).
 :func:`cast_parameters` makes the compute-dtype copies as fresh fake tensors directly, without an op.
+
+[Note: Casting a fake model] ``nn.Module._apply`` (``.to``, ``.half``, ``.bfloat16``) replaces a
+FakeTensor parameter with ``torch.utils.swap_tensors`` (torch 2.13, module.py: ``or isinstance(param,
+FakeTensor)``), and ``swap_tensors`` refuses a tensor that any weak reference points to. FakeTensorMode
+memoises the fake tensors it makes (``FakeTensorConverter.tensor_memo``, a WeakValueDictionary keyed by
+the fresh meta tensor each was made from), and ``nn.Parameter(fake)`` detaches, which is such a fake
+tensor: so every fake parameter carries a ``KeyedRef`` and ``model.to(torch.bfloat16)`` fails with
+"_apply(): Couldn't swap Embedding.weight" (pytorch#184976, #178584: the same diagnosis, unreleased
+fixes). The memo entry only serves a later lookup of the same fresh meta tensor, which nothing makes
+again for a parameter, so while the model is built the swap first drops the two tensors' own memo
+entries; any other weak reference still refuses the swap, as torch does.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+
+import weakref
 
 import torch
 import torch.nn as nn
@@ -44,8 +59,35 @@ class _SkipInitialisers(TorchDispatchMode):
 
 def build_fake(model_file: ModelFile, fake_mode: FakeTensorMode) -> nn.Module:
     """``model_file.build()`` under ``fake_mode``, without running weight initialisers."""
-    with fake_mode, _SkipInitialisers(), _skip_trunc_normal():
+    with fake_mode, _SkipInitialisers(), _skip_trunc_normal(), _swappable_fakes():
         return model_file.build()
+
+
+@contextmanager
+def _swappable_fakes():
+    """While the model is built: ``torch.utils.swap_tensors`` of fake tensors first drops their fake
+    mode's memo entries, whose weak references refuse the swap. See [Note: Casting a fake model]."""
+    original = torch.utils.swap_tensors
+
+    def swapping(t1, t2):
+        for t in (t1, t2):
+            if isinstance(t, FakeTensor):
+                _forget_memo(t)
+        return original(t1, t2)
+
+    torch.utils.swap_tensors = swapping
+    try:
+        yield
+    finally:
+        torch.utils.swap_tensors = original
+
+
+def _forget_memo(t: FakeTensor) -> None:
+    """Drop ``t`` from its fake mode's tensor memo (the memo's weak references to it, and only those)."""
+    memo = t.fake_mode.fake_tensor_converter.tensor_memo
+    for ref in weakref.getweakrefs(t):
+        if isinstance(ref, weakref.KeyedRef) and memo.data.get(ref.key) is ref:
+            del memo[ref.key]
 
 
 @contextmanager

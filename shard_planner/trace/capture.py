@@ -49,6 +49,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from shard_planner.errors import ModelFileError, first_line
 from shard_planner.modelfile import ModelFile, input_tensors
+from shard_planner.trace.cache import output_cache
 from shard_planner.trace.flops import FlopCounter
 from shard_planner.trace.kernel_ops import classify
 from shard_planner.trace.records import ENTER, EXIT, Call, Span, is_ancestor
@@ -97,6 +98,7 @@ class Step:
         self.root_call: Call | None = None
         self.loss_call = Call(None, None)
         self.batch_input_bytes = 0
+        self.forward_cache: str | None = None  # [Note: A forward that builds a cache]
         self.producer: dict[int, tuple[str, int]] = {}  # sid -> (kernel class, log position) of a forward op's new output
 
     # ---- ops: the one place an aten op is recorded ----
@@ -372,6 +374,7 @@ class Step:
         with self.log.resize_tracking(), Recorder(self), saved_tensors_hooks(self._pack, lambda t: t):
             self.phase = "fwd"
             out = self._forward(inputs)
+            self.forward_cache = output_cache(out)
             self._open(self.loss_call, "fwd")
             try:
                 loss = self.mf.loss(out, targets)

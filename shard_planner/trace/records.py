@@ -113,6 +113,7 @@ class StepResult:
     reused_modules: int
     loss_ops: int = 0
     loss_kernels: tuple = ()  # kernel_ops.OpSample of loss_fn, forward then backward
+    forward_cache: str | None = None  # trace/cache.py output_cache of the forward's output
 
 
 def rel_fqn(fqn: str, base: str) -> str:

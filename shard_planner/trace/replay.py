@@ -136,6 +136,7 @@ def step_result(step: Step) -> StepResult:
         reused_modules=reused,
         loss_ops=loss.fwd_ops + loss.bwd_ops,
         loss_kernels=tuple(loss.fwd_kernels + loss.bwd_kernels),
+        forward_cache=step.forward_cache,
     )
 
 

@@ -110,6 +110,7 @@ def trace_model(
         loss_ops=r1.loss_ops,
         loss_kernels=fit_records(list(r1.loss_kernels), list(r2.loss_kernels), b1, b2),
         training=dict(mf.training),
+        forward_cache=r1.forward_cache,
     )
 
 

@@ -166,6 +166,10 @@ class ModelTrace:
     # The model file's TRAINING defaults (micro_batch, seq_len, optimizer, lr), so that planning from a
     # trace.json uses them as planning from the model file does. Traces written before it load with none.
     training: dict = field(default_factory=dict)
+    # What the forward's output holds for a later call, e.g. "cache (DynamicCache)": a transformers decoder
+    # built with use_cache=True (trace/cache.py, [Note: A forward that builds a cache]); no plan may then
+    # checkpoint (shard_planner/checkpointing.py). None: nothing, or a trace written before this field.
+    forward_cache: str | None = None
     schema_version: int = TRACE_SCHEMA_VERSION
 
     @cached_property

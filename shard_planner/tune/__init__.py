@@ -104,11 +104,11 @@ def tune_model(model_path: str, *, gpus: int, mem_budget_bytes: int, profile: st
 
 def hand_written_plans(trace, plan) -> list[tuple]:
     """The hand-written policies (shard_planner/solve/baselines.py) with ``plan``'s global choices."""
-    from shard_planner.solve.baselines import POLICIES
+    from shard_planner.solve.baselines import hand_written_units
     from shard_planner.solve.space import build_space
 
     space = build_space(trace, shard_group=plan.mesh.shard, gpus_per_node=plan.cluster.gpus_per_node)
-    return [(replace(plan, units=make(space)), f"policy: {name}") for name, make in POLICIES]
+    return [(replace(plan, units=units), f"policy: {name}") for name, units in hand_written_units(space, trace)]
 
 
 def _with_profile(result: TuneResult, profile_path: str) -> TuneResult:

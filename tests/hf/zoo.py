@@ -1,6 +1,8 @@
 """The zoo: tiny transformers configurations of nine architectures, each as a user gives it to
 shard-planner (a config.json, a folder holding one, or a model file for CLIP, whose contrastive loss needs
-``return_loss``), and the helpers that plan them at a roomy and a tight budget.
+``return_loss``), and the helpers that plan them at a roomy and a tight budget. Every architecture with a
+decoder is in it twice: as transformers builds it (``use_cache=True``: its forward returns a KV cache, so
+no plan checkpoints it) and built with ``use_cache=False`` (:data:`NO_CACHE`, named ``<name>-nocache``).
 
 Tiny (hidden 64, two layers, 32 tokens or 32 x 32 pixels), so that every trace takes a second or two
 and all plans run in one 2-rank world (``launch_plans``)."""
@@ -54,6 +56,12 @@ ZOO = (
          "folder", text=False),
     Arch("clip", "CLIPConfig", {}, "model file", text=False),
 )
+
+# The architectures whose forward returns a cache by default (a decoder; T5's too)
+CACHED = ("llama", "mistral", "gpt2", "mixtral", "falcon", "t5")
+NO_CACHE = tuple(replace(arch, name=f"{arch.name}-nocache", kwargs={**arch.kwargs, "use_cache": False})
+                 for arch in ZOO if arch.name in CACHED)
+ALL = ZOO + NO_CACHE
 
 CLIP_MODEL_FILE = '''"""CLIP (a text and a vision tower, a 0-d logit_scale): the contrastive loss of a batch."""
 import torch
@@ -122,8 +130,9 @@ def located(plan, path: str):
 
 
 # Plans that checkpoint a block with a unit nested inside it ([Note: Nested units' gradients] in
-# shard_planner/cost/memory.py): (architecture, block, nested module).
-NESTED_AC = (("gpt2", "transformer.h.{}", "mlp"), ("llama", "model.layers.{}", "mlp"))
+# shard_planner/cost/memory.py): (architecture, block, nested module). Built without a cache: a model whose
+# forward returns one is never checkpointed ([Note: No checkpointing of a forward that builds a cache]).
+NESTED_AC = (("gpt2-nocache", "transformer.h.{}", "mlp"), ("llama-nocache", "model.layers.{}", "mlp"))
 
 
 def nested_ac_plan(plan, trace, profile, block: str, nested: str):
