@@ -141,6 +141,7 @@ from shard_planner.cost.optimizer import (  # noqa: F401  (re-exported: the tabl
     OPTIMIZER_STATES, OPTIMIZER_TEMPORARIES, OPTIMIZER_TEMPORARIES_SINGLE_TENSOR,
 )
 from shard_planner.cost.queries import PlanQuery
+from shard_planner.cost.reshard import reshard_group_sizes
 from shard_planner.cost.schedule import EventKind, Phase, Schedule
 from shard_planner.cost.selective import SelectiveBlocks
 from shard_planner.cost.tables import CostTables
@@ -231,7 +232,7 @@ class _MemoryWalk:
         self.offload_off_device = off = training.cpu_offload and profile.device != "cpu"
         sharded_total = sum(x.sharded for x in ub)
         states = OPTIMIZER_STATES[training.optimizer] * sum(x.sharded_grad for x in ub)
-        int_sizes = {u.reshard_after_forward for u in plan.units if not isinstance(u.reshard_after_forward, bool)}
+        int_sizes = reshard_group_sizes(plan.units, plan.mesh.shard)
         overhead = profile.reserved_bytes + profile.per_process_group_bytes * len(int_sizes)
         cat = [0.0] * 8
         # buffers are not sharded and stay on the device under CPU offload (FSDP2 moves only parameters)

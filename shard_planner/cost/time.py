@@ -87,6 +87,7 @@ from shard_planner.cost.collectives import all_gather_time_s, reduce_scatter_tim
 from shard_planner.cost.optimizer import optimizer_step_bytes
 from shard_planner.cost.overlap import overlapped_compute_end_s
 from shard_planner.cost.queries import CollectivesQuery, PlanQuery
+from shard_planner.cost.reshard import Reshard, ReshardAfterForward, reshards_after_forward
 from shard_planner.cost.schedule import EventKind, Phase, Schedule
 from shard_planner.cost.stragglers import straggler_factor
 from shard_planner.cost.tables import CostTables
@@ -138,9 +139,10 @@ def unit_collectives_s(q: CollectivesQuery, ub: tuple[UnitBytes, ...], profile: 
     for unit, x in zip(q.unit_bytes.units, ub):
         copy_in = x.sharded / h2d if offload else 0.0
         fwd = all_gather_time_s(profile, x.unsharded, n) + copy_in
-        r = unit.reshard_after_forward
+        r = ReshardAfterForward.of(unit.reshard_after_forward, n)
         ag_fwd.append(fwd)
-        ag_bwd.append(fwd if r is True else 0.0 if r is False else all_gather_time_s(profile, x.unsharded, r))
+        ag_bwd.append(fwd if r.kind is Reshard.ALWAYS else 0.0 if r.kind is Reshard.NEVER
+                      else all_gather_time_s(profile, x.unsharded, r.group_size))
         red = reduce_scatter_time_s(profile, x.rs_input, n, q.mesh.replicate)
         if offload:
             red += x.sharded_grad / h2d
@@ -191,7 +193,7 @@ def simulate_time_walk(trace: ModelTrace, t: CostTables, plan: PlanQuery, profil
     b = training.micro_batch
     n_units = len(plan.units)
     ag_fwd, ag_bwd, rs = collectives
-    needs_bwd_ag = [plan.units[u].reshard_after_forward is not False for u in range(n_units)]
+    needs_bwd_ag = [reshards_after_forward(plan.units[u].reshard_after_forward) for u in range(n_units)]
     fwd_s, bwd_s, rec_s, loss_s = _combine(t, schedule, compute, profile,
                                            selective.skipped_share if selective is not None else None,
                                            plan.mesh.world_size)

@@ -87,6 +87,7 @@ from shard_planner.cost.collectives import (
 )
 from shard_planner.checkpointing import DEFAULT_SAVE_OPS, is_selective
 from shard_planner.cost.model import CostModel
+from shard_planner.cost.reshard import Reshard, ReshardAfterForward
 from shard_planner.cost.optimizer import (
     OPTIMIZER_STATES, OPTIMIZER_TEMPORARIES, OPTIMIZER_TEMPORARIES_SINGLE_TENSOR, optimizer_step_bytes,
 )
@@ -346,13 +347,13 @@ def _candidate_coeffs(c: Candidate, space: SearchSpace, saved, inputs, fwd_rise,
     else:
         bwd_act = act_stack + max(bwd_rise[i] for i in idx)
 
-    r = o.reshard_after_forward
+    r = ReshardAfterForward.of(o.reshard_after_forward, shard)  # cost/reshard.py
     if o.in_root:  # the root's parameters and gradients live all step: in ``root`` (see [Note: The root's gradients])
         kept_params, regather, root_bytes = 0.0, 0.0, count * (2 * bp + br)
         fwd_mem, copy_mem, bwd_mem, rs_mem, next_gather, rs_in = fwd_act, 0.0, bwd_act, 0.0, 0.0, 0.0
     else:
-        kept_params = 0.0 if r is True else (gather if r is False else gather / r)
-        regather = 0.0 if r is False else gather_live
+        kept_params = r.kept_after_forward_bytes(gather)
+        regather = gather_live if r.reshards else 0.0
         root_bytes = 0.0
         fwd_mem = 2 * gather_live + fwd_act
         copy_mem = 2 * gather_live
@@ -376,12 +377,12 @@ def _candidate_coeffs(c: Candidate, space: SearchSpace, saved, inputs, fwd_rise,
         rc = sum(fwd_s[i] * (1.0 - (sac[1][i] if selective else 0.0 if o.nested else sac[2][i])) for i in idx)
     exposed = _exposed_comm_s(c, parts, cf, cb + rc, bp=bp, br=br, shard=shard, replicas=replicas, profile=profile,
                               d_f=d_f, d_b=d_b, overlap=overlap, leading_root_items=leading_root_items)
-    exposed += _copies_s(count, bp, br, 1 if o.in_root or r is False else 2, profile)
+    exposed += _copies_s(count, bp, br, 1 if o.in_root or not r.reshards else 2, profile)
     return Coeffs(
         stack_mib=_mib(act_stack + kept_params), fwd_mib=_mib(fwd_mem), copy_mib=_mib(copy_mem), bwd_mib=_mib(bwd_mem),
         rs_mib=_mib(rs_mem), gather_mib=_mib(next_gather), prev_out_mib=_mib(next_gather),
         regather_mib=_mib(regather), rs_in_mib=_mib(rs_in), root_mib=_mib(root_bytes),
-        uses_int_reshard=not o.in_root and not isinstance(r, bool), time_us=_us(cf + cb + rc + exposed),
+        uses_int_reshard=not o.in_root and r.to_group, time_us=_us(cf + cb + rc + exposed),
     )
 
 
@@ -400,7 +401,7 @@ def _exposed_comm_s(c: Candidate, parts: list[int], fwd_s: float, bwd_s: float, 
     """Communication of one candidate the compute does not hide (module docstring, "Time per
     candidate"): ``parts`` are the parameter counts of its units' collectives (one, or the outer and
     each inner unit when nested); ``fwd_s``, ``bwd_s`` its compute (backward with recomputation)."""
-    o, r = c.option, c.option.reshard_after_forward
+    o, r = c.option, ReshardAfterForward.of(c.option.reshard_after_forward, shard)
     count, n_collectives = sum(parts), len(parts)
     # collectives: cost/collectives.py (the ring model; intra- or inter-node by the group's layout)
     ar = sum(replica_all_reduce_time_s(profile, p * br, shard, replicas) for p in parts)  # HSDP; 0 without
@@ -410,12 +411,12 @@ def _exposed_comm_s(c: Candidate, parts: list[int], fwd_s: float, bwd_s: float, 
         exposed = ag_f + rs + ar  # at the very start and the very end of the step: nothing to hide behind
     else:
         ag_f = sum(all_gather_time_s(profile, p * bp, shard) for p in parts)
-        if r is True:
+        if r.kind is Reshard.ALWAYS:
             ag_b = ag_f
-        elif r is False:
+        elif r.kind is Reshard.NEVER:
             ag_b = 0.0
         else:
-            ag_b = sum(all_gather_time_s(profile, p * bp, r) for p in parts)
+            ag_b = sum(all_gather_time_s(profile, p * bp, r.group_size) for p in parts)
         rs = sum(reduce_scatter_time_s(profile, p * br, shard) for p in parts)
         if not overlap:  # gloo on CPU: collectives run on the thread that computes
             exposed = ag_f + ag_b + rs + ar
@@ -429,7 +430,7 @@ def _exposed_comm_s(c: Candidate, parts: list[int], fwd_s: float, bwd_s: float, 
         # Tie-break: among covers the model finds equally fast, prefer fewer collectives (each costs a
         # launch and a synchronisation that the ring model does not see; FSDP paper §3.2: finer units
         # cost throughput through more, smaller collectives).
-        exposed += TIE_BREAK_S_PER_COLLECTIVE * n_collectives * (3 if r is True else 2)
+        exposed += TIE_BREAK_S_PER_COLLECTIVE * n_collectives * (3 if r.kind is Reshard.ALWAYS else 2)
     return exposed
 
 
