@@ -84,7 +84,7 @@ import logging
 from dataclasses import dataclass
 
 from shard_planner.cost.collectives import all_gather_time_s, reduce_scatter_time_s
-from shard_planner.cost.optimizer import optimizer_step_bytes
+from shard_planner.cost import optimizer as optimizer_rules
 from shard_planner.cost.overlap import overlapped_compute_end_s
 from shard_planner.cost.queries import CollectivesQuery, PlanQuery
 from shard_planner.cost.reshard import Reshard, ReshardAfterForward, reshards_after_forward
@@ -206,10 +206,9 @@ def simulate_time_walk(trace: ModelTrace, t: CostTables, plan: PlanQuery, profil
 
     # ---- optimizer: memory-bound, plus per-tensor overhead ----
     sharded_elems = sum(t.unit_float_numel) / plan.mesh.shard
-    opt_bytes = optimizer_step_bytes(training.optimizer, sharded_elems, dtype_bytes(t.built_dtype))
-    bw = (profile.host_memory_bandwidth_bytes_per_s or profile.memory_bandwidth_bytes_per_s) if training.cpu_offload \
-        else profile.memory_bandwidth_bytes_per_s
-    optimizer_s = opt_bytes / bw + t.param_tensors * profile.per_param_tensor_optimizer_overhead_s
+    optimizer_s = (optimizer_rules.optimizer_step_s(training.optimizer, sharded_elems, dtype_bytes(t.built_dtype),
+                                                    profile, training.cpu_offload)
+                   + t.param_tensors * profile.per_param_tensor_optimizer_overhead_s)
 
     comm_s = sum(ag_fwd) + sum(ag_bwd[u] for u in range(n_units) if needs_bwd_ag[u]) + sum(rs)
     if profile.device == "cpu":

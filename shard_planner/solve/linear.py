@@ -88,10 +88,9 @@ from shard_planner.cost.collectives import (
 from shard_planner.checkpointing import DEFAULT_SAVE_OPS, is_selective
 from shard_planner.cost.model import CostModel
 from shard_planner.cost.reshard import Reshard, ReshardAfterForward
-from shard_planner.cost.optimizer import (
-    OPTIMIZER_STATES, OPTIMIZER_TEMPORARIES, OPTIMIZER_TEMPORARIES_SINGLE_TENSOR, optimizer_step_bytes,
-)
-from shard_planner.dtypes import DTYPE_BYTES, FLOAT_DTYPES
+from shard_planner.cost import optimizer as optimizer_rules
+from shard_planner.cost.tables import largest_module_float_bytes
+from shard_planner.dtypes import DTYPE_BYTES
 from shard_planner.plan import Mesh, Prefetch, Training
 from shard_planner.profile import HardwareProfile
 from shard_planner.solve.accumulation import NO_ACCUMULATION, Accumulation
@@ -200,7 +199,6 @@ def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoi
     bp = DTYPE_BYTES[training.param_dtype]  # unsharded (all-gathered) parameters and their gradients
     br = DTYPE_BYTES[training.reduce_dtype]  # reduce-scatter buffers
     act_scale = bp / DTYPE_BYTES.get(trace.compute_dtype, bp)  # activations follow the compute dtype
-    states = OPTIMIZER_STATES[training.optimizer]
 
     # ---- per item, in bytes / FLOPs at micro-batch b ----
     items = space.items
@@ -229,11 +227,12 @@ def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoi
             leading_root_items=leading))
 
     # ---- constants ----
-    # Sharded state (ZeRO §5, stage 3): params + grads in their stored dtype + optimizer states, / shard.
-    sharded_state = trace.param_count * param_elem * (2 + states) / shard
-    offload_off_device = choice.cpu_offload and profile.device != "cpu"
-    if offload_off_device:  # CPUOffloadPolicy keeps sharded params, grads and states on the host
-        sharded_state = 0.0  # (on a CPU profile the host is the device: cost/memory.py [Note: CPU offload])
+    # Sharded state (ZeRO §5, stage 3): params + grads in their stored dtype + optimizer states, / shard,
+    # on the host under CPU offload (the rules: cost/optimizer.py)
+    sharded_bytes = trace.param_count * param_elem / shard
+    on_device = optimizer_rules.state_on_device(choice.cpu_offload, profile.device)
+    sharded_state = (sharded_bytes + sharded_bytes + optimizer_rules.optimizer_state_bytes(
+        training.optimizer, sharded_bytes)) if on_device else 0.0
     item_saved_total = sum(saved)
     all_saved = cm.subtree_sum("", "saved_bytes_self").at(b) * act_scale
     outside_saved = max(0.0, all_saved - item_saved_total)
@@ -241,7 +240,8 @@ def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoi
     base = (profile.reserved_bytes + sharded_state + root_params * (2 * bp + br)
             + outside_saved + trace.batch_input_bytes.at(b) + trace.loss_saved_bytes.at(b) * act_scale)
     loss = trace.loss_peak_rise_bytes.at(b) * act_scale
-    opt_temp = _optimizer_temp_bytes(trace, training, profile, shard, param_elem, offload_off_device)
+    opt_temp = optimizer_rules.optimizer_temporaries_bytes(
+        training.optimizer, profile.device, sharded_bytes, largest_module_float_bytes(trace), shard) if on_device else 0.0
     optimizer = profile.reserved_bytes + sharded_state + opt_temp
 
     const_s = _constant_time_s(cm, trace, profile, fwd_s, bwd_s, choice, training, root_params, param_elem,
@@ -262,20 +262,6 @@ def with_accumulation(lm: LinearModel, choice: GlobalChoice, trace: ModelTrace, 
     return replace(lm, choice=choice, base_mib=lm.base_mib + _mib(held))
 
 
-def _optimizer_temp_bytes(trace: ModelTrace, training: Training, profile: HardwareProfile, shard: int,
-                          param_elem: float, offload_off_device: bool) -> float:
-    """The step's temporaries (cost/memory.py [Note: Optimizer step]; cost/optimizer.py): foreach AdamW/Adam
-    on a GPU one of the sharded parameters' size, the single-tensor path on a CPU 3x the largest module's
-    shard; SGD none; none on the device when the step runs on the host (offload)."""
-    if offload_off_device:
-        return 0.0
-    if profile.device == "cpu":
-        largest = max((sum(nb for dt, nb in m.param_bytes_by_dtype.items() if dt in FLOAT_DTYPES)
-                       for m in trace.modules), default=0)
-        return OPTIMIZER_TEMPORARIES_SINGLE_TENSOR[training.optimizer] * largest / shard
-    return OPTIMIZER_TEMPORARIES[training.optimizer] * trace.param_count * param_elem / shard
-
-
 def _constant_time_s(cm: CostModel, trace: ModelTrace, profile: HardwareProfile, fwd_s, bwd_s, choice: GlobalChoice,
                      training: Training, root_params: int, param_elem: float, *, bp: int, br: int) -> float:
     """The step time no candidate changes: compute outside every item, the root's collectives, the
@@ -289,11 +275,9 @@ def _constant_time_s(cm: CostModel, trace: ModelTrace, profile: HardwareProfile,
     # the root's all-gather at the start and its reduce-scatter (+ HSDP all-reduce) at the end
     root_comm = (all_gather_time_s(profile, root_params * bp, shard)
                  + reduce_scatter_time_s(profile, root_params * br, shard, replicas))
-    # the step is memory-bound (cost/optimizer.py OPTIMIZER_ACCESSES_PER_ELEMENT), on the host under offload
-    opt_bytes = optimizer_step_bytes(training.optimizer, trace.param_count / shard, param_elem)
-    opt_bw = ((profile.host_memory_bandwidth_bytes_per_s or profile.memory_bandwidth_bytes_per_s)
-              if choice.cpu_offload else profile.memory_bandwidth_bytes_per_s)
-    const_s = outside_s + root_comm + opt_bytes / opt_bw
+    # the step is memory-bound, on the host under offload (cost/optimizer.py)
+    const_s = outside_s + root_comm + optimizer_rules.optimizer_step_s(
+        training.optimizer, trace.param_count / shard, param_elem, profile, choice.cpu_offload)
     if choice.cpu_offload:
         # sharded params to the device before each all-gather, gradients back (PCIe, profile).
         const_s += 2 * trace.param_count * param_elem / shard / profile.host_to_device_bytes_per_s
