@@ -219,12 +219,10 @@ def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoi
     overlap = profile.device != "cpu"
 
     leading = next((i for i, it in enumerate(items) if not it.may_join_root), len(items))
-    coeffs = []
-    for c in space.candidates:
-        coeffs.append(_candidate_coeffs(
-            c, space, saved, inputs, fwd_rise, bwd_rise, fwd_s, bwd_s, sac, bp=bp, br=br, shard=shard,
-            replicas=replicas, profile=profile, d_f=d_f, d_b=d_b, overlap=overlap, trace=trace,
-            leading_root_items=leading))
+    per_item = _ItemTerms(tuple(saved), tuple(inputs), tuple(fwd_rise), tuple(bwd_rise), fwd_s, bwd_s, sac)
+    shared = _ChoiceTerms(bp=bp, br=br, shard=shard, replicas=replicas, profile=profile, d_f=d_f, d_b=d_b,
+                          overlap=overlap, trace=trace, leading_root_items=leading)
+    coeffs = [_candidate_coeffs(c, space, per_item, shared) for c in space.candidates]
 
     # ---- constants ----
     # Sharded state (ZeRO §5, stage 3): params + grads in their stored dtype + optimizer states, / shard,
@@ -302,8 +300,43 @@ def _selective_terms(cm: CostModel, space: SearchSpace, micro_batch: int, param_
     return stash, share, tail
 
 
-def _candidate_coeffs(c: Candidate, space: SearchSpace, saved, inputs, fwd_rise, bwd_rise, fwd_s, bwd_s, sac, *,
-                      bp, br, shard, replicas, profile, d_f, d_b, overlap, trace, leading_root_items) -> Coeffs:
+@dataclass(frozen=True)
+class _ItemTerms:
+    """Per item of the space, at the choice's micro-batch: activation bytes in the param dtype (everything
+    saved in its subtree, its input, its traced forward and backward rises), compute seconds (forward,
+    backward) and ``sac`` (:func:`_selective_terms`: None when no candidate is checkpointed)."""
+
+    saved: tuple[float, ...]
+    inputs: tuple[float, ...]
+    fwd_rise: tuple[float, ...]
+    bwd_rise: tuple[float, ...]
+    fwd_s: tuple[float, ...]
+    bwd_s: tuple[float, ...]
+    sac: tuple | None
+
+
+@dataclass(frozen=True)
+class _ChoiceTerms:
+    """What every candidate of one global choice shares: the param and reduce dtypes' element bytes, the
+    mesh, the profile (as the choice's ranks see it), the overlap windows in units of a unit's compute
+    (``d_f``, ``d_b``; ``overlap`` False on a CPU profile) and how many leading items may join the root."""
+
+    bp: int
+    br: int
+    shard: int
+    replicas: int
+    profile: HardwareProfile
+    d_f: int
+    d_b: int
+    overlap: bool
+    trace: ModelTrace
+    leading_root_items: int
+
+
+def _candidate_coeffs(c: Candidate, space: SearchSpace, items: _ItemTerms, ch: _ChoiceTerms) -> Coeffs:
+    saved, inputs, fwd_rise, bwd_rise, sac = items.saved, items.inputs, items.fwd_rise, items.bwd_rise, items.sac
+    fwd_s, bwd_s = items.fwd_s, items.bwd_s
+    bp, br, shard, profile, trace = ch.bp, ch.br, ch.shard, ch.profile, ch.trace
     o = c.option
     idx = range(c.start, c.stop)
     count = sum(space.items[i].param_count for i in idx)
@@ -359,8 +392,7 @@ def _candidate_coeffs(c: Candidate, space: SearchSpace, saved, inputs, fwd_rise,
         # full: the early stop's tail is not recomputed (trace/capture.py [Note: Early stop of the
         # recomputation]); a nested unit's own block is priced whole, as the simulator does
         rc = sum(fwd_s[i] * (1.0 - (sac[1][i] if selective else 0.0 if o.nested else sac[2][i])) for i in idx)
-    exposed = _exposed_comm_s(c, parts, cf, cb + rc, bp=bp, br=br, shard=shard, replicas=replicas, profile=profile,
-                              d_f=d_f, d_b=d_b, overlap=overlap, leading_root_items=leading_root_items)
+    exposed = _exposed_comm_s(c, parts, cf, cb + rc, ch)
     exposed += _copies_s(count, bp, br, 1 if o.in_root or not r.reshards else 2, profile)
     return Coeffs(
         stack_mib=_mib(act_stack + kept_params), fwd_mib=_mib(fwd_mem), copy_mib=_mib(copy_mem), bwd_mib=_mib(bwd_mem),
@@ -380,11 +412,12 @@ def _copies_s(count: int, bp: float, br: float, all_gathers: int, profile: Hardw
     return all_gathers * copy_out + copy_in
 
 
-def _exposed_comm_s(c: Candidate, parts: list[int], fwd_s: float, bwd_s: float, *, bp, br, shard, replicas,
-                    profile: HardwareProfile, d_f, d_b, overlap, leading_root_items) -> float:
+def _exposed_comm_s(c: Candidate, parts: list[int], fwd_s: float, bwd_s: float, ch: _ChoiceTerms) -> float:
     """Communication of one candidate the compute does not hide (module docstring, "Time per
     candidate"): ``parts`` are the parameter counts of its units' collectives (one, or the outer and
     each inner unit when nested); ``fwd_s``, ``bwd_s`` its compute (backward with recomputation)."""
+    bp, br, shard, replicas, profile = ch.bp, ch.br, ch.shard, ch.replicas, ch.profile
+    d_f, d_b, overlap, leading_root_items = ch.d_f, ch.d_b, ch.overlap, ch.leading_root_items
     o, r = c.option, ReshardAfterForward.of(c.option.reshard_after_forward, shard)
     count, n_collectives = sum(parts), len(parts)
     # collectives: cost/collectives.py (the ring model; intra- or inter-node by the group's layout)
