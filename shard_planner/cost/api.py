@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from shard_planner.checkpointing import check_checkpointing_allowed
 from shard_planner.cost.model import CostModel
-from shard_planner.cost.optimizer import OPTIMIZER_STATES
+from shard_planner.cost import optimizer as optimizer_rules
 from shard_planner.cost.tables import CostTables, build_tables
 from shard_planner.cost.types import Estimate, MemoryEstimate, TimeEstimate
 from shard_planner.cost.unit_bytes import unit_bytes
@@ -57,5 +57,5 @@ def model_state_bytes(trace: ModelTrace, plan: Plan) -> dict[str, int]:
     return {
         "sharded_params": int(round(sum(x.sharded for x in ub))),
         "grads": int(round(grads)),
-        "optimizer_states": int(round(OPTIMIZER_STATES[plan.training.optimizer] * grads)),
+        "optimizer_states": int(round(optimizer_rules.optimizer_state_bytes(plan.training.optimizer, grads))),
     }

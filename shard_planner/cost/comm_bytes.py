@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 from shard_planner.comm import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CollectiveBytes
 from shard_planner.cost.accumulation import micro_steps
+from shard_planner.cost.reshard import ReshardAfterForward
 from shard_planner.dtypes import FLOAT_DTYPES, dtype_bytes
 from shard_planner.plan import Plan
 
@@ -95,11 +96,9 @@ def collective_bytes_per_step(plan: Plan, unit_params: tuple[tuple[ParamShape, .
             reduced = sum(padded_numel(p, n) * reduce_elem for p in params if p.dtype in FLOAT_DTYPES)
             if not step.gathered:
                 _add(totals, ALL_GATHER, n, gathered, k)  # forward
-            r = unit.reshard_after_forward
-            if r is True or (not isinstance(r, bool) and r == n):  # an int equal to the group acts as True
-                _add(totals, ALL_GATHER, n, gathered, k)  # backward, from the sharded state
-            elif not isinstance(r, bool) and r is not None:
-                _add(totals, ALL_GATHER, r, gathered, k)  # backward, from the 1/r post-forward shards
+            r = ReshardAfterForward.of(unit.reshard_after_forward, n)  # cost/reshard.py
+            if r.reshards:  # backward, from the sharded state (ALWAYS) or the 1/r post-forward shards
+                _add(totals, ALL_GATHER, r.group_size, gathered, k)
             if reduced and step.sync:
                 _add(totals, REDUCE_SCATTER, n, reduced, k)
                 _add(totals, ALL_REDUCE, replicas, reduced // n, k)  # HSDP: the 1/N output across the replicas

@@ -137,10 +137,12 @@ import enum
 import logging
 from dataclasses import dataclass
 
+from shard_planner.cost import optimizer as optimizer_rules
 from shard_planner.cost.optimizer import (  # noqa: F401  (re-exported: the tables' old home)
     OPTIMIZER_STATES, OPTIMIZER_TEMPORARIES, OPTIMIZER_TEMPORARIES_SINGLE_TENSOR,
 )
 from shard_planner.cost.queries import PlanQuery
+from shard_planner.cost.reshard import reshard_group_sizes
 from shard_planner.cost.schedule import EventKind, Phase, Schedule
 from shard_planner.cost.selective import SelectiveBlocks
 from shard_planner.cost.tables import CostTables
@@ -228,10 +230,10 @@ class _MemoryWalk:
         training = plan.training
         self.b = b = training.micro_batch
         self.param_elem = dtype_bytes(training.param_dtype)
-        self.offload_off_device = off = training.cpu_offload and profile.device != "cpu"
+        self.offload_off_device = off = not optimizer_rules.state_on_device(training.cpu_offload, profile.device)
         sharded_total = sum(x.sharded for x in ub)
-        states = OPTIMIZER_STATES[training.optimizer] * sum(x.sharded_grad for x in ub)
-        int_sizes = {u.reshard_after_forward for u in plan.units if not isinstance(u.reshard_after_forward, bool)}
+        states = optimizer_rules.optimizer_state_bytes(training.optimizer, sum(x.sharded_grad for x in ub))
+        int_sizes = reshard_group_sizes(plan.units, plan.mesh.shard)
         overhead = profile.reserved_bytes + profile.per_process_group_bytes * len(int_sizes)
         cat = [0.0] * 8
         # buffers are not sharded and stay on the device under CPU offload (FSDP2 moves only parameters)
@@ -460,11 +462,9 @@ class _MemoryWalk:
     def optimizer(self, ev) -> None:
         training, plan = self.plan.training, self.plan
         if not self.offload_off_device:
-            if self.profile.device == "cpu":
-                temp = (OPTIMIZER_TEMPORARIES_SINGLE_TENSOR[training.optimizer] * self.t.largest_module_float_bytes
-                        / plan.mesh.shard)
-            else:
-                temp = OPTIMIZER_TEMPORARIES[training.optimizer] * sum(x.sharded_grad for x in self.ub)
+            temp = optimizer_rules.optimizer_temporaries_bytes(
+                training.optimizer, self.profile.device, sum(x.sharded_grad for x in self.ub),
+                self.t.largest_module_float_bytes, plan.mesh.shard)
             self.record("step", "", Phase.OPTIMIZER, extra_temp=temp)
         self.cat[_GR] = 0.0
         self.record("zero_grad", "", Phase.OPTIMIZER)

@@ -1,9 +1,13 @@
-"""The optimizer's memory and traffic per sharded parameter element: one table each, read by the
-memory simulator (cost/memory.py), the time simulator (cost/time.py) and the solver's linear model
-(solve/linear.py).
+"""The sharded model state and the optimizer step: where the state lives, the optimizer's states,
+temporaries and traffic per sharded parameter element — one table each and one function per rule,
+called by the memory simulator (cost/memory.py), the time simulator (cost/time.py), the model-state
+summary (cost/api.py) and the solver's linear model (solve/linear.py), so that none of them re-derives a
+rule (issue 27; tests/solve/test_linear_follows_cost_rules.py changes a rule here and sees all follow).
 """
 
 from __future__ import annotations
+
+from shard_planner.profile import HardwareProfile
 
 # Optimizer states per parameter element, in the sharded (built) dtype (torch/optim: AdamW and Adam
 # keep exp_avg and exp_avg_sq; SGD with momentum keeps momentum_buffer; plain SGD nothing; ZeRO §5
@@ -32,3 +36,36 @@ def optimizer_state_count(optimizer: str) -> int:
 def optimizer_step_bytes(optimizer: str, sharded_elements: float, state_elem_bytes: int) -> float:
     """Bytes the step reads and writes on one rank (memory-bound: time = bytes / bandwidth)."""
     return OPTIMIZER_ACCESSES_PER_ELEMENT[optimizer] * sharded_elements * state_elem_bytes
+
+
+def state_on_device(cpu_offload: bool, device: str) -> bool:
+    """Whether the sharded parameters, gradients and optimizer states are in device memory: not under
+    ``CPUOffloadPolicy`` on a GPU (they live on the host, and the step runs there); on a CPU profile the
+    host is the device and they still count (cost/memory.py [Note: CPU offload])."""
+    return not (cpu_offload and device != "cpu")
+
+
+def optimizer_state_bytes(optimizer: str, sharded_grad_bytes: float) -> float:
+    """The optimizer's states on one rank: ``OPTIMIZER_STATES`` per sharded gradient element, in the
+    gradient's (built) dtype (ZeRO §5's K; cost/memory.py [Note: FSDP2 model state])."""
+    return OPTIMIZER_STATES[optimizer] * sharded_grad_bytes
+
+
+def optimizer_temporaries_bytes(optimizer: str, device: str, sharded_float_bytes: float,
+                                largest_module_float_bytes: float, shard: int) -> float:
+    """The step's temporaries on one rank when it steps on the device (cost/memory.py [Note: Optimizer
+    step]): foreach on a GPU, in sizes of all ``sharded_float_bytes`` together; the single-tensor path on
+    a CPU, in sizes of the largest module's floating parameters' shard."""
+    if device == "cpu":
+        return OPTIMIZER_TEMPORARIES_SINGLE_TENSOR[optimizer] * largest_module_float_bytes / shard
+    return OPTIMIZER_TEMPORARIES[optimizer] * sharded_float_bytes
+
+
+def optimizer_step_s(optimizer: str, sharded_elements: float, state_elem_bytes: float, profile: HardwareProfile,
+                     cpu_offload: bool) -> float:
+    """Seconds of the step's memory traffic on one rank (memory-bound: :func:`optimizer_step_bytes` /
+    bandwidth): the host's bandwidth under CPU offload, where the step runs on the host (the device's when
+    the profile has none), else the device's. Framework overhead per tensor is cost/time.py's."""
+    bw = ((profile.host_memory_bandwidth_bytes_per_s or profile.memory_bandwidth_bytes_per_s) if cpu_offload
+          else profile.memory_bandwidth_bytes_per_s)
+    return optimizer_step_bytes(optimizer, sharded_elements, state_elem_bytes) / bw

@@ -46,6 +46,7 @@ import enum
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from shard_planner.cost.reshard import reshards_after_forward
 from shard_planner.cost.tables import CostTables
 from shard_planner.plan import Prefetch, Unit
 
@@ -134,9 +135,9 @@ def build_schedule(t: CostTables, units: tuple[Unit, ...], prefetch: Prefetch) -
                 pre_forward(u, i)
         ev.append(Event(EventKind.FORWARD, Phase.FORWARD, blk.unit, i))
         for u in (*blk.nested, blk.unit):
-            if t.unit_last_block[u] == i and u != root and units[u].reshard_after_forward is not False:
+            if t.unit_last_block[u] == i and u != root and reshards_after_forward(units[u].reshard_after_forward):
                 ev.append(Event(EventKind.RESHARD, Phase.FORWARD, u, i))
-    if units[root].reshard_after_forward is not False:
+    if reshards_after_forward(units[root].reshard_after_forward):
         ev.append(Event(EventKind.RESHARD, Phase.FORWARD, root))
     ev.append(Event(EventKind.FORWARD_END, Phase.FORWARD, root))
     ev.append(Event(EventKind.LOSS, Phase.BACKWARD))

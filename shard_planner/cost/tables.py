@@ -166,8 +166,7 @@ def segment_tables(trace: ModelTrace, segmentation: tuple[tuple[str, ...], ...],
         unit_float_dtypes=tuple(frozenset(dt for dt in d if dt in FLOAT_DTYPES) for d in unit_numel),
         unit_first_float_numel=tuple(sum(k for dt, k in d.items() if dt in FLOAT_DTYPES) for d in first_params),
         buffer_bytes=sum(m.buffer_bytes for m in trace.modules),
-        largest_module_float_bytes=max((sum(nb for dt, nb in m.param_bytes_by_dtype.items() if dt in FLOAT_DTYPES)
-                                        for m in trace.modules), default=0),
+        largest_module_float_bytes=largest_module_float_bytes(trace),
         total_param_numel=sum(sum(d.values()) for d in unit_numel),
         model_fwd_flops=fwd_total, model_bwd_flops=bwd_total,
         param_tensors=sum(m.param_tensors for m in trace.modules),
@@ -276,6 +275,13 @@ def _block_sequence(trace: ModelTrace, module_unit: dict[str, int], owner: dict[
 
     decompose(ROOT)
     return blocks
+
+
+def largest_module_float_bytes(trace: ModelTrace) -> int:
+    """The largest one module's own floating parameters, as built (what the single-tensor optimizer
+    step's temporaries scale with: cost/optimizer.py ``optimizer_temporaries_bytes``)."""
+    return max((sum(nb for dt, nb in m.param_bytes_by_dtype.items() if dt in FLOAT_DTYPES) for m in trace.modules),
+               default=0)
 
 
 def subtree_summer(trace: ModelTrace) -> Callable[[str, str], Affine]:

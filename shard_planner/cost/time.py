@@ -84,9 +84,10 @@ import logging
 from dataclasses import dataclass
 
 from shard_planner.cost.collectives import all_gather_time_s, reduce_scatter_time_s
-from shard_planner.cost.optimizer import optimizer_step_bytes
+from shard_planner.cost import optimizer as optimizer_rules
 from shard_planner.cost.overlap import overlapped_compute_end_s
 from shard_planner.cost.queries import CollectivesQuery, PlanQuery
+from shard_planner.cost.reshard import Reshard, ReshardAfterForward, reshards_after_forward
 from shard_planner.cost.schedule import EventKind, Phase, Schedule
 from shard_planner.cost.stragglers import straggler_factor
 from shard_planner.cost.tables import CostTables
@@ -138,9 +139,10 @@ def unit_collectives_s(q: CollectivesQuery, ub: tuple[UnitBytes, ...], profile: 
     for unit, x in zip(q.unit_bytes.units, ub):
         copy_in = x.sharded / h2d if offload else 0.0
         fwd = all_gather_time_s(profile, x.unsharded, n) + copy_in
-        r = unit.reshard_after_forward
+        r = ReshardAfterForward.of(unit.reshard_after_forward, n)
         ag_fwd.append(fwd)
-        ag_bwd.append(fwd if r is True else 0.0 if r is False else all_gather_time_s(profile, x.unsharded, r))
+        ag_bwd.append(fwd if r.kind is Reshard.ALWAYS else 0.0 if r.kind is Reshard.NEVER
+                      else all_gather_time_s(profile, x.unsharded, r.group_size))
         red = reduce_scatter_time_s(profile, x.rs_input, n, q.mesh.replicate)
         if offload:
             red += x.sharded_grad / h2d
@@ -191,7 +193,7 @@ def simulate_time_walk(trace: ModelTrace, t: CostTables, plan: PlanQuery, profil
     b = training.micro_batch
     n_units = len(plan.units)
     ag_fwd, ag_bwd, rs = collectives
-    needs_bwd_ag = [plan.units[u].reshard_after_forward is not False for u in range(n_units)]
+    needs_bwd_ag = [reshards_after_forward(plan.units[u].reshard_after_forward) for u in range(n_units)]
     fwd_s, bwd_s, rec_s, loss_s = _combine(t, schedule, compute, profile,
                                            selective.skipped_share if selective is not None else None,
                                            plan.mesh.world_size)
@@ -204,10 +206,9 @@ def simulate_time_walk(trace: ModelTrace, t: CostTables, plan: PlanQuery, profil
 
     # ---- optimizer: memory-bound, plus per-tensor overhead ----
     sharded_elems = sum(t.unit_float_numel) / plan.mesh.shard
-    opt_bytes = optimizer_step_bytes(training.optimizer, sharded_elems, dtype_bytes(t.built_dtype))
-    bw = (profile.host_memory_bandwidth_bytes_per_s or profile.memory_bandwidth_bytes_per_s) if training.cpu_offload \
-        else profile.memory_bandwidth_bytes_per_s
-    optimizer_s = opt_bytes / bw + t.param_tensors * profile.per_param_tensor_optimizer_overhead_s
+    optimizer_s = (optimizer_rules.optimizer_step_s(training.optimizer, sharded_elems, dtype_bytes(t.built_dtype),
+                                                    profile, training.cpu_offload)
+                   + t.param_tensors * profile.per_param_tensor_optimizer_overhead_s)
 
     comm_s = sum(ag_fwd) + sum(ag_bwd[u] for u in range(n_units) if needs_bwd_ag[u]) + sum(rs)
     if profile.device == "cpu":

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shard_planner.cost.queries import UnitBytesQuery
+from shard_planner.cost.reshard import ReshardAfterForward
 from shard_planner.cost.tables import CostTables
 from shard_planner.dtypes import dtype_bytes
 from shard_planner.plan import Plan
@@ -55,7 +56,7 @@ def query_unit_bytes(t: CostTables, q: UnitBytesQuery) -> tuple[UnitBytes, ...]:
         rs_input = float_numel * rs_elem
         rs_output = rs_input / n
         sharded_grad = float_built / n
-        r = u.reshard_after_forward
+        r = ReshardAfterForward.of(u.reshard_after_forward, n)
         # 0-d parameters are replicated, not sharded: whole on every rank, with their whole gradient (in the
         # built dtype, all-reduced) and so their whole optimizer states; never gathered or reduce-scattered.
         # See [Note: 0-d parameters] in execute/apply.py.
@@ -64,7 +65,7 @@ def query_unit_bytes(t: CostTables, q: UnitBytesQuery) -> tuple[UnitBytes, ...]:
         out.append(UnitBytes(
             sharded=(float_built + other) / n + replicated, unsharded=unsharded, rs_input=rs_input,
             rs_output=rs_output, sharded_grad=sharded_grad + replicated_grad, cast_input=unsharded / n if mp else 0.0,
-            post_forward=unsharded / r if (not isinstance(r, bool)) else 0.0, reshard=r is not False,
+            post_forward=r.clone_bytes(unsharded), reshard=r.reshards,
             grad_cast=rs_output != sharded_grad,  # reduce dtype differs from built: cast after
             last_grad=t.unit_first_float_numel[i] * pd_elem, mp=mp,
         ))

@@ -87,10 +87,10 @@ from shard_planner.cost.collectives import (
 )
 from shard_planner.checkpointing import DEFAULT_SAVE_OPS, is_selective
 from shard_planner.cost.model import CostModel
-from shard_planner.cost.optimizer import (
-    OPTIMIZER_STATES, OPTIMIZER_TEMPORARIES, OPTIMIZER_TEMPORARIES_SINGLE_TENSOR, optimizer_step_bytes,
-)
-from shard_planner.dtypes import DTYPE_BYTES, FLOAT_DTYPES
+from shard_planner.cost.reshard import Reshard, ReshardAfterForward
+from shard_planner.cost import optimizer as optimizer_rules
+from shard_planner.cost.tables import largest_module_float_bytes
+from shard_planner.dtypes import DTYPE_BYTES
 from shard_planner.plan import Mesh, Prefetch, Training
 from shard_planner.profile import HardwareProfile
 from shard_planner.solve.accumulation import NO_ACCUMULATION, Accumulation
@@ -199,7 +199,6 @@ def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoi
     bp = DTYPE_BYTES[training.param_dtype]  # unsharded (all-gathered) parameters and their gradients
     br = DTYPE_BYTES[training.reduce_dtype]  # reduce-scatter buffers
     act_scale = bp / DTYPE_BYTES.get(trace.compute_dtype, bp)  # activations follow the compute dtype
-    states = OPTIMIZER_STATES[training.optimizer]
 
     # ---- per item, in bytes / FLOPs at micro-batch b ----
     items = space.items
@@ -220,19 +219,18 @@ def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoi
     overlap = profile.device != "cpu"
 
     leading = next((i for i, it in enumerate(items) if not it.may_join_root), len(items))
-    coeffs = []
-    for c in space.candidates:
-        coeffs.append(_candidate_coeffs(
-            c, space, saved, inputs, fwd_rise, bwd_rise, fwd_s, bwd_s, sac, bp=bp, br=br, shard=shard,
-            replicas=replicas, profile=profile, d_f=d_f, d_b=d_b, overlap=overlap, trace=trace,
-            leading_root_items=leading))
+    per_item = _ItemTerms(tuple(saved), tuple(inputs), tuple(fwd_rise), tuple(bwd_rise), fwd_s, bwd_s, sac)
+    shared = _ChoiceTerms(bp=bp, br=br, shard=shard, replicas=replicas, profile=profile, d_f=d_f, d_b=d_b,
+                          overlap=overlap, trace=trace, leading_root_items=leading)
+    coeffs = [_candidate_coeffs(c, space, per_item, shared) for c in space.candidates]
 
     # ---- constants ----
-    # Sharded state (ZeRO §5, stage 3): params + grads in their stored dtype + optimizer states, / shard.
-    sharded_state = trace.param_count * param_elem * (2 + states) / shard
-    offload_off_device = choice.cpu_offload and profile.device != "cpu"
-    if offload_off_device:  # CPUOffloadPolicy keeps sharded params, grads and states on the host
-        sharded_state = 0.0  # (on a CPU profile the host is the device: cost/memory.py [Note: CPU offload])
+    # Sharded state (ZeRO §5, stage 3): params + grads in their stored dtype + optimizer states, / shard,
+    # on the host under CPU offload (the rules: cost/optimizer.py)
+    sharded_bytes = trace.param_count * param_elem / shard
+    on_device = optimizer_rules.state_on_device(choice.cpu_offload, profile.device)
+    sharded_state = (sharded_bytes + sharded_bytes + optimizer_rules.optimizer_state_bytes(
+        training.optimizer, sharded_bytes)) if on_device else 0.0
     item_saved_total = sum(saved)
     all_saved = cm.subtree_sum("", "saved_bytes_self").at(b) * act_scale
     outside_saved = max(0.0, all_saved - item_saved_total)
@@ -240,7 +238,8 @@ def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoi
     base = (profile.reserved_bytes + sharded_state + root_params * (2 * bp + br)
             + outside_saved + trace.batch_input_bytes.at(b) + trace.loss_saved_bytes.at(b) * act_scale)
     loss = trace.loss_peak_rise_bytes.at(b) * act_scale
-    opt_temp = _optimizer_temp_bytes(trace, training, profile, shard, param_elem, offload_off_device)
+    opt_temp = optimizer_rules.optimizer_temporaries_bytes(
+        training.optimizer, profile.device, sharded_bytes, largest_module_float_bytes(trace), shard) if on_device else 0.0
     optimizer = profile.reserved_bytes + sharded_state + opt_temp
 
     const_s = _constant_time_s(cm, trace, profile, fwd_s, bwd_s, choice, training, root_params, param_elem,
@@ -261,20 +260,6 @@ def with_accumulation(lm: LinearModel, choice: GlobalChoice, trace: ModelTrace, 
     return replace(lm, choice=choice, base_mib=lm.base_mib + _mib(held))
 
 
-def _optimizer_temp_bytes(trace: ModelTrace, training: Training, profile: HardwareProfile, shard: int,
-                          param_elem: float, offload_off_device: bool) -> float:
-    """The step's temporaries (cost/memory.py [Note: Optimizer step]; cost/optimizer.py): foreach AdamW/Adam
-    on a GPU one of the sharded parameters' size, the single-tensor path on a CPU 3x the largest module's
-    shard; SGD none; none on the device when the step runs on the host (offload)."""
-    if offload_off_device:
-        return 0.0
-    if profile.device == "cpu":
-        largest = max((sum(nb for dt, nb in m.param_bytes_by_dtype.items() if dt in FLOAT_DTYPES)
-                       for m in trace.modules), default=0)
-        return OPTIMIZER_TEMPORARIES_SINGLE_TENSOR[training.optimizer] * largest / shard
-    return OPTIMIZER_TEMPORARIES[training.optimizer] * trace.param_count * param_elem / shard
-
-
 def _constant_time_s(cm: CostModel, trace: ModelTrace, profile: HardwareProfile, fwd_s, bwd_s, choice: GlobalChoice,
                      training: Training, root_params: int, param_elem: float, *, bp: int, br: int) -> float:
     """The step time no candidate changes: compute outside every item, the root's collectives, the
@@ -288,11 +273,9 @@ def _constant_time_s(cm: CostModel, trace: ModelTrace, profile: HardwareProfile,
     # the root's all-gather at the start and its reduce-scatter (+ HSDP all-reduce) at the end
     root_comm = (all_gather_time_s(profile, root_params * bp, shard)
                  + reduce_scatter_time_s(profile, root_params * br, shard, replicas))
-    # the step is memory-bound (cost/optimizer.py OPTIMIZER_ACCESSES_PER_ELEMENT), on the host under offload
-    opt_bytes = optimizer_step_bytes(training.optimizer, trace.param_count / shard, param_elem)
-    opt_bw = ((profile.host_memory_bandwidth_bytes_per_s or profile.memory_bandwidth_bytes_per_s)
-              if choice.cpu_offload else profile.memory_bandwidth_bytes_per_s)
-    const_s = outside_s + root_comm + opt_bytes / opt_bw
+    # the step is memory-bound, on the host under offload (cost/optimizer.py)
+    const_s = outside_s + root_comm + optimizer_rules.optimizer_step_s(
+        training.optimizer, trace.param_count / shard, param_elem, profile, choice.cpu_offload)
     if choice.cpu_offload:
         # sharded params to the device before each all-gather, gradients back (PCIe, profile).
         const_s += 2 * trace.param_count * param_elem / shard / profile.host_to_device_bytes_per_s
@@ -317,8 +300,43 @@ def _selective_terms(cm: CostModel, space: SearchSpace, micro_batch: int, param_
     return stash, share, tail
 
 
-def _candidate_coeffs(c: Candidate, space: SearchSpace, saved, inputs, fwd_rise, bwd_rise, fwd_s, bwd_s, sac, *,
-                      bp, br, shard, replicas, profile, d_f, d_b, overlap, trace, leading_root_items) -> Coeffs:
+@dataclass(frozen=True)
+class _ItemTerms:
+    """Per item of the space, at the choice's micro-batch: activation bytes in the param dtype (everything
+    saved in its subtree, its input, its traced forward and backward rises), compute seconds (forward,
+    backward) and ``sac`` (:func:`_selective_terms`: None when no candidate is checkpointed)."""
+
+    saved: tuple[float, ...]
+    inputs: tuple[float, ...]
+    fwd_rise: tuple[float, ...]
+    bwd_rise: tuple[float, ...]
+    fwd_s: tuple[float, ...]
+    bwd_s: tuple[float, ...]
+    sac: tuple | None
+
+
+@dataclass(frozen=True)
+class _ChoiceTerms:
+    """What every candidate of one global choice shares: the param and reduce dtypes' element bytes, the
+    mesh, the profile (as the choice's ranks see it), the overlap windows in units of a unit's compute
+    (``d_f``, ``d_b``; ``overlap`` False on a CPU profile) and how many leading items may join the root."""
+
+    bp: int
+    br: int
+    shard: int
+    replicas: int
+    profile: HardwareProfile
+    d_f: int
+    d_b: int
+    overlap: bool
+    trace: ModelTrace
+    leading_root_items: int
+
+
+def _candidate_coeffs(c: Candidate, space: SearchSpace, items: _ItemTerms, ch: _ChoiceTerms) -> Coeffs:
+    saved, inputs, fwd_rise, bwd_rise, sac = items.saved, items.inputs, items.fwd_rise, items.bwd_rise, items.sac
+    fwd_s, bwd_s = items.fwd_s, items.bwd_s
+    bp, br, shard, profile, trace = ch.bp, ch.br, ch.shard, ch.profile, ch.trace
     o = c.option
     idx = range(c.start, c.stop)
     count = sum(space.items[i].param_count for i in idx)
@@ -346,13 +364,13 @@ def _candidate_coeffs(c: Candidate, space: SearchSpace, saved, inputs, fwd_rise,
     else:
         bwd_act = act_stack + max(bwd_rise[i] for i in idx)
 
-    r = o.reshard_after_forward
+    r = ReshardAfterForward.of(o.reshard_after_forward, shard)  # cost/reshard.py
     if o.in_root:  # the root's parameters and gradients live all step: in ``root`` (see [Note: The root's gradients])
         kept_params, regather, root_bytes = 0.0, 0.0, count * (2 * bp + br)
         fwd_mem, copy_mem, bwd_mem, rs_mem, next_gather, rs_in = fwd_act, 0.0, bwd_act, 0.0, 0.0, 0.0
     else:
-        kept_params = 0.0 if r is True else (gather if r is False else gather / r)
-        regather = 0.0 if r is False else gather_live
+        kept_params = r.kept_after_forward_bytes(gather)
+        regather = gather_live if r.reshards else 0.0
         root_bytes = 0.0
         fwd_mem = 2 * gather_live + fwd_act
         copy_mem = 2 * gather_live
@@ -374,14 +392,13 @@ def _candidate_coeffs(c: Candidate, space: SearchSpace, saved, inputs, fwd_rise,
         # full: the early stop's tail is not recomputed (trace/capture.py [Note: Early stop of the
         # recomputation]); a nested unit's own block is priced whole, as the simulator does
         rc = sum(fwd_s[i] * (1.0 - (sac[1][i] if selective else 0.0 if o.nested else sac[2][i])) for i in idx)
-    exposed = _exposed_comm_s(c, parts, cf, cb + rc, bp=bp, br=br, shard=shard, replicas=replicas, profile=profile,
-                              d_f=d_f, d_b=d_b, overlap=overlap, leading_root_items=leading_root_items)
-    exposed += _copies_s(count, bp, br, 1 if o.in_root or r is False else 2, profile)
+    exposed = _exposed_comm_s(c, parts, cf, cb + rc, ch)
+    exposed += _copies_s(count, bp, br, 1 if o.in_root or not r.reshards else 2, profile)
     return Coeffs(
         stack_mib=_mib(act_stack + kept_params), fwd_mib=_mib(fwd_mem), copy_mib=_mib(copy_mem), bwd_mib=_mib(bwd_mem),
         rs_mib=_mib(rs_mem), gather_mib=_mib(next_gather), prev_out_mib=_mib(next_gather),
         regather_mib=_mib(regather), rs_in_mib=_mib(rs_in), root_mib=_mib(root_bytes),
-        uses_int_reshard=not o.in_root and not isinstance(r, bool), time_us=_us(cf + cb + rc + exposed),
+        uses_int_reshard=not o.in_root and r.to_group, time_us=_us(cf + cb + rc + exposed),
     )
 
 
@@ -395,12 +412,13 @@ def _copies_s(count: int, bp: float, br: float, all_gathers: int, profile: Hardw
     return all_gathers * copy_out + copy_in
 
 
-def _exposed_comm_s(c: Candidate, parts: list[int], fwd_s: float, bwd_s: float, *, bp, br, shard, replicas,
-                    profile: HardwareProfile, d_f, d_b, overlap, leading_root_items) -> float:
+def _exposed_comm_s(c: Candidate, parts: list[int], fwd_s: float, bwd_s: float, ch: _ChoiceTerms) -> float:
     """Communication of one candidate the compute does not hide (module docstring, "Time per
     candidate"): ``parts`` are the parameter counts of its units' collectives (one, or the outer and
     each inner unit when nested); ``fwd_s``, ``bwd_s`` its compute (backward with recomputation)."""
-    o, r = c.option, c.option.reshard_after_forward
+    bp, br, shard, replicas, profile = ch.bp, ch.br, ch.shard, ch.replicas, ch.profile
+    d_f, d_b, overlap, leading_root_items = ch.d_f, ch.d_b, ch.overlap, ch.leading_root_items
+    o, r = c.option, ReshardAfterForward.of(c.option.reshard_after_forward, shard)
     count, n_collectives = sum(parts), len(parts)
     # collectives: cost/collectives.py (the ring model; intra- or inter-node by the group's layout)
     ar = sum(replica_all_reduce_time_s(profile, p * br, shard, replicas) for p in parts)  # HSDP; 0 without
@@ -410,12 +428,12 @@ def _exposed_comm_s(c: Candidate, parts: list[int], fwd_s: float, bwd_s: float, 
         exposed = ag_f + rs + ar  # at the very start and the very end of the step: nothing to hide behind
     else:
         ag_f = sum(all_gather_time_s(profile, p * bp, shard) for p in parts)
-        if r is True:
+        if r.kind is Reshard.ALWAYS:
             ag_b = ag_f
-        elif r is False:
+        elif r.kind is Reshard.NEVER:
             ag_b = 0.0
         else:
-            ag_b = sum(all_gather_time_s(profile, p * bp, r) for p in parts)
+            ag_b = sum(all_gather_time_s(profile, p * bp, r.group_size) for p in parts)
         rs = sum(reduce_scatter_time_s(profile, p * br, shard) for p in parts)
         if not overlap:  # gloo on CPU: collectives run on the thread that computes
             exposed = ag_f + ag_b + rs + ar
@@ -429,7 +447,7 @@ def _exposed_comm_s(c: Candidate, parts: list[int], fwd_s: float, bwd_s: float, 
         # Tie-break: among covers the model finds equally fast, prefer fewer collectives (each costs a
         # launch and a synchronisation that the ring model does not see; FSDP paper §3.2: finer units
         # cost throughput through more, smaller collectives).
-        exposed += TIE_BREAK_S_PER_COLLECTIVE * n_collectives * (3 if r is True else 2)
+        exposed += TIE_BREAK_S_PER_COLLECTIVE * n_collectives * (3 if r.kind is Reshard.ALWAYS else 2)
     return exposed
 
 

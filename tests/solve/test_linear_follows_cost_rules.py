@@ -1,0 +1,84 @@
+"""The solver's linear model and the simulators call the same FSDP2 rules (issue 27 item 2): change one
+rule in its one place (cost/optimizer.py, cost/reshard.py) and both follow, by the same amount."""
+
+import pytest
+
+from shard_planner.cost import CostModel
+from shard_planner.cost import optimizer as optimizer_rules
+from shard_planner.plan import Cluster, Mesh, Prefetch, Training
+from shard_planner.solve.linear import MIB, US_PER_S, GlobalChoice, build_linear_model
+from shard_planner.solve.simulate import cover_units, make_plan
+from shard_planner.solve.space import build_space
+from tests.models import solve_traces
+
+EXTRA_BYTES = 10 * 1024 * MIB  # 10 GiB: far above everything else, so the peak moves by exactly this
+
+
+def _both(profile, training: Training, choice: GlobalChoice):
+    """The simulators' estimate of one plan and the linear model it was covered from, each with a fresh
+    CostModel (no memo from before a patch)."""
+    trace = solve_traces.stack_trace(4)
+    space = build_space(trace, shard_group=choice.mesh.shard, gpus_per_node=8, max_group_size=4)
+    lm = build_linear_model(trace, space, choice, training, profile, CostModel(trace, profile))
+    cover = tuple(k for k, c in enumerate(space.candidates) if c.stop - c.start == 1
+                  and c.option.reshard_after_forward is True and not c.option.activation_checkpoint
+                  and not c.option.in_root and not c.option.nested)
+    plan = make_plan(trace, cover_units(lm, cover), choice, training=training,
+                     cluster=Cluster(choice.mesh.world_size, 8, profile.name, 80 * 2**30))
+    return CostModel(trace, profile).estimate(plan, timeline=False), lm
+
+
+@pytest.fixture
+def setup():
+    training = Training(1, "adamw", "bfloat16")
+    return solve_traces.profile(), training, GlobalChoice(1, Prefetch(1, 1), Mesh(8, 1))
+
+
+def test_optimizer_temporaries_rule_moves_both(setup, monkeypatch):
+    profile, training, choice = setup
+    rule = optimizer_rules.optimizer_temporaries_bytes
+    monkeypatch.setattr(optimizer_rules, "optimizer_temporaries_bytes", lambda *a: rule(*a) + EXTRA_BYTES)
+    est, lm = _both(profile, training, choice)  # the step is the peak now
+    monkeypatch.setattr(optimizer_rules, "optimizer_temporaries_bytes", lambda *a: rule(*a) + 2 * EXTRA_BYTES)
+    est2, lm2 = _both(profile, training, choice)
+    assert est.memory.peak_event == est2.memory.peak_event == "optimizer step"
+    assert est2.memory.peak_bytes - est.memory.peak_bytes == EXTRA_BYTES
+    assert lm2.optimizer_mib - lm.optimizer_mib == EXTRA_BYTES // MIB
+    assert lm2.base_mib == lm.base_mib and lm2.coeffs == lm.coeffs
+
+
+def test_optimizer_state_rule_moves_both(setup, monkeypatch):
+    profile, training, choice = setup
+    est, lm = _both(profile, training, choice)
+    rule = optimizer_rules.optimizer_state_bytes
+    monkeypatch.setattr(optimizer_rules, "optimizer_state_bytes", lambda *a: rule(*a) + EXTRA_BYTES)
+    est2, lm2 = _both(profile, training, choice)
+    assert est2.memory.peak_bytes - est.memory.peak_bytes == EXTRA_BYTES  # live at every event
+    assert est2.memory.memory_at_peak["optimizer_states"] - est.memory.memory_at_peak["optimizer_states"] == EXTRA_BYTES
+    assert lm2.base_mib - lm.base_mib == EXTRA_BYTES // MIB
+    assert lm2.optimizer_mib - lm.optimizer_mib == EXTRA_BYTES // MIB
+
+
+def test_state_on_device_rule_moves_both(setup, monkeypatch):
+    """CPU offload on a GPU takes the sharded state off the device, in both; the rule patched to keep it
+    there puts it back in both."""
+    profile, training, choice = setup
+    offload = GlobalChoice(1, Prefetch(1, 1), Mesh(8, 1), cpu_offload=True)
+    est_on, lm_on = _both(profile, training, choice)
+    est_off, lm_off = _both(profile, training, offload)
+    assert est_off.memory.memory_at_peak["optimizer_states"] == 0 and lm_off.base_mib < lm_on.base_mib
+    monkeypatch.setattr(optimizer_rules, "state_on_device", lambda cpu_offload, device: True)
+    est_kept, lm_kept = _both(profile, training, offload)
+    assert est_kept.memory.memory_at_peak["optimizer_states"] == est_on.memory.memory_at_peak["optimizer_states"] > 0
+    assert lm_kept.base_mib == lm_on.base_mib and lm_kept.optimizer_mib == lm_on.optimizer_mib
+
+
+def test_optimizer_step_time_rule_moves_both(setup, monkeypatch):
+    profile, training, choice = setup
+    est, lm = _both(profile, training, choice)
+    rule = optimizer_rules.optimizer_step_s
+    monkeypatch.setattr(optimizer_rules, "optimizer_step_s", lambda *a: rule(*a) + 1.0)
+    est2, lm2 = _both(profile, training, choice)
+    assert est2.time.optimizer_s - est.time.optimizer_s == pytest.approx(1.0)
+    assert est2.time.step_time_s - est.time.step_time_s == pytest.approx(1.0)
+    assert lm2.const_time_us - lm.const_time_us == pytest.approx(US_PER_S, abs=1)
