@@ -161,8 +161,8 @@ def test_estimate_builds_unit_bytes_once(mlp, gloo, monkeypatch):
     import shard_planner.cost.model as cost_model  # the CostModel builds them; a fresh one has none yet
 
     calls = []
-    real = cost_model.unit_bytes
-    monkeypatch.setattr(cost_model, "unit_bytes", lambda *a: calls.append(1) or real(*a))
+    real = cost_model.query_unit_bytes  # what the CostModel's unit-bytes memo calls (cost/queries.py)
+    monkeypatch.setattr(cost_model, "query_unit_bytes", lambda *a: calls.append(1) or real(*a))
     cost_model.CostModel(mlp, gloo).estimate(_plan([Unit(("",), False)] + [Unit((f"blocks.{i}",)) for i in range(L)]))
     assert len(calls) == 1
 
