@@ -360,7 +360,7 @@ def _save_and_continue(step: _Stepper, plan: Plan, options: RunOptions, next_ste
     ``checkpoint_steps`` more steps (the uninterrupted run the restore is compared with) and, on rank 0,
     write the side file. Returns the save's figures (CheckpointResult's fields but ``restores``)."""
     directory, rank = options.checkpoint_dir, dist.get_rank()
-    progress = {"step": next_step, "data_ranks": dist.get_world_size(), "micro_batch": plan.training.micro_batch}
+    progress = {"step": next_step, "data_ranks": plan.mesh.dp_size, "micro_batch": plan.training.micro_batch}
     status.progress("checkpoint save")
     save_s, extra_bytes = save_checkpoint(step.model, step.optimizer, progress, directory, step.device)
     status.progress("checkpoint digests")
