@@ -103,6 +103,10 @@ class Mesh:
         size = self.shard_group_size if group_size is None else group_size
         return group_spans_nodes(size, self.tp, gpus_per_node)
 
+    def shard_ranks_per_node(self, gpus_per_node: int) -> int:
+        """The ranks of one shard group on one node: all of them when the group fits in a node."""
+        return min(self.shard_group_size, max(1, gpus_per_node // self.tp))
+
     def replicate_group_spans_nodes(self, gpus_per_node: int) -> bool:
         """Whether the replicas of one shard (``shard x tp`` ranks apart) are on more than one node."""
         return group_spans_nodes(self.replicate_group_size, self.shard * self.tp, gpus_per_node)

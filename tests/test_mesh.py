@@ -61,3 +61,13 @@ def test_device_mesh_shape():
     assert (Mesh(shard=8).device_mesh_shape, Mesh(shard=8).device_mesh_dim_names) == ((8,), ("shard",))
     hsdp = Mesh(shard=8, replicate=2)
     assert (hsdp.device_mesh_shape, hsdp.device_mesh_dim_names) == ((2, 8), ("replicate", "shard"))
+
+
+def test_ranks_per_node_and_the_node_reshard_choice():
+    """The solver tries resharding to one node's ranks of a shard group that spans nodes."""
+    from shard_planner.solve.space import reshard_choices
+
+    assert Mesh(shard=16).shard_ranks_per_node(8) == 8 and Mesh(shard=4).shard_ranks_per_node(8) == 4
+    assert reshard_choices(16, 8) == (True, False, 8)
+    assert reshard_choices(8, 8) == (True, False) and reshard_choices(12, 8) == (True, False)
+    assert reshard_choices(16, 1) == (True, False)
