@@ -27,6 +27,7 @@ from pathlib import Path
 from shard_planner.checkpointing import DEFAULT_SAVE_OPS, SAVEABLE_OP_CLASSES, SELECTIVE
 from shard_planner.errors import PlanError
 from shard_planner.fileio import read_json, write_atomic
+from shard_planner.mesh import Mesh  # the plan file's "mesh" section: the parallel degrees
 from shard_planner.plan_schema import AnyOf, Bool, Int, ListOf, MapOf, Nullable, Number, Section, Text
 
 PLAN_SCHEMA_VERSION = 1
@@ -126,30 +127,6 @@ class Prefetch:
 
 
 @dataclass(frozen=True)
-class Mesh:
-    """shard: ranks one parameter is sharded over; replicate: HSDP replicas (1 = plain FSDP)."""
-
-    shard: int
-    replicate: int = 1
-
-    def __post_init__(self):
-        for name in ("shard", "replicate"):
-            v = getattr(self, name)
-            _require(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"mesh.{name} must be a positive int, got {v!r}")
-
-    @property
-    def world_size(self) -> int:
-        return self.shard * self.replicate
-
-    @property
-    def description(self) -> str:
-        """For people: ``FSDP over 8 GPUs``, or ``HSDP 2 replicas x 8 GPUs`` (replicate x shard)."""
-        if self.replicate == 1:
-            return f"FSDP over {self.shard} GPU{'s' if self.shard > 1 else ''}"
-        return f"HSDP {self.replicate} replicas x {self.shard} GPUs"
-
-
-@dataclass(frozen=True)
 class Cluster:
     gpus: int
     gpus_per_node: int
@@ -179,7 +156,7 @@ class Training:
     # Gradient accumulation (cost/accumulation.py): micro-steps per optimizer step; whether gradients are
     # reduce-scattered every micro-step or only on the last (GRADIENT_SYNCS); whether parameters stay
     # gathered from one micro-step's backward to the next forward (set_reshard_after_backward(False) on
-    # all but the last). The global batch is micro_batch x accumulation_steps x mesh.world_size samples.
+    # all but the last). The global batch is micro_batch x accumulation_steps x mesh.dp_size samples.
     accumulation_steps: int = 1
     gradient_sync: str = "every_micro_step"
     keep_params_gathered: bool = False
@@ -288,7 +265,7 @@ class Plan:
         _require(self.schema_version == PLAN_SCHEMA_VERSION,
                  f"plan schema_version {self.schema_version!r} is not {PLAN_SCHEMA_VERSION}: re-run shard-planner plan")
         _require(self.mesh.world_size == self.cluster.gpus,
-                 f"mesh {self.mesh.replicate}x{self.mesh.shard} does not use the cluster's {self.cluster.gpus} GPUs")
+                 f"mesh {self.mesh.shape_text} does not use the cluster's {self.cluster.gpus} GPUs")
         roots = [u for u in self.units if u.is_root]
         _require(len(roots) == 1, "a plan needs exactly one unit for the root module (modules: [\"\"])")
         seen: set[str] = set()
@@ -298,9 +275,9 @@ class Plan:
             seen.update(u.modules)
             r = u.reshard_after_forward
             if not isinstance(r, bool):
-                _require(r < self.mesh.shard and self.mesh.shard % r == 0,
+                _require(self.mesh.is_reshard_size(r),
                          f"units[{i}] (unit {u.name}): reshard_after_forward={r} must divide the shard group size "
-                         f"{self.mesh.shard} and be smaller than it")
+                         f"{self.mesh.shard_group_size} and be smaller than it")
 
     @property
     def root(self) -> Unit:
@@ -309,7 +286,7 @@ class Plan:
     @property
     def global_batch_samples(self) -> int:
         """Samples per optimizer step over the cluster: micro-batch x accumulation steps x data-parallel ranks."""
-        return self.training.micro_batch * self.training.accumulation_steps * self.mesh.world_size
+        return self.training.micro_batch * self.training.accumulation_steps * self.mesh.dp_size
 
     @property
     def accumulation_text(self) -> str:
@@ -321,7 +298,7 @@ class Plan:
         sync = "every micro-step" if tr.gradient_sync == GRADIENT_SYNCS[0] else "the last micro-step only"
         kept = ", parameters kept gathered between them" if tr.keep_params_gathered else ""
         return (f"global batch {self.global_batch_samples} = micro-batch {tr.micro_batch} x {tr.accumulation_steps} "
-                f"micro-steps x {self.mesh.world_size} GPUs, gradients reduce-scattered on {sync}{kept}")
+                f"micro-steps x {self.mesh.dp_size} GPUs, gradients reduce-scattered on {sync}{kept}")
 
     @property
     def inner_units(self) -> tuple[Unit, ...]:
@@ -338,16 +315,16 @@ class Plan:
     def with_world_size(self, world_size: int) -> "Plan":
         """The same decisions on ``world_size`` ranks (plain FSDP); int reshard sizes that no longer
         divide the group become True. Predictions are dropped: they were for the old size."""
+        mesh = Mesh(shard=world_size)
         units = tuple(
-            u if isinstance(u.reshard_after_forward, bool) or (
-                u.reshard_after_forward < world_size and world_size % u.reshard_after_forward == 0)
+            u if isinstance(u.reshard_after_forward, bool) or mesh.is_reshard_size(u.reshard_after_forward)
             else replace(u, reshard_after_forward=True)
             for u in self.units
         )
         return replace(
             self,
             cluster=replace(self.cluster, gpus=world_size, gpus_per_node=min(self.cluster.gpus_per_node, world_size)),
-            mesh=Mesh(shard=world_size),
+            mesh=mesh,
             units=units,
             predicted=None,
         )
@@ -358,6 +335,8 @@ class Plan:
         for u in d["units"]:  # written for selective units only: other units' JSON stays as before
             if not u["ac_save_ops"]:
                 del u["ac_save_ops"]
+        if self.mesh.tp == 1:  # plans without tensor parallelism read as they did before it
+            d["mesh"].pop("tp")
         if self.training.accumulation_steps == 1:  # plans without accumulation read as they did before it
             for name in _ACCUMULATION_FIELDS:
                 d["training"].pop(name)
@@ -389,7 +368,7 @@ PLAN_RULES = {
     "ModelRef.seq_len": Nullable(_COUNT), "ModelRef.relative_path": Nullable(Text()),
     "ModelRef.hf_task": Nullable(Text()),
     "Cluster.gpus": _COUNT, "Cluster.gpus_per_node": _COUNT, "Cluster.mem_budget_bytes": _COUNT,
-    "Mesh.shard": _COUNT, "Mesh.replicate": _COUNT,
+    "Mesh.shard": _COUNT, "Mesh.replicate": _COUNT, "Mesh.tp": _COUNT,
     "Training.micro_batch": _COUNT, "Training.optimizer": Text(OPTIMIZERS),
     "Training.param_dtype": Text(DTYPES), "Training.reduce_dtype": Text(DTYPES), "Training.lr": Number(positive=True),
     "Training.accumulation_steps": _COUNT, "Training.gradient_sync": Text(GRADIENT_SYNCS),

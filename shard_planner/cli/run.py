@@ -83,7 +83,7 @@ def run(args) -> int:
     rederived = world_size != plan.mesh.world_size
     if rederived:
         print(f"re-derived: the plan is for {plan.mesh.world_size} GPUs "
-              f"(mesh {plan.mesh.replicate}x{plan.mesh.shard}); running the same units on {world_size} "
+              f"(mesh {plan.mesh.shape_text}); running the same units on {world_size} "
               f"rank{'s' if world_size > 1 else ''} (plain FSDP, Plan.with_world_size); its predictions do not "
               "apply: re-estimating with the cost model where it is available")
     checkpoint = (CheckpointOptions(args.checkpoint_dir, args.checkpoint_steps, args.checkpoint_reshard_to)

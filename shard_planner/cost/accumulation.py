@@ -241,7 +241,7 @@ class _AccumulationWalk(_MemoryWalk):
 
 # ---- time ----
 def accumulated_time(training: Training, walk: Callable[[tuple], TimeEstimate], collectives: tuple,
-                     tokens_per_sample: int | None, world_size: int) -> TimeEstimate:
+                     tokens_per_sample: int | None, dp_size: int) -> TimeEstimate:
     """One optimizer step: each simulated micro-step's time (``walk(collectives)``: cost/time.py's
     simulation of one step, its optimizer step taken off) times the micro-steps it stands for, plus one
     optimizer step. A micro-step whose parameters are still gathered has no forward all-gathers; one
@@ -253,7 +253,7 @@ def accumulated_time(training: Training, walk: Callable[[tuple], TimeEstimate], 
     optimizer_s = parts[-1][1].optimizer_s
     step_s = sum(k * (e.step_time_s - e.optimizer_s) for k, e in parts) + optimizer_s
     compute_s = sum(k * e.compute_s for k, e in parts)
-    samples = training.micro_batch * training.accumulation_steps * world_size
+    samples = training.micro_batch * training.accumulation_steps * dp_size
     units = tuple(
         replace(us[0][1], **{f: sum(k * getattr(u, f) for k, u in us) for f in (
             "fwd_compute_s", "bwd_compute_s", "all_gather_s", "reduce_scatter_s", "exposed_comm_s")})

@@ -28,11 +28,14 @@ Every collective of the cost model and the solver's linear model is priced by :f
 
 Rank layout: ranks are numbered node by node (torchrun's default), the shard group is contiguous and
 the replicate group (HSDP) strides by the shard size — the ("replicate", "shard") mesh of
-``init_device_mesh``.
+``init_device_mesh``. The rule of which group leaves a node is the mesh's
+(:func:`shard_planner.mesh.group_spans_nodes`, [Note: which size means what]); the functions here take
+the group sizes of a mesh without tensor parallelism (stride 1 within a shard group).
 """
 
 from __future__ import annotations
 
+from shard_planner.mesh import group_spans_nodes
 from shard_planner.profile import HardwareProfile
 
 
@@ -53,12 +56,12 @@ def busbw_at_bytes(nbytes: float, busbw_bytes_per_s: float, busbw_half_bytes: fl
 
 def shard_group_spans_nodes(profile: HardwareProfile, group_size: int) -> bool:
     """A contiguous group of ``group_size`` ranks leaves its node when it is larger than a node."""
-    return group_size > profile.interconnect.gpus_per_node
+    return group_spans_nodes(group_size, 1, profile.interconnect.gpus_per_node)
 
 
 def replicate_group_spans_nodes(profile: HardwareProfile, shard_size: int, replicate: int) -> bool:
     """Replicas stride by ``shard_size`` ranks: they share a node only if all of them fit in one."""
-    return replicate > 1 and shard_size * replicate > profile.interconnect.gpus_per_node
+    return group_spans_nodes(replicate, shard_size, profile.interconnect.gpus_per_node)
 
 
 def ring_time_s(nbytes: float, group_size: int, latency_s: float, busbw_bytes_per_s: float,

@@ -80,7 +80,7 @@ def collective_bytes_per_step(plan: Plan, unit_params: tuple[tuple[ParamShape, .
     """
     if len(unit_params) != len(plan.units):
         raise ValueError(f"{len(unit_params)} parameter lists for {len(plan.units)} units")
-    n, replicas = plan.mesh.shard, plan.mesh.replicate
+    n, replicas = plan.mesh.shard_group_size, plan.mesh.replicate_group_size
     param_elem = dtype_bytes(plan.training.param_dtype)
     reduce_elem = dtype_bytes(plan.training.reduce_dtype)
     totals: dict[tuple[str, int], tuple[int, int]] = {}

@@ -8,7 +8,7 @@ and each unit's sharding state, and returns the peak, its breakdown and the whol
 Model state (ZeRO, Rajbhandari et al. SC'20, §5). ZeRO-3 with mixed-precision Adam holds
 ``(2 + 2 + K)Ψ / N`` bytes per rank with K = 12: 16-bit parameters (2), 16-bit gradients (2), and fp32
 master parameters, momentum and variance (12). FSDP2 realises the same 16Ψ/N with a different split —
-see [Note: FSDP2 model state]. Sharded bytes divide by the shard group (``plan.mesh.shard``), not by
+see [Note: FSDP2 model state]. Sharded bytes divide by the shard group (``plan.mesh.shard_group_size``), not by
 the world size: HSDP replicas each hold a full sharded copy.
 
 The rest follows the FSDP2 source (torch/distributed/fsdp/_fully_shard/, cited per note) and was
@@ -233,7 +233,7 @@ class _MemoryWalk:
         self.offload_off_device = off = not optimizer_rules.state_on_device(training.cpu_offload, profile.device)
         sharded_total = sum(x.sharded for x in ub)
         states = optimizer_rules.optimizer_state_bytes(training.optimizer, sum(x.sharded_grad for x in ub))
-        int_sizes = reshard_group_sizes(plan.units, plan.mesh.shard)
+        int_sizes = reshard_group_sizes(plan.units, plan.mesh.shard_group_size)
         overhead = profile.reserved_bytes + profile.per_process_group_bytes * len(int_sizes)
         cat = [0.0] * 8
         # buffers are not sharded and stay on the device under CPU offload (FSDP2 moves only parameters)
@@ -445,7 +445,7 @@ class _MemoryWalk:
             self.record("reduce-scatter output", name, Phase.BACKWARD, extra_temp=x.rs_output + x.sharded_grad)
         if not self.offload_off_device:
             cat[_GR] += x.sharded_grad
-        if self.plan.mesh.replicate > 1 and x.grad_cast:
+        if self.plan.mesh.is_hsdp and x.grad_cast:
             cat[_CB] += x.rs_output  # kept for the replica all-reduce (FSDPParamGroup._all_reduce_state)
 
     def reshards_after_backward(self) -> bool:
@@ -464,7 +464,7 @@ class _MemoryWalk:
         if not self.offload_off_device:
             temp = optimizer_rules.optimizer_temporaries_bytes(
                 training.optimizer, self.profile.device, sum(x.sharded_grad for x in self.ub),
-                self.t.largest_module_float_bytes, plan.mesh.shard)
+                self.t.largest_module_float_bytes, plan.mesh.shard_group_size)
             self.record("step", "", Phase.OPTIMIZER, extra_temp=temp)
         self.cat[_GR] = 0.0
         self.record("zero_grad", "", Phase.OPTIMIZER)

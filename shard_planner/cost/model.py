@@ -354,7 +354,7 @@ class CostModel:
                                       selective=selective, copies=copies)
         if q.training.accumulation_steps == 1:
             return walk(comm)
-        return accumulated_time(q.training, walk, comm, self.trace.tokens_per_sample, q.mesh.world_size)
+        return accumulated_time(q.training, walk, comm, self.trace.tokens_per_sample, q.mesh.dp_size)
 
     def _collectives_s(self, q: CollectivesQuery):
         """Per unit its collectives' and its FSDP2 copies' seconds (cost/time.py, cost/fsdp_copies.py)."""

@@ -133,7 +133,7 @@ class UnitBytesQuery:
     @staticmethod
     def of(plan) -> "UnitBytesQuery":
         tr = plan.training
-        return UnitBytesQuery(units_of(plan), plan.mesh.shard, tr.param_dtype, tr.reduce_dtype)
+        return UnitBytesQuery(units_of(plan), plan.mesh.shard_group_size, tr.param_dtype, tr.reduce_dtype)
 
 
 @_query

@@ -134,7 +134,7 @@ def unit_collectives_s(q: CollectivesQuery, ub: tuple[UnitBytes, ...], profile: 
     never reshards unless the plan says so) and reduce-scatter (+ the HSDP all-reduce) seconds; ``ub``
     are ``q.unit_bytes``'s. Reads only ``q`` (cost/queries.py [Note: A memo is keyed by its function's
     query])."""
-    n, offload, h2d = q.mesh.shard, q.cpu_offload, profile.host_to_device_bytes_per_s
+    n, offload, h2d = q.mesh.shard_group_size, q.cpu_offload, profile.host_to_device_bytes_per_s
     ag_fwd, ag_bwd, rs = [], [], []
     for unit, x in zip(q.unit_bytes.units, ub):
         copy_in = x.sharded / h2d if offload else 0.0
@@ -143,7 +143,7 @@ def unit_collectives_s(q: CollectivesQuery, ub: tuple[UnitBytes, ...], profile: 
         ag_fwd.append(fwd)
         ag_bwd.append(fwd if r.kind is Reshard.ALWAYS else 0.0 if r.kind is Reshard.NEVER
                       else all_gather_time_s(profile, x.unsharded, r.group_size))
-        red = reduce_scatter_time_s(profile, x.rs_input, n, q.mesh.replicate)
+        red = reduce_scatter_time_s(profile, x.rs_input, n, q.mesh.replicate_group_size)
         if offload:
             red += x.sharded_grad / h2d
         rs.append(red)
@@ -205,7 +205,7 @@ def simulate_time_walk(trace: ModelTrace, t: CostTables, plan: PlanQuery, profil
     compute_s = sum(unit_fwd) + sum(unit_bwd) + loss_s
 
     # ---- optimizer: memory-bound, plus per-tensor overhead ----
-    sharded_elems = sum(t.unit_float_numel) / plan.mesh.shard
+    sharded_elems = sum(t.unit_float_numel) / plan.mesh.shard_group_size
     optimizer_s = (optimizer_rules.optimizer_step_s(training.optimizer, sharded_elems, dtype_bytes(t.built_dtype),
                                                     profile, training.cpu_offload)
                    + t.param_tensors * profile.per_param_tensor_optimizer_overhead_s)
@@ -221,7 +221,7 @@ def simulate_time_walk(trace: ModelTrace, t: CostTables, plan: PlanQuery, profil
         step_s = streams.run() + optimizer_s
         exposed = streams.exposed
 
-    samples = b * plan.mesh.world_size
+    samples = b * plan.mesh.dp_size
     model_flops = (t.model_fwd_flops.at(b) + t.model_bwd_flops.at(b) + trace.loss_flops.at(b))
     peak = profile.peak_flops_per_s.get(training.param_dtype) or profile.flops_per_s(training.param_dtype)
     units = tuple(

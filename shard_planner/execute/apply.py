@@ -152,19 +152,16 @@ def _check_group(model: nn.Module, unit: Unit) -> None:
 # ---- mesh and policies ----
 def build_mesh(plan: Plan, device_type: str) -> DeviceMesh:
     """The plan's mesh over the initialised default process group: 1-D ("shard",) for FSDP, 2-D
-    ("replicate", "shard") for HSDP."""
-    if plan.mesh.replicate == 1:
-        return init_device_mesh(device_type, (plan.mesh.shard,), mesh_dim_names=("shard",))
-    return init_device_mesh(device_type, (plan.mesh.replicate, plan.mesh.shard),
-                            mesh_dim_names=("replicate", "shard"))
+    ("replicate", "shard") for HSDP (:attr:`Mesh.device_mesh_shape`)."""
+    return init_device_mesh(device_type, plan.mesh.device_mesh_shape, mesh_dim_names=plan.mesh.device_mesh_dim_names)
 
 
 def _check_mesh(mesh: DeviceMesh, plan: Plan) -> None:
-    want = (plan.mesh.shard,) if plan.mesh.replicate == 1 else (plan.mesh.replicate, plan.mesh.shard)
+    want = plan.mesh.device_mesh_shape
     if tuple(mesh.shape) != want:
         shape = "x".join(str(s) for s in mesh.shape)
         raise PlanError(f"the plan needs a mesh of shape {'x'.join(map(str, want))} "
-                        f"({'replicate x shard' if len(want) == 2 else 'shard'}), got {shape}")
+                        f"({' x '.join(plan.mesh.device_mesh_dim_names)}), got {shape}")
 
 
 def mixed_precision_policy(plan: Plan) -> MixedPrecisionPolicy:

@@ -204,7 +204,8 @@ def _run_with_checkpoint(plan: Plan, plan_path, options: CheckpointOptions, **kw
     then, with ``reshard_to``, a second world of that size restores the same folder. A kept folder that
     the run fails to fill is emptied again (it was new or empty); a temporary one is always removed."""
     if options.reshard_to is not None:
-        samples = (kwargs.get("world_size") or plan.mesh.world_size) * plan.training.micro_batch
+        ran = plan.at_world_size(kwargs["world_size"])[0] if kwargs.get("world_size") else plan
+        samples = ran.mesh.dp_size * ran.training.micro_batch
         if options.reshard_to < 1 or samples % options.reshard_to:
             raise RunError(f"--checkpoint-reshard-to {options.reshard_to}: the restored run replays the global batch "
                            f"of {samples} samples cut into equal parts per rank; give a world size that divides it")

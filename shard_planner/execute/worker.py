@@ -236,8 +236,8 @@ def train_and_measure(plan: Plan, model_path: str, options: RunOptions, device: 
         plan_fingerprint=plan_fingerprint(plan),
         model_path=plan.model.path,
         world_size=world_size,
-        mesh_shard=plan.mesh.shard,
-        mesh_replicate=plan.mesh.replicate,
+        mesh_shard=plan.mesh.shard_group_size,
+        mesh_replicate=plan.mesh.replicate_group_size,
         micro_batch=plan.training.micro_batch,
         device=device.type,
         device_name=_device_name(device),
@@ -360,7 +360,7 @@ def _save_and_continue(step: _Stepper, plan: Plan, options: RunOptions, next_ste
     ``checkpoint_steps`` more steps (the uninterrupted run the restore is compared with) and, on rank 0,
     write the side file. Returns the save's figures (CheckpointResult's fields but ``restores``)."""
     directory, rank = options.checkpoint_dir, dist.get_rank()
-    progress = {"step": next_step, "data_ranks": dist.get_world_size(), "micro_batch": plan.training.micro_batch}
+    progress = {"step": next_step, "data_ranks": plan.mesh.dp_size, "micro_batch": plan.training.micro_batch}
     status.progress("checkpoint save")
     save_s, extra_bytes = save_checkpoint(step.model, step.optimizer, progress, directory, step.device)
     status.progress("checkpoint digests")

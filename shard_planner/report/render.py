@@ -36,7 +36,7 @@ def summary_lines(plan: Plan, budget: ReportBudget, measured: tuple[MeasuredFigu
     """(field, value) pairs that say what the plan is and what it is predicted (and measured) to do; the
     peak and the hand-written policies judged against the usable budget (``budget``)."""
     c, t, m = plan.cluster, plan.training, plan.mesh
-    mesh = f"{m.shard}-way sharding" + (f" x {m.replicate} replicas (HSDP)" if m.replicate > 1 else "")
+    mesh = f"{m.shard_group_size}-way sharding" + (f" x {m.replicate_group_size} replicas (HSDP)" if m.is_hsdp else "")
     inner = list(plan.inner_units)
     grouped = sum(1 for u in inner if len(u.modules) > 1)
     checkpointed = sum(1 for u in inner if u.activation_checkpoint)

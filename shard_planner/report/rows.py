@@ -142,7 +142,7 @@ def unit_rows(plan: Plan, trace: ModelTrace | None = None, estimate: Estimate | 
         if sizes is not None:
             s = sizes[members[0]]
             row.update(param_count=s["params"],
-                       sharded_param_bytes=-(-s["built_bytes"] // plan.mesh.shard),
+                       sharded_param_bytes=-(-s["built_bytes"] // plan.mesh.shard_group_size),
                        unsharded_param_bytes=s["params"] * param_bytes,
                        activation_bytes=int(_mean([sizes[i]["saved_bytes"] for i in members])))
         unit_times = [times[plan.units[i].name] for i in members if plan.units[i].name in times]

@@ -128,13 +128,14 @@ class PlanContext:
         self._threads: ThreadPoolExecutor | None = None
 
     def space(self, mesh: Mesh) -> SearchSpace:
-        if mesh.shard not in self._spaces:
-            self._spaces[mesh.shard] = build_space(self.trace, shard_group=mesh.shard,
-                                                   gpus_per_node=self.cluster.gpus_per_node,
-                                                   max_group_size=self.max_group_size)
-            if not self._spaces[mesh.shard].items:
+        shard = mesh.shard_group_size
+        if shard not in self._spaces:
+            self._spaces[shard] = build_space(self.trace, shard_group=shard,
+                                              gpus_per_node=self.cluster.gpus_per_node,
+                                              max_group_size=self.max_group_size)
+            if not self._spaces[shard].items:
                 raise UserError(f"{self.trace.model_path}: the model has no modules with parameters to shard")
-        return self._spaces[mesh.shard]
+        return self._spaces[shard]
 
     def linear(self, choice: GlobalChoice) -> LinearModel:
         """The linear model of ``choice`` (built once: the screen, the solves and the sweep share it)."""

@@ -194,7 +194,7 @@ def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoi
     cm = cm.for_world(choice.mesh.world_size)
     profile = cm.profile
     b = choice.micro_batch
-    shard = choice.mesh.shard
+    shard = choice.mesh.shard_group_size
     param_elem = sum(m.param_bytes for m in trace.modules) / max(trace.param_count, 1)  # stored bytes per param
     bp = DTYPE_BYTES[training.param_dtype]  # unsharded (all-gathered) parameters and their gradients
     br = DTYPE_BYTES[training.reduce_dtype]  # reduce-scatter buffers
@@ -210,7 +210,7 @@ def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoi
     # (cost.module_compute_s; see "Time per candidate" in the module docstring)
     fwd_s, bwd_s = zip(*(cm.module_compute_s(it.fqn, b, training.param_dtype) for it in items))
     sac = _selective_terms(cm, space, b, training.param_dtype, act_scale)
-    replicas = choice.mesh.replicate
+    replicas = choice.mesh.replicate_group_size
     # Overlap windows in units of the unit's own compute: FSDP2's implicit prefetch (the CPU runs
     # ahead) already overlaps one unit in forward when the explicit depth is 0, and backward always
     # prefetches one (DESIGN.md "FSDP2 facts"; cost/time.py models the same).
@@ -264,7 +264,7 @@ def _constant_time_s(cm: CostModel, trace: ModelTrace, profile: HardwareProfile,
                      training: Training, root_params: int, param_elem: float, *, bp: int, br: int) -> float:
     """The step time no candidate changes: compute outside every item, the root's collectives, the
     optimizer step and, under CPU offload, the host-device copies."""
-    b, shard, replicas = choice.micro_batch, choice.mesh.shard, choice.mesh.replicate
+    b, shard, replicas = choice.micro_batch, choice.mesh.shard_group_size, choice.mesh.replicate_group_size
     # compute outside every item: the root's subtree less the items', and the loss (the root's measured
     # time does not hold the loss: timings.py times loss_fn outside every module)
     root_f, root_b = cm.module_compute_s("", b, training.param_dtype)

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from shard_planner.checkpointing import DEFAULT_SAVE_OPS, SELECTIVE, checkpointing_refusal, is_selective
 from shard_planner.cost.selective import keeps_something, supports_selective
+from shard_planner.mesh import Mesh
 from shard_planner.ownership import contiguous_among, split_groups, tie_groups
 from shard_planner.plan import ROOT
 from shard_planner.trace.types import ModelTrace
@@ -202,7 +203,9 @@ def checkpointing_allowed(trace: ModelTrace) -> bool:
 def reshard_choices(shard_group: int, gpus_per_node: int) -> tuple[bool | int, ...]:
     """True, False, and the int divisors worth trying: the node size when the group spans nodes
     (re-gather inside the node over NVLink instead of across the network in backward)."""
-    ints = [gpus_per_node] if 1 < gpus_per_node < shard_group and shard_group % gpus_per_node == 0 else []
+    mesh = Mesh(shard=shard_group)
+    per_node = mesh.shard_ranks_per_node(gpus_per_node)
+    ints = [per_node] if per_node > 1 and mesh.is_reshard_size(per_node) else []
     return (True, False, *ints)
 
 

@@ -107,7 +107,7 @@ def hand_written_plans(trace, plan) -> list[tuple]:
     from shard_planner.solve.baselines import hand_written_units
     from shard_planner.solve.space import build_space
 
-    space = build_space(trace, shard_group=plan.mesh.shard, gpus_per_node=plan.cluster.gpus_per_node)
+    space = build_space(trace, shard_group=plan.mesh.shard_group_size, gpus_per_node=plan.cluster.gpus_per_node)
     return [(replace(plan, units=units), f"policy: {name}") for name, units in hand_written_units(space, trace)]
 
 

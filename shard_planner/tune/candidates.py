@@ -65,7 +65,7 @@ def describe_plan(plan: Plan) -> str:
              f"AC {ac}", f"pf {plan.prefetch.forward}/{plan.prefetch.backward}", f"mb {plan.training.micro_batch}"]
     if plan.training.cpu_offload:
         parts.append("offload")
-    if plan.mesh.replicate > 1:
+    if plan.mesh.is_hsdp:
         parts.append(plan.mesh.description)
     return ", ".join(parts)
 

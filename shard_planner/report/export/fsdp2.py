@@ -128,8 +128,8 @@ def _units_source(plan: Plan) -> list[str]:
 def export_fsdp2(plan: Plan) -> str:
     """The Python source of ``apply_sharding(model, mesh)`` for ``plan``."""
     t = plan.training
-    mesh_shape = f"({plan.mesh.shard},)" if plan.mesh.replicate == 1 else f"({plan.mesh.replicate}, {plan.mesh.shard})"
-    mesh_names = '("shard",)' if plan.mesh.replicate == 1 else '("replicate", "shard")'
+    mesh_shape = repr(plan.mesh.device_mesh_shape)  # the mesh execute.apply.build_mesh builds: (8,) or (2, 8)
+    mesh_names = repr(plan.mesh.device_mesh_dim_names).replace("'", '"')
     predicted = ""
     if plan.predicted is not None:
         predicted = (f"\nPredicted by shard-planner: peak {format_bytes(plan.predicted.peak_bytes)} per GPU (budget "

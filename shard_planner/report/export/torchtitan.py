@@ -83,8 +83,8 @@ def _tables(plan: Plan) -> tuple[dict, dict, list[str]]:
     """The ``parallelism`` and ``training`` fields, and notes."""
     t = plan.training
     reshard, notes = uniform_reshard(plan)
-    parallelism = {"data_parallel_shard_degree": plan.mesh.shard,
-                   "data_parallel_replicate_degree": plan.mesh.replicate,
+    parallelism = {"data_parallel_shard_degree": plan.mesh.shard_group_size,
+                   "data_parallel_replicate_degree": plan.mesh.replicate_group_size,
                    "fsdp_reshard_after_forward": "always" if reshard else "never"}
     training = {"local_batch_size": t.micro_batch}
     if t.accumulation_steps > 1:  # torchtitan's default global batch is local x data-parallel degree

@@ -1,0 +1,135 @@
+"""The parallel degrees of a plan (the role of torchtitan's ``ParallelDims``): one type owns the degrees,
+checks them once, and derives every size the other stages need.
+
+    Mesh(shard=8, replicate=2)        # HSDP: 2 replicas x 8-way sharding, 16 ranks
+    mesh.dp_size                      # 16: ranks that each take their own micro-batch
+    mesh.shard_group_size             # 8: what sharded state divides by
+    mesh.shard_group_spans_nodes(8)   # False: the shard group fits in one node of 8 GPUs
+
+Nothing outside this module multiplies or divides by a raw degree; read the size that means what you
+need (see [Note: which size means what]). The execute stage builds the torch device mesh from
+:attr:`Mesh.device_mesh_shape` and :attr:`Mesh.device_mesh_dim_names` (``execute.apply.build_mesh``),
+and the FSDP2 export writes the same shape.
+
+[Note: which size means what]
+- ``world_size``: every rank of the job (replicate x shard x tp). Ranks that share a host's cores and
+  memory (cost.host_share), the number of processes to launch, "over N GPUs" in reports.
+- ``dp_size``: the data-parallel ranks, replicate x shard. Each takes its own micro-batch, so samples per
+  step and the global batch multiply by it. Tensor-parallel ranks share one micro-batch, so ``dp_size``
+  is ``world_size / tp``; with tp == 1 (all that is planned today) they are equal, but a size of samples
+  must read ``dp_size``.
+- ``shard_group_size``: the ranks one parameter is sharded over (FSDP2's shard mesh dimension). Sharded
+  parameters, gradients and optimizer states divide by it (ZeRO-3: 16 bytes/param / N); all-gathers and
+  reduce-scatters run over it; an int ``reshard_after_forward`` must be a non-trivial divisor of it.
+- ``replicate_group_size``: HSDP replicas (1 = plain FSDP); the all-reduce of the reduce-scattered
+  gradients runs over it.
+- ``tp_size``: tensor-parallel degree, 1 until tensor parallelism is planned; validated here so that a
+  plan asking for more fails on load rather than being priced as if it were 1.
+
+Rank layout (placement on nodes): ranks are numbered node by node (torchrun's default) and the device
+mesh is ("replicate", "shard"[, "tp"]) with the last dimension fastest, as ``init_device_mesh`` lays it
+out. A group's ranks are then ``stride`` apart: tp ranks are adjacent, a shard group strides by tp and a
+replicate group by shard x tp. A group of g > 1 ranks ``stride`` apart spans nodes when g x stride
+exceeds the GPUs of a node (:func:`group_spans_nodes`, the one placement rule the collectives use).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shard_planner.errors import PlanError
+
+
+def group_spans_nodes(group_size: int, stride_ranks: int, gpus_per_node: int) -> bool:
+    """Whether a group of ``group_size`` ranks, ``stride_ranks`` apart in a node-by-node numbering,
+    leaves its node: it covers ``group_size x stride_ranks`` consecutive ranks (sizes divide nodes)."""
+    return group_size > 1 and group_size * stride_ranks > gpus_per_node
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """The parallel degrees: ``shard`` ranks one parameter is sharded over, ``replicate`` HSDP replicas
+    (1 = plain FSDP), ``tp`` the tensor-parallel degree (1: not planned yet). The plan file's ``mesh``
+    section; ``tp`` is written only when it is not 1, so plans read and write as before it."""
+
+    shard: int
+    replicate: int = 1
+    tp: int = 1
+
+    def __post_init__(self):
+        for name in ("shard", "replicate", "tp"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+                raise PlanError(f"mesh.{name} must be a positive int, got {v!r}")
+        if self.tp != 1:
+            raise PlanError(f"mesh.tp must be 1: tensor parallelism is not planned yet, got {self.tp}")
+
+    # ---- sizes: see [Note: which size means what] ----
+    @property
+    def world_size(self) -> int:
+        """Every rank of the job."""
+        return self.dp_size * self.tp
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: each takes its own micro-batch."""
+        return self.replicate * self.shard
+
+    @property
+    def shard_group_size(self) -> int:
+        return self.shard
+
+    @property
+    def replicate_group_size(self) -> int:
+        return self.replicate
+
+    @property
+    def tp_size(self) -> int:
+        return self.tp
+
+    @property
+    def is_hsdp(self) -> bool:
+        """Replicas whose reduced gradients are all-reduced across them (HSDP)."""
+        return self.replicate > 1
+
+    def is_reshard_size(self, ranks: int) -> bool:
+        """Whether an int ``reshard_after_forward`` of ``ranks`` is allowed: a divisor of the shard group
+        smaller than it (FSDP2; equal to it, it would silently mean True)."""
+        return ranks < self.shard_group_size and self.shard_group_size % ranks == 0
+
+    # ---- placement on nodes ----
+    def shard_group_spans_nodes(self, gpus_per_node: int, group_size: int | None = None) -> bool:
+        """Whether the shard group (or a reshard group of its first ``group_size`` ranks) leaves a node."""
+        size = self.shard_group_size if group_size is None else group_size
+        return group_spans_nodes(size, self.tp, gpus_per_node)
+
+    def shard_ranks_per_node(self, gpus_per_node: int) -> int:
+        """The ranks of one shard group on one node: all of them when the group fits in a node."""
+        return min(self.shard_group_size, max(1, gpus_per_node // self.tp))
+
+    def replicate_group_spans_nodes(self, gpus_per_node: int) -> bool:
+        """Whether the replicas of one shard (``shard x tp`` ranks apart) are on more than one node."""
+        return group_spans_nodes(self.replicate_group_size, self.shard * self.tp, gpus_per_node)
+
+    # ---- the torch device mesh (built in execute) ----
+    @property
+    def device_mesh_shape(self) -> tuple[int, ...]:
+        """``init_device_mesh``'s shape: (shard,) for FSDP, (replicate, shard) for HSDP."""
+        return (self.shard,) if not self.is_hsdp else (self.replicate, self.shard)
+
+    @property
+    def device_mesh_dim_names(self) -> tuple[str, ...]:
+        return ("shard",) if not self.is_hsdp else ("replicate", "shard")
+
+    # ---- for people ----
+    @property
+    def description(self) -> str:
+        """For people: ``FSDP over 8 GPUs``, or ``HSDP 2 replicas x 8 GPUs`` (replicate x shard)."""
+        if not self.is_hsdp:
+            return f"FSDP over {self.shard} GPU{'s' if self.shard > 1 else ''}"
+        return f"HSDP {self.replicate} replicas x {self.shard} GPUs"
+
+    @property
+    def shape_text(self) -> str:
+        """``2x8``: replicate x shard."""
+        return f"{self.replicate}x{self.shard}"
