@@ -115,10 +115,10 @@ def held_between_micro_steps_bytes(param_count: float, training: Training) -> fl
 
 # ---- memory ----
 def simulate_accumulated_memory(trace, t, plan, profile, ub, schedule, acts, *, timeline: bool,
-                                selective=None) -> MemoryEstimate:
+                                selective=None, accountants=()) -> MemoryEstimate:
     """Peak and timeline over the micro-steps of one optimizer step (cost/memory.py's walk, the
     module docstring's policies); the same arguments as ``simulate_memory_walk``."""
-    walk = _AccumulationWalk(trace, t, plan, profile, ub, schedule, acts, timeline)
+    walk = _AccumulationWalk(trace, t, plan, profile, ub, schedule, acts, timeline, accountants)
     if selective is not None:
         walk.stash = selective.stash
     return walk.run()
