@@ -64,7 +64,7 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from shard_planner.cost.allocations import GRADS, ON_DEFAULT, ON_REDUCE_SCATTER, UNSHARDED_PARAMS, Stream
+from shard_planner.cost.allocations import GRADS, ON_DEFAULT, ON_REDUCE_SCATTER, UNSHARDED_PARAMS
 from shard_planner.cost.memory import _MemoryWalk
 from shard_planner.cost.schedule import EventKind, Phase
 from shard_planner.cost.types import MemoryEstimate, TimeEstimate
@@ -138,8 +138,6 @@ class _AccumulationWalk(_MemoryWalk):
         self.acc = [0.0] * len(self.units)  # unsharded gradients held between micro-steps, per unit
         self.sharded_held = [False] * len(self.units)
         self.step = self.steps[0]
-        self.micro_of: list[int] = []  # per timeline event, its micro-step number
-        self.peak_micro = 1
 
     def walk_step(self) -> None:
         events = self.schedule.events
@@ -148,16 +146,12 @@ class _AccumulationWalk(_MemoryWalk):
             self.step = step
             if i:  # the previous micro-step's batch and activations are gone; a new batch comes in
                 self.saved_sum, self.flow = 0.0, 0.0
-                self.set_activations(self.batch_bytes, "")
+                self.activation_level = self.batch_bytes
             self.walk(events if step.last else without_optimizer)
 
-    def record(self, what, who, phase, extra_temp=0.0, extra_comm=0.0, stream=ON_DEFAULT) -> None:
-        before = self.totals.peak_event
-        super().record(what, who, phase, extra_temp, extra_comm, stream)
-        if self.timeline:
-            self.micro_of.append(self.step.number)
-        if self.totals.peak_event is not before:
-            self.peak_micro = self.step.number
+    def own_accountants(self) -> tuple:
+        self.micro_steps = _MicroStepOfMarks(self)
+        return (*super().own_accountants(), self.micro_steps)
 
     def backward(self, ev) -> None:
         """Equal dtypes, gradients held: autograd adds the new gradients into them in place, so they are
@@ -174,7 +168,8 @@ class _AccumulationWalk(_MemoryWalk):
         super().backward(ev)
         new = (self.acts.own_grads[ev.block], *(self.t.unit_float_numel[v] * self.param_elem for v in blk.nested))
         for u, g, size in zip(owners, grads, new):  # added into the held ones, then freed
-            self.out.on_free(GRADS, size, self.t.unit_names[u], ON_DEFAULT)
+            if size:
+                self.out.on_free(GRADS, size, self.t.unit_names[u], ON_DEFAULT)
             self.units[u].grad_bytes = g
 
     def post_backward(self, ev) -> None:
@@ -205,7 +200,7 @@ class _AccumulationWalk(_MemoryWalk):
         name = self.t.unit_names[u]
         if ev.block < 0:  # the root's, from the final callback: every block's backward is done
             self.flow = 0.0
-            self.set_activations(self.batch_bytes + max(self.saved_sum, 0.0), name)
+            self.activation_level = self.batch_bytes + max(self.saved_sum, 0.0)
         if self.reshards_after_backward() and st.sharding is Sharding.UNSHARDED:
             out.on_free(UNSHARDED_PARAMS, x.unsharded, name, ON_DEFAULT)
             st.sharding = Sharding.SHARDED
@@ -233,8 +228,35 @@ class _AccumulationWalk(_MemoryWalk):
 
         def label(text: str, number: int) -> str:
             return f"micro-step {number}/{n} {text}"
-        timeline = tuple(replace(e, label=label(e.label, k)) for e, k in zip(est.timeline, self.micro_of))
-        return replace(est, peak_event=label(est.peak_event, self.peak_micro), timeline=timeline)
+        timeline = tuple(replace(e, label=label(e.label, k)) for e, k in zip(est.timeline, self.micro_steps.of))
+        return replace(est, peak_event=label(est.peak_event, self.micro_steps.at_peak), timeline=timeline)
+
+
+class _MicroStepOfMarks:
+    """An accountant of marks (after the totals): the micro-step of each mark kept in the timeline (``of``)
+    and of the peak (``at_peak``)."""
+
+    marks_only = True
+
+    def __init__(self, walk: _AccumulationWalk):
+        self.walk = walk
+        self.of: list[int] = []
+        self.at_peak = 1
+        self.peak_seen = None
+
+    def on_alloc(self, kind, size_bytes, owner, stream) -> None:
+        pass
+
+    def on_free(self, kind, size_bytes, owner, stream) -> None:
+        pass
+
+    def on_mark(self, what, who, phase, temp_bytes, comm_bytes, stream) -> None:
+        number = self.walk.step.number
+        if self.walk.timeline:
+            self.of.append(number)
+        if self.walk.totals.peak_event is not self.peak_seen:
+            self.peak_seen = self.walk.totals.peak_event
+            self.at_peak = number
 
 
 # ---- time ----

@@ -2,16 +2,19 @@
 
 cost/memory.py walks one training step and emits, in host order, every allocation and free it models
 (``on_alloc`` / ``on_free``: size in bytes, :class:`Kind`, owner — the unit or module it belongs to —
-and the CUDA :class:`Stream` FSDP2 allocates it on) and a mark after each moment of the step
-(``on_mark``: the schedule event's label parts). An accountant is any object with those three methods
+and the CUDA :class:`Stream` FSDP2 allocates it on) and a mark at each moment of the step (``on_mark``:
+the schedule event's label parts and the moment's scratch, below). An accountant is any object with those three methods
 (:class:`Accountant`). Two are built in: :class:`CategoryTotals`, the live bytes by plan category and
 their peak (``memory_at_peak``), and :class:`Timeline`, the totals after every mark (the report's memory
 timeline). The allocator simulation (issue 29) is meant to be a third.
 
-A moment's temporaries (a kernel's scratch, the flat cast copy of an all-gather input) are allocated
-before its mark and freed right after it, so an accountant sees every allocation matched by a free
-except the state alive at the end of the step (sharded parameters and buffers, optimizer states, the
-batch, the overhead).
+A moment's scratch — temporaries (a kernel's, the flat cast copy of an all-gather input: ``temp_bytes``)
+and a comm buffer (the reduce-scatter output while the collective runs: ``comm_bytes``), both on the
+mark's ``stream`` — is allocated just before the moment and freed just after it. The mark carries it
+(one call instead of five, on the walk's hottest path); an accountant that wants allocations makes an
+alloc before and a free after (tests/cost/test_allocations.py does). So an accountant sees every
+allocation matched by a free except the state alive at the end of the step (sharded parameters and
+buffers, optimizer states, the batch, the overhead).
 
 [Note: Which stream allocates what]
   FSDP2 (torch 2.13, torch/distributed/fsdp/_fully_shard/) allocates on four streams, and a block
@@ -33,11 +36,11 @@ batch, the overhead).
     of ``reshard_after_forward=r``, gradients, activations, kernels' temporaries, the optimizer.
 
 [Note: Activations as a level]
-  The walk knows activations as a level per block — the batch, plus what the blocks so far saved, plus
-  the tensor flowing between blocks (cost/memory.py [Note: Activations]) —, not as storages. It emits
-  each change of that level as a free of the old level and an allocation of the new one (owner: the
-  block), so the totals are the level exactly as before; an allocator simulation that needs the saved
-  tensors one by one needs the tracer to record them (issue 29).
+  The walk knows activations as a level — the batch, plus what the blocks so far saved, plus the tensor
+  flowing between blocks (cost/memory.py [Note: Activations]) —, not as storages. Before a mark at which
+  the level has changed it emits a free of the old level and an allocation of the new one (owner "": the
+  step's), so the totals hold the level exactly, and the hot path pays for a change only once per mark.
+  An allocator simulation that needs the saved tensors one by one needs the tracer to record them.
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ REPORTED_AS: dict[Kind, str] = {
 assert set(REPORTED_AS) == set(Kind) and set(REPORTED_AS.values()) == set(MEMORY_CATEGORIES)
 # per kind, the index of its category in MEMORY_CATEGORIES (a tuple indexed by the kind: this is hot)
 _CATEGORY_INDEX: tuple[int, ...] = tuple(MEMORY_CATEGORIES.index(REPORTED_AS[k]) for k in Kind)
+_TEMPORARIES, _COMM_BUFFERS = _CATEGORY_INDEX[Kind.TEMPORARIES], _CATEGORY_INDEX[Kind.COMM_BUFFERS]
 
 
 class Stream(enum.IntEnum):
@@ -99,7 +103,8 @@ class Accountant(Protocol):
 
     def on_free(self, kind: Kind, size_bytes: float, owner: str, stream: Stream) -> None: ...
 
-    def on_mark(self, what: str, who: str, phase: Phase) -> None: ...
+    def on_mark(self, what: str, who: str, phase: Phase, temp_bytes: float, comm_bytes: float,
+                stream: Stream) -> None: ...
 
 
 class CategoryTotals:
@@ -119,12 +124,13 @@ class CategoryTotals:
     def on_free(self, kind: Kind, size_bytes: float, owner: str, stream: Stream) -> None:
         self.totals[_CATEGORY_INDEX[kind]] -= size_bytes
 
-    def on_mark(self, what: str, who: str, phase: Phase) -> None:
+    def on_mark(self, what: str, who: str, phase: Phase, temp_bytes: float, comm_bytes: float,
+                stream: Stream) -> None:
         c = self.totals
-        total = c[0] + c[1] + c[2] + c[3] + c[4] + c[5] + c[6] + c[7]  # (unrolled: this is hot)
+        total = c[0] + c[1] + c[2] + c[3] + c[4] + c[5] + c[6] + c[7] + temp_bytes + comm_bytes  # (unrolled: hot)
         if total > self.peak_total:
             self.peak_total = total
-            self.peak_event = (what, who, phase, tuple(c))
+            self.peak_event = (what, who, phase, at_mark(c, temp_bytes, comm_bytes))
 
 
 class Timeline:
@@ -143,8 +149,9 @@ class Timeline:
     def on_free(self, kind: Kind, size_bytes: float, owner: str, stream: Stream) -> None:
         pass
 
-    def on_mark(self, what: str, who: str, phase: Phase) -> None:
-        self.marks.append((what, who, phase, tuple(self._totals)))
+    def on_mark(self, what: str, who: str, phase: Phase, temp_bytes: float, comm_bytes: float,
+                stream: Stream) -> None:
+        self.marks.append((what, who, phase, at_mark(self._totals, temp_bytes, comm_bytes)))
 
 
 class FanOut:
@@ -166,9 +173,10 @@ class FanOut:
         for a in self.alloc_accountants:
             a.on_free(kind, size_bytes, owner, stream)
 
-    def on_mark(self, what: str, who: str, phase: Phase) -> None:
+    def on_mark(self, what: str, who: str, phase: Phase, temp_bytes: float, comm_bytes: float,
+                stream: Stream) -> None:
         for a in self.accountants:
-            a.on_mark(what, who, phase)
+            a.on_mark(what, who, phase, temp_bytes, comm_bytes, stream)
 
 
 def one_accountant(accountants) -> Accountant:
@@ -180,7 +188,17 @@ def one_accountant(accountants) -> Accountant:
 _C0, _C1, _C2, _C3, _C4, _C5, _C6, _C7 = MEMORY_CATEGORIES  # (unpacked for to_dict, which is hot with a timeline)
 
 
-def to_dict(totals: tuple) -> dict[str, int]:
+def at_mark(totals: list, temp_bytes: float, comm_bytes: float) -> list:
+    """The category totals at a mark (a copy): ``totals`` with the mark's scratch added to its two categories."""
+    c = totals.copy()
+    if temp_bytes:
+        c[_TEMPORARIES] += temp_bytes
+    if comm_bytes:
+        c[_COMM_BUFFERS] += comm_bytes
+    return c
+
+
+def to_dict(totals: list) -> dict[str, int]:
     """Category totals (MEMORY_CATEGORIES order) as whole bytes by category."""
     v0, v1, v2, v3, v4, v5, v6, v7 = totals
     return {_C0: int(v0 + 0.5), _C1: int(v1 + 0.5), _C2: int(v2 + 0.5), _C3: int(v3 + 0.5), _C4: int(v4 + 0.5),

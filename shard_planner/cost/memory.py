@@ -139,7 +139,7 @@ import logging
 from shard_planner.cost.activations import BlockActivations, block_activations  # noqa: F401  (re-exported)
 from shard_planner.cost.allocations import (
     ACTIVATIONS, ALL_GATHER_OUTPUT, COMM_BUFFERS, GRADS, ON_COPY_IN, ON_DEFAULT, ON_REDUCE_SCATTER,
-    OVERHEAD, SHARDED_PARAMS, TEMPORARIES, UNSHARDED_PARAMS, Accountant, CategoryTotals, Stream, Timeline, label,
+    OVERHEAD, SHARDED_PARAMS, UNSHARDED_PARAMS, Accountant, CategoryTotals, Stream, Timeline, label,
     one_accountant, to_dict,
 )
 from shard_planner.cost.allocations import OPTIMIZER_STATES as OPTIMIZER_STATES_KIND
@@ -183,7 +183,7 @@ class _MemoryWalk:
         self.trace, self.acts = trace, acts
         self.totals = CategoryTotals()
         self.marks = Timeline(self.totals) if timeline else None
-        self.out = one_accountant((self.totals, *((self.marks,) if timeline else ()), *accountants))
+        self.out = one_accountant((self.totals, *self.own_accountants(), *accountants))
         training = plan.training
         self.b = training.micro_batch
         self.param_elem = dtype_bytes(training.param_dtype)
@@ -197,50 +197,44 @@ class _MemoryWalk:
         self.sharded_grad_live = [False] * len(plan.units)
         # activations = batch + saved so far + flow (the tensor flowing into / out of the current block)
         self.batch_bytes = trace.batch_input_bytes.at(self.b)
-        self.activation_bytes = 0.0  # the level allocated: [Note: Activations as a level]
+        self.activation_level = 0.0  # [Note: Activations as a level]: the level now,
+        self.activation_bytes = 0.0  # and the level allocated (at the last mark)
         self.saved_sum = 0.0
         self.flow = 0.0
         # per block, what selective checkpointing keeps beyond the inputs: [Note: Selective checkpointing memory]
         self.stash: tuple[float, ...] = (0.0,) * len(t.blocks)
 
+    def own_accountants(self) -> tuple:
+        """The walk's accountants after the totals (cost/accumulation.py adds one)."""
+        return (self.marks,) if self.timeline else ()
+
     def allocate_step_state(self) -> None:
-        """What lives through the whole step: sharded state ([Note: FSDP2 model state]), the overhead, the batch."""
-        t, plan, profile, ub, out = self.t, self.plan, self.profile, self.ub, self.out
-        names = t.unit_names
-        states_per_grad = OPTIMIZER_STATES[plan.training.optimizer]
+        """What lives through the whole step, one allocation per kind (allocated at initialisation or at the
+        first step, not in the walked step): sharded state ([Note: FSDP2 model state]), the overhead, the batch."""
+        plan, profile, ub, out = self.plan, self.profile, self.ub, self.out
         if not self.offload_off_device:  # buffers are not sharded and stay on the device (FSDP2 moves only parameters)
-            for u, x in enumerate(ub):
-                out.on_alloc(SHARDED_PARAMS, x.sharded, names[u], ON_DEFAULT)
-        out.on_alloc(SHARDED_PARAMS, t.buffer_bytes, "", ON_DEFAULT)
-        if not self.offload_off_device and states_per_grad:
-            for u, x in enumerate(ub):
-                out.on_alloc(OPTIMIZER_STATES_KIND, states_per_grad * x.sharded_grad, names[u], ON_DEFAULT)
+            out.on_alloc(SHARDED_PARAMS, sum(x.sharded for x in ub), "", ON_DEFAULT)
+            states = OPTIMIZER_STATES[plan.training.optimizer] * sum(x.sharded_grad for x in ub)
+            out.on_alloc(OPTIMIZER_STATES_KIND, states, "", ON_DEFAULT)
+        out.on_alloc(SHARDED_PARAMS, self.t.buffer_bytes, "", ON_DEFAULT)
         out.on_alloc(OVERHEAD, profile.reserved_bytes, "", ON_DEFAULT)
         for _ in {u.reshard_after_forward for u in plan.units if not isinstance(u.reshard_after_forward, bool)}:
-            out.on_alloc(OVERHEAD, profile.per_process_group_bytes, "", ON_DEFAULT)
-        self.set_activations(self.batch_bytes, "")
+            out.on_alloc(OVERHEAD, profile.per_process_group_bytes, "", ON_DEFAULT)  # pytorch#153302
+        out.on_alloc(ACTIVATIONS, self.batch_bytes, "", ON_DEFAULT)
+        self.activation_level = self.activation_bytes = self.batch_bytes
 
     def record(self, what: str, who: str, phase: Phase, extra_temp: float = 0.0, extra_comm: float = 0.0,
                stream: Stream = ON_DEFAULT) -> None:
-        """A mark (label "<phase>: <what> <who>", built only when kept), with temporaries live only at it:
-        ``extra_temp`` and ``extra_comm`` (a comm buffer), both on ``stream``, allocated before, freed after."""
+        """A mark (label "<phase>: <what> <who>", built only when kept), after the activation level's change
+        if any ([Note: Activations as a level]), with its scratch (cost/allocations.py): ``extra_temp`` of
+        temporaries and ``extra_comm`` of a comm buffer, both on ``stream``."""
         out = self.out
-        if extra_temp:
-            out.on_alloc(TEMPORARIES, extra_temp, who, stream)
-        if extra_comm:
-            out.on_alloc(COMM_BUFFERS, extra_comm, who, stream)
-        out.on_mark(what, who, phase)
-        if extra_comm:
-            out.on_free(COMM_BUFFERS, extra_comm, who, stream)
-        if extra_temp:
-            out.on_free(TEMPORARIES, extra_temp, who, stream)
-
-    def set_activations(self, level_bytes: float, owner: str) -> None:
-        """The activation level becomes ``level_bytes``: [Note: Activations as a level]."""
-        if level_bytes != self.activation_bytes:
-            self.out.on_free(ACTIVATIONS, self.activation_bytes, owner, ON_DEFAULT)
-            self.out.on_alloc(ACTIVATIONS, level_bytes, owner, ON_DEFAULT)
-            self.activation_bytes = level_bytes
+        level = self.activation_level
+        if level != self.activation_bytes:  # the change since the last mark, as one free and one alloc
+            out.on_free(ACTIVATIONS, self.activation_bytes, "", ON_DEFAULT)
+            out.on_alloc(ACTIVATIONS, level, "", ON_DEFAULT)
+            self.activation_bytes = level
+        out.on_mark(what, who, phase, extra_temp, extra_comm, stream)
 
     def run(self) -> MemoryEstimate:
         self.handlers = self.dispatch()
@@ -331,7 +325,7 @@ class _MemoryWalk:
         """The activation level as block ``i`` starts: its input flows in."""
         if self.acts.flows[i]:
             self.flow = self.acts.input[i]
-        self.set_activations(self.batch_bytes + self.saved_sum + self.flow, self.acts.names[i])
+        self.activation_level = self.batch_bytes + self.saved_sum + self.flow
 
     def pre_forward(self, ev) -> None:
         if ev.block >= 0:
@@ -352,7 +346,7 @@ class _MemoryWalk:
             self.saved_sum += a.saved[i]
         if a.flows[i]:
             self.flow = a.output[i]
-        self.set_activations(self.batch_bytes + self.saved_sum + self.flow, name)
+        self.activation_level = self.batch_bytes + self.saved_sum + self.flow
 
     def forward_end(self, ev) -> None:
         if self.held_all_gather:  # the root's post-forward frees the last all-gather output
@@ -369,7 +363,7 @@ class _MemoryWalk:
         """The activation level as block ``i``'s backward starts: the gradient of its output flows in."""
         if self.acts.flows[i]:
             self.flow = self.acts.output[i]
-        self.set_activations(self.batch_bytes + self.saved_sum + self.flow, self.acts.names[i])
+        self.activation_level = self.batch_bytes + self.saved_sum + self.flow
 
     def recompute(self, ev) -> None:
         i, a = ev.block, self.acts
@@ -378,7 +372,7 @@ class _MemoryWalk:
         stash = self.stash[i]  # consumed as the recomputation reaches it (cost/selective.py)
         self.record("recompute", name, Phase.BACKWARD, extra_temp=max(0.0, a.fwd_rise[i] - stash))
         self.saved_sum += a.saved[i] - a.kept[i] - stash
-        self.set_activations(self.batch_bytes + self.saved_sum + self.flow, name)
+        self.activation_level = self.batch_bytes + self.saved_sum + self.flow
 
     def backward(self, ev) -> None:
         i, a, out = ev.block, self.acts, self.out
@@ -387,7 +381,8 @@ class _MemoryWalk:
         self.enter_backward_block(i)
         own_grads = a.own_grads[i]
         # the traced rise excludes parameter gradients: add them on top. See [Note: Activations].
-        out.on_alloc(GRADS, own_grads, a.names[i], ON_DEFAULT)
+        if own_grads:
+            out.on_alloc(GRADS, own_grads, a.names[i], ON_DEFAULT)
         self.units[blk.unit].grad_bytes += own_grads
         for v in blk.nested:  # produced by this block's backward too: before the event, not after
             g = t.unit_float_numel[v] * self.param_elem
@@ -397,7 +392,7 @@ class _MemoryWalk:
         self.saved_sum -= a.saved[i]
         if a.flows[i]:
             self.flow = a.input[i]  # the gradient of the block's input
-        self.set_activations(self.batch_bytes + self.saved_sum + self.flow, a.names[i])
+        self.activation_level = self.batch_bytes + self.saved_sum + self.flow
 
     def post_backward(self, ev) -> None:
         self.reduce_scatter(ev, self.ub[ev.unit].last_grad)
@@ -411,7 +406,7 @@ class _MemoryWalk:
         name = self.t.unit_names[u]
         if ev.block < 0:  # the root's, from the final callback: every block's backward is done
             self.flow = 0.0
-            self.set_activations(self.batch_bytes + max(self.saved_sum, 0.0), name)
+            self.activation_level = self.batch_bytes + max(self.saved_sum, 0.0)
         if st.sharding is Sharding.UNSHARDED and self.reshards_after_backward():
             out.on_free(UNSHARDED_PARAMS, x.unsharded, name, ON_DEFAULT)
             st.sharding = Sharding.SHARDED
@@ -422,10 +417,12 @@ class _MemoryWalk:
         # post_backward returns; the 1/N output is allocated before the collective runs (it becomes the
         # sharded gradient). See [Note: Reduce-scatter buffers].
         held = min(last_grad_bytes, st.grad_bytes)
-        out.on_free(GRADS, st.grad_bytes - held, name, ON_DEFAULT)
+        if st.grad_bytes - held:
+            out.on_free(GRADS, st.grad_bytes - held, name, ON_DEFAULT)
         self.record("reduce-scatter", name, Phase.BACKWARD, extra_temp=x.rs_input * self.profile.reduce_scatter_temp_fraction,
                     extra_comm=x.rs_output, stream=ON_REDUCE_SCATTER)
-        out.on_free(GRADS, held, name, ON_DEFAULT)
+        if held:
+            out.on_free(GRADS, held, name, ON_DEFAULT)
         st.grad_bytes = 0.0
         self.held_reduce_scatter, self.held_reduce_scatter_owner = x.rs_input, name
         if x.grad_cast:

@@ -47,8 +47,14 @@ class Recorder:
         self.live[kind, stream] -= size_bytes
         assert self.live[kind, stream] >= -1e-6 * max(1.0, size_bytes), (kind, stream, owner)
 
-    def on_mark(self, what, who, phase):
+    def on_mark(self, what, who, phase, temp_bytes, comm_bytes, stream):
+        """The mark's scratch as allocations before it and frees after it (cost/allocations.py)."""
+        scratch = [(k, size) for k, size in ((Kind.TEMPORARIES, temp_bytes), (Kind.COMM_BUFFERS, comm_bytes)) if size]
+        for kind, size in scratch:
+            self.on_alloc(kind, size, who, stream)
         self.events.append(("mark", what, who, phase))
+        for kind, size in reversed(scratch):
+            self.on_free(kind, size, who, stream)
 
 
 def _plan(n=1, sync="every_micro_step", keep=False, reshard=True, ckpt=False, gpus=8, replicate=1):
