@@ -164,6 +164,13 @@ class FanOut:
         if len(self.alloc_accountants) == 1:
             self.on_alloc = self.alloc_accountants[0].on_alloc
             self.on_free = self.alloc_accountants[0].on_free
+        if len(self.accountants) == 2:  # the totals and the timeline: no loop
+            first, second = self.accountants[0].on_mark, self.accountants[1].on_mark
+
+            def on_mark(what, who, phase, temp_bytes, comm_bytes, stream):
+                first(what, who, phase, temp_bytes, comm_bytes, stream)
+                second(what, who, phase, temp_bytes, comm_bytes, stream)
+            self.on_mark = on_mark
 
     def on_alloc(self, kind: Kind, size_bytes: float, owner: str, stream: Stream) -> None:
         for a in self.alloc_accountants:
