@@ -3,10 +3,10 @@
 cost/memory.py walks one training step and emits, in host order, every allocation and free it models
 (``on_alloc`` / ``on_free``: size in bytes, :class:`Kind`, owner — the unit or module it belongs to —
 and the CUDA :class:`Stream` FSDP2 allocates it on) and a mark at each moment of the step (``on_mark``:
-the schedule event's label parts and the moment's scratch, below). An accountant is any object with those three methods
-(:class:`Accountant`). Two are built in: :class:`CategoryTotals`, the live bytes by plan category and
-their peak (``memory_at_peak``), and :class:`Timeline`, the totals after every mark (the report's memory
-timeline). The allocator simulation (issue 29) is meant to be a third.
+the schedule event's label parts and the moment's scratch, below). An accountant is any object with
+those three methods (:class:`Accountant`). Two are built in: :class:`CategoryTotals`, the live bytes by
+plan category and their peak (``memory_at_peak``), and :class:`Timeline`, the totals after every mark (the
+report's memory timeline). The allocator simulation (issue 29) is meant to be a third.
 
 A moment's scratch — temporaries (a kernel's, the flat cast copy of an all-gather input: ``temp_bytes``)
 and a comm buffer (the reduce-scatter output while the collective runs: ``comm_bytes``), both on the

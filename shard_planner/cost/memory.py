@@ -419,8 +419,9 @@ class _MemoryWalk:
         held = min(last_grad_bytes, st.grad_bytes)
         if st.grad_bytes - held:
             out.on_free(GRADS, st.grad_bytes - held, name, ON_DEFAULT)
-        self.record("reduce-scatter", name, Phase.BACKWARD, extra_temp=x.rs_input * self.profile.reduce_scatter_temp_fraction,
-                    extra_comm=x.rs_output, stream=ON_REDUCE_SCATTER)
+        backend_temp = x.rs_input * self.profile.reduce_scatter_temp_fraction
+        self.record("reduce-scatter", name, Phase.BACKWARD, extra_temp=backend_temp, extra_comm=x.rs_output,
+                    stream=ON_REDUCE_SCATTER)
         if held:
             out.on_free(GRADS, held, name, ON_DEFAULT)
         st.grad_bytes = 0.0
