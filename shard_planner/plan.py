@@ -41,6 +41,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 # Training.gradient_sync: FSDP2 reduce-scatters every micro-step's gradients, or only the last one's
 # (``set_requires_gradient_sync(False)`` on the others: unsharded gradients held in between).
 GRADIENT_SYNCS = ("every_micro_step", "last_micro_step")
+# The plan file's memory categories, in the one order every consumer uses (``memory_at_peak``, the timeline,
+# the report's stacked plot); written here only. cost/allocations.py reports each allocation kind in one.
 MEMORY_CATEGORIES = (
     "sharded_params",
     "unsharded_params",

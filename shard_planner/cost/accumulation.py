@@ -64,9 +64,11 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from shard_planner.cost.memory import _AC, _GR, _UP, Sharding, _MemoryWalk
+from shard_planner.cost.allocations import GRADS, ON_DEFAULT, ON_REDUCE_SCATTER, UNSHARDED_PARAMS
+from shard_planner.cost.memory import _MemoryWalk
 from shard_planner.cost.schedule import EventKind, Phase
 from shard_planner.cost.types import MemoryEstimate, TimeEstimate
+from shard_planner.cost.unit_state import Sharding
 from shard_planner.dtypes import dtype_bytes
 from shard_planner.plan import GRADIENT_SYNCS, Training
 
@@ -113,10 +115,10 @@ def held_between_micro_steps_bytes(param_count: float, training: Training) -> fl
 
 # ---- memory ----
 def simulate_accumulated_memory(trace, t, plan, profile, ub, schedule, acts, *, timeline: bool,
-                                selective=None) -> MemoryEstimate:
+                                selective=None, accountants=()) -> MemoryEstimate:
     """Peak and timeline over the micro-steps of one optimizer step (cost/memory.py's walk, the
     module docstring's policies); the same arguments as ``simulate_memory_walk``."""
-    walk = _AccumulationWalk(trace, t, plan, profile, ub, schedule, acts, timeline)
+    walk = _AccumulationWalk(trace, t, plan, profile, ub, schedule, acts, timeline, accountants)
     if selective is not None:
         walk.stash = selective.stash
     return walk.run()
@@ -133,32 +135,23 @@ class _AccumulationWalk(_MemoryWalk):
         self.n = tr.accumulation_steps
         self.converts = tr.reduce_dtype != tr.param_dtype  # FSDP2's reduce dtype is not None
         self.reduce_per_param_elem = dtype_bytes(tr.reduce_dtype) / dtype_bytes(tr.param_dtype)
-        self.ub = list(self.ub)  # post_backward swaps in one unit's held size for the call (see there)
         self.acc = [0.0] * len(self.units)  # unsharded gradients held between micro-steps, per unit
         self.sharded_held = [False] * len(self.units)
         self.step = self.steps[0]
-        self.micro_of: list[int] = []  # per timeline event, its micro-step number
-        self.peak_micro = 1
 
-    def run(self) -> MemoryEstimate:
-        self.handlers = self.dispatch()
+    def walk_step(self) -> None:
         events = self.schedule.events
         without_optimizer = tuple(e for e in events if e.kind is not EventKind.OPTIMIZER)
         for i, step in enumerate(self.steps):
             self.step = step
             if i:  # the previous micro-step's batch and activations are gone; a new batch comes in
                 self.saved_sum, self.flow = 0.0, 0.0
-                self.cat[_AC] = self.batch_bytes
+                self.activation_level = self.batch_bytes
             self.walk(events if step.last else without_optimizer)
-        return self.result()
 
-    def record(self, what, who, phase, extra_temp=0.0, extra_comm=0.0) -> None:
-        before = self.peak_event
-        super().record(what, who, phase, extra_temp, extra_comm)
-        if self.timeline:
-            self.micro_of.append(self.step.number)
-        if self.peak_event is not before:
-            self.peak_micro = self.step.number
+    def own_accountants(self) -> tuple:
+        self.micro_steps = _MicroStepOfMarks(self)
+        return (*super().own_accountants(), self.micro_steps)
 
     def backward(self, ev) -> None:
         """Equal dtypes, gradients held: autograd adds the new gradients into them in place, so they are
@@ -170,12 +163,13 @@ class _AccumulationWalk(_MemoryWalk):
         held = not self.converts and self.acc[blk.unit]
         if not held:
             return super().backward(ev)
-        before = self.cat[_GR]
         owners = (blk.unit, *blk.nested)
         grads = [self.units[u].grad_bytes for u in owners]
         super().backward(ev)
-        self.cat[_GR] = before
-        for u, g in zip(owners, grads):
+        new = (self.acts.own_grads[ev.block], *(self.t.unit_float_numel[v] * self.param_elem for v in blk.nested))
+        for u, g, size in zip(owners, grads, new):  # added into the held ones, then freed
+            if size:
+                self.out.on_free(GRADS, size, self.t.unit_names[u], ON_DEFAULT)
             self.units[u].grad_bytes = g
 
     def post_backward(self, ev) -> None:
@@ -188,28 +182,27 @@ class _AccumulationWalk(_MemoryWalk):
             # this micro-step's param-dtype gradients are added into them and freed (converted; else
             # they were added in place already); then what is held through the collective is one
             # parameter's accumulated gradient, in the reduce dtype: [Note: Held through the reduce-scatter]
-            self.cat[_GR] -= st.grad_bytes
+            self.out.on_free(GRADS, st.grad_bytes, self.t.unit_names[u], ON_DEFAULT)
             st.grad_bytes = self.acc[u]
             self.acc[u] = 0.0
-            self.ub[u] = replace(x, last_grad=x.last_grad * self.reduce_per_param_elem)
-            super().post_backward(ev)
-            self.ub[u] = x
+            self.reduce_scatter(ev, x.last_grad * self.reduce_per_param_elem)
         else:
             super().post_backward(ev)
         if not self.offload_off_device:
             if had_sharded:  # the 1/N output was added into the sharded gradient and freed
-                self.cat[_GR] -= x.sharded_grad
+                self.out.on_free(GRADS, x.sharded_grad, self.t.unit_names[u], ON_REDUCE_SCATTER)
             self.sharded_held[u] = True
 
     def accumulate(self, ev) -> None:
         """Post-backward without gradient sync: reshard (unless kept gathered) and hold the gradients."""
-        u, cat = ev.unit, self.cat
+        u, out = ev.unit, self.out
         x, st = self.ub[u], self.units[u]
+        name = self.t.unit_names[u]
         if ev.block < 0:  # the root's, from the final callback: every block's backward is done
             self.flow = 0.0
-            cat[_AC] = self.batch_bytes + max(self.saved_sum, 0.0)
+            self.activation_level = self.batch_bytes + max(self.saved_sum, 0.0)
         if self.reshards_after_backward() and st.sharding is Sharding.UNSHARDED:
-            cat[_UP] -= x.unsharded
+            out.on_free(UNSHARDED_PARAMS, x.unsharded, name, ON_DEFAULT)
             st.sharding = Sharding.SHARDED
         new = st.grad_bytes
         st.grad_bytes = 0.0
@@ -217,10 +210,10 @@ class _AccumulationWalk(_MemoryWalk):
             self.acc[u] += new
             return
         if not self.acc[u]:  # the first: a reduce-dtype copy, the param-dtype gradients then freed
-            cat[_GR] += x.rs_input
+            out.on_alloc(GRADS, x.rs_input, name, ON_DEFAULT)
             self.acc[u] = x.rs_input
-            self.record("hold gradients", self.t.unit_names[u], Phase.BACKWARD)
-        cat[_GR] -= new
+            self.record("hold gradients", name, Phase.BACKWARD)
+        out.on_free(GRADS, new, name, ON_DEFAULT)
 
     def reshards_after_backward(self) -> bool:
         return not self.step.keep
@@ -235,8 +228,35 @@ class _AccumulationWalk(_MemoryWalk):
 
         def label(text: str, number: int) -> str:
             return f"micro-step {number}/{n} {text}"
-        timeline = tuple(replace(e, label=label(e.label, k)) for e, k in zip(est.timeline, self.micro_of))
-        return replace(est, peak_event=label(est.peak_event, self.peak_micro), timeline=timeline)
+        timeline = tuple(replace(e, label=label(e.label, k)) for e, k in zip(est.timeline, self.micro_steps.of))
+        return replace(est, peak_event=label(est.peak_event, self.micro_steps.at_peak), timeline=timeline)
+
+
+class _MicroStepOfMarks:
+    """An accountant of marks (after the totals): the micro-step of each mark kept in the timeline (``of``)
+    and of the peak (``at_peak``)."""
+
+    marks_only = True
+
+    def __init__(self, walk: _AccumulationWalk):
+        self.walk = walk
+        self.of: list[int] = []
+        self.at_peak = 1
+        self.peak_seen = None
+
+    def on_alloc(self, kind, size_bytes, owner, stream) -> None:
+        pass
+
+    def on_free(self, kind, size_bytes, owner, stream) -> None:
+        pass
+
+    def on_mark(self, what, who, phase, temp_bytes, comm_bytes, stream) -> None:
+        number = self.walk.step.number
+        if self.walk.timeline:
+            self.of.append(number)
+        if self.walk.totals.peak_event is not self.peak_seen:
+            self.peak_seen = self.walk.totals.peak_event
+            self.at_peak = number
 
 
 # ---- time ----

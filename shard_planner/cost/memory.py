@@ -2,8 +2,9 @@
 
 ``simulate_memory(trace, plan, profile)`` (or ``CostModel.memory(plan)``) walks the step's event
 sequence (shard_planner/cost/schedule.py: forward, loss, backward and the optimizer step of one rank
-as FSDP2, torch 2.13, runs them), tracks live bytes in the categories of ``plan.MEMORY_CATEGORIES``
-and each unit's sharding state, and returns the peak, its breakdown and the whole timeline.
+as FSDP2, torch 2.13, runs them), tracks each unit's sharding state (cost/unit_state.py) and emits every
+allocation and free with its kind, owner and CUDA stream to accountants (cost/allocations.py): the
+category totals (``plan.MEMORY_CATEGORIES``) with their peak and the timeline are two of them.
 
 Model state (ZeRO, Rajbhandari et al. SC'20, §5). ZeRO-3 with mixed-precision Adam holds
 ``(2 + 2 + K)Ψ / N`` bytes per rank with K = 12: 16-bit parameters (2), 16-bit gradients (2), and fp32
@@ -133,11 +134,16 @@ a note below.
 
 from __future__ import annotations
 
-import enum
 import logging
-from dataclasses import dataclass
 
 from shard_planner.cost import optimizer as optimizer_rules
+from shard_planner.cost.activations import BlockActivations, block_activations  # noqa: F401  (re-exported)
+from shard_planner.cost.allocations import (
+    ACTIVATIONS, ALL_GATHER_OUTPUT, COMM_BUFFERS, GRADS, ON_COPY_IN, ON_DEFAULT, ON_REDUCE_SCATTER,
+    OVERHEAD, SHARDED_PARAMS, UNSHARDED_PARAMS, Accountant, CategoryTotals, Stream, Timeline, label,
+    one_accountant, to_dict,
+)
+from shard_planner.cost.allocations import OPTIMIZER_STATES as OPTIMIZER_STATES_KIND
 from shard_planner.cost.optimizer import (  # noqa: F401  (re-exported: the tables' old home)
     OPTIMIZER_STATES, OPTIMIZER_TEMPORARIES, OPTIMIZER_TEMPORARIES_SINGLE_TENSOR,
 )
@@ -148,129 +154,99 @@ from shard_planner.cost.selective import SelectiveBlocks
 from shard_planner.cost.tables import CostTables
 from shard_planner.cost.types import MemoryEstimate, MemoryEvent
 from shard_planner.cost.unit_bytes import UnitBytes
+from shard_planner.cost.unit_state import Sharding, UnitState
 from shard_planner.dtypes import dtype_bytes
-from shard_planner.plan import MEMORY_CATEGORIES
 from shard_planner.profile import HardwareProfile
 from shard_planner.trace.types import ModelTrace
 
 logger = logging.getLogger(__name__)
 
-_SP, _UP, _GR, _OS, _AC, _TM, _CB, _OV = range(8)  # indices into the category vector (MEMORY_CATEGORIES order)
-assert MEMORY_CATEGORIES == ("sharded_params", "unsharded_params", "grads", "optimizer_states", "activations",
-                             "temporaries", "comm_buffers", "overhead")
-
-
-class Sharding(enum.Enum):
-    """Where a unit's parameters are, on one rank, during the simulated step."""
-
-    SHARDED = "sharded"  # only the 1/N shard
-    GATHERING = "gathering"  # an all-gather is issued, its output pending (``pending_bytes``)
-    UNSHARDED = "unsharded"  # copied out: the full parameters in the param dtype
-    RESHARDED_TO_GROUP = "resharded to a smaller group"  # keeps the 1/r clone ([Note: Reshard to a smaller group])
-
-
-@dataclass(slots=True)
-class _UnitState:
-    """One unit's state inside one memory simulation (never shared between simulations)."""
-
-    sharding: Sharding = Sharding.SHARDED
-    pending_bytes: float = 0.0  # all-gather output issued and not yet copied out
-    group_clone_bytes: float = 0.0  # the post-forward 1/r clone held (RESHARDED_TO_GROUP, or gathering from it)
-    grad_bytes: float = 0.0  # unsharded gradients produced in backward, not yet reduce-scattered
-
-
-@dataclass(frozen=True)
-class BlockActivations:
-    """Per block of the tables at one micro-batch, bytes in the plan's param dtype (activations are
-    traced in the compute dtype and scaled, [Note: Activations]). ``block_activations`` builds them;
-    the CostModel keeps them per (segmentation, micro-batch, param dtype)."""
-
-    input: tuple[float, ...]
-    output: tuple[float, ...]
-    saved: tuple[float, ...]
-    fwd_rise: tuple[float, ...]
-    bwd_rise: tuple[float, ...]
-    kept: tuple[float, ...]  # what a checkpointed block keeps: [Note: Checkpointed inputs held elsewhere]
-    flows: tuple[bool, ...]  # a module block (its input and output flow); False: a container's own code
-    own_grads: tuple[float, ...]  # its own parameters' gradients in the param dtype
-
-
-def block_activations(trace: ModelTrace, t: CostTables, micro_batch: int, param_dtype: str) -> BlockActivations:
-    b, elem = micro_batch, dtype_bytes(param_dtype)
-    s = elem / dtype_bytes(trace.compute_dtype)
-    blocks = t.blocks
-    return BlockActivations(
-        input=tuple(blk.input.at(b) * s for blk in blocks), output=tuple(blk.output.at(b) * s for blk in blocks),
-        saved=tuple(blk.saved.at(b) * s for blk in blocks), fwd_rise=tuple(blk.fwd_rise.at(b) * s for blk in blocks),
-        bwd_rise=tuple(blk.bwd_rise.at(b) * s for blk in blocks),
-        kept=tuple((blk.input.at(b) - blk.input_shared.at(b)) * s for blk in blocks),
-        flows=tuple(not blk.self_only for blk in blocks),
-        own_grads=tuple(blk.own_float_numel * elem for blk in blocks),
-    )
-
 
 def simulate_memory_walk(trace: ModelTrace, t: CostTables, plan: PlanQuery, profile: HardwareProfile,
                          ub: tuple[UnitBytes, ...], schedule: Schedule, acts: BlockActivations, *,
-                         timeline: bool, selective: SelectiveBlocks | None = None) -> MemoryEstimate:
-    """Walk ``schedule`` tracking live bytes (the module docstring); CostModel.memory calls it.
-    ``selective``: the stash of selectively checkpointed blocks (cost/selective.py)."""
-    walk = _MemoryWalk(trace, t, plan, profile, ub, schedule, acts, timeline)
+                         timeline: bool, selective: SelectiveBlocks | None = None,
+                         accountants: tuple[Accountant, ...] = ()) -> MemoryEstimate:
+    """Walk ``schedule`` emitting its allocations (the module docstring); CostModel.memory calls it.
+    ``selective``: the stash of selectively checkpointed blocks (cost/selective.py); ``accountants``:
+    more accountants to see the events (cost/allocations.py), after the totals and the timeline."""
+    walk = _MemoryWalk(trace, t, plan, profile, ub, schedule, acts, timeline, accountants)
     if selective is not None:
         walk.stash = selective.stash
     return walk.run()
 
 
 class _MemoryWalk:
-    """Live bytes by category while walking one schedule; each event kind has one handler."""
+    """One schedule walked once, each event kind with one handler, every allocation and free emitted to
+    the accountants (``self.out``); the category totals and the timeline are two of them."""
 
     def __init__(self, trace, t: CostTables, plan: PlanQuery, profile: HardwareProfile, ub, schedule: Schedule,
-                 acts: BlockActivations, timeline: bool):
+                 acts: BlockActivations, timeline: bool, accountants: tuple = ()):
         self.t, self.plan, self.profile, self.ub, self.schedule, self.timeline = t, plan, profile, ub, schedule, timeline
         self.trace, self.acts = trace, acts
+        self.totals = CategoryTotals()
+        self.marks = Timeline(self.totals) if timeline else None
+        self.out = one_accountant((self.totals, *self.own_accountants(), *accountants))
         training = plan.training
-        self.b = b = training.micro_batch
+        self.b = training.micro_batch
         self.param_elem = dtype_bytes(training.param_dtype)
-        self.offload_off_device = off = not optimizer_rules.state_on_device(training.cpu_offload, profile.device)
-        sharded_total = sum(x.sharded for x in ub)
-        states = optimizer_rules.optimizer_state_bytes(training.optimizer, sum(x.sharded_grad for x in ub))
-        int_sizes = reshard_group_sizes(plan.units, plan.mesh.shard_group_size)
-        overhead = profile.reserved_bytes + profile.per_process_group_bytes * len(int_sizes)
-        cat = [0.0] * 8
-        # buffers are not sharded and stay on the device under CPU offload (FSDP2 moves only parameters)
-        cat[_SP] = (0.0 if off else sharded_total) + t.buffer_bytes
-        cat[_OS] = 0.0 if off else states
-        cat[_OV] = float(overhead)
-        self.batch_bytes = trace.batch_input_bytes.at(b)
-        cat[_AC] = self.batch_bytes
-        self.cat = cat
-        self.events: list[tuple] = []
-        self.peak_total, self.peak_event = -1.0, None
-        self.units = [_UnitState() for _ in plan.units]
-        self.offload_copy = [x.sharded if off else 0.0 for x in ub]
+        self.offload_off_device = not optimizer_rules.state_on_device(training.cpu_offload, profile.device)
+        self.units = [UnitState() for _ in plan.units]
+        self.offload_copy = [x.sharded if self.offload_off_device else 0.0 for x in ub]
         self.held_all_gather = 0.0  # forward: the last copied-out unit's all-gather output
+        self.held_all_gather_owner = ""
         self.held_reduce_scatter = 0.0  # the last reduce-scatter input, until the next post-backward
+        self.held_reduce_scatter_owner = ""
+        self.sharded_grad_live = [False] * len(plan.units)
         # activations = batch + saved so far + flow (the tensor flowing into / out of the current block)
+        self.batch_bytes = trace.batch_input_bytes.at(self.b)
+        self.activation_level = 0.0  # [Note: Activations as a level]: the level now,
+        self.activation_bytes = 0.0  # and the level allocated (at the last mark)
         self.saved_sum = 0.0
         self.flow = 0.0
         # per block, what selective checkpointing keeps beyond the inputs: [Note: Selective checkpointing memory]
         self.stash: tuple[float, ...] = (0.0,) * len(t.blocks)
 
-    def record(self, what: str, who: str, phase: Phase, extra_temp: float = 0.0, extra_comm: float = 0.0) -> None:
-        """One event; its label is "<phase>: <what> <who>", built only when kept."""
-        cat = self.cat
-        total = cat[0] + cat[1] + cat[2] + cat[3] + cat[4] + cat[5] + cat[6] + cat[7] + extra_temp + extra_comm
-        if self.timeline or total > self.peak_total:
-            snap = (cat[0], cat[1], cat[2], cat[3], cat[4], cat[5] + extra_temp, cat[6] + extra_comm, cat[7])
-            if self.timeline:
-                self.events.append((what, who, phase, snap))
-            if total > self.peak_total:
-                self.peak_total = total
-                self.peak_event = (what, who, phase, snap)
+    def own_accountants(self) -> tuple:
+        """The walk's accountants after the totals (cost/accumulation.py adds one)."""
+        return (self.marks,) if self.timeline else ()
+
+    def allocate_step_state(self) -> None:
+        """What lives through the whole step, one allocation per kind (allocated at initialisation or at the
+        first step, not in the walked step): sharded state ([Note: FSDP2 model state]), the overhead, the batch."""
+        plan, profile, ub, out = self.plan, self.profile, self.ub, self.out
+        if not self.offload_off_device:  # buffers are not sharded and stay on the device (FSDP2 moves only parameters)
+            out.on_alloc(SHARDED_PARAMS, sum(x.sharded for x in ub), "", ON_DEFAULT)
+            states = optimizer_rules.optimizer_state_bytes(plan.training.optimizer, sum(x.sharded_grad for x in ub))
+            out.on_alloc(OPTIMIZER_STATES_KIND, states, "", ON_DEFAULT)
+        out.on_alloc(SHARDED_PARAMS, self.t.buffer_bytes, "", ON_DEFAULT)
+        out.on_alloc(OVERHEAD, profile.reserved_bytes, "", ON_DEFAULT)
+        for _ in reshard_group_sizes(plan.units, plan.mesh.shard_group_size):
+            out.on_alloc(OVERHEAD, profile.per_process_group_bytes, "", ON_DEFAULT)  # pytorch#153302
+        out.on_alloc(ACTIVATIONS, self.batch_bytes, "", ON_DEFAULT)
+        self.activation_level = self.activation_bytes = self.batch_bytes
+
+    def record(self, what: str, who: str, phase: Phase, extra_temp: float = 0.0, extra_comm: float = 0.0,
+               stream: Stream = ON_DEFAULT) -> None:
+        """A mark (label "<phase>: <what> <who>", built only when kept), after the activation level's change
+        if any ([Note: Activations as a level]), with its scratch (cost/allocations.py): ``extra_temp`` of
+        temporaries and ``extra_comm`` of a comm buffer, both on ``stream``."""
+        out = self.out
+        level = self.activation_level
+        if level != self.activation_bytes:  # the change since the last mark, as one free and one alloc
+            out.on_free(ACTIVATIONS, self.activation_bytes, "", ON_DEFAULT)
+            out.on_alloc(ACTIVATIONS, level, "", ON_DEFAULT)
+            self.activation_bytes = level
+        out.on_mark(what, who, phase, extra_temp, extra_comm, stream)
 
     def run(self) -> MemoryEstimate:
         self.handlers = self.dispatch()
-        self.walk(self.schedule.events)
+        self.allocate_step_state()
+        self.walk_step()
         return self.result()
+
+    def walk_step(self) -> None:
+        """The step's events (cost/accumulation.py walks them once per micro-step)."""
+        self.walk(self.schedule.events)
 
     def dispatch(self) -> list:
         """The handler of each event kind, indexed by the kind (an IntEnum): the hot loop's dispatch."""
@@ -286,7 +262,7 @@ class _MemoryWalk:
         return handlers
 
     def walk(self, events) -> None:
-        """Handle ``events`` in order (cost/accumulation.py walks one step's events once per micro-step)."""
+        """Handle ``events`` in order."""
         handlers = self.handlers
         for ev in events:
             handlers[ev.kind](ev)
@@ -299,35 +275,36 @@ class _MemoryWalk:
         from_group = st.group_clone_bytes != 0.0
         # the flat param-dtype copy of the all-gather input (mixed precision, or a post-forward shard)
         cast = (x.post_forward if from_group else x.cast_input) if x.mp else 0.0
-        self.cat[_CB] += x.unsharded
-        st.pending_bytes = x.unsharded
+        name = self.t.unit_names[u]
+        self.out.on_alloc(ALL_GATHER_OUTPUT, x.all_gather_output, name, ON_COPY_IN)
+        st.pending_bytes = x.all_gather_output
         st.sharding = Sharding.GATHERING
-        self.record("all-gather", self.t.unit_names[u], phase,
-                    extra_temp=cast + (0.0 if from_group else self.offload_copy[u]))
+        self.record("all-gather", name, phase, extra_temp=cast + (0.0 if from_group else self.offload_copy[u]),
+                    stream=ON_COPY_IN)
 
     def all_gather(self, ev) -> None:
         if not ev.implicit:  # an implicit prefetch is allocated at the unit's own pre-forward
             self.issue(ev.unit, ev.phase)
 
     def wait(self, ev) -> None:
-        u, phase, cat = ev.unit, ev.phase, self.cat
+        u, phase, out = ev.unit, ev.phase, self.out
         x, st = self.ub[u], self.units[u]
         if st.sharding is Sharding.UNSHARDED:
             return
         if not st.pending_bytes:  # (a unit without parameters has nothing pending: issued again, empty)
             self.issue(u, phase)
-        cat[_UP] += x.unsharded
-        self.record("copy-out", self.t.unit_names[u], phase)
+        name = self.t.unit_names[u]
+        out.on_alloc(UNSHARDED_PARAMS, x.unsharded, name, ON_DEFAULT)
+        self.record("copy-out", name, phase)
         if phase is Phase.FORWARD:
             if self.held_all_gather:  # freed only when wait_for_unshard returns
-                cat[_CB] -= self.held_all_gather
-                self.held_all_gather = 0.0
-            self.held_all_gather = st.pending_bytes  # stays in comm_buffers
+                out.on_free(ALL_GATHER_OUTPUT, self.held_all_gather, self.held_all_gather_owner, ON_COPY_IN)
+            self.held_all_gather, self.held_all_gather_owner = st.pending_bytes, name
         else:
-            cat[_CB] -= st.pending_bytes
+            out.on_free(ALL_GATHER_OUTPUT, st.pending_bytes, name, ON_COPY_IN)
         st.pending_bytes = 0.0
         if st.group_clone_bytes:
-            cat[_UP] -= x.post_forward
+            out.on_free(UNSHARDED_PARAMS, x.post_forward, name, ON_DEFAULT)
             st.group_clone_bytes = 0.0
         st.sharding = Sharding.UNSHARDED
 
@@ -337,19 +314,20 @@ class _MemoryWalk:
         if st.sharding is not Sharding.UNSHARDED:
             return
         st.sharding = Sharding.SHARDED
+        name = self.t.unit_names[u]
         if x.post_forward:
-            self.cat[_UP] += x.post_forward
-            self.record("reshard to a smaller group", self.t.unit_names[u], Phase.FORWARD)
+            self.out.on_alloc(UNSHARDED_PARAMS, x.post_forward, name, ON_DEFAULT)
+            self.record("reshard to a smaller group", name, Phase.FORWARD)
             st.group_clone_bytes = x.post_forward
             st.sharding = Sharding.RESHARDED_TO_GROUP
-        self.cat[_UP] -= x.unsharded
+        self.out.on_free(UNSHARDED_PARAMS, x.unsharded, name, ON_DEFAULT)
 
     # ---- forward ----
     def enter_forward_block(self, i: int) -> None:
         """The activation level as block ``i`` starts: its input flows in."""
         if self.acts.flows[i]:
             self.flow = self.acts.input[i]
-        self.cat[_AC] = self.batch_bytes + self.saved_sum + self.flow
+        self.activation_level = self.batch_bytes + self.saved_sum + self.flow
 
     def pre_forward(self, ev) -> None:
         if ev.block >= 0:
@@ -357,7 +335,7 @@ class _MemoryWalk:
 
     def forward(self, ev) -> None:
         i, a = ev.block, self.acts
-        name = self.t.blocks[i].name
+        name = self.acts.names[i]
         self.enter_forward_block(i)
         rise = a.fwd_rise[i]
         if self.schedule.checkpointed[i]:
@@ -370,11 +348,11 @@ class _MemoryWalk:
             self.saved_sum += a.saved[i]
         if a.flows[i]:
             self.flow = a.output[i]
-        self.cat[_AC] = self.batch_bytes + self.saved_sum + self.flow
+        self.activation_level = self.batch_bytes + self.saved_sum + self.flow
 
     def forward_end(self, ev) -> None:
         if self.held_all_gather:  # the root's post-forward frees the last all-gather output
-            self.cat[_CB] -= self.held_all_gather
+            self.out.on_free(ALL_GATHER_OUTPUT, self.held_all_gather, self.held_all_gather_owner, ON_COPY_IN)
             self.held_all_gather = 0.0
         self.record("end", "", Phase.FORWARD)
 
@@ -387,75 +365,91 @@ class _MemoryWalk:
         """The activation level as block ``i``'s backward starts: the gradient of its output flows in."""
         if self.acts.flows[i]:
             self.flow = self.acts.output[i]
-        self.cat[_AC] = self.batch_bytes + self.saved_sum + self.flow
+        self.activation_level = self.batch_bytes + self.saved_sum + self.flow
 
     def recompute(self, ev) -> None:
         i, a = ev.block, self.acts
+        name = self.acts.names[i]
         self.enter_backward_block(i)
         stash = self.stash[i]  # consumed as the recomputation reaches it (cost/selective.py)
-        self.record("recompute", self.t.blocks[i].name, Phase.BACKWARD, extra_temp=max(0.0, a.fwd_rise[i] - stash))
+        self.record("recompute", name, Phase.BACKWARD, extra_temp=max(0.0, a.fwd_rise[i] - stash))
         self.saved_sum += a.saved[i] - a.kept[i] - stash
-        self.cat[_AC] = self.batch_bytes + self.saved_sum + self.flow
+        self.activation_level = self.batch_bytes + self.saved_sum + self.flow
 
     def backward(self, ev) -> None:
-        i, a, cat = ev.block, self.acts, self.cat
+        i, a, out = ev.block, self.acts, self.out
         t = self.t
         blk = t.blocks[i]
         self.enter_backward_block(i)
         own_grads = a.own_grads[i]
         # the traced rise excludes parameter gradients: add them on top. See [Note: Activations].
-        cat[_GR] += own_grads
+        if own_grads:
+            out.on_alloc(GRADS, own_grads, a.names[i], ON_DEFAULT)
         self.units[blk.unit].grad_bytes += own_grads
         for v in blk.nested:  # produced by this block's backward too: before the event, not after
             g = t.unit_float_numel[v] * self.param_elem
-            cat[_GR] += g
+            out.on_alloc(GRADS, g, t.unit_names[v], ON_DEFAULT)
             self.units[v].grad_bytes += g
-        self.record("", blk.name, Phase.BACKWARD, extra_temp=a.bwd_rise[i])
+        self.record("", a.names[i], Phase.BACKWARD, extra_temp=a.bwd_rise[i])
         self.saved_sum -= a.saved[i]
         if a.flows[i]:
             self.flow = a.input[i]  # the gradient of the block's input
-        cat[_AC] = self.batch_bytes + self.saved_sum + self.flow
+        self.activation_level = self.batch_bytes + self.saved_sum + self.flow
 
     def post_backward(self, ev) -> None:
-        u, cat = ev.unit, self.cat
+        self.reduce_scatter(ev, self.ub[ev.unit].last_grad)
+
+    def reduce_scatter(self, ev, last_grad_bytes: float) -> None:
+        """Post-backward with gradient sync: reshard, then reduce-scatter the unit's gradients, of which
+        the last autograd produced (``last_grad_bytes``) is held through the collective
+        ([Note: Reduce-scatter buffers]; cost/accumulation.py passes an accumulated one)."""
+        u, out = ev.unit, self.out
         x, st = self.ub[u], self.units[u]
         name = self.t.unit_names[u]
         if ev.block < 0:  # the root's, from the final callback: every block's backward is done
             self.flow = 0.0
-            cat[_AC] = self.batch_bytes + max(self.saved_sum, 0.0)
+            self.activation_level = self.batch_bytes + max(self.saved_sum, 0.0)
         if st.sharding is Sharding.UNSHARDED and self.reshards_after_backward():
-            cat[_UP] -= x.unsharded
+            out.on_free(UNSHARDED_PARAMS, x.unsharded, name, ON_DEFAULT)
             st.sharding = Sharding.SHARDED
-        if self.held_reduce_scatter:
-            cat[_CB] -= self.held_reduce_scatter
-            self.held_reduce_scatter = 0.0
-        cat[_CB] += x.rs_input
+        self.free_held_reduce_scatter()
+        out.on_alloc(COMM_BUFFERS, x.rs_input, name, ON_DEFAULT)
         self.record("reduce-scatter copy-in", name, Phase.BACKWARD)
         # the copied-in gradients are freed, but the last one autograd produced stays referenced until
         # post_backward returns; the 1/N output is allocated before the collective runs (it becomes the
         # sharded gradient). See [Note: Reduce-scatter buffers].
-        held = min(x.last_grad, st.grad_bytes)
-        cat[_GR] -= st.grad_bytes - held
-        self.record("reduce-scatter", name, Phase.BACKWARD,
-                    extra_temp=x.rs_input * self.profile.reduce_scatter_temp_fraction, extra_comm=x.rs_output)
-        cat[_GR] -= held
+        held = min(last_grad_bytes, st.grad_bytes)
+        if st.grad_bytes - held:
+            out.on_free(GRADS, st.grad_bytes - held, name, ON_DEFAULT)
+        backend_temp = x.rs_input * self.profile.reduce_scatter_temp_fraction
+        self.record("reduce-scatter", name, Phase.BACKWARD, extra_temp=backend_temp, extra_comm=x.rs_output,
+                    stream=ON_REDUCE_SCATTER)
+        if held:
+            out.on_free(GRADS, held, name, ON_DEFAULT)
         st.grad_bytes = 0.0
-        self.held_reduce_scatter = x.rs_input
+        self.held_reduce_scatter, self.held_reduce_scatter_owner = x.rs_input, name
         if x.grad_cast:
-            self.record("reduce-scatter output", name, Phase.BACKWARD, extra_temp=x.rs_output + x.sharded_grad)
+            self.record("reduce-scatter output", name, Phase.BACKWARD, extra_temp=x.rs_output + x.sharded_grad,
+                        stream=ON_REDUCE_SCATTER)
         if not self.offload_off_device:
-            cat[_GR] += x.sharded_grad
+            out.on_alloc(GRADS, x.sharded_grad, name, ON_REDUCE_SCATTER)
+            self.sharded_grad_live[u] = True
         if self.plan.mesh.is_hsdp and x.grad_cast:
-            cat[_CB] += x.rs_output  # kept for the replica all-reduce (FSDPParamGroup._all_reduce_state)
+            # kept for the replica all-reduce (FSDPParamGroup._all_reduce_state)
+            out.on_alloc(COMM_BUFFERS, x.rs_output, name, ON_REDUCE_SCATTER)
+
+    def free_held_reduce_scatter(self) -> None:
+        """The previous reduce-scatter input, kept until the next post-backward or the end of backward."""
+        if self.held_reduce_scatter:
+            self.out.on_free(COMM_BUFFERS, self.held_reduce_scatter, self.held_reduce_scatter_owner, ON_DEFAULT)
+            self.held_reduce_scatter = 0.0
 
     def reshards_after_backward(self) -> bool:
         """FSDP2's ``reshard_after_backward`` (True; cost/accumulation.py keeps parameters between micro-steps)."""
         return True
 
     def backward_end(self, ev) -> None:
-        if self.held_reduce_scatter:
-            self.cat[_CB] -= self.held_reduce_scatter
-            self.held_reduce_scatter = 0.0
+        self.free_held_reduce_scatter()
         self.record("end", "", Phase.BACKWARD)
 
     # ---- optimizer step: see [Note: Optimizer step] ----
@@ -466,33 +460,25 @@ class _MemoryWalk:
                 training.optimizer, self.profile.device, sum(x.sharded_grad for x in self.ub),
                 self.t.largest_module_float_bytes, plan.mesh.shard_group_size)
             self.record("step", "", Phase.OPTIMIZER, extra_temp=temp)
-        self.cat[_GR] = 0.0
+        self.zero_grad()
         self.record("zero_grad", "", Phase.OPTIMIZER)
 
+    def zero_grad(self) -> None:
+        """``zero_grad(set_to_none=True)``: every sharded gradient is freed."""
+        names = self.t.unit_names
+        for u, x in enumerate(self.ub):
+            if self.sharded_grad_live[u]:
+                self.out.on_free(GRADS, x.sharded_grad, names[u], ON_REDUCE_SCATTER)
+                self.sharded_grad_live[u] = False
+
     def result(self) -> MemoryEstimate:
-        what, who, phase, snap = self.peak_event
-        at_peak = _to_dict(snap)
-        timeline = (tuple(MemoryEvent(_label(w, o, ph), ph, _to_dict(sn)) for w, o, ph, sn in self.events)
+        what, who, phase, snap = self.totals.peak_event
+        at_peak = to_dict(snap)
+        timeline = (tuple(MemoryEvent(label(w, o, ph), ph, to_dict(sn)) for w, o, ph, sn in self.marks.marks)
                     if self.timeline else ())
         return MemoryEstimate(peak_bytes=sum(at_peak.values()), memory_at_peak=at_peak,
-                              peak_event=_label(what, who, phase), timeline=timeline)
+                              peak_event=label(what, who, phase), timeline=timeline)
 
 
 def _ignore(ev) -> None:
     """PRE_BACKWARD: its all-gather wait and prefetches are events of their own."""
-
-
-def _to_dict(s: tuple) -> dict[str, int]:  # MEMORY_CATEGORIES, in order (a literal: this is hot)
-    return {"sharded_params": int(s[0] + 0.5), "unsharded_params": int(s[1] + 0.5), "grads": int(s[2] + 0.5),
-            "optimizer_states": int(s[3] + 0.5), "activations": int(s[4] + 0.5),
-            "temporaries": int(s[5] + 0.5), "comm_buffers": int(s[6] + 0.5), "overhead": int(s[7] + 0.5)}
-
-
-def _label(what: str, who: str, phase: Phase) -> str:
-    if phase is Phase.OPTIMIZER:
-        return "optimizer step" if what == "step" else what
-    if what.startswith("loss"):
-        return what
-    if not what:
-        return f"{phase}: {who or '<root>'}"
-    return f"{phase}: {what} {who}" if who else f"{phase}: {what}"

@@ -21,7 +21,10 @@ class UnitBytes:
     """One unit's byte sizes under one plan (bytes on one rank)."""
 
     sharded: float  # its sharded parameters (+ non-floating ones), 1/N; its 0-d parameters whole
-    unsharded: float  # all-gathered, in the param dtype: also the all-gather output's size
+    unsharded: float  # the unsharded parameters (copied out of the all-gather output), in the param dtype
+    # the flat all-gather output: the same bytes while the all-gather runs in the param dtype; another size
+    # where it does not (float8 and NF4 all-gathers): its own allocation kind (cost/allocations.py)
+    all_gather_output: float
     rs_input: float  # reduce-scatter input, in the reduce dtype
     rs_output: float  # its 1/N output
     sharded_grad: float  # the sharded gradient, in the built dtype (0-d parameters' whole)
@@ -63,7 +66,8 @@ def query_unit_bytes(t: CostTables, q: UnitBytesQuery) -> tuple[UnitBytes, ...]:
         replicated = t.unit_replicated_bytes[i] if t.unit_replicated_bytes else 0
         replicated_grad = t.unit_replicated_float_bytes[i] if t.unit_replicated_float_bytes else 0
         out.append(UnitBytes(
-            sharded=(float_built + other) / n + replicated, unsharded=unsharded, rs_input=rs_input,
+            sharded=(float_built + other) / n + replicated, unsharded=unsharded, all_gather_output=unsharded,
+            rs_input=rs_input,
             rs_output=rs_output, sharded_grad=sharded_grad + replicated_grad, cast_input=unsharded / n if mp else 0.0,
             post_forward=r.clone_bytes(unsharded), reshard=r.reshards,
             grad_cast=rs_output != sharded_grad,  # reduce dtype differs from built: cast after

@@ -1,0 +1,41 @@
+"""Per block of the cost tables, the activation sizes the memory walk reads at one micro-batch
+(cost/memory.py, [Note: Activations] and [Note: Checkpointed inputs held elsewhere] there)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shard_planner.cost.tables import CostTables
+from shard_planner.dtypes import dtype_bytes
+from shard_planner.trace.types import ModelTrace
+
+
+@dataclass(frozen=True)
+class BlockActivations:
+    """Per block of the tables at one micro-batch, bytes in the plan's param dtype (activations are
+    traced in the compute dtype and scaled, [Note: Activations]). ``block_activations`` builds them;
+    the CostModel keeps them per (segmentation, micro-batch, param dtype)."""
+
+    input: tuple[float, ...]
+    output: tuple[float, ...]
+    saved: tuple[float, ...]
+    fwd_rise: tuple[float, ...]
+    bwd_rise: tuple[float, ...]
+    kept: tuple[float, ...]  # what a checkpointed block keeps: [Note: Checkpointed inputs held elsewhere]
+    flows: tuple[bool, ...]  # a module block (its input and output flow); False: a container's own code
+    own_grads: tuple[float, ...]  # its own parameters' gradients in the param dtype
+    names: tuple[str, ...]  # the block's name (the owner of its allocations; ``CostTables.blocks[i].name``)
+
+
+def block_activations(trace: ModelTrace, t: CostTables, micro_batch: int, param_dtype: str) -> BlockActivations:
+    b, elem = micro_batch, dtype_bytes(param_dtype)
+    s = elem / dtype_bytes(trace.compute_dtype)
+    blocks = t.blocks
+    return BlockActivations(
+        input=tuple(blk.input.at(b) * s for blk in blocks), output=tuple(blk.output.at(b) * s for blk in blocks),
+        saved=tuple(blk.saved.at(b) * s for blk in blocks), fwd_rise=tuple(blk.fwd_rise.at(b) * s for blk in blocks),
+        bwd_rise=tuple(blk.bwd_rise.at(b) * s for blk in blocks),
+        kept=tuple((blk.input.at(b) - blk.input_shared.at(b)) * s for blk in blocks),
+        flows=tuple(not blk.self_only for blk in blocks),
+        own_grads=tuple(blk.own_float_numel * elem for blk in blocks), names=tuple(blk.name for blk in blocks),
+    )
