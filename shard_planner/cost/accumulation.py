@@ -64,11 +64,10 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from shard_planner.cost.allocations import GRADS, ON_DEFAULT, ON_REDUCE_SCATTER, UNSHARDED_PARAMS
+from shard_planner.cost.allocations import GRADS, ON_DEFAULT, ON_REDUCE_SCATTER
 from shard_planner.cost.memory import _MemoryWalk
 from shard_planner.cost.schedule import EventKind, Phase
 from shard_planner.cost.types import MemoryEstimate, TimeEstimate
-from shard_planner.cost.unit_state import Sharding
 from shard_planner.dtypes import dtype_bytes
 from shard_planner.plan import GRADIENT_SYNCS, Training
 
@@ -198,12 +197,7 @@ class _AccumulationWalk(_MemoryWalk):
         u, out = ev.unit, self.out
         x, st = self.ub[u], self.units[u]
         name = self.t.unit_names[u]
-        if ev.block < 0:  # the root's, from the final callback: every block's backward is done
-            self.flow = 0.0
-            self.activation_level = self.batch_bytes + max(self.saved_sum, 0.0)
-        if self.reshards_after_backward() and st.sharding is Sharding.UNSHARDED:
-            out.on_free(UNSHARDED_PARAMS, x.unsharded, name, ON_DEFAULT)
-            st.sharding = Sharding.SHARDED
+        self.reshard_after_backward(ev)  # unless kept gathered between micro-steps
         new = st.grad_bytes
         st.grad_bytes = 0.0
         if not self.converts:  # the gradients stay as they are (unsharded_param.grad)

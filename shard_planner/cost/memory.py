@@ -399,6 +399,17 @@ class _MemoryWalk:
     def post_backward(self, ev) -> None:
         self.reduce_scatter(ev, self.ub[ev.unit].last_grad)
 
+    def reshard_after_backward(self, ev) -> None:
+        """What every post-backward does first, with or without gradient sync: the root's (from the final
+        callback) ends the backward's activations; a unit reshards unless it keeps its parameters."""
+        if ev.block < 0:  # the root's, from the final callback: every block's backward is done
+            self.flow = 0.0
+            self.activation_level = self.batch_bytes + max(self.saved_sum, 0.0)
+        st = self.units[ev.unit]
+        if st.sharding is Sharding.UNSHARDED and self.reshards_after_backward():
+            self.out.on_free(UNSHARDED_PARAMS, self.ub[ev.unit].unsharded, self.t.unit_names[ev.unit], ON_DEFAULT)
+            st.sharding = Sharding.SHARDED
+
     def reduce_scatter(self, ev, last_grad_bytes: float) -> None:
         """Post-backward with gradient sync: reshard, then reduce-scatter the unit's gradients, of which
         the last autograd produced (``last_grad_bytes``) is held through the collective
@@ -406,12 +417,7 @@ class _MemoryWalk:
         u, out = ev.unit, self.out
         x, st = self.ub[u], self.units[u]
         name = self.t.unit_names[u]
-        if ev.block < 0:  # the root's, from the final callback: every block's backward is done
-            self.flow = 0.0
-            self.activation_level = self.batch_bytes + max(self.saved_sum, 0.0)
-        if st.sharding is Sharding.UNSHARDED and self.reshards_after_backward():
-            out.on_free(UNSHARDED_PARAMS, x.unsharded, name, ON_DEFAULT)
-            st.sharding = Sharding.SHARDED
+        self.reshard_after_backward(ev)
         self.free_held_reduce_scatter()
         out.on_alloc(COMM_BUFFERS, x.rs_input, name, ON_DEFAULT)
         self.record("reduce-scatter copy-in", name, Phase.BACKWARD)
