@@ -92,7 +92,7 @@ from shard_planner.cost.stragglers import straggler_factor
 from shard_planner.cost.tables import CostTables
 from shard_planner.cost.types import TimeEstimate, UnitTime
 from shard_planner.cost.unit_bytes import UnitBytes
-from shard_planner.cost.unit_collectives import unit_collectives
+from shard_planner.cost import unit_collectives as collective_rules
 from shard_planner.dtypes import dtype_bytes
 from shard_planner.profile import HardwareProfile
 from shard_planner.timings import ModuleTime, ModuleTimings
@@ -136,10 +136,9 @@ def unit_collectives_s(q: CollectivesQuery, ub: tuple[UnitBytes, ...], profile: 
     ``q.unit_bytes``'s. Reads only ``q`` (cost/queries.py [Note: A memo is keyed by its function's
     query])."""
     n, replicas, offload = q.mesh.shard_group_size, q.mesh.replicate_group_size, q.cpu_offload
-    per_unit = [unit_collectives(profile, ReshardAfterForward.of(unit.reshard_after_forward, n), n, replicas,
-                                 x.unsharded, x.rs_input, x.sharded if offload else 0.0,
-                                 x.sharded_grad if offload else 0.0)
-                for unit, x in zip(q.unit_bytes.units, ub)]
+    per_unit = [collective_rules.unit_collectives(
+        profile, ReshardAfterForward.of(unit.reshard_after_forward, n), n, replicas, x.unsharded, x.rs_input,
+        x.sharded if offload else 0.0, x.sharded_grad if offload else 0.0) for unit, x in zip(q.unit_bytes.units, ub)]
     return (tuple(c.forward_s for c in per_unit), tuple(c.backward_s for c in per_unit),
             tuple(c.reduction_s for c in per_unit))
 

@@ -88,7 +88,7 @@ from shard_planner.cost.model import CostModel
 from shard_planner.cost.reshard import Reshard, ReshardAfterForward
 from shard_planner.cost import optimizer as optimizer_rules
 from shard_planner.cost.tables import largest_module_float_bytes
-from shard_planner.cost.unit_collectives import unit_collectives
+from shard_planner.cost import unit_collectives as collective_rules
 from shard_planner.dtypes import DTYPE_BYTES
 from shard_planner.plan import Mesh, Prefetch, Training
 from shard_planner.profile import HardwareProfile
@@ -271,7 +271,7 @@ def _constant_time_s(cm: CostModel, trace: ModelTrace, profile: HardwareProfile,
     outside_s = max(0.0, root_f + root_b - sum(fwd_s) - sum(bwd_s)) + loss_f + loss_b
     # the root's all-gather at the start and its reduce-scatter (+ HSDP all-reduce) at the end; FSDP2
     # does not reshard the root (None): the per-unit rule, cost/unit_collectives.py
-    root = unit_collectives(profile, ReshardAfterForward.of(None, shard), shard, replicas,
+    root = collective_rules.unit_collectives(profile, ReshardAfterForward.of(None, shard), shard, replicas,
                             root_params * bp, root_params * br)
     root_comm = root.forward_s + root.reduction_s
     # the step is memory-bound, on the host under offload (cost/optimizer.py)
@@ -423,7 +423,7 @@ def _exposed_comm_s(c: Candidate, parts: list[int], fwd_s: float, bwd_s: float, 
     count, n_collectives = sum(parts), len(parts)
     # each unit's collectives: the per-unit rule of the simulators (cost/unit_collectives.py; its bytes
     # from the parameter count, [Note: The per-unit collective rule and its byte inputs])
-    per_unit = [unit_collectives(profile, r, shard, replicas, p * bp, p * br) for p in parts]
+    per_unit = [collective_rules.unit_collectives(profile, r, shard, replicas, p * bp, p * br) for p in parts]
     ar = sum(u.replica_all_reduce_s for u in per_unit)  # HSDP; 0 without
     if o.in_root:
         ag_f = ring_bandwidth_s(profile, count * bp, shard)  # joins the root's all-gather: no extra latency
