@@ -88,6 +88,7 @@ from shard_planner.cost.model import CostModel
 from shard_planner.cost.reshard import Reshard, ReshardAfterForward
 from shard_planner.cost import optimizer as optimizer_rules
 from shard_planner.cost.tables import largest_module_float_bytes
+from shard_planner.cost.unit_bytes import reduce_scatter_backend_temp_bytes, reduce_scatter_output_bytes
 from shard_planner.cost import unit_collectives as collective_rules
 from shard_planner.dtypes import DTYPE_BYTES
 from shard_planner.plan import Mesh, Prefetch, Training
@@ -382,7 +383,8 @@ def _candidate_coeffs(c: Candidate, space: SearchSpace, items: _ItemTerms, ch: _
         # the copy-in holds the unit's unsharded gradients and the flat input together; then the 1/N
         # output and the backend's copy of the input (gloo) join, the gradients freed but the last one:
         # bounded by all of them (cost/memory.py [Note: Reduce-scatter buffers])
-        rs_mem = live_count * bp + rs_in + rs_in / shard + rs_in * profile.reduce_scatter_temp_fraction
+        rs_mem = (live_count * bp + rs_in + reduce_scatter_output_bytes(rs_in, shard)
+                  + reduce_scatter_backend_temp_bytes(rs_in, profile))
         next_gather = gather_live
 
     # ---- time ----
