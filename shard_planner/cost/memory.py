@@ -153,7 +153,7 @@ from shard_planner.cost.schedule import EventKind, Phase, Schedule
 from shard_planner.cost.selective import SelectiveBlocks
 from shard_planner.cost.tables import CostTables
 from shard_planner.cost.types import MemoryEstimate, MemoryEvent
-from shard_planner.cost.unit_bytes import UnitBytes
+from shard_planner.cost.unit_bytes import UnitBytes, reduce_scatter_backend_temp_bytes
 from shard_planner.cost.unit_state import Sharding, UnitState
 from shard_planner.dtypes import dtype_bytes
 from shard_planner.profile import HardwareProfile
@@ -427,7 +427,7 @@ class _MemoryWalk:
         held = min(last_grad_bytes, st.grad_bytes)
         if st.grad_bytes - held:
             out.on_free(GRADS, st.grad_bytes - held, name, ON_DEFAULT)
-        backend_temp = x.rs_input * self.profile.reduce_scatter_temp_fraction
+        backend_temp = reduce_scatter_backend_temp_bytes(x.rs_input, self.profile)
         self.record("reduce-scatter", name, Phase.BACKWARD, extra_temp=backend_temp, extra_comm=x.rs_output,
                     stream=ON_REDUCE_SCATTER)
         if held:

@@ -83,16 +83,16 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from shard_planner.cost.collectives import all_gather_time_s, reduce_scatter_time_s
 from shard_planner.cost import optimizer as optimizer_rules
 from shard_planner.cost.overlap import overlapped_compute_end_s
 from shard_planner.cost.queries import CollectivesQuery, PlanQuery
-from shard_planner.cost.reshard import Reshard, ReshardAfterForward, reshards_after_forward
+from shard_planner.cost.reshard import ReshardAfterForward, reshards_after_forward
 from shard_planner.cost.schedule import EventKind, Phase, Schedule
 from shard_planner.cost.stragglers import straggler_factor
 from shard_planner.cost.tables import CostTables
 from shard_planner.cost.types import TimeEstimate, UnitTime
 from shard_planner.cost.unit_bytes import UnitBytes
+from shard_planner.cost import unit_collectives as collective_rules
 from shard_planner.dtypes import dtype_bytes
 from shard_planner.profile import HardwareProfile
 from shard_planner.timings import ModuleTime, ModuleTimings
@@ -131,23 +131,16 @@ def measured_block_times(trace: ModelTrace, t: CostTables, timings: ModuleTiming
 
 def unit_collectives_s(q: CollectivesQuery, ub: tuple[UnitBytes, ...], profile: HardwareProfile):
     """Per unit: forward all-gather, backward all-gather (0 when it keeps its parameters; the root
-    never reshards unless the plan says so) and reduce-scatter (+ the HSDP all-reduce) seconds; ``ub``
-    are ``q.unit_bytes``'s. Reads only ``q`` (cost/queries.py [Note: A memo is keyed by its function's
+    never reshards unless the plan says so) and reduce-scatter (+ the HSDP all-reduce) seconds, each with
+    its host copy under CPU offload: the per-unit rule (cost/unit_collectives.py) on ``ub``, which are
+    ``q.unit_bytes``'s. Reads only ``q`` (cost/queries.py [Note: A memo is keyed by its function's
     query])."""
-    n, offload, h2d = q.mesh.shard_group_size, q.cpu_offload, profile.host_to_device_bytes_per_s
-    ag_fwd, ag_bwd, rs = [], [], []
-    for unit, x in zip(q.unit_bytes.units, ub):
-        copy_in = x.sharded / h2d if offload else 0.0
-        fwd = all_gather_time_s(profile, x.unsharded, n) + copy_in
-        r = ReshardAfterForward.of(unit.reshard_after_forward, n)
-        ag_fwd.append(fwd)
-        ag_bwd.append(fwd if r.kind is Reshard.ALWAYS else 0.0 if r.kind is Reshard.NEVER
-                      else all_gather_time_s(profile, x.unsharded, r.group_size))
-        red = reduce_scatter_time_s(profile, x.rs_input, n, q.mesh.replicate_group_size)
-        if offload:
-            red += x.sharded_grad / h2d
-        rs.append(red)
-    return tuple(ag_fwd), tuple(ag_bwd), tuple(rs)
+    n, replicas, offload = q.mesh.shard_group_size, q.mesh.replicate_group_size, q.cpu_offload
+    per_unit = [collective_rules.unit_collectives(
+        profile, ReshardAfterForward.of(unit.reshard_after_forward, n), n, replicas, x.unsharded, x.rs_input,
+        x.sharded if offload else 0.0, x.sharded_grad if offload else 0.0) for unit, x in zip(q.unit_bytes.units, ub)]
+    return (tuple(c.forward_s for c in per_unit), tuple(c.backward_s for c in per_unit),
+            tuple(c.reduction_s for c in per_unit))
 
 
 def _combine(t: CostTables, s: Schedule, c: BlockCompute, profile: HardwareProfile, skipped=None,

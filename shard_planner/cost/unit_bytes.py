@@ -14,6 +14,7 @@ from shard_planner.cost.reshard import ReshardAfterForward
 from shard_planner.cost.tables import CostTables
 from shard_planner.dtypes import dtype_bytes
 from shard_planner.plan import Plan
+from shard_planner.profile import HardwareProfile
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +35,19 @@ class UnitBytes:
     grad_cast: bool  # the reduce dtype differs from the built dtype: a cast after the reduce-scatter
     last_grad: float  # the gradient autograd produces last for the unit ([Note: Reduce-scatter buffers])
     mp: bool  # mixed precision applies (some floating parameter's dtype differs from the param dtype)
+
+
+def reduce_scatter_output_bytes(rs_input_bytes: float, shard_group_size: int) -> float:
+    """The 1/N output of a reduce-scatter of ``rs_input_bytes`` (cost/memory.py [Note: Reduce-scatter
+    buffers]); the memory walk reads it from :class:`UnitBytes`, the solver's linear model from here."""
+    return rs_input_bytes / shard_group_size
+
+
+def reduce_scatter_backend_temp_bytes(rs_input_bytes: float, profile: HardwareProfile) -> float:
+    """The backend's temporary during a reduce-scatter of ``rs_input_bytes``: gloo copies the input, NCCL
+    allocates none (the profile's ``reduce_scatter_temp_fraction``; cost/memory.py [Note: Reduce-scatter
+    buffers])."""
+    return rs_input_bytes * profile.reduce_scatter_temp_fraction
 
 
 def unit_bytes(t: CostTables, plan: Plan) -> tuple[UnitBytes, ...]:
@@ -57,7 +71,7 @@ def query_unit_bytes(t: CostTables, q: UnitBytesQuery) -> tuple[UnitBytes, ...]:
         unsharded = float_numel * pd_elem + other
         # reduce_dtype equal to param_dtype means "no cast" (FSDPParam.init_dtype_attrs): same bytes.
         rs_input = float_numel * rs_elem
-        rs_output = rs_input / n
+        rs_output = reduce_scatter_output_bytes(rs_input, n)
         sharded_grad = float_built / n
         r = ReshardAfterForward.of(u.reshard_after_forward, n)
         # 0-d parameters are replicated, not sharded: whole on every rank, with their whole gradient (in the

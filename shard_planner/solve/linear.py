@@ -82,14 +82,14 @@ from dataclasses import dataclass, replace
 
 from shard_planner.cost.accumulation import held_between_micro_steps_bytes
 from shard_planner.cost.fsdp_copies import copies_s, copy_bandwidth_bytes_per_s
-from shard_planner.cost.collectives import (
-    all_gather_time_s, reduce_scatter_time_s, replica_all_reduce_time_s, ring_bandwidth_s,
-)
+from shard_planner.cost.collectives import ring_bandwidth_s
 from shard_planner.checkpointing import DEFAULT_SAVE_OPS, is_selective
 from shard_planner.cost.model import CostModel
 from shard_planner.cost.reshard import Reshard, ReshardAfterForward
 from shard_planner.cost import optimizer as optimizer_rules
 from shard_planner.cost.tables import largest_module_float_bytes
+from shard_planner.cost.unit_bytes import reduce_scatter_backend_temp_bytes, reduce_scatter_output_bytes
+from shard_planner.cost import unit_collectives as collective_rules
 from shard_planner.dtypes import DTYPE_BYTES
 from shard_planner.plan import Mesh, Prefetch, Training
 from shard_planner.profile import HardwareProfile
@@ -270,9 +270,11 @@ def _constant_time_s(cm: CostModel, trace: ModelTrace, profile: HardwareProfile,
     root_f, root_b = cm.module_compute_s("", b, training.param_dtype)
     loss_f, loss_b = cm.module_compute_s(None, b, training.param_dtype)
     outside_s = max(0.0, root_f + root_b - sum(fwd_s) - sum(bwd_s)) + loss_f + loss_b
-    # the root's all-gather at the start and its reduce-scatter (+ HSDP all-reduce) at the end
-    root_comm = (all_gather_time_s(profile, root_params * bp, shard)
-                 + reduce_scatter_time_s(profile, root_params * br, shard, replicas))
+    # the root's all-gather at the start and its reduce-scatter (+ HSDP all-reduce) at the end; FSDP2
+    # does not reshard the root (None): the per-unit rule, cost/unit_collectives.py
+    root = collective_rules.unit_collectives(profile, ReshardAfterForward.of(None, shard), shard, replicas,
+                            root_params * bp, root_params * br)
+    root_comm = root.forward_s + root.reduction_s
     # the step is memory-bound, on the host under offload (cost/optimizer.py)
     const_s = outside_s + root_comm + optimizer_rules.optimizer_step_s(
         training.optimizer, trace.param_count / shard, param_elem, profile, choice.cpu_offload)
@@ -381,7 +383,8 @@ def _candidate_coeffs(c: Candidate, space: SearchSpace, items: _ItemTerms, ch: _
         # the copy-in holds the unit's unsharded gradients and the flat input together; then the 1/N
         # output and the backend's copy of the input (gloo) join, the gradients freed but the last one:
         # bounded by all of them (cost/memory.py [Note: Reduce-scatter buffers])
-        rs_mem = live_count * bp + rs_in + rs_in / shard + rs_in * profile.reduce_scatter_temp_fraction
+        rs_mem = (live_count * bp + rs_in + reduce_scatter_output_bytes(rs_in, shard)
+                  + reduce_scatter_backend_temp_bytes(rs_in, profile))
         next_gather = gather_live
 
     # ---- time ----
@@ -420,21 +423,18 @@ def _exposed_comm_s(c: Candidate, parts: list[int], fwd_s: float, bwd_s: float, 
     d_f, d_b, overlap, leading_root_items = ch.d_f, ch.d_b, ch.overlap, ch.leading_root_items
     o, r = c.option, ReshardAfterForward.of(c.option.reshard_after_forward, shard)
     count, n_collectives = sum(parts), len(parts)
-    # collectives: cost/collectives.py (the ring model; intra- or inter-node by the group's layout)
-    ar = sum(replica_all_reduce_time_s(profile, p * br, shard, replicas) for p in parts)  # HSDP; 0 without
+    # each unit's collectives: the per-unit rule of the simulators (cost/unit_collectives.py; its bytes
+    # from the parameter count, [Note: The per-unit collective rule and its byte inputs])
+    per_unit = [collective_rules.unit_collectives(profile, r, shard, replicas, p * bp, p * br) for p in parts]
+    ar = sum(u.replica_all_reduce_s for u in per_unit)  # HSDP; 0 without
     if o.in_root:
         ag_f = ring_bandwidth_s(profile, count * bp, shard)  # joins the root's all-gather: no extra latency
         rs = ring_bandwidth_s(profile, count * br, shard)
         exposed = ag_f + rs + ar  # at the very start and the very end of the step: nothing to hide behind
     else:
-        ag_f = sum(all_gather_time_s(profile, p * bp, shard) for p in parts)
-        if r.kind is Reshard.ALWAYS:
-            ag_b = ag_f
-        elif r.kind is Reshard.NEVER:
-            ag_b = 0.0
-        else:
-            ag_b = sum(all_gather_time_s(profile, p * bp, r.group_size) for p in parts)
-        rs = sum(reduce_scatter_time_s(profile, p * br, shard) for p in parts)
+        ag_f = sum(u.all_gather_fwd_s for u in per_unit)
+        ag_b = sum(u.all_gather_bwd_s for u in per_unit)  # 0 when it keeps its parameters
+        rs = sum(u.reduce_scatter_s for u in per_unit)
         if not overlap:  # gloo on CPU: collectives run on the thread that computes
             exposed = ag_f + ag_b + rs + ar
         elif c.start <= leading_root_items:

@@ -1,12 +1,16 @@
 """The solver's linear model and the simulators call the same FSDP2 rules (issue 27 item 2): change one
-rule in its one place (cost/optimizer.py, cost/reshard.py) and both follow, by the same amount."""
+rule in its one place (cost/optimizer.py, cost/reshard.py, cost/unit_collectives.py) and both follow, by the
+same amount."""
+
+import dataclasses
 
 import pytest
 
 from shard_planner.cost import CostModel
 from shard_planner.cost import optimizer as optimizer_rules
+from shard_planner.cost import unit_collectives as collective_rules
 from shard_planner.plan import Cluster, Mesh, Prefetch, Training
-from shard_planner.solve.linear import MIB, US_PER_S, GlobalChoice, build_linear_model
+from shard_planner.solve.linear import MIB, US_PER_S, GlobalChoice, build_linear_model, evaluate
 from shard_planner.solve.simulate import cover_units, make_plan
 from shard_planner.solve.space import build_space
 from tests.models import solve_traces
@@ -20,12 +24,17 @@ def _both(profile, training: Training, choice: GlobalChoice):
     trace = solve_traces.stack_trace(4)
     space = build_space(trace, shard_group=choice.mesh.shard, gpus_per_node=8, max_group_size=4)
     lm = build_linear_model(trace, space, choice, training, profile, CostModel(trace, profile))
-    cover = tuple(k for k, c in enumerate(space.candidates) if c.stop - c.start == 1
-                  and c.option.reshard_after_forward is True and not c.option.activation_checkpoint
-                  and not c.option.in_root and not c.option.nested)
+    cover = _one_unit_per_item(lm)
     plan = make_plan(trace, cover_units(lm, cover), choice, training=training,
                      cluster=Cluster(choice.mesh.world_size, 8, profile.name, 80 * 2**30))
     return CostModel(trace, profile).estimate(plan, timeline=False), lm
+
+
+def _one_unit_per_item(lm) -> tuple[int, ...]:
+    """The cover of ``lm`` with one unit per item, each resharded after forward (True), no checkpointing."""
+    return tuple(k for k, c in enumerate(lm.space.candidates) if c.stop - c.start == 1
+                 and c.option.reshard_after_forward is True and not c.option.activation_checkpoint
+                 and not c.option.in_root and not c.option.nested)
 
 
 @pytest.fixture
@@ -82,3 +91,30 @@ def test_optimizer_step_time_rule_moves_both(setup, monkeypatch):
     assert est2.time.optimizer_s - est.time.optimizer_s == pytest.approx(1.0)
     assert est2.time.step_time_s - est.time.step_time_s == pytest.approx(1.0)
     assert lm2.const_time_us - lm.const_time_us == pytest.approx(US_PER_S, abs=1)
+
+
+def _slower_reduce_scatter(monkeypatch, rule, extra_s: float) -> None:
+    """The per-unit collective rule (``rule``, the unpatched one), each unit's reduce-scatter ``extra_s`` slower."""
+    monkeypatch.setattr(collective_rules, "unit_collectives", lambda *a: dataclasses.replace(
+        rule(*a), reduce_scatter_s=rule(*a).reduce_scatter_s + extra_s))
+
+
+def test_unit_collectives_rule_moves_both(setup, monkeypatch):
+    """Each unit's reduce-scatter 1 s slower, then 2 s (far above the compute, so every one is exposed at
+    both): one more second per unit in the simulated step and in the linear model's step of the same cover,
+    its root unit included."""
+    profile, training, choice = setup
+    rule = collective_rules.unit_collectives
+    _slower_reduce_scatter(monkeypatch, rule, 1.0)
+    est, lm = _both(profile, training, choice)
+    _slower_reduce_scatter(monkeypatch, rule, 2.0)
+    est2, lm2 = _both(profile, training, choice)
+    n_units = len(est.time.units)  # the cover's units and the root
+    assert n_units == len(_one_unit_per_item(lm)) + 1
+    assert est2.time.comm_s - est.time.comm_s == pytest.approx(n_units)
+    assert est2.time.step_time_s - est.time.step_time_s == pytest.approx(n_units)
+    assert lm2.const_time_us - lm.const_time_us == pytest.approx(US_PER_S, abs=1)  # the root's
+    cover = _one_unit_per_item(lm)
+    assert (evaluate(lm2, cover).time_us - evaluate(lm, cover).time_us
+            == pytest.approx(n_units * US_PER_S, abs=n_units))
+    assert est2.memory == est.memory and lm2.base_mib == lm.base_mib
