@@ -137,11 +137,16 @@ def _adapted(name: str, fn: Callable, helper: _Helper, fallback: _Fallback) -> C
     return wrapper
 
 
+def _call_with(fn: Callable, helper: _Helper, args: tuple, kwargs: dict, in_kwargs: bool, value):
+    """``fn`` called as given, with ``value`` in place of ``helper``'s argument (by name or by position)."""
+    if in_kwargs:
+        return fn(*args, **{**kwargs, helper.arg: value})
+    return fn(*args[:helper.index], value, *args[helper.index + 1:], **kwargs)
+
+
 def _unpadded_answer(fn: Callable, helper: _Helper, args: tuple, kwargs: dict, in_kwargs: bool):
     """A padding helper's answer for a mask of ones: the helper given no mask."""
-    if in_kwargs:
-        return fn(*args, **{**kwargs, helper.arg: None})
-    return fn(*args[:helper.index], None, *args[helper.index + 1:], **kwargs)
+    return _call_with(fn, helper, args, kwargs, in_kwargs, None)
 
 
 def _unpacked_answer(fn: Callable, helper: _Helper, args: tuple, kwargs: dict, in_kwargs: bool):
@@ -152,10 +157,7 @@ def _unpacked_answer(fn: Callable, helper: _Helper, args: tuple, kwargs: dict, i
 
     with _disable_current_modes():
         real = torch.arange(fake.shape[-1], dtype=fake.dtype).expand(fake.shape)
-        if in_kwargs:
-            answer = fn(*args, **{**kwargs, helper.arg: real})
-        else:
-            answer = fn(*args[:helper.index], real, *args[helper.index + 1:], **kwargs)
+        answer = _call_with(fn, helper, args, kwargs, in_kwargs, real)
     return None if answer is None else fn(*args, **kwargs)
 
 

@@ -38,6 +38,7 @@ from shard_planner.report.export.common import (
     Export, block_units, comment_block, grouped_note, prefetch_notes, uniform_reshard,
 )
 
+
 def _covers_torchtitan_op_saves(save_ops: tuple[str, ...]) -> bool:
     """The plan's selective block keeps at least what torchtitan's SelectiveAC keeps (odd-numbered mms and
     attention; checkpointing.py [Note: torchtitan's op-level policy]), so SelectiveAC needs no more memory."""
