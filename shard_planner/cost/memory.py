@@ -137,7 +137,7 @@ from __future__ import annotations
 import logging
 
 from shard_planner.cost import optimizer as optimizer_rules
-from shard_planner.cost.activations import BlockActivations, block_activations  # noqa: F401  (re-exported)
+from shard_planner.cost.activations import BlockActivations
 from shard_planner.cost.allocations import (
     ACTIVATIONS, ALL_GATHER_OUTPUT, COMM_BUFFERS, GRADS, ON_COPY_IN, ON_DEFAULT, ON_REDUCE_SCATTER,
     OVERHEAD, SHARDED_PARAMS, UNSHARDED_PARAMS, Accountant, CategoryTotals, Stream, Timeline, label,

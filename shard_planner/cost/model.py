@@ -46,7 +46,8 @@ from shard_planner.cost.tables import CostTables, segment_tables, subtree_summer
 from shard_planner.cost.fsdp_copies import unit_copies_s
 from shard_planner.cost.host_share import shared_profile
 from shard_planner.cost.time import BlockCompute, measured_block_times, simulate_time_walk, unit_collectives_s
-from shard_planner.cost.memory import BlockActivations, block_activations, simulate_memory_walk
+from shard_planner.cost.activations import BlockActivations, block_activations
+from shard_planner.cost.memory import simulate_memory_walk
 from shard_planner.cost.types import Estimate, MemoryEstimate, TimeEstimate
 from shard_planner.cost.unit_bytes import UnitBytes, query_unit_bytes
 from shard_planner.plan import Plan, Unit
