@@ -29,7 +29,6 @@ on an A100 80GB: 2% of torchtitan's 64-GPU step at local batch 1.
 from __future__ import annotations
 
 from shard_planner.cost.kernels import kernel_constants
-from shard_planner.cost.unit_bytes import UnitBytes
 from shard_planner.profile import HardwareProfile
 
 
@@ -46,14 +45,3 @@ def copies_s(unsharded_bytes: float, rs_input_bytes: float, bw: float) -> tuple[
     output is ``unsharded_bytes`` and reduce-scatter input ``rs_input_bytes``, at copy bandwidth ``bw``
     (> 0): [Note: FSDP2's copies on the compute stream]."""
     return 2.0 * unsharded_bytes / bw, (unsharded_bytes + rs_input_bytes) / bw
-
-
-def unit_copies_s(ub: tuple[UnitBytes, ...], profile: HardwareProfile) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Per unit: the seconds of one all-gather copy-out and of the reduce-scatter copy-in on the compute
-    stream (:func:`copies_s`); zeros where they are not priced."""
-    bw = copy_bandwidth_bytes_per_s(profile)
-    if bw <= 0.0:
-        zeros = (0.0,) * len(ub)
-        return zeros, zeros
-    out, into = zip(*(copies_s(x.unsharded, x.rs_input, bw) for x in ub)) if ub else ((), ())
-    return tuple(out), tuple(into)

@@ -155,7 +155,6 @@ from shard_planner.cost.tables import CostTables
 from shard_planner.cost.types import MemoryEstimate, MemoryEvent
 from shard_planner.cost.unit_bytes import UnitBytes, reduce_scatter_backend_temp_bytes
 from shard_planner.cost.unit_state import Sharding, UnitState
-from shard_planner.dtypes import dtype_bytes
 from shard_planner.profile import HardwareProfile
 from shard_planner.trace.types import ModelTrace
 
@@ -188,7 +187,6 @@ class _MemoryWalk:
         self.out = one_accountant((self.totals, *self.own_accountants(), *accountants))
         training = plan.training
         self.b = training.micro_batch
-        self.param_elem = dtype_bytes(training.param_dtype)
         self.offload_off_device = not optimizer_rules.state_on_device(training.cpu_offload, profile.device)
         self.units = [UnitState() for _ in plan.units]
         self.offload_copy = [x.sharded if self.offload_off_device else 0.0 for x in ub]
@@ -387,7 +385,7 @@ class _MemoryWalk:
             out.on_alloc(GRADS, own_grads, a.names[i], ON_DEFAULT)
         self.units[blk.unit].grad_bytes += own_grads
         for v in blk.nested:  # produced by this block's backward too: before the event, not after
-            g = t.unit_float_numel[v] * self.param_elem
+            g = self.ub[v].unsharded_grads
             out.on_alloc(GRADS, g, t.unit_names[v], ON_DEFAULT)
             self.units[v].grad_bytes += g
         self.record("", a.names[i], Phase.BACKWARD, extra_temp=a.bwd_rise[i])

@@ -40,16 +40,17 @@ from shard_planner.cost.kernels import (
 from shard_planner.cost.schedule import Schedule, build_schedule
 from shard_planner.cost.selective import (SelectiveBlocks, early_stop_share, flops_price, selective_blocks,
                                          subtree_selective)
-from shard_planner.cost.queries import (BatchQuery, BlockQuery, CollectivesQuery, PlanQuery, ScheduleQuery,
-                                        SelectiveQuery, SubtreeQuery, UnitBytesQuery, segmentation_of)
+from shard_planner.cost.queries import (BatchQuery, BlockQuery, PlanQuery, ScheduleQuery, SelectiveQuery,
+                                        SubtreeQuery, UnitBytesQuery, UnitCostsQuery, segmentation_of)
 from shard_planner.cost.tables import CostTables, segment_tables, subtree_summer
-from shard_planner.cost.fsdp_copies import unit_copies_s
 from shard_planner.cost.host_share import shared_profile
-from shard_planner.cost.time import BlockCompute, measured_block_times, simulate_time_walk, unit_collectives_s
+from shard_planner.cost.time import (BlockCompute, measured_block_times, simulate_time_walk, unit_collectives_s,
+                                    unit_copies_s)
 from shard_planner.cost.activations import BlockActivations, block_activations
 from shard_planner.cost.memory import simulate_memory_walk
 from shard_planner.cost.types import Estimate, MemoryEstimate, TimeEstimate
 from shard_planner.cost.unit_bytes import UnitBytes, query_unit_bytes
+from shard_planner.cost.unit_cost import UnitCost, unit_cost
 from shard_planner.plan import Plan, Unit
 from shard_planner.profile import HardwareProfile
 from shard_planner.trace.types import Affine, ModelTrace
@@ -98,7 +99,7 @@ class CostModel:
         self._unit_bytes = _LRU(tables_cache_size)
         self._activations = _LRU(tables_cache_size)
         self._compute = _LRU(tables_cache_size)
-        self._collectives = _LRU(tables_cache_size)
+        self._unit_time = _LRU(tables_cache_size)  # per unit: collectives' and FSDP2 copies' seconds
         self._selective = _LRU(tables_cache_size)
         self._subtrees = _LRU(None)  # bounded: modules x options x micro-batches x dtypes
         self._memory = _LRU(memo_size)  # with its timeline
@@ -152,6 +153,13 @@ class CostModel:
 
     def _unit_bytes_of(self, q: UnitBytesQuery) -> tuple[UnitBytes, ...]:
         return self._unit_bytes.get_or(q, lambda q: query_unit_bytes(self.tables(q.units), q))
+
+    def unit_costs_of(self, q: UnitCostsQuery) -> tuple[UnitCost, ...]:
+        """What each unit of ``q`` costs on this model's profile (cost/unit_cost.py): the per-unit query
+        the time walk reads here and the solver's linear model asks per candidate unit."""
+        setting = q.setting
+        return tuple(unit_cost(p, u.reshard_after_forward, setting, self.profile)
+                     for p, u in zip(self.tables(q.units).unit_params, q.units))
 
     def block_activations(self, plan: Plan) -> BlockActivations:
         """Every block's activation bytes at the plan's micro-batch and param dtype (cost/memory.py)."""
@@ -346,7 +354,7 @@ class CostModel:
         block = BlockQuery.of(q)
         compute = self._compute.get_or(block, lambda b: self.block_compute_s(
             self.segment_tables(b.segmentation), b.batch.micro_batch, b.batch.param_dtype))
-        comm, copies = self._collectives.get_or(CollectivesQuery.of(q), self._collectives_s)
+        comm, copies = self._unit_time.get_or(UnitCostsQuery.of(q), self._unit_time_s)
         schedule = self._schedule(ScheduleQuery.of(q))
         selective = self._selective_blocks(SelectiveQuery.of(q))
 
@@ -357,7 +365,8 @@ class CostModel:
             return walk(comm)
         return accumulated_time(q.training, walk, comm, self.trace.tokens_per_sample, q.mesh.dp_size)
 
-    def _collectives_s(self, q: CollectivesQuery):
-        """Per unit its collectives' and its FSDP2 copies' seconds (cost/time.py, cost/fsdp_copies.py)."""
-        ub = self._unit_bytes_of(q.unit_bytes)
-        return unit_collectives_s(q, ub, self.profile), unit_copies_s(ub, self.profile)
+    def _unit_time_s(self, q: UnitCostsQuery):
+        """Per unit its collectives' and its FSDP2 copies' seconds, the two-stream walk's inputs
+        (cost/time.py), from every unit's cost."""
+        costs = self.unit_costs_of(q)
+        return unit_collectives_s(costs), unit_copies_s(costs)

@@ -7,6 +7,8 @@ rule (issue 27; tests/solve/test_linear_follows_cost_rules.py changes a rule her
 
 from __future__ import annotations
 
+from shard_planner.cost.unit_params import UnitParams, built_dtype
+from shard_planner.dtypes import dtype_bytes
 from shard_planner.profile import HardwareProfile
 
 # Optimizer states per parameter element, in the sharded (built) dtype (torch/optim: AdamW and Adam
@@ -69,3 +71,13 @@ def optimizer_step_s(optimizer: str, sharded_elements: float, state_elem_bytes: 
     bw = ((profile.host_memory_bandwidth_bytes_per_s or profile.memory_bandwidth_bytes_per_s) if cpu_offload
           else profile.memory_bandwidth_bytes_per_s)
     return optimizer_step_bytes(optimizer, sharded_elements, state_elem_bytes) / bw
+
+
+def model_step_s(optimizer: str, params: UnitParams, shard_group_size: int, profile: HardwareProfile,
+                 cpu_offload: bool) -> float:
+    """Seconds of the step's memory traffic on one rank for a model whose parameters are ``params``
+    (cost/unit_params.py): :func:`optimizer_step_s` of its floating elements' 1/N shards, in the dtype
+    most of its bytes were built in (FSDP2's sharded dtype). The time walk and the linear model both
+    call it."""
+    return optimizer_step_s(optimizer, params.float_numel / shard_group_size, dtype_bytes(built_dtype(params)),
+                            profile, cpu_offload)

@@ -137,17 +137,33 @@ class UnitBytesQuery:
 
 
 @_query
-class CollectivesQuery:
-    """Every unit's collective and FSDP2 copy seconds (cost/time.py ``unit_collectives_s``,
-    cost/fsdp_copies.py): its unit bytes, the mesh and where the sharded state lives."""
+class UnitSetting:
+    """What one plan decides for all its units alike, as the per-unit cost (cost/unit_cost.py) reads it:
+    the mesh, the dtypes, the optimizer and CPU offload."""
 
-    unit_bytes: UnitBytesQuery
     mesh: Mesh
+    param_dtype: str
+    reduce_dtype: str
+    optimizer: str
     cpu_offload: bool
 
     @staticmethod
-    def of(plan) -> "CollectivesQuery":
-        return CollectivesQuery(UnitBytesQuery.of(plan), plan.mesh, plan.training.cpu_offload)
+    def of(plan) -> "UnitSetting":
+        tr = plan.training
+        return UnitSetting(plan.mesh, tr.param_dtype, tr.reduce_dtype, tr.optimizer, tr.cpu_offload)
+
+
+@_query
+class UnitCostsQuery:
+    """Every unit's cost (cost/unit_cost.py): the units (their modules and ``reshard_after_forward``) and
+    the plan's setting."""
+
+    units: tuple[Unit, ...]
+    setting: UnitSetting
+
+    @staticmethod
+    def of(plan) -> "UnitCostsQuery":
+        return UnitCostsQuery(units_of(plan), UnitSetting.of(plan))
 
 
 @_query

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from shard_planner.cost.unit_params import UnitParams, first_float_numel_of
 from shard_planner.dtypes import FLOAT_DTYPES, dtype_bytes
 from shard_planner.errors import PlanError
 from shard_planner.plan import ROOT, Unit, unit_name
@@ -68,31 +69,22 @@ class CostTables:
     # by every plan of that segmentation, whatever its units' reshard and checkpoint decisions.
     segmentation: tuple[tuple[str, ...], ...]
     blocks: tuple[Block, ...]
-    unit_param_numel: tuple[dict[str, int], ...]  # per unit, parameters it owns: dtype -> elements
-    # per unit, the parameters of its first module in forward order that holds some: their gradient
-    # is the last one autograd produces for the unit (see memory.py, [Note: Reduce-scatter buffers])
-    unit_first_param_numel: tuple[dict[str, int], ...]
+    # per unit, the parameters it owns (cost/unit_params.py): by built dtype, the floating elements of
+    # its first module in forward order that holds some (their gradient is the last one autograd
+    # produces for the unit: memory.py, [Note: Reduce-scatter buffers]) and its 0-d parameters, which
+    # are replicated whole on every rank with their gradients and optimizer states (unit_bytes.py)
+    unit_params: tuple[UnitParams, ...]
     unit_first_block: tuple[int, ...]  # -1 for a unit that never runs (kept for its parameters)
     unit_last_block: tuple[int, ...]
     forward_units: tuple[int, ...]  # units in pre-forward order (the root first)
-    built_dtype: str  # the dtype most parameter bytes were built in (FSDP2's sharded dtype)
-    # per unit, precomputed for the simulators' inner loops
+    model_params: UnitParams  # every parameter of the model, as one unit's (the optimizer step reads them)
     unit_names: tuple[str, ...]
-    unit_float_numel: tuple[int, ...]  # floating-point parameter elements
-    unit_float_built_bytes: tuple[int, ...]  # their bytes as built
-    unit_other_bytes: tuple[int, ...]  # non-floating parameters (never cast, no gradient)
-    unit_float_dtypes: tuple[frozenset, ...]
-    unit_first_float_numel: tuple[int, ...]
     total_param_numel: int
     buffer_bytes: int  # every module's buffers: not sharded by FSDP2, resident on every rank
     largest_module_float_bytes: int  # the largest one module's own floating parameters, as built
     model_fwd_flops: Affine  # the whole model (the loss excluded: trace.loss_flops), per micro-batch
     model_bwd_flops: Affine
     param_tensors: int = 0  # parameter tensors of the model (the optimizer's per-tensor overhead)
-    # per unit, its 0-d parameters' bytes as built (all; floating only): left out of every unit_* above,
-    # replicated whole on every rank with their gradients and optimizer states (unit_bytes.py)
-    unit_replicated_bytes: tuple[int, ...] = ()
-    unit_replicated_float_bytes: tuple[int, ...] = ()
 
 
 def build_tables(trace: ModelTrace, units: tuple[Unit, ...],
@@ -113,64 +105,42 @@ def segment_tables(trace: ModelTrace, segmentation: tuple[tuple[str, ...], ...],
     module_unit, root_index, owner, contains_unit = _owners(trace, segmentation)
 
     n_units = len(segmentation)
-    unit_numel: list[dict[str, int]] = [{} for _ in range(n_units)]
-    dtype_totals: dict[str, int] = {}
-    replicated = [0] * n_units  # 0-d parameters: not sharded, whole on every rank ([Note: 0-d parameters])
-    replicated_float = [0] * n_units
-    for m in trace.modules:
-        for dt, nbytes in m.sharded_param_bytes_by_dtype.items():
-            numel = nbytes // dtype_bytes(dt)
-            d = unit_numel[owner[m.fqn]]
-            d[dt] = d.get(dt, 0) + numel
-            dtype_totals[dt] = dtype_totals.get(dt, 0) + nbytes
-        for dt, nbytes in m.scalar_param_bytes_by_dtype.items():
-            replicated[owner[m.fqn]] += nbytes
-            replicated_float[owner[m.fqn]] += nbytes if dt in FLOAT_DTYPES else 0
-    built_dtype = max(dtype_totals, key=dtype_totals.get) if dtype_totals else "float32"
-
-    blocks = _block_sequence(trace, module_unit, owner, contains_unit, subtree_sum)
     # Parameters of modules that never run (calls == 0) still belong to their unit but no block touches
     # them; the root block list keeps them in the unit totals only.
-
-    first_params: list[dict[str, int]] = [{} for _ in range(n_units)]
+    modules_of: list[list] = [[] for _ in range(n_units)]
+    for m in trace.modules:
+        modules_of[owner[m.fqn]].append(m)
+    first: list[int | None] = [None] * n_units  # the floating elements of each unit's first module with parameters
     for fqn in trace.forward_order:
         m = trace.module(fqn)
-        u = owner[fqn]
-        if m.sharded_param_bytes_by_dtype and not first_params[u]:
-            first_params[u] = {dt: nb // dtype_bytes(dt) for dt, nb in m.sharded_param_bytes_by_dtype.items()}
+        if first[owner[fqn]] is None and m.sharded_param_bytes_by_dtype:
+            first[owner[fqn]] = first_float_numel_of(m.sharded_param_bytes_by_dtype)
+    params = tuple(replace(UnitParams.of_modules(ms), first_float_numel=f or 0) for ms, f in zip(modules_of, first))
+    blocks = _block_sequence(trace, module_unit, owner, contains_unit, subtree_sum)
 
-    first = [-1] * n_units
+    first_block = [-1] * n_units
     last = [-1] * n_units
     for i, b in enumerate(blocks):
         for u in (b.unit, *b.nested):
-            if first[u] < 0:
-                first[u] = i
+            if first_block[u] < 0:
+                first_block[u] = i
             last[u] = i
-    first[root_index], last[root_index] = 0, len(blocks) - 1
-    forward_units = tuple(sorted((u for u in range(n_units) if first[u] >= 0),
-                                 key=lambda u: (first[u], u != root_index)))
+    first_block[root_index], last[root_index] = 0, len(blocks) - 1
+    forward_units = tuple(sorted((u for u in range(n_units) if first_block[u] >= 0),
+                                 key=lambda u: (first_block[u], u != root_index)))
 
     fwd_total = subtree_sum(ROOT, "fwd_flops_self")
     bwd_total = subtree_sum(ROOT, "bwd_flops_self")
     return CostTables(
-        segmentation=segmentation, blocks=tuple(blocks), unit_param_numel=tuple(unit_numel),
-        unit_first_param_numel=tuple(first_params),
-        unit_first_block=tuple(first), unit_last_block=tuple(last), forward_units=forward_units,
-        built_dtype=built_dtype,
+        segmentation=segmentation, blocks=tuple(blocks), unit_params=params,
+        unit_first_block=tuple(first_block), unit_last_block=tuple(last), forward_units=forward_units,
+        model_params=UnitParams.of_modules(trace.modules),
         unit_names=tuple(unit_name(modules) for modules in segmentation),
-        unit_float_numel=tuple(sum(k for dt, k in d.items() if dt in FLOAT_DTYPES) for d in unit_numel),
-        unit_float_built_bytes=tuple(sum(k * dtype_bytes(dt) for dt, k in d.items() if dt in FLOAT_DTYPES)
-                                     for d in unit_numel),
-        unit_other_bytes=tuple(sum(k * dtype_bytes(dt) for dt, k in d.items() if dt not in FLOAT_DTYPES)
-                               for d in unit_numel),
-        unit_float_dtypes=tuple(frozenset(dt for dt in d if dt in FLOAT_DTYPES) for d in unit_numel),
-        unit_first_float_numel=tuple(sum(k for dt, k in d.items() if dt in FLOAT_DTYPES) for d in first_params),
         buffer_bytes=sum(m.buffer_bytes for m in trace.modules),
         largest_module_float_bytes=largest_module_float_bytes(trace),
-        total_param_numel=sum(sum(d.values()) for d in unit_numel),
+        total_param_numel=sum(p.numel for p in params),
         model_fwd_flops=fwd_total, model_bwd_flops=bwd_total,
         param_tensors=sum(m.param_tensors for m in trace.modules),
-        unit_replicated_bytes=tuple(replicated), unit_replicated_float_bytes=tuple(replicated_float),
     )
 
 

@@ -85,15 +85,13 @@ from dataclasses import dataclass
 
 from shard_planner.cost import optimizer as optimizer_rules
 from shard_planner.cost.overlap import overlapped_compute_end_s
-from shard_planner.cost.queries import CollectivesQuery, PlanQuery
-from shard_planner.cost.reshard import ReshardAfterForward, reshards_after_forward
+from shard_planner.cost.queries import PlanQuery
+from shard_planner.cost.reshard import reshards_after_forward
 from shard_planner.cost.schedule import EventKind, Phase, Schedule
 from shard_planner.cost.stragglers import straggler_factor
 from shard_planner.cost.tables import CostTables
 from shard_planner.cost.types import TimeEstimate, UnitTime
-from shard_planner.cost.unit_bytes import UnitBytes
-from shard_planner.cost import unit_collectives as collective_rules
-from shard_planner.dtypes import dtype_bytes
+from shard_planner.cost.unit_cost import UnitCost
 from shard_planner.profile import HardwareProfile
 from shard_planner.timings import ModuleTime, ModuleTimings
 from shard_planner.trace.types import ModelTrace
@@ -129,18 +127,18 @@ def measured_block_times(trace: ModelTrace, t: CostTables, timings: ModuleTiming
     return tuple(out)
 
 
-def unit_collectives_s(q: CollectivesQuery, ub: tuple[UnitBytes, ...], profile: HardwareProfile):
-    """Per unit: forward all-gather, backward all-gather (0 when it keeps its parameters; the root
-    never reshards unless the plan says so) and reduce-scatter (+ the HSDP all-reduce) seconds, each with
-    its host copy under CPU offload: the per-unit rule (cost/unit_collectives.py) on ``ub``, which are
-    ``q.unit_bytes``'s. Reads only ``q`` (cost/queries.py [Note: A memo is keyed by its function's
-    query])."""
-    n, replicas, offload = q.mesh.shard_group_size, q.mesh.replicate_group_size, q.cpu_offload
-    per_unit = [collective_rules.unit_collectives(
-        profile, ReshardAfterForward.of(unit.reshard_after_forward, n), n, replicas, x.unsharded, x.rs_input,
-        x.sharded if offload else 0.0, x.sharded_grad if offload else 0.0) for unit, x in zip(q.unit_bytes.units, ub)]
-    return (tuple(c.forward_s for c in per_unit), tuple(c.backward_s for c in per_unit),
-            tuple(c.reduction_s for c in per_unit))
+def unit_collectives_s(costs: tuple[UnitCost, ...]):
+    """Per unit of ``costs`` (cost/unit_cost.py): forward all-gather, backward all-gather (0 when it
+    keeps its parameters; the root never reshards unless the plan says so) and reduce-scatter (+ the HSDP
+    all-reduce) seconds, each with its host copy under CPU offload — what the two-stream walk reads."""
+    return (tuple(c.collectives.forward_s for c in costs), tuple(c.collectives.backward_s for c in costs),
+            tuple(c.collectives.reduction_s for c in costs))
+
+
+def unit_copies_s(costs: tuple[UnitCost, ...]):
+    """Per unit of ``costs``: one all-gather's copy-out and the reduce-scatter's copy-in on the compute
+    stream (cost/fsdp_copies.py), seconds."""
+    return tuple(c.copy_out_s for c in costs), tuple(c.copy_in_s for c in costs)
 
 
 def _combine(t: CostTables, s: Schedule, c: BlockCompute, profile: HardwareProfile, skipped=None,
@@ -178,9 +176,9 @@ def simulate_time_walk(trace: ModelTrace, t: CostTables, plan: PlanQuery, profil
                        schedule: Schedule, compute: BlockCompute, collectives, selective=None,
                        copies=None) -> TimeEstimate:
     """Predicted time of one training step on one rank (module docstring); CostModel.time calls it.
-    ``collectives``: ``unit_collectives_s(CollectivesQuery.of(plan), unit bytes, profile)``; ``selective``: the share of
+    ``collectives``: ``unit_collectives_s(unit costs)``; ``selective``: the share of
     selectively checkpointed blocks' forward their recomputation skips (cost/selective.py);
-    ``copies``: ``unit_copies_s(unit bytes, profile)`` (cost/fsdp_copies.py), each applied where its
+    ``copies``: ``unit_copies_s(unit costs)`` (cost/fsdp_copies.py), each applied where its
     collective runs (None: none)."""
     training = plan.training
     b = training.micro_batch
@@ -198,9 +196,8 @@ def simulate_time_walk(trace: ModelTrace, t: CostTables, plan: PlanQuery, profil
     compute_s = sum(unit_fwd) + sum(unit_bwd) + loss_s
 
     # ---- optimizer: memory-bound, plus per-tensor overhead ----
-    sharded_elems = sum(t.unit_float_numel) / plan.mesh.shard_group_size
-    optimizer_s = (optimizer_rules.optimizer_step_s(training.optimizer, sharded_elems, dtype_bytes(t.built_dtype),
-                                                    profile, training.cpu_offload)
+    optimizer_s = (optimizer_rules.model_step_s(training.optimizer, t.model_params, plan.mesh.shard_group_size,
+                                                profile, training.cpu_offload)
                    + t.param_tensors * profile.per_param_tensor_optimizer_overhead_s)
 
     comm_s = sum(ag_fwd) + sum(ag_bwd[u] for u in range(n_units) if needs_bwd_ag[u]) + sum(rs)

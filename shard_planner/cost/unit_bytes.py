@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from shard_planner.cost.queries import UnitBytesQuery
 from shard_planner.cost.reshard import ReshardAfterForward
 from shard_planner.cost.tables import CostTables
+from shard_planner.cost.unit_params import UnitParams
 from shard_planner.dtypes import dtype_bytes
 from shard_planner.plan import Plan
 from shard_planner.profile import HardwareProfile
@@ -35,6 +36,7 @@ class UnitBytes:
     grad_cast: bool  # the reduce dtype differs from the built dtype: a cast after the reduce-scatter
     last_grad: float  # the gradient autograd produces last for the unit ([Note: Reduce-scatter buffers])
     mp: bool  # mixed precision applies (some floating parameter's dtype differs from the param dtype)
+    unsharded_grads: float  # every unsharded gradient of its floating parameters, in the param dtype
 
 
 def reduce_scatter_output_bytes(rs_input_bytes: float, shard_group_size: int) -> float:
@@ -58,33 +60,33 @@ def unit_bytes(t: CostTables, plan: Plan) -> tuple[UnitBytes, ...]:
 def query_unit_bytes(t: CostTables, q: UnitBytesQuery) -> tuple[UnitBytes, ...]:
     """The byte sizes of every unit of ``q`` (segmented as ``t``); reads only ``q``
     (cost/queries.py [Note: A memo is keyed by its function's query])."""
-    n = q.shard
-    param_dtype, reduce_dtype = q.param_dtype, q.reduce_dtype
+    return tuple(unit_bytes_of(p, u.reshard_after_forward, q.shard, q.param_dtype, q.reduce_dtype)
+                 for p, u in zip(t.unit_params, q.units))
+
+
+def unit_bytes_of(p: UnitParams, reshard_after_forward: bool | int | None, shard_group_size: int, param_dtype: str,
+                  reduce_dtype: str) -> UnitBytes:
+    """The byte sizes of one unit that owns ``p``, under FSDP2 with that ``reshard_after_forward`` over a
+    shard group of ``shard_group_size`` ranks and those dtypes (cost/memory.py's notes say which buffer
+    is which)."""
+    n = shard_group_size
     pd_elem, rs_elem = dtype_bytes(param_dtype), dtype_bytes(reduce_dtype)
-    out = []
-    for i, u in enumerate(q.units):
-        float_numel = t.unit_float_numel[i]
-        float_built = t.unit_float_built_bytes[i]
-        other = t.unit_other_bytes[i]
-        # Mixed precision applies to floating parameters whose dtype differs from param_dtype.
-        mp = any(dt != param_dtype for dt in t.unit_float_dtypes[i])
-        unsharded = float_numel * pd_elem + other
-        # reduce_dtype equal to param_dtype means "no cast" (FSDPParam.init_dtype_attrs): same bytes.
-        rs_input = float_numel * rs_elem
-        rs_output = reduce_scatter_output_bytes(rs_input, n)
-        sharded_grad = float_built / n
-        r = ReshardAfterForward.of(u.reshard_after_forward, n)
-        # 0-d parameters are replicated, not sharded: whole on every rank, with their whole gradient (in the
-        # built dtype, all-reduced) and so their whole optimizer states; never gathered or reduce-scattered.
-        # See [Note: 0-d parameters] in execute/apply.py.
-        replicated = t.unit_replicated_bytes[i] if t.unit_replicated_bytes else 0
-        replicated_grad = t.unit_replicated_float_bytes[i] if t.unit_replicated_float_bytes else 0
-        out.append(UnitBytes(
-            sharded=(float_built + other) / n + replicated, unsharded=unsharded, all_gather_output=unsharded,
-            rs_input=rs_input,
-            rs_output=rs_output, sharded_grad=sharded_grad + replicated_grad, cast_input=unsharded / n if mp else 0.0,
-            post_forward=r.clone_bytes(unsharded), reshard=r.reshards,
-            grad_cast=rs_output != sharded_grad,  # reduce dtype differs from built: cast after
-            last_grad=t.unit_first_float_numel[i] * pd_elem, mp=mp,
-        ))
-    return tuple(out)
+    # Mixed precision applies to floating parameters whose dtype differs from param_dtype.
+    mp = any(dt != param_dtype for dt in p.float_dtypes)
+    unsharded = p.float_numel * pd_elem + p.other_bytes
+    # reduce_dtype equal to param_dtype means "no cast" (FSDPParam.init_dtype_attrs): same bytes.
+    rs_input = p.float_numel * rs_elem
+    rs_output = reduce_scatter_output_bytes(rs_input, n)
+    sharded_grad = p.float_built_bytes / n
+    r = ReshardAfterForward.of(reshard_after_forward, n)
+    # 0-d parameters are replicated, not sharded: whole on every rank, with their whole gradient (in the
+    # built dtype, all-reduced) and so their whole optimizer states; never gathered or reduce-scattered.
+    # See [Note: 0-d parameters] in execute/apply.py.
+    return UnitBytes(
+        sharded=(p.float_built_bytes + p.other_bytes) / n + p.replicated_bytes, unsharded=unsharded,
+        all_gather_output=unsharded, rs_input=rs_input, rs_output=rs_output,
+        sharded_grad=sharded_grad + p.replicated_float_bytes, cast_input=unsharded / n if mp else 0.0,
+        post_forward=r.clone_bytes(unsharded), reshard=r.reshards,
+        grad_cast=rs_output != sharded_grad,  # reduce dtype differs from built: cast after
+        last_grad=p.first_float_numel * pd_elem, mp=mp, unsharded_grads=p.float_numel * pd_elem,
+    )

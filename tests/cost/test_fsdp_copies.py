@@ -7,9 +7,11 @@ import dataclasses
 import pytest
 
 from shard_planner.cost import simulate_time
-from shard_planner.cost.fsdp_copies import copy_bandwidth_bytes_per_s, unit_copies_s
-from shard_planner.cost.unit_bytes import unit_bytes
+from shard_planner.cost.fsdp_copies import copy_bandwidth_bytes_per_s
+from shard_planner.cost.queries import UnitSetting
 from shard_planner.cost.tables import build_tables
+from shard_planner.cost.time import unit_copies_s
+from shard_planner.cost.unit_cost import unit_cost
 from shard_planner.profile import load_profile
 from tests.cost.test_cost_model import synth_plan
 
@@ -19,16 +21,24 @@ def _quiet(profile):
     return dataclasses.replace(profile, per_op_overhead_s=0.0, per_unit_overhead_s=0.0, overlap_compute_slowdown=0.0)
 
 
+def _costs(trace, plan, profile):
+    """Every unit's cost (cost/unit_cost.py), as the time walk reads them."""
+    setting = UnitSetting.of(plan)
+    return [unit_cost(p, u.reshard_after_forward, setting, profile)
+            for p, u in zip(build_tables(trace, plan.units).unit_params, plan.units)]
+
+
 def _copies(trace, plan, profile):
-    return unit_copies_s(unit_bytes(build_tables(trace, plan.units), plan), profile)
+    return unit_copies_s(_costs(trace, plan, profile))
 
 
 def test_copies_move_the_unit_bytes_at_the_achieved_hbm_bandwidth(synth, h100):
     plan = synth_plan(synth, 8, mb=2)
-    ub = unit_bytes(build_tables(synth, plan.units), plan)
+    costs = _costs(synth, plan, h100)
+    ub = [c.bytes for c in costs]
     bw = h100.memory_bandwidth_bytes_per_s * h100.kernels["memory_efficiency"]
     assert copy_bandwidth_bytes_per_s(h100) == bw
-    out, into = unit_copies_s(ub, h100)
+    out, into = unit_copies_s(costs)
     for x, o, i in zip(ub, out, into):
         # copy-out reads the all-gather output and writes the parameters (param dtype); copy-in reads the
         # gradients (param dtype) and writes the reduce-scatter input (reduce dtype: fp32 here, 2x)
