@@ -68,6 +68,7 @@ from shard_planner.cost.allocations import GRADS, ON_DEFAULT, ON_REDUCE_SCATTER
 from shard_planner.cost.memory import _MemoryWalk
 from shard_planner.cost.schedule import EventKind, Phase
 from shard_planner.cost.types import MemoryEstimate, TimeEstimate
+from shard_planner.cost.unit_bytes import UnitBytes
 from shard_planner.dtypes import dtype_bytes
 from shard_planner.plan import GRADIENT_SYNCS, Training
 
@@ -98,17 +99,19 @@ def micro_steps(training: Training) -> tuple[MicroStep, ...]:
     return (first, *middle, MicroStep(n, 1, True, keep, False, True))
 
 
-def held_between_micro_steps_bytes(param_count: float, training: Training) -> float:
+def held_between_micro_steps_bytes(model: UnitBytes, training: Training) -> float:
     """What accumulation keeps on top of one step's memory, for the solver's linear model (an upper
-    bound: all of it at every moment): unsharded gradients in the reduce dtype (deferred sync) and
-    unsharded parameters in the param dtype (kept gathered). 0 without accumulation."""
+    bound: all of it at every moment), of a model whose parameters as one unit's have the bytes
+    ``model``: the unsharded gradients accumulated in the reduce dtype (deferred sync: the reduce-scatter
+    input the walk accumulates into) and the unsharded parameters (kept gathered). 0 without
+    accumulation."""
     if training.accumulation_steps == 1:
         return 0.0
     extra = 0.0
     if training.gradient_sync == "last_micro_step":
-        extra += param_count * dtype_bytes(training.reduce_dtype)
+        extra += model.rs_input
     if training.keep_params_gathered:
-        extra += param_count * dtype_bytes(training.param_dtype)
+        extra += model.unsharded
     return extra
 
 

@@ -206,8 +206,11 @@ def simulate_time_walk(trace: ModelTrace, t: CostTables, plan: PlanQuery, profil
         exposed = [ag_fwd[u] + (ag_bwd[u] if needs_bwd_ag[u] else 0.0) + rs[u] for u in range(n_units)]
         step_s = compute_s + comm_s + optimizer_s
     else:
-        streams = _TwoStreams(schedule, fwd_s, bwd_s, rec_s, loss_s, ag_fwd, ag_bwd, rs, needs_bwd_ag,
-                              profile.overlap_compute_slowdown, copies)
+        zeros = (0.0,) * n_units
+        copy_out, copy_in = copies if copies is not None else (zeros, zeros)
+        streams = _TwoStreams(schedule, _BlockSeconds(fwd_s, bwd_s, rec_s, loss_s),
+                              _UnitComm(ag_fwd, ag_bwd, rs, needs_bwd_ag, copy_out, copy_in),
+                              profile.overlap_compute_slowdown)
         step_s = streams.run() + optimizer_s
         exposed = streams.exposed
 
@@ -230,6 +233,30 @@ def simulate_time_walk(trace: ModelTrace, t: CostTables, plan: PlanQuery, profil
     )
 
 
+@dataclass(frozen=True)
+class _BlockSeconds:
+    """Per block of the schedule, its forward, backward and recomputation seconds; and the loss's."""
+
+    fwd_s: list[float]
+    bwd_s: list[float]
+    rec_s: list[float]
+    loss_s: float
+
+
+@dataclass(frozen=True)
+class _UnitComm:
+    """Per unit, its collectives' seconds (forward and backward all-gather, reduce-scatter with the HSDP
+    all-reduce), whether it all-gathers in backward, and FSDP2's copies on the compute stream (one
+    copy-out, the reduce-scatter copy-in): the per-unit cost query's (cost/unit_cost.py)."""
+
+    ag_fwd: tuple[float, ...]
+    ag_bwd: tuple[float, ...]
+    rs: tuple[float, ...]
+    needs_bwd_ag: list[bool]
+    copy_out: tuple[float, ...]
+    copy_in: tuple[float, ...]
+
+
 class _TwoStreams:
     """A compute stream and a FIFO communication stream walking one schedule. ``run`` returns the
     time the last reduce-scatter and the last compute have both finished; ``exposed[u]`` accumulates
@@ -240,15 +267,13 @@ class _TwoStreams:
     copies (``copies``: per unit, one copy-out and the reduce-scatter copy-in) run on the compute stream
     where their collective runs, as exposed communication of their unit."""
 
-    def __init__(self, schedule: Schedule, fwd_s, bwd_s, rec_s, loss_s, ag_fwd, ag_bwd, rs, needs_bwd_ag,
-                 slowdown: float = 0.0, copies=None):
+    def __init__(self, schedule: Schedule, blocks: _BlockSeconds, comm: _UnitComm, slowdown: float = 0.0):
         self.s = schedule
         self.slowdown = slowdown
-        zeros = (0.0,) * len(ag_fwd)
-        self.copy_out, self.copy_in = copies if copies is not None else (zeros, zeros)
-        self.fwd_s, self.bwd_s, self.rec_s, self.loss_s = fwd_s, bwd_s, rec_s, loss_s
-        self.ag_fwd, self.ag_bwd, self.rs, self.needs_bwd_ag = ag_fwd, ag_bwd, rs, needs_bwd_ag
-        n_units = len(ag_fwd)
+        self.copy_out, self.copy_in = comm.copy_out, comm.copy_in
+        self.fwd_s, self.bwd_s, self.rec_s, self.loss_s = blocks.fwd_s, blocks.bwd_s, blocks.rec_s, blocks.loss_s
+        self.ag_fwd, self.ag_bwd, self.rs, self.needs_bwd_ag = comm.ag_fwd, comm.ag_bwd, comm.rs, comm.needs_bwd_ag
+        n_units = len(comm.ag_fwd)
         self.exposed = [0.0] * n_units
         self.comp = 0.0  # compute stream: free from this time on
         self.comm = 0.0  # communication stream

@@ -1,8 +1,10 @@
 """Per-unit byte sizes under one plan: what the memory and the time simulators both read.
 
 Sharded, unsharded (all-gathered), reduce-scatter input and output, the mixed-precision cast copy and
-the reshard-to-a-group clone of each unit, from the cost tables and the plan's mesh and dtypes. The
-buffers themselves are explained in cost/memory.py's notes.
+the reshard-to-a-group clone of one unit (:func:`unit_bytes_of`), from its parameters
+(cost/unit_params.py) and the plan's mesh and dtypes; the per-unit cost query (cost/unit_cost.py) and
+the memory walk (every unit of a plan: :func:`query_unit_bytes`) ask it. The buffers themselves are
+explained in cost/memory.py's notes.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""What one unit's collectives cost in one step: the per-unit rule the two-stream time walk
-(cost/time.py ``unit_collectives_s``) and the solver's linear model (solve/linear.py
-``_exposed_comm_s``) both call, so FSDP2's collective schedule per unit is written once.
+"""What one unit's collectives cost in one step: the per-unit rule that the per-unit cost query
+(cost/unit_cost.py) calls for the two-stream time walk (cost/time.py ``unit_collectives_s``) and the
+solver's linear model (solve/linear.py ``_exposed_comm_s``) alike, so FSDP2's collective schedule per
+unit is written once.
 
 FSDP2 (torch 2.13, torch/distributed/fsdp/_fully_shard/) issues per unit: an all-gather of its
 unsharded parameters over the shard group before its forward; another before its backward when it
@@ -13,15 +14,15 @@ after the reduce-scatter (PCIe at the profile's ``host_to_device_bytes_per_s``).
 priced by cost/collectives.py's ring model.
 
 [Note: The per-unit collective rule and its byte inputs]
-:func:`unit_collectives` takes the bytes as inputs, because its two callers size a unit differently on
-purpose: the time walk from the cost tables (``UnitBytes.unsharded``: floating parameters in the param
-dtype plus the non-floating ones as built; ``UnitBytes.rs_input``), the linear model from a candidate's
-parameter count x the param or reduce dtype's element size (it has no per-dtype split of a candidate's
-parameters; its bounds, solve/linear.py's docstring, hold with it). The linear model prices the host
-copies under offload once per step as a constant (every parameter's shard in and its gradient out), not
-here per all-gather, and the modules that join the root unit by the bandwidth term alone
-(``ring_bandwidth_s``): both are its stated approximations. Everything else — which all-gathers run,
-over which group, the HSDP all-reduce — is this function's, for both.
+:func:`unit_collectives` takes the bytes as inputs; its one caller, cost/unit_cost.py's ``unit_cost``,
+passes the unit's ``UnitBytes`` (``unsharded``: floating parameters in the param dtype plus the
+non-floating ones as built; ``rs_input``; under offload ``sharded`` and ``sharded_grad``), for the time
+walk's units (from the cost tables) and the linear model's candidate units (from their items'
+parameters, solve/item_params.py) alike. The linear model then departs from it in two stated
+approximations (solve/linear.py's docstring): it prices the host copies under offload once per step as
+a constant (every parameter's shard in and its gradient out) instead of per all-gather, and the modules
+that join the root unit by the bandwidth term alone (``ring_bandwidth_s``). Everything else — which
+all-gathers run, over which group, the HSDP all-reduce — is this function's, for both.
 """
 
 from __future__ import annotations

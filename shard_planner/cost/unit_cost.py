@@ -25,6 +25,7 @@ the simulators' blocks, both from one :func:`shard_planner.cost.kernels` price p
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 from shard_planner.cost import optimizer as optimizer_rules
@@ -32,10 +33,13 @@ from shard_planner.cost import unit_collectives as collective_rules
 from shard_planner.cost.fsdp_copies import copies_s, copy_bandwidth_bytes_per_s
 from shard_planner.cost.queries import UnitSetting
 from shard_planner.cost.reshard import ReshardAfterForward
-from shard_planner.cost.unit_bytes import UnitBytes, unit_bytes_of
+from shard_planner.cost.unit_bytes import UnitBytes
 from shard_planner.cost.unit_collectives import UnitCollectives
 from shard_planner.cost.unit_params import UnitParams
 from shard_planner.profile import HardwareProfile
+
+# the module, not the package's ``unit_bytes`` function of the same name (shard_planner.cost re-exports it)
+unit_bytes_rules = importlib.import_module("shard_planner.cost.unit_bytes")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +68,7 @@ def unit_cost(params: UnitParams, reshard_after_forward: bool | int | None, sett
     mesh = setting.mesh
     n = mesh.shard_group_size
     # the rules are called through their modules, so that a test that changes one sees every caller follow
-    x = unit_bytes_of(params, reshard_after_forward, n, setting.param_dtype, setting.reduce_dtype)
+    x = unit_bytes_rules.unit_bytes_of(params, reshard_after_forward, n, setting.param_dtype, setting.reduce_dtype)
     offload = setting.cpu_offload
     coll = collective_rules.unit_collectives(
         profile, ReshardAfterForward.of(reshard_after_forward, n), n, mesh.replicate_group_size, x.unsharded,

@@ -141,7 +141,7 @@ class PlanContext:
         """The linear model of ``choice`` (built once: the screen, the solves and the sweep share it)."""
         plain = replace(choice, accumulation=NO_ACCUMULATION)
         if choice != plain and choice not in self._linear:  # accumulation only adds to its base
-            self._linear[choice] = with_accumulation(self.linear(plain), choice, self.trace, self.training)
+            self._linear[choice] = with_accumulation(self.linear(plain), choice, self.training)
         if choice not in self._linear:
             self._linear[choice] = build_linear_model(self.trace, self.space(choice.mesh), choice, self.training,
                                                       self.profile, cost_model=self.cost_model)

@@ -80,20 +80,25 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from functools import reduce
+from operator import add
+
 from shard_planner.cost.accumulation import held_between_micro_steps_bytes
-from shard_planner.cost.fsdp_copies import copies_s, copy_bandwidth_bytes_per_s
 from shard_planner.cost.collectives import ring_bandwidth_s
 from shard_planner.checkpointing import DEFAULT_SAVE_OPS, is_selective
 from shard_planner.cost.model import CostModel
+from shard_planner.cost.queries import UnitSetting
 from shard_planner.cost.reshard import Reshard, ReshardAfterForward
 from shard_planner.cost import optimizer as optimizer_rules
 from shard_planner.cost.tables import largest_module_float_bytes
-from shard_planner.cost.unit_bytes import reduce_scatter_backend_temp_bytes, reduce_scatter_output_bytes
-from shard_planner.cost import unit_collectives as collective_rules
+from shard_planner.cost.unit_bytes import UnitBytes, reduce_scatter_backend_temp_bytes, reduce_scatter_output_bytes
+from shard_planner.cost.unit_cost import UnitCost, unit_cost
+from shard_planner.cost.unit_params import UnitParams
 from shard_planner.dtypes import DTYPE_BYTES
 from shard_planner.plan import Mesh, Prefetch, Training
 from shard_planner.profile import HardwareProfile
 from shard_planner.solve.accumulation import NO_ACCUMULATION, Accumulation
+from shard_planner.solve.item_params import ItemParams, item_params, root_only_params
 from shard_planner.solve.space import Candidate, SearchSpace
 from shard_planner.trace.types import ModelTrace
 
@@ -159,6 +164,7 @@ class LinearModel:
     optimizer_mib: int  # the optimizer step: overhead + sharded state + the foreach temporary (a constant)
     process_group_mib: int  # one extra process group when any unit reshards to an int
     const_time_us: int
+    model_bytes: UnitBytes  # the whole model's parameters as one unit's (cost/unit_bytes.py)
 
     @property
     def forward_depth(self) -> int:
@@ -195,9 +201,7 @@ def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoi
     profile = cm.profile
     b = choice.micro_batch
     shard = choice.mesh.shard_group_size
-    param_elem = sum(m.param_bytes for m in trace.modules) / max(trace.param_count, 1)  # stored bytes per param
     bp = DTYPE_BYTES[training.param_dtype]  # unsharded (all-gathered) parameters and their gradients
-    br = DTYPE_BYTES[training.reduce_dtype]  # reduce-scatter buffers
     act_scale = bp / DTYPE_BYTES.get(trace.compute_dtype, bp)  # activations follow the compute dtype
 
     # ---- per item, in bytes / FLOPs at micro-batch b ----
@@ -210,7 +214,6 @@ def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoi
     # (cost.module_compute_s; see "Time per candidate" in the module docstring)
     fwd_s, bwd_s = zip(*(cm.module_compute_s(it.fqn, b, training.param_dtype) for it in items))
     sac = _selective_terms(cm, space, b, training.param_dtype, act_scale)
-    replicas = choice.mesh.replicate_group_size
     # Overlap windows in units of the unit's own compute: FSDP2's implicit prefetch (the CPU runs
     # ahead) already overlaps one unit in forward when the explicit depth is 0, and backward always
     # prefetches one (DESIGN.md "FSDP2 facts"; cost/time.py models the same).
@@ -220,68 +223,79 @@ def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoi
 
     leading = next((i for i, it in enumerate(items) if not it.may_join_root), len(items))
     per_item = _ItemTerms(tuple(saved), tuple(inputs), tuple(fwd_rise), tuple(bwd_rise), fwd_s, bwd_s, sac)
-    shared = _ChoiceTerms(bp=bp, br=br, shard=shard, replicas=replicas, profile=profile, d_f=d_f, d_b=d_b,
-                          overlap=overlap, trace=trace, leading_root_items=leading)
+    setting = UnitSetting(choice.mesh, training.param_dtype, training.reduce_dtype, training.optimizer,
+                          choice.cpu_offload)
+    shared = _ChoiceTerms(setting=setting, params=item_params(trace, space), profile=profile, d_f=d_f, d_b=d_b,
+                          overlap=overlap, leading_root_items=leading)
     coeffs = [_candidate_coeffs(c, space, per_item, shared) for c in space.candidates]
 
     # ---- constants ----
-    # Sharded state (ZeRO §5, stage 3): params + grads in their stored dtype + optimizer states, / shard,
-    # on the host under CPU offload (the rules: cost/optimizer.py)
-    sharded_bytes = trace.param_count * param_elem / shard
-    on_device = optimizer_rules.state_on_device(choice.cpu_offload, profile.device)
-    sharded_state = (sharded_bytes + sharded_bytes + optimizer_rules.optimizer_state_bytes(
-        training.optimizer, sharded_bytes)) if on_device else 0.0
+    # The whole model as one unit's parameters gives the sharded state (ZeRO §5, stage 3: params +
+    # grads in their built dtype + optimizer states, / shard; on the host under CPU offload) and the
+    # step's temporaries by the simulators' rules (cost/unit_cost.py, cost/optimizer.py); the root's own
+    # parameters (no item owns them) are gathered once and kept, with their gradients and reduce-scatter
+    # input, all step.
+    model_params = UnitParams.of_modules(trace.modules)
+    model = unit_cost(model_params, True, setting, profile)
+    root = unit_cost(root_only_params(trace, space), None, setting, profile)
     item_saved_total = sum(saved)
     all_saved = cm.subtree_sum("", "saved_bytes_self").at(b) * act_scale
     outside_saved = max(0.0, all_saved - item_saved_total)
-    root_params = space.root_only_params
-    base = (profile.reserved_bytes + sharded_state + root_params * (2 * bp + br)
+    base = (profile.reserved_bytes + model.sharded_state_bytes + _held_all_step_bytes(root.bytes)
             + outside_saved + trace.batch_input_bytes.at(b) + trace.loss_saved_bytes.at(b) * act_scale)
     loss = trace.loss_peak_rise_bytes.at(b) * act_scale
     opt_temp = optimizer_rules.optimizer_temporaries_bytes(
-        training.optimizer, profile.device, sharded_bytes, largest_module_float_bytes(trace), shard) if on_device else 0.0
-    optimizer = profile.reserved_bytes + sharded_state + opt_temp
+        training.optimizer, profile.device, model.bytes.sharded_grad, largest_module_float_bytes(trace),
+        shard) if model.state_on_device else 0.0
+    optimizer = profile.reserved_bytes + model.sharded_state_bytes + opt_temp
 
-    const_s = _constant_time_s(cm, trace, profile, fwd_s, bwd_s, choice, training, root_params, param_elem,
-                               bp=bp, br=br)
+    const_s = _constant_time_s(cm, fwd_s, bwd_s, choice, training, model_params, model, root)
     return with_accumulation(LinearModel(
         space=space, choice=choice, coeffs=tuple(coeffs), base_mib=_mib(base), loss_mib=_mib(loss), optimizer_mib=_mib(optimizer),
-        process_group_mib=_mib(profile.per_process_group_bytes), const_time_us=_us(const_s),
-    ), choice, trace, training)
+        process_group_mib=_mib(profile.per_process_group_bytes), const_time_us=_us(const_s), model_bytes=model.bytes,
+    ), choice, training)
 
 
-def with_accumulation(lm: LinearModel, choice: GlobalChoice, trace: ModelTrace, training: Training) -> LinearModel:
+def with_accumulation(lm: LinearModel, choice: GlobalChoice, training: Training) -> LinearModel:
     """``lm`` (built for ``choice`` without accumulation, or with the same micro-batch) for ``choice``:
     gradient accumulation adds what it holds between micro-steps to ``base`` at every moment of the
     step (an upper bound: cost/accumulation.py ``held_between_micro_steps_bytes``); the rest of a
     micro-step is one step's. The program's time stays one micro-step's: the simulators price the
     accumulated step and rank the plans."""
-    held = held_between_micro_steps_bytes(trace.param_count, choice.training(training))
+    held = held_between_micro_steps_bytes(lm.model_bytes, choice.training(training))
     return replace(lm, choice=choice, base_mib=lm.base_mib + _mib(held))
 
 
-def _constant_time_s(cm: CostModel, trace: ModelTrace, profile: HardwareProfile, fwd_s, bwd_s, choice: GlobalChoice,
-                     training: Training, root_params: int, param_elem: float, *, bp: int, br: int) -> float:
+def _constant_time_s(cm: CostModel, fwd_s, bwd_s, choice: GlobalChoice, training: Training,
+                     model_params: UnitParams, model: UnitCost, root: UnitCost) -> float:
     """The step time no candidate changes: compute outside every item, the root's collectives, the
-    optimizer step and, under CPU offload, the host-device copies."""
-    b, shard, replicas = choice.micro_batch, choice.mesh.shard_group_size, choice.mesh.replicate_group_size
+    optimizer step and, under CPU offload, the host-device copies. ``model_params``: every parameter of
+    the model, and ``model`` their cost as one unit's; ``root``: the cost of the root's own parameters
+    (no item owns them)."""
+    b = choice.micro_batch
     # compute outside every item: the root's subtree less the items', and the loss (the root's measured
     # time does not hold the loss: timings.py times loss_fn outside every module)
     root_f, root_b = cm.module_compute_s("", b, training.param_dtype)
     loss_f, loss_b = cm.module_compute_s(None, b, training.param_dtype)
     outside_s = max(0.0, root_f + root_b - sum(fwd_s) - sum(bwd_s)) + loss_f + loss_b
     # the root's all-gather at the start and its reduce-scatter (+ HSDP all-reduce) at the end; FSDP2
-    # does not reshard the root (None): the per-unit rule, cost/unit_collectives.py
-    root = collective_rules.unit_collectives(profile, ReshardAfterForward.of(None, shard), shard, replicas,
-                            root_params * bp, root_params * br)
-    root_comm = root.forward_s + root.reduction_s
+    # does not reshard the root (None): the per-unit rule (cost/unit_cost.py)
+    rc = root.collectives
+    root_comm = rc.all_gather_fwd_s + rc.reduce_scatter_s + rc.replica_all_reduce_s
     # the step is memory-bound, on the host under offload (cost/optimizer.py)
-    const_s = outside_s + root_comm + optimizer_rules.optimizer_step_s(
-        training.optimizer, trace.param_count / shard, param_elem, profile, choice.cpu_offload)
+    const_s = outside_s + root_comm + optimizer_rules.model_step_s(
+        training.optimizer, model_params, choice.mesh.shard_group_size, cm.profile, choice.cpu_offload)
     if choice.cpu_offload:
-        # sharded params to the device before each all-gather, gradients back (PCIe, profile).
-        const_s += 2 * trace.param_count * param_elem / shard / profile.host_to_device_bytes_per_s
+        # every parameter's shard to the device before its all-gather and its gradient back, once per
+        # step (PCIe, profile): the whole model's host copies as one unit's (cost/unit_collectives.py)
+        const_s += model.collectives.copy_in_fwd_s + model.collectives.copy_back_s
     return const_s
+
+
+def _held_all_step_bytes(x: UnitBytes) -> float:
+    """A unit that is gathered once and kept all step (the root; a candidate "in root"): its unsharded
+    parameters, their gradients and its reduce-scatter input, live at every moment of the step."""
+    return x.unsharded + x.unsharded_grads + x.rs_input
 
 
 def _selective_terms(cm: CostModel, space: SearchSpace, micro_batch: int, param_dtype: str, act_scale: float):
@@ -319,39 +333,40 @@ class _ItemTerms:
 
 @dataclass(frozen=True)
 class _ChoiceTerms:
-    """What every candidate of one global choice shares: the param and reduce dtypes' element bytes, the
-    mesh, the profile (as the choice's ranks see it), the overlap windows in units of a unit's compute
-    (``d_f``, ``d_b``; ``overlap`` False on a CPU profile) and how many leading items may join the root."""
+    """What every candidate of one global choice shares: the units' setting (mesh, dtypes, optimizer,
+    offload) and the items' parameters, the profile (as the choice's ranks see it), the overlap windows
+    in units of a unit's compute (``d_f``, ``d_b``; ``overlap`` False on a CPU profile) and how many
+    leading items may join the root."""
 
-    bp: int
-    br: int
-    shard: int
-    replicas: int
+    setting: UnitSetting
+    params: ItemParams
     profile: HardwareProfile
     d_f: int
     d_b: int
     overlap: bool
-    trace: ModelTrace
     leading_root_items: int
+
+
+def _live(parts: tuple[UnitCost, ...], field: str) -> float:
+    """Of one byte field of a candidate's units, what is live at once: the outer unit's and, nested, one
+    inner unit's at a time (the largest)."""
+    return getattr(parts[0].bytes, field) + max((getattr(p.bytes, field) for p in parts[1:]), default=0.0)
 
 
 def _candidate_coeffs(c: Candidate, space: SearchSpace, items: _ItemTerms, ch: _ChoiceTerms) -> Coeffs:
     saved, inputs, fwd_rise, bwd_rise, sac = items.saved, items.inputs, items.fwd_rise, items.bwd_rise, items.sac
     fwd_s, bwd_s = items.fwd_s, items.bwd_s
-    bp, br, shard, profile, trace = ch.bp, ch.br, ch.shard, ch.profile, ch.trace
+    profile, shard = ch.profile, ch.setting.mesh.shard_group_size
     o = c.option
     idx = range(c.start, c.stop)
-    count = sum(space.items[i].param_count for i in idx)
-    if o.nested:  # one collective per unit: the outer unit's own parameters and each inner unit's
-        it = space.items[c.start]
-        kids = [trace.subtree_param_count(k) for k in it.nested_children]
-        live_count = (count - sum(kids)) + max(kids)  # the outer unit's own + one inner unit at a time
-        parts = [count - sum(kids), *kids]
-    else:
-        live_count = count
-        parts = [count]
-    gather = count * bp
-    gather_live = live_count * bp
+    # each FSDP unit the candidate makes (one, or nested: the outer and one per inner unit) by the
+    # simulators' per-unit query (cost/unit_cost.py), and all of them as one
+    param_parts = ch.params.parts(c)
+    parts = tuple(unit_cost(p, o.reshard_after_forward, ch.setting, profile) for p in param_parts)
+    whole = parts[0] if len(parts) == 1 else unit_cost(reduce(add, param_parts), o.reshard_after_forward,
+                                                        ch.setting, profile)
+    gather = whole.bytes.unsharded
+    gather_live = _live(parts, "unsharded")
 
     # activations: cumulative saved within the run; checkpointed modules keep their inputs only
     selective = is_selective(o.activation_checkpoint)  # keeps its inputs and the stash (cost/selective.py)
@@ -368,7 +383,7 @@ def _candidate_coeffs(c: Candidate, space: SearchSpace, items: _ItemTerms, ch: _
 
     r = ReshardAfterForward.of(o.reshard_after_forward, shard)  # cost/reshard.py
     if o.in_root:  # the root's parameters and gradients live all step: in ``root`` (see [Note: The root's gradients])
-        kept_params, regather, root_bytes = 0.0, 0.0, count * (2 * bp + br)
+        kept_params, regather, root_bytes = 0.0, 0.0, _held_all_step_bytes(whole.bytes)
         fwd_mem, copy_mem, bwd_mem, rs_mem, next_gather, rs_in = fwd_act, 0.0, bwd_act, 0.0, 0.0, 0.0
     else:
         kept_params = r.kept_after_forward_bytes(gather)
@@ -377,13 +392,13 @@ def _candidate_coeffs(c: Candidate, space: SearchSpace, items: _ItemTerms, ch: _
         fwd_mem = 2 * gather_live + fwd_act
         copy_mem = 2 * gather_live
         # every nested unit's gradients are live at the block's backward (cost/memory.py [Note: Nested
-        # units' gradients]): all ``count`` of them, not one inner unit's
-        bwd_mem = gather_live + count * bp + bwd_act
-        rs_in = live_count * br
+        # units' gradients]): all of them, not one inner unit's
+        bwd_mem = gather_live + whole.bytes.unsharded_grads + bwd_act
+        rs_in = _live(parts, "rs_input")
         # the copy-in holds the unit's unsharded gradients and the flat input together; then the 1/N
         # output and the backend's copy of the input (gloo) join, the gradients freed but the last one:
         # bounded by all of them (cost/memory.py [Note: Reduce-scatter buffers])
-        rs_mem = (live_count * bp + rs_in + reduce_scatter_output_bytes(rs_in, shard)
+        rs_mem = (_live(parts, "unsharded_grads") + rs_in + reduce_scatter_output_bytes(rs_in, shard)
                   + reduce_scatter_backend_temp_bytes(rs_in, profile))
         next_gather = gather_live
 
@@ -395,8 +410,9 @@ def _candidate_coeffs(c: Candidate, space: SearchSpace, items: _ItemTerms, ch: _
         # full: the early stop's tail is not recomputed (trace/capture.py [Note: Early stop of the
         # recomputation]); a nested unit's own block is priced whole, as the simulator does
         rc = sum(fwd_s[i] * (1.0 - (sac[1][i] if selective else 0.0 if o.nested else sac[2][i])) for i in idx)
-    exposed = _exposed_comm_s(c, parts, cf, cb + rc, ch)
-    exposed += _copies_s(count, bp, br, 1 if o.in_root or not r.reshards else 2, profile)
+    exposed = _exposed_comm_s(c, parts, whole, cf, cb + rc, ch)
+    # FSDP2's copies on the compute stream: a copy-out per all-gather and the reduce-scatter copy-in
+    exposed += (1 if o.in_root or not r.reshards else 2) * whole.copy_out_s + whole.copy_in_s
     return Coeffs(
         stack_mib=_mib(act_stack + kept_params), fwd_mib=_mib(fwd_mem), copy_mib=_mib(copy_mem), bwd_mib=_mib(bwd_mem),
         rs_mib=_mib(rs_mem), gather_mib=_mib(next_gather), prev_out_mib=_mib(next_gather),
@@ -405,31 +421,22 @@ def _candidate_coeffs(c: Candidate, space: SearchSpace, items: _ItemTerms, ch: _
     )
 
 
-def _copies_s(count: int, bp: float, br: float, all_gathers: int, profile: HardwareProfile) -> float:
-    """FSDP2's copies of a candidate's ``count`` parameters on the compute stream: a copy-out per
-    all-gather and the reduce-scatter copy-in (cost/fsdp_copies.py; 0 on a CPU profile)."""
-    bw = copy_bandwidth_bytes_per_s(profile)
-    if bw <= 0.0:
-        return 0.0
-    copy_out, copy_in = copies_s(count * bp, count * br, bw)
-    return all_gathers * copy_out + copy_in
-
-
-def _exposed_comm_s(c: Candidate, parts: list[int], fwd_s: float, bwd_s: float, ch: _ChoiceTerms) -> float:
+def _exposed_comm_s(c: Candidate, parts: tuple[UnitCost, ...], whole: UnitCost, fwd_s: float, bwd_s: float,
+                    ch: _ChoiceTerms) -> float:
     """Communication of one candidate the compute does not hide (module docstring, "Time per
-    candidate"): ``parts`` are the parameter counts of its units' collectives (one, or the outer and
-    each inner unit when nested); ``fwd_s``, ``bwd_s`` its compute (backward with recomputation)."""
-    bp, br, shard, replicas, profile = ch.bp, ch.br, ch.shard, ch.replicas, ch.profile
+    candidate"): ``parts`` are the costs of its units (one, or the outer and each inner unit when
+    nested), ``whole`` of all of them as one; ``fwd_s``, ``bwd_s`` its compute (backward with
+    recomputation)."""
+    profile, shard = ch.profile, ch.setting.mesh.shard_group_size
     d_f, d_b, overlap, leading_root_items = ch.d_f, ch.d_b, ch.overlap, ch.leading_root_items
     o, r = c.option, ReshardAfterForward.of(c.option.reshard_after_forward, shard)
-    count, n_collectives = sum(parts), len(parts)
-    # each unit's collectives: the per-unit rule of the simulators (cost/unit_collectives.py; its bytes
-    # from the parameter count, [Note: The per-unit collective rule and its byte inputs])
-    per_unit = [collective_rules.unit_collectives(profile, r, shard, replicas, p * bp, p * br) for p in parts]
+    # each unit's collectives: the simulators' per-unit rule (cost/unit_collectives.py, through
+    # cost/unit_cost.py); the host copies of CPU offload are the constant's (``_constant_time_s``)
+    per_unit = [p.collectives for p in parts]
     ar = sum(u.replica_all_reduce_s for u in per_unit)  # HSDP; 0 without
     if o.in_root:
-        ag_f = ring_bandwidth_s(profile, count * bp, shard)  # joins the root's all-gather: no extra latency
-        rs = ring_bandwidth_s(profile, count * br, shard)
+        ag_f = ring_bandwidth_s(profile, whole.bytes.unsharded, shard)  # joins the root's all-gather: no extra latency
+        rs = ring_bandwidth_s(profile, whole.bytes.rs_input, shard)
         exposed = ag_f + rs + ar  # at the very start and the very end of the step: nothing to hide behind
     else:
         ag_f = sum(u.all_gather_fwd_s for u in per_unit)
@@ -447,7 +454,7 @@ def _exposed_comm_s(c: Candidate, parts: list[int], fwd_s: float, bwd_s: float, 
         # Tie-break: among covers the model finds equally fast, prefer fewer collectives (each costs a
         # launch and a synchronisation that the ring model does not see; FSDP paper §3.2: finer units
         # cost throughput through more, smaller collectives).
-        exposed += TIE_BREAK_S_PER_COLLECTIVE * n_collectives * (3 if r.kind is Reshard.ALWAYS else 2)
+        exposed += TIE_BREAK_S_PER_COLLECTIVE * len(parts) * (3 if r.kind is Reshard.ALWAYS else 2)
     return exposed
 
 

@@ -1,6 +1,6 @@
 """The solver's linear model and the simulators call the same FSDP2 rules (issue 27 item 2): change one
-rule in its one place (cost/optimizer.py, cost/reshard.py, cost/unit_collectives.py) and both follow, by the
-same amount."""
+rule in its one place (cost/optimizer.py, cost/reshard.py, cost/unit_collectives.py, cost/unit_bytes.py)
+and both follow, by the same amount."""
 
 import dataclasses
 
@@ -8,6 +8,7 @@ import pytest
 
 from shard_planner.cost import CostModel
 from shard_planner.cost import optimizer as optimizer_rules
+from shard_planner.cost.unit_cost import unit_bytes_rules
 from shard_planner.cost import unit_collectives as collective_rules
 from shard_planner.plan import Cluster, Mesh, Prefetch, Training
 from shard_planner.solve.linear import MIB, US_PER_S, GlobalChoice, build_linear_model, evaluate
@@ -118,3 +119,19 @@ def test_unit_collectives_rule_moves_both(setup, monkeypatch):
     assert (evaluate(lm2, cover).time_us - evaluate(lm, cover).time_us
             == pytest.approx(n_units * US_PER_S, abs=n_units))
     assert est2.memory == est.memory and lm2.base_mib == lm.base_mib
+
+
+def test_unit_bytes_rule_moves_both(setup, monkeypatch):
+    """Each unit's sharded parameters counted twice (the per-unit bytes rule, cost/unit_bytes.py, through
+    the per-unit cost query): the simulated sharded parameters grow by the model's sharded bytes, and so
+    does the linear model's base (it sizes the sharded state as the whole model's unit)."""
+    profile, training, choice = setup
+    est, lm = _both(profile, training, choice)
+    rule = unit_bytes_rules.unit_bytes_of
+    monkeypatch.setattr(unit_bytes_rules, "unit_bytes_of", lambda *a: dataclasses.replace(
+        rule(*a), sharded=2 * rule(*a).sharded))
+    est2, lm2 = _both(profile, training, choice)
+    grew = est2.memory.memory_at_peak["sharded_params"] - est.memory.memory_at_peak["sharded_params"]
+    assert grew == lm.model_bytes.sharded > 50 * MIB
+    assert lm2.base_mib - lm.base_mib == pytest.approx(grew / MIB, abs=1)
+    assert lm2.optimizer_mib - lm.optimizer_mib == pytest.approx(grew / MIB, abs=1)
