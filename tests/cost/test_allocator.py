@@ -1,0 +1,331 @@
+"""The caching-allocator simulation (cost/allocator.py and its companions) against the allocator's
+documented behaviour: each figure derived in the test's docstring from the rules the module's notes cite
+(c10/cuda/CUDACachingAllocator.cpp)."""
+
+import random
+
+import pytest
+
+from shard_planner.cost.allocator import (
+    MiB, AllocatorConfig, AllocatorOutOfMemory, CachingAllocator, allocation_size, round_size,
+)
+
+KiB = 1024
+
+
+def allocator(expandable=False, **limits) -> CachingAllocator:
+    return CachingAllocator(AllocatorConfig(expandable_segments=expandable, **limits))
+
+
+def blocks_mib(a: CachingAllocator) -> list[list[tuple[float, bool]]]:
+    """Each segment's blocks as (MiB, allocated)."""
+    return [[(size / MiB, allocated) for size, allocated in s.blocks] for s in a.segments()]
+
+
+def check_consistent(a: CachingAllocator) -> None:
+    """The segments add up to the counters, and no two free blocks of a segment touch (they merge)."""
+    segments = a.segments()
+    assert sum(s.total_bytes for s in segments) == a.reserved_bytes
+    assert sum(s.allocated_bytes for s in segments) == a.allocated_bytes
+    for s in segments:
+        states = [allocated for _, allocated in s.blocks]
+        assert not any(not x and not y for x, y in zip(states, states[1:])), s
+
+
+# -- sizes, pools, segments ----------------------------------------------------------------------------------
+
+def test_sizes_round_up_to_512_bytes():
+    """[Note: Rounding and the two pools]: below 512 B a request takes 512 B, else the next multiple of
+    512 B; the allocation counts the rounded block, the request its own bytes."""
+    assert [round_size(n) for n in (1, 511, 512, 513, 1000, 1536)] == [512, 512, 512, 1024, 1024, 1536]
+    a = allocator()
+    a.malloc(1000)
+    a.malloc(1)
+    assert (a.allocated_bytes, a.requested_bytes) == (1024 + 512, 1001)
+    with pytest.raises(ValueError):
+        a.malloc(0)
+
+
+def test_small_requests_pack_into_2_mib_segments():
+    """Up to 1 MiB (kSmallSize) a request comes from the small pool's 2 MiB (kSmallBuffer) segments: four
+    512 KiB requests fill one segment, a fifth needs a second. 1 MiB + 1 B is a large request: a 20 MiB
+    segment of the large pool."""
+    a = allocator()
+    for _ in range(4):
+        a.malloc(512 * KiB)
+    assert a.reserved_bytes == 2 * MiB and [s.pool for s in a.segments()] == ["small"]
+    a.malloc(512 * KiB)
+    assert a.reserved_bytes == 4 * MiB
+    a.malloc(1 * MiB)  # exactly kSmallSize: still small; the second segment has 1.5 MiB left
+    assert a.reserved_bytes == 4 * MiB
+    a.malloc(1 * MiB + 1)
+    assert a.reserved_bytes == 24 * MiB and sorted(s.pool for s in a.segments()) == ["large", "small", "small"]
+
+
+def test_the_10_mib_boundary():
+    """get_allocation_size: below kMinLargeAlloc (10 MiB) a large request gets a 20 MiB segment (9 MiB ->
+    20 MiB, the rest split off for later requests); from 10 MiB on, its own size rounded up to 2 MiB
+    (10 -> 10, 11 -> 12 MiB)."""
+    assert [allocation_size(n * MiB) // MiB for n in (1, 2, 9, 10, 11, 13)] == [2, 20, 20, 10, 12, 14]
+    for request_mib, segment_mib in ((9, 20), (10, 10), (11, 12)):
+        a = allocator()
+        a.malloc(request_mib * MiB)
+        assert a.reserved_bytes == segment_mib * MiB
+    a = allocator()
+    a.malloc(9 * MiB)
+    a.malloc(9 * MiB)  # fits the 11 MiB left of the first 9 MiB's 20 MiB segment
+    assert a.reserved_bytes == 20 * MiB and blocks_mib(a) == [[(9, True), (9, True), (2, False)]]
+
+
+def test_splitting_rules():
+    """should_split: the large pool of cudaMalloc segments splits only when more than 1 MiB would remain
+    (20 MiB segment: 18.5 MiB splits off 1.5 MiB, 19 MiB takes the whole 20 MiB block); the small pool,
+    and with expandable segments both pools, split when 512 B or more remain."""
+    a = allocator()
+    a.malloc(int(18.5 * MiB))
+    assert blocks_mib(a) == [[(18.5, True), (1.5, False)]]
+    a = allocator()
+    a.malloc(3 * MiB)
+    a.malloc(16 * MiB)  # 17 MiB left of the 20 MiB segment: 1 MiB would remain, not more -> no split
+    assert blocks_mib(a) == [[(3, True), (17, True)]] and a.allocated_bytes == 20 * MiB
+    a = allocator()
+    a.malloc(1 * MiB)
+    a.malloc(1 * MiB - 512)  # small pool: 512 B remain -> split
+    assert [s.blocks for s in a.segments()] == [((1 * MiB, True), (1 * MiB - 512, True), (512, False))]
+    a = allocator(expandable=True)
+    a.malloc(19 * MiB)  # one 20 MiB page; 1 MiB remains -> split with expandable segments
+    assert blocks_mib(a) == [[(19, True), (1, False)]] and a.allocated_bytes == 19 * MiB
+
+
+def test_blocks_freed_on_one_stream_are_reused_by_that_stream_only():
+    """[Note: Best fit per stream]: a 16 MiB block cached by stream 0 is not given to stream 1, which gets
+    a segment of its own; stream 0 reuses it. With expandable segments each (pool, stream) grows its own
+    segment."""
+    a = allocator()
+    a.free(a.malloc(16 * MiB, stream=0))
+    a.malloc(16 * MiB, stream=1)
+    assert a.reserved_bytes == 32 * MiB
+    a.malloc(16 * MiB, stream=0)
+    assert a.reserved_bytes == 32 * MiB
+    assert [(s.stream, s.allocated_bytes) for s in a.segments()] == [(0, 16 * MiB), (1, 16 * MiB)]
+    e = allocator(expandable=True)
+    e.free(e.malloc(4 * MiB, stream=0))
+    e.malloc(4 * MiB, stream=1)
+    assert e.reserved_bytes == 40 * MiB and [s.stream for s in e.segments()] == [0, 1]
+    assert [s.stream for s in e.segments(stream=1)] == [1]
+
+
+def test_adjacent_free_blocks_merge():
+    """[Note: Merging free neighbours]: three 5 MiB blocks of one 20 MiB segment; freeing the first and the
+    third leaves the third merged with the free 5 MiB tail (10 MiB) and the first alone (the second sits
+    between); freeing the second merges all into the whole 20 MiB segment again, which a 20 MiB request
+    then takes without a new segment."""
+    a = allocator()
+    first, second, third = (a.malloc(5 * MiB) for _ in range(3))
+    assert blocks_mib(a) == [[(5, True), (5, True), (5, True), (5, False)]]
+    a.free(first)
+    a.free(third)
+    assert blocks_mib(a) == [[(5, False), (5, True), (10, False)]]
+    a.free(second)
+    assert blocks_mib(a) == [[(20, False)]]
+    a.malloc(20 * MiB)
+    assert a.reserved_bytes == 20 * MiB
+
+
+def test_best_fit_takes_the_smallest_block_that_fits():
+    """get_free_block: of cached 12, 16 and 14 MiB blocks (each its own segment) a 13 MiB request takes the
+    14 MiB one, whole (1 MiB would remain: not more than kSmallSize)."""
+    a = allocator()
+    handles = [a.malloc(n * MiB) for n in (12, 16, 14)]
+    for h in handles:
+        a.free(h)
+    a.malloc(13 * MiB)
+    assert [(s.total_bytes // MiB, s.allocated_bytes // MiB) for s in a.segments()] == [(12, 0), (16, 0), (14, 14)]
+
+
+def test_expandable_best_fit_keeps_the_growing_end_free():
+    """[Note: Best fit in an expandable segment]: one 20 MiB page holding 8 MiB (freed) and 5 MiB, and the
+    7 MiB free end. A 6 MiB request: by size the 7 MiB end fits best, but it counts as 7 MiB plus the
+    unmapped rest, so the 8 MiB interior block is taken (6 MiB, 2 MiB left)."""
+    a = allocator(expandable=True)
+    first = a.malloc(8 * MiB)
+    a.malloc(5 * MiB)
+    a.free(first)
+    a.malloc(6 * MiB)
+    assert blocks_mib(a) == [[(6, True), (2, False), (5, True), (7, False)]]
+
+
+# -- the documented orders ----------------------------------------------------------------------------------
+
+def _eight_16_then_four_32(a):
+    small = [a.malloc(16 * MiB) for _ in range(8)]
+    for h in small:
+        a.free(h)
+    return [a.malloc(32 * MiB) for _ in range(4)]
+
+
+def _four_32_then_eight_16(a):
+    large = [a.malloc(32 * MiB) for _ in range(4)]
+    for h in large:
+        a.free(h)
+    return [a.malloc(16 * MiB) for _ in range(8)]
+
+
+def test_small_then_large_reserves_256_mib_without_expandable_segments():
+    """8 x 16 MiB: 16 MiB >= kMinLargeAlloc, so each is a cudaMalloc of its own 16 MiB (128 MiB). Freed,
+    they stay eight separate cached segments that cannot merge. 4 x 32 MiB: no cached block is >= 32 MiB,
+    so four new 32 MiB segments: 128 + 128 = 256 MiB reserved."""
+    a = allocator()
+    _eight_16_then_four_32(a)
+    assert (a.reserved_bytes, a.peak_reserved_bytes) == (256 * MiB, 256 * MiB)
+    assert sorted(s.total_bytes // MiB for s in a.segments()) == [16] * 8 + [32] * 4
+    check_consistent(a)
+
+
+def test_large_then_small_reserves_128_mib_without_expandable_segments():
+    """4 x 32 MiB: four 32 MiB segments (128 MiB). Freed and cached, each serves two 16 MiB requests: the
+    first splits it (16 MiB would remain, more than kSmallSize), the second takes the remainder."""
+    a = allocator()
+    _four_32_then_eight_16(a)
+    assert (a.reserved_bytes, a.peak_reserved_bytes) == (128 * MiB, 128 * MiB)
+    assert blocks_mib(a) == [[(16, True), (16, True)]] * 4
+    check_consistent(a)
+
+
+def test_expandable_segments_reserve_140_mib_in_either_order():
+    """One growing segment, 20 MiB pages. 8 x 16 MiB: the first maps a page and leaves 4 MiB free; each
+    next one that does not fit the free end maps another page (free end 4 -> 8 -> 12 -> 16 MiB), the fifth
+    takes the 16 MiB free end, and three more pages follow: 7 pages, 140 MiB, 12 MiB free at the end.
+    Freed, it is one free 140 MiB block, which the 4 x 32 MiB split without a new page. The other order:
+    the first 32 MiB maps 2 pages at once (40 MiB, 8 free), the second 2 more (8 + 40: 16 left), the third
+    1 (16 + 20: 4 left), the fourth 2 (4 + 40: 12 left): 140 MiB in 4 map calls, and the 8 x 16 MiB fit."""
+    for order, map_calls in ((_eight_16_then_four_32, 7), (_four_32_then_eight_16, 4)):
+        a = allocator(expandable=True)
+        order(a)
+        assert (a.reserved_bytes, a.peak_reserved_bytes) == (140 * MiB, 140 * MiB), order.__name__
+        assert len(a.segments()) == 1 and a.num_device_alloc == map_calls
+        check_consistent(a)
+
+
+# -- the cap, release and retry, OOM -------------------------------------------------------------------------
+
+def test_the_cap_releases_cached_segments_and_retries():
+    """Cap 64 MiB. A cached (freed) 32 MiB segment; a 40 MiB request finds no cached block >= 40 MiB, and a
+    new segment would make 72 MiB > 64: release_cached_blocks frees the cached segment and the retry
+    (num_alloc_retries 1) fits: 40 MiB reserved."""
+    a = allocator(cap_bytes=64 * MiB)
+    a.free(a.malloc(32 * MiB))
+    a.malloc(40 * MiB)
+    assert (a.num_alloc_retries, a.num_ooms) == (1, 0)
+    assert (a.reserved_bytes, a.peak_reserved_bytes) == (40 * MiB, 40 * MiB)
+    assert (a.num_device_alloc, a.num_device_free) == (2, 1)
+
+
+def test_release_frees_whole_segments_only():
+    """A segment with an allocation in it is not released, even mostly free: cap 40 MiB, a 5 MiB block in
+    a 20 MiB segment (15 MiB free) and a freed 16 MiB segment; a 20 MiB request fits neither and a new
+    segment would make 56 MiB: the release frees the 16 MiB segment only, and the retry fits (20 + 20)."""
+    a = allocator(cap_bytes=40 * MiB)
+    a.malloc(5 * MiB)
+    a.free(a.malloc(16 * MiB))
+    a.malloc(20 * MiB)
+    assert a.num_alloc_retries == 1 and a.reserved_bytes == 40 * MiB
+    assert blocks_mib(a) == [[(5, True), (15, False)], [(20, True)]]
+
+
+def test_oom_under_the_cap():
+    """Cap 64 MiB with 32 MiB allocated: a 40 MiB request finds nothing to release, the retry fails too,
+    and the OOM counts one retry and one OOM; the report says what was asked and the state then. The
+    allocator stays usable."""
+    a = allocator(cap_bytes=64 * MiB)
+    live = a.malloc(32 * MiB)
+    with pytest.raises(AllocatorOutOfMemory) as raised:
+        a.malloc(40 * MiB + 1, stream=3)
+    report = raised.value.report
+    assert (report.request_bytes, report.rounded_bytes, report.segment_bytes) == (40 * MiB + 1, 40 * MiB + 512,
+                                                                                  42 * MiB)
+    assert (report.stream, report.allocated_bytes, report.reserved_bytes, report.cap_bytes) == (
+        3, 32 * MiB, 32 * MiB, 64 * MiB)
+    assert (a.num_alloc_retries, a.num_ooms) == (1, 1)
+    assert "32.0 MiB allocated" in str(raised.value) and "cap 64.0 MiB" in str(raised.value)
+    a.free(live)
+    a.malloc(40 * MiB + 1)
+    assert a.allocated_bytes == 40 * MiB + 512
+
+
+def test_the_device_limit_counts_pages_and_the_cap_counts_segments():
+    """[Note: The cap and the device's memory], with expandable segments: 11 MiB maps a 20 MiB page. Under a
+    12 MiB cap the check (0 + 12 MiB segment size) passes and reserved ends at 20 MiB, above the cap; with
+    12 MiB of device memory the page cannot be mapped: OOM. With a 9 MiB free end (after 11 MiB), a 9 MiB
+    request fits the free end without new memory; a second 9 MiB request needs a new page."""
+    a = allocator(expandable=True, cap_bytes=12 * MiB)
+    a.malloc(11 * MiB)
+    assert a.reserved_bytes == 20 * MiB and a.num_alloc_retries == 0
+    with pytest.raises(AllocatorOutOfMemory):
+        allocator(expandable=True, device_bytes=12 * MiB).malloc(11 * MiB)
+    a = allocator(expandable=True, device_bytes=40 * MiB)
+    a.malloc(11 * MiB)
+    a.malloc(9 * MiB)
+    assert a.reserved_bytes == 20 * MiB
+    a.malloc(9 * MiB)
+    assert a.reserved_bytes == 40 * MiB
+    with pytest.raises(AllocatorOutOfMemory):
+        a.malloc(20 * MiB)
+
+
+def test_expandable_release_unmaps_the_free_pages():
+    """8 x 16 MiB map 140 MiB; the first seven freed make one free block [0, 112) MiB, the last is live at
+    [112, 128), 12 MiB free after it. Releasing unmaps the whole pages inside the free blocks: [0, 100);
+    [100, 112) and [128, 140) hold no whole page and stay. 40 MiB reserved. The next 16 MiB request maps
+    at the lowest address, the hole: one page, 60 MiB."""
+    a = allocator(expandable=True)
+    handles = [a.malloc(16 * MiB) for _ in range(8)]
+    for h in handles[:7]:
+        a.free(h)
+    a.empty_cache()
+    assert a.reserved_bytes == 40 * MiB and a.num_device_free == 1
+    assert blocks_mib(a) == [[(12, False), (16, True), (12, False)]]
+    a.malloc(16 * MiB)
+    assert a.reserved_bytes == 60 * MiB
+    assert blocks_mib(a) == [[(16, True), (4, False)], [(12, False), (16, True), (12, False)]]
+    a.free(handles[7])
+    a.empty_cache()
+    assert blocks_mib(a) == [[(16, True), (4, False)]] and a.reserved_bytes == 20 * MiB
+
+
+def test_an_expandable_segment_released_whole_is_destroyed():
+    a = allocator(expandable=True)
+    a.free(a.malloc(30 * MiB))
+    a.empty_cache()
+    assert a.reserved_bytes == 0 and a.segments() == ()
+    a.malloc(1 * MiB)  # the small pool: a 2 MiB page of a new segment
+    assert a.reserved_bytes == 2 * MiB
+
+
+def test_free_of_an_unknown_handle_raises():
+    a = allocator()
+    h = a.malloc(4096)
+    a.free(h)
+    with pytest.raises(ValueError):
+        a.free(h)
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_random_sequences_stay_consistent(expandable):
+    """Random allocations (both pools, two streams) and frees, with a cap that forces releases: after every
+    call the segments add up to the counters and no free blocks touch; peaks bound the currents."""
+    rng = random.Random(7)
+    a = allocator(expandable, cap_bytes=300 * MiB)
+    live = []
+    for _ in range(400):
+        if live and rng.random() < 0.45:
+            a.free(live.pop(rng.randrange(len(live))))
+        else:
+            size = rng.choice([rng.randrange(1, 1 * MiB), rng.randrange(1 * MiB, 10 * MiB), rng.randrange(10 * MiB, 40 * MiB)])
+            try:
+                live.append(a.malloc(size, stream=rng.choice([0, 1])))
+            except AllocatorOutOfMemory:
+                pass
+        check_consistent(a)
+        assert a.requested_bytes <= a.allocated_bytes <= a.reserved_bytes <= a.peak_reserved_bytes
+    assert a.num_alloc_retries > 0
