@@ -3,11 +3,16 @@ documented behaviour: each figure derived in the test's docstring from the rules
 (c10/cuda/CUDACachingAllocator.cpp)."""
 
 import random
+from dataclasses import replace
 
 import pytest
 
 from shard_planner.cost.allocator import (
     MiB, AllocatorConfig, AllocatorOutOfMemory, CachingAllocator, allocation_size, round_size,
+)
+from shard_planner.cost.allocator_replay import (
+    ALLOC, CAP_GRAIN_BYTES, FREE, AllocEvent, CapKind, events_from_snapshot, events_from_trace, replay,
+    smallest_surviving_cap,
 )
 
 KiB = 1024
@@ -329,3 +334,128 @@ def test_random_sequences_stay_consistent(expandable):
         check_consistent(a)
         assert a.requested_bytes <= a.allocated_bytes <= a.reserved_bytes <= a.peak_reserved_bytes
     assert a.num_alloc_retries > 0
+
+
+# -- replay and the smallest cap ------------------------------------------------------------------------------
+
+def _events(*specs):
+    """("a", key, MiB, stream) allocates, ("f", key) frees."""
+    return [AllocEvent(ALLOC, s[1], int(s[2] * MiB), s[3] if len(s) > 3 else 0) if s[0] == "a"
+            else AllocEvent(FREE, s[1], 0) for s in specs]
+
+
+SMALL_THEN_LARGE = ([AllocEvent(ALLOC, i, 16 * MiB) for i in range(8)] + [AllocEvent(FREE, i, 0) for i in range(8)]
+                    + [AllocEvent(ALLOC, 8 + i, 32 * MiB) for i in range(4)])
+
+
+def test_replay_matches_the_allocator_and_stops_at_the_oom():
+    stats = replay(SMALL_THEN_LARGE)
+    assert (stats.peak_reserved_bytes, stats.peak_allocated_bytes, stats.survived) == (256 * MiB, 128 * MiB, True)
+    assert replay(SMALL_THEN_LARGE, AllocatorConfig(expandable_segments=True)).peak_reserved_bytes == 140 * MiB
+    capped = replay(SMALL_THEN_LARGE, AllocatorConfig(cap_bytes=100 * MiB))  # the 7th 16 MiB: 112 > 100
+    assert not capped.survived and capped.oom.event_index == 6 and capped.num_ooms == 1
+    assert capped.oom.reserved_bytes == 96 * MiB
+    zero = replay(_events(("a", "x", 0), ("a", "y", 1), ("f", "x"), ("f", "y")))
+    assert zero.peak_requested_bytes == 1 * MiB and zero.allocated_bytes == 0
+    with pytest.raises(ValueError):
+        replay(_events(("f", "x")))
+    with pytest.raises(ValueError):
+        replay(_events(("a", "x", 1), ("a", "x", 1)))
+
+
+def test_smallest_surviving_cap_of_the_documented_orders():
+    """Small then large survives a 128 MiB cap without expandable segments, half its uncapped 256 MiB: at
+    the first 32 MiB request, 128 + 32 > 128, so the release frees the eight cached 16 MiB segments and the
+    retry fits (one retry); 126 MiB cannot hold the 8 x 16 MiB. With expandable segments the cap sees
+    segment sizes: the 7th page is mapped when 120 + 16 MiB <= cap, so 136 MiB survives (reserving 140,
+    above the cap), while the device's memory must hold the 140 MiB mapped."""
+    assert smallest_surviving_cap(SMALL_THEN_LARGE, False) == 128 * MiB
+    assert replay(SMALL_THEN_LARGE, AllocatorConfig(cap_bytes=128 * MiB)).num_alloc_retries == 1
+    assert smallest_surviving_cap(SMALL_THEN_LARGE, False, CapKind.DEVICE) == 128 * MiB
+    assert smallest_surviving_cap(SMALL_THEN_LARGE, True) == 136 * MiB
+    at_136 = replay(SMALL_THEN_LARGE, AllocatorConfig(expandable_segments=True, cap_bytes=136 * MiB))
+    assert at_136.survived and at_136.peak_reserved_bytes == 140 * MiB
+    assert smallest_surviving_cap(SMALL_THEN_LARGE, True, CapKind.DEVICE) == 140 * MiB
+    assert smallest_surviving_cap([], False) == 0
+
+
+def _survival_by_cap(events, expandable, limit):
+    """Whether the replay survives each cap, every 2 MiB up to past the uncapped demand."""
+    base = AllocatorConfig(expandable_segments=expandable)
+    top = replay(events, base).peak_cap_demand_bytes // CAP_GRAIN_BYTES + 4
+    return [replay(events, replace(base, **{limit.value: k * CAP_GRAIN_BYTES})).survived for k in range(top)]
+
+
+def _fsdp_like_step(layers=6):
+    """An FSDP-like step: per layer an all-gather output on the copy-in stream (stream 1) and the unsharded
+    parameters on the default stream, activations kept until backward, a reduce-scatter output on stream 3,
+    small temporaries in between."""
+    ev, key = [], iter(range(10**6))
+    saved = []
+    for _ in range(layers):
+        ag, params, act, tmp = next(key), next(key), next(key), next(key)
+        ev += [AllocEvent(ALLOC, ag, 24 * MiB, 1), AllocEvent(ALLOC, params, 24 * MiB), AllocEvent(FREE, ag, 0),
+               AllocEvent(ALLOC, act, 6 * MiB + 300), AllocEvent(ALLOC, tmp, 700 * KiB), AllocEvent(FREE, tmp, 0),
+               AllocEvent(FREE, params, 0)]
+        saved.append(act)
+    for act in reversed(saved):
+        ag, params, grad, rs = next(key), next(key), next(key), next(key)
+        ev += [AllocEvent(ALLOC, ag, 24 * MiB, 1), AllocEvent(ALLOC, params, 24 * MiB), AllocEvent(FREE, ag, 0),
+               AllocEvent(ALLOC, grad, 24 * MiB), AllocEvent(FREE, act, 0), AllocEvent(FREE, params, 0),
+               AllocEvent(ALLOC, rs, 3 * MiB, 3), AllocEvent(FREE, grad, 0), AllocEvent(FREE, rs, 0)]
+    return ev
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+@pytest.mark.parametrize("limit", list(CapKind))
+def test_bisection_finds_the_smallest_cap_where_survival_is_monotone(expandable, limit):
+    """[Note: The smallest cap, by bisection] on the documented orders and an FSDP-like step: survival is
+    monotone in the cap (fails below one cap, survives from it on), and the bisection returns that cap."""
+    for events in (SMALL_THEN_LARGE, _fsdp_like_step()):
+        survival = _survival_by_cap(events, expandable, limit)
+        first = survival.index(True)
+        assert all(survival[first:]) and not any(survival[:first])
+        assert smallest_surviving_cap(events, expandable, limit) == first * CAP_GRAIN_BYTES
+
+
+def test_survival_is_not_monotone_in_the_cap():
+    """The assumption fails here (no expandable segments). 77 MiB on stream 0, freed: a cached 78 MiB
+    segment. 32 MiB on stream 1: a new segment (110 MiB). 24 MiB on stream 0. 40 MiB on stream 1.
+    - Cap 96-108 MiB: stream 1's 32 MiB does not fit beside the cached 78 (110 > cap): the release frees it,
+      the retry fits; 24 MiB gets its own segment (56), 40 MiB too (96 <= cap). Survives.
+    - Cap 110-148 MiB: nothing is released; 24 MiB splits the cached 78 MiB segment, pinning it; 40 MiB on
+      stream 1 needs 150 MiB, the release finds no whole free segment: OOM.
+    - Cap 150 MiB and more: survives. The bisection, from 150 MiB (the uncapped demand) down, meets only
+      failing caps and answers 150 MiB: a boundary (2 MiB less fails), not the smallest cap."""
+    events = _events(("a", 0, 77, 0), ("f", 0), ("a", 1, 32, 1), ("a", 2, 24, 0), ("a", 3, 40, 1))
+    survival = _survival_by_cap(events, False, CapKind.FRACTION)
+    assert [2 * k for k, ok in enumerate(survival[:75]) if ok] == list(range(96, 110, 2)) and all(survival[75:])
+    assert smallest_surviving_cap(events, False) == 150 * MiB
+
+
+# -- recorded traces -------------------------------------------------------------------------------------------
+
+def test_events_from_a_snapshot():
+    """[Note: Replaying a recorded trace]: ``alloc`` allocates (the size asked for), ``free_completed`` frees
+    the latest allocation at its address (reused addresses get new keys), ``free_requested``, segment
+    actions, ``oom`` and private pools are skipped, and a free of an address allocated before the trace
+    began is dropped."""
+    trace = [
+        {"action": "segment_alloc", "addr": 0x1000, "size": 20 * MiB, "stream": 0},
+        {"action": "alloc", "addr": 0x1000, "size": 3 * MiB + 5, "stream": 0},
+        {"action": "alloc", "addr": 0x9000, "size": 100, "stream": 7, "pool_id": (0, 0)},
+        {"action": "free_requested", "addr": 0x1000, "size": 3 * MiB + 5, "stream": 0},
+        {"action": "free_completed", "addr": 0x1000, "size": 3 * MiB + 5, "stream": 0},
+        {"action": "alloc", "addr": 0x1000, "size": 4 * MiB, "stream": 0},
+        {"action": "free_completed", "addr": 0x5000, "size": 8, "stream": 0},  # allocated before the trace
+        {"action": "alloc", "addr": 0x7000, "size": 64, "stream": 0, "pool_id": (1, 0)},  # a CUDA graph's pool
+        {"action": "oom", "size": 10 * MiB, "stream": 0, "device_free": 0},
+    ]
+    events = events_from_snapshot({"segments": [], "device_traces": [[], trace]}, device=1)
+    assert events == [AllocEvent(ALLOC, 0, 3 * MiB + 5, 0), AllocEvent(ALLOC, 1, 100, 7),
+                      AllocEvent(FREE, 0, 3 * MiB + 5, 0), AllocEvent(ALLOC, 3, 4 * MiB, 0)]
+    stats = replay(events)
+    assert (stats.allocated_bytes, stats.reserved_bytes) == (4 * MiB + 512, 22 * MiB)
+    # a trace recorded without free_completed frees at free_requested
+    requested_only = [e for e in trace if e["action"] != "free_completed"]
+    assert [e.action for e in events_from_trace(requested_only)] == [ALLOC, ALLOC, FREE, ALLOC]
