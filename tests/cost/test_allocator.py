@@ -7,13 +7,16 @@ from dataclasses import replace
 
 import pytest
 
+from shard_planner.cost.allocations import Kind, Stream
 from shard_planner.cost.allocator import (
     MiB, AllocatorConfig, AllocatorOutOfMemory, CachingAllocator, allocation_size, round_size,
 )
+from shard_planner.cost.allocator_accountant import AllocatorAccountant
 from shard_planner.cost.allocator_replay import (
     ALLOC, CAP_GRAIN_BYTES, FREE, AllocEvent, CapKind, events_from_snapshot, events_from_trace, replay,
     smallest_surviving_cap,
 )
+from shard_planner.cost.schedule import Phase
 
 KiB = 1024
 
@@ -459,3 +462,92 @@ def test_events_from_a_snapshot():
     # a trace recorded without free_completed frees at free_requested
     requested_only = [e for e in trace if e["action"] != "free_completed"]
     assert [e.action for e in events_from_trace(requested_only)] == [ALLOC, ALLOC, FREE, ALLOC]
+
+
+# -- the memory walk's accountant -------------------------------------------------------------------------------
+
+D, C, R = Stream.DEFAULT, Stream.COPY_IN, Stream.REDUCE_SCATTER
+
+
+def _two_layer_walk(acc):
+    """A hand-made walk: the overhead, sharded state, then per layer an all-gather output on the copy-in
+    stream, the unsharded parameters on the default stream, a mark with 2.5 MiB of temporaries, and
+    finally a reduce-scatter mark with a 4 MiB comm buffer on its stream."""
+    acc.on_alloc(Kind.OVERHEAD, 1e9, "", D)
+    acc.on_alloc(Kind.SHARDED_PARAMS, 3 * MiB + 0.25, "", D)
+    for layer in ("layers.0", "layers.1"):
+        acc.on_alloc(Kind.ALL_GATHER_OUTPUT, 16 * MiB, layer, C)
+        acc.on_alloc(Kind.UNSHARDED_PARAMS, 16.0 * MiB, layer, D)
+        acc.on_free(Kind.ALL_GATHER_OUTPUT, 16 * MiB, layer, C)
+        acc.on_mark("", layer, Phase.FORWARD, 2.5 * MiB, 0.0, D)
+        acc.on_free(Kind.UNSHARDED_PARAMS, 16.0 * MiB, layer, D)
+    acc.on_mark("reduce-scatter", "layers.1", Phase.BACKWARD, 0.0, 4 * MiB, R)
+
+
+def test_the_accountant_drives_the_allocator():
+    """[Note: From walk events to allocator calls] on _two_layer_walk. The overhead is outside the
+    allocator. 3 MiB + 0.25 B -> 3 MiB + 1 B -> 3 MiB + 512: a 20 MiB segment, 17 MiB - 512 left. The
+    all-gather output: a 16 MiB segment of the copy-in stream. The unsharded 16 MiB take the 17 MiB - 512
+    block whole (less than 1 MiB would remain). The mark's temporaries: a new 20 MiB segment (56 MiB),
+    freed after the mark. Layer 1 reuses all three (the copy-in block by the copy-in stream only). The
+    reduce-scatter buffer: a 20 MiB segment of its stream, 76 MiB. Peak allocated: 36 MiB, before the
+    first all-gather output is freed. The same as replaying the equivalent events."""
+    acc = AllocatorAccountant(timeline=True)
+    _two_layer_walk(acc)
+    stats = acc.stats()
+    assert acc.outside_bytes == 1e9 and stats.survived and acc.num_split_frees == 0
+    assert (stats.reserved_bytes, stats.peak_reserved_bytes) == (76 * MiB, 76 * MiB)
+    assert (stats.allocated_bytes, stats.peak_allocated_bytes) == (3 * MiB + 512, 36 * MiB)
+    assert [(what, who, a / MiB, r / MiB) for what, who, _, a, r in acc.marks] == [
+        ("", "layers.0", 22.5, 56), ("", "layers.1", 22.5, 56), ("reduce-scatter", "layers.1", 7 + 512 / MiB, 76)]
+    assert sorted((s.stream, s.total_bytes // MiB) for s in acc.allocator.segments()) == [
+        (D, 20), (D, 20), (C, 16), (R, 20)]
+    events = _events(("a", "sharded", (3 * MiB + 1) / MiB, D))
+    for i in range(2):
+        events += _events(("a", f"ag{i}", 16, C), ("a", f"p{i}", 16, D), ("f", f"ag{i}"), ("a", f"t{i}", 2.5, D),
+                          ("f", f"t{i}"), ("f", f"p{i}"))
+    events += _events(("a", "rs", 4, R), ("f", "rs"))
+    assert replay(events) == stats
+
+
+def test_the_accountant_frees_the_latest_matching_allocation():
+    """Two 12 MiB allocations alike (each its own segment): a free releases the later one."""
+    acc = AllocatorAccountant()
+    for _ in range(2):
+        acc.on_alloc(Kind.ACTIVATIONS, 12 * MiB, "", D)
+    acc.on_free(Kind.ACTIVATIONS, 12 * MiB, "", D)
+    assert [s.allocated_bytes // MiB for s in acc.allocator.segments()] == [12, 0]
+    acc.on_alloc(Kind.TEMPORARIES, 0.4, "x", D)  # rounds up to 1 B: a 512 B block
+    acc.on_alloc(Kind.TEMPORARIES, 0.0, "x", D)  # nothing
+    acc.on_free(Kind.TEMPORARIES, 0.0, "x", D)
+    assert acc.allocator.allocated_bytes == 12 * MiB + 512 and acc.allocator.requested_bytes == 12 * MiB + 1
+
+
+def test_frees_that_match_no_allocation_take_bytes_newest_first():
+    """[Note: Frees that match no allocation]: gradients allocated per block (12 MiB for b0, then b1), freed
+    per unit: 20 MiB takes b1's whole and 8 MiB of b0's (b0 freed, 4 MiB allocated again), then the last
+    4 MiB; freeing more than is live raises."""
+    acc = AllocatorAccountant()
+    acc.on_alloc(Kind.GRADS, 12 * MiB, "b0", D)
+    acc.on_alloc(Kind.GRADS, 12 * MiB, "b1", D)
+    acc.on_free(Kind.GRADS, 20 * MiB, "unit", D)
+    assert acc.allocator.allocated_bytes == 4 * MiB and acc.num_split_frees == 1
+    assert [s.blocks for s in acc.allocator.segments()] == [((4 * MiB, True), (8 * MiB, False)), ((12 * MiB, False),)]
+    acc.on_free(Kind.GRADS, 4 * MiB, "unit", D)
+    assert acc.allocator.allocated_bytes == 0 and acc.num_split_frees == 2
+    with pytest.raises(ValueError):
+        acc.on_free(Kind.GRADS, 1 * MiB, "unit", D)
+
+
+def test_the_accountant_stops_at_the_oom():
+    """Cap 30 MiB: a 16 MiB segment, then another would make 32 MiB; nothing cached to release: OOM. Later
+    events are ignored and the next mark is named."""
+    acc = AllocatorAccountant(AllocatorConfig(cap_bytes=30 * MiB))
+    acc.on_alloc(Kind.UNSHARDED_PARAMS, 16 * MiB, "layers.0", D)
+    acc.on_alloc(Kind.UNSHARDED_PARAMS, 16 * MiB, "layers.1", D)
+    acc.on_free(Kind.GRADS, 99 * MiB, "nothing", D)  # ignored after the OOM
+    acc.on_mark("", "layers.1", Phase.FORWARD, 0.0, 0.0, D)
+    acc.on_mark("", "layers.2", Phase.FORWARD, 0.0, 0.0, D)
+    stats = acc.stats()
+    assert not stats.survived and (stats.num_ooms, stats.num_alloc_retries) == (1, 1)
+    assert stats.oom.request_bytes == 16 * MiB and acc.oom_mark == ("", "layers.1", Phase.FORWARD)
