@@ -18,6 +18,12 @@ cost/allocator_blocks.py, expandable segments in cost/allocator_expandable.py. E
 naming the function or constant of the source it follows; what is not modelled is said in
 [Note: What is not modelled].
 
+[Note: The source read]
+  The rules below were read in two copies of c10/cuda/CUDACachingAllocator.cpp that agree on every one of
+  them: pytorch/pytorch at 001074d (before the allocator settings moved to c10/core/AllocatorConfig.h) and
+  the ROCm/pytorch fork at 08b2238 (after: ``AcceleratorAllocatorConfig``, ``use_on_oom_pools``). The
+  constants are torch 2.13's (its c10/core/AllocatorConfig.h). The 2.13 .cpp itself was not at hand.
+
 [Note: Rounding and the two pools]
   ``round_size``: a request below ``kMinBlockSize`` (512 B) takes 512 B, any other rounds up to a multiple
   of 512 B (``roundup_power2_divisions``, unset by default, would round coarser). ``get_pool``: a rounded
@@ -83,18 +89,14 @@ naming the function or constant of the source it follows; what is not modelled i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from shard_planner.cost.allocator_blocks import Block, BlockPools
+from shard_planner.cost.allocator_blocks import (
+    K_LARGE_BUFFER, K_MIN_BLOCK_SIZE, K_MIN_LARGE_ALLOC, K_ROUND_LARGE, K_SMALL_BUFFER, K_SMALL_SIZE, MiB, Block,
+    BlockPools,
+)
 from shard_planner.cost.allocator_expandable import ExpandableSegments
 
-MiB = 1024 * 1024
-K_MIN_BLOCK_SIZE = 512  # kMinBlockSize: every size is rounded up to a multiple of 512 B
-K_SMALL_SIZE = 1 * MiB  # kSmallSize: the largest request served by the small pool
-K_SMALL_BUFFER = 2 * MiB  # kSmallBuffer: the small pool's segments
-K_MIN_LARGE_ALLOC = 10 * MiB  # kMinLargeAlloc: below this a large request gets a kLargeBuffer segment
-K_LARGE_BUFFER = 20 * MiB  # kLargeBuffer: large_segment_size, default
-K_ROUND_LARGE = 2 * MiB  # kRoundLarge: larger requests get their own segment, rounded to 2 MiB
 _CUDA_MALLOC_BASE = 1 << 32  # the simulated address of the first cudaMalloc segment
 
 
@@ -356,8 +358,3 @@ class CachingAllocator:
     def _oom_report(self, size_bytes: int, size: int, stream: int) -> OomReport:
         return OomReport(size_bytes, size, allocation_size(size), stream, self.allocated_bytes,
                          self.reserved_bytes, self.config.cap_bytes, self.config.device_bytes)
-
-
-def with_event_index(report: OomReport, index: int) -> OomReport:
-    """``report`` with the failing event's position in a replay."""
-    return replace(report, event_index=index)

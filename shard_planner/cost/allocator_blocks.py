@@ -35,6 +35,15 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 
+# The allocator's constants (c10/cuda/CUDACachingAllocator.cpp; torch 2.13: c10/core/AllocatorConfig.h).
+MiB = 1024 * 1024
+K_MIN_BLOCK_SIZE = 512  # kMinBlockSize: every size is rounded up to a multiple of 512 B
+K_SMALL_SIZE = 1 * MiB  # kSmallSize: the largest request served by the small pool
+K_SMALL_BUFFER = 2 * MiB  # kSmallBuffer: the small pool's segments (and expandable segments' pages)
+K_MIN_LARGE_ALLOC = 10 * MiB  # kMinLargeAlloc: below this a large request gets a kLargeBuffer segment
+K_LARGE_BUFFER = 20 * MiB  # kLargeBuffer (torch 2.13: large_segment_size, default): large segments and pages
+K_ROUND_LARGE = 2 * MiB  # kRoundLarge: larger requests get their own segment, rounded to 2 MiB
+
 
 class Block:
     """A block: ``addr`` and ``size`` in bytes, the allocation ``stream``, the pool (``small``), the

@@ -54,10 +54,8 @@ cost/allocator_blocks.py's.
 
 from __future__ import annotations
 
-from shard_planner.cost.allocator_blocks import Block, BlockPools
+from shard_planner.cost.allocator_blocks import K_LARGE_BUFFER, K_SMALL_BUFFER, Block, BlockPools
 
-SMALL_PAGE_BYTES = 2 * 1024 * 1024  # kSmallBuffer: the small pool's page
-LARGE_PAGE_BYTES = 20 * 1024 * 1024  # kLargeBuffer: the large pool's page (large_segment_size, default)
 ADDRESS_SPACE_BYTES = 1 << 44  # the simulated virtual range of one segment ([Note: Simulated addresses])
 
 
@@ -68,7 +66,7 @@ class ExpandableSegment:
 
     def __init__(self, base: int, small: bool, stream: int):
         self.base = base
-        self.page_bytes = SMALL_PAGE_BYTES if small else LARGE_PAGE_BYTES
+        self.page_bytes = K_SMALL_BUFFER if small else K_LARGE_BUFFER
         self.small = small
         self.stream = stream
 

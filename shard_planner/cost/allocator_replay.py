@@ -52,9 +52,8 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from shard_planner.cost.allocator import (
-    MiB, AllocatorConfig, AllocatorOutOfMemory, AllocatorStats, CachingAllocator, with_event_index,
+    K_LARGE_BUFFER, MiB, AllocatorConfig, AllocatorOutOfMemory, AllocatorStats, CachingAllocator,
 )
-from shard_planner.cost.allocator_expandable import LARGE_PAGE_BYTES
 
 CAP_GRAIN_BYTES = 2 * MiB  # [Note: The smallest cap, by bisection]
 
@@ -100,7 +99,7 @@ def replay(events: Iterable[AllocEvent], config: AllocatorConfig = AllocatorConf
             try:
                 handles[key] = malloc(size_bytes, stream)
             except AllocatorOutOfMemory as oom:
-                return allocator.stats(with_event_index(oom.report, i))
+                return allocator.stats(replace(oom.report, event_index=i))
         else:
             try:
                 handle = handles.pop(key)
@@ -128,7 +127,7 @@ def smallest_surviving_cap(events: Iterable[AllocEvent], expandable_segments: bo
 
     no_refusal_bytes = uncapped.peak_cap_demand_bytes if limit is CapKind.FRACTION else uncapped.peak_reserved_bytes
     hi = -(-no_refusal_bytes // CAP_GRAIN_BYTES)  # survives: the uncapped run
-    lo = max(-1, (uncapped.peak_requested_bytes - LARGE_PAGE_BYTES) // CAP_GRAIN_BYTES - 1)  # fails
+    lo = max(-1, (uncapped.peak_requested_bytes - K_LARGE_BUFFER) // CAP_GRAIN_BYTES - 1)  # fails
     while hi - lo > 1:  # invariant: lo fails (-1: no cap below 0), hi survives
         mid = (lo + hi) // 2
         if survives(mid):
