@@ -40,14 +40,16 @@ from shard_planner.cost.kernels import (
 from shard_planner.cost.schedule import Schedule, build_schedule
 from shard_planner.cost.selective import (SelectiveBlocks, early_stop_share, flops_price, selective_blocks,
                                          subtree_selective)
-from shard_planner.cost.queries import (BatchQuery, BlockQuery, PlanQuery, ScheduleQuery, SelectiveQuery,
-                                        SubtreeQuery, UnitBytesQuery, UnitCostsQuery, segmentation_of)
+from shard_planner.cost.queries import (BatchQuery, BlockQuery, PlanQuery, ReservedQuery, ScheduleQuery,
+                                        SelectiveQuery, SubtreeQuery, UnitBytesQuery, UnitCostsQuery,
+                                        segmentation_of)
 from shard_planner.cost.tables import CostTables, segment_tables, subtree_summer
 from shard_planner.cost.host_share import shared_profile
 from shard_planner.cost.time import (BlockCompute, measured_block_times, simulate_time_walk, unit_collectives_s,
                                     unit_copies_s)
 from shard_planner.cost.activations import BlockActivations, block_activations
 from shard_planner.cost.memory import simulate_memory_walk
+from shard_planner.cost.reserved import ReservedEstimate, simulate_reserved
 from shard_planner.cost.types import Estimate, MemoryEstimate, TimeEstimate
 from shard_planner.cost.unit_bytes import UnitBytes, query_unit_bytes
 from shard_planner.cost.unit_cost import UnitCost, unit_cost
@@ -105,6 +107,7 @@ class CostModel:
         self._memory = _LRU(memo_size)  # with its timeline
         self._memory_totals = _LRU(memo_size)  # without
         self._time = _LRU(memo_size)
+        self._reserved = _LRU(memo_size)
         self._timings_checked: set[str] = set()
         self._kernel_modules = _LRU(tables_cache_size)  # per-module and loss kernel seconds
         self._kernel_records = has_kernel_records(trace)
@@ -337,13 +340,24 @@ class CostModel:
             return self._memory_totals.get_or(q, lambda q: replace(with_timeline, timeline=()))
         return self._memory_totals.get_or(q, lambda q: self._simulate_memory(q, False))
 
-    def _simulate_memory(self, q: PlanQuery, timeline: bool) -> MemoryEstimate:
+    def _simulate_memory(self, q: PlanQuery, timeline: bool, accountants: tuple = ()) -> MemoryEstimate:
         """The memory walk of ``q`` (cost/memory.py; several micro-steps per optimizer step:
-        cost/accumulation.py). ``q`` is the ``plan`` the walk reads."""
+        cost/accumulation.py), its events also to ``accountants``. ``q`` is the ``plan`` the walk reads."""
         walk = simulate_memory_walk if q.training.accumulation_steps == 1 else simulate_accumulated_memory
         return walk(self.trace, self.tables(q.units), q, self.profile, self._unit_bytes_of(UnitBytesQuery.of(q)),
                     self._schedule(ScheduleQuery.of(q)), self._block_activations(BlockQuery.of(q)),
-                    timeline=timeline, selective=self._selective_blocks(SelectiveQuery.of(q)))
+                    timeline=timeline, selective=self._selective_blocks(SelectiveQuery.of(q)), accountants=accountants)
+
+    def reserved(self, plan, expandable_segments: bool = True, device_bytes: int | None = None) -> ReservedEstimate:
+        """What the CUDA caching allocator reserves to run ``plan``'s first two steps (cost/reserved.py),
+        in either allocator mode; under ``device_bytes`` (the memory the allocator can get) its retries and
+        OOM too."""
+        return self._reserved.get_or(ReservedQuery(PlanQuery.of(plan), expandable_segments, device_bytes),
+                                     self._simulate_reserved)
+
+    def _simulate_reserved(self, q: ReservedQuery) -> ReservedEstimate:
+        return simulate_reserved(lambda accountants: self._simulate_memory(q.plan, False, accountants),
+                                 q.expandable_segments, q.device_bytes)
 
     def _time_of(self, q: PlanQuery) -> TimeEstimate:
         return self._time.get_or(q, self._simulate_time)

@@ -179,3 +179,13 @@ class PlanQuery:
     @staticmethod
     def of(plan) -> "PlanQuery":
         return PlanQuery(units_of(plan), plan.prefetch, plan.mesh, plan.training)
+
+
+@_query
+class ReservedQuery:
+    """A plan's reserved memory through the caching-allocator simulation (cost/reserved.py): the plan, the
+    allocator's mode and the memory it can get (None: unlimited)."""
+
+    plan: PlanQuery
+    expandable_segments: bool
+    device_bytes: int | None

@@ -1,0 +1,183 @@
+"""Reserved memory: the memory walk's allocations through the caching-allocator simulation, over the
+first two training steps (issue 29).
+
+:func:`simulate_reserved` runs the memory walk (cost/memory.py, or cost/accumulation.py's) twice into one
+:class:`~shard_planner.cost.allocator_accountant.AllocatorAccountant` through :class:`TwoSteps`, and
+reads the allocator's peaks, retries and OOM. The estimate's allocated peak is the walk's own
+(cost/memory.py); this adds what the CUDA caching allocator holds to serve it.
+
+[Note: Two steps, not one]
+  ``torch.cuda.max_memory_reserved`` of a run is a maximum over all its steps, and its first two steps
+  differ from the rest in the allocator's state (torch 2.13):
+  - step 1 starts with an empty cache and without optimizer states: ``torch.optim.AdamW`` creates
+    ``exp_avg`` / ``exp_avg_sq`` lazily inside the first ``step()`` (torch/optim/adamw.py ``_init_group``:
+    ``torch.zeros_like(p, memory_format=torch.preserve_format)`` when ``len(state) == 0``), after the
+    backward has freed its activations, so they are carved from the segments the activations left;
+  - step 2 starts with that cache and those states, and its forward needs the activations' room again,
+    now beside the states: the segments that were split for the states are not there to reuse.
+  From step 2 on the allocator's state repeats (every step frees what it allocated). So the first walk
+  defers the optimizer states' allocation to the optimizer step's mark, and the second walk, which emits
+  the step's persistent state again (cost/memory.py ``allocate_step_state``: sharded parameters, states,
+  buffers, the overhead, then the batch last), has those events dropped — they are live already — except
+  the batch, which replaces what the last step left of the activations. The peaks are the larger of
+  the two steps'. Step 3 and later are step 2 again and are not walked.
+
+[Note: Activations as a stack]
+  The walk emits activations as a level (cost/allocations.py [Note: Activations as a level]): one
+  allocation of the whole level, freed and allocated again larger or smaller at every change. Fed to the
+  allocator as such, every rise asks for a new segment of the whole level (a freed block serves only
+  requests that fit in it: cost/allocator_blocks.py), which no program does. Autograd's saved tensors
+  are allocated in forward order and freed in the reverse order in backward, a stack; so here a rise of
+  the level is one new allocation of the rise on the compute stream, pushed on a stack, and a fall frees
+  the newest ones (the last in part: it is freed and its rest allocated again). The totals are the
+  walk's; the sizes are its rises, one per moment of the walk, not autograd's tensors.
+
+[Note: What the simulated layout is]
+  The walk emits memory as FSDP2 allocates its buffers (all-gather outputs, unsharded parameters,
+  reduce-scatter buffers: one allocation each, on their streams, cost/allocations.py [Note: Which stream
+  allocates what]) but activations as a level (a stack of its rises here: [Note: Activations as a stack]) and gradients
+  per block (cost/allocator_accountant.py [Note: Frees that match no allocation]), where autograd
+  allocates many tensors. The caching
+  allocator's rounding, pools, segment sizes, per-stream reuse and cap are exact (cost/allocator.py);
+  the layout of activations and gradients inside the segments is the walk's aggregate, not autograd's.
+  benchmarks/bench_reserved.py measures what that costs against the reserved memory of real runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shard_planner.cost.allocations import ACTIVATIONS, OPTIMIZER_STATES, Kind, Stream, label
+from shard_planner.cost.allocator import AllocatorConfig
+from shard_planner.cost.allocator_accountant import AllocatorAccountant
+from shard_planner.cost.schedule import Phase
+
+# the optimizer step's mark in the memory walk (cost/memory.py ``optimizer``)
+_STEP_MARK = ("step", Phase.OPTIMIZER)
+
+
+@dataclass(frozen=True)
+class ReservedEstimate:
+    """What the caching allocator holds over the first two steps of a plan, per rank (bytes). See the
+    module notes."""
+
+    expandable_segments: bool
+    device_bytes: int | None  # the memory the allocator could get in the simulation (None: unlimited)
+    allocated_peak_bytes: int  # the allocator's allocated bytes at their peak (its rounding included)
+    reserved_peak_bytes: int  # its segments at their peak
+    outside_bytes: int  # not the allocator's: the CUDA context, NCCL's buffers, process groups (the profile)
+    # the smallest allocator memory from which the two steps run without an OOM and without a retry
+    # (AllocatorStats.peak_cap_demand_bytes of the unlimited run)
+    no_retry_bytes: int
+    num_alloc_retries: int  # under ``device_bytes``: each a release of the cache and a retry
+    oom_at: str | None  # under ``device_bytes``: the moment of the first out-of-memory (None: none)
+
+    @property
+    def reserved_peak_total_bytes(self) -> float:
+        """The device memory the process holds at its peak: the allocator's segments and the rest."""
+        return self.reserved_peak_bytes + self.outside_bytes
+
+    @property
+    def no_retry_total_bytes(self) -> float:
+        """The smallest device memory that runs the steps without an OOM or a retry, the rest included."""
+        return self.no_retry_bytes + self.outside_bytes
+
+
+class TwoSteps:
+    """An accountant (cost/allocations.py) that turns two walks of one step into the first two steps of
+    a run for ``inner``, an :class:`AllocatorAccountant` ([Note: Two steps, not one]), with the
+    activation level as a stack of allocations ([Note: Activations as a stack]). Call :meth:`next_step`
+    between the walks."""
+
+    def __init__(self, inner: AllocatorAccountant):
+        self.inner = inner
+        self.step = 1
+        self.in_step_state = True  # the walk's step state comes first, the batch last (allocate_step_state)
+        self.deferred_states: list[tuple] = []  # step 1: the optimizer states, allocated at the step's mark
+        self.level = 0.0  # the walk's activation level (its live ACTIVATIONS bytes)
+        self.stack: list[int] = []  # the activation allocations made for it, bottom first (whole bytes)
+        self.stack_bytes = 0
+
+    def next_step(self) -> None:
+        self.step += 1
+        self.in_step_state = True
+
+    def on_alloc(self, kind: Kind, size_bytes: float, owner: str, stream: Stream) -> None:
+        if kind is ACTIVATIONS:
+            if self.in_step_state:  # the batch: the step state ends with it; it replaces the last step's
+                self.in_step_state = False
+                self.level = 0.0
+            self.level += size_bytes
+            self.settle()
+            return
+        if self.in_step_state:
+            if self.step == 1 and kind is OPTIMIZER_STATES:
+                self.deferred_states.append((kind, size_bytes, owner, stream))
+                return
+            if self.step > 1:
+                return  # the step's persistent state: live since step 1
+        self.inner.on_alloc(kind, size_bytes, owner, stream)
+
+    def on_free(self, kind: Kind, size_bytes: float, owner: str, stream: Stream) -> None:
+        if kind is ACTIVATIONS:  # the walk allocates the new level next: settled then, or at the mark
+            self.level -= size_bytes
+            return
+        self.inner.on_free(kind, size_bytes, owner, stream)
+
+    def settle(self) -> None:
+        """The stack of activation allocations brought to the level: one allocation of what it rose by,
+        or the newest allocations freed (the last one in part) for what it fell by."""
+        target = max(0, int(self.level + 0.5))
+        inner = self.inner
+        if target > self.stack_bytes:
+            rise = target - self.stack_bytes
+            inner.on_alloc(ACTIVATIONS, rise, "", Stream.DEFAULT)
+            self.stack.append(rise)
+        while self.stack_bytes > target and self.stack:  # (a fall leaves stack_bytes above target only here)
+            excess = self.stack_bytes - target
+            top = self.stack.pop()
+            inner.on_free(ACTIVATIONS, top, "", Stream.DEFAULT)
+            self.stack_bytes -= top
+            if top > excess:  # the part that stays: allocated again
+                inner.on_alloc(ACTIVATIONS, top - excess, "", Stream.DEFAULT)
+                self.stack.append(top - excess)
+                self.stack_bytes += top - excess
+        self.stack_bytes = sum(self.stack)
+
+    def on_mark(self, what: str, who: str, phase: Phase, temp_bytes: float, comm_bytes: float,
+                stream: Stream) -> None:
+        self.settle()
+        if (what, phase) == _STEP_MARK and self.deferred_states:
+            for state in self.deferred_states:  # created inside the first step(), before its temporaries
+                self.inner.on_alloc(*state)
+            self.deferred_states = []
+        self.inner.on_mark(what, who, phase, temp_bytes, comm_bytes, stream)
+
+
+def simulate_reserved(walk, expandable_segments: bool, device_bytes: int | None = None) -> ReservedEstimate:
+    """The allocator over two steps of one plan: ``walk(accountants)`` runs the plan's memory walk with
+    those extra accountants (CostModel.reserved). ``device_bytes``: the memory the allocator can get (the
+    device's less what is outside it; None: unlimited)."""
+    unlimited = _two_steps(walk, AllocatorConfig(expandable_segments=expandable_segments))
+    stats = unlimited.stats()
+    capped = unlimited
+    if device_bytes is not None and stats.peak_cap_demand_bytes > device_bytes:
+        capped = _two_steps(walk, AllocatorConfig(expandable_segments=expandable_segments, device_bytes=device_bytes))
+    capped_stats = capped.stats()
+    oom_at = None
+    if capped.oom is not None:
+        oom_at = label(*capped.oom_mark) if capped.oom_mark else "the end of the step"
+    return ReservedEstimate(
+        expandable_segments=expandable_segments, device_bytes=device_bytes,
+        allocated_peak_bytes=stats.peak_allocated_bytes, reserved_peak_bytes=stats.peak_reserved_bytes,
+        outside_bytes=int(round(unlimited.outside_bytes)), no_retry_bytes=stats.peak_cap_demand_bytes,
+        num_alloc_retries=capped_stats.num_alloc_retries, oom_at=oom_at)
+
+
+def _two_steps(walk, config: AllocatorConfig) -> AllocatorAccountant:
+    accountant = AllocatorAccountant(config)
+    steps = TwoSteps(accountant)
+    walk((steps,))
+    steps.next_step()
+    walk((steps,))
+    return accountant
