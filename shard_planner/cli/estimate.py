@@ -50,7 +50,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shard_planner.cost import estimate
+    from shard_planner.cost import CostModel, estimate
     from shard_planner.profile import load_priced_profile
     from shard_planner.hf import HfOptions, config_file
     from shard_planner.modelfile import load_unless_trace
@@ -77,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
                         f"{req.model} has {trace.fingerprint}: a different model or size")
     est = estimate(trace, plan, profile)
     print(report(plan, profile, est))
+    if profile.device != "cpu":
+        print(reserved_report(plan, profile, CostModel(trace, profile)))
     if req.write:
         save_plan(replace(plan, predicted=est.prediction()), req.plan)
         print(f"wrote the prediction into {req.plan}")
@@ -110,4 +112,25 @@ def report(plan: Plan, profile, est) -> str:
         f"exposed {_ms(t.exposed_comm_s)}, optimizer {_ms(t.optimizer_s)})")
     lines.append(f"throughput: {est.prediction().throughput_text} over {plan.mesh.world_size} GPUs, "
                  f"MFU {100 * t.mfu:.1f}%")
+    return "\n".join(lines)
+
+
+def reserved_report(plan: Plan, profile, cm) -> str:
+    """What the CUDA caching allocator would reserve for the plan's first two steps in both modes
+    (cost/reserved.py), and whether the step survives a GPU of ``--mem`` (the profile's overhead
+    outside the allocator)."""
+    mem = min(plan.cluster.mem_budget_bytes or profile.memory_bytes, profile.memory_bytes)
+    lines = ["CUDA caching allocator (simulated, first two steps; CUDA context and NCCL buffers included):"]
+    for expandable in (True, False):
+        free = cm.reserved(plan, expandable_segments=expandable)
+        at_mem = cm.reserved(plan, expandable_segments=expandable, device_bytes=max(0, int(mem - free.outside_bytes)))
+        if at_mem.oom_at is not None:
+            verdict = f"OUT OF MEMORY in {format_bytes(mem)} at \"{at_mem.oom_at}\""
+        elif at_mem.num_alloc_retries:
+            verdict = f"survives {format_bytes(mem)} with {at_mem.num_alloc_retries} cache flushes and retries"
+        else:
+            verdict = f"survives {format_bytes(mem)} without retries"
+        mode = "expandable_segments:True" if expandable else "default segments"
+        lines.append(f"  {mode:24s} reserved peak {format_bytes(free.reserved_peak_total_bytes)}; no retries from "
+                     f"{format_bytes(free.no_retry_total_bytes)}; {verdict}")
     return "\n".join(lines)
