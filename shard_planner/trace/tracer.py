@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from shard_planner.errors import UserError
+from shard_planner.errors import ModelFileError, UserError
 from shard_planner.modelfile import ModelFile, load_model_file
 from shard_planner.trace.build import build_fake, cast_parameters
 from shard_planner.trace.capture import Step, run_step
@@ -71,6 +71,7 @@ def trace_model(
         model = build_fake(mf, fake_mode)
         modules = list(model.named_modules())
         static = static_facts(modules)  # parameters as built: dtypes before the cast, requires_grad
+        _check_something_trains(mf, model)
         hashes = structural_hashes(model)
         fingerprint = model_fingerprint(model)
         cast_parameters(model, compute, fake_mode)
@@ -110,6 +111,14 @@ def trace_model(
         training=dict(mf.training),
         forward_cache=r1.forward_cache,
     )
+
+
+def _check_something_trains(mf: ModelFile, model: nn.Module) -> None:
+    """A model whose parameters are all frozen has nothing to train (its loss has no gradient to compute)."""
+    params = list(model.parameters())
+    if params and not any(p.requires_grad for p in params):
+        raise ModelFileError(f"{mf.path}: build_model() froze every parameter (requires_grad False): nothing to "
+                             "train; leave the parameters to fine-tune trainable")
 
 
 def _trace_batch(fake_mode: FakeTensorMode, model: nn.Module, modules: list[tuple[str, nn.Module]], mf: ModelFile,
