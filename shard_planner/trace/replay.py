@@ -90,7 +90,7 @@ class Replay:
             fwd_key=(call.fwd.start,), bwd_key=(call.bwd.start,) if call.bwd is not None else None,
             fwd_ops=call.fwd_ops, bwd_ops=call.bwd_ops, input_shared_bytes=call.input_shared_bytes,
             fwd_kernels=call.fwd_kernels, bwd_kernels=call.bwd_kernels, output_by_class=call.output_by_class,
-            fwd_tail_kernels=call.fwd_tail,
+            fwd_tail_kernels=call.fwd_tail, input_grad=call.input_grad,
         )
         out = [own]
         for child in call.children:
@@ -110,6 +110,7 @@ class Replay:
                 r.fwd_ops, r.bwd_ops,
                 call.input_shared_bytes if r.fqn == t.fqn else r.input_shared_bytes,
                 r.fwd_kernels, r.bwd_kernels, r.output_by_class, r.fwd_tail_kernels,
+                call.input_grad if r.fqn == t.fqn else r.input_grad,
             ))
         return out
 
@@ -168,6 +169,7 @@ def _accumulate(agg: ModuleRecord, r: ModuleRecord) -> None:
     agg.fwd_tail_kernels = agg.fwd_tail_kernels + r.fwd_tail_kernels
     agg.input_bytes += r.input_bytes
     agg.input_shared_bytes += r.input_shared_bytes
+    agg.input_grad = agg.input_grad or r.input_grad
     agg.output_bytes += r.output_bytes
     agg.output_by_class = {c: agg.output_by_class.get(c, 0) + r.output_by_class.get(c, 0)
                            for c in {*agg.output_by_class, *r.output_by_class}}
@@ -243,6 +245,7 @@ def module_traces(modules: list[tuple[str, nn.Module]], static: StaticFacts, has
             bwd_kernels=fit_records(rec1.bwd_kernels, rec2.bwd_kernels, b1, b2) if rec1 and rec2 else (),
             fwd_tail_kernels=fit_records(rec1.fwd_tail_kernels, rec2.fwd_tail_kernels, b1, b2) if rec1 and rec2 else (),
             output_bytes_by_class=_fit_by_class(rec1, rec2, b1, b2),
+            input_requires_grad=bool(rec1 and rec1.input_grad),
         ))
     return tuple(out)
 

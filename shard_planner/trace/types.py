@@ -137,6 +137,13 @@ class ModuleTrace:
     frozen_param_tensors: int = 0
     frozen_param_bytes_by_dtype: dict[str, int] = field(default_factory=dict)
     frozen_scalar_param_bytes_by_dtype: dict[str, int] = field(default_factory=dict)
+    # Whether a tensor input of its forward requires grad (in any call). FSDP2 runs a unit's post-backward
+    # (reshard, reduce-scatter) from autograd when its inputs' gradients are computed, and only if some input
+    # requires grad; otherwise in the root's final callback, after the whole backward (docs/frozen_facts.md,
+    # [Note: Post-backward without an input that requires grad]): the first block after a frozen embedding.
+    # Whether an output requires grad (FSDP2's pre-backward hook) is whether the module is in the trace's
+    # ``backward_order``. None in traces written before this field.
+    input_requires_grad: bool | None = None
 
     @property
     def param_bytes(self) -> int:

@@ -155,16 +155,30 @@ def test_llama_lora_example_traces_as_the_fine_tune(monkeypatch):
     assert lora.module("tok_embeddings").saved_bytes_self.per_sample == 0
 
 
+def test_which_units_fsdp2_runs_a_pre_or_post_backward_for(monkeypatch):
+    """FSDP2's pre-backward needs an output that requires grad (the module is in backward_order), its
+    post-backward from autograd an input that does (input_requires_grad); docs/frozen_facts.md."""
+    lora, full = traced_lora(monkeypatch, "lora"), traced_lora(monkeypatch, "none")
+    assert "tok_embeddings" not in lora.backward_order and "tok_embeddings" in full.backward_order
+    assert {"", "layers.0", "layers.1", "norm", "output"} <= set(lora.backward_order)
+    needs = {fqn: lora.module(fqn).input_requires_grad for fqn in ("", "tok_embeddings", "layers.0", "layers.1", "norm")}
+    # layers.0 takes the frozen embedding's output: its post-backward runs in the root's final callback
+    assert needs == {"": False, "tok_embeddings": False, "layers.0": False, "layers.1": True, "norm": True}
+    assert full.module("layers.0").input_requires_grad and not full.module("tok_embeddings").input_requires_grad
+
+
 def test_frozen_fields_round_trip_and_older_traces_load_as_all_trainable(monkeypatch):
     trace = chain(monkeypatch, "l1")
+    assert [trace.module(n).input_requires_grad for n in ("", "l0", "l1", "l2")] == [False, False, True, True]
     again = ModelTrace.from_json(trace.to_json())
     assert again.modules == trace.modules and again.trainable_param_count == trace.trainable_param_count
     old = json.loads(trace.to_json())  # a trace written before frozen parameters were recorded
     for m in old["modules"]:
         for key in ("frozen_param_count", "frozen_param_tensors", "frozen_param_bytes_by_dtype",
-                    "frozen_scalar_param_bytes_by_dtype"):
+                    "frozen_scalar_param_bytes_by_dtype", "input_requires_grad"):
             del m[key]
     loaded = ModelTrace.from_dict(old)
+    assert all(m.input_requires_grad is None for m in loaded.modules)  # not recorded then
     assert not loaded.has_frozen_params and loaded.trainable_param_count == loaded.param_count
     assert all(m.trainable_param_bytes_by_dtype == m.param_bytes_by_dtype for m in loaded.modules)
     assert all(m.trainable_sharded_param_bytes_by_dtype == m.sharded_param_bytes_by_dtype for m in loaded.modules)
