@@ -16,7 +16,7 @@ import pytest
 
 from shard_planner.cli.trace import summary_table
 from shard_planner.errors import ModelFileError
-from shard_planner.trace import trace_model
+from shard_planner.trace import compare_with_real_run, trace_model
 from shard_planner.trace.types import ModelTrace, ModuleTrace
 from tests.paths import EXAMPLES, MODELS
 
@@ -153,6 +153,14 @@ def test_llama_lora_example_traces_as_the_fine_tune(monkeypatch):
     # the trainable saves less than the full model's: frozen norms keep no normalised input for a weight gradient
     assert lora.subtree_sum("", "saved_bytes_self").per_sample < full.subtree_sum("", "saved_bytes_self").per_sample
     assert lora.module("tok_embeddings").saved_bytes_self.per_sample == 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_llama_lora_trace_equals_a_real_cpu_step(monkeypatch, dtype):
+    """The fake trace of the fine-tune (twins reused) against one real step with the same instruments."""
+    monkeypatch.setenv("SHARD_PLANNER_FINETUNE", "lora")
+    monkeypatch.delenv("SHARD_PLANNER_SIZE", raising=False)
+    assert compare_with_real_run(LLAMA_LORA, trace_model(LLAMA_LORA, dtype=dtype), batch_size=2) == ()
 
 
 def test_which_units_fsdp2_runs_a_pre_or_post_backward_for(monkeypatch):
