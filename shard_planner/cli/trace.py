@@ -122,8 +122,9 @@ def summary_table(trace: ModelTrace, batch: int) -> str:
     rule = "  ".join("-" * w for w in widths)
     tokens = f", {trace.tokens_per_sample} tokens/sample" if trace.tokens_per_sample else ""
     root = trace.module("")
+    trainable = f" ({trace.trainable_param_count:,} trainable)" if trace.has_frozen_params else ""
     out = [
-        f"{trace.model_class} from {trace.model_path}: {trace.param_count:,} parameters, compute dtype "
+        f"{trace.model_class} from {trace.model_path}: {trace.param_count:,} parameters{trainable}, compute dtype "
         f"{trace.compute_dtype}{tokens}; traced in {trace.trace_seconds:.2f} s "
         f"({trace.reused_modules} modules reused from identical blocks)",
         fmt(header), rule, *map(fmt, lines),

@@ -323,6 +323,7 @@ class Step:
         if outs:
             register_multi_grad_hook(outs, partial(self._pre_backward, call), mode="any")
         ins = [t for t in in_tensors if t.requires_grad]
+        call.input_grad = bool(ins)
         if ins:
             _register_all_grads_hook(ins, partial(self._post_backward, call))
 

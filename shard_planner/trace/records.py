@@ -44,6 +44,7 @@ class Call:
     bwd_flops: int = 0
     input_bytes: int = 0
     input_shared_bytes: int = 0  # of input_bytes, storages already held (ModuleTrace.input_shared_bytes)
+    input_grad: bool = False  # whether a tensor input requires grad (ModuleTrace.input_requires_grad)
     output_bytes: int = 0
     fwd_ops: int = 0  # aten ops dispatched by its own code (per-op overhead)
     bwd_ops: int = 0
@@ -97,6 +98,7 @@ class ModuleRecord:
     bwd_kernels: list = field(default_factory=list)
     output_by_class: dict = field(default_factory=dict)  # Call.output_by_class, summed over its calls
     fwd_tail_kernels: list = field(default_factory=list)  # Call.fwd_tail, over its calls
+    input_grad: bool = False  # Call.input_grad, of any of its calls
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from shard_planner.trace.capture import Step
 from shard_planner.trace.kernel_ops import fit_records
+from shard_planner.trace.params import OwnParams, own_params
 from shard_planner.trace.records import ENTER, EXIT, Call, ModuleRecord, Span, StepResult, join_fqn, rel_fqn
 from shard_planner.trace.types import Affine, ModuleTrace
 
@@ -89,7 +90,7 @@ class Replay:
             fwd_key=(call.fwd.start,), bwd_key=(call.bwd.start,) if call.bwd is not None else None,
             fwd_ops=call.fwd_ops, bwd_ops=call.bwd_ops, input_shared_bytes=call.input_shared_bytes,
             fwd_kernels=call.fwd_kernels, bwd_kernels=call.bwd_kernels, output_by_class=call.output_by_class,
-            fwd_tail_kernels=call.fwd_tail,
+            fwd_tail_kernels=call.fwd_tail, input_grad=call.input_grad,
         )
         out = [own]
         for child in call.children:
@@ -109,6 +110,7 @@ class Replay:
                 r.fwd_ops, r.bwd_ops,
                 call.input_shared_bytes if r.fqn == t.fqn else r.input_shared_bytes,
                 r.fwd_kernels, r.bwd_kernels, r.output_by_class, r.fwd_tail_kernels,
+                call.input_grad if r.fqn == t.fqn else r.input_grad,
             ))
         return out
 
@@ -167,6 +169,7 @@ def _accumulate(agg: ModuleRecord, r: ModuleRecord) -> None:
     agg.fwd_tail_kernels = agg.fwd_tail_kernels + r.fwd_tail_kernels
     agg.input_bytes += r.input_bytes
     agg.input_shared_bytes += r.input_shared_bytes
+    agg.input_grad = agg.input_grad or r.input_grad
     agg.output_bytes += r.output_bytes
     agg.output_by_class = {c: agg.output_by_class.get(c, 0) + r.output_by_class.get(c, 0)
                            for c in {*agg.output_by_class, *r.output_by_class}}
@@ -184,40 +187,25 @@ def _accumulate(agg: ModuleRecord, r: ModuleRecord) -> None:
 
 @dataclass(frozen=True)
 class StaticFacts:
-    """Per module, as built: parameters (a shared parameter at its first module), buffers, ties."""
+    """Per module, as built: its own parameters (trace/params.py), buffers, ties."""
 
     fqns: frozenset[str]
-    param_count: dict[str, int]
-    param_bytes: dict[str, dict[str, int]]  # fqn -> dtype name -> bytes
+    params: dict[str, OwnParams]  # fqn -> its own parameters (a shared parameter at its first module)
     buffer_bytes: dict[str, int]
-    param_tensors: dict[str, int]
     tied_with: dict[str, tuple[str, ...]]  # fqn -> other modules registering one of its parameters
 
 
 def static_facts(modules: list[tuple[str, nn.Module]]) -> StaticFacts:
-    """Parameter counts and bytes (a shared parameter at its first module), buffer bytes, as built."""
-    seen: set[int] = set()
-    param_count, param_bytes, buffer_bytes, param_tensors = {}, {}, {}, {}
+    """Parameter counts and bytes (a shared parameter at its first module), buffer bytes, ties, as built."""
     owners: dict[int, list[str]] = {}  # id of a Parameter -> modules registering it directly
     for fqn, module in modules:
         for p in module.parameters(recurse=False):
             owners.setdefault(id(p), []).append(fqn)
     tied_with = {fqn: tuple(sorted({o for p in module.parameters(recurse=False) for o in owners[id(p)]} - {fqn}))
                  for fqn, module in modules}
-    for fqn, module in modules:
-        count, by_dtype, tensors = 0, {}, 0
-        for p in module.parameters(recurse=False):
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            count += p.numel()
-            tensors += 1
-            name = str(p.dtype).removeprefix("torch.")
-            by_dtype[name] = by_dtype.get(name, 0) + p.numel() * p.element_size()
-        param_count[fqn], param_bytes[fqn], param_tensors[fqn] = count, by_dtype, tensors
-        buffer_bytes[fqn] = sum(b.numel() * b.element_size() for b in module.buffers(recurse=False))
-    return StaticFacts(frozenset(fqn for fqn, _ in modules), param_count, param_bytes, buffer_bytes,
-                       param_tensors, tied_with)
+    buffer_bytes = {fqn: sum(b.numel() * b.element_size() for b in module.buffers(recurse=False))
+                    for fqn, module in modules}
+    return StaticFacts(frozenset(fqn for fqn, _ in modules), own_params(modules), buffer_bytes, tied_with)
 
 
 def module_traces(modules: list[tuple[str, nn.Module]], static: StaticFacts, hashes: dict[str, str],
@@ -239,8 +227,7 @@ def module_traces(modules: list[tuple[str, nn.Module]], static: StaticFacts, has
             parent=None if fqn == "" else fqn.rpartition(".")[0],
             children=tuple(c for c in children if c in static.fqns),
             structural_hash=hashes[fqn],
-            param_count=static.param_count[fqn],
-            param_bytes_by_dtype=static.param_bytes[fqn],
+            **_param_fields(static.params[fqn]),
             buffer_bytes=static.buffer_bytes[fqn],
             calls=rec1.calls if rec1 else 0,
             input_bytes=fit("input_bytes"),
@@ -251,7 +238,6 @@ def module_traces(modules: list[tuple[str, nn.Module]], static: StaticFacts, has
             bwd_flops_self=fit("bwd_flops"),
             fwd_peak_rise_bytes=fit("fwd_rise"),
             bwd_peak_rise_bytes=fit("bwd_rise"),
-            param_tensors=static.param_tensors[fqn],
             tied_with=static.tied_with[fqn],
             fwd_ops_self=rec1.fwd_ops if rec1 else 0,  # op counts do not depend on the batch size
             bwd_ops_self=rec1.bwd_ops if rec1 else 0,
@@ -259,5 +245,14 @@ def module_traces(modules: list[tuple[str, nn.Module]], static: StaticFacts, has
             bwd_kernels=fit_records(rec1.bwd_kernels, rec2.bwd_kernels, b1, b2) if rec1 and rec2 else (),
             fwd_tail_kernels=fit_records(rec1.fwd_tail_kernels, rec2.fwd_tail_kernels, b1, b2) if rec1 and rec2 else (),
             output_bytes_by_class=_fit_by_class(rec1, rec2, b1, b2),
+            input_requires_grad=bool(rec1 and rec1.input_grad),
         ))
     return tuple(out)
+
+
+def _param_fields(own: OwnParams) -> dict:
+    """The ModuleTrace fields of a module's own parameters."""
+    return dict(param_count=own.count, param_tensors=own.tensors, param_bytes_by_dtype=own.bytes_by_dtype,
+                scalar_param_bytes_by_dtype=own.scalar_bytes_by_dtype, frozen_param_count=own.frozen_count,
+                frozen_param_tensors=own.frozen_tensors, frozen_param_bytes_by_dtype=own.frozen_bytes_by_dtype,
+                frozen_scalar_param_bytes_by_dtype=own.frozen_scalar_bytes_by_dtype)

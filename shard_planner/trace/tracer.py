@@ -4,7 +4,8 @@ The stage, in order:
 
 - The model is built under :class:`FakeTensorMode` (no real memory; ``trace/build.py``), its floating
   parameters are cast to the compute dtype as FSDP2's ``MixedPrecisionPolicy(param_dtype=...)`` does
-  (parameter bytes are recorded as built, before the cast, ``replay.static_facts``), and floating
+  (parameters are recorded as built, before the cast and with their ``requires_grad``: a model file
+  that freezes weights is traced as that fine-tune, ``trace/params.py``), and floating
   inputs are cast at the root's entry (``cast_forward_inputs``).
 - Each batch size is one traced step (``trace/capture.py``), with repeated identical blocks traced once
   (``trace/twins.py``, [Note: twins]); a step whose templates turn out to run a shared module is traced
@@ -19,14 +20,13 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from shard_planner.errors import UserError
+from shard_planner.errors import ModelFileError, UserError
 from shard_planner.modelfile import ModelFile, load_model_file
 from shard_planner.trace.build import build_fake, cast_parameters
 from shard_planner.trace.capture import Step, run_step
@@ -70,8 +70,8 @@ def trace_model(
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         model = build_fake(mf, fake_mode)
         modules = list(model.named_modules())
-        static = static_facts(modules)
-        scalars = _scalar_param_bytes(modules)  # as built, like static_facts: before the cast
+        static = static_facts(modules)  # parameters as built: dtypes before the cast, requires_grad
+        _check_something_trains(mf, model)
         hashes = structural_hashes(model)
         fingerprint = model_fingerprint(model)
         cast_parameters(model, compute, fake_mode)
@@ -96,8 +96,7 @@ def trace_model(
         compute_dtype=dtype_name,
         batch_sizes=(b1, b2),
         tokens_per_sample=int(seq_len) if seq_len is not None else None,
-        modules=tuple(replace(m, scalar_param_bytes_by_dtype=scalars[m.fqn]) if m.fqn in scalars else m
-                      for m in module_traces(modules, static, hashes, (b1, b2), r1, r2)),
+        modules=module_traces(modules, static, hashes, (b1, b2), r1, r2),
         forward_order=r1.forward_order,
         backward_order=r1.backward_order,
         batch_input_bytes=fit(lambda r: r.batch_input_bytes),
@@ -114,21 +113,12 @@ def trace_model(
     )
 
 
-def _scalar_param_bytes(modules: list[tuple[str, nn.Module]]) -> dict[str, dict[str, int]]:
-    """Per module, its own 0-d parameters' bytes by dtype (``ModuleTrace.scalar_param_bytes_by_dtype``),
-    counted like ``static_facts``: a parameter registered by several modules at the first of them."""
-    seen: set[int] = set()
-    scalars: dict[str, dict[str, int]] = {}
-    for fqn, module in modules:
-        for p in module.parameters(recurse=False):
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            if p.dim() == 0:
-                name = str(p.dtype).removeprefix("torch.")
-                d = scalars.setdefault(fqn, {})
-                d[name] = d.get(name, 0) + p.element_size()
-    return scalars
+def _check_something_trains(mf: ModelFile, model: nn.Module) -> None:
+    """A model whose parameters are all frozen has nothing to train (its loss has no gradient to compute)."""
+    params = list(model.parameters())
+    if params and not any(p.requires_grad for p in params):
+        raise ModelFileError(f"{mf.path}: build_model() froze every parameter (requires_grad False): nothing to "
+                             "train; leave the parameters to fine-tune trainable")
 
 
 def _trace_batch(fake_mode: FakeTensorMode, model: nn.Module, modules: list[tuple[str, nn.Module]], mf: ModelFile,

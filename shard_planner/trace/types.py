@@ -128,18 +128,64 @@ class ModuleTrace:
     # (trace/kernel_ops.py): selective checkpointing stores them and the next module holds them too
     # (cost/selective.py). Traces written before this field load with none.
     output_bytes_by_class: dict[str, Affine] = field(default_factory=dict)
+    # Of its own parameters (``param_count``, ``param_tensors``, ``param_bytes_by_dtype``, and of the 0-d ones
+    # ``scalar_param_bytes_by_dtype``), those frozen as built (``requires_grad`` False: a fine-tune's base
+    # weights). FSDP2 all-gathers them like the others, but they get no gradient, no reduce-scatter and no
+    # optimizer state (docs/frozen_facts.md); the ``trainable_*`` properties are the rest. Traces written
+    # before these fields load with none frozen: every parameter trains, as those traces assumed.
+    frozen_param_count: int = 0
+    frozen_param_tensors: int = 0
+    frozen_param_bytes_by_dtype: dict[str, int] = field(default_factory=dict)
+    frozen_scalar_param_bytes_by_dtype: dict[str, int] = field(default_factory=dict)
+    # Whether a tensor input of its forward requires grad (in any call). FSDP2 runs a unit's post-backward
+    # (reshard, reduce-scatter) from autograd when its inputs' gradients are computed, and only if some input
+    # requires grad; otherwise in the root's final callback, after the whole backward (docs/frozen_facts.md,
+    # [Note: Post-backward without an input that requires grad]): the first block after a frozen embedding.
+    # Whether an output requires grad (FSDP2's pre-backward hook) is whether the module is in the trace's
+    # ``backward_order``. None in traces written before this field.
+    input_requires_grad: bool | None = None
 
     @property
     def param_bytes(self) -> int:
         return sum(self.param_bytes_by_dtype.values())
 
     @property
+    def trainable_param_count(self) -> int:
+        return self.param_count - self.frozen_param_count
+
+    @property
+    def trainable_param_tensors(self) -> int:
+        return self.param_tensors - self.frozen_param_tensors
+
+    @property
+    def trainable_param_bytes_by_dtype(self) -> dict[str, int]:
+        """``param_bytes_by_dtype`` less the frozen parameters: what gets gradients and optimizer state."""
+        return _less(self.param_bytes_by_dtype, self.frozen_param_bytes_by_dtype)
+
+    @property
+    def trainable_param_bytes(self) -> int:
+        return self.param_bytes - self.frozen_param_bytes
+
+    @property
+    def frozen_param_bytes(self) -> int:
+        return sum(self.frozen_param_bytes_by_dtype.values())
+
+    @property
+    def trainable_scalar_param_bytes_by_dtype(self) -> dict[str, int]:
+        """``scalar_param_bytes_by_dtype`` less the frozen ones: the 0-d parameters whose gradients apply_plan
+        all-reduces."""
+        return _less(self.scalar_param_bytes_by_dtype, self.frozen_scalar_param_bytes_by_dtype)
+
+    @property
+    def trainable_sharded_param_bytes_by_dtype(self) -> dict[str, int]:
+        """``sharded_param_bytes_by_dtype`` less the frozen parameters: what FSDP2 reduce-scatters gradients of
+        (its sharded gradients and optimizer states are these over the shard group)."""
+        return _less(self.trainable_param_bytes_by_dtype, self.trainable_scalar_param_bytes_by_dtype)
+
+    @property
     def sharded_param_bytes_by_dtype(self) -> dict[str, int]:
         """``param_bytes_by_dtype`` without the 0-d parameters: what FSDP2 shards."""
-        if not self.scalar_param_bytes_by_dtype:
-            return self.param_bytes_by_dtype
-        out = {dt: nb - self.scalar_param_bytes_by_dtype.get(dt, 0) for dt, nb in self.param_bytes_by_dtype.items()}
-        return {dt: nb for dt, nb in out.items() if nb}
+        return _less(self.param_bytes_by_dtype, self.scalar_param_bytes_by_dtype)
 
 
 @dataclass(frozen=True)
@@ -214,9 +260,25 @@ class ModelTrace:
             total = total + getattr(m, attr)
         return total
 
+    def subtree_trainable_param_count(self, fqn: str) -> int:
+        return sum(m.trainable_param_count for m in self.subtree(fqn))
+
+    def subtree_trainable_param_bytes(self, fqn: str) -> int:
+        return sum(m.trainable_param_bytes for m in self.subtree(fqn))
+
     @property
     def param_count(self) -> int:
         return sum(m.param_count for m in self.modules)
+
+    @property
+    def trainable_param_count(self) -> int:
+        """Parameters that train (``requires_grad`` as built); ``param_count`` in a trace without frozen ones."""
+        return sum(m.trainable_param_count for m in self.modules)
+
+    @property
+    def has_frozen_params(self) -> bool:
+        """Whether any parameter is frozen (a fine-tune); False in traces written before frozen ones were recorded."""
+        return any(m.frozen_param_tensors for m in self.modules)
 
     # ---- JSON ----
     def to_dict(self) -> dict:
@@ -262,3 +324,11 @@ def _module_from_dict(d: dict) -> ModuleTrace:
     for key in ("fwd_kernels", "bwd_kernels", "fwd_tail_kernels"):
         d[key] = tuple(KernelRecord.from_dict(k) for k in d.get(key, ()))
     return ModuleTrace(**d)
+
+
+def _less(total: dict[str, int], part: dict[str, int]) -> dict[str, int]:
+    """``total`` less ``part`` per dtype, without the dtypes left at zero."""
+    if not part:
+        return total
+    out = {dt: nb - part.get(dt, 0) for dt, nb in total.items()}
+    return {dt: nb for dt, nb in out.items() if nb}

@@ -1,0 +1,61 @@
+"""Each module's own parameters as built: counts and bytes by dtype, of which 0-d and of which frozen.
+
+A parameter counts at the first module (in ``named_modules()`` order) that registers it directly, so tied
+weights count once. "As built" is before the tracer casts floating parameters to the compute dtype
+(trace/build.py ``cast_parameters``) and with ``requires_grad`` as ``build_model()`` left it: a model file
+that freezes its base weights (``requires_grad_(False)``) is traced as the fine-tune it is. What FSDP2 does
+with the frozen ones (all-gathered like the rest; no gradient, reduce-scatter or optimizer state) is in
+docs/frozen_facts.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+
+
+@dataclass
+class OwnParams:
+    """One module's own parameters (``ModuleTrace``'s parameter fields, same names without ``param_``)."""
+
+    count: int = 0
+    tensors: int = 0
+    bytes_by_dtype: dict[str, int] = field(default_factory=dict)  # dtype name ("float32") -> bytes
+    scalar_bytes_by_dtype: dict[str, int] = field(default_factory=dict)  # of bytes_by_dtype, the 0-d ones
+    frozen_count: int = 0  # of count, requires_grad False
+    frozen_tensors: int = 0
+    frozen_bytes_by_dtype: dict[str, int] = field(default_factory=dict)  # of bytes_by_dtype, the frozen ones
+    frozen_scalar_bytes_by_dtype: dict[str, int] = field(default_factory=dict)  # of those, the 0-d ones
+
+    def add(self, p: nn.Parameter) -> None:
+        dtype, nbytes = str(p.dtype).removeprefix("torch."), p.numel() * p.element_size()
+        frozen, scalar = not p.requires_grad, p.dim() == 0
+        self.count += p.numel()
+        self.tensors += 1
+        _add(self.bytes_by_dtype, dtype, nbytes)
+        if scalar:
+            _add(self.scalar_bytes_by_dtype, dtype, nbytes)
+        if frozen:
+            self.frozen_count += p.numel()
+            self.frozen_tensors += 1
+            _add(self.frozen_bytes_by_dtype, dtype, nbytes)
+            if scalar:
+                _add(self.frozen_scalar_bytes_by_dtype, dtype, nbytes)
+
+
+def _add(by_dtype: dict[str, int], dtype: str, nbytes: int) -> None:
+    by_dtype[dtype] = by_dtype.get(dtype, 0) + nbytes
+
+
+def own_params(modules: list[tuple[str, nn.Module]]) -> dict[str, OwnParams]:
+    """fqn -> its own parameters (registered directly), for every module of ``modules`` (named_modules())."""
+    seen: set[int] = set()
+    out: dict[str, OwnParams] = {}
+    for fqn, module in modules:
+        own = out[fqn] = OwnParams()
+        for p in module.parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                own.add(p)
+    return out
