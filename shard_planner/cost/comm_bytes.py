@@ -15,8 +15,11 @@ and the shapes of the parameters each unit owns. The sizes follow torch 2.13's F
   forward and, for a unit that reshards after forward, once more in backward — over the shard group
   (True) or over the smaller group it resharded to (an int r: ``_all_gather_process_group`` is the
   post-forward mesh's); a unit kept unsharded (False; the root's None) is not gathered again;
-- reduce-scatter (``foreach_reduce``: one ``reduce_scatter_single`` per unit) of the unit's floating
-  parameters' gradients in the reduce dtype, over the shard group;
+- reduce-scatter (``foreach_reduce``: one ``reduce_scatter_single`` per unit) of the unit's trainable
+  floating parameters' gradients in the reduce dtype, over the shard group; none for a unit whose
+  parameters are all frozen (``FSDPParamGroup.post_backward`` returns before it: docs/frozen_facts.md
+  [Note: Reduce-scatter of parameters with a gradient only]); frozen parameters are all-gathered like
+  the others ([Note: Frozen parameters are all-gathered]);
 - HSDP: an ``all_reduce`` of each unit's reduce-scatter output (1/N of it) across the R replicas;
 - a group of one rank moves nothing: FSDP2 skips the all-gather and the reduce-scatter when the shard
   group has one rank (``FSDPParamGroup.unshard``, ``foreach_reduce``), so none is counted;
@@ -28,8 +31,11 @@ of an all-gather, the full input of a reduce-scatter, the buffer of an all-reduc
 (collective, group size).
 
 Assumptions (what the count cannot see from the plan): every unit's forward runs once per step (the
-trace's ``calls``; a module called twice in one step gathers twice); every floating parameter gets a
-gradient. A unit nested inside an activation-checkpointed unit may re-run its pre-forward during the
+trace's ``calls``; a module called twice in one step gathers twice); every trainable floating parameter
+gets a gradient; a unit that reshards all-gathers in backward — true of a unit none of whose outputs
+requires grad (a frozen embedding) only when the unit before it in backward prefetches it, which it
+always does for the first unit of forward (docs/frozen_facts.md [Note: Backward prefetch of a group
+without a pre-backward]). A unit nested inside an activation-checkpointed unit may re-run its pre-forward during the
 recompute, and with an explicit forward prefetch list that issues all-gathers of later units again;
 that is not modelled (``run`` shows the measured bytes beside these).
 """
@@ -48,11 +54,13 @@ from shard_planner.plan import Plan
 
 @dataclass(frozen=True)
 class ParamShape:
-    """One parameter as built: its dim-0 size, its number of elements and dtype name ("float32")."""
+    """One parameter as built: its dim-0 size, its number of elements, dtype name ("float32") and whether
+    it trains (``requires_grad``)."""
 
     dim0: int
     numel: int
     dtype: str
+    trainable: bool = True
 
 
 def padded_numel(shape: ParamShape, shard_size: int) -> int:
@@ -93,7 +101,7 @@ def collective_bytes_per_step(plan: Plan, unit_params: tuple[tuple[ParamShape, .
                 continue  # no parameter group: FSDP2 issues nothing for it
             gathered = sum(padded_numel(p, n) * (param_elem if p.dtype in FLOAT_DTYPES else dtype_bytes(p.dtype))
                            for p in params)
-            reduced = sum(padded_numel(p, n) * reduce_elem for p in params if p.dtype in FLOAT_DTYPES)
+            reduced = sum(padded_numel(p, n) * reduce_elem for p in params if p.dtype in FLOAT_DTYPES and p.trainable)
             if not step.gathered:
                 _add(totals, ALL_GATHER, n, gathered, k)  # forward
             r = ReshardAfterForward.of(unit.reshard_after_forward, n)  # cost/reshard.py
@@ -103,7 +111,7 @@ def collective_bytes_per_step(plan: Plan, unit_params: tuple[tuple[ParamShape, .
                 _add(totals, REDUCE_SCATTER, n, reduced, k)
                 _add(totals, ALL_REDUCE, replicas, reduced // n, k)  # HSDP: the 1/N output across the replicas
         for p in scalar_params:  # their hook all-reduces after every backward (execute/apply.py)
-            if p.dtype in FLOAT_DTYPES:
+            if p.dtype in FLOAT_DTYPES and p.trainable:
                 for group_size in ((n, replicas) if replicas > 1 else (n,)):
                     _add(totals, ALL_REDUCE, group_size, p.numel * dtype_bytes(p.dtype), k)
     return tuple(CollectiveBytes(c, g, calls, nbytes) for (c, g), (calls, nbytes) in sorted(totals.items()))

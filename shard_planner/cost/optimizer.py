@@ -76,8 +76,8 @@ def optimizer_step_s(optimizer: str, sharded_elements: float, state_elem_bytes: 
 def model_step_s(optimizer: str, params: UnitParams, shard_group_size: int, profile: HardwareProfile,
                  cpu_offload: bool) -> float:
     """Seconds of the step's memory traffic on one rank for a model whose parameters are ``params``
-    (cost/unit_params.py): :func:`optimizer_step_s` of its floating elements' 1/N shards, in the dtype
-    most of its bytes were built in (FSDP2's sharded dtype). The time walk and the linear model both
-    call it."""
-    return optimizer_step_s(optimizer, params.float_numel / shard_group_size, dtype_bytes(built_dtype(params)),
-                            profile, cpu_offload)
+    (cost/unit_params.py): :func:`optimizer_step_s` of its trainable floating elements' 1/N shards (the
+    optimizer steps only parameters with a gradient), in the dtype most of their bytes were built in
+    (FSDP2's sharded dtype). The time walk and the linear model both call it."""
+    return optimizer_step_s(optimizer, params.trainable_float_numel / shard_group_size,
+                            dtype_bytes(built_dtype(params)), profile, cpu_offload)

@@ -23,7 +23,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from shard_planner.cost.unit_params import UnitParams, first_float_numel_of
+from shard_planner.cost.unit_params import UnitParams, float_numel_of
 from shard_planner.dtypes import FLOAT_DTYPES, dtype_bytes
 from shard_planner.errors import PlanError
 from shard_planner.plan import ROOT, Unit, unit_name
@@ -40,7 +40,7 @@ class Block:
     nested: tuple[int, ...]  # units nested inside this block's module
     unit_module: bool  # the block is a module listed in its unit (activation checkpointing applies)
     own_param_numel: dict[str, int]  # parameters of this block the owner unit holds, by built dtype
-    own_float_numel: int  # of those, floating-point elements (they get gradients)
+    own_float_numel: int  # of those, the trainable floating-point elements (they get gradients)
     saved: Affine  # bytes saved for backward by the subtree (nested units included)
     input: Affine
     output: Affine
@@ -84,7 +84,7 @@ class CostTables:
     largest_module_float_bytes: int  # the largest one module's own floating parameters, as built
     model_fwd_flops: Affine  # the whole model (the loss excluded: trace.loss_flops), per micro-batch
     model_bwd_flops: Affine
-    param_tensors: int = 0  # parameter tensors of the model (the optimizer's per-tensor overhead)
+    param_tensors: int = 0  # trainable parameter tensors of the model (the optimizer's per-tensor overhead)
 
 
 def build_tables(trace: ModelTrace, units: tuple[Unit, ...],
@@ -110,11 +110,12 @@ def segment_tables(trace: ModelTrace, segmentation: tuple[tuple[str, ...], ...],
     modules_of: list[list] = [[] for _ in range(n_units)]
     for m in trace.modules:
         modules_of[owner[m.fqn]].append(m)
-    first: list[int | None] = [None] * n_units  # the floating elements of each unit's first module with parameters
+    # each unit's first module in forward order with trainable floating parameters: their elements
+    first: list[int | None] = [None] * n_units
     for fqn in trace.forward_order:
         m = trace.module(fqn)
-        if first[owner[fqn]] is None and m.sharded_param_bytes_by_dtype:
-            first[owner[fqn]] = first_float_numel_of(m.sharded_param_bytes_by_dtype)
+        if first[owner[fqn]] is None and float_numel_of(m.trainable_sharded_param_bytes_by_dtype):
+            first[owner[fqn]] = float_numel_of(m.trainable_sharded_param_bytes_by_dtype)
     params = tuple(replace(UnitParams.of_modules(ms), first_float_numel=f or 0) for ms, f in zip(modules_of, first))
     blocks = _block_sequence(trace, module_unit, owner, contains_unit, subtree_sum)
 
@@ -140,7 +141,7 @@ def segment_tables(trace: ModelTrace, segmentation: tuple[tuple[str, ...], ...],
         largest_module_float_bytes=largest_module_float_bytes(trace),
         total_param_numel=sum(p.numel for p in params),
         model_fwd_flops=fwd_total, model_bwd_flops=bwd_total,
-        param_tensors=sum(m.param_tensors for m in trace.modules),
+        param_tensors=sum(m.trainable_param_tensors for m in trace.modules),
     )
 
 
@@ -201,6 +202,10 @@ def _block_sequence(trace: ModelTrace, module_unit: dict[str, int], owner: dict[
                 out[dt] = out.get(dt, 0) + nbytes // dtype_bytes(dt)
         return out
 
+    def own_gradient_numel(fqn: str, unit: int) -> int:
+        return sum(float_numel_of(m.trainable_sharded_param_bytes_by_dtype)
+                   for m in trace.subtree(fqn) if owner[m.fqn] == unit)
+
     def nested_units(fqn: str) -> tuple[int, ...]:
         found = []
         for m in trace.subtree(fqn)[1:]:
@@ -215,7 +220,7 @@ def _block_sequence(trace: ModelTrace, module_unit: dict[str, int], owner: dict[
         own = own_numel(fqn, unit)
         return Block(
             fqn=fqn, unit=unit, nested=nested_units(fqn), unit_module=unit_module,
-            own_param_numel=own, own_float_numel=sum(k for dt, k in own.items() if dt in FLOAT_DTYPES),
+            own_param_numel=own, own_float_numel=own_gradient_numel(fqn, unit),
             saved=subtree_sum(fqn, "saved_bytes_self"), input=m.input_bytes, output=m.output_bytes,
             fwd_rise=m.fwd_peak_rise_bytes, bwd_rise=m.bwd_peak_rise_bytes,
             fwd_flops=subtree_sum(fqn, "fwd_flops_self"), bwd_flops=subtree_sum(fqn, "bwd_flops_self"),
@@ -237,7 +242,7 @@ def _block_sequence(trace: ModelTrace, module_unit: dict[str, int], owner: dict[
         own = {dt: nb // dtype_bytes(dt) for dt, nb in m.sharded_param_bytes_by_dtype.items()}
         blocks.append(Block(
             fqn=fqn, self_only=True, unit=owner[fqn], nested=(), unit_module=False, own_param_numel=own,
-            own_float_numel=sum(k for dt, k in own.items() if dt in FLOAT_DTYPES),
+            own_float_numel=float_numel_of(m.trainable_sharded_param_bytes_by_dtype),
             saved=m.saved_bytes_self, input=ZERO, output=ZERO, fwd_rise=ZERO, bwd_rise=ZERO,
             fwd_flops=m.fwd_flops_self, bwd_flops=m.bwd_flops_self,
             fwd_ops=m.fwd_ops_self, bwd_ops=m.bwd_ops_self,
@@ -248,10 +253,10 @@ def _block_sequence(trace: ModelTrace, module_unit: dict[str, int], owner: dict[
 
 
 def largest_module_float_bytes(trace: ModelTrace) -> int:
-    """The largest one module's own floating parameters, as built (what the single-tensor optimizer
-    step's temporaries scale with: cost/optimizer.py ``optimizer_temporaries_bytes``)."""
-    return max((sum(nb for dt, nb in m.param_bytes_by_dtype.items() if dt in FLOAT_DTYPES) for m in trace.modules),
-               default=0)
+    """The largest one module's own trainable floating parameters, as built (what the single-tensor
+    optimizer step's temporaries scale with: cost/optimizer.py ``optimizer_temporaries_bytes``)."""
+    return max((sum(nb for dt, nb in m.trainable_param_bytes_by_dtype.items() if dt in FLOAT_DTYPES)
+                for m in trace.modules), default=0)
 
 
 def subtree_summer(trace: ModelTrace) -> Callable[[str, str], Affine]:

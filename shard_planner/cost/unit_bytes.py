@@ -31,14 +31,14 @@ class UnitBytes:
     all_gather_output: float
     rs_input: float  # reduce-scatter input, in the reduce dtype
     rs_output: float  # its 1/N output
-    sharded_grad: float  # the sharded gradient, in the built dtype (0-d parameters' whole)
+    sharded_grad: float  # the sharded gradient of its trainable parameters, in the built dtype (0-d ones' whole)
     cast_input: float  # mixed precision: the flat param-dtype copy of the all-gather input (1/N)
     post_forward: float  # reshard_after_forward=r: the 1/r clone kept after forward (0 otherwise)
     reshard: bool  # reshards after forward (True or an int)
     grad_cast: bool  # the reduce dtype differs from the built dtype: a cast after the reduce-scatter
     last_grad: float  # the gradient autograd produces last for the unit ([Note: Reduce-scatter buffers])
     mp: bool  # mixed precision applies (some floating parameter's dtype differs from the param dtype)
-    unsharded_grads: float  # every unsharded gradient of its floating parameters, in the param dtype
+    unsharded_grads: float  # every unsharded gradient of its trainable parameters, in the param dtype
 
 
 def reduce_scatter_output_bytes(rs_input_bytes: float, shard_group_size: int) -> float:
@@ -76,10 +76,12 @@ def unit_bytes_of(p: UnitParams, reshard_after_forward: bool | int | None, shard
     # Mixed precision applies to floating parameters whose dtype differs from param_dtype.
     mp = any(dt != param_dtype for dt in p.float_dtypes)
     unsharded = p.float_numel * pd_elem + p.other_bytes
+    # Gradients, their reduce-scatter and the optimizer's states exist for trainable parameters only; the
+    # all-gather and the parameters for all of them (cost/unit_params.py [Note: Frozen parameters in a unit]).
     # reduce_dtype equal to param_dtype means "no cast" (FSDPParam.init_dtype_attrs): same bytes.
-    rs_input = p.float_numel * rs_elem
+    rs_input = p.trainable_float_numel * rs_elem
     rs_output = reduce_scatter_output_bytes(rs_input, n)
-    sharded_grad = p.float_built_bytes / n
+    sharded_grad = p.trainable_float_built_bytes / n
     r = ReshardAfterForward.of(reshard_after_forward, n)
     # 0-d parameters are replicated, not sharded: whole on every rank, with their whole gradient (in the
     # built dtype, all-reduced) and so their whole optimizer states; never gathered or reduce-scattered.
@@ -90,5 +92,5 @@ def unit_bytes_of(p: UnitParams, reshard_after_forward: bool | int | None, shard
         sharded_grad=sharded_grad + p.replicated_float_bytes, cast_input=unsharded / n if mp else 0.0,
         post_forward=r.clone_bytes(unsharded), reshard=r.reshards,
         grad_cast=rs_output != sharded_grad,  # reduce dtype differs from built: cast after
-        last_grad=p.first_float_numel * pd_elem, mp=mp, unsharded_grads=p.float_numel * pd_elem,
+        last_grad=p.first_float_numel * pd_elem, mp=mp, unsharded_grads=p.trainable_float_numel * pd_elem,
     )

@@ -99,7 +99,7 @@ class CommCounter:
 
 
 def _shape(p: torch.Tensor) -> ParamShape:
-    return ParamShape(int(p.shape[0]), int(p.numel()), str(p.dtype).removeprefix("torch."))
+    return ParamShape(int(p.shape[0]), int(p.numel()), str(p.dtype).removeprefix("torch."), p.requires_grad)
 
 
 def unit_param_shapes(model: nn.Module, plan: Plan) -> tuple[tuple[tuple[ParamShape, ...], ...], tuple[ParamShape, ...]]:
@@ -116,7 +116,7 @@ def unit_param_shapes(model: nn.Module, plan: Plan) -> tuple[tuple[tuple[ParamSh
                 continue
             seen.add(id(p))
             if p.dim() == 0:
-                scalars.append(ParamShape(1, 1, str(p.dtype).removeprefix("torch.")))
+                scalars.append(ParamShape(1, 1, str(p.dtype).removeprefix("torch."), p.requires_grad))
                 continue
             i = innermost_unit(fqn, unit_of)
             if i is not None:
