@@ -32,10 +32,10 @@ of an all-gather, the full input of a reduce-scatter, the buffer of an all-reduc
 
 Assumptions (what the count cannot see from the plan): every unit's forward runs once per step (the
 trace's ``calls``; a module called twice in one step gathers twice); every trainable floating parameter
-gets a gradient; a unit that reshards all-gathers in backward — true of a unit none of whose outputs
-requires grad (a frozen embedding) only when the unit before it in backward prefetches it, which it
-always does for the first unit of forward (docs/frozen_facts.md [Note: Backward prefetch of a group
-without a pre-backward]). A unit nested inside an activation-checkpointed unit may re-run its pre-forward during the
+gets a gradient; a unit that reshards all-gathers in backward, except a unit none of whose outputs
+requires grad (a frozen embedding, a frozen first block) that no unit with a pre-backward prefetches
+(:func:`gathers_in_backward`; docs/frozen_facts.md [Note: Backward prefetch of a group without a
+pre-backward]). A unit nested inside an activation-checkpointed unit may re-run its pre-forward during the
 recompute, and with an explicit forward prefetch list that issues all-gathers of later units again;
 that is not modelled (``run`` shows the measured bytes beside these).
 """
@@ -78,13 +78,32 @@ def _add(totals: dict, collective: str, group_size: int, nbytes: int, times: int
     totals[(collective, group_size)] = (calls + times, total + nbytes * times)
 
 
+def gathers_in_backward(plan: Plan, has_backward: tuple[bool, ...] | None) -> tuple[bool, ...]:
+    """Per unit of ``plan`` (if it reshards after forward), whether it is all-gathered in backward: it
+    runs a pre-backward (``has_backward``; None: every unit does), or a unit that does prefetches it —
+    the next max(1, ``prefetch.backward``) units in backward order, one for the root (execute/apply.py
+    ``_set_prefetch``; docs/frozen_facts.md [Note: Backward prefetch of a group without a pre-backward])."""
+    if has_backward is None:
+        return (True,) * len(plan.units)
+    root = next(i for i, u in enumerate(plan.units) if u.is_root)
+    order = [root, *reversed([i for i in range(len(plan.units)) if i != root])]
+    gathered = list(has_backward)
+    for k, u in enumerate(order):
+        if has_backward[u]:
+            for v in order[k + 1: k + 1 + (1 if u == root else max(1, plan.prefetch.backward))]:
+                gathered[v] = True
+    return tuple(gathered)
+
+
 def collective_bytes_per_step(plan: Plan, unit_params: tuple[tuple[ParamShape, ...], ...],
-                              scalar_params: tuple[ParamShape, ...] = ()) -> tuple[CollectiveBytes, ...]:
+                              scalar_params: tuple[ParamShape, ...] = (),
+                              has_backward: tuple[bool, ...] | None = None) -> tuple[CollectiveBytes, ...]:
     """Per rank, the all-gathers, reduce-scatters and all-reduces of one steady-state step of ``plan``.
 
     ``unit_params[i]``: the parameters FSDP2 shards in ``plan.units[i]`` (those its modules register that
-    no nested unit owns; 0-d ones left out); ``scalar_params``: the model's 0-d parameters. Returns one
-    :class:`CollectiveBytes` per (collective, group size), sorted; see the module docstring for the rules.
+    no nested unit owns; 0-d ones left out); ``scalar_params``: the model's 0-d parameters;
+    ``has_backward[i]``: whether the unit runs a pre-backward (:func:`gathers_in_backward`; None: all).
+    Returns one :class:`CollectiveBytes` per (collective, group size), sorted; see the module docstring.
     """
     if len(unit_params) != len(plan.units):
         raise ValueError(f"{len(unit_params)} parameter lists for {len(plan.units)} units")
@@ -96,7 +115,7 @@ def collective_bytes_per_step(plan: Plan, unit_params: tuple[tuple[ParamShape, .
     # before kept the parameters gathered; it reduces only when it syncs; 0-d gradients every micro-step
     for step in micro_steps(plan.training):
         k = step.repeats
-        for unit, params in zip(plan.units, unit_params):
+        for unit, params, in_backward in zip(plan.units, unit_params, gathers_in_backward(plan, has_backward)):
             if not params:
                 continue  # no parameter group: FSDP2 issues nothing for it
             gathered = sum(padded_numel(p, n) * (param_elem if p.dtype in FLOAT_DTYPES else dtype_bytes(p.dtype))
@@ -105,7 +124,7 @@ def collective_bytes_per_step(plan: Plan, unit_params: tuple[tuple[ParamShape, .
             if not step.gathered:
                 _add(totals, ALL_GATHER, n, gathered, k)  # forward
             r = ReshardAfterForward.of(unit.reshard_after_forward, n)  # cost/reshard.py
-            if r.reshards:  # backward, from the sharded state (ALWAYS) or the 1/r post-forward shards
+            if r.reshards and in_backward:  # backward, from the sharded state or the 1/r post-forward shards
                 _add(totals, ALL_GATHER, r.group_size, gathered, k)
             if reduced and step.sync:
                 _add(totals, REDUCE_SCATTER, n, reduced, k)

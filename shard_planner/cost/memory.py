@@ -454,6 +454,10 @@ class _MemoryWalk:
 
     def backward_end(self, ev) -> None:
         self.free_held_reduce_scatter()
+        for u, st in enumerate(self.units):  # prefetched, never waited for: dropped by finalize_backward
+            if st.pending_bytes:  # (a unit without a pre-backward, schedule.py)
+                self.out.on_free(ALL_GATHER_OUTPUT, st.pending_bytes, self.t.unit_names[u], ON_COPY_IN)
+                st.pending_bytes, st.sharding = 0.0, Sharding.SHARDED
         self.record("end", "", Phase.BACKWARD)
 
     # ---- optimizer step: see [Note: Optimizer step] ----

@@ -28,6 +28,10 @@ time model in cost/time.py):
 - backward: the root prefetches one unit (FSDP2's default: the executor sets no list on the root);
   every other unit the next max(1, ``prefetch.backward``) in backward order (an empty list means the
   default, one).
+- a unit none of whose outputs requires grad (a frozen embedding: ``CostTables.unit_backward``) has no
+  pre-backward (no wait, no prefetch of its own), but the unit before it in backward order still
+  prefetches it: an ALL_GATHER that no one waits for, dropped at the end of backward
+  (docs/frozen_facts.md [Note: Backward prefetch of a group without a pre-backward]);
 - nested units start and end at the block of the unit that contains them (cost/tables.py); units
   that never run (no block) have no events, only their parameters; the root reshards after forward
   only when its plan says so (``None``/False for the root means keep).
@@ -98,6 +102,7 @@ class Schedule:
     forward_depth: int  # explicit forward prefetch k
     forward_depth_effective: int  # max(1, k): with FSDP2's implicit prefetch
     backward_depth: int  # max(1, prefetch.backward)
+    prefetched_in_backward: frozenset[int] = frozenset()  # units some pre-backward prefetches
 
 
 def build_schedule(t: CostTables, units: tuple[Unit, ...], prefetch: Prefetch) -> Schedule:
@@ -122,6 +127,8 @@ def build_schedule(t: CostTables, units: tuple[Unit, ...], prefetch: Prefetch) -
             ev.append(Event(EventKind.ALL_GATHER, Phase.FORWARD, v, block, implicit=j >= k_fwd))
 
     def pre_backward(u: int, block: int) -> None:
+        if not t.unit_backward[u]:  # no output requires grad: FSDP2 registers no pre-backward hook
+            return
         ev.append(Event(EventKind.PRE_BACKWARD, Phase.BACKWARD, u, block))
         ev.append(Event(EventKind.ALL_GATHER_WAIT, Phase.BACKWARD, u, block))
         i = bpos[u]
@@ -159,6 +166,7 @@ def build_schedule(t: CostTables, units: tuple[Unit, ...], prefetch: Prefetch) -
     ev.append(Event(EventKind.POST_BACKWARD, Phase.BACKWARD, root))
     ev.append(Event(EventKind.BACKWARD_END, Phase.BACKWARD, root))
     ev.append(Event(EventKind.OPTIMIZER, Phase.OPTIMIZER))
+    prefetched = frozenset(e.unit for e in ev if e.kind is EventKind.ALL_GATHER and e.phase is Phase.BACKWARD)
     return Schedule(events=tuple(ev), root=root, forward_units=fwd_units, backward_units=bwd_units,
                     checkpointed=ckpt, forward_depth=k_fwd, forward_depth_effective=k_fwd_eff,
-                    backward_depth=k_bwd)
+                    backward_depth=k_bwd, prefetched_in_backward=prefetched)

@@ -79,6 +79,10 @@ class CostTables:
     forward_units: tuple[int, ...]  # units in pre-forward order (the root first)
     model_params: UnitParams  # every parameter of the model, as one unit's (the optimizer step reads them)
     unit_names: tuple[str, ...]
+    # per unit, whether FSDP2 runs its pre-backward: some output of its modules requires grad (the module
+    # is in the trace's backward order); not for a frozen unit with no trainable input (a frozen
+    # embedding): docs/frozen_facts.md [Note: Pre-backward all-gather needs an output that requires grad]
+    unit_backward: tuple[bool, ...]
     total_param_numel: int
     buffer_bytes: int  # every module's buffers: not sharded by FSDP2, resident on every rank
     largest_module_float_bytes: int  # the largest one module's own floating parameters, as built
@@ -118,6 +122,7 @@ def segment_tables(trace: ModelTrace, segmentation: tuple[tuple[str, ...], ...],
             first[owner[fqn]] = float_numel_of(m.trainable_sharded_param_bytes_by_dtype)
     params = tuple(replace(UnitParams.of_modules(ms), first_float_numel=f or 0) for ms, f in zip(modules_of, first))
     blocks = _block_sequence(trace, module_unit, owner, contains_unit, subtree_sum)
+    in_backward = set(trace.backward_order)
 
     first_block = [-1] * n_units
     last = [-1] * n_units
@@ -137,6 +142,8 @@ def segment_tables(trace: ModelTrace, segmentation: tuple[tuple[str, ...], ...],
         unit_first_block=tuple(first_block), unit_last_block=tuple(last), forward_units=forward_units,
         model_params=UnitParams.of_modules(trace.modules),
         unit_names=tuple(unit_name(modules) for modules in segmentation),
+        unit_backward=tuple(i == root_index or any(fqn in in_backward for fqn in modules)
+                            for i, modules in enumerate(segmentation)),
         buffer_bytes=sum(m.buffer_bytes for m in trace.modules),
         largest_module_float_bytes=largest_module_float_bytes(trace),
         total_param_numel=sum(p.numel for p in params),

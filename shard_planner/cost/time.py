@@ -184,7 +184,9 @@ def simulate_time_walk(trace: ModelTrace, t: CostTables, plan: PlanQuery, profil
     b = training.micro_batch
     n_units = len(plan.units)
     ag_fwd, ag_bwd, rs = collectives
-    needs_bwd_ag = [reshards_after_forward(plan.units[u].reshard_after_forward) for u in range(n_units)]
+    # a unit without a pre-backward all-gathers in backward only when another prefetches it (schedule.py)
+    needs_bwd_ag = [reshards_after_forward(plan.units[u].reshard_after_forward)
+                    and (t.unit_backward[u] or u in schedule.prefetched_in_backward) for u in range(n_units)]
     fwd_s, bwd_s, rec_s, loss_s = _combine(t, schedule, compute, profile,
                                            selective.skipped_share if selective is not None else None,
                                            plan.mesh.world_size)

@@ -122,3 +122,23 @@ def unit_param_shapes(model: nn.Module, plan: Plan) -> tuple[tuple[tuple[ParamSh
             if i is not None:
                 per_unit[i].append(_shape(p))
     return tuple(tuple(ps) for ps in per_unit), tuple(scalars)
+
+
+def units_with_backward(model: nn.Module, plan: Plan) -> tuple[bool, ...]:
+    """Per plan unit, whether FSDP2 will run its pre-backward: some output of its module requires grad
+    (docs/frozen_facts.md [Note: Pre-backward all-gather needs an output that requires grad]). Read from
+    the unsharded ``model`` without running it: a module's output requires grad once a trainable
+    parameter registered before its subtree ends has been used, taking registration order for forward
+    order (true of the sequential models FSDP wraps; the cost model reads the traced fact instead,
+    cost/tables.py ``unit_backward``). The root always does (the loss)."""
+    names = [fqn for fqn, _ in model.named_modules()]
+    first_trainable = next((i for i, (_, m) in enumerate(model.named_modules())
+                            if any(p.requires_grad for p in m.parameters(recurse=False))), len(names))
+    position = {fqn: i for i, fqn in enumerate(names)}
+
+    def subtree_end(fqn: str) -> int:
+        prefix = f"{fqn}." if fqn else ""
+        return max(i for i, name in enumerate(names) if name == fqn or name.startswith(prefix))
+
+    return tuple(u.is_root or any(first_trainable <= subtree_end(fqn) for fqn in u.modules if fqn in position)
+                 for u in plan.units)

@@ -55,7 +55,7 @@ from shard_planner.execute.apply import apply_plan, build_mesh
 from shard_planner.execute.checkpoint import (differing_entries, load_checkpoint, loss_tolerance, regrouped_batch,
                                               save_checkpoint, state_digests)
 from shard_planner.execute.checkpoint_dir import directory_bytes, read_side_file, write_side_file
-from shard_planner.execute.comm_count import CommCounter, unit_param_shapes
+from shard_planner.execute.comm_count import units_with_backward, CommCounter, unit_param_shapes
 from shard_planner.execute.memtrack import StorageTracker
 from shard_planner.execute.runner import with_prediction
 from shard_planner.fileio import write_atomic
@@ -202,7 +202,8 @@ def train_and_measure(plan: Plan, model_path: str, options: RunOptions, device: 
     mesh = build_mesh(plan, device.type)
     status.progress("build")
     model = build_on_device(model_file, device)
-    comm_predicted = collective_bytes_per_step(plan, *unit_param_shapes(model, plan))
+    comm_predicted = collective_bytes_per_step(plan, *unit_param_shapes(model, plan),
+                                               has_backward=units_with_backward(model, plan))
     model = apply_plan(model, plan, mesh)
     optimizer = make_optimizer(plan, model.parameters())
     step = _Stepper(model_file, model, optimizer, plan.training, rank, device)

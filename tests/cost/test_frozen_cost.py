@@ -84,3 +84,26 @@ def test_the_linear_model_sizes_the_sharded_state_of_trainable_parameters(traces
         assert lm.model_bytes.sharded_grad == pytest.approx(4 * trace.trainable_param_count / 8)
     assert base["lora"].sharded > base["none"].sharded  # every parameter's shard, frozen or not, and the adapters
     assert base["lora"].sharded_grad < base["none"].sharded_grad / 40
+
+
+def test_a_unit_without_a_pre_backward_is_gathered_only_when_prefetched(monkeypatch):
+    """Units in forward order root, l0, l1, l2 with l0 and l1 frozen (tests/models/trace_frozen.py chain):
+    l2 runs a pre-backward and prefetches l1 (depth 1); l0 is gathered by nothing in backward; at depth 2
+    l2 prefetches both."""
+    from shard_planner.cost.comm_bytes import gathers_in_backward
+    from shard_planner.execute.comm_count import units_with_backward
+    from shard_planner.modelfile import load_model_file
+    from shard_planner.plan import Cluster, ModelRef, Plan, Training, Unit
+
+    monkeypatch.setenv("TRACE_FROZEN_MODEL", "chain")
+    monkeypatch.setenv("TRACE_FROZEN", "l0,l1")
+    model = load_model_file(str(REPO / "tests" / "models" / "trace_frozen.py")).build()
+    units = (Unit(("",), False), Unit(("l0",)), Unit(("l1",)), Unit(("l2",)))
+    plan = Plan(ModelRef("m.py", ""), Cluster(2, 8, "cpu-gloo", 2**30), Mesh(2), Training(1, "adamw"), units,
+                Prefetch(0, 1))
+    has = units_with_backward(model, plan)
+    assert has == (True, False, False, True)
+    assert gathers_in_backward(plan, has) == (True, False, True, True)
+    deep = Plan(plan.model, plan.cluster, plan.mesh, plan.training, units, Prefetch(0, 2))
+    assert gathers_in_backward(deep, has) == (True, True, True, True)
+    assert gathers_in_backward(plan, None) == (True,) * 4
