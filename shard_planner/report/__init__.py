@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from shard_planner.cost.types import Estimate
+from shard_planner.dtypes import FLOAT_DTYPES
 from shard_planner.fileio import write_atomic
 from shard_planner.plan import Plan
 from shard_planner.profile import HardwareProfile
@@ -155,8 +156,22 @@ def _units_section(plan: Plan, trace: ModelTrace | None, estimate: Estimate | No
         "Units", "units.png" if fig is not None else None, fig,
         "One row per FSDP unit in forward order; consecutive units of the same block are folded into one row "
         "per decision (reshard, checkpointing), with their count and figures per unit (\"N of M\": every "
-        "other block, say). Memory is per GPU at the plan's micro-batch; times are per step.",
+        "other block, say). Memory is per GPU at the plan's micro-batch; times are per step."
+        + (" " + fine_tune_text(trace) if trace is not None and trace.has_frozen_params else ""),
         units_table(rows))
+
+
+def fine_tune_text(trace: ModelTrace) -> str:
+    """A fine-tune's parameters: trainable, frozen and quantised (non-floating: NF4's uint8 data) bytes as
+    built, and what FSDP2 does with the frozen ones."""
+    trainable = sum(m.trainable_param_bytes for m in trace.modules)
+    frozen = sum(m.frozen_param_bytes for m in trace.modules)
+    quantised = sum(nb for m in trace.modules for dt, nb in m.frozen_param_bytes_by_dtype.items()
+                    if dt not in FLOAT_DTYPES)
+    return (f"Fine-tune: {trace.trainable_param_count:,} of {trace.param_count:,} parameters train "
+            f"({format_bytes(trainable)} as built); {format_bytes(frozen)} are frozen"
+            + (f", {format_bytes(quantised)} of them quantised" if quantised else "")
+            + ": all-gathered like the others, with no gradient, reduce-scatter or optimizer state.")
 
 
 def _tune_section(plan: Plan) -> ReportSection:

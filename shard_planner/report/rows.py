@@ -3,6 +3,8 @@
 A parameter belongs to the innermost unit that contains its module; the root unit owns everything
 else (plan.py's rule, the one FSDP2 applies). Per unit and per rank:
 
+- parameters, and of them the trainable ones (a fine-tune's frozen base has no gradient, reduce-scatter or
+  optimizer state: cost/unit_params.py [Note: Frozen parameters in a unit]);
 - sharded parameter bytes: the unit's parameters as built, divided over the shard group (FSDP2 shards
   every parameter on dim 0; padding to a multiple of the group size is ignored, < 1 row per tensor);
 - unsharded parameter bytes: the same parameters in ``training.param_dtype``, the dtype FSDP2
@@ -41,6 +43,7 @@ class UnitRow:
     activation_checkpoint: bool | str  # "selective" too
     interleaved: bool = False  # the row's units alternate with other rows' units (e.g. every other block)
     param_count: int | None = None  # per unit; None without a trace
+    trainable_param_count: int | None = None  # of those, the ones that train (requires_grad as built)
     sharded_param_bytes: int | None = None  # per unit, per rank
     unsharded_param_bytes: int | None = None  # per unit, while gathered
     activation_bytes: int | None = None  # per unit, kept for backward at the plan's micro-batch
@@ -63,10 +66,11 @@ def unit_owners(plan: Plan, fqns: Iterable[str]) -> dict[str, int]:
 def _unit_sizes(plan: Plan, trace: ModelTrace) -> list[dict]:
     owners = unit_owners(plan, (m.fqn for m in trace.modules))
     b = plan.training.micro_batch
-    sizes = [dict(params=0, built_bytes=0, saved_bytes=0.0) for _ in plan.units]
+    sizes = [dict(params=0, trainable=0, built_bytes=0, saved_bytes=0.0) for _ in plan.units]
     for m in trace.modules:
         s = sizes[owners[m.fqn]]
         s["params"] += m.param_count
+        s["trainable"] += m.trainable_param_count
         s["built_bytes"] += m.param_bytes
         s["saved_bytes"] += m.saved_bytes_self.at(b)
     checkpointed = {f for u in plan.units if u.activation_checkpoint for f in u.modules}
@@ -141,7 +145,7 @@ def unit_rows(plan: Plan, trace: ModelTrace | None = None, estimate: Estimate | 
                    activation_checkpoint=first.activation_checkpoint)
         if sizes is not None:
             s = sizes[members[0]]
-            row.update(param_count=s["params"],
+            row.update(param_count=s["params"], trainable_param_count=s["trainable"],
                        sharded_param_bytes=-(-s["built_bytes"] // plan.mesh.shard_group_size),
                        unsharded_param_bytes=s["params"] * param_bytes,
                        activation_bytes=int(_mean([sizes[i]["saved_bytes"] for i in members])))

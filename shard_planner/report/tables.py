@@ -19,8 +19,10 @@ MIB = 2**20
 
 
 def units_table(rows: Sequence[UnitRow]) -> pd.DataFrame:
-    """One line per row of :func:`~shard_planner.report.rows.unit_rows` (folded units: figures per unit)."""
+    """One line per row of :func:`~shard_planner.report.rows.unit_rows` (folded units: figures per unit);
+    a column of trainable parameters when some are frozen (a fine-tune)."""
     records = []
+    frozen = any(r.param_count is not None and r.trainable_param_count != r.param_count for r in rows)
     for r in rows:
         rec = {
             "unit": r.label,
@@ -33,6 +35,7 @@ def units_table(rows: Sequence[UnitRow]) -> pd.DataFrame:
         if r.param_count is not None:
             rec.update({
                 "params": r.param_count,
+                **({"trainable params": r.trainable_param_count} if frozen else {}),
                 "sharded params/rank (MiB)": r.sharded_param_bytes / MIB,
                 "unsharded params (MiB)": r.unsharded_param_bytes / MIB,
                 "activations kept (MiB)": r.activation_bytes / MIB,

@@ -107,3 +107,16 @@ def test_a_unit_without_a_pre_backward_is_gathered_only_when_prefetched(monkeypa
     deep = Plan(plan.model, plan.cluster, plan.mesh, plan.training, units, Prefetch(0, 2))
     assert gathers_in_backward(deep, has) == (True, True, True, True)
     assert gathers_in_backward(plan, None) == (True,) * 4
+
+
+def test_the_report_states_what_trains(traces):
+    from shard_planner.report import fine_tune_text
+    from shard_planner.report.rows import unit_rows
+    from shard_planner.report.tables import units_table
+
+    plan = load_plan(BASELINE / "units_lora" / "plan.json")
+    text = fine_tune_text(traces["lora"])
+    assert "3,584 of 167,744 parameters train" in text and "frozen" in text
+    table = units_table(unit_rows(plan, traces["lora"]))
+    assert (table["trainable params"] * table["count"]).sum() == traces["lora"].trainable_param_count  # per unit
+    assert "trainable params" not in units_table(unit_rows(plan, traces["none"])).columns
