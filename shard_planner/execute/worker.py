@@ -61,7 +61,7 @@ from shard_planner.execute.runner import with_prediction
 from shard_planner.fileio import write_atomic
 from shard_planner.measurement import (CheckpointResult, Measurement, RankMemory, RestoreCheck, plan_fingerprint,
                                        save_measurement)
-from shard_planner.hf import HfOptions, config_file
+from shard_planner.hf import HfOptions, model_options
 from shard_planner.modelfile import ModelFile, load_model_file, map_inputs
 from shard_planner.plan import OPTIMIZER_TORCH, Plan, Training, load_plan
 
@@ -101,10 +101,9 @@ def make_step_batch(model_file: ModelFile, micro_batch: int, step: int, rank: in
 
 
 def _hf_options(plan: Plan, model_path: str) -> HfOptions | None:
-    """For a transformers config: the plan's task and sequence length, so the run builds the planned model and batch."""
-    if config_file(model_path) is None:
-        return None
-    return HfOptions(task=plan.model.hf_task, seq_len=plan.model.seq_len)
+    """For a transformers config: the plan's task, sequence length and fine-tune, so the run builds the planned
+    model and batch."""
+    return model_options(plan.model, model_path)
 
 
 def build_on_device(model_file: ModelFile, device: torch.device) -> torch.nn.Module:
