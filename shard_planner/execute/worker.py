@@ -52,8 +52,8 @@ from shard_planner.errors import RunError, UserError, first_line
 from shard_planner.cost.comm_bytes import collective_bytes_per_step
 from shard_planner.execute.accumulate import batch_index, set_micro_step
 from shard_planner.execute.apply import apply_plan, build_mesh
-from shard_planner.execute.checkpoint import (differing_entries, load_checkpoint, loss_tolerance, regrouped_batch,
-                                              save_checkpoint, state_digests)
+from shard_planner.execute.checkpoint import (differing_entries, frozen_numel, load_checkpoint, loss_tolerance,
+                                              regrouped_batch, save_checkpoint, state_digests)
 from shard_planner.execute.checkpoint_dir import directory_bytes, read_side_file, write_side_file
 from shard_planner.execute.comm_count import units_with_backward, CommCounter, unit_param_shapes
 from shard_planner.execute.memtrack import StorageTracker
@@ -86,10 +86,11 @@ class RunOptions:
 
 # ---- the pieces a run is made of (also used by the tests' single-process reference) ----
 def make_optimizer(plan: Plan, params) -> torch.optim.Optimizer:
-    """The plan's optimizer; the hyper-parameters that the plan does not carry are PyTorch defaults."""
+    """The plan's optimizer over the trainable ones of ``params`` (a fine-tune's frozen base has no state,
+    as the cost model prices it); the hyper-parameters that the plan does not carry are PyTorch defaults."""
     if plan.training.optimizer in OPTIMIZER_TORCH:
         cls, kwargs = OPTIMIZER_TORCH[plan.training.optimizer]
-        return getattr(torch.optim, cls)(params, lr=plan.training.lr, **kwargs)
+        return getattr(torch.optim, cls)([p for p in params if p.requires_grad], lr=plan.training.lr, **kwargs)
     raise RunError(f"unknown optimizer {plan.training.optimizer!r}")
 
 
@@ -378,6 +379,7 @@ def _save_and_continue(step: _Stepper, plan: Plan, options: RunOptions, next_ste
     dist.barrier()  # the side file is there before anyone reads it
     return dict(saved_at_step=next_step, world_size=dist.get_world_size(), save_s=save_s,
                 size_bytes=directory_bytes(directory), save_extra_peak_bytes=max(extras),
+                frozen_params_left_out=frozen_numel(step.model),
                 save_memory_method="cuda max_memory_allocated" if step.device.type == "cuda" else "storage-tracker",
                 directory=directory)
 
