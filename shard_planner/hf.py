@@ -12,6 +12,10 @@ tracer, planner and executor never ask where a model came from:
   encoder-decoder) with ``labels``, so the model computes its own loss (the default loss uses it);
 - ``TRAINING``: ``seq_len`` for text models (tokens per sample).
 
+``HfOptions.finetune`` (``--lora``, ``--qlora``, ``--freeze``: shard_planner/finetune.py) fine-tunes what
+``build_model()`` builds (shard_planner/hf_finetune.py, with peft and torchao); :func:`model_options` gives a
+plan's options back, so ``run`` and ``export`` rebuild the planned model.
+
 transformers is an optional extra (``pip install 'shard-planner[hf]'``); it is imported only here.
 """
 

@@ -229,7 +229,8 @@ def summary(result: PlanResult | Plan, profile) -> str:
     pr = plan.predicted
     budget = profile.tensor_budget_bytes(plan.cluster.mem_budget_bytes)
     tr = plan.training
-    lines = [f"plan for {plan.model.path}: {len(plan.units)} FSDP units, {plan.mesh.description}, "
+    finetune = f" ({plan.model.finetune.text})" if plan.model.finetune is not None else ""
+    lines = [f"plan for {plan.model.path}{finetune}: {len(plan.units)} FSDP units, {plan.mesh.description}, "
              f"micro-batch {tr.micro_batch}, "
              f"prefetch forward {plan.prefetch.forward} / backward {plan.prefetch.backward}"
              f"{', CPU offload' if tr.cpu_offload else ''}"]

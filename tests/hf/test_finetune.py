@@ -5,7 +5,8 @@ shard_planner/param_storage.py [Note: NF4 parameters as stored]). Each: the plan
 decoder layer (reshard after forward: the NF4 weights all-gathered again in backward), run in one world: the
 measured peak within 3% of the predicted one and the collective bytes exactly as predicted. And the user's
 path through the CLI: ``plan --lora 8`` records the fine-tune in the plan, ``run`` rebuilds it from there and
-its checkpoint holds only the adapters and their optimizer state, restored bit for bit."""
+its checkpoint holds only the adapters and their optimizer state, restored bit for bit; ``estimate`` and
+``report`` rebuild it from the plan too."""
 
 from __future__ import annotations
 
@@ -87,3 +88,7 @@ def test_cli_plans_lora_and_runs_it_from_the_plan(tmp_path):
     assert restore.ok and not restore.tensors_differing
     # what was saved: the adapters (2 layers x q, v x A, B) and their AdamW states, not the base
     assert restore.tensors_checked < 100
+    # estimate and report rebuild the same fine-tune from the plan (the fingerprint would refuse another model)
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert cli_main(["estimate", path, "--plan", str(plan_path)]) == 0
+        assert cli_main(["report", str(plan_path), "-o", str(tmp_path / "report")]) == 0
