@@ -21,7 +21,9 @@ tensors as the unsharded NF4 weight without a copy, and ``scaler_mean`` and ``nf
 metadata: every rank's shard keeps its own. So an NF4 weight is about 0.516 bytes an element
 (1/2 + 1/64 + 2/16384 for bf16), not 2: three sharded parts (1-D, split evenly: they must divide by the
 shard group, which NF4 asserts) and two replicated ones. Mixed precision does not cast them
-(``fsdp_post_all_gather`` ignores ``param_dtype``); they never get a gradient (QLoRA freezes the base).
+(``fsdp_post_all_gather`` ignores ``param_dtype``), not even the floating factors of a weight built in fp32
+(the trace says which bytes are such: ``ModuleTrace.quantized_param_bytes_by_dtype``); they never get a
+gradient (QLoRA freezes the base).
 Where the weight is used (``F.linear``, ``LinearNF4``) it is dequantised to the input's dtype, forward and
 backward: those temporaries are ordinary ops, traced as they run.
 """
@@ -46,13 +48,15 @@ NF4_MODULE = "torchao.quantization.quantize_.workflows.nf4.nf4_tensor"  # where 
 
 @dataclass(frozen=True)
 class StoredPart:
-    """One tensor a parameter stores: its dtype name ("uint8"), elements, dim-0 size, and whether FSDP2
-    shards it (False: whole on every rank: a 0-d parameter, a quantised weight's metadata)."""
+    """One tensor a parameter stores: its dtype name ("uint8"), elements, dim-0 size, whether FSDP2 shards it
+    (False: whole on every rank: a 0-d parameter, a quantised weight's metadata), and whether it is part of a
+    quantised weight (gathered through the tensor's own extension: mixed precision casts none of it)."""
 
     dtype: str
     numel: int
     dim0: int
     sharded: bool
+    quantized: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -77,7 +81,7 @@ def stored_parts(p: torch.Tensor) -> tuple[StoredPart, ...]:
     0-d); an NF4 weight's inner tensors ([Note: NF4 parameters as stored])."""
     if is_nf4(p):
         parts = [(getattr(p, name), True) for name in NF4_SHARDED] + [(getattr(p, name), False) for name in NF4_REPLICATED]
-        return tuple(StoredPart(_dtype_name(t), int(t.numel()), int(t.shape[0]) if t.dim() else 1, sharded)
+        return tuple(StoredPart(_dtype_name(t), int(t.numel()), int(t.shape[0]) if t.dim() else 1, sharded, True)
                      for t, sharded in parts)
     if hasattr(type(p), "fsdp_pre_all_gather"):  # a tensor subclass FSDP2 gathers its own way
         logger.warning("a parameter of type %s is counted as %s elements of %s: what it stores and FSDP2 gathers "

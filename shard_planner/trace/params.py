@@ -29,6 +29,7 @@ class OwnParams:
     frozen_tensors: int = 0
     frozen_bytes_by_dtype: dict[str, int] = field(default_factory=dict)  # of bytes_by_dtype, the frozen ones
     frozen_scalar_bytes_by_dtype: dict[str, int] = field(default_factory=dict)  # of those, the 0-d ones
+    quantized_bytes_by_dtype: dict[str, int] = field(default_factory=dict)  # of bytes_by_dtype, quantised weights'
 
     def add(self, p: nn.Parameter) -> None:
         """Count ``p``: its elements as the weight it stands for, its bytes as the tensors it stores
@@ -48,6 +49,8 @@ class OwnParams:
                 _add(self.frozen_bytes_by_dtype, part.dtype, part.nbytes)
                 if not part.sharded:
                     _add(self.frozen_scalar_bytes_by_dtype, part.dtype, part.nbytes)
+            if part.quantized:
+                _add(self.quantized_bytes_by_dtype, part.dtype, part.nbytes)
 
 
 def _add(by_dtype: dict[str, int], dtype: str, nbytes: int) -> None:

@@ -52,6 +52,9 @@ def test_qlora_trace_records_nf4_weights_by_what_they_store(config):
     bf16_saved = sum(m.param_bytes_by_dtype.get("bfloat16", 0) for m in lora.modules) - sum(
         m.param_bytes_by_dtype.get("bfloat16", 0) for m in qlora.modules)
     assert bf16_saved == 2 * n - (2 * n // (64 * 256) + replicated)  # factors and metadata stay bf16
+    quantized = {dt: sum(m.quantized_param_bytes_by_dtype.get(dt, 0) for m in qlora.modules) for dt in ("uint8", "bfloat16")}
+    assert quantized == {"uint8": n // 2, "bfloat16": 2 * n // (64 * 256) + replicated}  # all NF4 stores, nothing else
+    assert not any(m.quantized_param_bytes_by_dtype for m in lora.modules)
 
 
 def test_nf4_built_by_shape_under_fake_tensors_matches_to_nf4():
