@@ -12,6 +12,10 @@ tracer, planner and executor never ask where a model came from:
   encoder-decoder) with ``labels``, so the model computes its own loss (the default loss uses it);
 - ``TRAINING``: ``seq_len`` for text models (tokens per sample).
 
+``HfOptions.finetune`` (``--lora``, ``--qlora``, ``--freeze``: shard_planner/finetune.py) fine-tunes what
+``build_model()`` builds (shard_planner/hf_finetune.py, with peft and torchao); :func:`model_options` gives a
+plan's options back, so ``run`` and ``export`` rebuild the planned model.
+
 transformers is an optional extra (``pip install 'shard-planner[hf]'``); it is imported only here.
 """
 
@@ -24,6 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from shard_planner.errors import ModelFileError
+from shard_planner.finetune import FineTune
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +64,12 @@ HF_TASKS = {
 
 @dataclass(frozen=True)
 class HfOptions:
-    """What the config alone may not say: the task (``--hf-task``) and the sequence length (``--seq-len``)."""
+    """What the config alone may not say: the task (``--hf-task``), the sequence length (``--seq-len``) and
+    the fine-tune (``--lora``, ``--qlora``, ``--freeze``: shard_planner/finetune.py)."""
 
     task: str | None = None
     seq_len: int | None = None
+    finetune: FineTune | None = None
 
     def __post_init__(self):
         if self.task is not None and self.task not in HF_TASKS:
@@ -73,17 +80,26 @@ class HfOptions:
 
 @dataclass(frozen=True)
 class HfModel:
-    """What a model file defines, made from a config: ``build_model``, ``make_batch`` and ``TRAINING``."""
+    """What a model file defines, made from a config: ``build_model``, ``make_batch`` and ``TRAINING``; and
+    the fine-tune ``build_model`` applies, its LoRA targets named (None: the model as transformers builds it)."""
 
     build_model: Callable[[], object]
     make_batch: Callable[[int], dict]
     training: dict
+    finetune: FineTune | None = None
 
 
-def plan_options(path: str, task: str | None, seq_len: int | None) -> HfOptions | None:
-    """For a plan's model at ``path``: the task and sequence length it was planned with when it is a
-    transformers config (so ``run`` and ``export`` rebuild the planned model), else None."""
-    return HfOptions(task=task, seq_len=seq_len) if config_file(path) is not None else None
+def plan_options(path: str, task: str | None, seq_len: int | None,
+                 finetune: FineTune | None = None) -> HfOptions | None:
+    """For a plan's model at ``path``: the task, sequence length and fine-tune it was planned with when it
+    is a transformers config (so ``run`` and ``export`` rebuild the planned model), else None."""
+    return HfOptions(task=task, seq_len=seq_len, finetune=finetune) if config_file(path) is not None else None
+
+
+def model_options(model, path: str | None = None) -> HfOptions | None:
+    """:func:`plan_options` of a plan's model section (a :class:`~shard_planner.plan.ModelRef`), for the
+    model file at ``path`` (default: the section's own path)."""
+    return plan_options(path or model.path, model.hf_task, model.seq_len, model.finetune)
 
 
 def config_file(path: str | Path) -> Path | None:
@@ -119,18 +135,44 @@ def load_hf_config(path: str, options: HfOptions = HfOptions()) -> HfModel:
     seq_len = options.seq_len or _default_seq_len(config)
     make_inputs = _image_inputs(config) if spec.inputs == "image" else _text_inputs(config, seq_len)
     training = {"seq_len": seq_len} if spec.inputs == "text" else {}
-    logger.info("%s: %s (%s), %s", path, model_class.__name__, task,
-                f"sequence length {seq_len}" if spec.inputs == "text" else "image inputs")
+    finetune = None
+    if options.finetune is not None:
+        from shard_planner.hf_finetune import resolved
+
+        finetune = resolved(options.finetune, config.model_type, path)
+    logger.info("%s: %s (%s), %s%s", path, model_class.__name__, task,
+                f"sequence length {seq_len}" if spec.inputs == "text" else "image inputs",
+                f", {finetune.text}" if finetune is not None else "")
     return HfModel(
-        build_model=lambda: model_class._from_config(config),
+        build_model=_builder(model_class, config, finetune, path),
         make_batch=_with_labels(config, spec, make_inputs, seq_len),
         training=training,
+        finetune=finetune,
     )
 
 
+def _builder(model_class, config, finetune: FineTune | None, path: str) -> Callable[[], object]:
+    """``build_model``: the model from the config (no weights), fine-tuned as ``finetune`` says."""
+    if finetune is None:
+        return lambda: model_class._from_config(config)
+
+    def build():
+        from shard_planner.hf_finetune import apply_finetune
+
+        return apply_finetune(model_class._from_config(config), finetune, path)
+
+    return build
+
+
 def _import_transformers(path: str):
+    """transformers, with its modeling code (which imports torchao where it is installed: quietly, see
+    hf_finetune.quiet_imports)."""
+    from shard_planner.hf_finetune import quiet_imports
+
     try:
-        import transformers
+        with quiet_imports():
+            import transformers
+            import transformers.modeling_utils  # noqa: F401
     except ImportError as exc:
         raise ModelFileError(f"{path}: a transformers config needs transformers: {INSTALL_HINT}") from exc
     return transformers

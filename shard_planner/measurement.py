@@ -92,6 +92,9 @@ class CheckpointResult:
     save_memory_method: str  # "storage-tracker" (CPU) or "cuda max_memory_allocated"
     directory: str | None  # where it is kept (None: a temporary folder, removed)
     restores: tuple[RestoreCheck, ...]
+    # frozen parameter elements the checkpoint leaves out (execute/checkpoint.py [Note: what a fine-tune's
+    # checkpoint holds]): it holds the trainable ones and their optimizer state. 0: everything trains.
+    frozen_params_left_out: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "restores", tuple(

@@ -101,6 +101,8 @@ class ModelFile:
     make_batch: Callable[[int], Any]
     loss_fn: Callable[[Any, Any], Any]
     training: dict = field(default_factory=dict)
+    # a transformers config's fine-tune (--lora, --qlora, --freeze), LoRA targets named: what a plan records
+    finetune: Any = None
 
     @property
     def defaults(self) -> TrainingDefaults:
@@ -181,7 +183,10 @@ def load_model_file(path: str, hf_options=None) -> ModelFile:
 
     if hf.config_file(path) is not None:
         made = hf.load_hf_config(str(path), hf_options or hf.HfOptions())
-        return ModelFile(str(path), made.build_model, made.make_batch, default_loss_fn, made.training)
+        return ModelFile(str(path), made.build_model, made.make_batch, default_loss_fn, made.training, made.finetune)
+    if hf_options is not None and hf_options.finetune is not None:
+        raise ModelFileError(f"{path}: --lora, --qlora and --freeze apply to a transformers config (config.json) "
+                             "only; a model file freezes parameters itself, in build_model()")
     if hf_options is not None and hf_options != hf.HfOptions():
         raise ModelFileError(f"{path}: --hf-task and --seq-len apply to a transformers config (config.json) only")
     module = _import(path)

@@ -27,6 +27,7 @@ from pathlib import Path
 from shard_planner.checkpointing import DEFAULT_SAVE_OPS, SAVEABLE_OP_CLASSES, SELECTIVE
 from shard_planner.errors import PlanError
 from shard_planner.fileio import read_json, write_atomic
+from shard_planner.finetune import FineTune  # the plan file's "model.finetune": what was frozen and how
 from shard_planner.mesh import Mesh  # the plan file's "mesh" section: the parallel degrees
 from shard_planner.plan_schema import AnyOf, Bool, Int, ListOf, MapOf, Nullable, Number, Section, Text
 
@@ -242,6 +243,9 @@ class ModelRef:
     seq_len: int | None = None
     relative_path: str | None = None
     hf_task: str | None = None  # a transformers config's --hf-task: what `run` and `export` rebuild it as
+    # a transformers config's --lora / --qlora / --freeze, LoRA targets named: `run`, `export` and `report`
+    # rebuild the same fine-tune (None: as transformers builds it; plans written before it have none)
+    finetune: FineTune | None = None
 
 
 @dataclass(frozen=True)
@@ -337,6 +341,8 @@ class Plan:
         for u in d["units"]:  # written for selective units only: other units' JSON stays as before
             if not u["ac_save_ops"]:
                 del u["ac_save_ops"]
+        if self.model.finetune is None:  # plans without a fine-tune read as they did before it
+            del d["model"]["finetune"]
         if self.mesh.tp == 1:  # plans without tensor parallelism read as they did before it
             d["mesh"].pop("tp")
         if self.training.accumulation_steps == 1:  # plans without accumulation read as they did before it
@@ -369,6 +375,7 @@ _COUNT, _BYTES, _SECONDS = Int(least=1), Int(least=0), Number(non_negative=True)
 PLAN_RULES = {
     "ModelRef.seq_len": Nullable(_COUNT), "ModelRef.relative_path": Nullable(Text()),
     "ModelRef.hf_task": Nullable(Text()),
+    "FineTune.lora_rank": Nullable(_COUNT), "FineTune.lora_targets": ListOf(Text()), "FineTune.freeze": ListOf(Text()),
     "Cluster.gpus": _COUNT, "Cluster.gpus_per_node": _COUNT, "Cluster.mem_budget_bytes": _COUNT,
     "Mesh.shard": _COUNT, "Mesh.replicate": _COUNT, "Mesh.tp": _COUNT,
     "Training.micro_batch": _COUNT, "Training.optimizer": Text(OPTIMIZERS),

@@ -48,7 +48,9 @@ class Parser(argparse.ArgumentParser):
 
 
 def add_hf_arguments(p: argparse.ArgumentParser) -> None:
-    """``--hf-task`` and ``--seq-len``: for a MODEL that is a transformers config (shard_planner.hf)."""
+    """``--hf-task``, ``--seq-len`` and the fine-tune (``--lora``, ``--lora-targets``, ``--qlora``,
+    ``--freeze``: shard_planner/finetune.py): for a MODEL that is a transformers config (shard_planner.hf)."""
+    from shard_planner.finetune import parse_targets
     from shard_planner.hf import HF_TASKS
 
     g = p.add_argument_group("when MODEL is a transformers config (config.json, or a folder holding one)")
@@ -57,13 +59,30 @@ def add_hf_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seq-len", type=positive_int, default=None, metavar="T",
                    help="tokens per sample of the synthetic batch (default: min(2048, the config's maximum "
                    "positions), 512 where it names none)")
+    g.add_argument("--lora", type=positive_int, default=None, metavar="R",
+                   help="fine-tune with LoRA adapters of rank R (peft; alpha 2R): the base is frozen, the adapters "
+                   "train in fp32 (pip install 'shard-planner[finetune]')")
+    g.add_argument("--lora-targets", type=parse_targets, default=(), metavar="NAMES",
+                   help="the modules that get adapters, peft's names: q_proj,v_proj or all-linear (every Linear but "
+                   "the output layer); default: peft's default for the architecture (q_proj,v_proj for Llama), "
+                   "all-linear where it has none")
+    g.add_argument("--qlora", action="store_true",
+                   help="QLoRA: every Linear weight but the output layer in NF4 (torchao to_nf4), frozen, with the "
+                   "--lora adapters on top")
+    g.add_argument("--freeze", action="append", default=[], metavar="PATTERN",
+                   help="freeze every parameter of the modules whose names match PATTERN (fnmatch, e.g. "
+                   "'model.embed_tokens' or '*vision_tower*'; repeatable); the rest train")
 
 
 def hf_options(args: argparse.Namespace):
-    """The :class:`~shard_planner.hf.HfOptions` of :func:`add_hf_arguments`' arguments; None when neither
+    """The :class:`~shard_planner.hf.HfOptions` of :func:`add_hf_arguments`' arguments; None when none
     is given (a model file then loads as before)."""
+    from shard_planner.finetune import FineTune
     from shard_planner.hf import HfOptions
 
-    if args.hf_task is None and args.seq_len is None:
+    finetune = None
+    if args.lora is not None or args.lora_targets or args.qlora or args.freeze:
+        finetune = FineTune(args.lora, args.lora_targets, args.qlora, tuple(args.freeze))
+    if args.hf_task is None and args.seq_len is None and finetune is None:
         return None
-    return HfOptions(task=args.hf_task, seq_len=args.seq_len)
+    return HfOptions(task=args.hf_task, seq_len=args.seq_len, finetune=finetune)

@@ -67,8 +67,9 @@ def run(args: argparse.Namespace) -> int:
     timings = plan.cluster.timings if req.timings is None else (req.timings or None)
     profile = load_priced_profile(req.profile or plan.cluster.profile, timings)
     options = hf_options(args)
-    if config_file(req.model) is not None:  # the sequence length the plan was made for, unless given
-        options = HfOptions(args.hf_task or plan.model.hf_task, args.seq_len or plan.model.seq_len)
+    if config_file(req.model) is not None:  # the sequence length and fine-tune the plan was made for, unless given
+        options = HfOptions(args.hf_task or plan.model.hf_task, args.seq_len or plan.model.seq_len,
+                            (options.finetune if options is not None else None) or plan.model.finetune)
     model_file = load_unless_trace(req.model, options)
     dtype = plan.training.param_dtype
     trace = trace_or_load(req.model, dtype=dtype) if model_file is None else trace_model(model_file, dtype=dtype)

@@ -100,7 +100,7 @@ def _run(args: argparse.Namespace, helper: Helper) -> int:
         profile = load_priced_profile(args.profile, args.timings)
         dtype = DTYPE_NAMES[args.dtype]
         try:
-            trace, defaults, trace_s = tracing.result()
+            trace, defaults, finetune, trace_s = tracing.result()
         except HelperDied as exc:
             raise ModelFileError(f"{args.model}: the process tracing it {exc.ended}: does the model file call exit() "
                                  "or crash?") from exc
@@ -119,8 +119,9 @@ def _run(args: argparse.Namespace, helper: Helper) -> int:
                       global_batch_tokens=args.global_batch_tokens)
     result = plan_model(trace, req)
     result = replace(result, plan=with_model_located(result.plan, args.output))
-    if args.hf_task is not None:  # run and export rebuild the config as this task
-        result = replace(result, plan=replace(result.plan, model=replace(result.plan.model, hf_task=args.hf_task)))
+    if args.hf_task is not None or finetune is not None:  # run and export rebuild the config as this task, fine-tuned
+        result = replace(result, plan=replace(result.plan, model=replace(result.plan.model, hf_task=args.hf_task,
+                                                                         finetune=finetune)))
     save_plan(result.plan, args.output)
     print(summary(result, profile))
     print(f"wrote {args.output}")
@@ -153,8 +154,9 @@ def time_line(result: PlanResult, trace_s: float | None, report_s: float | None,
 
 
 def _load_and_trace(model: str, hf, dtype: str):
-    """(trace, the model file's TRAINING defaults or None for a trace.json, seconds): the model argument
-    loaded (imports included) and traced, or a trace.json read."""
+    """(trace, the model file's TRAINING defaults or None for a trace.json, a transformers config's fine-tune
+    with its LoRA targets named or None, seconds): the model argument loaded (imports included) and traced, or
+    a trace.json read."""
     t0 = time.perf_counter()
     with without_collections():
         from shard_planner.modelfile import load_unless_trace
@@ -162,7 +164,8 @@ def _load_and_trace(model: str, hf, dtype: str):
 
         model_file = load_unless_trace(model, hf)
         trace = trace_or_load(model, dtype=dtype) if model_file is None else trace_model(model_file, dtype=dtype)
-    return trace, (model_file.defaults if model_file is not None else None), time.perf_counter() - t0
+    return (trace, model_file.defaults if model_file is not None else None,
+            model_file.finetune if model_file is not None else None, time.perf_counter() - t0)
 
 
 def _import_report() -> None:
@@ -226,7 +229,8 @@ def summary(result: PlanResult | Plan, profile) -> str:
     pr = plan.predicted
     budget = profile.tensor_budget_bytes(plan.cluster.mem_budget_bytes)
     tr = plan.training
-    lines = [f"plan for {plan.model.path}: {len(plan.units)} FSDP units, {plan.mesh.description}, "
+    finetune = f" ({plan.model.finetune.text})" if plan.model.finetune is not None else ""
+    lines = [f"plan for {plan.model.path}{finetune}: {len(plan.units)} FSDP units, {plan.mesh.description}, "
              f"micro-batch {tr.micro_batch}, "
              f"prefetch forward {plan.prefetch.forward} / backward {plan.prefetch.backward}"
              f"{', CPU offload' if tr.cpu_offload else ''}"]

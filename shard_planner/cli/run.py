@@ -146,6 +146,9 @@ def _print_checkpoint(c) -> bool:
     print(f"checkpoint at step {c.saved_at_step} ({where}): {format_bytes(c.size_bytes)} on disk, saved in "
           f"{c.save_s:.3f} s, {format_bytes(c.save_extra_peak_bytes)} extra peak memory while saving "
           f"[{c.save_memory_method}]")
+    if c.frozen_params_left_out:
+        print(f"  it holds what training changes, the trainable parameters and their optimizer state; the "
+              f"{c.frozen_params_left_out:,} frozen parameters are left out (the model file builds them)")
     for r in c.restores:
         print(f"  {_restore_line(r)}")
     return c.ok

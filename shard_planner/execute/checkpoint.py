@@ -16,6 +16,18 @@ parts (:func:`regrouped_batch`), which gives the same mean loss and gradient for
 over the samples of a model without cross-sample operators (the example models), up to the order of
 floating-point sums (see :func:`loss_tolerance`).
 
+[Note: what a fine-tune's checkpoint holds]
+Where some parameters are frozen (a LoRA or QLoRA base, ``--freeze``), the checkpoint holds what training
+changes and nothing else: the trainable parameters and their optimizer state
+(``StateDictOptions(ignore_frozen_params=True)``, torch/distributed/checkpoint/state_dict.py, which drops
+every parameter with ``requires_grad`` False from the model's state dict; the optimizer holds states for
+trainable parameters only: worker.make_optimizer). The frozen ones are what ``build_model()`` makes (in real
+use the pretrained base the user loads), and a restore builds them the same way (seeded) before it loads the
+rest, non-strictly, then checks that the only keys it did not load are frozen parameters. So a LoRA adapter's
+checkpoint is megabytes where the base is gigabytes, and an NF4 base (which DCP and the digests' byte view
+cannot handle: NF4Tensor implements no ``view(dtype)``) is never written. The digests below cover what was
+saved.
+
 [Note: checking that every tensor came back]
 Beside DCP's files the saving world's rank 0 writes ``shard-planner-checkpoint.json``: the progress, the
 next steps' losses of the run that saved it (it goes on training after saving) and a SHA-256 digest of
@@ -36,7 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 from shard_planner.errors import first_line
@@ -46,6 +58,23 @@ from shard_planner.execute.memtrack import StorageTracker
 logger = logging.getLogger(__name__)
 
 # ---- save and load ----
+def frozen_names(model) -> list[str]:
+    """The model's frozen parameters (``requires_grad`` False), by name."""
+    return [name for name, p in model.named_parameters() if not p.requires_grad]
+
+
+def frozen_numel(model) -> int:
+    """Elements of the model's frozen parameters (whole, also when sharded): what a checkpoint leaves out."""
+    return sum(p.numel() for p in model.parameters() if not p.requires_grad)
+
+
+def _options(model) -> StateDictOptions:
+    """What the state dicts hold: without the frozen parameters where there are some ([Note: what a
+    fine-tune's checkpoint holds]; loaded non-strictly then, and checked), else everything, strictly."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+
+
 def _slowest_s(seconds: float, device: torch.device) -> float:
     t = torch.tensor([seconds], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -65,7 +94,7 @@ def save_checkpoint(model, optimizer, progress: dict, directory: str, device: to
     tracker = None if cuda else StorageTracker(device_type="cpu")  # counts only what saving allocates
     start = time.perf_counter()
     with tracker if tracker is not None else contextlib.nullcontext():
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
         dcp.save({"model": model_sd, "optim": optim_sd, "progress": dict(progress)}, checkpoint_id=directory)
         del model_sd, optim_sd
     if cuda:
@@ -95,14 +124,20 @@ def load_checkpoint(model, optimizer, directory: str, device: torch.device) -> t
     cannot read."""
     dist.barrier()
     start = time.perf_counter()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    options = _options(model)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state = {"model": model_sd, "optim": optim_sd, "progress": {"step": -1, "data_ranks": -1, "micro_batch": -1}}
     try:
         dcp.load(state, checkpoint_id=directory)
     except (Exception, CheckpointException) as exc:  # many kinds on a truncated or corrupted file: one line for all
         raise CheckpointError(f"{directory}: the checkpoint cannot be read: is a file of it truncated or corrupted? "
                               f"({_root_cause(exc)})") from exc
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    loaded = set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                            options=options)
+    missing = set(loaded.missing_keys) - set(frozen_names(model)) if loaded is not None else set()
+    if missing or (loaded is not None and loaded.unexpected_keys):
+        raise CheckpointError(f"{directory}: the checkpoint does not match the model: missing "
+                              f"{sorted(missing)[:3]}, unexpected {sorted(loaded.unexpected_keys)[:3]}")
     seconds = time.perf_counter() - start
     dist.barrier()
     return state["progress"], _slowest_s(seconds, device)
@@ -123,7 +158,7 @@ def _leaves(prefix: str, obj, out: list) -> None:
 def state_digests(model, optimizer) -> dict[str, str]:
     """SHA-256 of every entry of the model's and optimizer's state dict, tensors whole (a collective: every
     rank calls it; rank 0 returns the digests, the others {})."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
     leaves: list = []
     _leaves("", {"model": model_sd, "optim": optim_sd}, leaves)
     rank0 = dist.get_rank() == 0

@@ -31,6 +31,7 @@ import torch.nn as nn
 from shard_planner.comm import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CollectiveBytes
 from shard_planner.cost.comm_bytes import ParamShape
 from shard_planner.ownership import innermost_unit
+from shard_planner.param_storage import stored_parts
 from shard_planner.plan import Plan
 
 logger = logging.getLogger(__name__)
@@ -98,10 +99,6 @@ class CommCounter:
         return out
 
 
-def _shape(p: torch.Tensor) -> ParamShape:
-    return ParamShape(int(p.shape[0]), int(p.numel()), str(p.dtype).removeprefix("torch."), p.requires_grad)
-
-
 def unit_param_shapes(model: nn.Module, plan: Plan) -> tuple[tuple[tuple[ParamShape, ...], ...], tuple[ParamShape, ...]]:
     """(per plan unit, the shapes of the parameters it will shard; the 0-d parameters), read from the
     unsharded ``model``: each Parameter (once, tied ones at their first registration) belongs to the
@@ -119,8 +116,9 @@ def unit_param_shapes(model: nn.Module, plan: Plan) -> tuple[tuple[tuple[ParamSh
                 scalars.append(ParamShape(1, 1, str(p.dtype).removeprefix("torch."), p.requires_grad))
                 continue
             i = innermost_unit(fqn, unit_of)
-            if i is not None:
-                per_unit[i].append(_shape(p))
+            if i is not None:  # what FSDP2 shards and gathers of it: an NF4 weight's packed codes and scalers
+                per_unit[i].extend(ParamShape(part.dim0, part.numel, part.dtype, p.requires_grad)
+                                   for part in stored_parts(p) if part.sharded)
     return tuple(tuple(ps) for ps in per_unit), tuple(scalars)
 
 

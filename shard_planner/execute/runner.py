@@ -61,7 +61,7 @@ def _check_checkpointing_allowed(plans: list[Plan]) -> None:
     for plan in plans:
         if not any(u.activation_checkpoint for u in plan.units):
             continue
-        key = (plan.model.path, plan.model.hf_task, plan.model.seq_len)
+        key = (plan.model.path, plan.model.hf_task, plan.model.seq_len, plan.model.finetune)
         if key not in probed:
             probed[key] = _probe_forward_cache(plan)
         check_checkpointing_allowed(plan.units, plan.model.path, probed[key])
@@ -70,12 +70,12 @@ def _check_checkpointing_allowed(plans: list[Plan]) -> None:
 def _probe_forward_cache(plan: Plan) -> str | None:
     """trace/cache.py's probe of ``plan``'s model; None (logged) when the probe itself fails: the run
     then goes on, as it did before the probe."""
-    from shard_planner.hf import plan_options
+    from shard_planner.hf import model_options
     from shard_planner.modelfile import load_model_file
     from shard_planner.trace.cache import probe_forward_cache
 
     path = plan.model.path
-    model_file = load_model_file(path, plan_options(path, plan.model.hf_task, plan.model.seq_len))
+    model_file = load_model_file(path, model_options(plan.model))
     try:
         return probe_forward_cache(model_file)
     except Exception as exc:  # a check, not the run: the ranks report the model's own errors

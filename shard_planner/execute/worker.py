@@ -52,8 +52,8 @@ from shard_planner.errors import RunError, UserError, first_line
 from shard_planner.cost.comm_bytes import collective_bytes_per_step
 from shard_planner.execute.accumulate import batch_index, set_micro_step
 from shard_planner.execute.apply import apply_plan, build_mesh
-from shard_planner.execute.checkpoint import (differing_entries, load_checkpoint, loss_tolerance, regrouped_batch,
-                                              save_checkpoint, state_digests)
+from shard_planner.execute.checkpoint import (differing_entries, frozen_numel, load_checkpoint, loss_tolerance,
+                                              regrouped_batch, save_checkpoint, state_digests)
 from shard_planner.execute.checkpoint_dir import directory_bytes, read_side_file, write_side_file
 from shard_planner.execute.comm_count import units_with_backward, CommCounter, unit_param_shapes
 from shard_planner.execute.memtrack import StorageTracker
@@ -61,7 +61,7 @@ from shard_planner.execute.runner import with_prediction
 from shard_planner.fileio import write_atomic
 from shard_planner.measurement import (CheckpointResult, Measurement, RankMemory, RestoreCheck, plan_fingerprint,
                                        save_measurement)
-from shard_planner.hf import HfOptions, config_file
+from shard_planner.hf import HfOptions, model_options
 from shard_planner.modelfile import ModelFile, load_model_file, map_inputs
 from shard_planner.plan import OPTIMIZER_TORCH, Plan, Training, load_plan
 
@@ -86,10 +86,11 @@ class RunOptions:
 
 # ---- the pieces a run is made of (also used by the tests' single-process reference) ----
 def make_optimizer(plan: Plan, params) -> torch.optim.Optimizer:
-    """The plan's optimizer; the hyper-parameters that the plan does not carry are PyTorch defaults."""
+    """The plan's optimizer over the trainable ones of ``params`` (a fine-tune's frozen base has no state,
+    as the cost model prices it); the hyper-parameters that the plan does not carry are PyTorch defaults."""
     if plan.training.optimizer in OPTIMIZER_TORCH:
         cls, kwargs = OPTIMIZER_TORCH[plan.training.optimizer]
-        return getattr(torch.optim, cls)(params, lr=plan.training.lr, **kwargs)
+        return getattr(torch.optim, cls)([p for p in params if p.requires_grad], lr=plan.training.lr, **kwargs)
     raise RunError(f"unknown optimizer {plan.training.optimizer!r}")
 
 
@@ -101,10 +102,9 @@ def make_step_batch(model_file: ModelFile, micro_batch: int, step: int, rank: in
 
 
 def _hf_options(plan: Plan, model_path: str) -> HfOptions | None:
-    """For a transformers config: the plan's task and sequence length, so the run builds the planned model and batch."""
-    if config_file(model_path) is None:
-        return None
-    return HfOptions(task=plan.model.hf_task, seq_len=plan.model.seq_len)
+    """For a transformers config: the plan's task, sequence length and fine-tune, so the run builds the planned
+    model and batch."""
+    return model_options(plan.model, model_path)
 
 
 def build_on_device(model_file: ModelFile, device: torch.device) -> torch.nn.Module:
@@ -379,6 +379,7 @@ def _save_and_continue(step: _Stepper, plan: Plan, options: RunOptions, next_ste
     dist.barrier()  # the side file is there before anyone reads it
     return dict(saved_at_step=next_step, world_size=dist.get_world_size(), save_s=save_s,
                 size_bytes=directory_bytes(directory), save_extra_peak_bytes=max(extras),
+                frozen_params_left_out=frozen_numel(step.model),
                 save_memory_method="cuda max_memory_allocated" if step.device.type == "cuda" else "storage-tracker",
                 directory=directory)
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
+from shard_planner.param_storage import stored_parts
+
 
 @dataclass
 class OwnParams:
@@ -27,21 +29,28 @@ class OwnParams:
     frozen_tensors: int = 0
     frozen_bytes_by_dtype: dict[str, int] = field(default_factory=dict)  # of bytes_by_dtype, the frozen ones
     frozen_scalar_bytes_by_dtype: dict[str, int] = field(default_factory=dict)  # of those, the 0-d ones
+    quantized_bytes_by_dtype: dict[str, int] = field(default_factory=dict)  # of bytes_by_dtype, quantised weights'
 
     def add(self, p: nn.Parameter) -> None:
-        dtype, nbytes = str(p.dtype).removeprefix("torch."), p.numel() * p.element_size()
-        frozen, scalar = not p.requires_grad, p.dim() == 0
+        """Count ``p``: its elements as the weight it stands for, its bytes as the tensors it stores
+        (param_storage.stored_parts: an NF4 weight's inner tensors), those FSDP2 does not shard as the
+        0-d ones (whole on every rank)."""
+        frozen = not p.requires_grad
         self.count += p.numel()
         self.tensors += 1
-        _add(self.bytes_by_dtype, dtype, nbytes)
-        if scalar:
-            _add(self.scalar_bytes_by_dtype, dtype, nbytes)
         if frozen:
             self.frozen_count += p.numel()
             self.frozen_tensors += 1
-            _add(self.frozen_bytes_by_dtype, dtype, nbytes)
-            if scalar:
-                _add(self.frozen_scalar_bytes_by_dtype, dtype, nbytes)
+        for part in stored_parts(p):
+            _add(self.bytes_by_dtype, part.dtype, part.nbytes)
+            if not part.sharded:
+                _add(self.scalar_bytes_by_dtype, part.dtype, part.nbytes)
+            if frozen:
+                _add(self.frozen_bytes_by_dtype, part.dtype, part.nbytes)
+                if not part.sharded:
+                    _add(self.frozen_scalar_bytes_by_dtype, part.dtype, part.nbytes)
+            if part.quantized:
+                _add(self.quantized_bytes_by_dtype, part.dtype, part.nbytes)
 
 
 def _add(by_dtype: dict[str, int], dtype: str, nbytes: int) -> None:

@@ -144,6 +144,12 @@ class ModuleTrace:
     # Whether an output requires grad (FSDP2's pre-backward hook) is whether the module is in the trace's
     # ``backward_order``. None in traces written before this field.
     input_requires_grad: bool | None = None
+    # Of ``param_bytes_by_dtype`` (and of its sharded and 0-d parts alike), what quantised weights store: an NF4
+    # weight's codes, scalers, factors, mean and code table (shard_planner/param_storage.py, [Note: NF4
+    # parameters as stored]). FSDP2 gathers them through the tensor's own fsdp_pre_all_gather, which mixed
+    # precision does not cast, floating parts (the factors) included; they never train. Traces written
+    # before this field load with none.
+    quantized_param_bytes_by_dtype: dict[str, int] = field(default_factory=dict)
 
     @property
     def param_bytes(self) -> int:
