@@ -49,6 +49,7 @@ from shard_planner.cost.time import (BlockCompute, measured_block_times, simulat
                                     unit_copies_s)
 from shard_planner.cost.activations import BlockActivations, block_activations
 from shard_planner.cost.memory import simulate_memory_walk
+from shard_planner.cost.quantized import dequantisation_s, subtree_dequantisation_s
 from shard_planner.cost.reserved import ReservedEstimate, simulate_reserved
 from shard_planner.cost.types import Estimate, MemoryEstimate, TimeEstimate
 from shard_planner.cost.unit_bytes import UnitBytes, query_unit_bytes
@@ -110,6 +111,7 @@ class CostModel:
         self._reserved = _LRU(memo_size)
         self._timings_checked: set[str] = set()
         self._kernel_modules = _LRU(tables_cache_size)  # per-module and loss kernel seconds
+        self._dequant = _LRU(tables_cache_size)  # per quantised module, dequantisation seconds
         self._kernel_records = has_kernel_records(trace)
         self._worlds: dict[int, CostModel] = {}
 
@@ -254,9 +256,11 @@ class CostModel:
         if kernels is not None:  # GPU kernel model (cost/kernels.py) from the trace's kernel records
             priced_fwd, priced_bwd = block_kernel_s(self.trace, blocks, kernels[0])
             loss_priced = kernels[1]
-        else:
-            priced_fwd = tuple(blk.fwd_flops.at(b) / rate for blk in blocks)
-            priced_bwd = tuple(blk.bwd_flops.at(b) / rate for blk in blocks)
+        else:  # FLOPs, and the dequantisation of quantised weights they do not see (cost/quantized.py)
+            deq = self._dequantisation_s(b, param_dtype)
+            extra = [subtree_dequantisation_s(self.trace, blk.fqn, deq, blk.self_only) for blk in blocks]
+            priced_fwd = tuple(blk.fwd_flops.at(b) / rate + x[0] for blk, x in zip(blocks, extra))
+            priced_bwd = tuple(blk.bwd_flops.at(b) / rate + x[1] for blk, x in zip(blocks, extra))
             loss_priced = self.trace.loss_flops.at(b) / rate
         if timings is not None:
             loss_dev, loss_host = timings.loss_fwd_s.at(b) + timings.loss_bwd_s.at(b), 0.0
@@ -293,6 +297,11 @@ class CostModel:
                     loss_kernel_s(self.trace, q.micro_batch, dev, rate))
         return self._kernel_modules.get_or(BatchQuery(micro_batch, param_dtype), price)
 
+    def _dequantisation_s(self, micro_batch: int, param_dtype: str) -> dict[str, tuple[float, float]]:
+        """Per module holding quantised weights, their dequantisation's seconds (cost/quantized.py)."""
+        return self._dequant.get_or(BatchQuery(micro_batch, param_dtype),
+                                    lambda q: dequantisation_s(self.trace, q.micro_batch, self.profile))
+
     def module_compute_s(self, fqn: str | None, micro_batch: int, param_dtype: str) -> tuple[float, float]:
         """Forward and backward seconds of ``fqn``'s subtree at ``micro_batch``, compute only (no FSDP2 or
         per-op overhead): measured when the profile's module timings have the module, else FLOPs /
@@ -314,8 +323,9 @@ class CostModel:
         rate = self.profile.flops_per_s(param_dtype)
         if fqn is None:  # the trace does not split the loss's FLOPs into forward and backward
             return self.trace.loss_flops.at(micro_batch) / rate, 0.0
-        return (self.subtree_sum(fqn, "fwd_flops_self").at(micro_batch) / rate,
-                self.subtree_sum(fqn, "bwd_flops_self").at(micro_batch) / rate)
+        deq_f, deq_b = subtree_dequantisation_s(self.trace, fqn, self._dequantisation_s(micro_batch, param_dtype))
+        return (self.subtree_sum(fqn, "fwd_flops_self").at(micro_batch) / rate + deq_f,
+                self.subtree_sum(fqn, "bwd_flops_self").at(micro_batch) / rate + deq_b)
 
     # ---- estimates ----
     def memory(self, plan: Plan, *, timeline: bool = True) -> MemoryEstimate:

@@ -32,7 +32,7 @@ def test_frozen_fine_tune_runs_as_predicted_world_size_2(monkeypatch, kind):
     reduced = sum(c.bytes for c in m.comm_measured if c.collective == REDUCE_SCATTER)
     trainable_fp32_grads = 4 * trace.trainable_param_count
     assert reduced == trainable_fp32_grads  # (no padding at these shapes on 2 ranks)
-    assert m.peak_bytes == pytest.approx(plan.predicted.peak_bytes, rel=0.005)
+    assert m.peak_bytes == pytest.approx(plan.predicted.peak_bytes, rel=0.03)  # issue 28: within 3%
 
 
 @pytest.mark.multiprocess

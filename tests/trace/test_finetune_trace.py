@@ -94,3 +94,29 @@ def test_freeze_patterns_freeze_those_modules_only(config):
     assert all(f == "model.embed_tokens" or f.startswith("model.layers.0.") for f in frozen)
     layer = trace.subtree_param_count("model.layers.0")
     assert trace.param_count - trace.trainable_param_count == VOCAB * HIDDEN + layer
+
+
+def test_nf4_dequantisation_is_priced_on_a_gpu_profile(config):
+    """The 'flops' compute model adds each NF4 module's own memory-bound kernels (its dequantisation) at the
+    achieved HBM bandwidth (cost/quantized.py [Note: NF4 dequantisation time]); a LoRA base adds none."""
+    need_finetune_extra(qlora=True)
+    from shard_planner.cost import CostModel
+    from shard_planner.cost.fsdp_copies import copy_bandwidth_bytes_per_s
+    from shard_planner.cost.kernels import MEMORY_BOUND
+    from shard_planner.profile import load_profile
+    from shard_planner.trace import trace_model
+
+    h100 = load_profile("h100-80gb")
+    qlora = trace_model(load(config, FineTune(lora_rank=8, lora_targets=(ALL_LINEAR,), qlora=True)))
+    lora = trace_model(load(config, FineTune(lora_rank=8, lora_targets=(ALL_LINEAR,))))
+    nf4 = [m for m in qlora.modules if m.quantized_param_bytes_by_dtype]
+    assert nf4
+    bw = copy_bandwidth_bytes_per_s(h100)
+    expected = sum(r.bytes.at(2) for m in nf4 for r in m.fwd_kernels if r.op_class in MEMORY_BOUND) / bw
+    rate = h100.flops_per_s("bfloat16")
+    cm = CostModel(qlora, h100)
+    fwd, _ = cm.module_compute_s("", 2, "bfloat16")
+    assert expected > 0 and fwd == pytest.approx(cm.subtree_sum("", "fwd_flops_self").at(2) / rate + expected)
+    lora_cm = CostModel(lora, h100)
+    assert lora_cm.module_compute_s("", 2, "bfloat16")[0] == pytest.approx(
+        lora_cm.subtree_sum("", "fwd_flops_self").at(2) / rate)
