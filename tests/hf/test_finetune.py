@@ -92,3 +92,19 @@ def test_cli_plans_lora_and_runs_it_from_the_plan(tmp_path):
     with contextlib.redirect_stdout(io.StringIO()):
         assert cli_main(["estimate", path, "--plan", str(plan_path)]) == 0
         assert cli_main(["report", str(plan_path), "-o", str(tmp_path / "report")]) == 0
+
+
+def test_exports_carry_the_fine_tune_or_say_they_cannot(tmp_path):
+    """The FSDP2 snippet builds the fine-tune (peft's call) and steps the trainable parameters; Accelerate and
+    DeepSpeed say how to build it in the user's script; torchtitan 0.3 says plainly it cannot (issue 28 item 6)."""
+    from shard_planner.report.export import export_plan
+    from shard_planner.report.export.common import finetune_notes
+
+    need_finetune_extra()
+    plan = _plans(write_config(tmp_path), KINDS["lora"])[1][0]
+    fsdp2 = export_plan(plan, "fsdp2").text
+    assert "peft.get_peft_model" in fsdp2 and "if p.requires_grad" in fsdp2
+    assert any("cannot express it" in n for n in finetune_notes(plan, "torchtitan 0.3", expressible=False))
+    assert any("peft.LoraConfig(r=8" in n for n in finetune_notes(plan, "Accelerate", expressible=True))
+    plain = replace(plan, model=replace(plan.model, finetune=None))
+    assert "peft" not in export_plan(plain, "fsdp2").text and finetune_notes(plain, "Accelerate", True) == []

@@ -20,7 +20,8 @@ from shard_planner.checkpointing import SELECTIVE
 from shard_planner.plan import Plan
 from shard_planner.report.export.accumulation import accelerate_lines, policy_notes
 from shard_planner.report.export.common import (
-    TORCH_DTYPES, Export, comment_block, emit_yaml, optimizer_call, grouped_note, prefetch_notes, uniform_reshard,
+    TORCH_DTYPES, Export, comment_block, emit_yaml, finetune_notes, optimizer_call, grouped_note, prefetch_notes,
+    uniform_reshard,
 )
 from shard_planner.report.export.model_info import ModelInfo
 
@@ -76,7 +77,7 @@ def _reduce_dtype_notes(t) -> list[str]:
 
 
 def export_accelerate(plan: Plan, info: ModelInfo) -> Export:
-    notes: list[str] = []
+    notes: list[str] = finetune_notes(plan, "Accelerate", expressible=True)
     classes, class_notes = wrap_classes(plan, info)
     notes += class_notes
     fsdp: dict = {"fsdp_version": 2}
@@ -140,7 +141,8 @@ def export_accelerate(plan: Plan, info: ModelInfo) -> Export:
         "Use: accelerate launch --config_file THIS_FILE train.py",
         f"Per-device batch size of the plan: {t.micro_batch} (set it in your DataLoader or "
         "TrainingArguments.per_device_train_batch_size; Accelerate configs do not hold it).",
-        f"Optimizer of the plan: {optimizer_call(t)} (build it in your script; Accelerate configs do not hold it).",
+        f"Optimizer of the plan: {optimizer_call(t, plan.model.finetune is not None)} (build it in your script; "
+        "Accelerate configs do not hold it).",
         *accelerate_lines(plan),
     ]
     if notes:

@@ -24,11 +24,43 @@ class Export:
     notes: tuple[str, ...] = ()  # "what the plan says -> the nearest setting used"
 
 
-def optimizer_call(t: Training) -> str:
-    """The plan's optimizer as the torch call that builds it (what the executor builds)."""
+def finetune_recipe(plan: Plan) -> str | None:
+    """How the plan's fine-tune is built (shard_planner/hf_finetune.py does the same), as code a user can
+    paste before wrapping the model; None without a fine-tune."""
+    ft = plan.model.finetune
+    if ft is None:
+        return None
+    if ft.lora_rank is None:
+        return (f"for name, module in model.named_modules(): freeze the parameters of the modules whose names match "
+                f"{list(ft.freeze)} (fnmatch; module.requires_grad_(False))")
+    nf4 = ("replace every nn.Linear weight but the output layer's with torchao's to_nf4(weight) first, then "
+           if ft.qlora else "")
+    targets = list(ft.lora_targets) if ft.lora_targets and ft.lora_targets != ("all-linear",) else "all-linear"
+    return (f"{nf4}model = peft.get_peft_model(model, peft.LoraConfig(r={ft.lora_rank}, lora_alpha={ft.lora_alpha}, "
+            f"lora_dropout=0.0, target_modules={targets!r}))")
+
+
+def finetune_notes(plan: Plan, stack: str, expressible: bool) -> list[str]:
+    """What a stack's export says of the plan's fine-tune (issue 28): how to build it, or that the stack
+    cannot and the export trains every parameter, which is not the plan the prediction is for."""
+    recipe = finetune_recipe(plan)
+    if recipe is None:
+        return []
+    what = plan.model.finetune.text
+    if expressible:
+        return [f"the plan is a fine-tune ({what}): {stack} has no setting for it; build the model as the plan "
+                f"did before {stack} wraps it: {recipe}; the optimizer then steps the trainable parameters only"]
+    return [f"the plan is a fine-tune ({what}): {stack} cannot express it, so this export trains every parameter "
+            f"(not the plan the prediction is for); the fsdp2 export builds it"]
+
+
+def optimizer_call(t: Training, trainable_only: bool = False) -> str:
+    """The plan's optimizer as the torch call that builds it (what the executor builds: over the
+    parameters that train when some are frozen, ``trainable_only``)."""
     cls, kwargs = OPTIMIZER_TORCH[t.optimizer]
     extra = "".join(f", {k}={v!r}" for k, v in kwargs.items())
-    return f"torch.optim.{cls}(model.parameters(), lr={t.lr!r}{extra})"
+    params = "[p for p in model.parameters() if p.requires_grad]" if trainable_only else "model.parameters()"
+    return f"torch.optim.{cls}({params}, lr={t.lr!r}{extra})"
 
 
 def uniform_reshard(plan: Plan) -> tuple[bool, list[str]]:

@@ -33,7 +33,7 @@ from shard_planner import __version__
 from shard_planner.checkpointing import SELECTIVE
 from shard_planner.plan import OPTIMIZER_TORCH, Plan
 from shard_planner.report.export.accumulation import policy_notes
-from shard_planner.report.export.common import Export
+from shard_planner.report.export.common import Export, finetune_notes
 from shard_planner.report.export.model_info import ModelInfo
 
 
@@ -191,6 +191,7 @@ def export_deepspeed(plan: Plan, info: ModelInfo) -> Export:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     # ZeRO-3 has no units: grouping and prefetch are expressed through the sizes above
     notes: list[str] = policy_notes(plan, "ZeRO-3", syncs_every_step=True, fsdp2=False)
+    notes += finetune_notes(plan, "DeepSpeed", expressible=True)
     if plan.mesh.is_hsdp:
         notes.append(f"HSDP ({plan.mesh.replicate_group_size} replicas x {plan.mesh.shard_group_size}-way sharding): "
                      "ZeRO-3 shards over all ranks; MiCS (mics_shard_size) is DeepSpeed's closest; mics_shard_size is set")

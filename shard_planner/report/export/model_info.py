@@ -73,12 +73,11 @@ def model_info_for_plan(plan: Plan) -> ModelInfo:
     """Build the plan's model on the meta device and check it is the model the plan was made for."""
     import torch
 
-    from shard_planner.hf import plan_options
+    from shard_planner.hf import model_options
     from shard_planner.modelfile import load_model_file
     from shard_planner.trace.structure import model_fingerprint
 
-    model_file = load_model_file(plan.model.path, plan_options(plan.model.path, plan.model.hf_task,
-                                                               plan.model.seq_len))
+    model_file = load_model_file(plan.model.path, model_options(plan.model))  # its fine-tune too
     with torch.device("meta"):
         model = model_file.build()
     fingerprint = model_fingerprint(model)

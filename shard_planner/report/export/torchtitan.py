@@ -35,7 +35,7 @@ from shard_planner.checkpointing import ALTERNATE_MATMUL, DEFAULT_SAVE_OPS, SELE
 from shard_planner.plan import OPTIMIZER_TORCH, Plan
 from shard_planner.report.export.accumulation import policy_notes
 from shard_planner.report.export.common import (
-    Export, block_units, comment_block, grouped_note, prefetch_notes, uniform_reshard,
+    Export, block_units, comment_block, finetune_notes, grouped_note, prefetch_notes, uniform_reshard,
 )
 
 
@@ -119,6 +119,7 @@ def export_torchtitan(plan: Plan) -> Export:
                      "checkpoints blocks only; not checkpointed here")
     notes += grouped_note(plan)
     notes += prefetch_notes(plan, where="torchtitan")
+    notes += finetune_notes(plan, "torchtitan 0.3", expressible=False)  # no LoRA, QLoRA or freezing option
     notes.append("units: torchtitan wraps one unit per transformer block plus embeddings and output in its "
                  f"parallelize function; the plan's {len(plan.inner_units)} units apply where they coincide (the "
                  "fsdp2 export applies them exactly)")
