@@ -483,3 +483,4 @@ def test_progress_finishes_the_line_on_error(monkeypatch):
             p.advance()
             raise RuntimeError("boom")
     assert stream.getvalue().endswith("\n") and "running steps: 1" in stream.getvalue()
+
