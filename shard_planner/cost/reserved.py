@@ -51,6 +51,7 @@ from typing import NamedTuple
 from shard_planner.cost.allocations import ACTIVATIONS, OPTIMIZER_STATES, Kind, Stream, label
 from shard_planner.cost.allocator import AllocatorConfig
 from shard_planner.cost.allocator_accountant import AllocatorAccountant
+from shard_planner.cost.allocator_replay import AllocEvent
 from shard_planner.cost.schedule import Phase
 
 # the optimizer step's mark in the memory walk (cost/memory.py ``optimizer``)
@@ -201,14 +202,20 @@ def simulate_reserved_timeline(walk, expandable_segments: bool, device_bytes: in
                             tuple(run.accountant.marks[run.first_step_marks:]))
 
 
+def simulated_events(walk, expandable_segments: bool) -> list[AllocEvent]:
+    """Every call the simulated allocator gets over the two steps, without a limit, as cost/allocator_replay.py
+    events: replayed under a ``set_per_process_memory_fraction`` cap, or compared with a recorded trace."""
+    return _two_steps(walk, AllocatorConfig(expandable_segments=expandable_segments), record=True).accountant.events
+
+
 class _TwoStepRun(NamedTuple):
     accountant: AllocatorAccountant
     first_step_retries: int  # the allocator's retries when the first step ended
     first_step_marks: int  # how many of ``accountant.marks`` are the first step's (0 without a timeline)
 
 
-def _two_steps(walk, config: AllocatorConfig, timeline: bool = False) -> _TwoStepRun:
-    accountant = AllocatorAccountant(config, timeline=timeline)
+def _two_steps(walk, config: AllocatorConfig, timeline: bool = False, record: bool = False) -> _TwoStepRun:
+    accountant = AllocatorAccountant(config, timeline=timeline, record=record)
     steps = TwoSteps(accountant)
     walk((steps,))
     first = _TwoStepRun(accountant, accountant.allocator.num_alloc_retries, len(accountant.marks) if timeline else 0)

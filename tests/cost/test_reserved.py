@@ -115,3 +115,20 @@ def test_reserved_timeline_has_a_mark_per_timeline_event(model_and_plan):
     assert all(allocated <= reserved <= free.reserved_peak_bytes for *_, allocated, reserved in line.marks)
     capped = cm.reserved_timeline(plan, expandable_segments=True, device_bytes=free.allocated_peak_bytes * 99 // 100)
     assert len(capped.marks) < len(events)  # it ran out of memory on the way
+
+
+def test_the_simulated_calls_replay_to_the_same_allocator(model_and_plan):
+    """The allocator's calls over the two steps (CostModel.reserved_events), replayed by cost/allocator_replay.py,
+    reserve and allocate exactly what the walk's simulation did; under a device cap they survive from the
+    bisection's boundary on."""
+    from shard_planner.cost.allocator_replay import CapKind, replay, smallest_surviving_cap
+
+    cm, plan = model_and_plan
+    for expandable in (True, False):
+        events = cm.reserved_events(plan, expandable_segments=expandable)
+        stats, walked = replay(events, AllocatorConfig(expandable_segments=expandable)), cm.reserved(plan, expandable)
+        assert (stats.peak_reserved_bytes, stats.peak_allocated_bytes, stats.peak_cap_demand_bytes) == (
+            walked.reserved_peak_bytes, walked.allocated_peak_bytes, walked.no_retry_bytes)
+    events = cm.reserved_events(plan, expandable_segments=True)
+    cap = smallest_surviving_cap(events, True, CapKind.DEVICE)
+    assert cm.reserved(plan, True, cap).oom_at is None
