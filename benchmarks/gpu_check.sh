@@ -17,9 +17,20 @@
 #      never run on a GPU before 2026-12-04's session 12), written as the [kernels] table they fit, to set
 #      beside step 1's measured constants (`python benchmarks/gpu_kernels.py report`). The full
 #      `shard-planner calibrate` needs two GPUs for its collectives.
+#   8. the CUDA caching allocator against its simulation (issue 29, benchmarks/gpu_allocator.py): for the planner's
+#      Llama-1B plan for --mem 24GB made now, the per-block plan of step 3 and the 24GB plan of step 6, in each
+#      allocator mode, the allocator's recorded history and snapshot (segments per stream, reserved_bytes.all.peak,
+#      num_alloc_retries) and the configuration the process ran with; in the plan's mode a
+#      set_per_process_memory_fraction sweep at the predicted smallest cap x {0.95, 1, 1.02, 1.05, 1.1} and at the
+#      plan's --mem: pass / OOM, retries per step, step time. `python benchmarks/gpu_allocator.py report DIR`
+#      replays each recorded trace through the simulator, anywhere. About 4 minutes on an H200 (estimated, not yet
+#      run); its timeout keeps the cases done.
 # Steps 1 and 2 only measure: their samples are priced afterwards, anywhere, by the scripts' report modes
 # (`python benchmarks/gpu_kernels.py report kernels.json`, `python benchmarks/gpu_shapes.py report shapes/`).
-# Usage: benchmarks/gpu_check.sh [--dry-run]
+# Usage: [GPU_CHECK_STEPS="8 2 3"] benchmarks/gpu_check.sh [--dry-run]
+#   GPU_CHECK_STEPS: the steps to run, in their order here (default: all). All eight take longer than one
+#   10-minute device call (steps 1-7 about 8.5 minutes on 2026-12-04, step 8 about 4 more): run step 8 first
+#   and on its own when it is what the session is for (GPU_CHECK_STEPS=8), the rest in a second call.
 #   --dry-run: the same steps on CPU with tiny models and one timed step (no kernel sweep), to check the
 #   script without a GPU. Results go to $OUT (the device tool's output folder) or a fresh temporary
 #   folder: log.txt, and results.tar.gz with everything else (the tool brings back at most 8 files).
@@ -43,6 +54,8 @@ else
   SHAPE_ARGS=(--device cuda --steps 5 --warmup 2 --timeout 60)
 fi
 
+STEPS=" ${GPU_CHECK_STEPS:-1 2 3 4 5 6 7 8} "
+want() { [[ "$STEPS" == *" $1 "* ]]; }
 stamp() { echo "== $(date -u +%H:%M:%S) $*"; }
 pack() { tar -czf "$OUT/results.tar.gz.tmp" -C "$RES" . && mv "$OUT/results.tar.gz.tmp" "$OUT/results.tar.gz"; }
 stamp "shard-planner GPU check: SHARD_PLANNER_SIZE=$SHARD_PLANNER_SIZE device=$DEVICE out=$OUT"
@@ -52,38 +65,51 @@ if [[ "$DEVICE" == cuda ]]; then
   timeout 20 nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,power.limit --format=csv || true
 fi
 
-if [[ "$DEVICE" == cuda ]]; then
-  stamp "1/7 kernel sweep"
+if want 8; then  # first when asked for: the allocator check is what issue 29 waits for
+  stamp "8/8 the CUDA caching allocator: recorded, replayed, capped (benchmarks/gpu_allocator.py)"
+  timeout 290 "$PY" benchmarks/gpu_allocator.py measure --device "$DEVICE" --out "$RES/allocator" --timeout 130 \
+    || echo "!! step 8 failed (exit $?)"
+  pack
+fi
+
+if want 1 && [[ "$DEVICE" == cuda ]]; then
+  stamp "1/8 kernel sweep"
   timeout 120 "$PY" benchmarks/gpu_kernels.py measure --out "$RES/kernels.json" || echo "!! step 1 failed (exit $?)"
-else
-  stamp "1/7 kernel sweep: skipped (CUDA only)"
+elif want 1; then
+  stamp "1/8 kernel sweep: skipped (CUDA only)"
 fi
 pack
 
-stamp "2/7 published shapes with FSDP2 at world size 1"
+if want 2; then
+stamp "2/8 published shapes with FSDP2 at world size 1"
 timeout 240 "$PY" benchmarks/gpu_shapes.py measure --out "$RES/shapes" "${SHAPE_ARGS[@]}" || echo "!! step 2 failed (exit $?)"
 pack
+fi
 
-stamp "3/7 plans of the Llama model: predicted vs measured (world size 1)"
+if want 3; then
+stamp "3/8 plans of the Llama model: predicted vs measured (world size 1)"
 timeout 120 "$PY" benchmarks/gpu_plans.py --device "$DEVICE" --profile h200 --out "$RES/plans" "${PLAN_ARGS[@]}" \
   || echo "!! step 3 failed (exit $?)"
 pack
+fi
 
-stamp "4/7 per-module compute timings"
+if want 4; then
+stamp "4/8 per-module compute timings"
 timeout 60 "$PY" benchmarks/gpu_modules.py --device "$DEVICE" --out "$RES/module_times.json" "${MOD_ARGS[@]}" \
   || echo "!! step 4 failed (exit $?)"
 pack
-
-if [[ "$DEVICE" == cuda ]]; then
-  stamp "5/7 GPU-marked tests"
-  timeout 60 "$PY" -m pytest -q -m gpu tests/execute/test_run.py tests/execute/test_memtrack.py tests/execute/test_kernel_timing.py -p no:cacheprovider \
-    || echo "!! step 5 failed (exit $?)"
-else
-  stamp "5/7 GPU-marked tests: skipped (no GPU in a dry run)"
 fi
 
-if [[ "$DEVICE" == cuda ]]; then
-  stamp "6/7 the planner's plans for Llama-1B, run"
+if want 5 && [[ "$DEVICE" == cuda ]]; then
+  stamp "5/8 GPU-marked tests"
+  timeout 60 "$PY" -m pytest -q -m gpu tests/execute/test_run.py tests/execute/test_memtrack.py tests/execute/test_kernel_timing.py -p no:cacheprovider \
+    || echo "!! step 5 failed (exit $?)"
+elif want 5; then
+  stamp "5/8 GPU-marked tests: skipped (no GPU in a dry run)"
+fi
+
+if want 6 && [[ "$DEVICE" == cuda ]]; then
+  stamp "6/8 the planner's plans for Llama-1B, run"
   PLANS=benchmarks/data/h200_2026-12-04/planner
   mkdir -p "$RES/planner"
   for m in 40GB 24GB 16GB; do
@@ -96,7 +122,8 @@ if [[ "$DEVICE" == cuda ]]; then
   done
   pack
 fi
-stamp "7/7 calibrate's kernel sweeps on this device (execute/kernel_timing.py)"
+if want 7; then
+stamp "7/8 calibrate's kernel sweeps on this device (execute/kernel_timing.py)"
 timeout 150 "$PY" - "$DEVICE" "$RES/calibrated_kernels.toml" <<'PYEOF' || echo "!! step 7 failed (exit $?)"
 import logging, sys, torch
 from shard_planner.execute.calibrate import measure_copy_bytes_per_s, measure_matmul_flops_per_s
@@ -111,4 +138,5 @@ open(sys.argv[2], "w").write(text + "\n")
 print(text)
 PYEOF
 pack
+fi
 stamp "done; results in $OUT"

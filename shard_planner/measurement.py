@@ -46,6 +46,9 @@ class RankMemory:
     peak_bytes: int  # storage-tracker peak (CPU) or torch.cuda.max_memory_allocated (GPU)
     reserved_bytes: int | None = None  # torch.cuda.max_memory_reserved (GPU only)
     peak_phase: str | None = None  # "forward", "backward" or "optimizer" (storage tracker only)
+    # torch.cuda.memory_stats()["num_alloc_retries"] at the end of the timed steps: the caching allocator's
+    # cache releases and retries since the rank started (build and warm-up included; GPU only)
+    num_alloc_retries: int | None = None
 
 
 @dataclass(frozen=True)
@@ -137,6 +140,9 @@ class Measurement:
     comm_same_every_step: bool | None = None
     comm_predicted: tuple[CollectiveBytes, ...] | None = None
     checkpoint: CheckpointResult | None = None  # run --checkpoint
+    # the CUDA caching allocator's settings the ranks ran with (PYTORCH_ALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF;
+    # shard_planner/allocator_conf.py); None on CPU, or when none was set (the allocator's defaults)
+    allocator_conf: str | None = None
     schema_version: int = MEASUREMENT_SCHEMA_VERSION
 
     def __post_init__(self):

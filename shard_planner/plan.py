@@ -137,6 +137,9 @@ class Cluster:
     mem_budget_bytes: int  # per GPU
     # measured module times (shard-planner calibrate --model) the compute was priced from, a path; None: FLOPs
     timings: str | None = None
+    # the CUDA caching allocator's mode the plan was made for and `run` sets (shard_planner/allocator_conf.py,
+    # [Note: The allocator mode a plan runs with]); plans written before the field read True
+    expandable_segments: bool = True
 
     def __post_init__(self):
         _require(isinstance(self.gpus, int) and self.gpus >= 1, f"cluster.gpus must be a positive int, got {self.gpus!r}")
@@ -189,6 +192,14 @@ class Prediction:
     tokens_per_s: float | None = None
     exposed_comm_s: float = 0.0
     mfu: float | None = None
+    # On a GPU, the CUDA caching allocator over the first two steps in the plan's allocator mode (cost/fits.py;
+    # None on CPU profiles and in plans written before): the device memory the process holds at its peak,
+    # the smallest device memory that runs the steps without a retry, and the retries per step (each a
+    # release of the allocator's cache) on --mem less the margin, where the plan was judged to fit. Each
+    # counts the profile's memory outside the allocator (CUDA context, NCCL) as the peak does.
+    reserved_peak_bytes: int | None = None
+    no_retry_bytes: int | None = None
+    alloc_retries_per_step: int | None = None
 
     def __post_init__(self):
         unknown = set(self.memory_at_peak) - set(MEMORY_CATEGORIES)
@@ -390,6 +401,8 @@ PLAN_RULES = {
     "Prediction.memory_at_peak": MapOf(Int(), keys=MEMORY_CATEGORIES),
     "Prediction.samples_per_s": _SECONDS, "Prediction.tokens_per_s": Nullable(_SECONDS),
     "Prediction.exposed_comm_s": _SECONDS, "Prediction.mfu": Nullable(Number(non_negative=True)),
+    "Prediction.reserved_peak_bytes": Nullable(_BYTES), "Prediction.no_retry_bytes": Nullable(_BYTES),
+    "Prediction.alloc_retries_per_step": Nullable(Int(least=0)),
     "SolverInfo.seconds": _SECONDS,
     "FrontierPoint.peak_bytes": _BYTES, "FrontierPoint.step_time_s": _SECONDS,
     "MeasuredPoint.world_size": _COUNT, "MeasuredPoint.peak_bytes": _BYTES, "MeasuredPoint.step_time_s": _SECONDS,

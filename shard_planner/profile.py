@@ -49,7 +49,10 @@ class HardwareProfile:
     name: str
     device: str  # "cuda" or "cpu"
     memory_bytes: int  # per device
-    usable_fraction: float  # of --mem (at most memory_bytes) the planner may fill; the rest: allocator fragmentation (tensor_budget_bytes)
+    # of --mem (at most memory_bytes): CPU, what the planner may fill by the allocated peak, the rest kept free for
+    # the OS and the ranks' processes; GPU, the margin of the caching-allocator simulation, which must survive
+    # usable_fraction x (--mem less the memory outside the allocator) (cost/fits.py [Note: The margin on a GPU])
+    usable_fraction: float
     reserved_bytes: int  # fixed per process: CUDA context, NCCL, allocator reserve
     per_process_group_bytes: int  # each extra process group (int reshard) costs this (pytorch#153302)
     peak_flops_per_s: dict[str, float]  # by compute dtype name ("bfloat16", "float32")
@@ -145,12 +148,11 @@ class HardwareProfile:
         return self.tensor_budget_bytes(self.memory_bytes)
 
     def tensor_budget_bytes(self, mem_budget_bytes: int) -> int:
-        """Bytes the planner may fill under a per-device budget of ``mem_budget_bytes`` (``--mem``):
-        the budget (at most the device's memory) x ``usable_fraction``. --mem is device memory the
-        user gives us; the fraction stays free for caching-allocator fragmentation (reserved >
-        allocated: REFERENCE.md, fairscale #972, pytorch #98354), also when --mem is below the
-        device's memory. The CUDA context and NCCL (``reserved_bytes``) are counted inside the
-        planned peak, not here."""
+        """The allocated peak the planner may fill under a per-device budget of ``mem_budget_bytes``
+        (``--mem``): the budget (at most the device's memory) x ``usable_fraction``, the profile's overhead
+        (CUDA context, NCCL: ``reserved_bytes``) counted inside the peak. On a CPU profile that is what fits.
+        On a GPU profile it is the search's filter, about the most a plan can allocate and still fit: what
+        fits is decided by the caching-allocator simulation (cost/fits.py, solve/survive.py)."""
         return int(min(mem_budget_bytes, self.memory_bytes) * self.usable_fraction)
 
     def mem_for_tensor_budget(self, tensor_bytes: int) -> int:
@@ -163,12 +165,7 @@ class HardwareProfile:
 
     def usable_reason(self, mem_budget_bytes: int) -> str:
         """How ``tensor_budget_bytes(mem_budget_bytes)`` follows from --mem, in words (:func:`usable_reason`)."""
-        return usable_reason(mem_budget_bytes, self.memory_bytes, self.fragmentation_percent)
-
-    @property
-    def fragmentation_percent(self) -> int:
-        """The share of the budget kept for allocator fragmentation, in whole percent (for messages)."""
-        return round((1 - self.usable_fraction) * 100)
+        return usable_reason(mem_budget_bytes, self.memory_bytes, self.usable_fraction, self.device)
 
     def flops_per_s(self, dtype: str) -> float:
         """Achievable FLOP/s in ``dtype``: peak x efficiency."""
@@ -178,16 +175,20 @@ class HardwareProfile:
             raise ProfileError(f"profile {self.name} has no peak FLOP/s for {dtype}; add it under [peak_flops_per_s]") from None
 
 
-def usable_reason(mem_budget_bytes: int, memory_bytes: int | None, fragmentation_percent: int, *,
+def usable_reason(mem_budget_bytes: int, memory_bytes: int | None, usable_fraction: float, device: str, *,
                   name_mem: bool = True) -> str:
-    """'--mem 40.00 GiB less 8% for allocator fragmentation', or 'the device's 79.65 GiB less 8% ...' when
+    """'--mem 40.00 GiB less the 5.3% margin of the allocator simulation' (a GPU profile), '--mem 2.00 GiB less
+    20% kept free for the OS and the ranks' processes' (a CPU one), or 'the device's 79.65 GiB less ...' when
     --mem is above the device's memory, which caps it (``tensor_budget_bytes``). ``name_mem`` False: '--mem
-    less 8% ...' (for text that states --mem beside it)."""
+    less ...' (for text that states --mem beside it)."""
     if memory_bytes is not None and mem_budget_bytes > memory_bytes:
         of = f"the device's {format_bytes(memory_bytes)}"
     else:
         of = f"--mem {format_bytes(mem_budget_bytes)}" if name_mem else "--mem"
-    return f"{of} less {fragmentation_percent}% for allocator fragmentation"
+    percent = f"{(1 - usable_fraction) * 100:.3g}%"
+    if device == "cuda":
+        return f"{of} less the {percent} margin of the allocator simulation"
+    return f"{of} less {percent} kept free for the OS and the ranks' processes"
 
 
 def load_profile(name_or_path: str) -> HardwareProfile:

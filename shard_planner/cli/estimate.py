@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, replace
 
+from shard_planner.allocator_conf import mode_name
 from shard_planner.cli.args import add_hf_arguments, hf_options, positive_int
 from shard_planner.errors import PlanError
 from shard_planner.fileio import check_output_file
@@ -51,6 +52,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from shard_planner.cost import CostModel, estimate
+    from shard_planner.cost.fits import device_fit
     from shard_planner.profile import load_priced_profile
     from shard_planner.hf import HfOptions, config_file
     from shard_planner.modelfile import load_unless_trace
@@ -77,11 +79,14 @@ def run(args: argparse.Namespace) -> int:
         raise PlanError(f"{req.plan} was made for a model with fingerprint {plan.model.fingerprint}, but "
                         f"{req.model} has {trace.fingerprint}: a different model or size")
     est = estimate(trace, plan, profile)
-    print(report(plan, profile, est))
-    if profile.device != "cpu":
-        print(reserved_report(plan, profile, CostModel(trace, profile)))
+    cm = CostModel(trace, profile)
+    fit = device_fit(cm, plan)  # None on a CPU profile
+    print(report(plan, profile, est, fit))
+    if fit is not None:
+        print(reserved_report(plan, profile, cm, fit))
     if req.write:
-        save_plan(replace(plan, predicted=est.prediction()), req.plan)
+        save_plan(replace(plan, predicted=replace(est.prediction(), **(fit.prediction_fields() if fit else {}))),
+                  req.plan)
         print(f"wrote the prediction into {req.plan}")
     return 0
 
@@ -90,18 +95,24 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.4g} ms"
 
 
-def report(plan: Plan, profile, est) -> str:
+def report(plan: Plan, profile, est, fit=None) -> str:
+    """The estimate in words. ``fit``: the plan on a GPU (cost/fits.py ``FitVerdict``), which decides whether it
+    fits there; None on a CPU profile, where the allocated peak against the usable budget does."""
     mem, t = est.memory, est.time
     tr = plan.training
     budget = profile.tensor_budget_bytes(plan.cluster.mem_budget_bytes)
-    fits = "fits" if mem.peak_bytes <= budget else "DOES NOT FIT"
+    within = mem.peak_bytes <= budget
+    if fit is not None:  # on a GPU the allocated peak is the search's filter; what fits is the allocator's verdict
+        fits = f"{'within' if within else 'OVER'} the search's budget, allocated, of"
+    else:
+        fits = "fits in" if within else "DOES NOT FIT in"
     lines = [
         f"plan: {len(plan.units)} units, {plan.mesh.description}, "
         f"micro-batch {tr.micro_batch}, {tr.optimizer}, params {tr.param_dtype} / reduce {tr.reduce_dtype}"
         f"{', CPU offload' if tr.cpu_offload else ''}; profile {profile.name}"
         f"{'; compute from measured module times' if profile.module_timings is not None else ''}"
         f"{'; ' + plan.accumulation_text if plan.accumulation_text else ''}",
-        f"peak memory per GPU: {format_bytes(mem.peak_bytes)} at \"{mem.peak_event}\" — {fits} in "
+        f"peak memory per GPU: {format_bytes(mem.peak_bytes)} at \"{mem.peak_event}\" — {fits} "
         f"{format_bytes(budget)} ({profile.usable_reason(plan.cluster.mem_budget_bytes)})",
     ]
     for cat in MEMORY_CATEGORIES:
@@ -116,22 +127,20 @@ def report(plan: Plan, profile, est) -> str:
     return "\n".join(lines)
 
 
-def reserved_report(plan: Plan, profile, cm) -> str:
-    """What the CUDA caching allocator would reserve for the plan's first two steps in both modes
-    (cost/reserved.py), and whether the step survives a GPU of ``--mem`` (the profile's overhead
-    outside the allocator)."""
-    mem = min(plan.cluster.mem_budget_bytes or profile.memory_bytes, profile.memory_bytes)
-    lines = ["CUDA caching allocator (simulated, first two steps; CUDA context and NCCL buffers included):"]
-    for expandable in (True, False):
-        free = cm.reserved(plan, expandable_segments=expandable)
-        at_mem = cm.reserved(plan, expandable_segments=expandable, device_bytes=max(0, int(mem - free.outside_bytes)))
-        if at_mem.oom_at is not None:
-            verdict = f"OUT OF MEMORY in {format_bytes(mem)} at \"{at_mem.oom_at}\""
-        elif at_mem.num_alloc_retries:
-            verdict = f"survives {format_bytes(mem)} with {at_mem.num_alloc_retries} cache flushes and retries"
-        else:
-            verdict = f"survives {format_bytes(mem)} without retries"
-        mode = "expandable_segments:True" if expandable else "default segments"
-        lines.append(f"  {mode:24s} reserved peak {format_bytes(free.reserved_peak_total_bytes)}; no retries from "
-                     f"{format_bytes(free.no_retry_total_bytes)}; {verdict}")
-    return "\n".join(lines)
+def reserved_report(plan: Plan, profile, cm, fit) -> str:
+    """What the CUDA caching allocator would reserve for the plan's first two steps (cost/reserved.py), whether
+    the step survives a GPU of ``--mem`` in the plan's allocator mode (``fit``: cost/fits.py, the margin
+    included), and the same figures in the other mode."""
+    other = not fit.expandable_segments
+    free = cm.reserved(plan, expandable_segments=other)
+    capped = cm.reserved(plan, expandable_segments=other, device_bytes=fit.allocator_bytes)
+    if capped.oom_at is not None:
+        verdict = f"OUT OF MEMORY at \"{capped.oom_at}\""
+    elif capped.retries_per_step:
+        verdict = f"survives with {capped.retries_per_step} cache releases and retries per step"
+    else:
+        verdict = "survives without retries"
+    return "\n".join([
+        f"on the GPU, as planned: {fit.describe()}",
+        f"  with {mode_name(other)} instead: reserved peak {format_bytes(free.reserved_peak_total_bytes)}, no retries "
+        f"from {format_bytes(free.no_retry_total_bytes)}; {verdict} on the same {format_bytes(fit.allocator_bytes)}"])

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from shard_planner.allocator_conf import planned_expandable
 from shard_planner.argtypes import token_count
 from shard_planner.cli.background import Helper, HelperDied, helper_process
 from shard_planner.cli.args import add_hf_arguments, byte_size, hf_options, positive_float, positive_int
@@ -37,9 +39,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "folder), or a trace.json from shard-planner trace")
     add_hf_arguments(p)
     p.add_argument("--gpus", type=positive_int, required=True, metavar="N", help="number of GPUs")
-    p.add_argument("--mem", type=byte_size, required=True, metavar="SIZE", help="memory per GPU, e.g. 40GB (GB = GiB); the plan's predicted peak fills at most the "
-                   "profile's usable_fraction of it (92%% on the GPU profiles), the rest is kept for allocator "
-                   "fragmentation")
+    p.add_argument("--mem", type=byte_size, required=True, metavar="SIZE", help="memory per GPU, e.g. 40GB (GB = GiB); on "
+                   "a GPU profile the plan's first two steps, simulated through the CUDA caching allocator in the mode "
+                   "PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF set here (expandable segments when unset), must "
+                   "survive 94.7%% of it less the CUDA context and NCCL; on a CPU profile the predicted peak fills at "
+                   "most the profile's usable_fraction of it")
     p.add_argument("--profile", default="h100-80gb",
                    help="hardware profile: a name in profiles/ or a TOML path (default: h100-80gb)")
     p.add_argument("--timings", default=None, metavar="FILE",
@@ -116,7 +120,7 @@ def _run(args: argparse.Namespace, helper: Helper) -> int:
                       search_batch=args.search_batch, optimizer=defaults.optimizer, lr=defaults.lr, param_dtype=dtype,
                       time_limit_s=args.time_limit, model_path=model_path, profile_name=args.profile,
                       timings_path=args.timings, global_batch_samples=args.global_batch,
-                      global_batch_tokens=args.global_batch_tokens)
+                      global_batch_tokens=args.global_batch_tokens, expandable_segments=planned_expandable(os.environ))
     result = plan_model(trace, req)
     result = replace(result, plan=with_model_located(result.plan, args.output))
     if args.hf_task is not None or finetune is not None:  # run and export rebuild the config as this task, fine-tuned
@@ -242,6 +246,9 @@ def summary(result: PlanResult | Plan, profile) -> str:
                  "at the peak: " + ", ".join(
                      f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in sorted(
                          pr.memory_at_peak.items(), key=lambda kv: -kv[1])[:3]))
+    device_line = _device_line(getattr(result, "fit", None), pr)  # a Plan has none
+    if device_line:
+        lines.append(device_line)
     mfu = f", MFU {100 * pr.mfu:.0f}%" if pr.mfu else ""
     priced = f" (compute from measured module times, {plan.cluster.timings})" if plan.cluster.timings else ""
     step = "optimizer step" if tr.accumulation_steps > 1 else "step"
@@ -259,3 +266,16 @@ def summary(result: PlanResult | Plan, profile) -> str:
     s = plan.solver
     lines.append(f"solver: {s.method}, {s.status}, {s.seconds:.1f} s; frontier of {len(plan.frontier)} plans in the file")
     return "\n".join(lines)
+
+
+def _device_line(fit, pr) -> str | None:
+    """On a GPU: the plan's fit through the simulated caching allocator (cost/fits.py), from the planner's
+    verdict, else from the figures the plan file keeps (None: a CPU plan, or one written before them)."""
+    if fit is not None:
+        return f"on the GPU: {fit.describe()}"
+    if pr.reserved_peak_bytes is None:
+        return None
+    retries = pr.alloc_retries_per_step or 0
+    return (f"on the GPU (CUDA caching allocator, simulated): reserved peak {format_bytes(pr.reserved_peak_bytes)}, "
+            f"no retries from {format_bytes(pr.no_retry_bytes)}"
+            + (f"; {retries} cache releases and retries per step on --mem (not priced)" if retries else ""))

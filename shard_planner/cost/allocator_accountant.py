@@ -25,7 +25,9 @@ the reserved bytes beside the allocated ones, the retries and the OOM under a ca
   - At the first OOM the accountant stops: the program would have stopped there. ``stats().oom`` is the
     allocator's report; later events are ignored.
   With ``timeline=True`` it keeps, per mark, (what, who, phase, allocated bytes, reserved bytes) at the
-  moment (scratch included), for the report's timeline of reserved beside allocated memory.
+  moment (scratch included), for the report's timeline of reserved beside allocated memory. With
+  ``record=True`` it keeps every call it made to the allocator as ``events`` (cost/allocator_replay.py
+  ``AllocEvent``s, the stream as its number), to replay under other limits (benchmarks/gpu_allocator.py).
 
 [Note: Frees that match no allocation]
   The walk does not always free what it allocated, one for one: gradients are allocated per block (owner:
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 from shard_planner.cost.allocations import OVERHEAD, Kind, Stream
 from shard_planner.cost.allocator import AllocatorConfig, AllocatorOutOfMemory, AllocatorStats, CachingAllocator
+from shard_planner.cost.allocator_replay import ALLOC, FREE, AllocEvent
 from shard_planner.cost.schedule import Phase
 
 _SLACK_BYTES = 64  # a sum of float sizes rounded piece by piece may differ by a few bytes from the whole
@@ -67,9 +70,12 @@ class AllocatorAccountant:
     """An accountant (cost/allocations.py ``Accountant``) that simulates the caching allocator. See
     [Note: From walk events to allocator calls]."""
 
-    def __init__(self, config: AllocatorConfig = AllocatorConfig(), timeline: bool = False):
+    def __init__(self, config: AllocatorConfig = AllocatorConfig(), timeline: bool = False, record: bool = False):
         self.allocator = CachingAllocator(config)
         self._malloc, self._free = self.allocator.malloc, self.allocator.free
+        self.events: list[AllocEvent] | None = None
+        if record:
+            self._record()
         self._by_key: dict[tuple, list[_Live]] = {}  # (kind, bytes, owner, stream) -> live, newest last
         self._by_kind: dict[tuple, list[_Live]] = {}  # (kind, stream) -> live (and some freed), newest last
         self.oom = None  # the OomReport of the first OOM
@@ -77,6 +83,22 @@ class AllocatorAccountant:
         self.num_split_frees = 0
         self.outside_bytes = 0.0  # live Kind.OVERHEAD bytes: outside the allocator
         self.marks: list[tuple] | None = [] if timeline else None
+
+    def _record(self) -> None:
+        """Keep every malloc and free as an ``AllocEvent`` in ``events`` (a handle's key: its malloc's index)."""
+        malloc, free, events, keys = self._malloc, self._free, [], {}
+
+        def recorded_malloc(size: int, stream: Stream) -> int:
+            handle = malloc(size, stream)
+            keys[handle] = len(events)
+            events.append(AllocEvent(ALLOC, len(events), size, int(stream)))
+            return handle
+
+        def recorded_free(handle: int) -> None:
+            free(handle)
+            events.append(AllocEvent(FREE, keys.pop(handle), 0, 0))
+
+        self.events, self._malloc, self._free = events, recorded_malloc, recorded_free
 
     def stats(self) -> AllocatorStats:
         return self.allocator.stats(self.oom)

@@ -50,7 +50,8 @@ from shard_planner.cost.time import (BlockCompute, measured_block_times, simulat
 from shard_planner.cost.activations import BlockActivations, block_activations
 from shard_planner.cost.memory import simulate_memory_walk
 from shard_planner.cost.quantized import dequantisation_s, subtree_dequantisation_s
-from shard_planner.cost.reserved import ReservedEstimate, simulate_reserved
+from shard_planner.cost.reserved import (ReservedEstimate, ReservedTimeline, simulate_reserved, simulate_reserved_timeline,
+                                         simulated_events)
 from shard_planner.cost.types import Estimate, MemoryEstimate, TimeEstimate
 from shard_planner.cost.unit_bytes import UnitBytes, query_unit_bytes
 from shard_planner.cost.unit_cost import UnitCost, unit_cost
@@ -368,6 +369,20 @@ class CostModel:
     def _simulate_reserved(self, q: ReservedQuery) -> ReservedEstimate:
         return simulate_reserved(lambda accountants: self._simulate_memory(q.plan, False, accountants),
                                  q.expandable_segments, q.device_bytes)
+
+    def reserved_timeline(self, plan, expandable_segments: bool = True,
+                          device_bytes: int | None = None) -> ReservedTimeline:
+        """The allocator's allocated and reserved bytes at every mark of ``plan``'s second step, for the
+        report's timeline (cost/reserved.py; not memoised: one call per report)."""
+        q = PlanQuery.of(plan)
+        return simulate_reserved_timeline(lambda accountants: self._simulate_memory(q, False, accountants),
+                                          expandable_segments, device_bytes)
+
+    def reserved_events(self, plan, expandable_segments: bool = True) -> list:
+        """The simulated allocator's calls over ``plan``'s two steps (cost/reserved.py ``simulated_events``),
+        to replay under another limit (cost/allocator_replay.py). Not memoised."""
+        q = PlanQuery.of(plan)
+        return simulated_events(lambda accountants: self._simulate_memory(q, False, accountants), expandable_segments)
 
     def _time_of(self, q: PlanQuery) -> TimeEstimate:
         return self._time.get_or(q, self._simulate_time)

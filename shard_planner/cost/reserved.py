@@ -46,10 +46,12 @@ reads the allocator's peaks, retries and OOM. The estimate's allocated peak is t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from shard_planner.cost.allocations import ACTIVATIONS, OPTIMIZER_STATES, Kind, Stream, label
 from shard_planner.cost.allocator import AllocatorConfig
 from shard_planner.cost.allocator_accountant import AllocatorAccountant
+from shard_planner.cost.allocator_replay import AllocEvent
 from shard_planner.cost.schedule import Phase
 
 # the optimizer step's mark in the memory walk (cost/memory.py ``optimizer``)
@@ -71,6 +73,9 @@ class ReservedEstimate:
     no_retry_bytes: int
     num_alloc_retries: int  # under ``device_bytes``: each a release of the cache and a retry
     oom_at: str | None  # under ``device_bytes``: the moment of the first out-of-memory (None: none)
+    # under ``device_bytes``: the retries of the second step, which every later step repeats ([Note: Two
+    # steps, not one])
+    retries_per_step: int = 0
 
     @property
     def reserved_peak_total_bytes(self) -> float:
@@ -159,25 +164,61 @@ def simulate_reserved(walk, expandable_segments: bool, device_bytes: int | None 
     those extra accountants (CostModel.reserved). ``device_bytes``: the memory the allocator can get (the
     device's less what is outside it; None: unlimited)."""
     unlimited = _two_steps(walk, AllocatorConfig(expandable_segments=expandable_segments))
-    stats = unlimited.stats()
+    stats = unlimited.accountant.stats()
     capped = unlimited
     if device_bytes is not None and stats.peak_cap_demand_bytes > device_bytes:
         capped = _two_steps(walk, AllocatorConfig(expandable_segments=expandable_segments, device_bytes=device_bytes))
-    capped_stats = capped.stats()
+    accountant = capped.accountant
+    capped_stats = accountant.stats()
     oom_at = None
-    if capped.oom is not None:
-        oom_at = label(*capped.oom_mark) if capped.oom_mark else "the end of the step"
+    if accountant.oom is not None:
+        oom_at = label(*accountant.oom_mark) if accountant.oom_mark else "the end of the step"
     return ReservedEstimate(
         expandable_segments=expandable_segments, device_bytes=device_bytes,
         allocated_peak_bytes=stats.peak_allocated_bytes, reserved_peak_bytes=stats.peak_reserved_bytes,
-        outside_bytes=int(round(unlimited.outside_bytes)), no_retry_bytes=stats.peak_cap_demand_bytes,
-        num_alloc_retries=capped_stats.num_alloc_retries, oom_at=oom_at)
+        outside_bytes=int(round(unlimited.accountant.outside_bytes)), no_retry_bytes=stats.peak_cap_demand_bytes,
+        num_alloc_retries=capped_stats.num_alloc_retries, oom_at=oom_at,
+        retries_per_step=capped_stats.num_alloc_retries - capped.first_step_retries)
 
 
-def _two_steps(walk, config: AllocatorConfig) -> AllocatorAccountant:
-    accountant = AllocatorAccountant(config)
+@dataclass(frozen=True)
+class ReservedTimeline:
+    """The allocator at every mark of the second step (the steady state: [Note: Two steps, not one]), for
+    the report's timeline: ``marks`` of (what, who, phase, allocated bytes, reserved bytes), the allocator's
+    own bytes (scratch included, ``outside_bytes`` not), one per mark of the memory walk, in its order; fewer
+    when the step ran out of memory under ``device_bytes``."""
+
+    expandable_segments: bool
+    device_bytes: int | None
+    outside_bytes: int
+    marks: tuple[tuple, ...]
+
+
+def simulate_reserved_timeline(walk, expandable_segments: bool, device_bytes: int | None = None) -> ReservedTimeline:
+    """:func:`simulate_reserved`'s allocator, keeping its state at every mark of the second step."""
+    run = _two_steps(walk, AllocatorConfig(expandable_segments=expandable_segments, device_bytes=device_bytes),
+                     timeline=True)
+    return ReservedTimeline(expandable_segments, device_bytes, int(round(run.accountant.outside_bytes)),
+                            tuple(run.accountant.marks[run.first_step_marks:]))
+
+
+def simulated_events(walk, expandable_segments: bool) -> list[AllocEvent]:
+    """Every call the simulated allocator gets over the two steps, without a limit, as cost/allocator_replay.py
+    events: replayed under a ``set_per_process_memory_fraction`` cap, or compared with a recorded trace."""
+    return _two_steps(walk, AllocatorConfig(expandable_segments=expandable_segments), record=True).accountant.events
+
+
+class _TwoStepRun(NamedTuple):
+    accountant: AllocatorAccountant
+    first_step_retries: int  # the allocator's retries when the first step ended
+    first_step_marks: int  # how many of ``accountant.marks`` are the first step's (0 without a timeline)
+
+
+def _two_steps(walk, config: AllocatorConfig, timeline: bool = False, record: bool = False) -> _TwoStepRun:
+    accountant = AllocatorAccountant(config, timeline=timeline, record=record)
     steps = TwoSteps(accountant)
     walk((steps,))
+    first = _TwoStepRun(accountant, accountant.allocator.num_alloc_retries, len(accountant.marks) if timeline else 0)
     steps.next_step()
     walk((steps,))
-    return accountant
+    return first

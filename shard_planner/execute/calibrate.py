@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shard_planner.cost.fits import GPU_USABLE_FRACTION
 from shard_planner.cost.collectives import ring_time_s
 from shard_planner.cost.host_share import usable_cores
 from shard_planner.execute.calibrate_kernels import LAYOUT_N, CurveFit, fit_curve, slower
@@ -359,7 +360,7 @@ def calibrate(world_size: int = 2, device: str = "auto", name: str = "local",
     memory, gpus_per_node, reserved, h2d, pg_bytes = _device_facts(device, dev, copy_bw)
     lat, bw, half = curve.latency_s, curve.busbw_bytes_per_s, curve.busbw_half_bytes
     profile = HardwareProfile(
-        name=name, device=device, memory_bytes=int(memory), usable_fraction=0.92 if device == "cuda" else 0.8,
+        name=name, device=device, memory_bytes=int(memory), usable_fraction=GPU_USABLE_FRACTION if device == "cuda" else 0.8,
         reserved_bytes=reserved, per_process_group_bytes=pg_bytes,
         peak_flops_per_s=dict(flops, float16=flops["bfloat16"]), compute_efficiency=1.0,
         memory_bandwidth_bytes_per_s=copy_bw, host_to_device_bytes_per_s=h2d,
@@ -397,7 +398,9 @@ def to_toml(p: HardwareProfile, fits: dict[str, CollectiveFit | CurveFit], world
         f'name = "{p.name}"',
         f'device = "{p.device}"',
         f"memory_bytes = {p.memory_bytes}  # {'torch.cuda.get_device_properties().total_memory' if p.device == 'cuda' else 'host physical memory (sysconf)'}",
-        f"usable_fraction = {p.usable_fraction}  # headroom for allocator fragmentation (REFERENCE.md){'' if p.device == 'cuda' else ', the OS and the ranks process images'}",
+        f"usable_fraction = {p.usable_fraction}  # " + ("the margin of the CUDA caching-allocator simulation "
+            "(shard_planner/cost/fits.py [Note: The margin on a GPU])" if p.device == "cuda" else
+            "headroom for allocator fragmentation (REFERENCE.md), the OS and the ranks process images"),
         f"reserved_bytes = {p.reserved_bytes}  # {'CUDA context + NCCL buffers (not measured: ~1 GiB)' if p.device == 'cuda' else 'the storage tracker counts tensor storages only'}",
         f"per_process_group_bytes = {p.per_process_group_bytes}  # {'~1 GB per NCCL process group (pytorch#153302)' if p.device == 'cuda' else 'a gloo group holds no tensor storage'}",
         "compute_efficiency = 1.0  # peak_flops_per_s below is measured matmul throughput already",

@@ -43,6 +43,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from shard_planner.allocator_conf import mode_name, rank_environment
 from shard_planner.cost.host_share import threads_per_rank, usable_cores
 from shard_planner.errors import RunError
 from shard_planner.measurement import Measurement, RestoreCheck, load_measurement
@@ -96,8 +97,10 @@ class LaunchResult:
 class _World:
     """The rank processes of one run, and their reports."""
 
-    def __init__(self, run_dir: Path, world_size: int, worker_args: list[str], model_paths: tuple[str, ...] = ()):
+    def __init__(self, run_dir: Path, world_size: int, worker_args: list[str], model_paths: tuple[str, ...] = (),
+                 extra_env: dict[str, str] | None = None):
         self.run_dir = run_dir
+        self.extra_env = dict(extra_env or {})  # added to every rank's environment (the allocator's mode)
         self.world_size = world_size
         self.model_paths = model_paths  # the plans' model files, named when a rank dies without a report
         self.port = free_port()  # not reserved: another process could take it before rank 0 binds it
@@ -114,7 +117,7 @@ class _World:
         for rank in range(world_size):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       PYTHONUNBUFFERED="1")
+                       PYTHONUNBUFFERED="1", **self.extra_env)
             if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: ranks must not oversubscribe the cores
                 env["OMP_NUM_THREADS"] = str(threads_per_rank(world_size, usable_cores()))
             log = open(run_dir / f"rank{rank}.log", "wb")
@@ -327,7 +330,9 @@ def launch_local(plan_paths: list[str | os.PathLike], *, world_size: int, steps:
     :class:`RunError` on any failure, with every rank ended. ``checkpoint_dir`` (one plan): save a
     checkpoint there after the measured steps and restore it (worker.RunOptions); ``resume_from`` (one
     plan): only restore that checkpoint at ``world_size`` and compare (``LaunchResult.restore``)."""
-    model_paths = tuple(dict.fromkeys(load_plan(p).model.path for p in plan_paths))
+    plans = [load_plan(p) for p in plan_paths]
+    model_paths = tuple(dict.fromkeys(p.model.path for p in plans))
+    extra_env = allocator_environment(plans) if device == "cuda" else {}
     run_dir = Path(tempfile.mkdtemp(prefix="shard-planner-run-"))
     world = None
     try:
@@ -336,7 +341,7 @@ def launch_local(plan_paths: list[str | os.PathLike], *, world_size: int, steps:
                        "--timeout", str(collective_timeout_s(timeout_s)), "--checkpoint-steps", str(checkpoint_steps)]
         worker_args += ["--checkpoint-dir", str(checkpoint_dir)] if checkpoint_dir else []
         worker_args += ["--resume-from", str(resume_from)] if resume_from else []
-        world = _World(run_dir, world_size, worker_args, model_paths)
+        world = _World(run_dir, world_size, worker_args, model_paths, extra_env)
         logger.info("launched %d ranks: pids %s", world_size, world.pids)
         try:
             watch(world, timeout_s)
@@ -357,6 +362,19 @@ def launch_local(plan_paths: list[str | os.PathLike], *, world_size: int, steps:
             if world is not None:
                 world.kill()  # a no-op when every rank has exited; the safety net on any other way out
             shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def allocator_environment(plans: list[Plan]) -> dict[str, str]:
+    """The CUDA allocator setting the ranks get for ``plans`` (one launch, one setting: the first plan's);
+    see shard_planner/allocator_conf.py [Note: The allocator mode a plan runs with]."""
+    modes = {p.cluster.expandable_segments for p in plans}
+    if len(modes) > 1:
+        logger.warning("these plans were made for different CUDA allocator modes; one launch runs them all "
+                       "with the first plan's (%s)", mode_name(plans[0].cluster.expandable_segments))
+    env, warning = rank_environment(plans[0].cluster.expandable_segments, os.environ)
+    if warning:
+        logger.warning("%s", warning)
+    return env
 
 
 def _read_restore(path: Path) -> RestoreCheck:

@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from shard_planner.allocator_conf import effective_conf
 from shard_planner.argtypes import non_negative_int, positive_float, positive_int
 from shard_planner.errors import RunError, UserError, first_line
 from shard_planner.cost.comm_bytes import collective_bytes_per_step
@@ -255,6 +256,7 @@ def train_and_measure(plan: Plan, model_path: str, options: RunOptions, device: 
         comm_same_every_step=all(g[2] == [comm[0]] * len(comm) for g in gathered),
         comm_predicted=comm_predicted,
         checkpoint=checkpoint,
+        allocator_conf=effective_conf(os.environ) if cuda else None,
     ), plan.predicted)  # a re-derived plan has none: the plan's was for its own world size
 
 
@@ -333,7 +335,8 @@ def _peak_memory(step: _Stepper, options: RunOptions, status: _Status, device: t
     the storage tracker (its loss is appended)."""
     rank = dist.get_rank()
     if device.type == "cuda":
-        return RankMemory(rank, torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device))
+        return RankMemory(rank, torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device),
+                          num_alloc_retries=int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0)))
     s = options.warmup + options.steps
     # Tensors held by reference cycles of earlier steps (autograd graph <-> FSDP2 hooks) are freed
     # whenever the cyclic collector happens to run: without this, the measured peak moved by one to

@@ -16,8 +16,9 @@ once on the plan for the timeline and the per-unit times; without, the report dr
 holds. A caller that already has the estimate passes it as ``estimate=`` (``shard-planner plan`` passes
 the planner's, ``PlanResult.estimate``, so the cost model runs once per command).
 
-Memory is judged against the usable budget the planner fills, --mem less the profile's fragmentation
-share (report/budget.py); both lines are drawn. When the plan's profile is not here the report compares
+Memory is judged against the usable budget the planner fills, --mem x the profile's usable_fraction
+(report/budget.py); both lines are drawn. On a GPU profile the timeline draws the simulated CUDA caching
+allocator's reserved bytes too (report/reserved.py), and the summary its figures from the plan file. When the plan's profile is not here the report compares
 with --mem alone, draws no timeline, and says so.
 """
 
@@ -39,6 +40,7 @@ from shard_planner.report.plots import (
     figures_png, plot_frontier, plot_measured_plans, plot_memory_at_peak, plot_memory_timeline,
     plot_predicted_vs_measured, plot_units,
 )
+from shard_planner.report.reserved import reserved_caption, reserved_timeline
 from shard_planner.report.render import ReportSection, render_html, render_markdown, summary_lines
 from shard_planner.report.rows import unit_rows
 from shard_planner.report.tables import frontier_table, measurements_table, units_table
@@ -71,14 +73,18 @@ def _estimate(plan: Plan, trace: ModelTrace, profile: HardwareProfile | None) ->
 
 def _budget_text(budget: ReportBudget) -> str:
     """What the budget lines of a memory plot are, for its caption."""
+    if budget.has_usable and budget.device == "cuda":
+        return (f"The dashed line is --mem ({format_bytes(budget.mem_bytes)} per GPU); the dotted one the most the "
+                f"planner lets a plan allocate, {format_bytes(budget.usable_bytes)}: {budget.usable_reason}; what "
+                "fits is decided by the simulated CUDA caching allocator (its reserved memory exceeds what it "
+                "hands out).")
     if budget.has_usable:
         return (f"The dashed line is --mem ({format_bytes(budget.mem_bytes)} per GPU); the dotted one the usable "
-                f"budget the planner fills, {format_bytes(budget.usable_bytes)}: {budget.usable_reason} "
-                "(the caching allocator's reserved memory exceeds what it hands out).")
+                f"budget the planner fills, {format_bytes(budget.usable_bytes)}: {budget.usable_reason}.")
     if budget.missing_profile:
         return f"The dashed line is --mem ({format_bytes(budget.mem_bytes)} per GPU), {budget.fallback_note}."
     return (f"The dashed line is --mem ({format_bytes(budget.mem_bytes)} per GPU); the profile keeps none of it "
-            "free for allocator fragmentation.")
+            "free.")
 
 
 def build_sections(plan: Plan, *, trace: ModelTrace | None = None, profile: HardwareProfile | None = None,
@@ -96,7 +102,8 @@ def build_sections(plan: Plan, *, trace: ModelTrace | None = None, profile: Hard
             logger.warning("no memory timeline: the cost model needs the plan's profile (give --profile)")
         else:
             estimate = _estimate(plan, trace, profile)
-    sections = [_frontier_section(plan, budget), _memory_section(plan, trace, estimate, budget),
+    reserved = reserved_timeline(plan, trace, profile) if estimate is not None else None
+    sections = [_frontier_section(plan, budget), _memory_section(plan, trace, estimate, budget, reserved),
                 _units_section(plan, trace, estimate)]
     if plan.measurements:
         sections.append(_tune_section(plan))
@@ -130,15 +137,17 @@ def _frontier_section(plan: Plan, budget: ReportBudget) -> ReportSection | None:
 
 
 def _memory_section(plan: Plan, trace: ModelTrace | None, estimate: Estimate | None,
-                    budget: ReportBudget) -> ReportSection | None:
-    """The chosen plan's memory over one step (with an estimate), else at its peak (from the plan file)."""
+                    budget: ReportBudget, reserved=None) -> ReportSection | None:
+    """The chosen plan's memory over one step (with an estimate; on a GPU with the allocator's reserved
+    bytes beside it, ``reserved``: report/reserved.py), else at its peak (from the plan file)."""
     if estimate is not None:
         return ReportSection(
             "Memory over one step", "memory_timeline.png",
             plot_memory_timeline(estimate.memory, budget, f"Memory over one training step: {_model_name(plan)}, "
-                                 "chosen plan (predicted, per GPU)"),
+                                 "chosen plan (predicted, per GPU)", reserved),
             "Live bytes on one GPU after each event of the FSDP2 schedule (all-gathers, unit forward and "
-            f"backward, reduce-scatters, optimizer step), stacked by category. {_budget_text(budget)}")
+            f"backward, reduce-scatters, optimizer step), stacked by category (allocated). {_budget_text(budget)} "
+            f"{reserved_caption(reserved)}".rstrip())
     if plan.predicted is None:
         return None
     return ReportSection(

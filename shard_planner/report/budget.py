@@ -1,8 +1,10 @@
 """The budget a report judges a plan against: --mem, and the part of it the planner fills.
 
 The planner fills at most ``profile.tensor_budget_bytes(--mem)`` = min(--mem, device memory) x the
-profile's ``usable_fraction`` per GPU (shard_planner/profile.py); the rest of --mem stays free for
-caching-allocator fragmentation. Every part of the report (summary, frontier plot and table, memory
+profile's ``usable_fraction`` per GPU by the allocated peak (shard_planner/profile.py): on a CPU profile the
+rest of --mem stays free for the OS and the ranks' processes; on a GPU profile it is the margin of the
+caching-allocator simulation, which decides what fits there (cost/fits.py; the plan's ``predicted``
+carries its reserved figures). Every part of the report (summary, frontier plot and table, memory
 plots) takes one :class:`ReportBudget` from :func:`report_budget`, so they draw the same two lines and
 call the same plans fitting. When the plan's profile cannot be loaded here (a plan from another machine
 naming a profile path that is not here), the report falls back to --mem alone and says so.
@@ -24,18 +26,19 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ReportBudget:
     """Per-GPU budgets of one plan. ``usable_bytes`` is what plans may fill (``tensor_budget_bytes``);
-    without a profile it is --mem and ``fragmentation_percent`` is None."""
+    without a profile it is --mem and ``usable_fraction`` is None."""
 
     mem_bytes: int  # --mem, as the plan records it (cluster.mem_budget_bytes)
     usable_bytes: int  # profile.tensor_budget_bytes(mem_bytes); mem_bytes without a profile
-    fragmentation_percent: int | None  # share kept for allocator fragmentation; None: profile unknown
+    usable_fraction: float | None  # the profile's; None: profile unknown
     device_memory_bytes: int | None = None  # the profile's memory_bytes (caps --mem); None: unknown
     missing_profile: str = ""  # why the profile could not be loaded ("" when it was)
+    device: str = "cuda"  # the profile's device: on "cuda" the allocator simulation decides what fits
 
     @property
     def has_usable(self) -> bool:
         """A usable budget below --mem is known (a second line to draw)."""
-        return self.fragmentation_percent is not None and self.usable_bytes < self.mem_bytes
+        return self.usable_fraction is not None and self.usable_bytes < self.mem_bytes
 
     def fits(self, peak_bytes: int) -> bool:
         """The peak fits what the planner may fill (--mem alone when the profile is unknown)."""
@@ -43,8 +46,9 @@ class ReportBudget:
 
     @property
     def usable_reason(self) -> str:
-        """How the usable budget follows from --mem: '--mem less 8% for allocator fragmentation'."""
-        return usable_reason(self.mem_bytes, self.device_memory_bytes, self.fragmentation_percent, name_mem=False)
+        """How the usable budget follows from --mem: '--mem less the 5.3% margin of the allocator simulation'."""
+        return usable_reason(self.mem_bytes, self.device_memory_bytes, self.usable_fraction, self.device,
+                             name_mem=False)
 
     @property
     def mem_label(self) -> str:
@@ -71,7 +75,7 @@ class ReportBudget:
         if not self.missing_profile:
             return ""
         return (f"compared with --mem alone, not the usable budget the planner fills (--mem less the profile's "
-                f"fragmentation share): {self.missing_profile}")
+                f"margin): {self.missing_profile}")
 
 
 def load_plan_profile(plan: Plan) -> tuple[HardwareProfile | None, str]:
@@ -94,4 +98,5 @@ def report_budget(plan: Plan, profile: HardwareProfile | None = None, missing_pr
         profile, missing_profile = load_plan_profile(plan)
     if profile is None:
         return ReportBudget(mem, mem, None, missing_profile=missing_profile or "no profile")
-    return ReportBudget(mem, profile.tensor_budget_bytes(mem), profile.fragmentation_percent, profile.memory_bytes)
+    return ReportBudget(mem, profile.tensor_budget_bytes(mem), profile.usable_fraction, profile.memory_bytes,
+                        device=profile.device)

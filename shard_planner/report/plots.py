@@ -22,11 +22,13 @@ matplotlib.use("Agg")  # the report never opens a window; harmless if a caller a
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
+from shard_planner.cost.reserved import ReservedTimeline  # noqa: E402
 from shard_planner.cost.schedule import Phase  # noqa: E402
 from shard_planner.cost.types import MemoryEstimate  # noqa: E402
 from shard_planner.plan import MEMORY_CATEGORIES, FrontierPoint, Plan, Prediction  # noqa: E402
 from shard_planner.report.accumulation import draw_micro_steps  # noqa: E402
 from shard_planner.report.budget import ReportBudget  # noqa: E402
+from shard_planner.report.reserved import draw_reserved  # noqa: E402
 from shard_planner.report.rows import UnitRow  # noqa: E402
 
 GIB = 2**30
@@ -42,7 +44,7 @@ CATEGORY_LABELS = {
     "activations": "activations",
     "temporaries": "temporaries",
     "comm_buffers": "communication buffers",
-    "overhead": "overhead (context, allocator)",
+    "overhead": "overhead (CUDA context, NCCL)",
 }
 BASELINE_MARKERS = ("s", "D", "^", "v", "P", "p", "h", "<", ">")
 BASELINE_COLORS = ("#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f")
@@ -198,15 +200,17 @@ def _phase_spans(phases: Sequence[str]) -> list[tuple[str, int, int]]:
 PHASE_SHADES = {Phase.FORWARD: "#e8f1fa", Phase.BACKWARD: "#fdf0e6", Phase.OPTIMIZER: "#eaf5ea"}
 
 
-def plot_memory_timeline(memory: MemoryEstimate, budget: ReportBudget, title: str = "") -> Figure:
+def plot_memory_timeline(memory: MemoryEstimate, budget: ReportBudget, title: str = "",
+                         reserved: ReservedTimeline | None = None) -> Figure:
     """Live bytes per rank after each event of one step, stacked by category; the peak marked and
     labelled, the budget lines (--mem dashed, usable dotted), forward/backward/optimizer phases shaded
-    and named."""
+    and named; on a GPU the simulated allocator's reserved bytes as a line (``reserved``: report/reserved.py)."""
     budget_bytes = _budget_top(budget)
     events = memory.timeline
     n = len(events)
     cats = [c for c in MEMORY_CATEGORIES if any(e.bytes_by_category.get(c, 0) for e in events)]
-    ymax = max([memory.peak_bytes, budget_bytes] + [e.total_bytes for e in events])
+    reserved_top = max((m[4] for m in reserved.marks), default=0) + reserved.outside_bytes if reserved else 0
+    ymax = max([memory.peak_bytes, budget_bytes, reserved_top] + [e.total_bytes for e in events])
     scale, unit = _byte_scale(ymax)
     # Memory is constant between events: draw each event as a step one unit wide centred on its index.
     xs = [x for i in range(n) for x in (i - 0.5, i + 0.5)]
@@ -219,7 +223,7 @@ def plot_memory_timeline(memory: MemoryEstimate, budget: ReportBudget, title: st
                  labels=[CATEGORY_LABELS[c] for c in cats], colors=[CATEGORY_COLORS[c] for c in cats],
                  alpha=0.9, zorder=2, gid="stack")
 
-    top = max(memory.peak_bytes, budget_bytes) / scale * 1.22
+    top = max(memory.peak_bytes, budget_bytes, reserved_top) / scale * 1.22
     ax.set_ylim(0, top)
     ax.set_xlim(-0.5, n - 0.5)
     # Phase names in a band at the top of the axes; a narrow phase (the optimizer step is one or two
@@ -241,6 +245,7 @@ def plot_memory_timeline(memory: MemoryEstimate, budget: ReportBudget, title: st
                 va="bottom", fontsize=8, zorder=6,
                 bbox=dict(boxstyle="round,pad=0.25", fc="white", ec="#999999", alpha=0.95))
     draw_budget(ax, budget, scale, vertical=False)
+    draw_reserved(ax, events, reserved, scale, unit)  # on a GPU: report/reserved.py
     ax.set_xlabel("event in one training step (index, in execution order)")
     draw_micro_steps(ax, events, scale, unit)  # gradient accumulation: report/accumulation.py
     ax.set_ylabel(f"live memory per GPU ({unit})")

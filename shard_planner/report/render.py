@@ -62,6 +62,7 @@ def summary_lines(plan: Plan, budget: ReportBudget, measured: tuple[MeasuredFigu
                                f"the {'usable ' if budget.has_usable else ''}budget, "
                                f"{format_bytes(budget.usable_bytes)})"
                                + ("" if budget.fits(p.peak_bytes) else ": DOES NOT FIT")),
+            *_allocator_line(p),
             ("predicted optimizer step" if t.accumulation_steps > 1 else "predicted step", f"{p.step_time_s:.4g} s, {tp.of(p.step_time_s):,.0f} {tp.unit} (whole cluster), "
                                f"exposed communication {p.exposed_comm_s:.3g} s{extra}"),
         ]
@@ -85,6 +86,18 @@ def summary_lines(plan: Plan, budget: ReportBudget, measured: tuple[MeasuredFigu
                               f"prediction error {relative_error(step_time_s, m.step_time_s):+.1%}"),
         ]
     return lines
+
+
+def _allocator_line(p) -> list[tuple[str, str]]:
+    """On a GPU, the simulated CUDA caching allocator's figures the plan file keeps (cost/fits.py)."""
+    if p.reserved_peak_bytes is None:
+        return []
+    retries = p.alloc_retries_per_step or 0
+    return [("on the GPU", f"reserved peak {format_bytes(p.reserved_peak_bytes)} per GPU (CUDA caching allocator, "
+                           f"simulated, CUDA context and NCCL included); no retries from "
+                           f"{format_bytes(p.no_retry_bytes)}; "
+                           + (f"{retries} cache releases and retries per step on --mem (not priced in the step time)"
+                              if retries else "no retries on --mem"))]
 
 
 def _title(plan: Plan) -> str:

@@ -52,5 +52,5 @@ def no_wrapping(ctx: PlanContext, choice: GlobalChoice) -> list[Checked]:
 def baseline_points(ctx: PlanContext, evaluated: list[Checked]) -> list[FrontierPoint]:
     """The hand-written policies among ``evaluated``, as the plan file's ``baselines``."""
     return [FrontierPoint(peak_bytes=c.peak_bytes, step_time_s=c.step_time_s, description=c.status,
-                          fits=c.peak_bytes <= ctx.budget_bytes)
+                          fits=ctx.shown_fits(c))
             for c in evaluated if c.method == "hand-written"]

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from shard_planner.checkpointing import checkpointing_refusal
+from shard_planner.cost.fits import FitVerdict, device_fit, smallest_mem_bytes
 from shard_planner.cost.model import CostModel
 from shard_planner.cost.types import Estimate
 from shard_planner.errors import UserError
@@ -108,9 +109,12 @@ class PlanContext:
                                  param_dtype=request.param_dtype, reduce_dtype=request.reduce_dtype)
         self.cluster = Cluster(gpus=request.gpus, gpus_per_node=min(request.gpus_per_node, request.gpus),
                                profile=request.profile_name or self.profile.name,
-                               mem_budget_bytes=request.mem_budget_bytes, timings=request.timings_path)
-        # profile.tensor_budget_bytes(--mem): what plans may fill (the rest is kept for fragmentation)
-        self.budget_bytes = self.profile.tensor_budget_bytes(request.mem_budget_bytes)
+                               mem_budget_bytes=request.mem_budget_bytes, timings=request.timings_path,
+                               expandable_segments=request.expandable_segments)
+        # profile.tensor_budget_bytes(--mem): the allocated peak plans may fill (on a GPU the allocator
+        # simulation judges what is shown: device_fit); lower when solve/survive.py re-solves
+        self.shown_budget_bytes = self.profile.tensor_budget_bytes(request.mem_budget_bytes)
+        self.budget_bytes = min(self.shown_budget_bytes, request.allocated_budget_bytes or self.shown_budget_bytes)
         self.budget_mib = self.budget_bytes // MIB
         self.time_limit_s = request.time_limit_s
         self.max_group_size = request.max_group_size
@@ -197,6 +201,33 @@ class PlanContext:
             with self.clock.doing("simulate"):
                 self._estimates[key] = self.cost_model.estimate(plan, timeline=timeline)
         return self._estimates[key]
+
+    def device_fit(self, plan: Plan) -> FitVerdict | None:
+        """``plan`` on a GPU of --mem, through the caching-allocator simulation (cost/fits.py; memoised by the
+        cost model); None on a CPU profile, or when the request has no ``allocator_check``."""
+        if not self.request.allocator_check:
+            return None
+        with self.clock.doing("simulate"):
+            return device_fit(self.cost_model, plan)
+
+    def shown_fits(self, c: Checked) -> bool:
+        """Whether a plan the planner shows (the frontier, the hand-written policies) fits --mem: its allocated
+        peak within the search's budget at --mem and, on a GPU, its simulated steps surviving there
+        (solve/survive.py [Note: Search by the allocated peak, judge by the allocator])."""
+        if c.peak_bytes > self.shown_budget_bytes:
+            return False
+        fit = self.device_fit(c.plan)
+        return fit is None or fit.survives
+
+    def mem_needed(self, c: Checked) -> int:
+        """The smallest --mem ``c`` fits: its peak within the search's budget (``profile.mem_for_tensor_budget``)
+        and, on a GPU, its simulated steps surviving (cost/fits.py ``smallest_mem_bytes``)."""
+        plan = replace(c.plan, cluster=replace(c.plan.cluster, mem_budget_bytes=self.profile.memory_bytes))
+        fit = self.device_fit(plan)  # judged on the whole device: where it fits, if anywhere
+        if fit is None:
+            return self.profile.mem_for_tensor_budget(c.peak_bytes)
+        with self.clock.doing("simulate"):
+            return smallest_mem_bytes(self.cost_model, plan, fit, c.peak_bytes)
 
     @property
     def simulated_plans(self) -> int:

@@ -80,7 +80,7 @@ def infeasible_error(ctx, micro_batch: int, smallest: list) -> InfeasibleError:
         "overhead": "the profile's fixed overhead (context, NCCL, allocator reserve) alone exceeds the budget: "
                     "raise --mem or use a profile that matches your device",
     }.get(top, "add GPUs")
-    need = ctx.profile.mem_for_tensor_budget(best.peak_bytes)
+    need = ctx.mem_needed(best)
     over = (f", more than the {format_bytes(ctx.profile.memory_bytes)} of a {ctx.profile.name} device"
             if need > ctx.profile.memory_bytes else "")
     return InfeasibleError(
@@ -91,11 +91,11 @@ def infeasible_error(ctx, micro_batch: int, smallest: list) -> InfeasibleError:
 
 
 def budget_text(profile: HardwareProfile, mem_budget_bytes: int) -> str:
-    """The budget in words, both numbers: '40.00 GiB per GPU (36.80 GiB usable of it: 8% kept for
-    allocator fragmentation, profile h100-80gb)'."""
+    """The budget in words, both numbers: '40.00 GiB per GPU (37.88 GiB of allocated peak at most: --mem less
+    the 5.3% margin of the allocator simulation, profile h100-80gb)'."""
     given = min(mem_budget_bytes, profile.memory_bytes)
     usable = profile.tensor_budget_bytes(mem_budget_bytes)
     if usable == given:
         return f"{format_bytes(given)} per GPU"
-    return (f"{format_bytes(given)} per GPU ({format_bytes(usable)} usable of it: {profile.fragmentation_percent}% "
-            f"kept for allocator fragmentation, profile {profile.name})")
+    return (f"{format_bytes(given)} per GPU ({format_bytes(usable)} of allocated peak at most: "
+            f"{profile.usable_reason(mem_budget_bytes)}, profile {profile.name})")

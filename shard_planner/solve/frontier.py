@@ -59,5 +59,5 @@ def pareto(ctx: PlanContext, evaluated: list[Checked]) -> list[FrontierPoint]:
             front.append(c)
     return [FrontierPoint(peak_bytes=c.peak_bytes, step_time_s=c.step_time_s,
                           description=(c.status + ": " if c.method in ("hand-written", "no-wrapping") else "")
-                          + describe_choice(c.units, c.choice), fits=c.peak_bytes <= ctx.budget_bytes)
+                          + describe_choice(c.units, c.choice), fits=ctx.shown_fits(c))
             for c in front]

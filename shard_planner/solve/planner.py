@@ -31,10 +31,12 @@
    larger than the asked one), that plan, and what dominates memory there.
 
 The budget every step fills is ``profile.tensor_budget_bytes(mem_budget_bytes)``: ``--mem`` (at most
-the device's memory) less the profile's share kept for caching-allocator fragmentation (1 -
-``usable_fraction``; REFERENCE.md). The predicted peak counts allocated bytes, and the allocator
-reserves more than it allocates, so a plan that filled all of ``--mem`` would not run. Messages give
-both numbers, and budgets in ``--mem`` terms (``profile.mem_for_tensor_budget``).
+the device's memory) times the profile's ``usable_fraction``, compared with the simulators' allocated peak
+(the profile's overhead included). On a CPU profile that is the rule (the rest of --mem: the OS, the ranks'
+process images). On a GPU profile it is only the search's filter: what fits is decided by the caching
+allocator's simulation of the answer's first two steps on --mem (cost/fits.py), and the answer is solved
+again at a tighter allocated budget when it does not survive (:mod:`.survive`, around the search here,
+:func:`_plan_at_budget`). Messages give budgets in ``--mem`` terms (``profile.mem_for_tensor_budget``).
 """
 
 
@@ -56,6 +58,7 @@ from shard_planner.solve.frontier import pareto, start_sweep, sweep
 from shard_planner.solve.linear import MIB, GlobalChoice
 from shard_planner.solve.polish import polish
 from shard_planner.solve.request import PlanRequest, PlanResult
+from shard_planner.solve.survive import plan_surviving, surviving_choice
 from shard_planner.trace.types import ModelTrace
 from shard_planner.units import format_bytes
 
@@ -82,10 +85,16 @@ POLISH_MAX_S = 3.0
 
 
 def plan_model(trace: ModelTrace, request: PlanRequest) -> PlanResult:
-    """The fastest plan for ``trace`` on ``request.gpus`` GPUs whose simulated peak fits
-    ``profile.tensor_budget_bytes(request.mem_budget_bytes)`` per GPU (``--mem`` less the fragmentation
-    share), or the simplest within ``request.simpler_within`` of it, with the frontier, the hand-written
-    baselines, the chosen plan's estimate and where the time went. Pure: no files, no printing."""
+    """The fastest plan for ``trace`` on ``request.gpus`` GPUs that fits ``request.mem_budget_bytes`` per GPU
+    (its simulated peak within ``profile.tensor_budget_bytes``; on a GPU profile its simulated allocator
+    surviving --mem too: :mod:`.survive`), or the simplest within ``request.simpler_within`` of it, with the
+    frontier, the hand-written baselines, the chosen plan's estimate and where the time went. Pure: no
+    files, no printing."""
+    return plan_surviving(trace, request, _plan_at_budget)
+
+
+def _plan_at_budget(trace: ModelTrace, request: PlanRequest) -> PlanResult:
+    """The search at the allocated budget of ``request`` (the module docstring's steps 1-5)."""
     ctx = PlanContext(trace, request)
     try:
         return _plan(ctx)
@@ -124,17 +133,19 @@ def _plan(ctx: PlanContext) -> PlanResult:
         chosen, status = _polished(ctx, chosen, status)
     with ctx.clock.stage("simplify"):
         chosen, status, fastest = simpler.prefer_simpler(ctx, chosen, pool, status)
+    chosen, status = surviving_choice(ctx, chosen, pool, status)  # on a GPU (solve/survive.py)
     est = ctx.estimate(chosen.plan, timeline=True)  # the report's memory timeline
+    fit = ctx.device_fit(chosen.plan)  # on a GPU: the caching allocator over two steps (cost/fits.py)
     plan = replace(
         chosen.plan,
-        predicted=est.prediction(),
+        predicted=replace(est.prediction(), **(fit.prediction_fields() if fit else {})),
         solver=SolverInfo(method=chosen.method, status=status, objective=chosen.step_time_s,
                           seconds=ctx.clock.elapsed_s()),
         frontier=tuple(pareto(ctx, found + evaluated)),
         baselines=tuple(alternatives.baseline_points(ctx, evaluated)),
     )
     return PlanResult(plan=plan, estimate=est, timings=ctx.clock.timings(ctx.simulated_plans),
-                      fastest_step_time_s=fastest.step_time_s)
+                      fastest_step_time_s=fastest.step_time_s, fit=fit)
 
 
 def _search(ctx: PlanContext) -> list[Checked]:

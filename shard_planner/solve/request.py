@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shard_planner.cost.fits import FitVerdict
 from shard_planner.cost.types import Estimate
 from shard_planner.errors import UserError
 from shard_planner.plan import DEFAULT_LR, OPTIMIZERS, FrontierPoint, Plan
@@ -58,6 +59,14 @@ class PlanRequest:
     # searches micro-batch x accumulation steps x ranks = it (solve/accumulation.py); None: no accumulation
     global_batch_samples: int | None = None
     global_batch_tokens: int | None = None
+    # The CUDA caching allocator's mode the plan runs with (cluster.expandable_segments, shard_planner/allocator_conf.py),
+    # and the allocated peak the search may fill (None: profile.tensor_budget_bytes(mem_budget_bytes); set lower by
+    # solve/survive.py when the answer does not survive --mem in the allocator simulation). allocator_check False:
+    # on a GPU profile too the allocated peak alone decides, as on a CPU one (the solver's own tests, on
+    # hand-written traces measured in MiB, where the allocator's 2-20 MiB pages would decide instead)
+    expandable_segments: bool = True
+    allocated_budget_bytes: int | None = None
+    allocator_check: bool = True
 
     def __post_init__(self):
         if not _positive_int(self.gpus) or not _positive_int(self.gpus_per_node):
@@ -71,7 +80,7 @@ class PlanRequest:
         if not _positive_int(self.max_group_size) or not _positive_int(self.frontier_points):
             raise UserError(f"max_group_size and frontier_points must be positive ints, got {self.max_group_size} "
                             f"and {self.frontier_points}")
-        for name in ("global_batch_samples", "global_batch_tokens"):
+        for name in ("global_batch_samples", "global_batch_tokens", "allocated_budget_bytes"):
             if getattr(self, name) is not None and not _positive_int(getattr(self, name)):
                 raise UserError(f"{name} must be a positive int, got {getattr(self, name)!r}")
         if self.global_batch_samples is not None and self.global_batch_tokens is not None:
@@ -128,6 +137,7 @@ class PlanResult:
     estimate: Estimate
     timings: PlanTimings
     fastest_step_time_s: float
+    fit: FitVerdict | None = None  # the plan on a GPU of --mem (cost/fits.py); None on a CPU profile
 
     @property
     def frontier(self) -> tuple[FrontierPoint, ...]:

@@ -8,7 +8,8 @@ import pytest
 from tests.models import cost_mlp  # noqa: E402
 
 from shard_planner.cli.main import main  # noqa: E402
-from shard_planner.cost import estimate  # noqa: E402
+from shard_planner.cost import CostModel, estimate  # noqa: E402
+from shard_planner.cost.fits import device_fit  # noqa: E402
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit, load_plan, save_plan  # noqa: E402
 from shard_planner.profile import load_profile  # noqa: E402
 from shard_planner.units import format_bytes  # noqa: E402
@@ -48,6 +49,16 @@ def test_estimate_other_gpus_profile_and_write(files, capsys):
     saved = load_plan(d / "plan.json")
     want = estimate(trace, replace(plan.with_world_size(8), training=Training(4)), load_profile("h100-80gb"))
     assert saved.predicted.peak_bytes == want.memory.peak_bytes
+    # on a GPU profile: the plan's own allocator mode judged on --mem (cost/fits.py), the other beside it, and
+    # the allocator's figures written with the prediction
+    # (--mem 1 GiB on h100-80gb, whose CUDA context and NCCL take 1 GiB: nothing is left for the allocator)
+    assert "on the GPU, as planned: DOES NOT FIT 1.00 GiB: the simulated allocator runs out of memory at" in out
+    assert "expandable_segments:True, simulated" in out and "0 B for the allocator" in out
+    assert "with expandable_segments:False (the default) instead: reserved peak" in out
+    assert "OVER the search's budget, allocated, of" in out
+    fit = device_fit(CostModel(trace, load_profile("h100-80gb")), saved)
+    assert (saved.predicted.reserved_peak_bytes, saved.predicted.no_retry_bytes) == (
+        fit.reserved_peak_total_bytes, fit.no_retry_total_bytes)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -27,7 +27,8 @@ def test_plan_writes_the_contract_and_a_summary(tmp_path, capsys):
     rc = main(["plan", GPT2, "--gpus", "8", "--mem", "2GB", "-o", str(out), "--no-report", "--time-limit", "1"])
     assert rc == 0
     text = capsys.readouterr().out
-    assert "predicted peak" in text and "of 1.84 GiB usable" in text and "--mem 2.00 GiB less 8%" in text and "predicted step" in text
+    assert "predicted peak" in text and "of 1.89 GiB usable" in text and "--mem 2.00 GiB less the 5.3% margin" in text
+    assert "predicted step" in text and "on the GPU: fits 2.00 GiB" in text and "reserved peak" in text
     assert "solver: " in text and f"wrote {out}" in text
     d = json.loads(out.read_text())
     for key in ("schema_version", "model", "cluster", "training", "units", "prefetch", "predicted", "solver",

@@ -152,10 +152,13 @@ def test_calibrate_cli_rejects_bad_arguments(capsys):
     assert len(err) == 2 and all(line.startswith("shard-planner: error:") for line in err)
 
 
-def test_tensor_budget_keeps_the_fragmentation_fraction_inside_mem():
-    """--mem is device memory: the planner fills usable_fraction of it (of the device at most)."""
+def test_tensor_budget_keeps_the_margin_inside_mem():
+    """--mem is device memory: the planner's search fills usable_fraction of it (of the device at most); on a
+    GPU profile that is the allocator simulation's margin (cost/fits.py [Note: The margin on a GPU])."""
     p = load_profile("h100-80gb")
     gib = 2**30
-    assert p.tensor_budget_bytes(40 * gib) == int(40 * gib * 0.92)
+    assert p.tensor_budget_bytes(40 * gib) == int(40 * gib * 0.947)
     assert p.tensor_budget_bytes(10**15) == p.usable_bytes  # capped by the device's memory
-    assert p.fragmentation_percent == 8
+    assert p.usable_reason(40 * gib) == "--mem 40.00 GiB less the 5.3% margin of the allocator simulation"
+    assert load_profile("cpu-gloo").usable_reason(2 * gib) == ("--mem 2.00 GiB less 20% kept free for the OS and "
+                                                               "the ranks' processes")

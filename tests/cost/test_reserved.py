@@ -90,3 +90,45 @@ def test_under_a_small_device_the_step_retries_or_fails(model_and_plan):
     assert tight.oom_at is not None and tight.num_alloc_retries >= 1
     roomy = cm.reserved(plan, expandable_segments=True, device_bytes=free.no_retry_bytes)
     assert roomy.oom_at is None and roomy.num_alloc_retries == 0
+
+
+def test_retries_per_step_are_the_second_steps(model_and_plan):
+    """Under a device a little above the allocated peak the steps survive with retries: those of the second
+    step are the ones every later step repeats ([Note: Two steps, not one]), a part of the two steps' count."""
+    cm, plan = model_and_plan
+    free = cm.reserved(plan, expandable_segments=True)
+    for device in (free.allocated_peak_bytes + 64 * MIB, free.no_retry_bytes):
+        r = cm.reserved(plan, expandable_segments=True, device_bytes=device)
+        assert 0 <= r.retries_per_step <= r.num_alloc_retries
+    assert cm.reserved(plan, True, free.no_retry_bytes).num_alloc_retries == 0
+
+
+def test_reserved_timeline_has_a_mark_per_timeline_event(model_and_plan):
+    """The second step's allocator state at every mark of the walk, one per event of the estimate's memory
+    timeline, reserved never below allocated and never above the two steps' reserved peak."""
+    cm, plan = model_and_plan
+    events = cm.estimate(plan, timeline=True).memory.timeline
+    free = cm.reserved(plan, expandable_segments=True)
+    line = cm.reserved_timeline(plan, expandable_segments=True)
+    assert len(line.marks) == len(events) and line.outside_bytes == free.outside_bytes
+    assert all(m[2] == e.phase for m, e in zip(line.marks, events))
+    assert all(allocated <= reserved <= free.reserved_peak_bytes for *_, allocated, reserved in line.marks)
+    capped = cm.reserved_timeline(plan, expandable_segments=True, device_bytes=free.allocated_peak_bytes * 99 // 100)
+    assert len(capped.marks) < len(events)  # it ran out of memory on the way
+
+
+def test_the_simulated_calls_replay_to_the_same_allocator(model_and_plan):
+    """The allocator's calls over the two steps (CostModel.reserved_events), replayed by cost/allocator_replay.py,
+    reserve and allocate exactly what the walk's simulation did; under a device cap they survive from the
+    bisection's boundary on."""
+    from shard_planner.cost.allocator_replay import CapKind, replay, smallest_surviving_cap
+
+    cm, plan = model_and_plan
+    for expandable in (True, False):
+        events = cm.reserved_events(plan, expandable_segments=expandable)
+        stats, walked = replay(events, AllocatorConfig(expandable_segments=expandable)), cm.reserved(plan, expandable)
+        assert (stats.peak_reserved_bytes, stats.peak_allocated_bytes, stats.peak_cap_demand_bytes) == (
+            walked.reserved_peak_bytes, walked.allocated_peak_bytes, walked.no_retry_bytes)
+    events = cm.reserved_events(plan, expandable_segments=True)
+    cap = smallest_surviving_cap(events, True, CapKind.DEVICE)
+    assert cm.reserved(plan, True, cap).oom_at is None

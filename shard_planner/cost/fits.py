@@ -1,0 +1,212 @@
+"""Whether a plan fits a GPU of ``--mem``: its first two steps, simulated through the CUDA caching allocator,
+survive the memory the allocator can get there (issue 29, build item 3).
+
+    verdict = device_fit(cost_model, plan)    # FitVerdict; None on a CPU profile (no caching allocator)
+    verdict.survives, verdict.retries_per_step, verdict.oom_at
+    verdict.reserved_peak_total_bytes, verdict.no_retry_total_bytes    # the predictions, outside bytes included
+    verdict.describe()                                                 # in words, for `plan`, `estimate`, reports
+    allocator_bytes(profile, mem_bytes, outside_bytes)                 # what the simulated allocator may get
+    smallest_surviving_bytes(cost_model, plan, verdict)               # where it stops running out (bisection)
+    smallest_mem_bytes(cost_model, plan, verdict, peak_bytes)         # the smallest --mem it fits
+
+[Note: What fits means on a GPU]
+  ``--mem`` is the memory of one GPU. Outside the caching allocator, the CUDA context, NCCL's buffers and
+  each extra process group's communicator hold the profile's overhead (cost/allocator_accountant.py [Note:
+  From walk events to allocator calls]); the allocator gets the rest. A plan fits when the simulation of its
+  first two steps (cost/reserved.py [Note: Two steps, not one]), in the allocator mode it runs with
+  (``cluster.expandable_segments``; shard_planner/allocator_conf.py), completes without an out-of-memory error
+  on ``usable_fraction`` of that rest (:func:`allocator_bytes`; the margin: [Note: The margin on a GPU]).
+  The allocator may release its cache and retry on the way: the step survives, slower ([Note: Retries are not
+  priced]). The allocated peak alone does not decide: the allocator reserves more than it hands out
+  (segments per stream, rounding, blocks it cannot split), and under pressure gives back only whole free
+  segments or, with expandable segments, whole free pages. The solver searches with the allocated peak
+  (``profile.tensor_budget_bytes``, milliseconds a plan) and judges the plans it answers with this
+  (shard_planner/solve/survive.py): 3-50 ms a plan, too slow for the hundreds it compares.
+
+[Note: The margin on a GPU]
+  On a GPU profile ``usable_fraction`` is 0.947: the simulated allocator gets 94.7% of ``--mem`` less the
+  memory outside it. It covers what the simulation is measured to miss, on the 20 runs of ours on one H200
+  (reports/benchmarks/reserved_h200.md, ``benchmarks/bench_reserved.py``; world size 1, expandable segments):
+  - the simulated reserved peak is below the measured ``max_memory_reserved`` in every run, by 5.3% in the
+    median (0.2% to 16.6%): the walk emits activations as a level and gradients per block, where autograd
+    allocates tensor by tensor (cost/reserved.py [Note: What the simulated layout is]). 0.947 = 1 - 5.3%: a
+    step whose simulation survives 94.7% of the memory would survive all of it if its layout error were the
+    median run's;
+  - the allocated peak, 61-72 MiB below the measured one in every run (a constant: 0.2% of a 40 GB budget),
+    is inside that reserved error.
+  What it does not cover: the runs whose layout error is larger (the MPT-125m and -350m runs, 10-17%, all
+  at no memory pressure, where much of the excess is free cache a retry would release, which that figure
+  cannot tell from memory a retry cannot release), the profile's outside bytes (``reserved_bytes``, not
+  measured: none of those runs read the device's free memory), and world sizes above 1 (NCCL's buffers
+  grow with the communicators). What would justify another margin: benchmarks/gpu_allocator.py (run by
+  benchmarks/gpu_check.sh) replays each recorded allocation trace through the simulator and sweeps
+  ``set_per_process_memory_fraction`` at the predicted memory x {0.95, 1.0, 1.02, 1.05, 1.1}: the smallest
+  cap each real step survives against the simulated one sets the margin; the device's free memory there
+  sets ``reserved_bytes``.
+
+[Note: Retries are not priced]
+  A retry (``num_alloc_retries``) releases the allocator's cache: a device synchronisation (``cudaFree`` "waits
+  for all operations on the GPU to finish", colesbury in pytorch#19222; unmapping expandable segments'
+  pages synchronises too), every whole free segment or page returned to the driver, and what the step
+  needs later allocated or mapped again. The host stops running ahead of the GPU at each one. No published
+  figure gives the time a retry costs a training step: FSDP reports say only that retries cost throughput
+  (pytorch#104509: 0 retries after ``limit_all_gathers``; composer PR 1632; fms-fsdp issue 63 keeps them at
+  "at most 1 or 2"). So a plan's step time does not include them: a plan that fits only with retries says
+  so, with how many per step (the second simulated step's, which every later step repeats), and the
+  smallest memory without any. The cap sweep of benchmarks/gpu_allocator.py records step time and
+  ``num_alloc_retries`` at each cap: the cost per retry to price them with.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from shard_planner.allocator_conf import mode_name
+from shard_planner.cost.allocator_blocks import K_LARGE_BUFFER
+from shard_planner.cost.allocator_replay import CAP_GRAIN_BYTES
+from shard_planner.cost.reserved import ReservedEstimate
+from shard_planner.plan import Plan
+from shard_planner.profile import HardwareProfile
+from shard_planner.units import format_bytes
+
+# The GPU profiles' usable_fraction, and what `calibrate` writes for a GPU: [Note: The margin on a GPU]
+GPU_USABLE_FRACTION = 0.947
+
+
+def allocator_bytes(profile: HardwareProfile, mem_bytes: int, outside_bytes: int) -> int:
+    """The memory the simulated allocator may get on a GPU of ``mem_bytes`` (at most the device's): what is
+    not outside it, times the profile's ``usable_fraction`` ([Note: The margin on a GPU])."""
+    mem = min(mem_bytes, profile.memory_bytes)
+    return max(0, int((mem - outside_bytes) * profile.usable_fraction))
+
+
+@dataclass(frozen=True)
+class FitVerdict:
+    """A plan on a GPU of ``mem_bytes``: the allocator without a limit (``free``: the reserved peak, the
+    smallest memory without retries) and under ``allocator_bytes`` (``capped``: retries, OOM). See
+    [Note: What fits means on a GPU]."""
+
+    mem_bytes: int  # --mem, at most the device's memory
+    usable_fraction: float  # the profile's: the margin
+    allocator_bytes: int  # what the simulated allocator could get: (mem - outside) x usable_fraction
+    free: ReservedEstimate
+    capped: ReservedEstimate
+
+    @property
+    def expandable_segments(self) -> bool:
+        return self.free.expandable_segments
+
+    @property
+    def outside_bytes(self) -> int:
+        return self.free.outside_bytes
+
+    @property
+    def survives(self) -> bool:
+        return self.capped.oom_at is None
+
+    @property
+    def oom_at(self) -> str | None:
+        return self.capped.oom_at
+
+    @property
+    def retries_per_step(self) -> int:
+        return self.capped.retries_per_step
+
+    @property
+    def first_step_retries(self) -> int:
+        return self.capped.num_alloc_retries - self.capped.retries_per_step
+
+    @property
+    def reserved_peak_total_bytes(self) -> int:
+        """The device memory the process holds at its peak without a limit (outside bytes included)."""
+        return int(self.free.reserved_peak_total_bytes)
+
+    @property
+    def no_retry_total_bytes(self) -> int:
+        """The smallest device memory that runs the steps without a retry (outside bytes included)."""
+        return int(self.free.no_retry_total_bytes)
+
+    def prediction_fields(self) -> dict[str, int]:
+        """The plan file's ``predicted`` figures of the allocator (shard_planner/plan.py ``Prediction``)."""
+        return {"reserved_peak_bytes": self.reserved_peak_total_bytes, "no_retry_bytes": self.no_retry_total_bytes,
+                "alloc_retries_per_step": self.retries_per_step}
+
+    @property
+    def checked_on(self) -> str:
+        """Where it was judged: '36.93 GiB of allocator memory (--mem less 1.00 GiB outside it, less the 5.3%
+        margin)'."""
+        return (f"{format_bytes(self.allocator_bytes)} for the allocator: {format_bytes(self.mem_bytes)} less "
+                f"{format_bytes(self.outside_bytes)} outside it, less the {margin_percent(self.usable_fraction)} margin")
+
+    def verdict(self) -> str:
+        """'fits 40.00 GiB with 2 cache releases per step (not priced)', or where it runs out of memory."""
+        if not self.survives:
+            return (f"DOES NOT FIT {format_bytes(self.mem_bytes)}: the simulated allocator runs out of memory at "
+                    f"\"{self.oom_at}\"")
+        if self.retries_per_step:
+            return (f"fits {format_bytes(self.mem_bytes)} with {self.retries_per_step} cache "
+                    f"release{'s' if self.retries_per_step > 1 else ''} and retr"
+                    f"{'ies' if self.retries_per_step > 1 else 'y'} per step (not priced in the step time)")
+        if self.first_step_retries:
+            return f"fits {format_bytes(self.mem_bytes)} (retries in the first step only)"
+        return f"fits {format_bytes(self.mem_bytes)} without retries"
+
+    def describe(self) -> str:
+        """The verdict and the predictions, in one line."""
+        return (f"{self.verdict()}; CUDA caching allocator ({mode_name(self.expandable_segments)}, simulated over "
+                f"two steps on {self.checked_on}): reserved peak {format_bytes(self.reserved_peak_total_bytes)}, "
+                f"no retries from {format_bytes(self.no_retry_total_bytes)}")
+
+
+def margin_percent(usable_fraction: float) -> str:
+    """The margin in words: '5.3%'."""
+    return f"{(1 - usable_fraction) * 100:.3g}%"
+
+
+def smallest_surviving_bytes(cost_model, plan: Plan, verdict: FitVerdict) -> int:
+    """The smallest memory for the allocator (a multiple of 2 MiB) on which ``plan``'s two steps survive in
+    ``verdict``'s mode, by bisection between a memory where they fail (more than a page below the allocated
+    peak, or ``verdict.allocator_bytes`` when they fail there) and one where they survive (the smallest
+    memory without retries, or ``verdict.allocator_bytes`` when they survive there): cost/allocator_replay.py
+    [Note: The smallest cap, by bisection], exact where survival is monotone in the memory. At most about
+    12 simulations of the two steps."""
+    expandable, free, grain = verdict.expandable_segments, verdict.free, CAP_GRAIN_BYTES
+    lo = max(0, free.allocated_peak_bytes - K_LARGE_BUFFER) // grain - 1  # fails (-1: no memory below 0)
+    hi = -(-free.no_retry_bytes // grain)  # survives: no segment refused
+    if verdict.survives:
+        hi = min(hi, -(-verdict.allocator_bytes // grain))
+    else:
+        lo = max(lo, verdict.allocator_bytes // grain)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if cost_model.reserved(plan, expandable_segments=expandable, device_bytes=mid * grain).oom_at is None:
+            hi = mid
+        else:
+            lo = mid
+    return hi * grain
+
+
+def smallest_mem_bytes(cost_model, plan: Plan, verdict: FitVerdict, peak_bytes: int) -> int:
+    """The smallest ``--mem`` ``plan`` fits (``peak_bytes``: its allocated peak, overhead included): its steps
+    survive the allocator memory that --mem gives, and its peak is within the search's budget there."""
+    profile = cost_model.profile
+    survive = verdict.outside_bytes + math.ceil(smallest_surviving_bytes(cost_model, plan, verdict)
+                                                / profile.usable_fraction)
+    return max(survive, profile.mem_for_tensor_budget(peak_bytes))
+
+
+def device_fit(cost_model, plan: Plan) -> FitVerdict | None:
+    """``plan`` on a GPU of its ``--mem`` (``cluster.mem_budget_bytes``) in its allocator mode, by
+    ``cost_model`` (a :class:`~shard_planner.cost.model.CostModel`; its reserved simulations are memoised).
+    None on a CPU profile: there the allocated peak decides (``profile.tensor_budget_bytes``)."""
+    profile = cost_model.profile
+    if profile.device != "cuda":
+        return None
+    expandable = plan.cluster.expandable_segments
+    free = cost_model.reserved(plan, expandable_segments=expandable)
+    mem = min(plan.cluster.mem_budget_bytes, profile.memory_bytes)
+    cap = allocator_bytes(profile, mem, free.outside_bytes)
+    capped = cost_model.reserved(plan, expandable_segments=expandable, device_bytes=cap)
+    return FitVerdict(mem_bytes=mem, usable_fraction=profile.usable_fraction, allocator_bytes=cap, free=free,
+                      capped=capped)
