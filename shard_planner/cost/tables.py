@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from shard_planner.cost.unit_params import UnitParams, float_numel_of
-from shard_planner.dtypes import FLOAT_DTYPES, dtype_bytes
+from shard_planner.dtypes import FLOAT_DTYPES
 from shard_planner.errors import PlanError
 from shard_planner.plan import ROOT, Unit, unit_name
 from shard_planner.trace.types import ZERO, Affine, ModelTrace
@@ -39,8 +39,7 @@ class Block:
     unit: int  # index into the plan's units of the owner
     nested: tuple[int, ...]  # units nested inside this block's module
     unit_module: bool  # the block is a module listed in its unit (activation checkpointing applies)
-    own_param_numel: dict[str, int]  # parameters of this block the owner unit holds, by built dtype
-    own_float_numel: int  # of those, the trainable floating-point elements (they get gradients)
+    own_float_numel: int  # the trainable floating elements of this block the owner unit holds (they get gradients)
     saved: Affine  # bytes saved for backward by the subtree (nested units included)
     input: Affine
     output: Affine
@@ -83,7 +82,6 @@ class CostTables:
     # is in the trace's backward order); not for a frozen unit with no trainable input (a frozen
     # embedding): docs/frozen_facts.md [Note: Pre-backward all-gather needs an output that requires grad]
     unit_backward: tuple[bool, ...]
-    total_param_numel: int
     buffer_bytes: int  # every module's buffers: not sharded by FSDP2, resident on every rank
     largest_module_float_bytes: int  # the largest one module's own floating parameters, as built
     model_fwd_flops: Affine  # the whole model (the loss excluded: trace.loss_flops), per micro-batch
@@ -111,16 +109,13 @@ def segment_tables(trace: ModelTrace, segmentation: tuple[tuple[str, ...], ...],
     n_units = len(segmentation)
     # Parameters of modules that never run (calls == 0) still belong to their unit but no block touches
     # them; the root block list keeps them in the unit totals only.
+    # each unit's modules in forward order, those that never run last (UnitParams.of_modules takes the first
+    # with trainable floating parameters as the one whose gradient autograd produces last)
+    order = {fqn: i for i, fqn in enumerate(trace.forward_order)}
     modules_of: list[list] = [[] for _ in range(n_units)]
-    for m in trace.modules:
+    for m in sorted(trace.modules, key=lambda m: order.get(m.fqn, len(order))):
         modules_of[owner[m.fqn]].append(m)
-    # each unit's first module in forward order with trainable floating parameters: their elements
-    first: list[int | None] = [None] * n_units
-    for fqn in trace.forward_order:
-        m = trace.module(fqn)
-        if first[owner[fqn]] is None and float_numel_of(m.trainable_sharded_param_bytes_by_dtype):
-            first[owner[fqn]] = float_numel_of(m.trainable_sharded_param_bytes_by_dtype)
-    params = tuple(replace(UnitParams.of_modules(ms), first_float_numel=f or 0) for ms, f in zip(modules_of, first))
+    params = tuple(UnitParams.of_modules(ms) for ms in modules_of)
     blocks = _block_sequence(trace, module_unit, owner, contains_unit, subtree_sum)
     in_backward = set(trace.backward_order)
 
@@ -146,7 +141,6 @@ def segment_tables(trace: ModelTrace, segmentation: tuple[tuple[str, ...], ...],
                             for i, modules in enumerate(segmentation)),
         buffer_bytes=sum(m.buffer_bytes for m in trace.modules),
         largest_module_float_bytes=largest_module_float_bytes(trace),
-        total_param_numel=sum(p.numel for p in params),
         model_fwd_flops=fwd_total, model_bwd_flops=bwd_total,
         param_tensors=sum(m.trainable_param_tensors for m in trace.modules),
     )
@@ -200,15 +194,6 @@ def _block_sequence(trace: ModelTrace, module_unit: dict[str, int], owner: dict[
                 kids.extend(called_children(c))
         return sorted(kids, key=fwd_index.__getitem__)
 
-    def own_numel(fqn: str, unit: int) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for m in trace.subtree(fqn):
-            if owner[m.fqn] != unit:
-                continue
-            for dt, nbytes in m.sharded_param_bytes_by_dtype.items():
-                out[dt] = out.get(dt, 0) + nbytes // dtype_bytes(dt)
-        return out
-
     def own_gradient_numel(fqn: str, unit: int) -> int:
         return sum(float_numel_of(m.trainable_sharded_param_bytes_by_dtype)
                    for m in trace.subtree(fqn) if owner[m.fqn] == unit)
@@ -224,10 +209,9 @@ def _block_sequence(trace: ModelTrace, module_unit: dict[str, int], owner: dict[
 
     def whole_block(fqn: str, unit: int, unit_module: bool) -> Block:
         m = trace.module(fqn)
-        own = own_numel(fqn, unit)
         return Block(
             fqn=fqn, unit=unit, nested=nested_units(fqn), unit_module=unit_module,
-            own_param_numel=own, own_float_numel=own_gradient_numel(fqn, unit),
+            own_float_numel=own_gradient_numel(fqn, unit),
             saved=subtree_sum(fqn, "saved_bytes_self"), input=m.input_bytes, output=m.output_bytes,
             fwd_rise=m.fwd_peak_rise_bytes, bwd_rise=m.bwd_peak_rise_bytes,
             fwd_flops=subtree_sum(fqn, "fwd_flops_self"), bwd_flops=subtree_sum(fqn, "bwd_flops_self"),
@@ -246,9 +230,8 @@ def _block_sequence(trace: ModelTrace, module_unit: dict[str, int], owner: dict[
         for c in called_children(fqn):
             decompose(c)
         m = trace.module(fqn)
-        own = {dt: nb // dtype_bytes(dt) for dt, nb in m.sharded_param_bytes_by_dtype.items()}
         blocks.append(Block(
-            fqn=fqn, self_only=True, unit=owner[fqn], nested=(), unit_module=False, own_param_numel=own,
+            fqn=fqn, self_only=True, unit=owner[fqn], nested=(), unit_module=False,
             own_float_numel=float_numel_of(m.trainable_sharded_param_bytes_by_dtype),
             saved=m.saved_bytes_self, input=ZERO, output=ZERO, fwd_rise=ZERO, bwd_rise=ZERO,
             fwd_flops=m.fwd_flops_self, bwd_flops=m.bwd_flops_self,

@@ -103,14 +103,6 @@ class UnitParams:
                              self.replicated_bytes + other.replicated_bytes,
                              self.replicated_float_bytes + other.replicated_float_bytes, trainable)
 
-    @property
-    def numel(self) -> int:
-        """Every sharded parameter element."""
-        return sum(k for _, k in self.numel_by_dtype)
-
-
-NO_PARAMS = UnitParams.of({})
-
 
 def float_numel_of(param_bytes_by_dtype: dict[str, int]) -> int:
     """The floating elements of a ``param_bytes_by_dtype`` (dtype name -> bytes)."""
