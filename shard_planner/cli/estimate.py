@@ -132,15 +132,9 @@ def reserved_report(plan: Plan, profile, cm, fit) -> str:
     the step survives a GPU of ``--mem`` in the plan's allocator mode (``fit``: cost/fits.py, the margin
     included), and the same figures in the other mode."""
     other = not fit.expandable_segments
-    free = cm.reserved(plan, expandable_segments=other)
-    capped = cm.reserved(plan, expandable_segments=other, device_bytes=fit.allocator_bytes)
-    if capped.oom_at is not None:
-        verdict = f"OUT OF MEMORY at \"{capped.oom_at}\""
-    elif capped.retries_per_step:
-        verdict = f"survives with {capped.retries_per_step} cache releases and retries per step"
-    else:
-        verdict = "survives without retries"
+    alt = replace(fit, free=cm.reserved(plan, expandable_segments=other),
+                  capped=cm.reserved(plan, expandable_segments=other, device_bytes=fit.allocator_bytes))
     return "\n".join([
         f"on the GPU, as planned: {fit.describe()}",
-        f"  with {mode_name(other)} instead: reserved peak {format_bytes(free.reserved_peak_total_bytes)}, no retries "
-        f"from {format_bytes(free.no_retry_total_bytes)}; {verdict} on the same {format_bytes(fit.allocator_bytes)}"])
+        f"  with {mode_name(other)} instead: reserved peak {format_bytes(alt.reserved_peak_total_bytes)}, no retries "
+        f"from {format_bytes(alt.no_retry_total_bytes)}; {alt.verdict()}"])
