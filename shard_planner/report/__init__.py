@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from shard_planner.cost.types import Estimate
-from shard_planner.dtypes import FLOAT_DTYPES
 from shard_planner.fileio import write_atomic
 from shard_planner.plan import Plan
 from shard_planner.profile import HardwareProfile
@@ -171,12 +170,12 @@ def _units_section(plan: Plan, trace: ModelTrace | None, estimate: Estimate | No
 
 
 def fine_tune_text(trace: ModelTrace) -> str:
-    """A fine-tune's parameters: trainable, frozen and quantised (non-floating: NF4's uint8 data) bytes as
-    built, and what FSDP2 does with the frozen ones."""
+    """A fine-tune's parameters: trainable, frozen and quantised (what NF4 weights store: codes, scalers,
+    factors; ``ModuleTrace.quantized_param_bytes_by_dtype``) bytes as built, and what FSDP2 does with the
+    frozen ones."""
     trainable = sum(m.trainable_param_bytes for m in trace.modules)
     frozen = sum(m.frozen_param_bytes for m in trace.modules)
-    quantised = sum(nb for m in trace.modules for dt, nb in m.frozen_param_bytes_by_dtype.items()
-                    if dt not in FLOAT_DTYPES)
+    quantised = sum(sum(m.quantized_param_bytes_by_dtype.values()) for m in trace.modules)
     return (f"Fine-tune: {trace.trainable_param_count:,} of {trace.param_count:,} parameters train "
             f"({format_bytes(trainable)} as built); {format_bytes(frozen)} are frozen"
             + (f", {format_bytes(quantised)} of them quantised" if quantised else "")
