@@ -129,14 +129,14 @@ def units_with_backward(model: nn.Module, plan: Plan) -> tuple[bool, ...]:
     parameter registered before its subtree ends has been used, taking registration order for forward
     order (true of the sequential models FSDP wraps; the cost model reads the traced fact instead,
     cost/tables.py ``unit_backward``). The root always does (the loss)."""
-    names = [fqn for fqn, _ in model.named_modules()]
-    first_trainable = next((i for i, (_, m) in enumerate(model.named_modules())
-                            if any(p.requires_grad for p in m.parameters(recurse=False))), len(names))
-    position = {fqn: i for i, fqn in enumerate(names)}
-
-    def subtree_end(fqn: str) -> int:
-        prefix = f"{fqn}." if fqn else ""
-        return max(i for i, name in enumerate(names) if name == fqn or name.startswith(prefix))
-
-    return tuple(u.is_root or any(first_trainable <= subtree_end(fqn) for fqn in u.modules if fqn in position)
+    first_trainable = None
+    subtree_end: dict[str, int] = {}  # module -> the registration index its subtree ends at
+    for i, (fqn, module) in enumerate(model.named_modules()):
+        if first_trainable is None and any(p.requires_grad for p in module.parameters(recurse=False)):
+            first_trainable = i
+        parts = fqn.split(".") if fqn else []
+        for k in range(len(parts) + 1):  # the module and each of its ancestors ("" the root)
+            subtree_end[".".join(parts[:k])] = i
+    return tuple(u.is_root or (first_trainable is not None
+                               and any(first_trainable <= subtree_end.get(fqn, -1) for fqn in u.modules))
                  for u in plan.units)
