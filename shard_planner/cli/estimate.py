@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     fit = device_fit(cm, plan)  # None on a CPU profile
     print(report(plan, profile, est, fit))
     if fit is not None:
-        print(reserved_report(plan, profile, cm, fit))
+        print(reserved_report(plan, cm, fit))
     if req.write:
         save_plan(replace(plan, predicted=replace(est.prediction(), **(fit.prediction_fields() if fit else {}))),
                   req.plan)
@@ -127,7 +127,7 @@ def report(plan: Plan, profile, est, fit=None) -> str:
     return "\n".join(lines)
 
 
-def reserved_report(plan: Plan, profile, cm, fit) -> str:
+def reserved_report(plan: Plan, cm, fit) -> str:
     """What the CUDA caching allocator would reserve for the plan's first two steps (cost/reserved.py), whether
     the step survives a GPU of ``--mem`` in the plan's allocator mode (``fit``: cost/fits.py, the margin
     included), and the same figures in the other mode."""
