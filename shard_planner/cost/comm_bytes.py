@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from shard_planner.comm import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CollectiveBytes
 from shard_planner.cost.accumulation import micro_steps
 from shard_planner.cost.reshard import ReshardAfterForward
+from shard_planner.cost.schedule import backward_prefetch_targets
 from shard_planner.dtypes import FLOAT_DTYPES, dtype_bytes
 from shard_planner.plan import Plan
 
@@ -81,8 +82,8 @@ def _add(totals: dict, collective: str, group_size: int, nbytes: int, times: int
 def gathers_in_backward(plan: Plan, has_backward: tuple[bool, ...] | None) -> tuple[bool, ...]:
     """Per unit of ``plan`` (if it reshards after forward), whether it is all-gathered in backward: it
     runs a pre-backward (``has_backward``; None: every unit does), or a unit that does prefetches it —
-    the next max(1, ``prefetch.backward``) units in backward order, one for the root (execute/apply.py
-    ``_set_prefetch``; docs/frozen_facts.md [Note: Backward prefetch of a group without a pre-backward])."""
+    the units cost/schedule.py ``backward_prefetch_targets`` names (docs/frozen_facts.md [Note: Backward
+    prefetch of a group without a pre-backward])."""
     if has_backward is None:
         return (True,) * len(plan.units)
     root = next(i for i, u in enumerate(plan.units) if u.is_root)
@@ -90,7 +91,7 @@ def gathers_in_backward(plan: Plan, has_backward: tuple[bool, ...] | None) -> tu
     gathered = list(has_backward)
     for k, u in enumerate(order):
         if has_backward[u]:
-            for v in order[k + 1: k + 1 + (1 if u == root else max(1, plan.prefetch.backward))]:
+            for v in backward_prefetch_targets(order, k, plan.prefetch.backward):
                 gathered[v] = True
     return tuple(gathered)
 

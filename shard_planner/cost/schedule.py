@@ -105,6 +105,15 @@ class Schedule:
     prefetched_in_backward: frozenset[int] = frozenset()  # units some pre-backward prefetches
 
 
+def backward_prefetch_targets(backward_units, position: int, prefetch_backward: int) -> tuple:
+    """The units the pre-backward of ``backward_units[position]`` prefetches, ``backward_units`` in
+    pre-backward order with the root first: the root the next one (FSDP2's default: the executor sets no
+    list on it), every other unit the next max(1, ``prefetch_backward``) (execute/apply.py
+    ``_set_prefetch``). The schedule and run's byte count (cost/comm_bytes.py) both ask here."""
+    depth = 1 if position == 0 else max(1, prefetch_backward)
+    return tuple(backward_units[position + 1: position + 1 + depth])
+
+
 def build_schedule(t: CostTables, units: tuple[Unit, ...], prefetch: Prefetch) -> Schedule:
     """The event sequence of one step for ``units`` segmented as ``t`` (see the module docstring)."""
     root = next(i for i, u in enumerate(units) if u.is_root)
@@ -131,8 +140,7 @@ def build_schedule(t: CostTables, units: tuple[Unit, ...], prefetch: Prefetch) -
             return
         ev.append(Event(EventKind.PRE_BACKWARD, Phase.BACKWARD, u, block))
         ev.append(Event(EventKind.ALL_GATHER_WAIT, Phase.BACKWARD, u, block))
-        i = bpos[u]
-        for v in bwd_units[i + 1: i + 1 + (1 if u == root else k_bwd)]:
+        for v in backward_prefetch_targets(bwd_units, bpos[u], prefetch.backward):
             ev.append(Event(EventKind.ALL_GATHER, Phase.BACKWARD, v, block))
 
     pre_forward(root, -1)
