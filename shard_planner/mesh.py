@@ -23,8 +23,10 @@ and the FSDP2 export writes the same shape.
   reduce-scatters run over it; an int ``reshard_after_forward`` must be a non-trivial divisor of it.
 - ``replicate_group_size``: HSDP replicas (1 = plain FSDP); the all-reduce of the reduce-scattered
   gradients runs over it.
-- ``tp_size``: tensor-parallel degree, 1 until tensor parallelism is planned; validated here so that a
-  plan asking for more fails on load rather than being priced as if it were 1.
+- ``tp_size``: the tensor-parallel degree: the ranks one micro-batch's activations and each split weight
+  are divided over (shard_planner/tensor_parallel.py), adjacent ranks inside a node. FSDP2 then shards what
+  each tp rank holds over the shard group: a parameter's bytes per rank divide by ``tp_size`` (the split)
+  and by ``shard_group_size`` (FSDP); the shard and replicate groups are the data-parallel sub-mesh.
 
 Rank layout (placement on nodes): ranks are numbered node by node (torchrun's default) and the device
 mesh is ("replicate", "shard"[, "tp"]) with the last dimension fastest, as ``init_device_mesh`` lays it
@@ -49,8 +51,9 @@ def group_spans_nodes(group_size: int, stride_ranks: int, gpus_per_node: int) ->
 @dataclass(frozen=True)
 class Mesh:
     """The parallel degrees: ``shard`` ranks one parameter is sharded over, ``replicate`` HSDP replicas
-    (1 = plain FSDP), ``tp`` the tensor-parallel degree (1: not planned yet). The plan file's ``mesh``
-    section; ``tp`` is written only when it is not 1, so plans read and write as before it."""
+    (1 = plain FSDP), ``tp`` the tensor-parallel degree (1: none; the plan's ``tensor_parallel`` section says
+    how each module is split, shard_planner/tensor_parallel.py). The plan file's ``mesh`` section; ``tp`` is
+    written only when it is not 1, so plans read and write as before it."""
 
     shard: int
     replicate: int = 1
@@ -61,8 +64,6 @@ class Mesh:
             v = getattr(self, name)
             if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
                 raise PlanError(f"mesh.{name} must be a positive int, got {v!r}")
-        if self.tp != 1:
-            raise PlanError(f"mesh.tp must be 1: tensor parallelism is not planned yet, got {self.tp}")
 
     # ---- sizes: see [Note: which size means what] ----
     @property
@@ -114,22 +115,41 @@ class Mesh:
     # ---- the torch device mesh (built in execute) ----
     @property
     def device_mesh_shape(self) -> tuple[int, ...]:
-        """``init_device_mesh``'s shape: (shard,) for FSDP, (replicate, shard) for HSDP."""
-        return (self.shard,) if not self.is_hsdp else (self.replicate, self.shard)
+        """``init_device_mesh``'s shape: (shard,) for FSDP, (replicate, shard) for HSDP, then (..., tp) with
+        tensor parallelism (the last dimension is the fastest: tp ranks are adjacent, inside a node)."""
+        return tuple(size for size, _ in self._mesh_dims)
 
     @property
     def device_mesh_dim_names(self) -> tuple[str, ...]:
-        return ("shard",) if not self.is_hsdp else ("replicate", "shard")
+        return tuple(name for _, name in self._mesh_dims)
+
+    @property
+    def dp_mesh_dim_names(self) -> tuple[str, ...]:
+        """The data-parallel sub-mesh FSDP2 shards over (``fully_shard(mesh=device_mesh[names])``)."""
+        return tuple(name for name in self.device_mesh_dim_names if name != "tp")
+
+    @property
+    def _mesh_dims(self) -> tuple[tuple[int, str], ...]:
+        dims = ((self.replicate, "replicate"),) if self.is_hsdp else ()
+        dims += ((self.shard, "shard"),)
+        return dims + (((self.tp, "tp"),) if self.is_tp else ())
+
+    @property
+    def is_tp(self) -> bool:
+        """Tensor parallelism over ``tp_size`` > 1 ranks."""
+        return self.tp > 1
 
     # ---- for people ----
     @property
     def description(self) -> str:
-        """For people: ``FSDP over 8 GPUs``, or ``HSDP 2 replicas x 8 GPUs`` (replicate x shard)."""
+        """For people: ``FSDP over 8 GPUs``, ``HSDP 2 replicas x 8 GPUs`` (replicate x shard), then `` x TP 4``."""
         if not self.is_hsdp:
-            return f"FSDP over {self.shard} GPU{'s' if self.shard > 1 else ''}"
-        return f"HSDP {self.replicate} replicas x {self.shard} GPUs"
+            dp = f"FSDP over {self.shard} GPU{'s' if self.shard > 1 else ''}"
+        else:
+            dp = f"HSDP {self.replicate} replicas x {self.shard} GPUs"
+        return dp + (f" x TP {self.tp}" if self.is_tp else "")
 
     @property
     def shape_text(self) -> str:
-        """``2x8``: replicate x shard."""
-        return f"{self.replicate}x{self.shard}"
+        """``2x8``: replicate x shard; ``2x8x4`` with tensor parallelism (replicate x shard x tp)."""
+        return f"{self.replicate}x{self.shard}" + (f"x{self.tp}" if self.is_tp else "")

@@ -30,6 +30,7 @@ from shard_planner.fileio import read_json, write_atomic
 from shard_planner.finetune import FineTune  # the plan file's "model.finetune": what was frozen and how
 from shard_planner.mesh import Mesh  # the plan file's "mesh" section: the parallel degrees
 from shard_planner.plan_schema import AnyOf, Bool, Int, ListOf, MapOf, Nullable, Number, Section, Text
+from shard_planner.tensor_parallel import TensorParallel  # the plan file's "tensor_parallel": how modules split
 
 PLAN_SCHEMA_VERSION = 1
 # Optimizer name -> (torch.optim class, keyword arguments beyond lr); the executor builds it, the FSDP2
@@ -273,6 +274,8 @@ class Plan:
     baselines: tuple[FrontierPoint, ...] = ()
     schema_version: int = PLAN_SCHEMA_VERSION
     measurements: tuple[MeasuredPoint, ...] = ()  # plans run by `shard-planner tune` (optional)
+    # how each module is split over mesh.tp ranks; None without tensor parallelism (plans before it have none)
+    tensor_parallel: TensorParallel | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "units", tuple(self.units))
@@ -283,6 +286,8 @@ class Plan:
                  f"plan schema_version {self.schema_version!r} is not {PLAN_SCHEMA_VERSION}: re-run shard-planner plan")
         _require(self.mesh.world_size == self.cluster.gpus,
                  f"mesh {self.mesh.shape_text} does not use the cluster's {self.cluster.gpus} GPUs")
+        _require(self.mesh.is_tp == (self.tensor_parallel is not None),
+                 f"mesh.tp is {self.mesh.tp}: a plan has a tensor_parallel section exactly when mesh.tp is above 1")
         roots = [u for u in self.units if u.is_root]
         _require(len(roots) == 1, "a plan needs exactly one unit for the root module (modules: [\"\"])")
         seen: set[str] = set()
@@ -330,9 +335,11 @@ class Plan:
         return self.with_world_size(world_size), self.mesh.world_size
 
     def with_world_size(self, world_size: int) -> "Plan":
-        """The same decisions on ``world_size`` ranks (plain FSDP); int reshard sizes that no longer
+        """The same decisions on ``world_size`` ranks: plain FSDP, keeping the tensor-parallel degree and
+        styles when it divides ``world_size`` (dropping them otherwise); int reshard sizes that no longer
         divide the group become True. Predictions are dropped: they were for the old size."""
-        mesh = Mesh(shard=world_size)
+        tp = self.mesh.tp if world_size % self.mesh.tp == 0 else 1
+        mesh = Mesh(shard=world_size // tp, tp=tp)
         units = tuple(
             u if isinstance(u.reshard_after_forward, bool) or mesh.is_reshard_size(u.reshard_after_forward)
             else replace(u, reshard_after_forward=True)
@@ -344,6 +351,7 @@ class Plan:
             mesh=mesh,
             units=units,
             predicted=None,
+            tensor_parallel=self.tensor_parallel if mesh.is_tp else None,
         )
 
     # ---- JSON ----
@@ -356,6 +364,7 @@ class Plan:
             del d["model"]["finetune"]
         if self.mesh.tp == 1:  # plans without tensor parallelism read as they did before it
             d["mesh"].pop("tp")
+            del d["tensor_parallel"]
         if self.training.accumulation_steps == 1:  # plans without accumulation read as they did before it
             for name in _ACCUMULATION_FIELDS:
                 d["training"].pop(name)
@@ -389,6 +398,7 @@ PLAN_RULES = {
     "FineTune.lora_rank": Nullable(_COUNT), "FineTune.lora_targets": ListOf(Text()), "FineTune.freeze": ListOf(Text()),
     "Cluster.gpus": _COUNT, "Cluster.gpus_per_node": _COUNT, "Cluster.mem_budget_bytes": _COUNT,
     "Mesh.shard": _COUNT, "Mesh.replicate": _COUNT, "Mesh.tp": _COUNT,
+    "TensorParallel.styles": MapOf(Text()),
     "Training.micro_batch": _COUNT, "Training.optimizer": Text(OPTIMIZERS),
     "Training.param_dtype": Text(DTYPES), "Training.reduce_dtype": Text(DTYPES), "Training.lr": Number(positive=True),
     "Training.accumulation_steps": _COUNT, "Training.gradient_sync": Text(GRADIENT_SYNCS),

@@ -7,7 +7,7 @@ import pytest
 
 from shard_planner.errors import PlanError
 from shard_planner.mesh import Mesh, group_spans_nodes
-from shard_planner.plan import Plan
+from shard_planner.plan import Plan, Unit
 from tests.cli.test_plan_schema import make_plan
 
 
@@ -16,7 +16,6 @@ from tests.cli.test_plan_schema import make_plan
     (dict(shard=8, replicate=0), "mesh.replicate must be a positive int"),
     (dict(shard=8, replicate=True), "mesh.replicate must be a positive int"),
     (dict(shard=8, tp=0), "mesh.tp must be a positive int"),
-    (dict(shard=8, tp=2), "mesh.tp must be 1: tensor parallelism is not planned yet"),
 ])
 def test_degrees_are_checked_once_on_construction(kwargs, message):
     with pytest.raises(PlanError, match=message):
@@ -52,9 +51,56 @@ def test_json_form_unchanged_for_tp_1(tmp_path):
     assert Plan.from_dict(d) == plan
     d["mesh"]["tp"] = 1
     assert Plan.from_dict(d) == plan
-    d["mesh"]["tp"] = 2
-    with pytest.raises(PlanError, match="mesh: mesh.tp must be 1"):
+    d["mesh"].update(shard=4, tp=2)
+    with pytest.raises(PlanError, match="a plan has a tensor_parallel section exactly when mesh.tp is above 1"):
         Plan.from_dict(d)
+
+
+TP_STYLES = {"tok": "embedding", "layers.0.attn_norm": "norm", "layers.0.attn": "gather_input",
+             "layers.0.attn.wq": "colwise", "layers.0.attn.wo": "rowwise", "out": "head"}
+
+
+def test_tp_sizes_and_device_mesh():
+    """tp ranks are adjacent (the last mesh dimension); FSDP2 shards over the data-parallel sub-mesh."""
+    m = Mesh(shard=4, replicate=2, tp=8)
+    assert (m.world_size, m.dp_size, m.shard_group_size, m.tp_size) == (64, 8, 4, 8)
+    assert m.device_mesh_shape == (2, 4, 8) and m.device_mesh_dim_names == ("replicate", "shard", "tp")
+    assert m.dp_mesh_dim_names == ("replicate", "shard")
+    assert Mesh(shard=2, tp=2).device_mesh_shape == (2, 2) and Mesh(shard=2, tp=2).dp_mesh_dim_names == ("shard",)
+    assert m.shape_text == "2x4x8" and m.description == "HSDP 2 replicas x 4 GPUs x TP 8"
+    assert Mesh(shard=32, tp=8).shard_group_spans_nodes(gpus_per_node=8)  # shard ranks are 8 apart
+    assert not Mesh(shard=1, tp=8).shard_group_spans_nodes(gpus_per_node=8)
+
+
+def test_tp_plan_round_trip_and_checks():
+    from shard_planner.tensor_parallel import Style, TensorParallel
+
+    tp = TensorParallel(styles=dict(TP_STYLES, **{"layers.0.mlp": "gather_input:hidden_states"}))
+    plan = make_plan(mesh=Mesh(shard=4, tp=2), tensor_parallel=tp, units=(Unit(("",)), Unit(("layers.0",), 2)))
+    d = json.loads(plan.to_json())
+    assert d["mesh"] == {"shard": 4, "replicate": 1, "tp": 2} and d["tensor_parallel"]["styles"]["out"] == "head"
+    assert Plan.from_dict(d) == plan
+    assert tp.style_of("layers.0.mlp").kwarg == "hidden_states" and tp.head_fqn == "out"
+    assert tp.style_of("layers.0.attn.wq").style is Style.COLWISE and tp.style_of("nope") is None
+    d["tensor_parallel"]["styles"]["out"] = "diagonal"
+    with pytest.raises(PlanError, match="unknown tensor-parallel style 'diagonal'"):
+        Plan.from_dict(d)
+    with pytest.raises(PlanError, match="norm and gather_input are sequence parallelism's styles"):
+        TensorParallel(styles=TP_STYLES, sequence_parallel=False)
+    with pytest.raises(PlanError, match="exactly when mesh.tp is above 1"):
+        make_plan(mesh=Mesh(shard=8), tensor_parallel=tp)
+    assert "tensor_parallel" not in json.loads(make_plan().to_json())
+
+
+def test_tp_plan_at_another_world_size():
+    from shard_planner.tensor_parallel import TensorParallel
+
+    plan = make_plan(mesh=Mesh(shard=4, tp=2), tensor_parallel=TensorParallel(styles=TP_STYLES),
+                     units=(Unit(("",)), Unit(("layers.0",), 2)))
+    four = plan.with_world_size(4)
+    assert four.mesh == Mesh(shard=2, tp=2) and four.tensor_parallel == plan.tensor_parallel
+    three = plan.with_world_size(3)
+    assert three.mesh == Mesh(shard=3) and three.tensor_parallel is None
 
 
 def test_device_mesh_shape():
