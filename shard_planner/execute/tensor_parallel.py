@@ -1,0 +1,76 @@
+"""The plan's tensor-parallel styles as torch's ``ParallelStyle`` objects, for ``parallelize_module``.
+
+    parallelize_module(model, device_mesh["tp"], torch_tp_plan(plan.tensor_parallel))
+
+One function maps every :class:`~shard_planner.tensor_parallel.Style` to the class and layouts that
+shard_planner/tensor_parallel.py [Note: The tensor-parallel styles] describes; the executor applies it
+before ``fully_shard`` (execute/apply.py) and the trace's proofs use the same objects.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from shard_planner.tensor_parallel import ModuleStyle, Style, TensorParallel
+
+SEQUENCE_DIM = 1  # (batch, seq, hidden) activations: sequence parallelism splits dim 1 (torchtitan's Shard(1))
+
+
+def torch_style(style: ModuleStyle, tp: TensorParallel) -> ParallelStyle:
+    """The ``ParallelStyle`` for one module's style under ``tp``'s sequence / loss parallelism."""
+    between = Shard(SEQUENCE_DIM) if tp.sequence_parallel else Replicate()  # activations between split regions
+    s = style.style
+    if s is Style.COLWISE:
+        return ColwiseParallel()
+    if s is Style.ROWWISE:
+        return RowwiseParallel(output_layouts=between)
+    if s is Style.EMBEDDING:
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
+    if s is Style.HEAD:
+        return ColwiseParallel(input_layouts=between, output_layouts=Shard(-1) if tp.loss_parallel else Replicate(),
+                               use_local_output=not tp.loss_parallel)
+    if s is Style.NORM:
+        return SequenceParallel(sequence_dim=SEQUENCE_DIM)
+    if s is Style.GATHER_INPUT:
+        if style.kwarg is not None:
+            return PrepareModuleInput(input_kwarg_layouts={style.kwarg: Shard(SEQUENCE_DIM)},
+                                      desired_input_kwarg_layouts={style.kwarg: Replicate()}, use_local_output=True)
+        return GatherFirstInput()
+    raise AssertionError(f"unhandled tensor-parallel style {s}")
+
+
+class GatherFirstInput(ParallelStyle):
+    """``PrepareModuleInput(input_layouts=(Shard(1), None, ...), desired_input_layouts=(Replicate(), None, ...),
+    use_local_output=True)`` for a module called with any number of positional arguments: torch's class
+    needs one layout per positional argument (it raises "module inputs and input_layouts should have same
+    length!"), which depends on the model's code, so the first argument's redistribution is done here with
+    the same DTensor calls (``from_local`` on Shard(1), ``redistribute`` to Replicate: an all-gather whose
+    backward is a reduce-scatter), the rest passed through."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def gather(_mod, args, kwargs):
+            if not args or not isinstance(args[0], torch.Tensor):
+                raise TypeError(f"gather_input: {type(module).__name__} was called without a tensor as its first "
+                                "positional argument; name the gathered keyword argument (gather_input:NAME)")
+            x = args[0]
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, (Shard(SEQUENCE_DIM),), run_check=False)
+            return (x.redistribute(placements=(Replicate(),)).to_local(), *args[1:]), kwargs
+
+        module.register_forward_pre_hook(gather, with_kwargs=True)
+        return module
+
+
+def torch_tp_plan(tp: TensorParallel) -> dict[str, ParallelStyle]:
+    """``parallelize_module``'s plan: module fqn -> ``ParallelStyle``."""
+    return {fqn: torch_style(style, tp) for fqn, style in tp.styles_by_fqn.items()}
