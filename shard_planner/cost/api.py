@@ -12,6 +12,7 @@ from shard_planner.cost import optimizer as optimizer_rules
 from shard_planner.cost.tables import CostTables, build_tables
 from shard_planner.cost.types import Estimate, MemoryEstimate, TimeEstimate
 from shard_planner.cost.unit_bytes import unit_bytes
+from shard_planner.errors import PlanError
 from shard_planner.plan import Plan, Unit
 from shard_planner.profile import HardwareProfile
 from shard_planner.trace.types import ModelTrace
@@ -23,7 +24,17 @@ def estimate(trace: ModelTrace, plan: Plan, profile: HardwareProfile, *, timelin
     A plan that checkpoints a model whose forward builds a cache is refused (PlanError; see
     [Note: No checkpointing of a forward that builds a cache] in shard_planner/checkpointing.py)."""
     check_checkpointing_allowed(plan.units, trace.model_path, trace.forward_cache)
+    check_tp_degree(plan, trace)
     return CostModel(trace, profile).estimate(plan, timeline=timeline)
+
+
+def check_tp_degree(plan: Plan, trace: ModelTrace) -> None:
+    """A trace holds one rank's numbers at the tensor-parallel degree it was traced at: a plan of another
+    degree would be priced with the wrong split (PlanError)."""
+    if plan.mesh.tp_size != trace.tp_size:
+        raise PlanError(f"the plan splits the model over {plan.mesh.tp_size} tensor-parallel ranks but the trace of "
+                        f"{trace.model_path} is one rank's at tp {trace.tp_size}: trace it at the plan's degree "
+                        f"(shard-planner plan/estimate do)")
 
 
 def simulate_memory(trace: ModelTrace, plan: Plan, profile: HardwareProfile, *, timeline: bool = True,

@@ -30,11 +30,14 @@ Rank layout: ranks are numbered node by node (torchrun's default), the shard gro
 the replicate group (HSDP) strides by the shard size — the ("replicate", "shard") mesh of
 ``init_device_mesh``. The rule of which group leaves a node is the mesh's
 (:func:`shard_planner.mesh.group_spans_nodes`, [Note: which size means what]); the functions here take
-the group sizes of a mesh without tensor parallelism (stride 1 within a shard group).
+the group sizes of a mesh without tensor parallelism (stride 1 within a shard group), and
+:func:`tp_collective_time_s` the tensor-parallel group (its ranks adjacent: inside a node when the degree
+is at most the node's GPUs).
 """
 
 from __future__ import annotations
 
+from shard_planner.comm import ALL_REDUCE
 from shard_planner.mesh import group_spans_nodes
 from shard_planner.profile import HardwareProfile
 
@@ -109,3 +112,12 @@ def reduce_scatter_time_s(profile: HardwareProfile, nbytes: float, shard_size: i
     if replicate > 1:
         t += replica_all_reduce_time_s(profile, nbytes, shard_size, replicate)
     return t
+
+
+def tp_collective_time_s(profile: HardwareProfile, kind: str, nbytes: float, tp_size: int) -> float:
+    """One tensor-parallel collective of ``nbytes`` (its full tensor: cost/tp_comm.py) over the tp group's
+    ``tp_size`` adjacent ranks: a ring all-gather or reduce-scatter, or an all-reduce (two ring passes,
+    nccl-tests' 2 (n-1)/n bus factor). ``kind``: shard_planner.comm's collective names."""
+    lat, bw, half = _link(profile, group_spans_nodes(tp_size, 1, profile.interconnect.gpus_per_node))
+    one_pass = ring_time_s(nbytes, tp_size, lat, bw, half)
+    return 2 * one_pass if kind == ALL_REDUCE else one_pass

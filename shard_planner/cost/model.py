@@ -45,6 +45,7 @@ from shard_planner.cost.queries import (BatchQuery, BlockQuery, PlanQuery, Reser
                                         segmentation_of)
 from shard_planner.cost.tables import CostTables, segment_tables, subtree_summer
 from shard_planner.cost.host_share import shared_profile
+from shard_planner.cost.tp_comm import block_tp_s
 from shard_planner.cost.time import (BlockCompute, measured_block_times, simulate_time_walk, unit_collectives_s,
                                     unit_copies_s)
 from shard_planner.cost.activations import BlockActivations, block_activations
@@ -273,6 +274,7 @@ class CostModel:
             ops_fwd_s=tuple(0.0 if m is not None else blk.fwd_ops * op_s for blk, m in zip(blocks, measured)),
             ops_bwd_s=tuple(0.0 if m is not None else blk.bwd_ops * op_s for blk, m in zip(blocks, measured)),
             loss_device_s=loss_dev, loss_host_s=loss_host,
+            **dict(zip(("tp_fwd_s", "tp_bwd_s", "loss_tp_s"), block_tp_s(t, self.trace, b, profile))),
         )
 
     def kernel_module_s(self, micro_batch: int, param_dtype: str) -> tuple[dict, float] | None:

@@ -53,6 +53,10 @@ class Block:
     # block keeps ``input - input_shared`` new bytes (memory.py, [Note: Checkpointed inputs held elsewhere])
     input_shared: Affine = ZERO
     self_only: bool = False  # a container's own operations, its children (and their units) left out
+    # tensor-parallel collectives of the block's modules (trace ModuleTrace.tp_collectives), forward order:
+    # each (kind, full bytes per micro-batch) on the compute stream's critical path (cost/tp_comm.py)
+    tp_fwd: tuple[tuple[str, Affine], ...] = ()
+    tp_bwd: tuple[tuple[str, Affine], ...] = ()
 
     @property
     def name(self) -> str:
@@ -209,6 +213,7 @@ def _block_sequence(trace: ModelTrace, module_unit: dict[str, int], owner: dict[
 
     def whole_block(fqn: str, unit: int, unit_module: bool) -> Block:
         m = trace.module(fqn)
+        tp_fwd, tp_bwd = tp_collectives_of(trace.subtree(fqn))
         return Block(
             fqn=fqn, unit=unit, nested=nested_units(fqn), unit_module=unit_module,
             own_float_numel=own_gradient_numel(fqn, unit),
@@ -216,7 +221,7 @@ def _block_sequence(trace: ModelTrace, module_unit: dict[str, int], owner: dict[
             fwd_rise=m.fwd_peak_rise_bytes, bwd_rise=m.bwd_peak_rise_bytes,
             fwd_flops=subtree_sum(fqn, "fwd_flops_self"), bwd_flops=subtree_sum(fqn, "bwd_flops_self"),
             fwd_ops=subtree_sum(fqn, "fwd_ops_self"), bwd_ops=subtree_sum(fqn, "bwd_ops_self"),
-            input_shared=m.input_shared_bytes,
+            input_shared=m.input_shared_bytes, tp_fwd=tp_fwd, tp_bwd=tp_bwd,
         )
 
     def decompose(fqn: str) -> None:
@@ -230,8 +235,9 @@ def _block_sequence(trace: ModelTrace, module_unit: dict[str, int], owner: dict[
         for c in called_children(fqn):
             decompose(c)
         m = trace.module(fqn)
+        tp_fwd, tp_bwd = tp_collectives_of((m,))
         blocks.append(Block(
-            fqn=fqn, self_only=True, unit=owner[fqn], nested=(), unit_module=False,
+            fqn=fqn, self_only=True, tp_fwd=tp_fwd, tp_bwd=tp_bwd, unit=owner[fqn], nested=(), unit_module=False,
             own_float_numel=float_numel_of(m.trainable_sharded_param_bytes_by_dtype),
             saved=m.saved_bytes_self, input=ZERO, output=ZERO, fwd_rise=ZERO, bwd_rise=ZERO,
             fwd_flops=m.fwd_flops_self, bwd_flops=m.bwd_flops_self,
@@ -240,6 +246,13 @@ def _block_sequence(trace: ModelTrace, module_unit: dict[str, int], owner: dict[
 
     decompose(ROOT)
     return blocks
+
+
+def tp_collectives_of(modules) -> tuple[tuple[tuple[str, Affine], ...], tuple[tuple[str, Affine], ...]]:
+    """The forward and backward tensor-parallel collectives ``modules`` issue: (kind, full bytes) each."""
+    fwd = tuple((c.kind, c.full_bytes) for m in modules for c in m.tp_collectives if c.phase == "fwd")
+    bwd = tuple((c.kind, c.full_bytes) for m in modules for c in m.tp_collectives if c.phase == "bwd")
+    return fwd, bwd
 
 
 def largest_module_float_bytes(trace: ModelTrace) -> int:

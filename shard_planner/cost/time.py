@@ -111,6 +111,11 @@ class BlockCompute:
     ops_bwd_s: tuple[float, ...]
     loss_device_s: float
     loss_host_s: float
+    # tensor-parallel collectives per block and the loss's, on the compute stream's critical path
+    # (cost/tp_comm.py [Note: Tensor-parallel collectives are on the critical path]); () and 0 without TP
+    tp_fwd_s: tuple[float, ...] = ()
+    tp_bwd_s: tuple[float, ...] = ()
+    loss_tp_s: float = 0.0
 
 
 def measured_block_times(trace: ModelTrace, t: CostTables, timings: ModuleTimings) -> tuple[ModuleTime | None, ...]:
@@ -169,6 +174,11 @@ def _combine(t: CostTables, s: Schedule, c: BlockCompute, profile: HardwareProfi
         fwd_s = [max(k * dev_fwd[i], host_fwd[i]) for i in range(n_blocks)]
         bwd_s = [max(k * dev_bwd[i], host_bwd[i]) for i in range(n_blocks)]
         loss_s = max(k * c.loss_device_s, c.loss_host_s)
+    if c.tp_fwd_s:  # after the device/host combination: the compute stream waits for each one
+        fwd_s = [f + x for f, x in zip(fwd_s, c.tp_fwd_s)]
+        bwd_s = [b + x for b, x in zip(bwd_s, c.tp_bwd_s)]
+        rec_s = [r + x if ckpt[i] else r for i, (r, x) in enumerate(zip(rec_s, c.tp_fwd_s))]
+        loss_s += c.loss_tp_s
     return fwd_s, bwd_s, rec_s, loss_s
 
 
@@ -192,10 +202,17 @@ def simulate_time_walk(trace: ModelTrace, t: CostTables, plan: PlanQuery, profil
                                            plan.mesh.world_size)
     unit_fwd = [0.0] * n_units
     unit_bwd = [0.0] * n_units
+    # tensor-parallel seconds inside the unit's blocks, forward and backward (recomputation included):
+    # in the blocks' times above, reported as exposed communication, not compute
+    tp_f, tp_b = [0.0] * n_units, [0.0] * n_units
     for i, blk in enumerate(t.blocks):
         unit_fwd[blk.unit] += fwd_s[i]
         unit_bwd[blk.unit] += bwd_s[i] + rec_s[i]
-    compute_s = sum(unit_fwd) + sum(unit_bwd) + loss_s
+        if compute.tp_fwd_s:
+            tp_f[blk.unit] += compute.tp_fwd_s[i]
+            tp_b[blk.unit] += compute.tp_bwd_s[i] + (compute.tp_fwd_s[i] if schedule.checkpointed[i] else 0.0)
+    tp_s = sum(tp_f) + sum(tp_b) + compute.loss_tp_s
+    compute_s = sum(unit_fwd) + sum(unit_bwd) + loss_s - tp_s
 
     # ---- optimizer: memory-bound, plus per-tensor overhead ----
     optimizer_s = (optimizer_rules.model_step_s(training.optimizer, t.model_params, plan.mesh.shard_group_size,
@@ -220,13 +237,13 @@ def simulate_time_walk(trace: ModelTrace, t: CostTables, plan: PlanQuery, profil
     model_flops = (t.model_fwd_flops.at(b) + t.model_bwd_flops.at(b) + trace.loss_flops.at(b))
     peak = profile.peak_flops_per_s.get(training.param_dtype) or profile.flops_per_s(training.param_dtype)
     units = tuple(
-        UnitTime(name=plan.units[u].name, fwd_compute_s=unit_fwd[u], bwd_compute_s=unit_bwd[u],
+        UnitTime(name=plan.units[u].name, fwd_compute_s=unit_fwd[u] - tp_f[u], bwd_compute_s=unit_bwd[u] - tp_b[u],
                  all_gather_s=ag_fwd[u] + (ag_bwd[u] if needs_bwd_ag[u] else 0.0),
-                 reduce_scatter_s=rs[u], exposed_comm_s=exposed[u])
+                 reduce_scatter_s=rs[u], exposed_comm_s=exposed[u] + tp_f[u] + tp_b[u])
         for u in range(n_units)
     )
     return TimeEstimate(
-        step_time_s=step_s, compute_s=compute_s, comm_s=comm_s,
+        step_time_s=step_s, compute_s=compute_s, comm_s=comm_s + tp_s, tp_comm_s=tp_s,
         exposed_comm_s=max(0.0, step_s - compute_s - optimizer_s), optimizer_s=optimizer_s,
         samples_per_s=samples / step_s if step_s > 0 else 0.0,
         tokens_per_s=samples * trace.tokens_per_sample / step_s if trace.tokens_per_sample and step_s > 0 else None,

@@ -60,6 +60,7 @@ class TimeEstimate:
     tokens_per_s: float | None  # over the whole cluster; None for models without tokens
     mfu: float  # model FLOPs (no recomputation) / (step time x peak FLOP/s), per GPU
     units: tuple[UnitTime, ...]
+    tp_comm_s: float = 0.0  # tensor-parallel collectives, on the compute stream's critical path (in comm_s too)
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,18 @@ ZERO = Affine()
 
 
 @dataclass(frozen=True)
+class TPCollective:
+    """One tensor-parallel collective a module's style issues on each rank: ``kind`` (shard_planner.comm's
+    all_gather / reduce_scatter / all_reduce) in ``phase`` ("fwd" or "bwd"), ``full_bytes`` the full
+    tensor's bytes on one rank (the all-gather's output, the reduce-scatter's input, the all-reduce's
+    buffer) per micro-batch."""
+
+    kind: str
+    phase: str
+    full_bytes: Affine
+
+
+@dataclass(frozen=True)
 class KernelRecord:
     """Identical kernels of one module's forward or backward, per micro-batch (trace/kernel_ops.py,
     [Note: kernel records]): ``count`` launches of class ``op_class`` (cost/kernels.py OP_CLASSES),
@@ -144,6 +156,7 @@ class ModuleTrace:
     # Whether an output requires grad (FSDP2's pre-backward hook) is whether the module is in the trace's
     # ``backward_order``. None in traces written before this field.
     input_requires_grad: bool | None = None
+    tp_collectives: tuple[TPCollective, ...] = ()  # issued by this module's own tensor-parallel style
     # Of ``param_bytes_by_dtype`` (and of its sharded and 0-d parts alike), what quantised weights store: an NF4
     # weight's codes, scalers, factors, mean and code table (shard_planner/param_storage.py, [Note: NF4
     # parameters as stored]). FSDP2 gathers them through the tensor's own fsdp_pre_all_gather, which mixed
@@ -222,6 +235,8 @@ class ModelTrace:
     # built with use_cache=True (trace/cache.py, [Note: A forward that builds a cache]); no plan may then
     # checkpoint (shard_planner/checkpointing.py). None: nothing, or a trace written before this field.
     forward_cache: str | None = None
+    tp_size: int = 1  # the tensor-parallel degree traced at: every number is one rank's
+    loss_tp_collectives: tuple[TPCollective, ...] = ()  # loss_parallel's (or the logits' all-gather)
     schema_version: int = TRACE_SCHEMA_VERSION
 
     @cached_property

@@ -8,11 +8,48 @@ MLP 8h²); forward FLOPs 24·s·h² + 4·s²·h (Kaplan et al. 2020: 2 FLOPs per
 attention scores and values), backward twice the forward.
 """
 
-from shard_planner.trace.types import Affine, ModelTrace, ModuleTrace
+from dataclasses import replace
+
+from shard_planner.trace.types import Affine, ModelTrace, ModuleTrace, TPCollective
 
 
 def synthetic_trace(layers: int = 80, hidden: int = 8192, seq: int = 4096, vocab: int = 128256,
-                    compute_dtype: str = "bfloat16") -> ModelTrace:
+                    compute_dtype: str = "bfloat16", tp: int = 1) -> ModelTrace:
+    """``tp`` > 1: one rank's numbers under torchtitan's sequence-parallel TP plan (:func:`tp_rank`)."""
+    trace = _full_trace(layers, hidden, seq, vocab, compute_dtype)
+    return trace if tp == 1 else tp_rank(trace, tp, seq * hidden * (2 if compute_dtype != "float32" else 4))
+
+
+def tp_rank(trace: ModelTrace, tp: int, act_bytes: int) -> ModelTrace:
+    """One rank's trace under sequence-parallel TP of degree ``tp``: attention and MLP parameters and
+    FLOPs split by ``tp``, embedding and head split on the vocabulary; per attention or MLP module one
+    all-gather of its (s, h) input and one reduce-scatter of its output in forward, the transposes in
+    backward (Korthikanti et al. 2022, Fig. 5); its saved activations the gathered input whole, the rest
+    split (torch's colwise projection saves the all-gathered input)."""
+    act = Affine(0.0, float(act_bytes))
+    pair = (TPCollective("all_gather", "fwd", act), TPCollective("reduce_scatter", "fwd", act),
+            TPCollective("all_gather", "bwd", act), TPCollective("reduce_scatter", "bwd", act))
+
+    def split(m: ModuleTrace) -> ModuleTrace:
+        if m.type_name in ("Attention", "MLP"):
+            return replace(m, param_count=m.param_count // tp,
+                           param_bytes_by_dtype={k: v // tp for k, v in m.param_bytes_by_dtype.items()},
+                           saved_bytes_self=act.scaled(2) + (m.saved_bytes_self + act.scaled(-2)).scaled(1 / tp),
+                           fwd_flops_self=m.fwd_flops_self.scaled(1 / tp), bwd_flops_self=m.bwd_flops_self.scaled(1 / tp),
+                           tp_collectives=pair)
+        if m.type_name in ("Embedding", "Linear"):
+            return replace(m, param_count=m.param_count // tp,
+                           param_bytes_by_dtype={k: v // tp for k, v in m.param_bytes_by_dtype.items()},
+                           fwd_flops_self=m.fwd_flops_self.scaled(1 / tp), bwd_flops_self=m.bwd_flops_self.scaled(1 / tp),
+                           tp_collectives=(TPCollective("reduce_scatter" if m.type_name == "Embedding" else "all_gather",
+                                                        "fwd", act),))
+        return m
+
+    return replace(trace, modules=tuple(split(m) for m in trace.modules), tp_size=tp,
+                   fingerprint=f"{trace.fingerprint}-tp{tp}")
+
+
+def _full_trace(layers: int, hidden: int, seq: int, vocab: int, compute_dtype: str) -> ModelTrace:
     h, s = hidden, seq
     e = 2 if compute_dtype != "float32" else 4
     act = Affine(0.0, float(s * h * e))  # one (s, h) activation per sample
