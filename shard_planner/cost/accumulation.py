@@ -282,5 +282,5 @@ def accumulated_time(training: Training, walk: Callable[[tuple], TimeEstimate], 
         tokens_per_s=samples * tokens_per_sample / step_s if tokens_per_sample and step_s > 0 else None,
         # each micro-step's model FLOPs are its mfu x its step time x peak: summed, over the whole step
         mfu=sum(k * e.mfu * e.step_time_s for k, e in parts) / step_s if step_s > 0 else 0.0,
-        units=units,
+        units=units, tp_comm_s=sum(k * e.tp_comm_s for k, e in parts),
     )

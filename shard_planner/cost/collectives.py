@@ -30,7 +30,7 @@ Rank layout: ranks are numbered node by node (torchrun's default), the shard gro
 the replicate group (HSDP) strides by the shard size — the ("replicate", "shard") mesh of
 ``init_device_mesh``. The rule of which group leaves a node is the mesh's
 (:func:`shard_planner.mesh.group_spans_nodes`, [Note: which size means what]); the functions here take
-the group sizes of a mesh without tensor parallelism (stride 1 within a shard group), and
+the group sizes and the tp degree (shard ranks are ``tp`` apart, replicas ``shard x tp``), and
 :func:`tp_collective_time_s` the tensor-parallel group (its ranks adjacent: inside a node when the degree
 is at most the node's GPUs).
 """
@@ -57,14 +57,15 @@ def busbw_at_bytes(nbytes: float, busbw_bytes_per_s: float, busbw_half_bytes: fl
     return busbw_bytes_per_s * nbytes / (nbytes + busbw_half_bytes)
 
 
-def shard_group_spans_nodes(profile: HardwareProfile, group_size: int) -> bool:
-    """A contiguous group of ``group_size`` ranks leaves its node when it is larger than a node."""
-    return group_spans_nodes(group_size, 1, profile.interconnect.gpus_per_node)
+def shard_group_spans_nodes(profile: HardwareProfile, group_size: int, stride_ranks: int = 1) -> bool:
+    """A group of ``group_size`` ranks ``stride_ranks`` apart (the tp degree: shard ranks stride by it)
+    leaves its node when it covers more than a node."""
+    return group_spans_nodes(group_size, stride_ranks, profile.interconnect.gpus_per_node)
 
 
-def replicate_group_spans_nodes(profile: HardwareProfile, shard_size: int, replicate: int) -> bool:
-    """Replicas stride by ``shard_size`` ranks: they share a node only if all of them fit in one."""
-    return group_spans_nodes(replicate, shard_size, profile.interconnect.gpus_per_node)
+def replicate_group_spans_nodes(profile: HardwareProfile, shard_size: int, replicate: int, tp: int = 1) -> bool:
+    """Replicas stride by ``shard_size`` x ``tp`` ranks: they share a node only if all of them fit in one."""
+    return group_spans_nodes(replicate, shard_size * tp, profile.interconnect.gpus_per_node)
 
 
 def ring_time_s(nbytes: float, group_size: int, latency_s: float, busbw_bytes_per_s: float,
@@ -78,39 +79,41 @@ def ring_time_s(nbytes: float, group_size: int, latency_s: float, busbw_bytes_pe
     return latency_s * steps + steps / group_size * (nbytes + busbw_half_bytes) / busbw_bytes_per_s
 
 
-def all_gather_time_s(profile: HardwareProfile, nbytes: float, group_size: int) -> float:
-    """All-gather over a contiguous group (FSDP's shard group, or a smaller reshard group)."""
-    lat, bw, half = _link(profile, shard_group_spans_nodes(profile, group_size))
+def all_gather_time_s(profile: HardwareProfile, nbytes: float, group_size: int, tp: int = 1) -> float:
+    """All-gather over FSDP's shard group (or a smaller reshard group), its ranks ``tp`` apart."""
+    lat, bw, half = _link(profile, shard_group_spans_nodes(profile, group_size, tp))
     return ring_time_s(nbytes, group_size, lat, bw, half)
 
 
-def ring_bandwidth_s(profile: HardwareProfile, nbytes: float, group_size: int) -> float:
+def ring_bandwidth_s(profile: HardwareProfile, nbytes: float, group_size: int, tp: int = 1) -> float:
     """The bandwidth term alone of an all-gather or reduce-scatter over a contiguous group: bytes that
     join another collective of the same group (the solver's linear model, for modules that join the
     root unit's all-gather and reduce-scatter). The marginal bytes of a collective run at the plateau:
     with busbw(n) = plateau x n / (n + n_1/2) the time is linear in n, and the joined collective pays
     the n_1/2 term once."""
-    _, bw, _ = _link(profile, shard_group_spans_nodes(profile, group_size))
+    _, bw, _ = _link(profile, shard_group_spans_nodes(profile, group_size, tp))
     return ring_time_s(nbytes, group_size, 0.0, bw)
 
 
-def replica_all_reduce_time_s(profile: HardwareProfile, nbytes: float, shard_size: int, replicate: int) -> float:
+def replica_all_reduce_time_s(profile: HardwareProfile, nbytes: float, shard_size: int, replicate: int,
+                              tp: int = 1) -> float:
     """HSDP: the all-reduce of the 1/shard reduce-scatter output of ``nbytes`` across the replicas
     (all-reduce = reduce-scatter + all-gather: two ring passes); 0 without replicas."""
     if replicate <= 1:
         return 0.0
-    lat, bw, half = _link(profile, replicate_group_spans_nodes(profile, shard_size, replicate))
+    lat, bw, half = _link(profile, replicate_group_spans_nodes(profile, shard_size, replicate, tp))
     # nccl-tests all-reduce busbw = 2 (p-1)/p x n / t: two ring passes over the same message size n
     return 2 * ring_time_s(nbytes / shard_size, replicate, lat, bw, half)
 
 
-def reduce_scatter_time_s(profile: HardwareProfile, nbytes: float, shard_size: int, replicate: int = 1) -> float:
+def reduce_scatter_time_s(profile: HardwareProfile, nbytes: float, shard_size: int, replicate: int = 1,
+                          tp: int = 1) -> float:
     """Gradient reduction: reduce-scatter of ``nbytes`` in the shard group, then for HSDP an all-reduce of
     the 1/shard result across the replicas (FSDP2 ``foreach_reduce``; a hierarchical reduction)."""
-    lat, bw, half = _link(profile, shard_group_spans_nodes(profile, shard_size))
+    lat, bw, half = _link(profile, shard_group_spans_nodes(profile, shard_size, tp))
     t = ring_time_s(nbytes, shard_size, lat, bw, half)
     if replicate > 1:
-        t += replica_all_reduce_time_s(profile, nbytes, shard_size, replicate)
+        t += replica_all_reduce_time_s(profile, nbytes, shard_size, replicate, tp)
     return t
 
 

@@ -45,7 +45,7 @@ from shard_planner.cost.queries import (BatchQuery, BlockQuery, PlanQuery, Reser
                                         segmentation_of)
 from shard_planner.cost.tables import CostTables, segment_tables, subtree_summer
 from shard_planner.cost.host_share import shared_profile
-from shard_planner.cost.tp_comm import block_tp_s
+from shard_planner.cost.tp_comm import block_tp_s, subtree_tp_s
 from shard_planner.cost.time import (BlockCompute, measured_block_times, simulate_time_walk, unit_collectives_s,
                                     unit_copies_s)
 from shard_planner.cost.activations import BlockActivations, block_activations
@@ -308,8 +308,17 @@ class CostModel:
     def module_compute_s(self, fqn: str | None, micro_batch: int, param_dtype: str) -> tuple[float, float]:
         """Forward and backward seconds of ``fqn``'s subtree at ``micro_batch``, compute only (no FSDP2 or
         per-op overhead): measured when the profile's module timings have the module, else FLOPs /
-        throughput. For models of the step time outside the simulator (the solver's linear model); the
-        loss is ``fqn=None``."""
+        throughput; plus its tensor-parallel collectives, which hold up the compute stream as long
+        (cost/tp_comm.py). For models of the step time outside the simulator (the solver's linear
+        model); the loss is ``fqn=None``."""
+        f, b = self._module_device_s(fqn, micro_batch, param_dtype)
+        if self.trace.tp_size <= 1:
+            return f, b
+        tp_f, tp_b = subtree_tp_s(self.trace, fqn, micro_batch, self.profile)
+        return f + tp_f, b + tp_b
+
+    def _module_device_s(self, fqn: str | None, micro_batch: int, param_dtype: str) -> tuple[float, float]:
+        """:meth:`module_compute_s` without the tensor-parallel collectives."""
         timings = self.profile.module_timings
         if timings is not None:
             self._check_timings(param_dtype)

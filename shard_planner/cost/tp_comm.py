@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from shard_planner.comm import CollectiveBytes
 from shard_planner.cost.collectives import tp_collective_time_s
-from shard_planner.cost.tables import CostTables
+from shard_planner.cost.tables import CostTables, tp_collectives_of
 from shard_planner.plan import Plan
 from shard_planner.profile import HardwareProfile
 from shard_planner.trace.types import Affine, ModelTrace
@@ -48,6 +48,16 @@ def block_tp_s(t: CostTables, trace: ModelTrace, micro_batch: int, profile: Hard
     bwd = tuple(collectives_s(b.tp_bwd, micro_batch, profile, tp) for b in t.blocks)
     loss = collectives_s(tuple((c.kind, c.full_bytes) for c in trace.loss_tp_collectives), micro_batch, profile, tp)
     return fwd, bwd, loss
+
+
+def subtree_tp_s(trace: ModelTrace, fqn: str | None, micro_batch: int, profile: HardwareProfile) -> tuple[float, float]:
+    """Forward and backward tensor-parallel seconds of ``fqn``'s subtree (the loss's for None, all forward)."""
+    if fqn is None:
+        return collectives_s(tuple((c.kind, c.full_bytes) for c in trace.loss_tp_collectives), micro_batch,
+                             profile, trace.tp_size), 0.0
+    fwd, bwd = tp_collectives_of(trace.subtree(fqn))
+    return (collectives_s(fwd, micro_batch, profile, trace.tp_size),
+            collectives_s(bwd, micro_batch, profile, trace.tp_size))
 
 
 def tp_bytes_per_step(plan: Plan, trace: ModelTrace, t: CostTables, checkpointed: tuple[bool, ...]

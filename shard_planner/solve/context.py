@@ -134,8 +134,9 @@ class PlanContext:
     def space(self, mesh: Mesh) -> SearchSpace:
         shard = mesh.shard_group_size
         if shard not in self._spaces:
+            # a shard group's ranks are tp apart: a node holds gpus_per_node / tp of them (mesh.py)
             self._spaces[shard] = build_space(self.trace, shard_group=shard,
-                                              gpus_per_node=self.cluster.gpus_per_node,
+                                              gpus_per_node=mesh.shard_ranks_per_node(self.cluster.gpus_per_node),
                                               max_group_size=self.max_group_size)
             if not self._spaces[shard].items:
                 raise UserError(f"{self.trace.model_path}: the model has no modules with parameters to shard")
@@ -240,7 +241,7 @@ class PlanContext:
     def check_units(self, units, choice: GlobalChoice, status: str, linear_peak_mib: int = -1,
                     method: str = "cp-sat") -> Checked:
         plan = make_plan(self.trace, units, choice, training=self.training, cluster=self.cluster,
-                         model_path=self.request.model_path)
+                         model_path=self.request.model_path, tensor_parallel=self.request.tensor_parallel)
         est = self.estimate(plan)
         return Checked(choice=choice, units=units, peak_bytes=est.memory.peak_bytes,
                        step_time_s=est.time.step_time_s, samples_per_s=est.time.samples_per_s, status=status,

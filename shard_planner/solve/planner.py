@@ -159,7 +159,8 @@ def _search(ctx: PlanContext) -> list[Checked]:
     for offload in (False, True) if ctx.allow_offload else (False,):
         for mb, accumulations in batches:
             choices = [GlobalChoice(mb, pf, mesh, offload, acc) for acc in accumulations
-                       for mesh in _meshes(ctx.cluster.gpus, ctx.cluster.gpus_per_node) for pf in PREFETCH_CHOICES]
+                       for mesh in _meshes(ctx.cluster.gpus, ctx.cluster.gpus_per_node, ctx.trace.tp_size)
+                       for pf in PREFETCH_CHOICES]
             with ctx.clock.stage("screen"):
                 kept = _screen(ctx, choices)
             if kept and not found:
@@ -200,7 +201,8 @@ def _batches(ctx: PlanContext) -> list[tuple[int, list[Accumulation]]]:
     if batch is None:
         mbs = [request.micro_batch or 1] if not request.search_batch else _batch_ladder()
         return [(mb, [NO_ACCUMULATION]) for mb in mbs]
-    pairs = split_global_batch(batch, ctx.cluster.gpus, request.micro_batch, ctx.trace.tokens_per_sample)
+    dp_ranks = ctx.cluster.gpus // ctx.trace.tp_size  # a tp group shares one micro-batch (mesh.dp_size)
+    pairs = split_global_batch(batch, dp_ranks, request.micro_batch, ctx.trace.tokens_per_sample)
     return [(mb, accumulation_options(steps)) for mb, steps in pairs]
 
 
@@ -244,11 +246,12 @@ def _batch_ladder() -> list[int]:
     return [2**k for k in range(int(math.log2(MAX_SEARCH_BATCH)) + 1)]
 
 
-def _meshes(gpus: int, gpus_per_node: int) -> list[Mesh]:
-    """Plain FSDP over every GPU; and HSDP with one node per shard group when there are several nodes."""
-    meshes = [Mesh(shard=gpus)]
+def _meshes(gpus: int, gpus_per_node: int, tp: int = 1) -> list[Mesh]:
+    """Plain FSDP over every GPU's tp group (``tp`` adjacent GPUs: the trace's degree); and HSDP with one
+    node per shard group when there are several nodes."""
+    meshes = [Mesh(shard=gpus // tp, tp=tp)]
     if gpus > gpus_per_node and gpus % gpus_per_node == 0:
-        meshes.append(Mesh(shard=gpus_per_node, replicate=gpus // gpus_per_node))
+        meshes.append(Mesh(shard=gpus_per_node // tp, replicate=gpus // gpus_per_node, tp=tp))
     return meshes
 
 
@@ -367,7 +370,7 @@ def _smallest_peak(ctx: PlanContext, micro_batch: int, accumulation: Accumulatio
     with the hand-written baselines at the same choices (the linear model is an approximation, so
     another plan may have the smallest simulated peak)."""
     out: list[Checked] = []
-    for mesh in _meshes(ctx.cluster.gpus, ctx.cluster.gpus_per_node):
+    for mesh in _meshes(ctx.cluster.gpus, ctx.cluster.gpus_per_node, ctx.trace.tp_size):
         for offload in ((False, True) if ctx.allow_offload else (False,)):
             for pf in PREFETCH_CHOICES[:1]:  # deeper prefetch only adds memory
                 choice = GlobalChoice(micro_batch, pf, mesh, offload, accumulation)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from shard_planner.cost.fits import FitVerdict
 from shard_planner.cost.types import Estimate
 from shard_planner.errors import UserError
+from shard_planner.tensor_parallel import TensorParallel
 from shard_planner.plan import DEFAULT_LR, OPTIMIZERS, FrontierPoint, Plan
 from shard_planner.profile import HardwareProfile
 from shard_planner.solve.space import DEFAULT_MAX_GROUP_SIZE
@@ -67,6 +68,9 @@ class PlanRequest:
     expandable_segments: bool = True
     allocated_budget_bytes: int | None = None
     allocator_check: bool = True
+    # how the model splits over the trace's tensor-parallel degree (trace.tp_size > 1; None without TP):
+    # the plans of that degree record it (solve/tp_search.py searches the degrees, one trace each)
+    tensor_parallel: TensorParallel | None = None
 
     def __post_init__(self):
         if not _positive_int(self.gpus) or not _positive_int(self.gpus_per_node):

@@ -13,6 +13,7 @@ from shard_planner.cost.types import Estimate
 from shard_planner.plan import ROOT, Cluster, ModelRef, Plan, Training, Unit
 from shard_planner.profile import HardwareProfile
 from shard_planner.solve.linear import GlobalChoice, LinearModel
+from shard_planner.tensor_parallel import TensorParallel
 from shard_planner.trace.types import ModelTrace
 
 logger = logging.getLogger(__name__)
@@ -45,8 +46,9 @@ def cover_units(lm: LinearModel, chosen: tuple[int, ...]) -> tuple[Unit, ...]:
 
 
 def make_plan(trace: ModelTrace, units: tuple[Unit, ...], choice: GlobalChoice, *, training: Training,
-              cluster: Cluster, model_path: str | None = None) -> Plan:
-    """A plan without prediction: the decisions only."""
+              cluster: Cluster, model_path: str | None = None, tensor_parallel: TensorParallel | None = None) -> Plan:
+    """A plan without prediction: the decisions only; ``tensor_parallel`` the styles of the trace's degree
+    (recorded when the choice's mesh is tensor-parallel)."""
     return Plan(
         model=ModelRef(path=model_path or trace.model_path, fingerprint=trace.fingerprint,
                        seq_len=trace.tokens_per_sample),
@@ -55,4 +57,5 @@ def make_plan(trace: ModelTrace, units: tuple[Unit, ...], choice: GlobalChoice, 
         training=choice.training(training),
         units=units,
         prefetch=choice.prefetch,
+        tensor_parallel=tensor_parallel if choice.mesh.is_tp else None,
     )
