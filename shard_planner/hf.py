@@ -12,6 +12,8 @@ tracer, planner and executor never ask where a model came from:
   encoder-decoder) with ``labels``, so the model computes its own loss (the default loss uses it);
 - ``TRAINING``: ``seq_len`` for text models (tokens per sample).
 
+:func:`tp_plan` gives a built model's tensor-parallel plan, for ``tp_styles.derive_tensor_parallel``.
+
 ``HfOptions.finetune`` (``--lora``, ``--qlora``, ``--freeze``: shard_planner/finetune.py) fine-tunes what
 ``build_model()`` builds (shard_planner/hf_finetune.py, with peft and torchao); :func:`model_options` gives a
 plan's options back, so ``run`` and ``export`` rebuild the planned model.
@@ -100,6 +102,17 @@ def model_options(model, path: str | None = None) -> HfOptions | None:
     """:func:`plan_options` of a plan's model section (a :class:`~shard_planner.plan.ModelRef`), for the
     model file at ``path`` (default: the section's own path)."""
     return plan_options(path or model.path, model.hf_task, model.seq_len, model.finetune)
+
+
+def tp_plan(model) -> dict[str, str] | None:
+    """The tensor-parallel plan of a model transformers built, as ``derive_tensor_parallel(hf_tp_plan=...)``
+    reads it: module-name patterns (``*`` for layer numbers) -> transformers' style names. It is the model's
+    ``tp_plan`` (transformers/distributed/mixin.py:79-109 ``init_parallel_plans``: the class's ``_tp_plan``,
+    e.g. LlamaForCausalLM's ``{"lm_head": "colwise_gather_output"}``, and each child's plan under its name,
+    ``model.`` + the config's ``base_model_tp_plan`` and ``embed_tokens: embedding_rowwise``). None for
+    another model, or a transformers model without a plan."""
+    plan = getattr(model, "tp_plan", None) if hasattr(getattr(model, "config", None), "base_model_tp_plan") else None
+    return dict(plan) if isinstance(plan, dict) and plan else None
 
 
 def config_file(path: str | Path) -> Path | None:
