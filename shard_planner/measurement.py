@@ -16,7 +16,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from shard_planner.comm import CollectiveBytes
+from shard_planner.comm import FSDP, TP, CollectiveBytes, GroupCollectiveBytes
 from shard_planner.errors import UserError
 from shard_planner.fileio import read_json, write_atomic
 from shard_planner.plan import Plan
@@ -140,6 +140,16 @@ class Measurement:
     comm_same_every_step: bool | None = None
     comm_predicted: tuple[CollectiveBytes, ...] | None = None
     checkpoint: CheckpointResult | None = None  # run --checkpoint
+    # Every collective of the same step as comm_measured, per issuer (FSDP2 or DTensor: tensor parallelism) and
+    # process group (its device-mesh dimension: "shard", "replicate", "tp"), execute/comm_count.py. comm_measured
+    # is its FSDP2 part summed per (collective, group size); the tensor-parallel part is comm_tp.
+    comm_by_group: tuple[GroupCollectiveBytes, ...] = ()
+    mesh_tp: int = 1  # tensor-parallel degree (mesh.py); world_size = mesh_replicate x mesh_shard x mesh_tp
+    # samples per optimizer step over the world: micro-batch x accumulation steps x data-parallel ranks (the tp
+    # ranks of a group share one micro-batch: Plan.global_batch_samples); None in measurements before it
+    samples_per_step: int | None = None
+    data_ranks: tuple[int, ...] = ()  # per rank, its data-parallel rank (the micro-batch it trained on)
+    rank_losses: tuple[tuple[float, ...], ...] = ()  # per rank, its own loss of every step run
     # the CUDA caching allocator's settings the ranks ran with (PYTORCH_ALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF;
     # shard_planner/allocator_conf.py); None on CPU, or when none was set (the allocator's defaults)
     allocator_conf: str | None = None
@@ -151,6 +161,10 @@ class Measurement:
         object.__setattr__(self, "step_time_s", tuple(float(t) for t in self.step_time_s))
         object.__setattr__(self, "losses", tuple(float(v) for v in self.losses))
         object.__setattr__(self, "comm_measured", _collectives(self.comm_measured))
+        object.__setattr__(self, "comm_by_group", tuple(
+            c if isinstance(c, GroupCollectiveBytes) else GroupCollectiveBytes(**c) for c in self.comm_by_group))
+        object.__setattr__(self, "data_ranks", tuple(int(d) for d in self.data_ranks))
+        object.__setattr__(self, "rank_losses", tuple(tuple(float(v) for v in r) for r in self.rank_losses))
         if self.comm_predicted is not None:
             object.__setattr__(self, "comm_predicted", _collectives(self.comm_predicted))
         if isinstance(self.checkpoint, dict):
@@ -179,6 +193,22 @@ class Measurement:
     def step_time_spread_s(self) -> float:
         """max - min of the timed steps."""
         return max(self.step_time_s) - min(self.step_time_s) if self.step_time_s else float("nan")
+
+    @property
+    def samples_per_s(self) -> float | None:
+        """Samples per second over the world at the median step time (data-parallel ranks' samples only)."""
+        if self.samples_per_step is None or not self.step_time_s:
+            return None
+        return self.samples_per_step / self.step_time_median_s
+
+    @property
+    def comm_tp(self) -> tuple[GroupCollectiveBytes, ...]:
+        """Tensor parallelism's collectives per step (DTensor's), per group and kind."""
+        return tuple(c for c in self.comm_by_group if c.source == TP)
+
+    @property
+    def comm_fsdp_by_group(self) -> tuple[GroupCollectiveBytes, ...]:
+        return tuple(c for c in self.comm_by_group if c.source == FSDP)
 
     @property
     def rederived(self) -> bool:
@@ -220,6 +250,8 @@ class Measurement:
             "step_time_median_s": self.step_time_median_s,
             "step_time_spread_s": self.step_time_spread_s,
             "comm_matches": self.comm_matches,
+            "samples_per_s": self.samples_per_s,
+            "comm_tp_bytes": sum(c.bytes for c in self.comm_tp),
             "checkpoint_ok": self.checkpoint.ok if self.checkpoint is not None else None,
         }
         return d

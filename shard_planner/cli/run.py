@@ -101,6 +101,9 @@ def run(args) -> int:
         print(f"reserved by the allocator: {format_bytes(m.reserved_bytes)} (max_memory_reserved)")
     print(f"step time: median {m.step_time_median_s:.4f} s, spread {m.step_time_spread_s:.4f} s over "
           f"{len(m.step_time_s)} steps after {m.warmup_steps} warm-up [{m.timing_method}]")
+    if m.samples_per_s is not None:
+        print(f"throughput: {m.samples_per_s:,.1f} samples/s ({m.samples_per_step} samples a step over "
+              f"{m.world_size // m.mesh_tp} data-parallel rank{'s' if m.world_size // m.mesh_tp > 1 else ''})")
     print("losses: " + " ".join(f"{v:.4f}" for v in m.losses))
     rows = m.comparison()
     if rows:
@@ -138,6 +141,11 @@ def _print_comm(m) -> None:
     elif m.comm_predicted is not None:
         print("  measured bytes differ from the prediction" + (
             "" if m.comm_same_every_step else " (and differ between ranks or timed steps)"))
+    if m.comm_tp:
+        print("tensor parallelism per step (measured; DTensor's collectives, message sizes):")
+        for c in m.comm_tp:
+            what = f"{c.collective.replace('_', '-')} over {c.group} ({c.group_size} ranks)"
+            print(f"  {what:38}{c.calls:>5} calls{format_bytes(c.bytes):>14}")
 
 
 def _print_checkpoint(c) -> bool:

@@ -1,7 +1,7 @@
 """Gradient accumulation in a run: the FSDP2 switches of each micro-step of one optimizer step.
 
 A plan with ``training.accumulation_steps = n`` trains n micro-steps of ``micro_batch`` samples per
-rank, then steps the optimizer once (execute/worker.py's ``_Stepper``). Each micro-step's loss is
+rank, then steps the optimizer once (execute/stepper.py's ``Stepper``). Each micro-step's loss is
 scaled by 1/n before its backward, so the accumulated gradient of a mean-reduced loss equals that of
 one batch n times as large. Between micro-steps (cost/accumulation.py models the same):
 

@@ -9,20 +9,39 @@ Usable from any training script::
     mesh = build_mesh(plan, "cuda")          # 1-D (shard,) or 2-D (replicate, shard) for HSDP
     model = apply_plan(build_model(), plan, mesh)
 
+With tensor parallelism the mesh is (..., "tp") and the plan's styles are applied first (see [Note: tensor
+parallelism before FSDP2]).
+
 Order of operations (torchtitan, torchtitan/distributed/fsdp.py, does the same):
 
 1. check that the plan matches the model (:func:`check_plan_matches`): fingerprint, every FQN, grouped
    modules are contiguous siblings; a mismatch raises :class:`PlanError` naming what differs;
-2. activation checkpointing: the ``forward`` of every module of a checkpointed unit is replaced on the
+2. with tensor parallelism, ``parallelize_module`` over the mesh's "tp" dimension
+   ([Note: tensor parallelism before FSDP2]);
+3. activation checkpointing: the ``forward`` of every module of a checkpointed unit is replaced on the
    instance by ``torch.utils.checkpoint.checkpoint(original_forward, use_reentrant=False)`` (a
    selective unit adds ``context_fn``: execute/selective.py). This is
    what ``checkpoint_wrapper`` does, without inserting a wrapper module, so FQNs (and the plan, the
    state dict and :func:`describe_sharding`) keep their names. FSDP2's hooks run outside the
    checkpoint, as with ``checkpoint_wrapper`` applied before ``fully_shard``;
-3. ``fully_shard`` on each unit (a list for a grouped unit), deepest first, the root last, each with
-   its reshard policy, the plan's ``MixedPrecisionPolicy`` and offload policy, and the model's 0-d
-   parameters left out (see [Note: 0-d parameters]);
-4. explicit prefetch lists (see [Note: prefetch order]).
+4. ``fully_shard`` on each unit (a list for a grouped unit) over the data-parallel sub-mesh, deepest
+   first, the root last, each with its reshard policy, the plan's ``MixedPrecisionPolicy`` and offload
+   policy, and the model's 0-d parameters left out (see [Note: 0-d parameters]);
+5. explicit prefetch lists (see [Note: prefetch order]).
+
+[Note: tensor parallelism before FSDP2]
+torchtitan applies tensor parallelism, then activation checkpointing, then FSDP2
+(torchtitan/models/llama3/infra/parallelize.py ``parallelize_llama``: ``apply_tp(model, world_mesh["tp"], ...)``
+before ``apply_fsdp(model, world_mesh[dp_mesh_dim_names], ...)``). ``parallelize_module`` replaces the split
+modules' parameters by DTensors on the 1-D tp mesh (torch/distributed/tensor/parallel/style.py,
+``ColwiseParallel._partition_linear_fn``: ``distribute_tensor(..., [Shard(0)])``), and ``fully_shard`` over the
+data-parallel sub-mesh then shards those DTensors' local tensors on dim 0 once more: it joins the dp and tp
+meshes into one (``FSDPParam._init_sharding_spec_tp``, torch/distributed/fsdp/_fully_shard/_fsdp_param.py:488-520,
+``DeviceMesh._concatenate([dp_mesh, tp_mesh])``, so both must be slices of one device mesh) and places
+``_StridedShard(0)`` on the dp dimension where tp already shards dim 0 (a colwise weight), plain Shard(0) else.
+apply_plan keeps torchtitan's order (the styles, then checkpointing, then FSDP2); checkpointing replaces
+``forward`` on the instance, inside the styles' hooks, which run around ``__call__``.
+The sub-mesh is :attr:`Mesh.dp_mesh_dim_names`: ("shard",) or, for HSDP, ("replicate", "shard").
 
 [Note: 0-d parameters]
 FSDP2 shards every parameter on dim 0 and refuses a 0-d one ("doesn't support scalar parameters"; CLIP's
@@ -56,11 +75,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils.checkpoint import checkpoint
 
 from shard_planner.checkpointing import SELECTIVE
 from shard_planner.errors import PlanError
 from shard_planner.execute.selective import selective_context_fn
+from shard_planner.execute.tensor_parallel import torch_tp_plan
 from shard_planner.ownership import contiguous_among, owners
 from shard_planner.plan import Plan, Unit
 from shard_planner.trace.structure import model_fingerprint
@@ -68,6 +89,7 @@ from shard_planner.trace.structure import model_fingerprint
 logger = logging.getLogger(__name__)
 
 _CHECKPOINTED = "_shard_planner_checkpointed"
+_TP_APPLIED = "_shard_planner_tensor_parallel"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -91,7 +113,7 @@ def check_plan_matches(model: nn.Module, plan: Plan) -> None:
         raise PlanError(
             f"the plan names modules this model does not have: {', '.join(repr(m) for m in missing[:3])}{more} "
             f"(plan made for {plan.model.path}, fingerprint {plan.model.fingerprint})")
-    already = [fqn for fqn, m in modules.items() if isinstance(m, FSDPModule)]
+    already = [fqn for fqn, m in modules.items() if isinstance(m, FSDPModule)]  # (a tp split alone is allowed)
     if already:
         raise PlanError(f"the model is already sharded (module {already[0]!r} is an FSDP module); apply a plan once")
     fingerprint = model_fingerprint(model)
@@ -152,7 +174,8 @@ def _check_group(model: nn.Module, unit: Unit) -> None:
 # ---- mesh and policies ----
 def build_mesh(plan: Plan, device_type: str) -> DeviceMesh:
     """The plan's mesh over the initialised default process group: 1-D ("shard",) for FSDP, 2-D
-    ("replicate", "shard") for HSDP (:attr:`Mesh.device_mesh_shape`)."""
+    ("replicate", "shard") for HSDP, then a last "tp" dimension with tensor parallelism
+    (:attr:`Mesh.device_mesh_shape`)."""
     return init_device_mesh(device_type, plan.mesh.device_mesh_shape, mesh_dim_names=plan.mesh.device_mesh_dim_names)
 
 
@@ -162,6 +185,24 @@ def _check_mesh(mesh: DeviceMesh, plan: Plan) -> None:
         shape = "x".join(str(s) for s in mesh.shape)
         raise PlanError(f"the plan needs a mesh of shape {'x'.join(map(str, want))} "
                         f"({' x '.join(plan.mesh.device_mesh_dim_names)}), got {shape}")
+
+
+def dp_mesh(mesh: DeviceMesh, plan: Plan) -> DeviceMesh:
+    """The data-parallel sub-mesh FSDP2 shards over: the mesh itself without tensor parallelism."""
+    if not plan.mesh.is_tp:
+        return mesh
+    return mesh[plan.mesh.dp_mesh_dim_names]
+
+
+def data_rank(mesh: DeviceMesh, plan: Plan) -> int:
+    """This rank's index among the data-parallel ranks (its coordinate on the dp sub-mesh, row-major): the
+    tp ranks of one data-parallel group share it, and so their micro-batch. The global rank without tp."""
+    coordinate = mesh.get_coordinate()
+    index = 0
+    for name, size in zip(plan.mesh.device_mesh_dim_names, plan.mesh.device_mesh_shape):
+        if name != "tp":
+            index = index * size + coordinate[plan.mesh.device_mesh_dim_names.index(name)]
+    return index
 
 
 def mixed_precision_policy(plan: Plan) -> MixedPrecisionPolicy:
@@ -212,6 +253,7 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> 
     _check_mesh(mesh, plan)
     modules = dict(model.named_modules())
 
+    apply_tensor_parallel(model, plan, mesh)  # See [Note: tensor parallelism before FSDP2]
     for unit in plan.units:
         if unit.activation_checkpoint:
             for fqn in unit.modules:
@@ -220,15 +262,28 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> 
     mp = mixed_precision_policy(plan)
     offload = offload_policy(plan, mesh.device_type)
     scalars = replicate_scalar_params(model, mesh)  # See [Note: 0-d parameters]
+    fsdp_mesh = dp_mesh(mesh, plan)
     # Deepest first so nested units are sharded before the units that contain them; the root last.
     for unit in sorted(plan.units, key=_depth, reverse=True):
         targets = [modules[fqn] for fqn in unit.modules]
-        fully_shard(targets if len(targets) > 1 else targets[0], mesh=mesh,
+        fully_shard(targets if len(targets) > 1 else targets[0], mesh=fsdp_mesh,
                     reshard_after_forward=unit.reshard_after_forward, mp_policy=mp, offload_policy=offload,
                     ignored_params=scalars or None)
         logger.debug("fully_shard(%s, reshard_after_forward=%s)", unit.name, unit.reshard_after_forward)
 
     _set_prefetch(plan, modules)
+    return model
+
+
+def apply_tensor_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Module:
+    """The plan's tensor-parallel styles over ``mesh["tp"]`` (nothing without tensor parallelism), once: a model
+    already split (the run splits it first to read the local shapes FSDP2 will shard) is left as it is.
+    See [Note: tensor parallelism before FSDP2]."""
+    if plan.tensor_parallel is None or getattr(model, _TP_APPLIED, False):
+        return model
+    parallelize_module(model, mesh["tp"], torch_tp_plan(plan.tensor_parallel))
+    setattr(model, _TP_APPLIED, True)
+    logger.debug("parallelize_module over tp=%d: %d styles", plan.mesh.tp_size, len(plan.tensor_parallel.styles))
     return model
 
 

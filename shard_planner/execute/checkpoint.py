@@ -7,10 +7,13 @@ dict ``{"model": ..., "optim": ..., "progress": {...}}``. Loading goes back thro
 a world of another size reads the same folder (DCP reshards DTensors on load).
 
 [Note: what makes the next steps reproducible]
-The batches are a function of (step, rank) (worker.make_step_batch reseeds from them), the model has no
-other randomness the tool controls, and the optimizer's hyper-parameters come from the plan. So the
-progress is the next step's index, the number of data-parallel batches per step (the saving world's
-size) and the micro-batch. A world of the same size replays the same batches; a world of another size
+The batches are a function of (step, data-parallel rank) (stepper.make_step_batch reseeds from them), the
+model has no other randomness the tool controls, and the optimizer's hyper-parameters come from the plan. So
+the progress is the next step's index, the number of data-parallel batches per step (the saving world's
+data-parallel size: its world size without tensor parallelism) and the micro-batch. With tensor parallelism
+the parameters are DTensors over the 2-D (shard, tp) mesh (_StridedShard x Shard for a colwise weight):
+``get_state_dict`` / ``set_state_dict`` and DCP handle them as any DTensor, and the digests below gather each
+whole, so the same checks apply (tests/execute/test_tensor_parallel_run.py). A world of the same size replays the same batches; a world of another size
 M replays the same *global* batch: the N batches of a step concatenated on dim 0 and cut into M equal
 parts (:func:`regrouped_batch`), which gives the same mean loss and gradient for a loss that is a mean
 over the samples of a model without cross-sample operators (the example models), up to the order of
@@ -21,7 +24,7 @@ Where some parameters are frozen (a LoRA or QLoRA base, ``--freeze``), the check
 changes and nothing else: the trainable parameters and their optimizer state
 (``StateDictOptions(ignore_frozen_params=True)``, torch/distributed/checkpoint/state_dict.py, which drops
 every parameter with ``requires_grad`` False from the model's state dict; the optimizer holds states for
-trainable parameters only: worker.make_optimizer). The frozen ones are what ``build_model()`` makes (in real
+trainable parameters only: stepper.make_optimizer). The frozen ones are what ``build_model()`` makes (in real
 use the pretrained base the user loads), and a restore builds them the same way (seeded) before it loads the
 rest, non-strictly, then checks that the only keys it did not load are frozen parameters. So a LoRA adapter's
 checkpoint is megabytes where the base is gigabytes, and an NF4 base (which DCP and the digests' byte view

@@ -5,9 +5,26 @@ FSDP2 (torch 2.13) issues its collectives through ``torch.distributed``'s module
 ``dist.all_reduce`` for HSDP; apply_plan's 0-d parameters use ``dist.all_reduce`` too). While a
 :class:`CommCounter` is active these attributes are wrapped: each call adds one collective and its
 message size (the full all-gather output, the full reduce-scatter input, the all-reduce buffer: the
-sizes cost/comm_bytes.py predicts) under (collective, group size). Calls nested inside another counted
-call (an API implemented by another) count once, at the outermost. Collectives over a group of one
-rank are not counted (nothing moves).
+sizes cost/comm_bytes.py predicts) under (collective, group size), and under the process group's name
+in the device mesh (:func:`group_roles`). Calls nested inside another counted call (an API implemented by
+another) count once, at the outermost. Collectives over a group of one rank are not counted (nothing moves).
+
+[Note: counting tensor parallelism's collectives]
+DTensor (tensor parallelism's redistributions, loss parallelism's reductions, a replicated norm weight's
+gradient) issues functional collectives: the dispatcher ops ``torch.ops._c10d_functional.*``, reached from many
+Python entry points (``funcol.all_gather_single``, ``reduce_scatter_single``, ``all_reduce`` in
+torch/distributed/tensor/placement_types.py and parallel/loss.py:209-214, ``shard_dim_alltoall`` in
+_collective_utils.py), which call the process group in C++, never ``torch.distributed``'s Python functions.
+:class:`FunctionalCollectiveCounter` is a TorchDispatchMode that sees those ops, as torch's CommDebugMode does
+(torch/distributed/tensor/debug/_comm_mode.py:642-704: a DTensor op is handed back with NotImplemented, so that
+DTensor desugars it into local ops and collectives, which the mode then sees), and counts each with its bytes
+under its group (the op's last argument, a group name). The two counters never see the same call: FSDP2's go
+through Python and the c10d ops (``c10d._allgather_base_``), DTensor's through ``_c10d_functional``.
+What is counted is what the program issues: the collective called and its message size, not what the
+backend does for it. gloo implements reduce-scatter with an all-reduce underneath (torch's
+torch/csrc/distributed/c10d/ProcessGroupGloo.cpp, C++ that the wheel does not ship, so not cited by line here),
+so on CPU the bytes on the wire differ from the counted ones; NCCL runs the reduce-scatter itself. The mode costs a Python call per operator, so it runs only in a run with tensor
+parallelism (the step times of runs without it are as before).
 
 Why not torch's CommDebugMode (torch.distributed.tensor.debug): on torch 2.13 it does see FSDP2's c10d
 collectives (checked on CPU/gloo at 2 ranks: a model of two units counts 4 ``c10d._allgather_base_`` and 2
@@ -27,8 +44,13 @@ import threading
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import _get_group_size_by_name
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from shard_planner.comm import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CollectiveBytes
+from shard_planner.comm import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, FSDP, REDUCE_SCATTER, TP,
+                                CollectiveBytes, GroupCollectiveBytes)
 from shard_planner.cost.comm_bytes import ParamShape
 from shard_planner.ownership import innermost_unit
 from shard_planner.param_storage import stored_parts
@@ -50,11 +72,49 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-class CommCounter:
-    """Counts collectives while active (``with counter:``); ``take()`` returns and resets the counts."""
+WORLD = "world"
+
+
+def group_roles(mesh: DeviceMesh | None) -> dict[str, str]:
+    """Process group name -> what it is in ``mesh``: its dimension's name ("shard", "replicate", "tp"), or
+    "world" for the default group (when no dimension is the whole world)."""
+    roles = {}
+    if mesh is not None and mesh.mesh_dim_names:
+        for name in mesh.mesh_dim_names:
+            roles.setdefault(mesh.get_group(name).group_name, name)
+    if dist.is_initialized():
+        roles.setdefault(dist.group.WORLD.group_name, WORLD)
+    return roles
+
+
+def _role(roles: dict[str, str], group_name: str, size: int) -> str:
+    return roles.get(group_name, f"{size} ranks")
+
+
+class _Tally:
+    """(source, group, collective, group size) -> [calls, bytes]."""
 
     def __init__(self):
-        self._counts: dict[tuple[str, int], list[int]] = {}
+        self.counts: dict[tuple[str, str, str, int], list[int]] = {}
+
+    def add(self, key: tuple[str, str, str, int], nbytes: int) -> None:
+        entry = self.counts.setdefault(key, [0, 0])
+        entry[0] += 1
+        entry[1] += nbytes
+
+    def take(self) -> tuple[GroupCollectiveBytes, ...]:
+        out = tuple(GroupCollectiveBytes(*key, calls, nbytes) for key, (calls, nbytes) in sorted(self.counts.items()))
+        self.counts = {}
+        return out
+
+
+class CommCounter:
+    """Counts FSDP2's collectives while active (``with counter:``); ``take()`` returns and resets the counts.
+    ``mesh``: names the groups (:func:`group_roles`) in :meth:`take_by_group`."""
+
+    def __init__(self, mesh: DeviceMesh | None = None):
+        self._tally = _Tally()
+        self._roles = group_roles(mesh)
         self._depth = threading.local()
         self._originals: dict[str, object] = {}
 
@@ -69,9 +129,8 @@ class CommCounter:
                 group = kwargs.get("group", None)
                 size = dist.get_world_size(group)
                 if tensor is not None and size > 1:
-                    entry = self._counts.setdefault((collective, size), [0, 0])
-                    entry[0] += 1
-                    entry[1] += _nbytes(tensor)
+                    pg = group if group is not None else dist.group.WORLD
+                    self._tally.add((FSDP, _role(self._roles, pg.group_name, size), collective, size), _nbytes(tensor))
             self._depth.n = depth + 1
             try:
                 return fn(*args, **kwargs)
@@ -92,16 +151,79 @@ class CommCounter:
             setattr(dist, name, fn)
         self._originals.clear()
 
+    def take_by_group(self) -> tuple[GroupCollectiveBytes, ...]:
+        """The counts since the last take, per group, and start again."""
+        return self._tally.take()
+
     def take(self) -> tuple[CollectiveBytes, ...]:
-        """The counts since the last ``take`` (sorted as the prediction is), and start again."""
-        out = tuple(CollectiveBytes(c, g, calls, nbytes) for (c, g), (calls, nbytes) in sorted(self._counts.items()))
-        self._counts = {}
-        return out
+        """The counts since the last take summed per (collective, group size) (sorted as the prediction is),
+        and start again."""
+        return by_group_size(self.take_by_group())
+
+
+def by_group_size(counts) -> tuple[CollectiveBytes, ...]:
+    """``counts`` (GroupCollectiveBytes) summed per (collective, group size), sorted as the prediction is."""
+    sums: dict[tuple[str, int], list[int]] = {}
+    for c in counts:
+        entry = sums.setdefault((c.collective, c.group_size), [0, 0])
+        entry[0] += c.calls
+        entry[1] += c.bytes
+    return tuple(CollectiveBytes(c, g, calls, nbytes) for (c, g), (calls, nbytes) in sorted(sums.items()))
+
+
+def _tensors_nbytes(x) -> int:
+    return sum(_nbytes(t) for t in x) if isinstance(x, (list, tuple)) else _nbytes(x)
+
+
+# _c10d_functional op name -> (collective, message bytes from (first argument, group size)); the group name
+# is every op's last argument (torch/csrc/distributed/c10d/Functional.cpp's schemas)
+_FUNCTIONAL = {
+    "all_gather_into_tensor": (ALL_GATHER, lambda x, n: _tensors_nbytes(x) * n),  # the whole output
+    "all_gather_into_tensor_coalesced": (ALL_GATHER, lambda x, n: _tensors_nbytes(x) * n),
+    "reduce_scatter_tensor": (REDUCE_SCATTER, lambda x, n: _tensors_nbytes(x)),  # the whole input
+    "reduce_scatter_tensor_coalesced": (REDUCE_SCATTER, lambda x, n: _tensors_nbytes(x)),
+    "all_reduce": (ALL_REDUCE, lambda x, n: _tensors_nbytes(x)),
+    "all_reduce_": (ALL_REDUCE, lambda x, n: _tensors_nbytes(x)),
+    "all_reduce_coalesced": (ALL_REDUCE, lambda x, n: _tensors_nbytes(x)),
+    "all_reduce_coalesced_": (ALL_REDUCE, lambda x, n: _tensors_nbytes(x)),
+    "all_to_all_single": (ALL_TO_ALL, lambda x, n: _tensors_nbytes(x)),
+    "broadcast": (BROADCAST, lambda x, n: _tensors_nbytes(x)),
+    "broadcast_": (BROADCAST, lambda x, n: _tensors_nbytes(x)),
+}
+_FUNCTIONAL_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
+
+
+class FunctionalCollectiveCounter(TorchDispatchMode):
+    """Counts DTensor's functional collectives while active, per group of ``mesh``: see [Note: counting
+    tensor parallelism's collectives]. ``take()`` returns and resets the counts."""
+
+    def __init__(self, mesh: DeviceMesh | None = None):
+        super().__init__()
+        self._tally = _Tally()
+        self._roles = group_roles(mesh)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **kwargs)
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor turns it into local ops and collectives, seen here next
+        if func.namespace in _FUNCTIONAL_NAMESPACES and func._opname in _FUNCTIONAL:
+            collective, message_bytes = _FUNCTIONAL[func._opname]
+            group_name = args[-1] if args else kwargs["group_name"]
+            size = _get_group_size_by_name(group_name)
+            if size > 1:
+                self._tally.add((TP, _role(self._roles, group_name, size), collective, size), message_bytes(args[0], size))
+        return func(*args, **kwargs)
+
+    def take(self) -> tuple[GroupCollectiveBytes, ...]:
+        return self._tally.take()
 
 
 def unit_param_shapes(model: nn.Module, plan: Plan) -> tuple[tuple[tuple[ParamShape, ...], ...], tuple[ParamShape, ...]]:
     """(per plan unit, the shapes of the parameters it will shard; the 0-d parameters), read from the
-    unsharded ``model``: each Parameter (once, tied ones at their first registration) belongs to the
+    unsharded ``model`` (with tensor parallelism: split by it, not yet sharded, so that a DTensor parameter's
+    shape is its local tensor's, what FSDP2 shards over the data-parallel group): each Parameter (once, tied ones at their first registration) belongs to the
     innermost unit wrapping a module that registers it, as ``fully_shard`` assigns them."""
     unit_of = {fqn: i for i, u in enumerate(plan.units) for fqn in u.modules}
     per_unit: list[list[ParamShape]] = [[] for _ in plan.units]
@@ -112,6 +234,8 @@ def unit_param_shapes(model: nn.Module, plan: Plan) -> tuple[tuple[tuple[ParamSh
             if id(p) in seen:
                 continue
             seen.add(id(p))
+            if isinstance(p, DTensor):
+                p = p.to_local()
             if p.dim() == 0:
                 scalars.append(ParamShape(1, 1, str(p.dtype).removeprefix("torch."), p.requires_grad))
                 continue

@@ -25,6 +25,20 @@ from shard_planner.tensor_parallel import ModuleStyle, Style, TensorParallel
 
 SEQUENCE_DIM = 1  # (batch, seq, hidden) activations: sequence parallelism splits dim 1 (torchtitan's Shard(1))
 
+# [Note: gather_input hands on a DTensor]
+# The gathered input is handed to the module as a Replicate DTensor (PrepareModuleInput's default
+# ``use_local_output=False``, as torchtitan's ``apply_tp`` leaves it for "attention" and "feed_forward",
+# torchtitan/models/llama3/infra/parallelize.py), not as its local tensor. Each colwise projection then takes
+# that DTensor as it is (ColwiseParallel._prepare_input_fn redistributes only a differing layout,
+# torch/distributed/tensor/parallel/style.py), autograd sums their Partial input gradients on the one DTensor,
+# and the gather's backward reduce-scatters that sum once: one reduce-scatter of (b, s, h) per gather. Handed
+# the local tensor instead, every colwise projection wraps it anew with ``DTensor.from_local(..., Replicate())``,
+# whose backward turns its Partial gradient into Replicate on its own: an all-reduce of (b, s, h) per
+# projection (3 for wq/wk/wv, 2 for w1/w3) and no reduce-scatter. Counted at tp 2 on CPU/gloo
+# (tests/execute/test_tensor_parallel_run.py, exec_llama_tp, 2 blocks): 10 all-reduces of (b, s, h) per step
+# with the local tensor, 4 reduce-scatters with the DTensor. The module's own code sees a DTensor input: it may
+# read its shape and hand it to the projections, which is what attention and feed-forward modules do.
+
 
 def torch_style(style: ModuleStyle, tp: TensorParallel) -> ParallelStyle:
     """The ``ParallelStyle`` for one module's style under ``tp``'s sequence / loss parallelism."""
@@ -42,20 +56,20 @@ def torch_style(style: ModuleStyle, tp: TensorParallel) -> ParallelStyle:
     if s is Style.NORM:
         return SequenceParallel(sequence_dim=SEQUENCE_DIM)
     if s is Style.GATHER_INPUT:
-        if style.kwarg is not None:
+        if style.kwarg is not None:  # See [Note: gather_input hands on a DTensor]
             return PrepareModuleInput(input_kwarg_layouts={style.kwarg: Shard(SEQUENCE_DIM)},
-                                      desired_input_kwarg_layouts={style.kwarg: Replicate()}, use_local_output=True)
+                                      desired_input_kwarg_layouts={style.kwarg: Replicate()}, use_local_output=False)
         return GatherFirstInput()
     raise AssertionError(f"unhandled tensor-parallel style {s}")
 
 
 class GatherFirstInput(ParallelStyle):
-    """``PrepareModuleInput(input_layouts=(Shard(1), None, ...), desired_input_layouts=(Replicate(), None, ...),
-    use_local_output=True)`` for a module called with any number of positional arguments: torch's class
-    needs one layout per positional argument (it raises "module inputs and input_layouts should have same
-    length!"), which depends on the model's code, so the first argument's redistribution is done here with
-    the same DTensor calls (``from_local`` on Shard(1), ``redistribute`` to Replicate: an all-gather whose
-    backward is a reduce-scatter), the rest passed through."""
+    """``PrepareModuleInput(input_layouts=(Shard(1), None, ...), desired_input_layouts=(Replicate(), None, ...))``
+    for a module called with any number of positional arguments: torch's class needs one layout per
+    positional argument (it raises "module inputs and input_layouts should have same length!"), which depends
+    on the model's code, so the first argument's redistribution is done here with the same DTensor calls
+    (``from_local`` on Shard(1), ``redistribute`` to Replicate: an all-gather whose backward is a
+    reduce-scatter), the rest passed through. See [Note: gather_input hands on a DTensor]."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def gather(_mod, args, kwargs):
@@ -65,7 +79,7 @@ class GatherFirstInput(ParallelStyle):
             x = args[0]
             if not isinstance(x, DTensor):
                 x = DTensor.from_local(x, device_mesh, (Shard(SEQUENCE_DIM),), run_check=False)
-            return (x.redistribute(placements=(Replicate(),)).to_local(), *args[1:]), kwargs
+            return (x.redistribute(placements=(Replicate(),)), *args[1:]), kwargs  # a DTensor, not its local
 
         module.register_forward_pre_hook(gather, with_kwargs=True)
         return module

@@ -12,8 +12,9 @@ plan.json``, runs this too.) Several plans may be given: they run in turn in one
 saves a launch per plan (``run_plans``, ``tune``).
 
 Each rank seeds identically, builds the model from the plan's model file directly on its device,
-applies the plan and trains ``warmup + steps`` steps; the batch of step s on rank r is drawn with seed
-``SEED + 1000 * s + r`` so that a single process can replay the same global batch (the tests do). Rank
+applies the plan and trains ``warmup + steps`` steps (execute/stepper.py); the batch of step s on
+data-parallel rank d is drawn with seed ``SEED + 1000 * s + d`` so that a single process can replay the same
+global batch (the tests do; stepper.py [Note: the micro-batch of a data-parallel rank]). Rank
 0 gathers every rank's numbers and writes the measurement atomically (``--out``, default
 measurement.json beside the plan; ``--out-dir`` with several plans); a failing run writes none. When
 WORLD_SIZE differs from the plan's GPUs the plan is re-derived (``Plan.with_world_size``) and the
@@ -30,6 +31,7 @@ Measurement (DESIGN.md, "Executor"):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import faulthandler
 import gc
@@ -46,29 +48,30 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from shard_planner.allocator_conf import effective_conf
 from shard_planner.argtypes import non_negative_int, positive_float, positive_int
 from shard_planner.errors import RunError, UserError, first_line
 from shard_planner.cost.comm_bytes import collective_bytes_per_step
-from shard_planner.execute.accumulate import batch_index, set_micro_step
-from shard_planner.execute.apply import apply_plan, build_mesh
+from shard_planner.execute.apply import apply_plan, apply_tensor_parallel, build_mesh, data_rank
 from shard_planner.execute.checkpoint import (differing_entries, frozen_numel, load_checkpoint, loss_tolerance,
                                               regrouped_batch, save_checkpoint, state_digests)
 from shard_planner.execute.checkpoint_dir import directory_bytes, read_side_file, write_side_file
-from shard_planner.execute.comm_count import units_with_backward, CommCounter, unit_param_shapes
+from shard_planner.execute.comm_count import (CommCounter, FunctionalCollectiveCounter, by_group_size,
+                                               unit_param_shapes, units_with_backward)
 from shard_planner.execute.memtrack import StorageTracker
 from shard_planner.execute.runner import with_prediction
 from shard_planner.fileio import write_atomic
 from shard_planner.measurement import (CheckpointResult, Measurement, RankMemory, RestoreCheck, plan_fingerprint,
                                        save_measurement)
 from shard_planner.hf import HfOptions, model_options
-from shard_planner.modelfile import ModelFile, load_model_file, map_inputs
-from shard_planner.plan import OPTIMIZER_TORCH, Plan, Training, load_plan
+from shard_planner.execute.stepper import (SEED, Stepper, build_on_device, make_optimizer,  # noqa: F401
+                                           make_step_batch)
+from shard_planner.modelfile import load_model_file
+from shard_planner.plan import Plan, load_plan
 
 logger = logging.getLogger(__name__)
-
-SEED = 1234
 
 
 @dataclass(frozen=True)
@@ -85,35 +88,10 @@ class RunOptions:
     resume_from: str | None = None
 
 
-# ---- the pieces a run is made of (also used by the tests' single-process reference) ----
-def make_optimizer(plan: Plan, params) -> torch.optim.Optimizer:
-    """The plan's optimizer over the trainable ones of ``params`` (a fine-tune's frozen base has no state,
-    as the cost model prices it); the hyper-parameters that the plan does not carry are PyTorch defaults."""
-    if plan.training.optimizer in OPTIMIZER_TORCH:
-        cls, kwargs = OPTIMIZER_TORCH[plan.training.optimizer]
-        return getattr(torch.optim, cls)([p for p in params if p.requires_grad], lr=plan.training.lr, **kwargs)
-    raise RunError(f"unknown optimizer {plan.training.optimizer!r}")
-
-
-def make_step_batch(model_file: ModelFile, micro_batch: int, step: int, rank: int, device: torch.device):
-    """The synthetic batch of ``step`` on ``rank`` (seeded, so any process can replay it)."""
-    torch.manual_seed(SEED + 1000 * step + rank)
-    inputs, targets = model_file.batch(micro_batch)
-    return map_inputs(inputs, lambda t: t.to(device)), (targets.to(device) if targets is not None else None)
-
-
 def _hf_options(plan: Plan, model_path: str) -> HfOptions | None:
     """For a transformers config: the plan's task, sequence length and fine-tune, so the run builds the planned
     model and batch."""
     return model_options(plan.model, model_path)
-
-
-def build_on_device(model_file: ModelFile, device: torch.device) -> torch.nn.Module:
-    """Build the model directly on ``device``, seeded: every rank (and a reference run) gets the same
-    initial weights."""
-    torch.manual_seed(SEED)
-    with torch.device(device):
-        return model_file.build()
 
 
 # ---- one rank ----
@@ -202,26 +180,26 @@ def train_and_measure(plan: Plan, model_path: str, options: RunOptions, device: 
     model_file = load_model_file(model_path, _hf_options(plan, model_path))
     mesh = build_mesh(plan, device.type)
     status.progress("build")
-    model = build_on_device(model_file, device)
+    # split by tensor parallelism first (nothing without it): FSDP2 shards and gathers the local tensors
+    model = apply_tensor_parallel(build_on_device(model_file, device), plan, mesh)
     comm_predicted = collective_bytes_per_step(plan, *unit_param_shapes(model, plan),
                                                has_backward=units_with_backward(model, plan))
     model = apply_plan(model, plan, mesh)
     optimizer = make_optimizer(plan, model.parameters())
-    step = _Stepper(model_file, model, optimizer, plan.training, rank, device)
+    loss_parallel = plan.tensor_parallel is not None and plan.tensor_parallel.loss_parallel
+    data = data_rank(mesh, plan)
+    step = Stepper(model_file, model, optimizer, plan.training, data, device, loss_parallel)
 
     losses = []
     for s in range(options.warmup):
         status.progress(f"warm-up step {s}")
         losses.append(step(s))
-    times_s, comm = _timed_steps(step, options, status, device, losses)
+    times_s, comm = _timed_steps(step, options, status, device, losses, mesh if plan.mesh.is_tp else None)
     memory = _peak_memory(step, options, status, device, losses)
 
     status.progress("gather")
-    loss_sum = torch.stack(losses).float()
-    dist.all_reduce(loss_sum)
-    loss_avg = (loss_sum / world_size).tolist()
     gathered: list = [None] * world_size
-    dist.all_gather_object(gathered, (memory, times_s, comm))
+    dist.all_gather_object(gathered, (memory, times_s, comm, data, [float(v) for v in losses]))
     checkpoint = None
     if options.checkpoint_dir:
         saved = _save_and_continue(step, plan, options, len(losses), status)
@@ -233,87 +211,65 @@ def train_and_measure(plan: Plan, model_path: str, options: RunOptions, device: 
         del model, optimizer, step
     if rank != 0:
         return None
-    cuda = device.type == "cuda"
-    return with_prediction(Measurement(
+    return with_prediction(_measurement(plan, options, device, gathered, rederived_from, comm_predicted, checkpoint),
+                           plan.predicted)  # a re-derived plan has none: the plan's was for its own world size
+
+
+def _measurement(plan: Plan, options: RunOptions, device: torch.device, gathered: list, rederived_from: int | None,
+                 comm_predicted, checkpoint: CheckpointResult | None) -> Measurement:
+    """Rank 0's record from every rank's (memory, step times, per-step collectives, data rank, losses)."""
+    cuda, world_size = device.type == "cuda", len(gathered)
+    n_times, first_comm = len(gathered[0][1]), gathered[0][2][0]
+    rank_losses = [g[4] for g in gathered]
+    return Measurement(
         plan_fingerprint=plan_fingerprint(plan),
         model_path=plan.model.path,
         world_size=world_size,
         mesh_shard=plan.mesh.shard_group_size,
         mesh_replicate=plan.mesh.replicate_group_size,
+        mesh_tp=plan.mesh.tp_size,
         micro_batch=plan.training.micro_batch,
+        samples_per_step=plan.global_batch_samples,
         device=device.type,
         device_name=_device_name(device),
         backend=dist.get_backend(),
         torch_version=torch.__version__,
         memory_method="cuda max_memory_allocated" if cuda else "storage-tracker",
         memory=tuple(g[0] for g in gathered),
-        step_time_s=tuple(max(g[1][i] for g in gathered) for i in range(len(times_s))),
+        step_time_s=tuple(max(g[1][i] for g in gathered) for i in range(n_times)),
         timing_method="cuda events" if cuda else "wall clock",
         warmup_steps=options.warmup,
-        losses=tuple(loss_avg),
+        losses=tuple(sum(r[i] for r in rank_losses) / world_size for i in range(len(rank_losses[0]))),
         rederived_from_world_size=rederived_from,
-        comm_measured=comm[0],
-        comm_same_every_step=all(g[2] == [comm[0]] * len(comm) for g in gathered),
+        comm_measured=first_comm[0],
+        comm_by_group=first_comm[1],
+        comm_same_every_step=all(g[2] == [first_comm] * len(g[2]) for g in gathered),
         comm_predicted=comm_predicted,
         checkpoint=checkpoint,
         allocator_conf=effective_conf(os.environ) if cuda else None,
-    ), plan.predicted)  # a re-derived plan has none: the plan's was for its own world size
+        data_ranks=tuple(g[3] for g in gathered),
+        rank_losses=tuple(tuple(r) for r in rank_losses),
+    )
 
 
-class _Stepper:
-    """One optimizer step ``s``: zero_grad, then per micro-step (``training.accumulation_steps``, see
-    execute/accumulate.py) its synthetic batch, forward + loss, backward; then the optimizer step.
-    Returns the loss (the micro-steps' mean). While ``tracker`` is set it is told the phase (forward /
-    backward / optimizer)."""
-
-    def __init__(self, model_file, model, optimizer, training: Training, rank: int, device: torch.device):
-        self.model_file, self.model, self.optimizer = model_file, model, optimizer
-        self.training, self.micro_batch, self.rank, self.device = training, training.micro_batch, rank, device
-        self.tracker: StorageTracker | None = None
-        self.batch_fn = None  # batch index -> (inputs, targets) instead of this rank's make_step_batch (a restore)
-
-    def _phase(self, name: str) -> None:
-        if self.tracker is not None:
-            self.tracker.phase = name
-
-    def __call__(self, s: int) -> torch.Tensor:
-        self.optimizer.zero_grad(set_to_none=True)
-        n = self.training.accumulation_steps
-        losses = [self._micro_step(s, m) for m in range(n)]
-        self._phase("optimizer")
-        self.optimizer.step()
-        return losses[0] if n == 1 else torch.stack(losses).mean()
-
-    def _micro_step(self, s: int, m: int) -> torch.Tensor:
-        set_micro_step(self.model, self.training, m)
-        index = batch_index(self.training, s, m)
-        if self.batch_fn is not None:  # a restore at another world size: the same global micro-batch regrouped
-            inputs, targets = self.batch_fn(index)
-        else:
-            inputs, targets = make_step_batch(self.model_file, self.micro_batch, index, self.rank, self.device)
-        self._phase("forward")
-        loss = self.model_file.loss(self.model_file.forward(self.model, inputs), targets)
-        self._phase("backward")
-        n = self.training.accumulation_steps
-        (loss if n == 1 else loss / n).backward()  # a mean over the global batch: execute/accumulate.py
-        return loss.detach()
-
-
-def _timed_steps(step: _Stepper, options: RunOptions, status: _Status, device: torch.device,
-                 losses: list) -> tuple[list[float], list]:
+def _timed_steps(step: Stepper, options: RunOptions, status: _Status, device: torch.device,
+                 losses: list, tp_mesh: DeviceMesh | None) -> tuple[list[float], list]:
     """The measured steps after warm-up, each started together on every rank: CUDA events on a GPU
     (the peak-memory statistics are reset first), wall clock on CPU. Appends their losses. Returns their
-    times and, per step, the collectives this rank issued (execute/comm_count.py)."""
+    times and, per step, the collectives this rank issued (execute/comm_count.py): (FSDP2's per collective
+    and group size, every one per group). ``tp_mesh``: the mesh of a run with tensor parallelism, whose
+    DTensor collectives are counted too ([Note: counting tensor parallelism's collectives])."""
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     times_s, comm = [], []
-    counter = CommCounter()
+    counter = CommCounter(tp_mesh)
+    functional = FunctionalCollectiveCounter(tp_mesh) if tp_mesh is not None else contextlib.nullcontext()
     for s in range(options.warmup, options.warmup + options.steps):
         dist.barrier()
         status.progress(f"step {s}")
-        with counter:
+        with counter, functional:
             if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
@@ -325,11 +281,13 @@ def _timed_steps(step: _Stepper, options: RunOptions, status: _Status, device: t
                 t0 = time.perf_counter()
                 losses.append(step(s))
                 times_s.append(time.perf_counter() - t0)
-        comm.append(counter.take())
+        fsdp = counter.take_by_group()
+        tp = functional.take() if tp_mesh is not None else ()
+        comm.append((by_group_size(fsdp), fsdp + tp))
     return times_s, comm
 
 
-def _peak_memory(step: _Stepper, options: RunOptions, status: _Status, device: torch.device,
+def _peak_memory(step: Stepper, options: RunOptions, status: _Status, device: torch.device,
                  losses: list) -> RankMemory:
     """This rank's peak: the CUDA allocator's over the timed steps on a GPU; on CPU one more step under
     the storage tracker (its loss is appended)."""
@@ -359,7 +317,7 @@ def _mean_over_ranks(losses: list) -> list[float]:
     return (total / dist.get_world_size()).tolist()
 
 
-def _save_and_continue(step: _Stepper, plan: Plan, options: RunOptions, next_step: int, status: _Status) -> dict:
+def _save_and_continue(step: Stepper, plan: Plan, options: RunOptions, next_step: int, status: _Status) -> dict:
     """Save a checkpoint before step ``next_step``, record digests of what was saved, train
     ``checkpoint_steps`` more steps (the uninterrupted run the restore is compared with) and, on rank 0,
     write the side file. Returns the save's figures (CheckpointResult's fields but ``restores``)."""
@@ -396,22 +354,25 @@ def restore_and_compare(plan: Plan, model_path: str, directory: str, device: tor
     plan, _ = plan.at_world_size(world_size)
     model_file = load_model_file(model_path, _hf_options(plan, model_path))
     status.progress("checkpoint restore: build")
-    model = apply_plan(build_on_device(model_file, device), plan, build_mesh(plan, device.type))
+    mesh = build_mesh(plan, device.type)
+    model = apply_plan(build_on_device(model_file, device), plan, mesh)
     optimizer = make_optimizer(plan, model.parameters())
     status.progress("checkpoint restore: load")
     progress, load_s = load_checkpoint(model, optimizer, directory, device)
     status.progress("checkpoint restore: digests")
     digests = state_digests(model, optimizer)
-    step = _Stepper(model_file, model, optimizer, plan.training, rank, device)
+    data, dp_size = data_rank(mesh, plan), plan.mesh.dp_size
+    step = Stepper(model_file, model, optimizer, plan.training, data, device,
+                   plan.tensor_parallel is not None and plan.tensor_parallel.loss_parallel)
     data_ranks, micro_batch = int(progress["data_ranks"]), int(progress["micro_batch"])
-    if data_ranks != world_size or micro_batch != plan.training.micro_batch:
+    if data_ranks != dp_size or micro_batch != plan.training.micro_batch:
         step.batch_fn = lambda s: regrouped_batch(
-            [make_step_batch(model_file, micro_batch, s, r, device) for r in range(data_ranks)], world_size, rank)
+            [make_step_batch(model_file, micro_batch, s, r, device) for r in range(data_ranks)], dp_size, data)
     losses = []
     for s in range(int(progress["step"]), int(progress["step"]) + len(record["losses_after"])):
         status.progress(f"step {s} after the restore")
         losses.append(step(s))
-    tolerance, reason = loss_tolerance(data_ranks, world_size, device)
+    tolerance, reason = loss_tolerance(data_ranks, dp_size, device)
     return RestoreCheck(world_size=world_size, load_s=load_s, tensors_checked=len(record["digests"]),
                         tensors_differing=differing_entries(record["digests"], digests) if rank == 0 else (),
                         losses_uninterrupted=tuple(record["losses_after"]), losses_restored=tuple(_mean_over_ranks(losses)),
