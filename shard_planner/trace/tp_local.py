@@ -20,6 +20,15 @@ tensors instead of DTensors:
   ``_log_softmax`` / ``nll_loss_forward`` it dispatches records the all-reduces torch's loss_parallel handlers
   add (:meth:`RankEmulation.note_loss_op`).
 
+What it does not reproduce (measured on the tiny TP Llama at t=2, micro-batch 2, bf16, against the real
+DTensor step with the tracer's StorageLog over its local ops): the bytes saved for backward match per module
+exactly; the forward's peak rise is 1 KiB higher for real without sequence parallelism (the embedding's
+(b, s) int64 index mask ``_MaskPartial`` keeps until the reduction) and 145 KiB (27%) higher with it, nine
+(b, s, h) activations plus that mask, most likely the staging copies of the sequence-dim all-gathers and
+reduce-scatters (``torch.cat(torch.chunk(...))`` around the dim-0 collective), which the emulation, one output
+storage each, does not allocate (not yet checked op by op). The loss under loss parallelism runs torch's decomposed log-softmax (amax, sub, exp, sum, log,
+sub: loss.py:197-221) where the trace runs the local fused kernel: the same saves, a larger transient.
+
 Refused (UserError): a quantised (NF4) parameter in a styled module, a split dimension the degree does not
 divide (DTensor would pad uneven shards), a style on a module class torch's style does not split.
 
