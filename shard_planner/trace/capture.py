@@ -55,6 +55,7 @@ from shard_planner.trace.kernel_ops import classify
 from shard_planner.trace.records import ENTER, EXIT, Call, Span, is_ancestor
 from shard_planner.trace.routing import KnownValues
 from shard_planner.trace.storages import SavedTensors, StorageLog
+from shard_planner.trace.tp_local import RankEmulation
 from shard_planner.trace.twins import OutLeaf, ReuseFacts, Twins, run_twin, twin_info
 
 logger = logging.getLogger(__name__)
@@ -79,8 +80,10 @@ class Step:
     """One traced forward + loss + backward at one batch size."""
 
     def __init__(self, model: nn.Module, model_file: ModelFile, compute_dtype: torch.dtype,
-                 reuse: ReuseFacts, flops: FlopCounter, banned: set[str] = frozenset()):
+                 reuse: ReuseFacts, flops: FlopCounter, banned: set[str] = frozenset(),
+                 tp: RankEmulation | None = None):
         self.model, self.mf, self.compute_dtype = model, model_file, compute_dtype
+        self.tp = tp  # one tensor-parallel rank: trace/tp_local.py [Note: A tensor-parallel rank traced locally]
         self.flops = flops
         self.log = StorageLog()
         self.saves = SavedTensors()
@@ -107,6 +110,8 @@ class Step:
         log the storages of its outputs."""
         if func.namespace != "prim":  # prim.device etc.: metadata queries, no kernel runs
             self._add_op()
+        if self.tp is not None and self.phase == "fwd" and self.fwd_stack and self.fwd_stack[-1] is self.loss_call:
+            self.tp.note_loss_op(func, args, self.loss_call.tp_collectives)
         n = self.flops.count(func, args, kwargs, out) if func._overloadpacket in self.flops else 0
         if n:
             self._add_flops(n)
@@ -225,6 +230,8 @@ class Step:
             parent.children.append(call)
         else:
             self.root_call = call
+        if self.tp is not None:  # where torch's style hooks run: outside the module's forward
+            args, kwargs = self.tp.before(call, module, args, kwargs)
         leaves, spec = tree_flatten((args, kwargs))
         in_tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         call.input_bytes = self.log.storage_bytes(in_tensors)
@@ -248,6 +255,8 @@ class Step:
             raise
         finally:
             self._close_fwd(call)
+        if self.tp is not None:
+            out = self.tp.after(call, out)
         out_leaves, out_spec = tree_flatten(out)
         out_tensors = [x for x in out_leaves if isinstance(x, torch.Tensor)]
         call.output_bytes = self.log.storage_bytes(out_tensors)

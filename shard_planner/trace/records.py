@@ -61,6 +61,7 @@ class Call:
     save_adjust: list[tuple[str, int]] = field(default_factory=list)  # (path relative to the twin, bytes)
     input_sids: frozenset = frozenset()  # for a template: the storages of its inputs
     param_ids: frozenset = frozenset()  # for a template: ids of its subtree's parameters
+    tp_collectives: list = field(default_factory=list)  # tp_local.Collective its tensor-parallel style issued
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +100,7 @@ class ModuleRecord:
     output_by_class: dict = field(default_factory=dict)  # Call.output_by_class, summed over its calls
     fwd_tail_kernels: list = field(default_factory=list)  # Call.fwd_tail, over its calls
     input_grad: bool = False  # Call.input_grad, of any of its calls
+    tp_collectives: list = field(default_factory=list)  # Call.tp_collectives, over its calls
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,7 @@ class StepResult:
     loss_ops: int = 0
     loss_kernels: tuple = ()  # kernel_ops.OpSample of loss_fn, forward then backward
     forward_cache: str | None = None  # trace/cache.py output_cache of the forward's output
+    loss_tp_collectives: tuple = ()  # tp_local.Collective of the loss (loss parallelism)
 
 
 def rel_fqn(fqn: str, base: str) -> str:

@@ -23,6 +23,7 @@ from shard_planner.trace.capture import Step
 from shard_planner.trace.kernel_ops import fit_records
 from shard_planner.trace.params import OwnParams, own_params
 from shard_planner.trace.records import ENTER, EXIT, Call, ModuleRecord, Span, StepResult, join_fqn, rel_fqn
+from shard_planner.trace.tp_local import fit_collectives
 from shard_planner.trace.types import Affine, ModuleTrace
 
 logger = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ class Replay:
             fwd_key=(call.fwd.start,), bwd_key=(call.bwd.start,) if call.bwd is not None else None,
             fwd_ops=call.fwd_ops, bwd_ops=call.bwd_ops, input_shared_bytes=call.input_shared_bytes,
             fwd_kernels=call.fwd_kernels, bwd_kernels=call.bwd_kernels, output_by_class=call.output_by_class,
-            fwd_tail_kernels=call.fwd_tail, input_grad=call.input_grad,
+            fwd_tail_kernels=call.fwd_tail, input_grad=call.input_grad, tp_collectives=call.tp_collectives,
         )
         out = [own]
         for child in call.children:
@@ -111,6 +112,7 @@ class Replay:
                 call.input_shared_bytes if r.fqn == t.fqn else r.input_shared_bytes,
                 r.fwd_kernels, r.bwd_kernels, r.output_by_class, r.fwd_tail_kernels,
                 call.input_grad if r.fqn == t.fqn else r.input_grad,
+                call.tp_collectives if r.fqn == t.fqn else r.tp_collectives,  # its own style ran for real
             ))
         return out
 
@@ -139,6 +141,7 @@ def step_result(step: Step) -> StepResult:
         loss_ops=loss.fwd_ops + loss.bwd_ops,
         loss_kernels=tuple(loss.fwd_kernels + loss.bwd_kernels),
         forward_cache=step.forward_cache,
+        loss_tp_collectives=tuple(loss.tp_collectives),
     )
 
 
@@ -170,6 +173,7 @@ def _accumulate(agg: ModuleRecord, r: ModuleRecord) -> None:
     agg.input_bytes += r.input_bytes
     agg.input_shared_bytes += r.input_shared_bytes
     agg.input_grad = agg.input_grad or r.input_grad
+    agg.tp_collectives = agg.tp_collectives + r.tp_collectives
     agg.output_bytes += r.output_bytes
     agg.output_by_class = {c: agg.output_by_class.get(c, 0) + r.output_by_class.get(c, 0)
                            for c in {*agg.output_by_class, *r.output_by_class}}
@@ -246,6 +250,7 @@ def module_traces(modules: list[tuple[str, nn.Module]], static: StaticFacts, has
             fwd_tail_kernels=fit_records(rec1.fwd_tail_kernels, rec2.fwd_tail_kernels, b1, b2) if rec1 and rec2 else (),
             output_bytes_by_class=_fit_by_class(rec1, rec2, b1, b2),
             input_requires_grad=bool(rec1 and rec1.input_grad),
+            tp_collectives=fit_collectives(rec1.tp_collectives, rec2.tp_collectives, b1, b2) if rec1 and rec2 else (),
         ))
     return tuple(out)
 

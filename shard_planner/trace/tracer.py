@@ -28,6 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from shard_planner.errors import ModelFileError, UserError
 from shard_planner.modelfile import ModelFile, load_model_file
+from shard_planner.tensor_parallel import TensorParallel
 from shard_planner.trace.build import build_fake, cast_parameters
 from shard_planner.trace.capture import Step, run_step
 from shard_planner.trace.dynamo_deferred import dynamo_deferred
@@ -39,6 +40,7 @@ from shard_planner.trace.routing import ASSUMPTION as ROUTING_ASSUMPTION
 from shard_planner.trace.replay import module_traces, static_facts, step_result
 from shard_planner.trace.structure import model_fingerprint, structural_hashes
 from shard_planner.trace.twins import ReuseFacts, reuse_facts
+from shard_planner.trace.tp_local import RankEmulation, check_tensor_parallel, fit_collectives, shard_parameters
 from shard_planner.trace.types import Affine, ModelTrace
 from shard_planner.units import compute_dtype_name
 
@@ -51,16 +53,21 @@ def trace_model(
     batch_sizes: tuple[int, int] = (1, 2),
     dtype: str = "bfloat16",
     reuse: bool = True,
+    tensor_parallel: TensorParallel | None = None,
+    tp_size: int = 1,
 ) -> ModelTrace:
     """Trace ``model_file`` (a ModelFile or its path) at two micro-batch sizes, without real memory.
 
     ``dtype`` is the compute dtype (``"bfloat16"``/``"bf16"`` or ``"float32"``/``"fp32"``): floating
     parameters are cast to it as FSDP2's mixed precision does. ``reuse=False`` traces every repeated
-    block for real (for checking the reuse; see [Note: twins]).
+    block for real (for checking the reuse; see [Note: twins]). ``tp_size`` > 1 traces one rank of tensor
+    parallelism with the styles ``tensor_parallel`` (trace/tp_local.py, [Note: A tensor-parallel rank traced
+    locally]); at 1 the styles are unused and the trace is the one without them.
     """
     started = time.perf_counter()
     mf = load_model_file(model_file) if isinstance(model_file, (str, Path)) else model_file
     dtype_name = compute_dtype_name(dtype)
+    tp = check_tensor_parallel(tensor_parallel, tp_size)
     compute = getattr(torch, dtype_name)
     b1, b2 = (int(b) for b in batch_sizes)
     if b1 < 1 or b2 < 1 or b1 == b2:
@@ -70,17 +77,19 @@ def trace_model(
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         model = build_fake(mf, fake_mode)
         modules = list(model.named_modules())
-        static = static_facts(modules)  # parameters as built: dtypes before the cast, requires_grad
-        _check_something_trains(mf, model)
         hashes = structural_hashes(model)
-        fingerprint = model_fingerprint(model)
+        fingerprint = model_fingerprint(model)  # of the whole model, which the executor builds and checks
+        if tp is not None:
+            shard_parameters(model, tp, tp_size, fake_mode)
+        static = static_facts(modules)  # parameters as built (one rank's): dtypes before the cast, requires_grad
+        _check_something_trains(mf, model)
         cast_parameters(model, compute, fake_mode)
         flops = FlopCounter()
         banned: set[str] = set()  # modules that turned out not to be faithful templates, for both sizes
         facts = reuse_facts(model, hashes, reuse)
         with real_run_paths(mf, b1):  # transformers' mask helpers: [Note: transformers under fake tensors]
-            (r1, routed), (r2, _) = [_trace_batch(fake_mode, model, modules, mf, compute, facts, flops, banned, b)
-                                     for b in (b1, b2)]
+            (r1, routed), (r2, _) = [_trace_batch(fake_mode, model, modules, mf, compute, facts, flops, banned, b,
+                                                  None if tp is None else (tp, tp_size)) for b in (b1, b2)]
     if routed:
         logger.warning("%s: %s", mf.path, ROUTING_ASSUMPTION)
     if r1.forward_order != r2.forward_order:
@@ -110,6 +119,9 @@ def trace_model(
         loss_kernels=fit_records(list(r1.loss_kernels), list(r2.loss_kernels), b1, b2),
         training=dict(mf.training),
         forward_cache=r1.forward_cache,
+        tp_size=tp_size if tp is not None else 1,
+        tensor_parallel=tp,
+        loss_tp_collectives=fit_collectives(list(r1.loss_tp_collectives), list(r2.loss_tp_collectives), b1, b2),
     )
 
 
@@ -123,14 +135,14 @@ def _check_something_trains(mf: ModelFile, model: nn.Module) -> None:
 
 def _trace_batch(fake_mode: FakeTensorMode, model: nn.Module, modules: list[tuple[str, nn.Module]], mf: ModelFile,
                  compute: torch.dtype, facts: ReuseFacts, flops: FlopCounter, banned: set[str],
-                 batch_size: int) -> tuple[StepResult, int]:
+                 batch_size: int, tp: tuple[TensorParallel, int] | None = None) -> tuple[StepResult, int]:
     """One traced step at ``batch_size``, and how many data-dependent ops it answered under the routing
     assumption ([Note: balanced routing]); again without the templates that ran a shared module or whose
     output a caller modified in place (added to ``banned``; [Note: unsafe reuse])."""
     while True:
         with fake_mode:
             inputs, targets = mf.batch(batch_size)
-        step = Step(model, mf, compute, facts, flops, banned)
+        step = Step(model, mf, compute, facts, flops, banned, RankEmulation(*tp) if tp is not None else None)
         with fake_mode:
             run_step(step, modules, inputs, targets)
         del inputs, targets

@@ -7,7 +7,10 @@ over the subtree (:func:`ModelTrace.subtree`). Peaks (``*_peak_rise_bytes``) inc
 since a peak does not add up.
 
 All byte counts are per rank, for one micro-batch, in the trace's compute dtype, for the *unsharded*
-model: the cost model applies sharding, mixed precision and checkpointing on top.
+model: the cost model applies sharding, mixed precision and checkpointing on top. A trace at a
+tensor-parallel degree (``tp_size`` > 1) is one rank's: parameters as split, activations and FLOPs of the
+rank's local tensors, and the tensor-parallel collectives each module issues (``tp_collectives``;
+trace/tp_local.py, [Note: A tensor-parallel rank traced locally]).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
+
+from shard_planner.tensor_parallel import TensorParallel
 
 TRACE_SCHEMA_VERSION = 1
 
@@ -46,18 +51,6 @@ ZERO = Affine()
 
 
 @dataclass(frozen=True)
-class TPCollective:
-    """One tensor-parallel collective a module's style issues on each rank: ``kind`` (shard_planner.comm's
-    all_gather / reduce_scatter / all_reduce) in ``phase`` ("fwd" or "bwd"), ``full_bytes`` the full
-    tensor's bytes on one rank (the all-gather's output, the reduce-scatter's input, the all-reduce's
-    buffer) per micro-batch."""
-
-    kind: str
-    phase: str
-    full_bytes: Affine
-
-
-@dataclass(frozen=True)
 class KernelRecord:
     """Identical kernels of one module's forward or backward, per micro-batch (trace/kernel_ops.py,
     [Note: kernel records]): ``count`` launches of class ``op_class`` (cost/kernels.py OP_CLASSES),
@@ -82,6 +75,22 @@ class KernelRecord:
         new = d.get("new_bytes")
         return KernelRecord(d["op_class"], int(d["count"]), Affine(**d["flops"]), Affine(**d["bytes"]),
                             tuple(Affine(**x) for x in d.get("dims", ())), Affine(**new) if new is not None else None)
+
+
+@dataclass(frozen=True)
+class TPCollective:
+    """One tensor-parallel collective over the tp group, per micro-batch: ``kind`` "all_gather" |
+    "reduce_scatter" | "all_reduce", in ``phase`` "fwd" | "bwd"; ``full_bytes``: the full tensor of the
+    collective on one rank (the all-gather's output, the reduce-scatter's input, the all-reduce's buffer),
+    affine in the micro-batch (a parameter gradient's all-reduce: fixed)."""
+
+    kind: str
+    phase: str
+    full_bytes: Affine
+
+    @staticmethod
+    def from_dict(d: dict) -> "TPCollective":
+        return TPCollective(d["kind"], d["phase"], Affine(**d["full_bytes"]))
 
 
 @dataclass(frozen=True)
@@ -156,13 +165,15 @@ class ModuleTrace:
     # Whether an output requires grad (FSDP2's pre-backward hook) is whether the module is in the trace's
     # ``backward_order``. None in traces written before this field.
     input_requires_grad: bool | None = None
-    tp_collectives: tuple[TPCollective, ...] = ()  # issued by this module's own tensor-parallel style
     # Of ``param_bytes_by_dtype`` (and of its sharded and 0-d parts alike), what quantised weights store: an NF4
     # weight's codes, scalers, factors, mean and code table (shard_planner/param_storage.py, [Note: NF4
     # parameters as stored]). FSDP2 gathers them through the tensor's own fsdp_pre_all_gather, which mixed
     # precision does not cast, floating parts (the factors) included; they never train. Traces written
     # before this field load with none.
     quantized_param_bytes_by_dtype: dict[str, int] = field(default_factory=dict)
+    # The tensor-parallel collectives its style issues (trace/tp_local.py, [Note: The collectives torch 2.13
+    # issues per style]), in the order they ran; none at tp_size 1 and in traces written before them.
+    tp_collectives: tuple[TPCollective, ...] = ()
 
     @property
     def param_bytes(self) -> int:
@@ -235,8 +246,12 @@ class ModelTrace:
     # built with use_cache=True (trace/cache.py, [Note: A forward that builds a cache]); no plan may then
     # checkpoint (shard_planner/checkpointing.py). None: nothing, or a trace written before this field.
     forward_cache: str | None = None
-    tp_size: int = 1  # the tensor-parallel degree traced at: every number is one rank's
-    loss_tp_collectives: tuple[TPCollective, ...] = ()  # loss_parallel's (or the logits' all-gather)
+    # The tensor-parallel degree and styles the trace is one rank of (trace/tp_local.py), and the loss's
+    # collectives (loss parallelism's all-reduces). 1, None and none: no tensor parallelism, as traces
+    # written before them; their JSON then has none of these keys.
+    tp_size: int = 1
+    tensor_parallel: TensorParallel | None = None
+    loss_tp_collectives: tuple[TPCollective, ...] = ()
     schema_version: int = TRACE_SCHEMA_VERSION
 
     @cached_property
@@ -303,7 +318,15 @@ class ModelTrace:
 
     # ---- JSON ----
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if self.tp_size == 1 and self.tensor_parallel is None:  # no tensor parallelism: its JSON as before
+            del d["tp_size"], d["tensor_parallel"]
+        if not self.loss_tp_collectives:
+            del d["loss_tp_collectives"]
+        for m in d["modules"]:
+            if not m["tp_collectives"]:
+                del m["tp_collectives"]
+        return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
@@ -320,6 +343,9 @@ class ModelTrace:
         modules = tuple(_module_from_dict(m) for m in d.pop("modules"))
         affines = {k: Affine(**d.pop(k)) for k in list(d) if isinstance(d[k], dict) and set(d[k]) == {"fixed", "per_sample"}}
         d["loss_kernels"] = tuple(KernelRecord.from_dict(k) for k in d.get("loss_kernels", ()))
+        d["loss_tp_collectives"] = tuple(TPCollective.from_dict(c) for c in d.get("loss_tp_collectives", ()))
+        if d.get("tensor_parallel") is not None:
+            d["tensor_parallel"] = TensorParallel(**d["tensor_parallel"])
         return ModelTrace(
             modules=modules,
             batch_sizes=tuple(d.pop("batch_sizes")),
@@ -344,6 +370,7 @@ def _module_from_dict(d: dict) -> ModuleTrace:
     d["output_bytes_by_class"] = {c: Affine(**v) for c, v in d.get("output_bytes_by_class", {}).items()}
     for key in ("fwd_kernels", "bwd_kernels", "fwd_tail_kernels"):
         d[key] = tuple(KernelRecord.from_dict(k) for k in d.get(key, ()))
+    d["tp_collectives"] = tuple(TPCollective.from_dict(c) for c in d.get("tp_collectives", ()))
     return ModuleTrace(**d)
 
 
