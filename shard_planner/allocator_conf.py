@@ -9,6 +9,7 @@ is also supported with lower priority"), a list of ``key:value`` pairs such as
     planned_expandable(os.environ)      # what `plan` records in cluster.expandable_segments
     rank_environment(plan, os.environ)  # what `run` adds to its ranks' environment, and a warning or None
     effective_conf(os.environ)          # what a rank runs with, for measurement.json
+    launch_env(expandable_segments)     # 'PYTORCH_ALLOC_CONF=expandable_segments:True', for the exports
 
 [Note: The allocator mode a plan runs with]
   The memory a plan needs on a GPU depends on the allocator's mode (cost/fits.py): with expandable
@@ -22,7 +23,10 @@ is also supported with lower priority"), a list of ``key:value`` pairs such as
     set either variable, which then wins (with a warning when it disagrees with the plan); for a plan made
     for the default mode it sets nothing;
   - ``estimate`` judges the plan in the mode it records; every run's measurement.json records the setting
-    its ranks ran with (``allocator_conf``).
+    its ranks ran with (``allocator_conf``);
+  - every export (report/export/) states the setting the plan was judged with as an environment assignment
+    for the launch (:func:`launch_env`), both modes spelled out: ``expandable_segments:False`` is the
+    default, written so that a setting inherited from elsewhere does not change the mode unnoticed.
   The other settings (``max_split_size_mb``, ``roundup_power2_divisions``, ...) are not simulated
   (cost/allocator.py [Note: What is not modelled]): a conf that sets them is run as given, and the
   prediction assumes their defaults.
@@ -63,6 +67,12 @@ def planned_expandable(environ: Mapping[str, str]) -> bool:
 def mode_name(expandable_segments: bool) -> str:
     """The mode in words, as the allocator's setting reads."""
     return EXPANDABLE_CONF if expandable_segments else "expandable_segments:False (the default)"
+
+
+def launch_env(expandable_segments: bool) -> str:
+    """The environment assignment a launch of a plan made for ``expandable_segments`` needs:
+    'PYTORCH_ALLOC_CONF=expandable_segments:True' (or ':False')."""
+    return f"{CONF_VARS[0]}=expandable_segments:{expandable_segments}"
 
 
 def rank_environment(expandable_segments: bool, environ: Mapping[str, str]) -> tuple[dict[str, str], str | None]:

@@ -197,14 +197,30 @@ class Prediction:
     # None on CPU profiles and in plans written before): the device memory the process holds at its peak,
     # the smallest device memory that runs the steps without a retry, and the retries per step (each a
     # release of the allocator's cache) on --mem less the margin, where the plan was judged to fit. Each
-    # counts the profile's memory outside the allocator (CUDA context, NCCL) as the peak does.
+    # counts the profile's memory outside the allocator (CUDA context, NCCL) as the peak does. And what those
+    # retries cost a step, in seconds, which step_time_s includes (cost/retries.py; 0.0 without retries).
     reserved_peak_bytes: int | None = None
     no_retry_bytes: int | None = None
     alloc_retries_per_step: int | None = None
+    alloc_retry_s: float | None = None
 
     def __post_init__(self):
         unknown = set(self.memory_at_peak) - set(MEMORY_CATEGORIES)
         _require(not unknown, f"predicted.memory_at_peak has unknown categories {sorted(unknown)}")
+
+    def retries_text(self, sep: str = "") -> str:
+        """The allocator's retries on --mem as the plan file keeps them, after ``sep``: 'fits with 2 retries per
+        step, costing 12.3 ms per step (+1.2%), in the step time'; '' off a GPU (or in a plan written before)."""
+        n = self.alloc_retries_per_step
+        if n is None:
+            return ""
+        if not n:
+            return f"{sep}no retries on --mem"
+        if self.alloc_retry_s is None:
+            return f"{sep}fits with {n} retr{'ies' if n > 1 else 'y'} per step (not priced: written before they were)"
+        base_s = self.step_time_s - self.alloc_retry_s
+        return (f"{sep}fits with {n} retr{'ies' if n > 1 else 'y'} per step, costing {self.alloc_retry_s * 1e3:.3g} ms "
+                f"per step ({100 * self.alloc_retry_s / base_s if base_s > 0 else 0.0:+.2g}%), in the step time")
 
     @property
     def throughput_text(self) -> str:
@@ -412,7 +428,7 @@ PLAN_RULES = {
     "Prediction.samples_per_s": _SECONDS, "Prediction.tokens_per_s": Nullable(_SECONDS),
     "Prediction.exposed_comm_s": _SECONDS, "Prediction.mfu": Nullable(Number(non_negative=True)),
     "Prediction.reserved_peak_bytes": Nullable(_BYTES), "Prediction.no_retry_bytes": Nullable(_BYTES),
-    "Prediction.alloc_retries_per_step": Nullable(Int(least=0)),
+    "Prediction.alloc_retries_per_step": Nullable(Int(least=0)), "Prediction.alloc_retry_s": Nullable(_SECONDS),
     "SolverInfo.seconds": _SECONDS,
     "FrontierPoint.peak_bytes": _BYTES, "FrontierPoint.step_time_s": _SECONDS,
     "MeasuredPoint.world_size": _COUNT, "MeasuredPoint.peak_bytes": _BYTES, "MeasuredPoint.step_time_s": _SECONDS,

@@ -118,9 +118,18 @@ class HardwareProfile:
     # profiles: each rank has its device).
     host_cores: int = 0
     measured_ranks: int = 0
+    # GPU profiles: the driver calls of the CUDA caching allocator's retries, each in seconds: a cudaMalloc or
+    # cudaFree of one segment, a page of an expandable segment mapped (cuMemCreate + cuMemMap) or unmapped
+    # (cuMemUnmap + cuMemRelease); the device synchronisation is priced apart. shard_planner/cost/retries.py
+    # [Note: How retries are priced]. 0 (CPU profiles: no caching allocator): free.
+    cuda_malloc_s: float = 0.0
+    cuda_free_s: float = 0.0
+    page_map_s: float = 0.0
+    page_unmap_s: float = 0.0
 
     def __post_init__(self):
-        for key in ("overlap_compute_slowdown", "gpu_speed_spread"):
+        for key in ("overlap_compute_slowdown", "gpu_speed_spread", "cuda_malloc_s", "cuda_free_s", "page_map_s",
+                    "page_unmap_s"):
             value = getattr(self, key)
             if not (value >= 0.0 and math.isfinite(value)):
                 raise ProfileError(f"profile {self.name}: {key} must be a finite number >= 0, got {value!r}")

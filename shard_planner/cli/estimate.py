@@ -85,8 +85,7 @@ def run(args: argparse.Namespace) -> int:
     if fit is not None:
         print(reserved_report(plan, cm, fit))
     if req.write:
-        save_plan(replace(plan, predicted=replace(est.prediction(), **(fit.prediction_fields() if fit else {}))),
-                  req.plan)
+        save_plan(replace(plan, predicted=fit.priced(est.prediction()) if fit else est.prediction()), req.plan)
         print(f"wrote the prediction into {req.plan}")
     return 0
 
@@ -122,8 +121,12 @@ def report(plan: Plan, profile, est, fit=None) -> str:
     lines.append(
         f"{'optimizer step' if tr.accumulation_steps > 1 else 'step'} time: {_ms(t.step_time_s)} (compute {_ms(t.compute_s)}, communication {_ms(t.comm_s)} of which "
         f"exposed {_ms(t.exposed_comm_s)}, optimizer {_ms(t.optimizer_s)})")
-    lines.append(f"throughput: {est.prediction().throughput_text} over {plan.mesh.world_size} GPUs, "
-                 f"MFU {100 * t.mfu:.1f}%")
+    predicted = fit.priced(est.prediction()) if fit is not None else est.prediction()  # retries priced in
+    if fit is not None and fit.retry_s > 0:
+        lines.append(f"  + the CUDA caching allocator's {fit.retries_per_step} retries per step on --mem: "
+                     f"{fit.retry_price.describe()}: {_ms(predicted.step_time_s)} per step")
+    lines.append(f"throughput: {predicted.throughput_text} over {plan.mesh.world_size} GPUs, "
+                 f"MFU {100 * (predicted.mfu or 0.0):.1f}%")
     return "\n".join(lines)
 
 
@@ -131,9 +134,10 @@ def reserved_report(plan: Plan, cm, fit) -> str:
     """What the CUDA caching allocator would reserve for the plan's first two steps (cost/reserved.py), whether
     the step survives a GPU of ``--mem`` in the plan's allocator mode (``fit``: cost/fits.py, the margin
     included), and the same figures in the other mode."""
+    from shard_planner.cost.fits import device_fit
+
     other = not fit.expandable_segments
-    alt = replace(fit, free=cm.reserved(plan, expandable_segments=other),
-                  capped=cm.reserved(plan, expandable_segments=other, device_bytes=fit.allocator_bytes))
+    alt = device_fit(cm, plan, expandable_segments=other)
     return "\n".join([
         f"on the GPU, as planned: {fit.describe()}",
         f"  with {mode_name(other)} instead: reserved peak {format_bytes(alt.reserved_peak_total_bytes)}, no retries "

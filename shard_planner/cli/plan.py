@@ -275,7 +275,5 @@ def _device_line(fit, pr) -> str | None:
         return f"on the GPU: {fit.describe()}"
     if pr.reserved_peak_bytes is None:
         return None
-    retries = pr.alloc_retries_per_step or 0
     return (f"on the GPU (CUDA caching allocator, simulated): reserved peak {format_bytes(pr.reserved_peak_bytes)}, "
-            f"no retries from {format_bytes(pr.no_retry_bytes)}"
-            + (f"; {retries} cache releases and retries per step on --mem (not priced)" if retries else ""))
+            f"no retries from {format_bytes(pr.no_retry_bytes)}" + pr.retries_text("; "))

@@ -68,7 +68,11 @@ naming the function or constant of the source it follows; what is not modelled i
   the retry fails too, ``num_ooms`` counts it and ``OutOfMemoryError`` is raised: here
   :class:`AllocatorOutOfMemory`, carrying an :class:`OomReport`. The caches stay released, and the
   allocator stays usable, as after a caught OOM on the GPU. ``torch.cuda.empty_cache`` is the same
-  release (:meth:`CachingAllocator.empty_cache`).
+  release (:meth:`CachingAllocator.empty_cache`). Each retry is recorded as a :class:`RetryRelease`: the
+  driver calls its release made (a ``cudaFree`` per segment, or a ``cuMemUnmap`` + ``cuMemRelease`` per
+  page: cost/allocator_expandable.py [Note: One driver call per page]), the bytes released, and the
+  allocator's driver allocations so far (``device_alloc_calls``), from which cost/reserved.py counts the
+  allocations that follow it; cost/retries.py prices them.
 
 [Note: Frees are immediate]
   ``free`` returns a block to its pool at once (``free_block``) unless the block was used on another
@@ -90,6 +94,7 @@ naming the function or constant of the source it follows; what is not modelled i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from shard_planner.cost.allocator_blocks import (
     K_LARGE_BUFFER, K_MIN_BLOCK_SIZE, K_MIN_LARGE_ALLOC, K_ROUND_LARGE, K_SMALL_BUFFER, K_SMALL_SIZE, MiB, Block,
@@ -165,6 +170,14 @@ class OomReport:
                 f"{self.reserved_bytes / MiB:.1f} MiB reserved" + (f" ({limits})" if limits else ""))
 
 
+class RetryRelease(NamedTuple):
+    """One ``release_cached_blocks`` of a retry: [Note: Release and retry, then out of memory]."""
+
+    free_calls: int  # cudaFree calls (one per whole free segment) or page unmaps (expandable segments)
+    freed_bytes: int  # the reserved bytes they returned to the driver
+    alloc_calls_before: int  # the allocator's device_alloc_calls when the release began
+
+
 class AllocatorOutOfMemory(MemoryError):
     """The simulated ``OutOfMemoryError``: [Note: Release and retry, then out of memory]."""
 
@@ -178,7 +191,10 @@ class AllocatorStats:
     """The allocator's counters (``torch.cuda.memory_stats`` names): bytes now and at their peak, retries,
     OOMs, device calls (``cudaMalloc`` / map, ``cudaFree`` / unmap). ``peak_cap_demand_bytes``: in a run
     without a cap, the smallest ``cap_bytes`` that refuses no segment, above which a capped run is the
-    uncapped one ([Note: The cap and the device's memory]). ``oom``: the OOM that ended a replay."""
+    uncapped one ([Note: The cap and the device's memory]). ``oom``: the OOM that ended a replay.
+    ``device_alloc_calls`` / ``device_free_calls``: the driver calls (``cudaMalloc`` / ``cudaFree`` per
+    segment, or per page mapped / unmapped with expandable segments); ``retry_releases``: each retry's
+    release, in order."""
 
     allocated_bytes: int
     reserved_bytes: int
@@ -192,6 +208,9 @@ class AllocatorStats:
     num_device_free: int
     peak_cap_demand_bytes: int  # the largest reserved + new segment alloc_block checked against a cap
     oom: OomReport | None = None
+    device_alloc_calls: int = 0
+    device_free_calls: int = 0
+    retry_releases: tuple[RetryRelease, ...] = ()
 
     @property
     def survived(self) -> bool:
@@ -232,6 +251,7 @@ class CachingAllocator:
         self.peak_allocated_bytes = self.peak_reserved_bytes = self.peak_requested_bytes = 0
         self.num_alloc_retries = self.num_ooms = self._num_malloc = self._num_free = 0
         self.peak_cap_demand_bytes = 0
+        self.retry_releases: list[RetryRelease] = []
 
     @property
     def num_device_alloc(self) -> int:
@@ -240,6 +260,16 @@ class CachingAllocator:
     @property
     def num_device_free(self) -> int:
         return self._num_free + (self._expandable.num_unmaps if self._expandable else 0)
+
+    @property
+    def device_alloc_calls(self) -> int:
+        """``cudaMalloc`` calls, or pages mapped (cost/allocator_expandable.py [Note: One driver call per page])."""
+        return self._num_malloc + (self._expandable.pages_mapped if self._expandable else 0)
+
+    @property
+    def device_free_calls(self) -> int:
+        """``cudaFree`` calls, or pages unmapped."""
+        return self._num_free + (self._expandable.pages_unmapped if self._expandable else 0)
 
     def malloc(self, size_bytes: int, stream: int = 0) -> int:
         """Allocates ``size_bytes`` (> 0) on ``stream``; returns the handle. Raises
@@ -254,7 +284,10 @@ class CachingAllocator:
         if block is None:
             block = self._alloc_block(small, stream, size)
             if block is None:
+                free_calls, reserved = self.device_free_calls, self.reserved_bytes
                 self.release_cached_blocks()
+                self.retry_releases.append(RetryRelease(self.device_free_calls - free_calls,
+                                                        reserved - self.reserved_bytes, self.device_alloc_calls))
                 self.num_alloc_retries += 1
                 block = self._alloc_block(small, stream, size)
                 if block is None:
@@ -306,7 +339,8 @@ class CachingAllocator:
         return AllocatorStats(
             self.allocated_bytes, self.reserved_bytes, self.requested_bytes, self.peak_allocated_bytes,
             self.peak_reserved_bytes, self.peak_requested_bytes, self.num_alloc_retries, self.num_ooms,
-            self.num_device_alloc, self.num_device_free, self.peak_cap_demand_bytes, oom)
+            self.num_device_alloc, self.num_device_free, self.peak_cap_demand_bytes, oom,
+            self.device_alloc_calls, self.device_free_calls, tuple(self.retry_releases))
 
     def segments(self, stream: int | None = None) -> tuple[SegmentView, ...]:
         """The segments (all streams, or one), ordered by (stream, address)."""

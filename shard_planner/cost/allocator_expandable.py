@@ -44,6 +44,13 @@ cost/allocator_blocks.py's.
   fails. ``headroom_bytes`` is the physical memory left; the cap of ``set_per_process_memory_fraction`` is
   checked before, in ``alloc_block`` (cost/allocator.py [Note: The cap and the device's memory]).
 
+[Note: One driver call per page]
+  ``ExpandableSegment::map`` creates each page of the range on its own (``cuMemCreate`` of one
+  ``segment_size``, a handle per page) and maps them (``cuMemMap`` per handle, then ``cuMemSetAccess``);
+  ``ExpandableSegment::unmap`` unmaps and releases each page's handle (``cuMemUnmap``, ``cuMemRelease``). So
+  the driver work of a map or unmap grows with its pages, not its ranges: ``pages_mapped`` /
+  ``pages_unmapped`` count them, for the price of a retry (cost/retries.py).
+
 [Note: Simulated addresses]
   The simulation gives each expandable segment a virtual range of ``ADDRESS_SPACE_BYTES`` (16 TiB, more
   than 1 1/8 of any GPU), placed above the previous one; the real reservation is 1 1/8 of the GPU's memory
@@ -88,7 +95,9 @@ class ExpandableSegment:
 
 class ExpandableSegments:
     """The expandable segments of one simulated allocator, over its :class:`BlockPools`. Counts
-    ``num_maps`` / ``num_unmaps`` (the allocator's ``num_device_alloc`` / ``num_device_free``)."""
+    ``num_maps`` / ``num_unmaps`` (the allocator's ``num_device_alloc`` / ``num_device_free``: one per mapped
+    or unmapped range) and ``pages_mapped`` / ``pages_unmapped`` (the driver calls: [Note: One driver call per
+    page])."""
 
     def __init__(self, pools: BlockPools):
         self.pools = pools
@@ -96,6 +105,8 @@ class ExpandableSegments:
         self._next_base = ADDRESS_SPACE_BYTES
         self.num_maps = 0
         self.num_unmaps = 0
+        self.pages_mapped = 0
+        self.pages_unmapped = 0
 
     def try_allocate(self, small: bool, stream: int, size: int, headroom_bytes: int | None) -> tuple[Block | None, int]:
         """(a free block of at least ``size`` bytes, taken out of the pool, or None; the bytes mapped) —
@@ -172,6 +183,7 @@ class ExpandableSegments:
         pools.merge_neighbours(block)
         pools.insert(block)
         self.num_maps += 1
+        self.pages_mapped += mapped // block.segment.page_bytes
         return mapped
 
     def _unmap_block(self, block: Block) -> int:
@@ -201,4 +213,5 @@ class ExpandableSegments:
         pools.merge_neighbours(block)
         pools.insert_unmapped(block)
         self.num_unmaps += 1
+        self.pages_unmapped += nbytes // block.segment.page_bytes
         return nbytes

@@ -4,6 +4,8 @@ survive the memory the allocator can get there (issue 29, build item 3).
     verdict = device_fit(cost_model, plan)    # FitVerdict; None on a CPU profile (no caching allocator)
     verdict.survives, verdict.retries_per_step, verdict.oom_at
     verdict.reserved_peak_total_bytes, verdict.no_retry_total_bytes    # the predictions, outside bytes included
+    verdict.retry_price                                                # what the retries cost a step (cost/retries.py)
+    verdict.priced(prediction)                                         # the plan's prediction, retries priced in
     verdict.describe()                                                 # in words, for `plan`, `estimate`, reports
     allocator_bytes(profile, mem_bytes, outside_bytes)                 # what the simulated allocator may get
     smallest_surviving_bytes(cost_model, plan, verdict)               # where it stops running out (bisection)
@@ -16,7 +18,7 @@ survive the memory the allocator can get there (issue 29, build item 3).
   first two steps (cost/reserved.py [Note: Two steps, not one]), in the allocator mode it runs with
   (``cluster.expandable_segments``; shard_planner/allocator_conf.py), completes without an out-of-memory error
   on ``usable_fraction`` of that rest (:func:`allocator_bytes`; the margin: [Note: The margin on a GPU]).
-  The allocator may release its cache and retry on the way: the step survives, slower ([Note: Retries are not
+  The allocator may release its cache and retry on the way: the step survives, slower ([Note: Retries are
   priced]). The allocated peak alone does not decide: the allocator reserves more than it hands out
   (segments per stream, rounding, blocks it cannot split), and under pressure gives back only whole free
   segments or, with expandable segments, whole free pages. The solver searches with the allocated peak
@@ -44,29 +46,30 @@ survive the memory the allocator can get there (issue 29, build item 3).
   cap each real step survives against the simulated one sets the margin; the device's free memory there
   sets ``reserved_bytes``.
 
-[Note: Retries are not priced]
-  A retry (``num_alloc_retries``) releases the allocator's cache: a device synchronisation (``cudaFree`` "waits
-  for all operations on the GPU to finish", colesbury in pytorch#19222; unmapping expandable segments'
-  pages synchronises too), every whole free segment or page returned to the driver, and what the step
-  needs later allocated or mapped again. The host stops running ahead of the GPU at each one. No published
-  figure gives the time a retry costs a training step: FSDP reports say only that retries cost throughput
-  (pytorch#104509: 0 retries after ``limit_all_gathers``; composer PR 1632; fms-fsdp issue 63 keeps them at
-  "at most 1 or 2"). So a plan's step time does not include them: a plan that fits only with retries says
-  so, with how many per step (the second simulated step's, which every later step repeats), and the
-  smallest memory without any. The cap sweep of benchmarks/gpu_allocator.py records step time and
-  ``num_alloc_retries`` at each cap: the cost per retry to price them with.
+[Note: Retries are priced]
+  A retry (``num_alloc_retries``) releases the allocator's cache: a device synchronisation, every whole free
+  segment or page returned to the driver, and what the step needs later allocated or mapped again. A plan
+  that fits only with retries says so, with how many per step (the second simulated step's, which every later
+  step repeats), and its predicted step time includes their price: cost/retries.py [Note: How retries are
+  priced] (the synchronisation as the collective it exposes, the driver calls at the profile's per-call
+  times), attached here to the verdict (``retry_price``) and added to the plan's prediction
+  (:meth:`FitVerdict.priced`). FSDP reports say retries cost throughput without a figure (pytorch#104509:
+  0 retries after ``limit_all_gathers``; composer PR 1632; fms-fsdp issue 63 keeps them at "at most 1 or 2");
+  the cap sweep of benchmarks/gpu_allocator.py records step time and ``num_alloc_retries`` at each cap: the
+  measured cost per retry to check the price against.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shard_planner.allocator_conf import mode_name
 from shard_planner.cost.allocator_blocks import K_LARGE_BUFFER
 from shard_planner.cost.allocator_replay import CAP_GRAIN_BYTES
 from shard_planner.cost.reserved import ReservedEstimate
-from shard_planner.plan import Plan
+from shard_planner.cost.retries import RetryPrice, price_retries
+from shard_planner.plan import Plan, Prediction
 from shard_planner.profile import HardwareProfile
 from shard_planner.units import format_bytes
 
@@ -92,6 +95,8 @@ class FitVerdict:
     allocator_bytes: int  # what the simulated allocator could get: (mem - outside) x usable_fraction
     free: ReservedEstimate
     capped: ReservedEstimate
+    retry_price: RetryPrice | None = None  # what the retries per step cost (None: not priced, as in `estimate`'s
+    # other-mode comparison)
 
     @property
     def expandable_segments(self) -> bool:
@@ -130,7 +135,24 @@ class FitVerdict:
     def prediction_fields(self) -> dict[str, int]:
         """The plan file's ``predicted`` figures of the allocator (shard_planner/plan.py ``Prediction``)."""
         return {"reserved_peak_bytes": self.reserved_peak_total_bytes, "no_retry_bytes": self.no_retry_total_bytes,
-                "alloc_retries_per_step": self.retries_per_step}
+                "alloc_retries_per_step": self.retries_per_step, "alloc_retry_s": self.retry_s}
+
+    @property
+    def retry_s(self) -> float:
+        """What the retries cost a step, in seconds (0.0 when unpriced or none)."""
+        return self.retry_price.total_s if self.retry_price is not None else 0.0
+
+    def priced(self, prediction: Prediction) -> Prediction:
+        """``prediction`` (the cost model's, without retries) with the allocator's figures and the retries'
+        price in its step time, throughput and MFU ([Note: Retries are priced])."""
+        fields = dict(self.prediction_fields())
+        if self.retry_s > 0:
+            step_s = prediction.step_time_s + self.retry_s
+            scale = prediction.step_time_s / step_s
+            fields.update(step_time_s=step_s, samples_per_s=prediction.samples_per_s * scale,
+                          tokens_per_s=None if prediction.tokens_per_s is None else prediction.tokens_per_s * scale,
+                          mfu=None if prediction.mfu is None else prediction.mfu * scale)
+        return replace(prediction, **fields)
 
     @property
     def checked_on(self) -> str:
@@ -140,14 +162,16 @@ class FitVerdict:
                 f"{format_bytes(self.outside_bytes)} outside it, less the {margin_percent(self.usable_fraction)} margin")
 
     def verdict(self) -> str:
-        """'fits 40.00 GiB with 2 cache releases per step (not priced)', or where it runs out of memory."""
+        """'fits 40.00 GiB with 2 cache releases and retries per step, costing 12.3 ms per step (+1.2%: ...)', or
+        where it runs out of memory."""
         if not self.survives:
             return (f"DOES NOT FIT {format_bytes(self.mem_bytes)}: the simulated allocator runs out of memory at "
                     f"\"{self.oom_at}\"")
         if self.retries_per_step:
-            return (f"fits {format_bytes(self.mem_bytes)} with {self.retries_per_step} cache "
-                    f"release{'s' if self.retries_per_step > 1 else ''} and retr"
-                    f"{'ies' if self.retries_per_step > 1 else 'y'} per step (not priced in the step time)")
+            n = self.retries_per_step
+            return (f"fits {format_bytes(self.mem_bytes)} with {n} retr{'ies' if n > 1 else 'y'} per step (each a "
+                    f"release of the allocator's cache), "
+                    + (self.retry_price.describe() if self.retry_price is not None else "not priced"))
         if self.first_step_retries:
             return f"fits {format_bytes(self.mem_bytes)} (retries in the first step only)"
         return f"fits {format_bytes(self.mem_bytes)} without retries"
@@ -196,17 +220,19 @@ def smallest_mem_bytes(cost_model, plan: Plan, verdict: FitVerdict, peak_bytes: 
     return max(survive, profile.mem_for_tensor_budget(peak_bytes))
 
 
-def device_fit(cost_model, plan: Plan) -> FitVerdict | None:
-    """``plan`` on a GPU of its ``--mem`` (``cluster.mem_budget_bytes``) in its allocator mode, by
-    ``cost_model`` (a :class:`~shard_planner.cost.model.CostModel`; its reserved simulations are memoised).
-    None on a CPU profile: there the allocated peak decides (``profile.tensor_budget_bytes``)."""
+def device_fit(cost_model, plan: Plan, expandable_segments: bool | None = None) -> FitVerdict | None:
+    """``plan`` on a GPU of its ``--mem`` (``cluster.mem_budget_bytes``) in its allocator mode (or in
+    ``expandable_segments``'s when given), by ``cost_model`` (a :class:`~shard_planner.cost.model.CostModel`;
+    its reserved simulations are memoised), its retries priced ([Note: Retries are priced]). None on a CPU
+    profile: there the allocated peak decides (``profile.tensor_budget_bytes``)."""
     profile = cost_model.profile
     if profile.device != "cuda":
         return None
-    expandable = plan.cluster.expandable_segments
+    expandable = plan.cluster.expandable_segments if expandable_segments is None else expandable_segments
     free = cost_model.reserved(plan, expandable_segments=expandable)
     mem = min(plan.cluster.mem_budget_bytes, profile.memory_bytes)
     cap = allocator_bytes(profile, mem, free.outside_bytes)
     capped = cost_model.reserved(plan, expandable_segments=expandable, device_bytes=cap)
+    price = price_retries(capped, cost_model.time(plan), profile) if capped.retries_per_step else None
     return FitVerdict(mem_bytes=mem, usable_fraction=profile.usable_fraction, allocator_bytes=cap, free=free,
-                      capped=capped)
+                      capped=capped, retry_price=price)

@@ -41,6 +41,17 @@ reads the allocator's peaks, retries and OOM. The estimate's allocated peak is t
   allocator's rounding, pools, segment sizes, per-stream reuse and cap are exact (cost/allocator.py);
   the layout of activations and gradients inside the segments is the walk's aggregate, not autograd's.
   benchmarks/bench_reserved.py measures what that costs against the reserved memory of real runs.
+
+[Note: What a retry of the second step costs the allocator]
+  Each retry releases the cache (cost/allocator.py [Note: Release and retry, then out of memory]): its
+  driver frees (``cudaFree`` per whole free segment, or page unmaps with expandable segments) and bytes are
+  :class:`StepRetry` ``free_calls`` / ``freed_bytes``; ``alloc_calls_after`` counts the driver allocations
+  (``cudaMalloc`` or page maps, the retry's own included) from it to the next retry or the end of the step.
+  Of those the step pays for ``forced_alloc_calls_per_step``: the second step's driver allocations less
+  the unlimited run's second step's (what the step does anyway: the room its forward needs beside the
+  optimizer states, [Note: Two steps, not one]). From step 2 on the unlimited allocator allocates nothing
+  new, so in a run that retries every step, what it releases it allocates again: this difference is that
+  re-allocation. It is the second step's, taken as every later step's as ``retries_per_step`` is.
 """
 
 from __future__ import annotations
@@ -49,13 +60,21 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from shard_planner.cost.allocations import ACTIVATIONS, OPTIMIZER_STATES, Kind, Stream, label
-from shard_planner.cost.allocator import AllocatorConfig
+from shard_planner.cost.allocator import AllocatorConfig, AllocatorStats
 from shard_planner.cost.allocator_accountant import AllocatorAccountant
 from shard_planner.cost.allocator_replay import AllocEvent
 from shard_planner.cost.schedule import Phase
 
 # the optimizer step's mark in the memory walk (cost/memory.py ``optimizer``)
 _STEP_MARK = ("step", Phase.OPTIMIZER)
+
+
+class StepRetry(NamedTuple):
+    """One retry of the second step: [Note: What a retry of the second step costs the allocator]."""
+
+    free_calls: int  # cudaFree calls, or pages unmapped
+    freed_bytes: int
+    alloc_calls_after: int  # cudaMalloc calls or pages mapped from it to the next retry or the step's end
 
 
 @dataclass(frozen=True)
@@ -76,6 +95,10 @@ class ReservedEstimate:
     # under ``device_bytes``: the retries of the second step, which every later step repeats ([Note: Two
     # steps, not one])
     retries_per_step: int = 0
+    # under ``device_bytes``: the second step's retries, and the driver allocations they force per step
+    # ([Note: What a retry of the second step costs the allocator])
+    step_retries: tuple[StepRetry, ...] = ()
+    forced_alloc_calls_per_step: int = 0
 
     @property
     def reserved_peak_total_bytes(self) -> float:
@@ -170,6 +193,9 @@ def simulate_reserved(walk, expandable_segments: bool, device_bytes: int | None 
         capped = _two_steps(walk, AllocatorConfig(expandable_segments=expandable_segments, device_bytes=device_bytes))
     accountant = capped.accountant
     capped_stats = accountant.stats()
+    step_retries = _step_retries(capped_stats, capped)
+    forced = (capped_stats.device_alloc_calls - capped.first_step_alloc_calls
+              - (stats.device_alloc_calls - unlimited.first_step_alloc_calls)) if step_retries else 0
     oom_at = None
     if accountant.oom is not None:
         oom_at = label(*accountant.oom_mark) if accountant.oom_mark else "the end of the step"
@@ -178,7 +204,16 @@ def simulate_reserved(walk, expandable_segments: bool, device_bytes: int | None 
         allocated_peak_bytes=stats.peak_allocated_bytes, reserved_peak_bytes=stats.peak_reserved_bytes,
         outside_bytes=int(round(unlimited.accountant.outside_bytes)), no_retry_bytes=stats.peak_cap_demand_bytes,
         num_alloc_retries=capped_stats.num_alloc_retries, oom_at=oom_at,
-        retries_per_step=capped_stats.num_alloc_retries - capped.first_step_retries)
+        retries_per_step=capped_stats.num_alloc_retries - capped.first_step_retries,
+        step_retries=step_retries, forced_alloc_calls_per_step=max(0, forced))
+
+
+def _step_retries(stats: AllocatorStats, run: "_TwoStepRun") -> tuple[StepRetry, ...]:
+    """The second step's retries of a run (``stats``: its allocator's at the end): [Note: What a retry of
+    the second step costs the allocator]."""
+    releases = stats.retry_releases[run.first_step_retries:]
+    ends = [r.alloc_calls_before for r in releases[1:]] + [stats.device_alloc_calls]
+    return tuple(StepRetry(r.free_calls, r.freed_bytes, end - r.alloc_calls_before) for r, end in zip(releases, ends))
 
 
 @dataclass(frozen=True)
@@ -212,13 +247,15 @@ class _TwoStepRun(NamedTuple):
     accountant: AllocatorAccountant
     first_step_retries: int  # the allocator's retries when the first step ended
     first_step_marks: int  # how many of ``accountant.marks`` are the first step's (0 without a timeline)
+    first_step_alloc_calls: int = 0  # the allocator's driver allocations when the first step ended
 
 
 def _two_steps(walk, config: AllocatorConfig, timeline: bool = False, record: bool = False) -> _TwoStepRun:
     accountant = AllocatorAccountant(config, timeline=timeline, record=record)
     steps = TwoSteps(accountant)
     walk((steps,))
-    first = _TwoStepRun(accountant, accountant.allocator.num_alloc_retries, len(accountant.marks) if timeline else 0)
+    first = _TwoStepRun(accountant, accountant.allocator.num_alloc_retries, len(accountant.marks) if timeline else 0,
+                        accountant.allocator.device_alloc_calls)
     steps.next_step()
     walk((steps,))
     return first

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from shard_planner.cost.fits import GPU_USABLE_FRACTION
+from shard_planner.cost.retries import STATED_CALL_S
 from shard_planner.cost.collectives import ring_time_s
 from shard_planner.cost.host_share import usable_cores
 from shard_planner.execute.calibrate_kernels import LAYOUT_N, CurveFit, fit_curve, slower
@@ -373,6 +374,7 @@ def calibrate(world_size: int = 2, device: str = "auto", name: str = "local",
         per_param_tensor_optimizer_overhead_s=over.per_tensor_s,
         kernels=kernels_table(kcal), compute_model="roofline",
         host_cores=usable_cores() if device == "cpu" else 0, measured_ranks=world_size if device == "cpu" else 0,
+        **(STATED_CALL_S if device == "cuda" else {}),  # not measured: the stated values (cost/retries.py)
     )
     return profile, to_toml(profile, fits, world_size, over, kcal)
 
@@ -409,6 +411,9 @@ def to_toml(p: HardwareProfile, fits: dict[str, CollectiveFit | CurveFit], world
         f'compute_model = "{p.compute_model}"  # {"the roofline over the measured [kernels] table below (cost/kernels.py)" if kcal is not None else "traced FLOPs at the measured matmul throughput"}',
         f"reduce_scatter_temp_fraction = {p.reduce_scatter_temp_fraction}  # {'gloo copies the reduce-scatter input (storage tracker)' if p.device == 'cpu' else 'NCCL allocates no tensor'}",
     ]
+    if p.device == "cuda":
+        lines += [f"{key} = {getattr(p, key):.4g}  # not measured: the stated value of shard_planner/cost/retries.py "
+                  "STATED_CALL_S (profiles/h100-80gb.toml gives its source)" for key in STATED_CALL_S]
     if p.host_cores:
         lines += [
             f"host_cores = {p.host_cores}  # measured: the cores this process may run on (CPU affinity), shared by "

@@ -92,12 +92,9 @@ def _allocator_line(p) -> list[tuple[str, str]]:
     """On a GPU, the simulated CUDA caching allocator's figures the plan file keeps (cost/fits.py)."""
     if p.reserved_peak_bytes is None:
         return []
-    retries = p.alloc_retries_per_step or 0
     return [("on the GPU", f"reserved peak {format_bytes(p.reserved_peak_bytes)} per GPU (CUDA caching allocator, "
                            f"simulated, CUDA context and NCCL included); no retries from "
-                           f"{format_bytes(p.no_retry_bytes)}; "
-                           + (f"{retries} cache releases and retries per step on --mem (not priced in the step time)"
-                              if retries else "no retries on --mem"))]
+                           f"{format_bytes(p.no_retry_bytes)}" + p.retries_text("; "))]
 
 
 def _title(plan: Plan) -> str:

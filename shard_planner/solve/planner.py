@@ -138,7 +138,7 @@ def _plan(ctx: PlanContext) -> PlanResult:
     fit = ctx.device_fit(chosen.plan)  # on a GPU: the caching allocator over two steps (cost/fits.py)
     plan = replace(
         chosen.plan,
-        predicted=replace(est.prediction(), **(fit.prediction_fields() if fit else {})),
+        predicted=fit.priced(est.prediction()) if fit else est.prediction(),  # retries priced in (cost/retries.py)
         solver=SolverInfo(method=chosen.method, status=status, objective=chosen.step_time_s,
                           seconds=ctx.clock.elapsed_s()),
         frontier=tuple(pareto(ctx, found + evaluated)),

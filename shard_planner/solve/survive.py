@@ -21,8 +21,8 @@
   tune/candidates.py re-solves at budgets below a plan's peak), at most ``MAX_RESOLVES`` times. The solver's
   status says how often and why; the seconds of every round count in ``solver.seconds`` and in the timings'
   ``other_s`` / ``total_s``. When no round survives, :class:`InfeasibleError` says what ran out and where.
-  A plan that survives only with retries is an answer, and says so (cost/fits.py [Note: Retries are not
-  priced]).
+  A plan that survives only with retries is an answer, says so, and its predicted step time includes their
+  price (cost/fits.py [Note: Retries are priced]); the search and the runners-up here are ranked without it.
 """
 
 from __future__ import annotations

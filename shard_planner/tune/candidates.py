@@ -29,6 +29,7 @@ from shard_planner.measurement import plan_fingerprint
 from shard_planner.plan import Plan, Prefetch
 from shard_planner.profile import HardwareProfile
 from shard_planner.trace.types import ModelTrace
+from shard_planner.tune.judge import Judge
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +84,10 @@ def top_candidates(trace: ModelTrace, plan: Plan, profile: HardwareProfile, coun
                    solve: Callable[[int], Plan] | None,
                    estimate: Callable[[ModelTrace, Plan, HardwareProfile], object],
                    extra: list[tuple[Plan, str]] = ()) -> list[Candidate]:
-    """Up to ``count`` distinct candidates that fit the budget of ``plan.cluster.mem_budget_bytes`` as
-    predicted (``profile.tensor_budget_bytes``: --mem less the fragmentation share, as the solver fills
-    it), the fastest predicted first; ``plan`` (the solver's answer) is always among them.
+    """Up to ``count`` distinct candidates that fit ``plan.cluster.mem_budget_bytes`` as the planner judges
+    (their peak within ``profile.tensor_budget_bytes``, as the solver fills it, and on a GPU their simulated
+    allocator surviving --mem: tune/judge.py [Note: tune judges as the planner]), the fastest predicted
+    first, retries priced in; ``plan`` (the solver's answer) is always among them.
     ``solve(mem_budget_bytes)`` re-runs the solver at another --mem (None: no re-solving); ``estimate``
     is :func:`shard_planner.cost.estimate`."""
     budget = plan.cluster.mem_budget_bytes
@@ -105,6 +107,7 @@ def top_candidates(trace: ModelTrace, plan: Plan, profile: HardwareProfile, coun
     pool.extend(_neighbours(plan))
     pool.extend(extra)
 
+    judge = Judge(trace, estimate)
     seen: set[str] = set()
     ranked: list[Candidate] = []
     for p, source in pool:
@@ -112,9 +115,10 @@ def top_candidates(trace: ModelTrace, plan: Plan, profile: HardwareProfile, coun
         if key in seen:
             continue
         seen.add(key)
-        prediction = estimate(trace, p, profile).prediction()
-        if prediction.peak_bytes > usable and source != "solver":
-            logger.debug("candidate %s does not fit (%d > %d usable bytes)", source, prediction.peak_bytes, usable)
+        prediction, fits = judge.judged(p, profile, usable)
+        if not fits and source != "solver":
+            logger.debug("candidate %s does not fit --mem (peak %d of %d usable bytes, or its simulated allocator "
+                         "runs out of memory)", source, prediction.peak_bytes, usable)
             continue
         ranked.append(Candidate(replace(p, predicted=prediction), source))
     first, rest = ranked[0], sorted(ranked[1:], key=lambda c: c.plan.predicted.step_time_s)

@@ -26,14 +26,14 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from shard_planner.cost.types import Estimate
 from shard_planner.errors import InfeasibleError, RunError, UserError
 from shard_planner.measurement import Measurement, plan_fingerprint
-from shard_planner.plan import MeasuredPoint, Plan, SolverInfo
+from shard_planner.plan import MeasuredPoint, Plan, Prediction, SolverInfo
 from shard_planner.profile import HardwareProfile
 from shard_planner.trace.types import ModelTrace
 from shard_planner.tune.candidates import Candidate, describe_plan
 from shard_planner.tune.fit import ProfileFit, fit_profile
+from shard_planner.tune.judge import Judge
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,8 @@ def tune(trace: ModelTrace, candidates: list[Candidate], prior: HardwareProfile,
         per_launch = max(1, math.ceil(len(candidates) / 2))
     if per_launch < 1:
         raise UserError(f"--per-launch must be at least 1, got {per_launch}")
-    pending = _plans_to_run(trace, candidates, prior, estimate, world_size if rederived else None)
+    judge = Judge(trace, estimate)  # step times with the allocator's retries priced (tune/judge.py)
+    pending = _plans_to_run(candidates, prior, judge, world_size if rederived else None)
     rounds = _Rounds(run_plans, world_size, dict(steps=steps, warmup=warmup, timeout_s=timeout_s, device=device))
     fit: ProfileFit | None = None
     while pending:
@@ -117,19 +118,18 @@ def tune(trace: ModelTrace, candidates: list[Candidate], prior: HardwareProfile,
         rounds.run_batch(batch)
         if not rounds.trials:
             continue
-        fit = fit_profile(prior, lambda prof: [estimate(trace, t.run_plan, prof).time.step_time_s
-                                               for t in rounds.trials],
+        fit = fit_profile(prior, lambda prof: [judge.step_time_s(t.run_plan, prof) for t in rounds.trials],
                           [t.measured_s for t in rounds.trials])
         if not pending:
             break
-        pending = _still_worth_running(pending, rounds, fit, lambda p: estimate(trace, p, fit.profile), budget,
+        pending = _still_worth_running(pending, rounds, fit, lambda p: judge.prediction(p, fit.profile), budget,
                                        rederived)
     if fit is None:
         raise RunError("no candidate plan ran: " + "; ".join(s.reason for s in rounds.skipped))
-    return _result(rounds, fit, lambda p: estimate(trace, p, fit.profile), budget, rederived, start)
+    return _result(rounds, fit, lambda p: judge.prediction(p, fit.profile), budget, rederived, start)
 
 
-def _plans_to_run(trace: ModelTrace, candidates: list[Candidate], prior: HardwareProfile, estimate: Callable,
+def _plans_to_run(candidates: list[Candidate], prior: HardwareProfile, judge: Judge,
                   rederive_for: int | None) -> list[tuple[Candidate, Plan]]:
     """Each candidate with the plan that runs (re-derived for ``rederive_for`` ranks when given) and its
     prediction on ``prior``; a candidate whose run plan equals an earlier one's is dropped (re-deriving
@@ -138,7 +138,7 @@ def _plans_to_run(trace: ModelTrace, candidates: list[Candidate], prior: Hardwar
     seen: set[str] = set()
     for c in candidates:
         p = c.plan.with_world_size(rederive_for) if rederive_for is not None else c.plan
-        rp = replace(p, predicted=estimate(trace, p, prior).prediction())
+        rp = replace(p, predicted=judge.prediction(p, prior))
         key = plan_fingerprint(rp)
         if key not in seen:
             seen.add(key)
@@ -176,7 +176,7 @@ class _Rounds:
 
 
 def _still_worth_running(pending: list[tuple[Candidate, Plan]], rounds: _Rounds, fit: ProfileFit,
-                         estimate_fitted: Callable[[Plan], Estimate], budget: int,
+                         predict_fitted: Callable[[Plan], Prediction], budget: int,
                          rederived: bool) -> list[tuple[Candidate, Plan]]:
     """The pending plans the fitted profile, less its observed error, still predicts faster than the
     measured best that fits, fastest first; the others are recorded as skipped. See [Note: early stop]."""
@@ -185,7 +185,7 @@ def _still_worth_running(pending: list[tuple[Candidate, Plan]], rounds: _Rounds,
         return pending  # nothing measured fits yet: run the next round as ranked
     best_s = min(fitting)
     error = fit.max_abs_error_after
-    scored = sorted(((estimate_fitted(rp).time.step_time_s, c, rp) for c, rp in pending), key=lambda x: x[0])
+    scored = sorted(((predict_fitted(rp).step_time_s, c, rp) for c, rp in pending), key=lambda x: x[0])
     kept = []
     for t, c, rp in scored:
         if t * (1 - error) < best_s:
@@ -196,7 +196,7 @@ def _still_worth_running(pending: list[tuple[Candidate, Plan]], rounds: _Rounds,
     return kept
 
 
-def _result(rounds: _Rounds, fit: ProfileFit, estimate_fitted: Callable[[Plan], Estimate], budget: int,
+def _result(rounds: _Rounds, fit: ProfileFit, predict_fitted: Callable[[Plan], Prediction], budget: int,
             rederived: bool, start: float) -> TuneResult:
     """The measured best, with every run as a measured point and the fitted profile's prediction."""
     trials = rounds.trials
@@ -210,7 +210,7 @@ def _result(rounds: _Rounds, fit: ProfileFit, estimate_fitted: Callable[[Plan], 
         for i, t in enumerate(trials))
     best = trials[chosen].candidate.plan
     seconds = time.perf_counter() - start
-    predicted = estimate_fitted(best).prediction()
+    predicted = predict_fitted(best)
     plan = replace(
         best,
         predicted=predicted,

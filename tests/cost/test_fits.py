@@ -47,7 +47,8 @@ def test_a_roomy_gpu_fits_without_retries(model_and_plan):
     assert fit.allocator_bytes == allocator_bytes(H200, 80 * GIB, fit.outside_bytes)
     assert fit.reserved_peak_total_bytes == fit.free.reserved_peak_bytes + fit.outside_bytes
     assert fit.prediction_fields() == {"reserved_peak_bytes": fit.reserved_peak_total_bytes,
-                                       "no_retry_bytes": fit.no_retry_total_bytes, "alloc_retries_per_step": 0}
+                                       "no_retry_bytes": fit.no_retry_total_bytes, "alloc_retries_per_step": 0,
+                                       "alloc_retry_s": 0.0}
     assert fit.verdict() == "fits 80.00 GiB without retries"
     assert "expandable_segments:True" in fit.describe() and "less the 5.3% margin" in fit.describe()
 

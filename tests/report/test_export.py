@@ -82,7 +82,8 @@ def test_fsdp2_export_folds_runs_and_compiles():
     source = export_plan(plan, "fsdp2").text
     compile(source, "x.py", "exec")
     assert '*[([f"blocks.{i}", f"blocks.{i + 1}"], True, i // 2 % 2 == 0) for i in range(0, 32, 2)],' in source
-    assert len(source.splitlines()) < 90, "a 32-block plan must stay short"
+    # 94: the 89 lines of a folded 32-block plan, and the allocator's setting's paragraph in the docstring
+    assert len(source.splitlines()) < 94, "a 32-block plan must stay short"
     # The folded comprehension expands to exactly the plan's units.
     ns: dict = {}
     units_src = source[source.index("UNITS = ["):source.index("FORWARD_PREFETCH")]

@@ -87,7 +87,9 @@ def test_the_fastest_policy_that_fits_is_chosen(budget_gib, sync, keep):
             other = replace(plan, training=replace(t, gradient_sync=other_sync, keep_params_gathered=other_keep))
             est = cm.estimate(other, timeline=False)
             if est.memory.peak_bytes <= budget:
-                assert plan.predicted.step_time_s <= est.time.step_time_s * (1 + 1e-9), (other_sync, other_keep)
+                # the search ranks by the cost model's time; the allocator's retries are priced on its answer only
+                searched_s = plan.predicted.step_time_s - (plan.predicted.alloc_retry_s or 0.0)
+                assert searched_s <= est.time.step_time_s * (1 + 1e-9), (other_sync, other_keep)
 
 
 def test_micro_batch_searched_when_not_given():

@@ -8,6 +8,7 @@ import textwrap
 from collections import Counter
 from dataclasses import dataclass
 
+from shard_planner.allocator_conf import launch_env
 from shard_planner.plan import OPTIMIZER_TORCH, Plan, Training, Unit
 
 # The plan's dtype names as torch spells them in generated code and notes.
@@ -22,6 +23,21 @@ class Export:
     text: str
     suffix: str  # ".py", ".yaml", ".json"
     notes: tuple[str, ...] = ()  # "what the plan says -> the nearest setting used"
+
+
+def allocator_env(plan: Plan) -> str:
+    """'PYTORCH_ALLOC_CONF=expandable_segments:True': the CUDA caching allocator's setting ``plan`` was judged to
+    fit --mem with (``cluster.expandable_segments``; shard_planner/allocator_conf.py), as an assignment in the
+    environment of a launch."""
+    return launch_env(plan.cluster.expandable_segments)
+
+
+def allocator_line(plan: Plan, launch: str) -> str:
+    """What every export says of the allocator's setting: the plan's memory on --mem was judged with it, and
+    ``launch`` (the stack's launch command) with it in the environment."""
+    env = allocator_env(plan)
+    return (f"CUDA caching allocator: the plan was judged to fit --mem with {env}; set it in every rank's "
+            f"environment before CUDA starts: {env} {launch}")
 
 
 def finetune_recipe(plan: Plan) -> str | None:
