@@ -25,12 +25,25 @@ cost/alloc_sequence.py compares with the memory walk's.
   names (``plan.unit_name``). The labels are applied after the step to every change of the storage, so a
   gradient is a gradient from its allocation on. Storages alive at entry (``track=``: parameters,
   optimizer states) are the step's state; everything else is an activation or a temporary.
+
+[Note: Frees gloo delays]
+  FSDP2 frees a buffer by dropping its last reference, but gloo's work object holds the tensors of a
+  collective too, and the worker thread that ran it drops them after ``wait()`` has returned, at a time
+  that depends on the machine's load (memtrack.py says the same of a collective's temporaries). In
+  backward ``wait_for_unshard`` drops the all-gather output right after the copy-out, just after the
+  collective: on a loaded 2-core machine the free was recorded after the next unit's prefetch had
+  allocated its output (once in a few runs of tests/execute/test_alloc_sequence.py), where FSDP2's order
+  is free then allocate. So when ``wait_for_unshard`` returns, the recorder waits (up to ``_SETTLE_S``) for
+  the all-gather outputs that FSDP2 held at its start and no longer holds to be freed: the sequence is the
+  order in which FSDP2 drops its buffers, which is what the walk models. (NCCL has its own such delay:
+  the work stashes the tensors until it completes; on a GPU the caching allocator decides reuse.)
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +57,7 @@ from shard_planner.execute.memtrack import StorageTracker
 # roles that are not one-for-one buffers
 GRAD, STATE, INPUT_COPY, COLLECTIVE_TEMP = "unsharded grad", "state", "input copy", "collective temp"
 _WRAPPED = ("unshard", "wait_for_unshard", "reshard", "post_backward")
+_SETTLE_S = 2.0  # the longest wait for gloo to drop an all-gather output FSDP2 dropped ([Note: Frees gloo delays])
 
 
 @dataclass(frozen=True)
@@ -148,8 +162,10 @@ class SequenceRecorder(StorageTracker):
                 recorder._groups.setdefault(id(group), (group, unit))
                 if name == "post_backward":
                     recorder._label_gradients()
+                gathered = recorder._gathered_outputs(group) if name == "wait_for_unshard" else ()
                 result = fn(group, *args, **kwargs)
                 recorder._label_after(name, group, unit, frames[-1][0])
+                recorder._settle(gathered, recorder._gathered_outputs(group))
                 return result
             finally:
                 frames.pop()
@@ -163,6 +179,21 @@ class SequenceRecorder(StorageTracker):
             for p in group.fsdp_params:
                 if hasattr(p, "_unsharded_param") and p.unsharded_param.grad is not None:
                     self.label(p.unsharded_param.grad, GRAD, unit)
+
+    def _gathered_outputs(self, group) -> list:
+        """The tracker's records of the all-gather outputs ``group`` and its context hold now (its own pending
+        one; in forward, the previous unit's kept one): records, not storages, so that nothing is kept alive."""
+        results = [group._all_gather_result, getattr(group.comm_ctx.all_gather_state, "all_gather_result", None)]
+        infos = [self._infos.get(r.all_gather_output.untyped_storage()) for r in results if r is not None]
+        return [i for i in infos if i is not None]
+
+    def _settle(self, before: list, after: list) -> None:
+        """Wait until the all-gather outputs FSDP2 dropped in this call are freed: [Note: Frees gloo delays]."""
+        kept = {id(i) for i in after}
+        dropped = [i for i in before if id(i) not in kept]
+        deadline = time.monotonic() + _SETTLE_S
+        while any(i.nbytes for i in dropped) and time.monotonic() < deadline:
+            time.sleep(0.0005)
 
     def _label_after(self, name: str, group, unit: str, call: int) -> None:
         if name == "unshard" and group._all_gather_result is not None:

@@ -65,3 +65,22 @@ def test_labels_fsdp2_buffers_by_identity(fake_world):
     rs = next(e for e in events if e.unit == "1" and e.kind == SHARDED_GRAD)
     assert rs.grad_bytes == bf16  # its one gradient, held by foreach_reduce until it returns
     assert {e.unit for e in events} == {"0", "1"}  # the root owns no parameter: no buffers
+
+
+def test_the_gradient_held_through_the_reduce_scatter_is_the_units_last_parameters(fake_world):
+    """FSDP2 (torch 2.13) frees a unit's gradients after the reduce-scatter copy-in but its last
+    parameter's, named by ``foreach_reduce``'s loop variable until it returns (cost/alloc_sequence.py
+    [Note: What the sequence check found]); the memory walk holds the first module's instead."""
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(D, 2 * D), nn.Linear(2 * D, D))  # parameters: w0, b0, w1, b1 (D elements)
+    model = nn.Sequential(inner)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fully_shard(inner, mesh=fake_world, mp_policy=mp)
+    fully_shard(model, mesh=fake_world, mp_policy=mp)
+    optimizer = torch.optim.AdamW(model.parameters())
+    _step(model, optimizer)
+    recorder = SequenceRecorder(_unit_of(model), track=(model, optimizer))
+    with recorder:
+        _step(model, optimizer, recorder)
+    held = [e.grad_bytes for e in real_sequence(recorder) if (e.op, e.kind) == (ALLOC, SHARDED_GRAD)]
+    assert held == [D * 2]  # the last bias in bf16; the first module's weight and bias would be (2D x D + 2D) x 2
