@@ -389,6 +389,11 @@ class CostModel:
         return simulate_reserved_timeline(lambda accountants: self._simulate_memory(q, False, accountants),
                                           expandable_segments, device_bytes)
 
+    def walk_memory(self, plan: Plan, accountants: tuple) -> MemoryEstimate:
+        """The memory walk of ``plan`` with its events also sent to ``accountants`` (cost/allocations.py), e.g.
+        cost/alloc_sequence.py's, which compares them with a real step's. Not memoised."""
+        return self._simulate_memory(PlanQuery.of(plan), False, tuple(accountants))
+
     def reserved_events(self, plan, expandable_segments: bool = True) -> list:
         """The simulated allocator's calls over ``plan``'s two steps (cost/reserved.py ``simulated_events``),
         to replay under another limit (cost/allocator_replay.py). Not memoised."""

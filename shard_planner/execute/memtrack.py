@@ -240,6 +240,7 @@ class StorageTracker(TorchDispatchMode):
             self._refs[key] = weakref.ref(st, lambda _ref, info=info, key=key: self._on_free(info, key))
             self.live_bytes += info.nbytes
             self._update_peak()
+            self._changed(info, info.nbytes, "alloc")
             scope = getattr(_IN_COLLECTIVE, "infos", None)
             if scope is not None:
                 scope.append((self, info))
@@ -247,9 +248,10 @@ class StorageTracker(TorchDispatchMode):
     def _resize_known(self, info: _Info, st: torch.UntypedStorage) -> None:
         nbytes = st.nbytes()
         if nbytes != info.nbytes:
-            self.live_bytes += nbytes - info.nbytes
-            info.nbytes = nbytes
+            delta, info.nbytes = nbytes - info.nbytes, nbytes
+            self.live_bytes += delta
             self._update_peak()
+            self._changed(info, delta, "resize")
 
     def _on_resize(self, st: torch.UntypedStorage) -> None:
         with self._lock:
@@ -265,13 +267,21 @@ class StorageTracker(TorchDispatchMode):
         """A collective's temporary is no longer counted (its storage may be freed later, elsewhere)."""
         with self._lock:
             self.live_bytes -= info.nbytes
+            self._changed(info, -info.nbytes, "release")
             info.nbytes = 0
 
     def _on_free(self, info: _Info, key: int) -> None:
         with self._lock:
             self.live_bytes -= info.nbytes
+            if info.nbytes:
+                self._changed(info, -info.nbytes, "free")
             info.nbytes = 0
             self._refs.pop(key, None)
+
+    def _changed(self, info: _Info, delta_bytes: int, how: str) -> None:
+        """Called under the lock after each change a storage makes to ``live_bytes``: ``how`` is "alloc" (a new
+        storage), "resize", "release" (a collective's temporary, see the module docstring) or "free". A
+        subclass that records the sequence overrides it (execute/alloc_record.py)."""
 
     def _update_peak(self) -> None:
         if self.live_bytes > self.peak_bytes:
