@@ -6,6 +6,12 @@ for one against the allocations a real step makes (execute/alloc_record.py recor
 :class:`WalkSequence` is an accountant that keeps them as :class:`SeqEvent`\\ s; :func:`compare_sequences`
 compares two such sequences and names the first event that differs.
 
+The comparison is made on the walk's events, the input of the allocator simulation
+(cost/allocator_accountant.py), rather than on its allocator calls (``CostModel.reserved_events``): the
+accountant turns each of these events into one malloc or free on the event's stream
+([Note: From walk events to allocator calls]), and the events still carry the kind and the unit, which
+tell the first difference in words.
+
 [Note: What the walk models one for one]
   Per unit, in the order FSDP2 (torch 2.13, torch/distributed/fsdp/_fully_shard/) makes them:
   - the all-gather output (``foreach_all_gather``: one flat buffer of the unit's unsharded size) and its

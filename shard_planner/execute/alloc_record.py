@@ -29,18 +29,19 @@ cost/alloc_sequence.py compares with the memory walk's.
 [Note: Frees gloo delays]
   FSDP2 frees a buffer by dropping its last reference, but gloo's work object holds the tensors of a
   collective too, and the worker thread that ran it drops them after ``wait()`` has returned, at a time
-  that depends on the machine's load (memtrack.py says the same of a collective's temporaries). In
-  backward ``wait_for_unshard`` drops the all-gather output right after the copy-out, just after the
-  collective: on a loaded 2-core machine the free was recorded after the next unit's prefetch had
-  allocated its output (once in a few runs of tests/execute/test_alloc_sequence.py), where FSDP2's order
-  is free then allocate. So when ``wait_for_unshard`` returns, the recorder waits (up to ``_SETTLE_S``) for
-  the all-gather outputs that FSDP2 held at its start and no longer holds to be freed: the sequence is the
-  order in which FSDP2 drops its buffers, which is what the walk models. (NCCL has its own such delay:
-  the work stashes the tensors until it completes; on a GPU the caching allocator decides reuse.)
+  that depends on the machine's load (memtrack.py says the same of a collective's temporaries). On a
+  loaded 2-core machine (load 12) the recorded free of an all-gather output came after the next unit's
+  prefetch had allocated its own (backward), or after the loss (the root's post-forward drops the last
+  one), once in a few runs of tests/execute/test_alloc_sequence.py: FSDP2's order is the other one. So
+  while the recorder is active each synchronous collective returns only once gloo has dropped its
+  references to the tensors it was given (their ``Tensor._use_count()`` is back to what it was before the
+  call; at most ``_SETTLE_S``): the sequence is the order in which FSDP2 drops its buffers, which is what
+  the walk models. (NCCL has a delay of its own: the work stashes its tensors until it completes.)
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -52,12 +53,12 @@ import torch
 from shard_planner.cost.alloc_sequence import (
     AG_OUTPUT, ALLOC, FREE, RS_INPUT, RS_OUTPUT, SHARDED_GRAD, UNSHARDED, SeqEvent, canonical,
 )
-from shard_planner.execute.memtrack import StorageTracker
+from shard_planner.execute.memtrack import _COLLECTIVES, StorageTracker
 
 # roles that are not one-for-one buffers
 GRAD, STATE, INPUT_COPY, COLLECTIVE_TEMP = "unsharded grad", "state", "input copy", "collective temp"
 _WRAPPED = ("unshard", "wait_for_unshard", "reshard", "post_backward")
-_SETTLE_S = 2.0  # the longest wait for gloo to drop an all-gather output FSDP2 dropped ([Note: Frees gloo delays])
+_SETTLE_S = 2.0  # the longest wait for gloo to drop a collective's tensors ([Note: Frees gloo delays])
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,7 @@ class SequenceRecorder(StorageTracker):
         return result
 
     def _wrap_fsdp2(self) -> None:
+        import torch.distributed as dist
         from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pg
 
         cls = pg.FSDPParamGroup
@@ -138,13 +140,21 @@ class SequenceRecorder(StorageTracker):
             setattr(cls, name, self._wrapped_method(name, getattr(cls, name)))
         self._originals["foreach_reduce"] = pg.foreach_reduce
         pg.foreach_reduce = self._wrapped_reduce(pg.foreach_reduce)
+        for name in _COLLECTIVES:
+            if hasattr(dist, name):
+                self._originals[name] = getattr(dist, name)
+                setattr(dist, name, _released_by_backend(getattr(dist, name)))
 
     def _unwrap_fsdp2(self) -> None:
+        import torch.distributed as dist
         from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pg
 
         for name in _WRAPPED:
             setattr(pg.FSDPParamGroup, name, self._originals.pop(name))
         pg.foreach_reduce = self._originals.pop("foreach_reduce")
+        for name in _COLLECTIVES:
+            if name in self._originals:
+                setattr(dist, name, self._originals.pop(name))
 
     def _frames(self) -> list:
         if not hasattr(self._stack, "frames"):
@@ -162,10 +172,8 @@ class SequenceRecorder(StorageTracker):
                 recorder._groups.setdefault(id(group), (group, unit))
                 if name == "post_backward":
                     recorder._label_gradients()
-                gathered = recorder._gathered_outputs(group) if name == "wait_for_unshard" else ()
                 result = fn(group, *args, **kwargs)
                 recorder._label_after(name, group, unit, frames[-1][0])
-                recorder._settle(gathered, recorder._gathered_outputs(group))
                 return result
             finally:
                 frames.pop()
@@ -179,21 +187,6 @@ class SequenceRecorder(StorageTracker):
             for p in group.fsdp_params:
                 if hasattr(p, "_unsharded_param") and p.unsharded_param.grad is not None:
                     self.label(p.unsharded_param.grad, GRAD, unit)
-
-    def _gathered_outputs(self, group) -> list:
-        """The tracker's records of the all-gather outputs ``group`` and its context hold now (its own pending
-        one; in forward, the previous unit's kept one): records, not storages, so that nothing is kept alive."""
-        results = [group._all_gather_result, getattr(group.comm_ctx.all_gather_state, "all_gather_result", None)]
-        infos = [self._infos.get(r.all_gather_output.untyped_storage()) for r in results if r is not None]
-        return [i for i in infos if i is not None]
-
-    def _settle(self, before: list, after: list) -> None:
-        """Wait until the all-gather outputs FSDP2 dropped in this call are freed: [Note: Frees gloo delays]."""
-        kept = {id(i) for i in after}
-        dropped = [i for i in before if id(i) not in kept]
-        deadline = time.monotonic() + _SETTLE_S
-        while any(i.nbytes for i in dropped) and time.monotonic() < deadline:
-            time.sleep(0.0005)
 
     def _label_after(self, name: str, group, unit: str, call: int) -> None:
         if name == "unshard" and group._all_gather_result is not None:
@@ -226,6 +219,25 @@ class SequenceRecorder(StorageTracker):
                 frames.pop()
 
         return run
+
+
+def _released_by_backend(fn):
+    """``fn`` (a torch.distributed collective) returning, when synchronous, only once the backend has dropped its
+    references to the tensors it was given: [Note: Frees gloo delays]."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        before = [t._use_count() for t in tensors]
+        result = fn(*args, **kwargs)
+        if not kwargs.get("async_op"):
+            deadline = time.monotonic() + _SETTLE_S
+            while (any(t._use_count() > n for t, n in zip(tensors, before))
+                   and time.monotonic() < deadline):
+                time.sleep(0.0002)
+        return result
+
+    return run
 
 
 def real_sequence(recorder: SequenceRecorder) -> list[SeqEvent]:
