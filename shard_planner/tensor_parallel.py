@@ -62,6 +62,7 @@ class Style(str, Enum):
     GATHER_INPUT = "gather_input"
 
 
+SEQUENCE_DIM = 1  # (batch, seq, hidden) activations: sequence parallelism splits dim 1 (torchtitan's Shard(1))
 GATHER_KWARG_SEPARATOR = ":"  # "gather_input:hidden_states": the keyword argument that is gathered
 
 

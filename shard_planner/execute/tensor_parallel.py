@@ -21,9 +21,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from shard_planner.tensor_parallel import ModuleStyle, Style, TensorParallel
+from shard_planner.tensor_parallel import SEQUENCE_DIM, ModuleStyle, Style, TensorParallel
 
-SEQUENCE_DIM = 1  # (batch, seq, hidden) activations: sequence parallelism splits dim 1 (torchtitan's Shard(1))
 
 # [Note: gather_input hands on a DTensor]
 # The gathered input is handed to the module as a Replicate DTensor (PrepareModuleInput's default

@@ -73,15 +73,14 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from shard_planner.comm import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from shard_planner.errors import UserError
 from shard_planner.param_storage import stored_parts
-from shard_planner.tensor_parallel import ModuleStyle, Style, TensorParallel
+from shard_planner.tensor_parallel import SEQUENCE_DIM, ModuleStyle, Style, TensorParallel
 from shard_planner.trace.types import Affine, TPCollective
 
 aten = torch.ops.aten
 
-SEQUENCE_DIM = 1  # (batch, seq, hidden) activations, as execute/tensor_parallel.py SEQUENCE_DIM
-ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = "all_gather", "reduce_scatter", "all_reduce"
 CHUNK = "chunk"  # a local slice copied out: a new storage, no collective
 
 
