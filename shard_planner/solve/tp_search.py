@@ -19,7 +19,7 @@ cluster: at one global batch, the step time.
   the compute stream's critical path. A degree wins where FSDP's exposed all-gathers or activation memory
   (so a smaller micro-batch or checkpointing) cost more than those collectives, or where the global batch
   leaves fewer samples than GPUs (FSDP alone would need a micro-batch under one sample); it loses where
-  FSDP already hides its communication. :func:`degree_reason` says which, for the summary.
+  FSDP already hides its communication. :func:`degree_reason` gives the figures, for the summary.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from shard_planner.solve.planner import plan_model
 from shard_planner.solve.request import PlanRequest, PlanResult
 from shard_planner.tensor_parallel import TensorParallel
 from shard_planner.trace.types import ModelTrace
+from shard_planner.units import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -51,20 +52,25 @@ class DegreeOption:
 
 @dataclass(frozen=True)
 class DegreeOutcome:
-    """What one degree's search found: its fastest plan's step time, samples per second, peak and exposed
-    communication (tensor-parallel collectives included), or ``refused``: why none fits."""
+    """What one degree's search found: its fastest plan's step time, samples per second, peak, compute and
+    exposed communication (tensor-parallel collectives included, and apart), or ``refused``: why none fits."""
 
     degree: int
     step_time_s: float | None = None
     samples_per_s: float | None = None
     peak_bytes: int | None = None
+    compute_s: float | None = None
     exposed_comm_s: float | None = None
     tp_comm_s: float | None = None
     refused: str | None = None
 
     @property
     def label(self) -> str:
-        return "no tensor parallelism" if self.degree == 1 else f"TP {self.degree}"
+        return degree_label(self.degree)
+
+
+def degree_label(degree: int) -> str:
+    return "no tensor parallelism" if degree == 1 else f"TP {degree}"
 
 
 def plan_over_degrees(options: list[DegreeOption], request: PlanRequest) -> tuple[PlanResult, tuple[DegreeOutcome, ...]]:
@@ -90,19 +96,27 @@ def plan_over_degrees(options: list[DegreeOption], request: PlanRequest) -> tupl
         results.append((opt, r))
         t = r.estimate.time
         outcomes.append(DegreeOutcome(opt.degree, t.step_time_s, t.samples_per_s, r.estimate.memory.peak_bytes,
-                                      t.exposed_comm_s, t.tp_comm_s))
+                                      t.compute_s, t.exposed_comm_s, t.tp_comm_s))
     if not results:
         raise errors[0]
     _, best = max(results, key=lambda pair: pair[1].estimate.time.samples_per_s)
     others = tuple(FrontierPoint(r.plan.predicted.peak_bytes, r.plan.predicted.step_time_s,
-                                 f"fastest at {DegreeOutcome(o.degree).label}")
+                                 f"fastest at {degree_label(o.degree)}")
                    for o, r in results if r is not best)
     plan = replace(best.plan, baselines=best.plan.baselines + others)
     return replace(best, plan=plan), tuple(sorted(outcomes, key=lambda o: o.degree))
 
 
 def degree_reason(chosen: DegreeOutcome, outcomes: tuple[DegreeOutcome, ...]) -> str:
-    """One line for the summary: why the chosen degree beat the others ([Note: Why a degree wins or lose])."""
+    """One line for the summary: how much less throughput each other degree's fastest plan has (samples per
+    second: at a fixed micro-batch a degree's step holds gpus / tp micro-batches), and where its step goes
+    beside the chosen one's (compute, exposed communication and of it the tensor-parallel collectives, peak):
+    the figures behind [Note: Why a degree wins or loses], or why a degree has no plan."""
+
+    def split(o: DegreeOutcome) -> str:
+        return (f"step {o.step_time_s * 1e3:.4g} ms: compute {o.compute_s * 1e3:.4g} ms, exposed communication "
+                f"{o.exposed_comm_s * 1e3:.4g} ms (TP {o.tp_comm_s * 1e3:.4g} ms), peak {format_bytes(o.peak_bytes)}")
+
     parts = []
     for o in outcomes:
         if o.degree == chosen.degree:
@@ -110,9 +124,6 @@ def degree_reason(chosen: DegreeOutcome, outcomes: tuple[DegreeOutcome, ...]) ->
         if o.refused is not None:
             parts.append(f"{o.label}: {o.refused}")
             continue
-        slower = o.step_time_s / chosen.step_time_s - 1 if chosen.step_time_s else 0.0
-        why = (f"its tensor-parallel collectives take {o.tp_comm_s * 1e3:.0f} ms a step" if o.degree > chosen.degree
-               else f"{o.exposed_comm_s * 1e3:.0f} ms of exposed communication a step"
-               if o.exposed_comm_s > chosen.exposed_comm_s else "a smaller micro-batch or more checkpointing fits")
-        parts.append(f"{o.label} is {100 * slower:.1f}% slower ({why})")
-    return f"{chosen.label} chosen" + (": " + "; ".join(parts) if parts else "")
+        change = o.samples_per_s / chosen.samples_per_s - 1 if chosen.samples_per_s else 0.0
+        parts.append(f"{o.label} {100 * change:+.1f}% samples/s ({split(o)})")
+    return f"{chosen.label} chosen ({split(chosen)})" + ("; " + "; ".join(parts) if parts else "")
