@@ -268,13 +268,14 @@ class CostModel:
             loss_dev, loss_host = timings.loss_fwd_s.at(b) + timings.loss_bwd_s.at(b), 0.0
         else:
             loss_dev, loss_host = loss_priced, self.trace.loss_ops * op_s
+        tp_fwd_s, tp_bwd_s, loss_tp_s = block_tp_s(t, self.trace, b, profile)
         return BlockCompute(
             device_fwd_s=tuple(m.fwd_s.at(b) if m is not None else priced_fwd[i] for i, m in enumerate(measured)),
             device_bwd_s=tuple(m.bwd_s.at(b) if m is not None else priced_bwd[i] for i, m in enumerate(measured)),
             ops_fwd_s=tuple(0.0 if m is not None else blk.fwd_ops * op_s for blk, m in zip(blocks, measured)),
             ops_bwd_s=tuple(0.0 if m is not None else blk.bwd_ops * op_s for blk, m in zip(blocks, measured)),
             loss_device_s=loss_dev, loss_host_s=loss_host,
-            **dict(zip(("tp_fwd_s", "tp_bwd_s", "loss_tp_s"), block_tp_s(t, self.trace, b, profile))),
+            tp_fwd_s=tp_fwd_s, tp_bwd_s=tp_bwd_s, loss_tp_s=loss_tp_s,
         )
 
     def kernel_module_s(self, micro_batch: int, param_dtype: str) -> tuple[dict, float] | None:

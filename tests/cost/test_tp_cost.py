@@ -9,6 +9,7 @@ import pytest
 from shard_planner.comm import ALL_GATHER, REDUCE_SCATTER, CollectiveBytes
 from shard_planner.cost import CostModel, estimate
 from shard_planner.cost.collectives import ring_time_s, tp_collective_time_s
+from shard_planner.cost.schedule import build_schedule
 from shard_planner.cost.tables import build_tables
 from shard_planner.cost.tp_comm import tp_bytes_per_step
 from shard_planner.errors import PlanError
@@ -70,7 +71,7 @@ def test_tp_bytes_per_step(h100):
                                training=dataclasses.replace(tp_plan(trace, tp).training, micro_batch=3,
                                                             accumulation_steps=2))
     t = build_tables(trace, plan.units)
-    checkpointed = tuple(bool(plan.units[b.unit].activation_checkpoint and b.unit_module) for b in t.blocks)
+    checkpointed = build_schedule(t, plan.units, plan.prefetch).checkpointed
     got = tp_bytes_per_step(plan, trace, t, checkpointed)
     # per micro-step: 4 blocks x 2 modules x (AG, RS) forward and backward, block 1 recomputes its forward
     ag_calls = 2 * (LAYERS * 2 * 2 + 2 + 1)  # + the head's all-gather; + block 1's two recomputed
