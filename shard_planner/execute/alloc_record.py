@@ -26,25 +26,14 @@ cost/alloc_sequence.py compares with the memory walk's.
   gradient is a gradient from its allocation on. Storages alive at entry (``track=``: parameters,
   optimizer states) are the step's state; everything else is an activation or a temporary.
 
-[Note: Frees gloo delays]
-  FSDP2 frees a buffer by dropping its last reference, but gloo's work object holds the tensors of a
-  collective too, and the worker thread that ran it drops them after ``wait()`` has returned, at a time
-  that depends on the machine's load (memtrack.py says the same of a collective's temporaries). On a
-  loaded 2-core machine (load 12) the recorded free of an all-gather output came after the next unit's
-  prefetch had allocated its own (backward), or after the loss (the root's post-forward drops the last
-  one), once in a few runs of tests/execute/test_alloc_sequence.py: FSDP2's order is the other one. So
-  while the recorder is active each synchronous collective returns only once gloo has dropped its
-  references to the tensors it was given (their ``Tensor._use_count()`` is back to what it was before the
-  call; at most ``_SETTLE_S``): the sequence is the order in which FSDP2 drops its buffers, which is what
-  the walk models. (NCCL has a delay of its own: the work stashes its tensors until it completes.)
+Frees are recorded in the order FSDP2 drops its buffers, not when gloo's worker thread lets go of them: the
+tracker's collectives wait for that (shard_planner/execute/memtrack.py [Note: Frees gloo delays]).
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,12 +42,11 @@ import torch
 from shard_planner.cost.alloc_sequence import (
     AG_OUTPUT, ALLOC, FREE, RS_INPUT, RS_OUTPUT, SHARDED_GRAD, UNSHARDED, SeqEvent, canonical,
 )
-from shard_planner.execute.memtrack import _COLLECTIVES, StorageTracker
+from shard_planner.execute.memtrack import StorageTracker
 
 # roles that are not one-for-one buffers
 GRAD, STATE, INPUT_COPY, COLLECTIVE_TEMP = "unsharded grad", "state", "input copy", "collective temp"
 _WRAPPED = ("unshard", "wait_for_unshard", "reshard", "post_backward")
-_SETTLE_S = 2.0  # the longest wait for gloo to drop a collective's tensors ([Note: Frees gloo delays])
 
 
 @dataclass(frozen=True)
@@ -131,7 +119,6 @@ class SequenceRecorder(StorageTracker):
         return result
 
     def _wrap_fsdp2(self) -> None:
-        import torch.distributed as dist
         from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pg
 
         cls = pg.FSDPParamGroup
@@ -140,21 +127,13 @@ class SequenceRecorder(StorageTracker):
             setattr(cls, name, self._wrapped_method(name, getattr(cls, name)))
         self._originals["foreach_reduce"] = pg.foreach_reduce
         pg.foreach_reduce = self._wrapped_reduce(pg.foreach_reduce)
-        for name in _COLLECTIVES:
-            if hasattr(dist, name):
-                self._originals[name] = getattr(dist, name)
-                setattr(dist, name, _released_by_backend(getattr(dist, name)))
 
     def _unwrap_fsdp2(self) -> None:
-        import torch.distributed as dist
         from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pg
 
         for name in _WRAPPED:
             setattr(pg.FSDPParamGroup, name, self._originals.pop(name))
         pg.foreach_reduce = self._originals.pop("foreach_reduce")
-        for name in _COLLECTIVES:
-            if name in self._originals:
-                setattr(dist, name, self._originals.pop(name))
 
     def _frames(self) -> list:
         if not hasattr(self._stack, "frames"):
@@ -219,25 +198,6 @@ class SequenceRecorder(StorageTracker):
                 frames.pop()
 
         return run
-
-
-def _released_by_backend(fn):
-    """``fn`` (a torch.distributed collective) returning, when synchronous, only once the backend has dropped its
-    references to the tensors it was given: [Note: Frees gloo delays]."""
-
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
-        before = [t._use_count() for t in tensors]
-        result = fn(*args, **kwargs)
-        if not kwargs.get("async_op"):
-            deadline = time.monotonic() + _SETTLE_S
-            while (any(t._use_count() > n for t, n in zip(tensors, before))
-                   and time.monotonic() < deadline):
-                time.sleep(0.0002)
-        return result
-
-    return run
 
 
 def real_sequence(recorder: SequenceRecorder) -> list[SeqEvent]:
