@@ -223,7 +223,7 @@ def simulate_time_walk(trace: ModelTrace, t: CostTables, plan: PlanQuery, profil
     if profile.device == "cpu":
         # gloo collectives are synchronous on the thread that computes: nothing overlaps.
         exposed = [ag_fwd[u] + (ag_bwd[u] if needs_bwd_ag[u] else 0.0) + rs[u] for u in range(n_units)]
-        step_s = compute_s + comm_s + optimizer_s
+        step_s = compute_s + tp_s + comm_s + optimizer_s  # the blocks' TP collectives run in turn too
     else:
         zeros = (0.0,) * n_units
         copy_out, copy_in = copies if copies is not None else (zeros, zeros)

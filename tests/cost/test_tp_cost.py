@@ -44,17 +44,19 @@ def test_tp_collective_time_is_the_ring_over_the_node(h100):
     assert tp_collective_time_s(h100, ALL_GATHER, ACT, 1) == 0.0
 
 
+@pytest.mark.parametrize("profile_name", ["h100-80gb", "cpu-gloo"])
 @pytest.mark.parametrize("ckpt", [(), (0, 2)])
-def test_tp_collectives_add_their_ring_time_on_the_critical_path(h100, ckpt):
+def test_tp_collectives_add_their_ring_time_on_the_critical_path(profile_name, ckpt):
     """The step with the collectives is the step without them (the same trace, its records dropped) plus
     every collective's ring time, a checkpointed block's forward ones twice; all of it exposed."""
-    tp = 4
+    tp, h100 = 4, load_profile(profile_name)  # a GPU's two streams and a CPU's one thread alike
     trace = synthetic_trace(LAYERS, H, S, V, tp=tp)
     silent = dataclasses.replace(trace, modules=tuple(dataclasses.replace(m, tp_collectives=())
                                                       for m in trace.modules))
     plan = tp_plan(trace, tp, mb=2, ckpt=ckpt)
     with_tp, without = CostModel(trace, h100).time(plan), CostModel(silent, h100).time(plan)
-    one = tp_collective_time_s(h100, ALL_GATHER, 2 * ACT, tp)  # AG and RS cost the same
+    ranks_see = CostModel(trace, h100).for_world(plan.mesh.world_size).profile  # CPU ranks share the host's cores
+    one = tp_collective_time_s(ranks_see, ALL_GATHER, 2 * ACT, tp)  # AG and RS cost the same
     per_block = 4 * one  # attention and MLP: AG + RS forward each
     blocks_fwd = LAYERS * per_block + 2 * one  # embedding RS, head AG
     expected = blocks_fwd + LAYERS * per_block + len(ckpt) * per_block  # backward, recomputation
