@@ -74,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
                             (options.finetune if options is not None else None) or plan.model.finetune)
     model_file = load_unless_trace(req.model, options)
     dtype = plan.training.param_dtype
-    trace = trace_or_load(req.model, dtype=dtype) if model_file is None else trace_model(model_file, dtype=dtype)
+    trace = (trace_or_load(req.model, dtype=dtype) if model_file is None  # one rank at the plan's tp degree
+             else trace_model(model_file, dtype=dtype, tensor_parallel=plan.tensor_parallel, tp_size=plan.mesh.tp_size))
     if plan.model.fingerprint not in (trace.fingerprint, ""):
         raise PlanError(f"{req.plan} was made for a model with fingerprint {plan.model.fingerprint}, but "
                         f"{req.model} has {trace.fingerprint}: a different model or size")

@@ -53,7 +53,8 @@ def run(args) -> int:
         # the plan's own model: a transformers config as planned (sequence length, task, fine-tune)
         model_file = None if args.trace else load_unless_trace(source, model_options(plan.model, source))
         with progress(f"tracing {source}"):
-            trace = (trace_model(model_file, dtype=plan.training.param_dtype) if model_file is not None
+            trace = (trace_model(model_file, dtype=plan.training.param_dtype, tensor_parallel=plan.tensor_parallel,
+                                 tp_size=plan.mesh.tp_size) if model_file is not None  # one rank at the plan's tp
                      else trace_or_load(source, dtype=plan.training.param_dtype))
         if trace.fingerprint != plan.model.fingerprint:
             raise PlanError(f"{source} is not the model the plan was made for (fingerprint {trace.fingerprint}, plan "

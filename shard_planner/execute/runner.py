@@ -104,7 +104,8 @@ def reestimate(plan: Plan, model_path: str) -> Prediction | None:
     except ImportError:
         return None
     try:
-        trace = trace_model(model_path, dtype=plan.training.param_dtype)  # traced as the plan computes
+        trace = trace_model(model_path, dtype=plan.training.param_dtype,  # traced as the plan computes, one tp rank
+                            tensor_parallel=plan.tensor_parallel, tp_size=plan.mesh.tp_size)
         return estimate(trace, plan, load_priced_profile(plan.cluster.profile, plan.cluster.timings)).prediction()
     except Exception as exc:  # an estimate is a bonus: the run goes on without it
         logger.warning("could not re-estimate the plan for %d ranks: %s: %s", plan.mesh.world_size,

@@ -3,10 +3,17 @@
 modules and shapes are the example's (tok_embeddings, layers.{i}.{attention_norm, attention.{wq, wk, wv, wo},
 ffn_norm, feed_forward.{w1, w2, w3}}, norm, output); :func:`styles` is torchtitan's plan for them."""
 
+import importlib.util
+from pathlib import Path
+
 import torch
 import torch.nn as nn
 
-from tests.models.trace_tp_llama import llama, tp_styles
+# by path, not as tests.models: a model file is imported by path wherever run's ranks start
+_spec = importlib.util.spec_from_file_location("shard_planner_trace_tp_llama", Path(__file__).with_name("trace_tp_llama.py"))
+_tp_llama = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_tp_llama)
+llama, tp_styles = _tp_llama.llama, _tp_llama.tp_styles
 
 DIM, LAYERS, HEADS, KV_HEADS, FFN, VOCAB, SEQ = 32, 2, 4, 2, 64, 64, 8
 loss_fn = llama.loss_fn
