@@ -20,13 +20,34 @@ tensors instead of DTensors:
   ``_log_softmax`` / ``nll_loss_forward`` it dispatches records the all-reduces torch's loss_parallel handlers
   add (:meth:`RankEmulation.note_loss_op`).
 
+[Note: Staging copies of the sequence-dim collectives]
+  torch 2.13's functional collectives gather and scatter on dim 0 (torch/distributed/_functional_collectives.py
+  ``all_gather_single``, ``reduce_scatter_single``). A reduce-scatter on another dim first copies its input
+  into dim-0 chunks (``_chunk_or_narrow_cat``: ``torch.cat(torch.chunk(...))``, a full-size copy, always); an
+  all-gather on another dim gathers into a (t x b, ...) buffer and re-cats it on the gather dim
+  (``_maybe_view_chunk_cat``), a second full-size tensor, unless every dim before the gather dim has size 1
+  after the first (b = 1 for the sequence dim): then a view. The emulation allocates that staging tensor
+  beside each output and drops it after, at every micro-batch: at b = 1 a sequence all-gather's transient is
+  one (s, h) activation above the real one (an over-estimate; the trace's two batch sizes must fit one line).
+  This is the source's account, not yet a measurement's: the 2 x 2 plans measured (tests/execute/
+  test_tp_predicted.py) peak at the loss, outside the blocks, with and without it.
+
+[Note: Loss parallelism's decomposed log-softmax]
+  Under loss parallelism torch computes the log-softmax of the vocabulary-split logits op by op
+  (torch/distributed/tensor/parallel/loss.py ``_log_softmax``, after torch._decomp's: ``shifted = x - max``,
+  ``exp(shifted)``, ``result = shifted - logsumexp``) where the trace runs the local fused kernel: at its peak
+  the logits' input, ``shifted`` and ``exp`` (or ``result``) live, one logits-sized tensor more than the
+  fused op's input and output. Its backward (``_nll_loss_and_log_softmax_backward``: ``grad_input =
+  zeros_like(x)``, ``(grad_input + exp(x)) * grad_output``) holds three at once where the fused
+  nll_loss / log-softmax backward holds two. The trace allocates that one tensor beside each of the two
+  fused ops' outputs and drops it (trace/capture.py ``Step.record_op``): what the real step measured at
+  2 x 2 (examples/llama.py tiny, micro-batch 4, fp32) was 7-8% above the trace without it, with or without
+  sequence parallelism, and equal without loss parallelism.
+
 What it does not reproduce (measured on the tiny TP Llama at t=2, micro-batch 2, bf16, against the real
 DTensor step with the tracer's StorageLog over its local ops): the bytes saved for backward match per module
 exactly; the forward's peak rise is 1 KiB higher for real without sequence parallelism (the embedding's
-(b, s) int64 index mask ``_MaskPartial`` keeps until the reduction) and 145 KiB (27%) higher with it, nine
-(b, s, h) activations plus that mask, most likely the staging copies of the sequence-dim all-gathers and
-reduce-scatters (``torch.cat(torch.chunk(...))`` around the dim-0 collective), which the emulation, one output
-storage each, does not allocate (not yet checked op by op). The loss under loss parallelism runs torch's decomposed log-softmax (amax, sub, exp, sum, log,
+(b, s) int64 index mask ``_MaskPartial`` keeps until the reduction). The loss under loss parallelism runs torch's decomposed log-softmax (amax, sub, exp, sum, log,
 sub: loss.py:197-221) where the trace runs the local fused kernel: the same saves, a larger transient.
 
 Refused (UserError): a quantised (NF4) parameter in a styled module, a split dimension the degree does not
@@ -182,7 +203,12 @@ def _apply(x: torch.Tensor, op: Op, phase: str, tp_size: int, record: list) -> t
                             f"not divide into {tp_size} shards (sequence parallelism needs the sequence length "
                             "to divide by the degree)")
         shape[dim] //= tp_size
+    # funcol's all-gather and reduce-scatter run on dim 0: on another dim a full-size chunk+cat copy stages
+    # them ([Note: Staging copies of the sequence-dim collectives]); allocated with the output, dropped after
+    staging = x.new_empty(shape if op.kind == ALL_GATHER else x.shape) if op.kind in (ALL_GATHER, REDUCE_SCATTER) \
+        and dim != 0 else None
     out = x.new_empty(shape)
+    del staging
     if op.kind != CHUNK:
         full = out if op.kind == ALL_GATHER else x
         record.append(Collective(op.kind, phase, full.numel() * full.element_size()))
@@ -275,6 +301,18 @@ class RankEmulation:
             x = args[0]
             channels = x.shape[1] if x.dim() >= 2 else x.shape[0]
             record.append(Collective(ALL_REDUCE, "fwd", x.numel() // max(1, channels) * x.element_size()))
+
+
+    def loss_transient_bytes(self, func, args, out) -> int:
+        """The bytes one op of the loss allocates for a moment beyond what the local op does, under loss
+        parallelism: [Note: Loss parallelism's decomposed log-softmax]; 0 for every other op."""
+        if not self.tp.loss_parallel or not isinstance(out, torch.Tensor):
+            return 0
+        if func is aten._log_softmax.default:  # in the computation dtype (fp32 for 16-bit logits)
+            return out.numel() * (4 if out.dtype in (torch.float16, torch.bfloat16) else out.element_size())
+        if func is aten._log_softmax_backward_data.default:
+            return out.numel() * out.element_size()
+        return 0
 
 
 def fit_collectives(seq1: list[Collective], seq2: list[Collective], b1: int, b2: int) -> tuple[TPCollective, ...]:
