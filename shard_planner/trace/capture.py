@@ -110,8 +110,6 @@ class Step:
         log the storages of its outputs."""
         if func.namespace != "prim":  # prim.device etc.: metadata queries, no kernel runs
             self._add_op()
-        if self.tp is not None and self.phase == "fwd" and self._in_loss():
-            self.tp.note_loss_op(func, args, self.loss_call.tp_collectives)
         n = self.flops.count(func, args, kwargs, out) if func._overloadpacket in self.flops else 0
         if n:
             self._add_flops(n)
@@ -122,8 +120,8 @@ class Step:
             self._add_kernel(sample)
         for t in outs:
             self.log.track(t)
-        if self.tp is not None and self._in_loss():
-            self._transient(self.tp.loss_transient_bytes(func, args, out), out)
+        if self.tp is not None and self._in_loss():  # loss parallelism's collectives and transients
+            self.tp.loss_op(func, args, out, self.phase, self.loss_call.tp_collectives, self.log)
         if new_bytes and sample is not None:
             pos = len(self.log.events)
             for t in outs:
@@ -132,14 +130,6 @@ class Step:
     def _in_loss(self) -> bool:
         stack = self.fwd_stack if self.phase == "fwd" else self.bwd_stack
         return bool(stack) and stack[-1] is self.loss_call
-
-    def _transient(self, nbytes: int, like) -> None:
-        """A storage of ``nbytes`` (fake, as ``like``) allocated and freed at once: a temporary the traced op
-        does not make but the real one does (tp_local.py [Note: Loss parallelism's decomposed log-softmax])."""
-        if nbytes:
-            t = like.new_empty(nbytes, dtype=torch.uint8)
-            self.log.track(t)
-            del t
 
     def _new_storage_bytes(self, outs) -> int:
         """Bytes of the distinct storages among ``outs`` the log has not seen yet (an op's new outputs)."""

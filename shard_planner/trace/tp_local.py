@@ -40,7 +40,7 @@ tensors instead of DTensors:
   fused op's input and output. Its backward (``_nll_loss_and_log_softmax_backward``: ``grad_input =
   zeros_like(x)``, ``(grad_input + exp(x)) * grad_output``) holds three at once where the fused
   nll_loss / log-softmax backward holds two. The trace allocates that one tensor beside each of the two
-  fused ops' outputs and drops it (trace/capture.py ``Step.record_op``): what the real step measured at
+  fused ops' outputs and drops it (:meth:`RankEmulation.loss_op`): what the real step measured at
   2 x 2 (examples/llama.py tiny, micro-batch 4, fp32) was 7-8% above the trace without it, with or without
   sequence parallelism, and equal without loss parallelism.
 
@@ -302,6 +302,18 @@ class RankEmulation:
             channels = x.shape[1] if x.dim() >= 2 else x.shape[0]
             record.append(Collective(ALL_REDUCE, "fwd", x.numel() // max(1, channels) * x.element_size()))
 
+
+    def loss_op(self, func, args, out, phase: str, record: list, log) -> None:
+        """One op of the loss (trace/capture.py ``Step.record_op``, its outputs logged): in forward its
+        collectives (:meth:`note_loss_op`); a storage of the transient the real op makes beyond the local one
+        (:meth:`loss_transient_bytes`) allocated beside its output in ``log`` and freed at once."""
+        if phase == "fwd":
+            self.note_loss_op(func, args, record)
+        nbytes = self.loss_transient_bytes(func, args, out)
+        if nbytes:
+            transient = out.new_empty(nbytes, dtype=torch.uint8)  # fake, as the op's output
+            log.track(transient)
+            del transient
 
     def loss_transient_bytes(self, func, args, out) -> int:
         """The bytes one op of the loss allocates for a moment beyond what the local op does, under loss
