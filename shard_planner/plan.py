@@ -29,6 +29,7 @@ from shard_planner.errors import PlanError
 from shard_planner.fileio import read_json, write_atomic
 from shard_planner.finetune import FineTune  # the plan file's "model.finetune": what was frozen and how
 from shard_planner.mesh import Mesh  # the plan file's "mesh" section: the parallel degrees
+from shard_planner.plan_points import DEGREE_JUDGED, DegreeOutcome, FrontierPoint, MeasuredPoint  # noqa: F401 (the plan file's points)
 from shard_planner.plan_schema import AnyOf, Bool, Int, ListOf, MapOf, Nullable, Number, Section, Text
 from shard_planner.tensor_parallel import TensorParallel  # the plan file's "tensor_parallel": how modules split
 
@@ -237,28 +238,6 @@ class SolverInfo:
 
 
 @dataclass(frozen=True)
-class FrontierPoint:
-    peak_bytes: int
-    step_time_s: float
-    description: str
-    fits: bool = True  # within the budget (baselines may not fit)
-
-
-@dataclass(frozen=True)
-class MeasuredPoint:
-    """One plan run for real by ``shard-planner tune``: a summary of its Measurement."""
-
-    description: str
-    plan_fingerprint: str  # shard_planner.measurement.plan_fingerprint of the plan that ran
-    world_size: int  # where it ran (the plan may have been re-derived for it)
-    peak_bytes: int  # measured, the largest over ranks
-    step_time_s: float  # measured, median of the timed steps
-    predicted_peak_bytes: int | None = None  # the cost model's, for the run's world size
-    predicted_step_time_s: float | None = None  # the cost model's with the fitted profile
-    chosen: bool = False  # the measured best, returned as the plan
-
-
-@dataclass(frozen=True)
 class ModelRef:
     """The model file a plan was made for. ``path``: an absolute path in plan files written by ``plan``
     and ``tune`` (:func:`with_model_located`), else as given (older plans: relative to where ``plan``
@@ -292,12 +271,15 @@ class Plan:
     measurements: tuple[MeasuredPoint, ...] = ()  # plans run by `shard-planner tune` (optional)
     # how each module is split over mesh.tp ranks; None without tensor parallelism (plans before it have none)
     tensor_parallel: TensorParallel | None = None
+    # each tensor-parallel degree `plan` searched, the chosen one's too (solve/tp_search.py); () when one was
+    tp_degrees: tuple[DegreeOutcome, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "units", tuple(self.units))
         object.__setattr__(self, "frontier", tuple(self.frontier))
         object.__setattr__(self, "baselines", tuple(self.baselines))
         object.__setattr__(self, "measurements", tuple(self.measurements))
+        object.__setattr__(self, "tp_degrees", tuple(self.tp_degrees))
         _require(self.schema_version == PLAN_SCHEMA_VERSION,
                  f"plan schema_version {self.schema_version!r} is not {PLAN_SCHEMA_VERSION}: re-run shard-planner plan")
         _require(self.mesh.world_size == self.cluster.gpus,
@@ -368,6 +350,7 @@ class Plan:
             units=units,
             predicted=None,
             tensor_parallel=self.tensor_parallel if mesh.is_tp else None,
+            tp_degrees=(),  # searched for the old size
         )
 
     # ---- JSON ----
@@ -381,6 +364,8 @@ class Plan:
         if self.mesh.tp == 1:  # plans without tensor parallelism read as they did before it
             d["mesh"].pop("tp")
             del d["tensor_parallel"]
+        if not self.tp_degrees:  # plans of one degree read as they did before the degree search
+            del d["tp_degrees"]
         if self.training.accumulation_steps == 1:  # plans without accumulation read as they did before it
             for name in _ACCUMULATION_FIELDS:
                 d["training"].pop(name)
@@ -433,6 +418,10 @@ PLAN_RULES = {
     "FrontierPoint.peak_bytes": _BYTES, "FrontierPoint.step_time_s": _SECONDS,
     "MeasuredPoint.world_size": _COUNT, "MeasuredPoint.peak_bytes": _BYTES, "MeasuredPoint.step_time_s": _SECONDS,
     "MeasuredPoint.predicted_peak_bytes": Nullable(_BYTES), "MeasuredPoint.predicted_step_time_s": Nullable(_SECONDS),
+    "DegreeOutcome.degree": _COUNT, "DegreeOutcome.judged": Text(DEGREE_JUDGED),
+    **{f"DegreeOutcome.{name}": Nullable(_SECONDS) for name in ("step_time_s", "samples_per_s", "compute_s",
+                                                                "exposed_comm_s", "tp_comm_s")},
+    "DegreeOutcome.peak_bytes": Nullable(_BYTES), "DegreeOutcome.samples_per_step": Nullable(_COUNT),
 }
 
 

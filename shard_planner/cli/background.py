@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import os
 import pickle
+import queue
 import signal
 import struct
 import sys
+import threading
 import traceback
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
@@ -173,7 +175,7 @@ def _serve(requests_fd: int, replies_fd: int) -> None:
     try:
         die_with_parent()
         with os.fdopen(requests_fd, "rb") as requests, os.fdopen(replies_fd, "wb") as replies:
-            while (data := _read(requests)) is not None:
+            for data in _drained(requests):
                 fn, args = pickle.loads(data)
                 _write(replies, _reply(fn, args))
                 _flush_stdio()
@@ -182,6 +184,25 @@ def _serve(requests_fd: int, replies_fd: int) -> None:
     finally:
         _flush_stdio()
         os._exit(code)
+
+
+def _drained(requests) -> Iterator[bytes]:
+    """The requests, read by a thread as they come, so that the command never waits to write one while this
+    process writes a reply the command has not asked for yet (a request and a reply larger than a pipe holds,
+    64 KiB on Linux, would wait on each other: the command sending the next degree's trace while this process
+    sends the last search's answer)."""
+    waiting: queue.Queue[bytes | None] = queue.Queue()
+
+    def read_all() -> None:
+        try:
+            while (data := _read(requests)) is not None:
+                waiting.put(data)
+        finally:
+            waiting.put(None)
+
+    threading.Thread(target=read_all, daemon=True).start()
+    while (data := waiting.get()) is not None:
+        yield data
 
 
 def _reply(fn: Callable[..., Any], args: tuple) -> bytes:

@@ -16,9 +16,11 @@ from shard_planner.argtypes import token_count
 from shard_planner.cli.background import Helper, HelperDied, helper_process
 from shard_planner.cli.args import add_hf_arguments, byte_size, hf_options, positive_float, positive_int
 from shard_planner.cli.collector import command_collector, without_collections
+from shard_planner.cli.plan_degrees import degrees_to_search, plan_degrees
 from shard_planner.errors import ModelFileError
 from shard_planner.fileio import check_output_dir, check_output_file
 from shard_planner.plan import Plan, report_dir_for, save_plan, with_model_located
+from shard_planner.plan_points import degree_reason
 from shard_planner.units import DTYPE_NAMES, format_bytes
 
 if TYPE_CHECKING:  # the planner (torch, CP-SAT) is imported when the command runs, not to build the parser
@@ -66,6 +68,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     gb.add_argument("--global-batch-tokens", type=token_count, default=None, metavar="N",
                     help="the same in tokens (samples x the model's sequence length), e.g. 4194304 or 4M (K, M, G: "
                     "powers of 1024)")
+    tp = p.add_argument_group("tensor parallelism (inside a node; FSDP or HSDP over the rest)")
+    tp.add_argument("--tp", type=positive_int, default=None, metavar="N",
+                    help="tensor-parallel degree: N GPUs of a node split every block (it must divide the GPUs per "
+                    "node and the model's heads, MLP width and vocabulary); default: on a GPU profile each of 1, 2, "
+                    "4, 8 that divides the GPUs per node is screened and the promising ones searched; on a CPU "
+                    "profile 1 (gloo's timing says nothing of tensor parallelism)")
+    tp.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
+                    help="with tensor parallelism, keep the norms and the block inputs whole on every rank instead of "
+                    "split along the sequence (torchtitan's default splits them)")
+    tp.add_argument("--no-loss-parallel", dest="loss_parallel", action="store_false",
+                    help="with tensor parallelism, gather the logits before the loss instead of computing the "
+                    "cross-entropy on each rank's slice of the vocabulary")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_NAMES), help="mixed-precision param dtype (default bf16)")
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default plan.json)")
     p.add_argument("--time-limit", type=positive_float, default=1.0, metavar="S",
@@ -94,7 +108,7 @@ def _run(args: argparse.Namespace, helper: Helper) -> int:
     if args.report:
         helper.submit(_import_report)  # once the trace is done, while this process plans
     with without_collections():
-        from shard_planner.solve import PlanRequest, plan_model
+        from shard_planner.solve import PlanRequest
         from shard_planner.profile import load_priced_profile
         from shard_planner.trace.files import trace_model_file
 
@@ -110,6 +124,7 @@ def _run(args: argparse.Namespace, helper: Helper) -> int:
                                  "or crash?") from exc
     # A plan made from a trace.json records the trace's model file (never the trace), and uses the TRAINING
     # defaults the trace carries from it.
+    defaults_from_trace = defaults is None  # MODEL is a trace.json
     model_path = args.model if defaults is not None else trace_model_file(trace, args.model)
     defaults = defaults if defaults is not None else _trace_defaults(trace)
     global_batch = args.global_batch or args.global_batch_tokens
@@ -121,7 +136,8 @@ def _run(args: argparse.Namespace, helper: Helper) -> int:
                       time_limit_s=args.time_limit, model_path=model_path, profile_name=args.profile,
                       timings_path=args.timings, global_batch_samples=args.global_batch,
                       global_batch_tokens=args.global_batch_tokens, expandable_segments=planned_expandable(os.environ))
-    result = plan_model(trace, req)
+    degrees = degrees_to_search(args, req.gpus_per_node, profile.device, from_trace_file=defaults_from_trace)
+    result = plan_degrees(args, hf_options(args), DTYPE_NAMES[args.dtype], degrees, trace, req, helper)
     result = replace(result, plan=with_model_located(result.plan, args.output))
     if args.hf_task is not None or finetune is not None:  # run and export rebuild the config as this task, fine-tuned
         result = replace(result, plan=replace(result.plan, model=replace(result.plan.model, hf_task=args.hf_task,
@@ -254,6 +270,8 @@ def summary(result: PlanResult | Plan, profile) -> str:
     step = "optimizer step" if tr.accumulation_steps > 1 else "step"
     lines.append(f"predicted {step} {pr.step_time_s * 1e3:.1f} ms, {pr.throughput_text} on {plan.cluster.gpus} GPUs{mfu}"
                  f"{priced}")
+    if plan.tp_degrees:
+        lines.append(f"tensor parallelism: {degree_reason(plan.mesh.tp, plan.tp_degrees)}")
     fitting = [b for b in plan.baselines if b.fits]
     if fitting:
         best = min(fitting, key=lambda b: b.step_time_s)

@@ -148,6 +148,32 @@ def _plan(ctx: PlanContext) -> PlanResult:
                       fastest_step_time_s=fastest.step_time_s, fit=fit)
 
 
+def screen_degree(trace: ModelTrace, request: PlanRequest) -> Checked | None:
+    """The fastest plan of a cheap look at ``trace``'s degree, for screening tensor-parallel degrees
+    (solve/tp_search.py [Note: Screening the degrees]): at every micro-batch the global batch allows (or
+    the request's), plain FSDP over the data-parallel ranks, FSDP2's default prefetch and the leanest
+    accumulation policy, the heuristic cover (:func:`cpsat.greedy_cover`) and the hand-written policies
+    judged by the simulators at the allocated budget; None when none of them fits. Raises what
+    :func:`plan_model` raises for a request the degree cannot meet (a global batch its data-parallel ranks
+    do not divide)."""
+    ctx = PlanContext(trace, request)
+    try:
+        best: Checked | None = None
+        mesh = _meshes(ctx.cluster.gpus, ctx.cluster.gpus_per_node, trace.tp_size)[0]
+        for mb, accumulations in _batches(ctx):
+            choice = GlobalChoice(mb, PREFETCH_CHOICES[0], mesh, False, accumulations[0])
+            lm = ctx.linear(choice)
+            cover = ctx.greedy(lm, ctx.budget_mib)
+            judged = ([ctx.check(lm, cover, "heuristic")] if cover is not None else []) + alternatives.hand_written(
+                ctx, choice)
+            for c in judged:
+                if c.peak_bytes <= ctx.budget_bytes and (best is None or speed(c) > speed(best)):
+                    best = c
+        return best
+    finally:
+        ctx.close()
+
+
 def _search(ctx: PlanContext) -> list[Checked]:
     """Every checked plan that fits, over the global choices (offload only when nothing fits without
     it; micro-batches up the ladder while one fits); the smallest-peak plans when none does, or

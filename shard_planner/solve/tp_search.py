@@ -1,8 +1,8 @@
-"""The tensor-parallel degree as the outermost global choice: one plan search per degree, each on the trace
-of one rank at that degree, and the fastest plan that fits over all of them.
+"""The tensor-parallel degree as the outermost global choice: each degree screened on the trace of one rank at
+that degree, the promising ones searched in full, and the fastest plan that fits over all of them.
 
     result = plan_over_degrees([DegreeOption(None, trace_tp1), DegreeOption(styles, trace_tp2)], request)
-    result.degrees      # per degree: its fastest plan's speed and peak, or why none fits
+    result.plan.tp_degrees   # per degree: its fastest plan's speed, peak and frontier, or why none fits
 
 Every degree runs the same solver (solve/planner.py ``plan_model``): its meshes are FSDP (or HSDP) over the
 data-parallel ranks, ``gpus / tp`` of them, each taking its own micro-batch, so a global batch divides by
@@ -20,22 +20,38 @@ cluster: at one global batch, the step time.
   (so a smaller micro-batch or checkpointing) cost more than those collectives, or where the global batch
   leaves fewer samples than GPUs (FSDP alone would need a micro-batch under one sample); it loses where
   FSDP already hides its communication. :func:`degree_reason` gives the figures, for the summary.
+
+[Note: Screening the degrees]
+  A full search costs seconds per degree at scale (Llama 3 70B on 256 GPUs: 5-10 s each), so every degree
+  is first screened (planner.py ``screen_degree``: the heuristic cover and the hand-written policies at
+  each micro-batch, plain FSDP, default prefetch, under a second), and only the degrees whose screened
+  speed is within ``SCREEN_MARGIN`` of the best screened one are searched in full. The margin is what the
+  full search has been seen to gain over the screen, with room: on Llama 3 70B at 256 GPUs (seq 8192,
+  global batch 512) it gained +0.5%, +3.1%, +8.5% and +1.2% at TP 1, 2, 4, 8, on 405B at 512 GPUs (global
+  batch 256) +1.4%, +0.8% and +1.1% at TP 2, 4, 8 — TP 4 won the 70B case by 0.4% after screening 6% behind
+  TP 8. A degree screened out keeps its screened figures (``judged="screened"``: a lower bound of what a
+  search would find) and the summary says so. A degree whose screen finds no plan is searched only when
+  no degree's screen found one (the search may, where the heuristic does not). With ``beside`` (the
+  command's helper process) every other degree to search runs there, at the same time.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
+from typing import Any, Callable
 
 from shard_planner.errors import InfeasibleError, UserError, first_line
-from shard_planner.plan import FrontierPoint
-from shard_planner.solve.planner import plan_model
+from shard_planner.plan_points import DegreeOutcome, degree_label
+from shard_planner.solve.context import Checked
+from shard_planner.solve.planner import plan_model, screen_degree
 from shard_planner.solve.request import PlanRequest, PlanResult
 from shard_planner.tensor_parallel import TensorParallel
 from shard_planner.trace.types import ModelTrace
-from shard_planner.units import format_bytes
 
 logger = logging.getLogger(__name__)
+
+SCREEN_MARGIN = 0.10  # a degree screened this much slower than the best screened one is not searched in full
 
 
 @dataclass(frozen=True)
@@ -50,80 +66,89 @@ class DegreeOption:
         return self.trace.tp_size
 
 
-@dataclass(frozen=True)
-class DegreeOutcome:
-    """What one degree's search found: its fastest plan's step time, samples per second, peak, compute and
-    exposed communication (tensor-parallel collectives included, and apart), or ``refused``: why none fits."""
-
-    degree: int
-    step_time_s: float | None = None
-    samples_per_s: float | None = None
-    peak_bytes: int | None = None
-    compute_s: float | None = None
-    exposed_comm_s: float | None = None
-    tp_comm_s: float | None = None
-    refused: str | None = None
-
-    @property
-    def label(self) -> str:
-        return degree_label(self.degree)
+# ``beside(plan_model, trace, request)``: the call started elsewhere (cli/background.py Helper.submit), with
+# a ``result()`` that waits for it and returns plan_model's answer or raises its exception
+Beside = Callable[..., Any]
 
 
-def degree_label(degree: int) -> str:
-    return "no tensor parallelism" if degree == 1 else f"TP {degree}"
-
-
-def plan_over_degrees(options: list[DegreeOption], request: PlanRequest) -> tuple[PlanResult, tuple[DegreeOutcome, ...]]:
-    """The fastest plan over ``options``' degrees, with each degree's outcome; the degrees' own fastest plans
-    join the answer's baselines (so the report shows them beside its frontier). One degree that cannot be
-    planned (no plan fits; a global batch its data-parallel ranks do not divide) is an outcome; all of them
-    raise the first one's error."""
+def plan_over_degrees(options: list[DegreeOption], request: PlanRequest, *, refused: tuple[DegreeOutcome, ...] = (),
+                      beside: Beside | None = None) -> PlanResult:
+    """The fastest plan over ``options``' degrees, its ``tp_degrees`` every degree's outcome (``refused``: the
+    degrees ruled out before tracing, e.g. by a dimension they do not divide). One option is
+    ``plan_model`` itself; each degree searched in full ([Note: Screening the degrees]) keeps its fastest
+    plan's figures and its frontier in its outcome (the report draws them beside the answer's). A degree that cannot
+    be planned (no plan fits; a global batch its data-parallel ranks do not divide) is an outcome; all of
+    them raise the first one's error."""
     if not options:
-        raise UserError("no tensor-parallel degree to plan (--tp must divide the GPUs per node and the model)")
-    results: list[tuple[DegreeOption, PlanResult]] = []
-    outcomes: list[DegreeOutcome] = []
+        raise UserError("no tensor-parallel degree to plan: " + "; ".join(
+            f"{o.label}: {o.refused}" for o in refused) if refused else "no tensor-parallel degree to plan")
+    if len(options) == 1 and not refused:
+        return plan_model(options[0].trace, _request_for(options[0], request))
+    outcomes: dict[int, DegreeOutcome] = {o.degree: o for o in refused}
     errors: list[UserError] = []
+    screened: dict[int, Checked | None] = {}
     for opt in options:
         try:
-            r = plan_model(opt.trace, replace(request, tensor_parallel=opt.tensor_parallel))
+            screened[opt.degree] = screen_degree(opt.trace, _request_for(opt, request))
         except (InfeasibleError, UserError) as e:
-            if len(options) == 1:
-                raise
             errors.append(e)
-            outcomes.append(DegreeOutcome(opt.degree, refused=first_line(e)))
-            logger.info("TP %d: %s", opt.degree, first_line(e))
-            continue
-        results.append((opt, r))
-        t = r.estimate.time
-        outcomes.append(DegreeOutcome(opt.degree, t.step_time_s, t.samples_per_s, r.estimate.memory.peak_bytes,
-                                      t.compute_s, t.exposed_comm_s, t.tp_comm_s))
+            outcomes[opt.degree] = DegreeOutcome(opt.degree, judged="refused", refused=first_line(e))
+    to_search = _worth_searching(screened)
+    for degree, c in screened.items():
+        if degree not in to_search and c is not None:
+            outcomes[degree] = _screened_outcome(degree, c)
+    results = _search(options, to_search, request, beside, outcomes, errors)
     if not results:
-        raise errors[0]
-    _, best = max(results, key=lambda pair: pair[1].estimate.time.samples_per_s)
-    others = tuple(FrontierPoint(r.plan.predicted.peak_bytes, r.plan.predicted.step_time_s,
-                                 f"fastest at {degree_label(o.degree)}")
-                   for o, r in results if r is not best)
-    plan = replace(best.plan, baselines=best.plan.baselines + others)
-    return replace(best, plan=plan), tuple(sorted(outcomes, key=lambda o: o.degree))
+        if errors:
+            raise errors[0]
+        raise UserError("no tensor-parallel degree has a plan that fits")
+    best = max(results, key=lambda r: r.plan.predicted.samples_per_s)
+    return replace(best, plan=replace(best.plan, tp_degrees=tuple(outcomes[d] for d in sorted(outcomes))))
 
 
-def degree_reason(chosen: DegreeOutcome, outcomes: tuple[DegreeOutcome, ...]) -> str:
-    """One line for the summary: how much less throughput each other degree's fastest plan has (samples per
-    second: at a fixed micro-batch a degree's step holds gpus / tp micro-batches), and where its step goes
-    beside the chosen one's (compute, exposed communication and of it the tensor-parallel collectives, peak):
-    the figures behind [Note: Why a degree wins or loses], or why a degree has no plan."""
+def _request_for(opt: DegreeOption, request: PlanRequest) -> PlanRequest:
+    return replace(request, tensor_parallel=opt.tensor_parallel)
 
-    def split(o: DegreeOutcome) -> str:
-        return (f"step {o.step_time_s * 1e3:.4g} ms: compute {o.compute_s * 1e3:.4g} ms, exposed communication "
-                f"{o.exposed_comm_s * 1e3:.4g} ms (TP {o.tp_comm_s * 1e3:.4g} ms), peak {format_bytes(o.peak_bytes)}")
 
-    parts = []
-    for o in outcomes:
-        if o.degree == chosen.degree:
+def _worth_searching(screened: dict[int, Checked | None]) -> list[int]:
+    """The degrees to search in full, the best screened first ([Note: Screening the degrees])."""
+    found = {d: c for d, c in screened.items() if c is not None}
+    if not found:
+        return list(screened)
+    top = max(c.samples_per_s for c in found.values())
+    kept = [d for d, c in found.items() if c.samples_per_s >= top * (1 - SCREEN_MARGIN)]
+    return sorted(kept, key=lambda d: -found[d].samples_per_s)
+
+
+def _search(options: list[DegreeOption], degrees: list[int], request: PlanRequest, beside: Beside | None,
+            outcomes: dict[int, DegreeOutcome], errors: list[UserError]) -> list[PlanResult]:
+    """``plan_model`` for each of ``degrees``: the first here, the others ``beside`` when given (started
+    before this process's own search, so that they run at the same time); each outcome recorded."""
+    by_degree = {o.degree: o for o in options}
+    started = {d: beside(plan_model, by_degree[d].trace, _request_for(by_degree[d], request))
+               for d in degrees[1:]} if beside is not None else {}
+    results = []
+    for d in degrees:
+        opt = by_degree[d]
+        try:
+            r = started[d].result() if d in started else plan_model(opt.trace, _request_for(opt, request))
+        except (InfeasibleError, UserError) as e:
+            errors.append(e)
+            outcomes[d] = DegreeOutcome(d, judged="refused", refused=first_line(e))
+            logger.info("%s: %s", degree_label(d), first_line(e))
             continue
-        if o.refused is not None:
-            parts.append(f"{o.label}: {o.refused}")
-            continue
-        change = o.samples_per_s / chosen.samples_per_s - 1 if chosen.samples_per_s else 0.0
-        parts.append(f"{o.label} {100 * change:+.1f}% samples/s ({split(o)})")
-    return f"{chosen.label} chosen ({split(chosen)})" + ("; " + "; ".join(parts) if parts else "")
+        results.append(r)
+        outcomes[d] = _solved_outcome(r)
+    return results
+
+
+def _solved_outcome(r: PlanResult) -> DegreeOutcome:
+    p, t = r.plan.predicted, r.estimate.time
+    return DegreeOutcome(r.plan.mesh.tp, "solved", p.step_time_s, p.samples_per_s, p.peak_bytes, t.compute_s,
+                         t.exposed_comm_s, t.tp_comm_s, r.plan.global_batch_samples, r.plan.frontier)
+
+
+def _screened_outcome(degree: int, c: Checked) -> DegreeOutcome:
+    t = c.estimate.time
+    return DegreeOutcome(degree, "screened", c.step_time_s, c.samples_per_s, c.peak_bytes, t.compute_s,
+                         t.exposed_comm_s, t.tp_comm_s, c.plan.global_batch_samples)

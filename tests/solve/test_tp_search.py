@@ -1,14 +1,18 @@
 """Tier 1: the tensor-parallel degree searched as the outermost global choice (solve/tp_search.py), on
 hand-written one-rank traces (tests/models/cost_synth.py ``tp_rank``): the answer is the fastest degree's plan,
-the others' fastest plans are its baselines, a degree the global batch does not divide is an outcome with
-its reason, and the reason line carries each degree's figures."""
+every degree's outcome (figures and frontier) is in the plan, a degree the global
+batch does not divide is an outcome with its reason, a degree screened far behind is not searched, and the
+reason line carries each degree's figures."""
 
 import pytest
 
 from shard_planner.errors import UserError
+from shard_planner.plan import Plan
+from shard_planner.plan_points import DegreeOutcome
 from shard_planner.profile import load_profile
-from shard_planner.solve import PlanRequest, plan_model
-from shard_planner.solve.tp_search import DegreeOption, degree_reason, plan_over_degrees
+from shard_planner.solve import PlanRequest, plan_model, tp_search
+from shard_planner.plan_points import degree_reason
+from shard_planner.solve.tp_search import DegreeOption, plan_over_degrees
 from shard_planner.tensor_parallel import TensorParallel
 from tests.models.cost_synth import synthetic_trace
 
@@ -26,29 +30,73 @@ def request_8():
                        time_limit_s=2.0, frontier_points=2, allocator_check=False)
 
 
-def test_the_fastest_degree_wins_and_the_others_are_baselines(request_8):
-    result, outcomes = plan_over_degrees(options(1, 2), request_8)
-    assert [o.degree for o in outcomes] == [1, 2] and all(o.refused is None for o in outcomes)
+def test_the_fastest_degree_wins_and_every_degree_is_an_outcome(request_8, monkeypatch):
+    monkeypatch.setattr(tp_search, "SCREEN_MARGIN", 1.0)  # search both in full
+    result = plan_over_degrees(options(1, 2), request_8)
+    outcomes = result.plan.tp_degrees
+    assert [o.degree for o in outcomes] == [1, 2] and all(o.judged == "solved" for o in outcomes)
     fastest = max(outcomes, key=lambda o: o.samples_per_s)
-    assert result.plan.mesh.tp == fastest.degree and result.estimate.time.step_time_s == fastest.step_time_s
+    assert result.plan.mesh.tp == fastest.degree and result.plan.predicted.step_time_s == fastest.step_time_s
     other = next(o for o in outcomes if o is not fastest)
-    assert any(b.description == f"fastest at {other.label}" and b.step_time_s == pytest.approx(other.step_time_s)
-               for b in result.plan.baselines)
+    assert not any("TP" in b.description for b in result.plan.baselines)  # the degrees are outcomes, not policies
     assert (result.plan.tensor_parallel is not None) == (result.plan.mesh.tp > 1)
     # each degree's search is plan_model on its own trace: the same plan as searching that degree alone
     alone = plan_model(synthetic_trace(LAYERS, H, S, V, tp=2), request_8.__class__(
         **{**request_8.__dict__, "tensor_parallel": STYLES}))
-    assert next(o for o in outcomes if o.degree == 2).step_time_s == pytest.approx(alone.estimate.time.step_time_s)
+    two = next(o for o in outcomes if o.degree == 2)
+    assert two.step_time_s == pytest.approx(alone.plan.predicted.step_time_s)
+    assert two.frontier == alone.plan.frontier and two.samples_per_step == alone.plan.global_batch_samples
     assert outcomes[1].tp_comm_s > 0 and outcomes[0].tp_comm_s == 0
-    line = degree_reason(fastest, outcomes)
+    line = degree_reason(result.plan.mesh.tp, outcomes)
     assert line.startswith(f"{fastest.label} chosen (step ") and f"{other.label} -" in line and "samples/s" in line
+    # the outcomes travel in the plan file
+    assert Plan.from_dict(result.plan.to_dict()).tp_degrees == outcomes
+
+
+def test_a_degree_screened_far_behind_keeps_its_screened_figures(request_8, monkeypatch):
+    monkeypatch.setattr(tp_search, "SCREEN_MARGIN", 0.0)  # only the best screened degree is searched
+    searched = []
+    real = tp_search.plan_model
+    monkeypatch.setattr(tp_search, "plan_model", lambda trace, req: searched.append(trace.tp_size) or real(trace, req))
+    result = plan_over_degrees(options(1, 2), request_8)
+    judged = {o.degree: o.judged for o in result.plan.tp_degrees}
+    assert sorted(judged.values()) == ["screened", "solved"] and searched == [result.plan.mesh.tp]
+    loser = next(o for o in result.plan.tp_degrees if o.judged == "screened")
+    assert loser.step_time_s > 0 and loser.frontier == () and "screened only" in degree_reason(
+        result.plan.mesh.tp, result.plan.tp_degrees)
+
+
+def test_the_others_run_beside(request_8, monkeypatch):
+    monkeypatch.setattr(tp_search, "SCREEN_MARGIN", 1.0)
+    started = []
+
+    class Now:
+        def __init__(self, fn, *args):
+            started.append(args[0].tp_size)
+            self.value = fn(*args)
+
+        def result(self):
+            return self.value
+
+    result = plan_over_degrees(options(1, 2), request_8, beside=Now)
+    assert len(started) == 1 and {o.judged for o in result.plan.tp_degrees} == {"solved"}
 
 
 def test_a_degree_the_global_batch_does_not_divide_is_an_outcome(request_8):
     req = request_8.__class__(**{**request_8.__dict__, "global_batch_samples": 4, "micro_batch": None})
-    result, outcomes = plan_over_degrees(options(1, 2), req)  # 8 data-parallel ranks cannot share 4 samples
+    result = plan_over_degrees(options(1, 2), req)  # 8 data-parallel ranks cannot share 4 samples
+    outcomes = result.plan.tp_degrees
     assert result.plan.mesh.tp == 2 and result.plan.global_batch_samples == 4
-    assert outcomes[0].refused is not None and "--global-batch 4 is not a multiple of 8" in outcomes[0].refused
-    assert "no tensor parallelism: --global-batch 4" in degree_reason(outcomes[1], outcomes)
+    assert outcomes[0].judged == "refused" and "--global-batch 4 is not a multiple of 8" in outcomes[0].refused
+    assert "no tensor parallelism: --global-batch 4" in degree_reason(2, outcomes)
     with pytest.raises(UserError, match="--global-batch 4 is not a multiple of 8"):
         plan_over_degrees(options(1), req)  # one degree: its own error
+
+
+def test_degrees_refused_before_tracing_are_outcomes(request_8):
+    refused = (DegreeOutcome(4, judged="refused", refused="the heads 2 do not divide by 4"),)
+    result = plan_over_degrees(options(1), request_8, refused=refused)
+    assert [o.degree for o in result.plan.tp_degrees] == [1, 4] and "TP 4: the heads" in degree_reason(
+        1, result.plan.tp_degrees)
+    with pytest.raises(UserError, match="TP 4: the heads 2 do not divide by 4"):
+        plan_over_degrees([], request_8, refused=refused)

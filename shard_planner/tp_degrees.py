@@ -1,0 +1,88 @@
+"""The tensor-parallel degrees ``plan`` searches for a model, and the styles each is traced with.
+
+    degrees = candidate_degrees(gpus=256, gpus_per_node=8)             # [1, 2, 4, 8]
+    found = degree_styles(model_file, degrees, sequence_parallel=True, loss_parallel=True)
+    found.styles    # degree -> TensorParallel (the same styles for every degree above 1)
+    found.refused   # DegreeOutcome per degree ruled out, with the reason (a dimension it does not divide)
+
+[Note: Which degrees are searched]
+  Tensor parallelism stays inside a node (its collectives are on the compute stream's critical path,
+  every block, so they need NVLink: torchtitan's 2-D runs use TP 8 inside 8-GPU hosts, FSDP across
+  them, docs/performance.md / benchmarks/llama3_h100_202412_torchtitan.md), so the degrees are those of
+  ``CANDIDATE_DEGREES`` that divide the GPUs per node and the GPUs. Each must also divide every split
+  dimension of the model (attention heads, key/value heads, MLP width, vocabulary, with sequence
+  parallelism the sequence: tp_styles.check_divisible); a degree that does not is an outcome with the
+  dimension named. A transformers model is split by its own plan (hf.tp_plan), without sequence
+  parallelism (tp_styles [Note: Sequence parallelism's styles]: it reads the sequence length off the
+  embedding's output) and without loss parallelism (its loss views the logits as (-1, vocab), which a
+  vocabulary-sharded DTensor cannot be), so those two are turned off for it and the log says so.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from shard_planner.errors import UserError, first_line
+from shard_planner.plan_points import DegreeOutcome
+from shard_planner.tensor_parallel import TensorParallel
+
+logger = logging.getLogger(__name__)
+
+CANDIDATE_DEGREES = (1, 2, 4, 8)
+
+
+def candidate_degrees(gpus: int, gpus_per_node: int) -> list[int]:
+    """The degrees of ``CANDIDATE_DEGREES`` that divide the GPUs per node and the GPUs ([Note: Which degrees
+    are searched])."""
+    return [t for t in CANDIDATE_DEGREES if gpus_per_node % t == 0 and gpus % t == 0]
+
+
+@dataclass(frozen=True)
+class DegreeStyles:
+    """The styles to trace each searchable degree above 1 with, and the degrees ruled out with their reason."""
+
+    styles: dict[int, TensorParallel] = field(default_factory=dict)
+    refused: tuple[DegreeOutcome, ...] = ()
+
+
+def degree_styles(model_file, degrees: list[int], *, sequence_parallel: bool, loss_parallel: bool,
+                  seq_len: int | None) -> DegreeStyles:
+    """For each of ``degrees`` above 1: the model's styles (tp_styles.derive_tensor_parallel, from its
+    structure or its transformers plan, the model built on the meta device), or why that degree is refused
+    (the styles cannot be derived; a dimension the degree does not divide). ``seq_len``: the sequence length
+    sequence parallelism splits (None: not checked)."""
+    import torch
+
+    from shard_planner.hf import tp_plan
+    from shard_planner.tp_styles import check_divisible, derive_tensor_parallel
+
+    wanted = [t for t in degrees if t > 1]
+    if not wanted:
+        return DegreeStyles()
+    with torch.device("meta"):
+        model = model_file.build()
+    hf_plan = tp_plan(model)
+    is_transformers = hasattr(getattr(model, "config", None), "base_model_tp_plan")
+    if is_transformers and (sequence_parallel or loss_parallel):
+        logger.info("%s is a transformers model: tensor parallelism by its own plan, without sequence or loss "
+                    "parallelism (shard_planner/tp_degrees.py [Note: Which degrees are searched])",
+                    type(model).__name__)
+        sequence_parallel = loss_parallel = False
+    try:
+        if is_transformers and hf_plan is None:
+            raise UserError(f"transformers has no tensor-parallel plan for {type(model).__name__}")
+        tp = derive_tensor_parallel(model, model_file.batch(1)[0], sequence_parallel=sequence_parallel,
+                                    loss_parallel=loss_parallel, hf_tp_plan=hf_plan)
+    except UserError as e:
+        why = first_line(e)
+        return DegreeStyles(refused=tuple(DegreeOutcome(t, judged="refused", refused=why) for t in wanted))
+    styles, refused = {}, []
+    for t in wanted:
+        try:
+            check_divisible(model, tp, t, seq_len=seq_len)
+        except UserError as e:
+            refused.append(DegreeOutcome(t, judged="refused", refused=first_line(e)))
+            continue
+        styles[t] = tp
+    return DegreeStyles(styles, tuple(refused))
