@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import replace
 
 from shard_planner.errors import UserError
 
@@ -35,8 +36,8 @@ def degrees_to_search(args: argparse.Namespace, gpus_per_node: int, device: str,
 
 
 def plan_degrees(args: argparse.Namespace, hf, dtype: str, degrees: list[int], trace, request, helper):
-    """The plan over ``degrees`` (``trace``: the model traced at degree 1, or at ``degrees``' one degree
-    when it is 1); the styles derived and the other degrees traced by ``helper``."""
+    """The plan over ``degrees`` (``trace``: the model traced at degree 1); the styles derived and the other
+    degrees traced by ``helper``, each screened here as it arrives (solve/tp_search.py)."""
     from shard_planner.solve import plan_model
     from shard_planner.solve.tp_search import DegreeOption, plan_over_degrees
 
@@ -45,9 +46,17 @@ def plan_degrees(args: argparse.Namespace, hf, dtype: str, degrees: list[int], t
     found = helper.submit(_degree_styles, args.model, hf, degrees, args.sequence_parallel, args.loss_parallel,
                           trace.tokens_per_sample).result()
     traced = {t: helper.submit(_trace_at, args.model, hf, dtype, styles, t) for t, styles in found.styles.items()}
-    options = ([DegreeOption(None, trace)] if 1 in degrees else []) + [
-        DegreeOption(found.styles[t], call.result()) for t, call in traced.items()]
-    return plan_over_degrees(options, request, refused=found.refused,
+    if len(traced) == 1 and 1 not in degrees and not found.refused:  # --tp N: that degree alone
+        (t, call), = traced.items()
+        return plan_model(call.result(), replace(request, tensor_parallel=found.styles[t]))
+
+    def options():
+        if 1 in degrees:
+            yield DegreeOption(None, trace)
+        for t, call in traced.items():  # each as the helper finishes it, screened before the next is read
+            yield DegreeOption(found.styles[t], call.result())
+
+    return plan_over_degrees(options(), request, refused=found.refused,
                              beside=helper.submit if helper.forked else None)
 
 

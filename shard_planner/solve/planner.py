@@ -164,8 +164,8 @@ def screen_degree(trace: ModelTrace, request: PlanRequest) -> Checked | None:
             choice = GlobalChoice(mb, PREFETCH_CHOICES[0], mesh, False, accumulations[0])
             lm = ctx.linear(choice)
             cover = ctx.greedy(lm, ctx.budget_mib)
-            judged = ([ctx.check(lm, cover, "heuristic")] if cover is not None else []) + alternatives.hand_written(
-                ctx, choice)
+            covers = ([cover] if cover is not None else []) + list(cpsat.uniform_covers(lm).values())
+            judged = [ctx.check(lm, c, "heuristic") for c in covers] + alternatives.hand_written(ctx, choice)
             for c in judged:
                 if c.peak_bytes <= ctx.budget_bytes and (best is None or speed(c) > speed(best)):
                     best = c

@@ -23,23 +23,25 @@ cluster: at one global batch, the step time.
 
 [Note: Screening the degrees]
   A full search costs seconds per degree at scale (Llama 3 70B on 256 GPUs: 5-10 s each), so every degree
-  is first screened (planner.py ``screen_degree``: the heuristic cover and the hand-written policies at
-  each micro-batch, plain FSDP, default prefetch, under a second), and only the degrees whose screened
-  speed is within ``SCREEN_MARGIN`` of the best screened one are searched in full. The margin is what the
-  full search has been seen to gain over the screen, with room: on Llama 3 70B at 256 GPUs (seq 8192,
-  global batch 512) it gained +0.5%, +3.1%, +8.5% and +1.2% at TP 1, 2, 4, 8, on 405B at 512 GPUs (global
-  batch 256) +1.4%, +0.8% and +1.1% at TP 2, 4, 8 — TP 4 won the 70B case by 0.4% after screening 6% behind
-  TP 8. A degree screened out keeps its screened figures (``judged="screened"``: a lower bound of what a
-  search would find) and the summary says so. A degree whose screen finds no plan is searched only when
-  no degree's screen found one (the search may, where the heuristic does not). With ``beside`` (the
-  command's helper process) every other degree to search runs there, at the same time.
+  is first screened (planner.py ``screen_degree``: at each micro-batch, plain FSDP and default prefetch, the
+  heuristic cover, every uniform cover and the hand-written policies, about a second), and only the degrees
+  whose screened speed is within ``SCREEN_MARGIN`` of the best screened one are searched in full. The margin
+  is what the full search has been seen to gain over the screen, rounded up: on Llama 3 70B at 256 GPUs (seq
+  8192, global batch 512) +0.5%, +3.1%, +1.3% and +1.2% at TP 1, 2, 4, 8; on 405B at 512 GPUs (global batch
+  256) +1.4%, +0.8% and +1.1% at TP 2, 4, 8 (without the uniform covers the screen missed TP 4's 70B
+  answer by 8.5%: the full search ends on a uniform cover often). A degree screened out keeps its screened
+  figures (``judged="screened"``: what a search would at least find) and the summary says so. A degree
+  whose screen finds no plan is searched only when no degree's screen found one (the search may, where
+  the screen does not). Options may arrive one by one (an iterator: the command's helper traces the next
+  degree while this process screens the last), and with ``beside`` (the helper) every degree to search but
+  the best screened one runs there, at the same time as this process's search.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from shard_planner.errors import InfeasibleError, UserError, first_line
 from shard_planner.plan_points import DegreeOutcome, degree_label
@@ -51,7 +53,7 @@ from shard_planner.trace.types import ModelTrace
 
 logger = logging.getLogger(__name__)
 
-SCREEN_MARGIN = 0.10  # a degree screened this much slower than the best screened one is not searched in full
+SCREEN_MARGIN = 0.04  # a degree screened this much slower than the best screened one is not searched in full
 
 
 @dataclass(frozen=True)
@@ -71,23 +73,19 @@ class DegreeOption:
 Beside = Callable[..., Any]
 
 
-def plan_over_degrees(options: list[DegreeOption], request: PlanRequest, *, refused: tuple[DegreeOutcome, ...] = (),
-                      beside: Beside | None = None) -> PlanResult:
+def plan_over_degrees(options: Iterable[DegreeOption], request: PlanRequest, *,
+                      refused: tuple[DegreeOutcome, ...] = (), beside: Beside | None = None) -> PlanResult:
     """The fastest plan over ``options``' degrees, its ``tp_degrees`` every degree's outcome (``refused``: the
-    degrees ruled out before tracing, e.g. by a dimension they do not divide). One option is
-    ``plan_model`` itself; each degree searched in full ([Note: Screening the degrees]) keeps its fastest
+    degrees ruled out before tracing, e.g. by a dimension they do not divide). Each degree searched in full ([Note: Screening the degrees]) keeps its fastest
     plan's figures and its frontier in its outcome (the report draws them beside the answer's). A degree that cannot
     be planned (no plan fits; a global batch its data-parallel ranks do not divide) is an outcome; all of
     them raise the first one's error."""
-    if not options:
-        raise UserError("no tensor-parallel degree to plan: " + "; ".join(
-            f"{o.label}: {o.refused}" for o in refused) if refused else "no tensor-parallel degree to plan")
-    if len(options) == 1 and not refused:
-        return plan_model(options[0].trace, _request_for(options[0], request))
     outcomes: dict[int, DegreeOutcome] = {o.degree: o for o in refused}
     errors: list[UserError] = []
     screened: dict[int, Checked | None] = {}
+    by_degree: dict[int, DegreeOption] = {}
     for opt in options:
+        by_degree[opt.degree] = opt
         try:
             screened[opt.degree] = screen_degree(opt.trace, _request_for(opt, request))
         except (InfeasibleError, UserError) as e:
@@ -97,11 +95,11 @@ def plan_over_degrees(options: list[DegreeOption], request: PlanRequest, *, refu
     for degree, c in screened.items():
         if degree not in to_search and c is not None:
             outcomes[degree] = _screened_outcome(degree, c)
-    results = _search(options, to_search, request, beside, outcomes, errors)
+    results = _search(by_degree, to_search, request, beside, outcomes, errors)
     if not results:
         if errors:
             raise errors[0]
-        raise UserError("no tensor-parallel degree has a plan that fits")
+        raise UserError("no tensor-parallel degree to plan: " + "; ".join(f"{o.label}: {o.refused}" for o in refused))
     best = max(results, key=lambda r: r.plan.predicted.samples_per_s)
     return replace(best, plan=replace(best.plan, tp_degrees=tuple(outcomes[d] for d in sorted(outcomes))))
 
@@ -120,11 +118,10 @@ def _worth_searching(screened: dict[int, Checked | None]) -> list[int]:
     return sorted(kept, key=lambda d: -found[d].samples_per_s)
 
 
-def _search(options: list[DegreeOption], degrees: list[int], request: PlanRequest, beside: Beside | None,
+def _search(by_degree: dict[int, DegreeOption], degrees: list[int], request: PlanRequest, beside: Beside | None,
             outcomes: dict[int, DegreeOutcome], errors: list[UserError]) -> list[PlanResult]:
     """``plan_model`` for each of ``degrees``: the first here, the others ``beside`` when given (started
     before this process's own search, so that they run at the same time); each outcome recorded."""
-    by_degree = {o.degree: o for o in options}
     started = {d: beside(plan_model, by_degree[d].trace, _request_for(by_degree[d], request))
                for d in degrees[1:]} if beside is not None else {}
     results = []
