@@ -17,7 +17,6 @@ plan stays a screenful.
 from __future__ import annotations
 
 import json
-import re
 import string
 import textwrap
 from dataclasses import dataclass
@@ -27,13 +26,9 @@ from shard_planner.checkpointing import ALTERNATE_MATMUL, keeps_alternate_matmul
 from shard_planner.plan import Plan, Unit
 from shard_planner.report.export.accumulation import fsdp2_train_step_source
 from shard_planner.report.export.common import (
-    TORCH_DTYPES, allocator_line, finetune_recipe, optimizer_call, split_number,
+    TEMPLATE_SAFE, TORCH_DTYPES, allocator_line, finetune_recipe, optimizer_call, py_str, split_number,
 )
 from shard_planner.units import format_bytes
-
-# Module names folded into f-string templates (f"blocks.{i}"): characters that stand as themselves there.
-_TEMPLATE_SAFE = re.compile(r"[A-Za-z0-9_.\-]+")
-
 
 @dataclass(frozen=True)
 class _Entry:
@@ -49,25 +44,15 @@ def _as_entry(unit: Unit) -> _Entry | None:
     """None for a unit that stays literal: the root, a module without a number, or a name whose text an
     f-string template could not hold as it is (quotes, braces, backslashes)."""
     parsed = [split_number(m) for m in unit.modules]
-    if unit.is_root or any(p is None for p in parsed) or not all(_TEMPLATE_SAFE.fullmatch(m) for m in unit.modules):
+    if unit.is_root or any(p is None for p in parsed) or not all(TEMPLATE_SAFE.fullmatch(m) for m in unit.modules):
         return None
     base = parsed[0][1]
     return _Entry(tuple((p[0], p[1] - base, p[2]) for p in parsed), base, unit.reshard_after_forward,
                   unit.activation_checkpoint)
 
 
-def _py_str(text: str) -> str:
-    """``text`` as a Python string literal that compiles back to it, whatever it holds (backslashes such as
-    ``\\N``, quotes, line breaks, non-BMP or surrogate-escaped characters): repr, not json.dumps, whose
-    surrogate pairs would read back as two characters."""
-    literal = repr(text)
-    if literal[0] == "'" and "'" not in text and '"' not in text:
-        return f'"{literal[1:-1]}"'  # the generated file's quotes (nothing inside changes)
-    return literal
-
-
 def _literal(unit: Unit) -> str:
-    names = ", ".join(_py_str(m) for m in unit.modules)
+    names = ", ".join(py_str(m) for m in unit.modules)
     return f"([{names}], {unit.reshard_after_forward!r}, {unit.activation_checkpoint!r}),"
 
 
@@ -156,7 +141,7 @@ def export_fsdp2(plan: Plan) -> str:
                    '\n    # an accelerator.\n    policy["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")')
     return _SOURCE.substitute(
         **_checkpoint_source(plan),
-        model_path=_py_str(plan.model.path), gpus=plan.cluster.gpus, version=__version__,
+        model_path=py_str(plan.model.path), gpus=plan.cluster.gpus, version=__version__,
         fingerprint=plan.model.fingerprint, predicted=predicted, mesh_shape=mesh_shape, mesh_names=mesh_names,
         optimizer=optimizer_call(t, plan.model.finetune is not None), fsdp_imports=fsdp_imports,
         finetune=_finetune_text(plan), units=units, forward=plan.prefetch.forward,
