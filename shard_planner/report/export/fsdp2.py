@@ -28,6 +28,7 @@ from shard_planner.report.export.accumulation import fsdp2_train_step_source
 from shard_planner.report.export.common import (
     TEMPLATE_SAFE, TORCH_DTYPES, allocator_line, finetune_recipe, optimizer_call, py_str, split_number,
 )
+from shard_planner.report.export.fsdp2_tp import tp_source
 from shard_planner.units import format_bytes
 
 @dataclass(frozen=True)
@@ -140,7 +141,7 @@ def export_fsdp2(plan: Plan) -> str:
         offload = ('\n    # Sharded parameters, gradients and optimizer states live on the host; pinned memory needs'
                    '\n    # an accelerator.\n    policy["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")')
     return _SOURCE.substitute(
-        **_checkpoint_source(plan),
+        **_checkpoint_source(plan), **tp_source(plan),
         model_path=py_str(plan.model.path), gpus=plan.cluster.gpus, version=__version__,
         fingerprint=plan.model.fingerprint, predicted=predicted, mesh_shape=mesh_shape, mesh_names=mesh_names,
         optimizer=optimizer_call(t, plan.model.finetune is not None), fsdp_imports=fsdp_imports,
@@ -162,7 +163,7 @@ Usage, in every rank after init_process_group:
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cuda", $mesh_shape, mesh_dim_names=$mesh_names)
     model = apply_sharding(build_model(), mesh)
-    optimizer = $optimizer
+    optimizer = $optimizer$tp_usage
 """
 
 import functools
@@ -170,7 +171,7 @@ import functools
 import torch
 from torch.distributed.fsdp import $fsdp_imports
 $checkpoint_imports
-
+$tp_imports
 MODEL_PATH = $model_path  # the plan's model file
 # One fully_shard call per unit, in forward order: (module names, reshard_after_forward, activation
 # checkpointing). Several names in one list are one unit: one all-gather and one reduce-scatter for all.
@@ -183,7 +184,7 @@ FORWARD_PREFETCH = $forward  # all-gathers issued this many units ahead in forwa
 BACKWARD_PREFETCH = $backward  # ... and in backward (FSDP2 prefetches 1 by default)
 
 
-${checkpoint_source}def _depth(name: str) -> int:
+${checkpoint_source}${tp_source}def _depth(name: str) -> int:
     return 0 if name == "" else name.count(".") + 1
 
 
@@ -205,8 +206,8 @@ def _replicate_scalars(model: torch.nn.Module, mesh) -> set:
 
 
 def apply_sharding(model: torch.nn.Module, mesh) -> torch.nn.Module:
-    """Shard ``model`` in place as planned and return it; ``mesh`` is the 1-D (or HSDP 2-D) DeviceMesh."""
-    policy = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=$param_dtype,
+    """Shard ``model`` in place as planned and return it; ``mesh`` is the plan's DeviceMesh (the usage's)."""
+$tp_apply    policy = dict(mesh=$dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=$param_dtype,
                                                             reduce_dtype=$reduce_dtype))$offload
     get = model.get_submodule
     policy["ignored_params"] = _replicate_scalars(model, mesh) or None
