@@ -99,3 +99,41 @@ def test_fsdp2_snippet_without_tp_has_no_tp_code():
     plain = replace(plan, mesh=replace(plan.mesh, shard=4, tp=1), tensor_parallel=None)
     text = export_plan(plain, "fsdp2").text
     assert "TP_STYLES" not in text and "loss_context" not in text and "policy = dict(mesh=mesh," in text
+
+
+# ---- torchtitan ----
+
+def _torchtitan(plan) -> tuple[dict, dict, tuple[str, ...]]:
+    export = export_plan(plan, "torchtitan")
+    ns = _exec(export.text)
+    return ns["PARALLELISM"], ns["COMPILE"], export.notes
+
+
+def test_torchtitan_states_the_degrees_and_sequence_parallelism(plan_8b):
+    parallelism, compile_fields, notes = _torchtitan(plan_8b)
+    assert parallelism == {"data_parallel_shard_degree": 32, "data_parallel_replicate_degree": 1,
+                           "fsdp_reshard_after_forward": "always", "tensor_parallel_degree": 8,
+                           "enable_sequence_parallel": True}
+    assert compile_fields == {"enable_async_tensor_parallel": False}
+    assert not [n for n in notes if "logits" in n or "styles" in n]  # torchtitan's Llama split, loss parallel
+
+
+def test_torchtitan_hsdp_without_sequence_or_loss_parallelism():
+    plan = llama_tp_plan("tiny", shard=2, replicate=2, tp=2, sequence_parallel=False, loss_parallel=False)
+    parallelism, _, notes = _torchtitan(plan)
+    assert (parallelism["data_parallel_replicate_degree"], parallelism["data_parallel_shard_degree"],
+            parallelism["tensor_parallel_degree"], parallelism["enable_sequence_parallel"]) == (2, 2, 2, False)
+    assert [n for n in notes if "torchtitan 0.3 always keeps them split on the vocabulary" in n]
+    assert not [n for n in notes if "styles" in n]  # without sequence parallelism: no norm, no gather_input
+
+
+def test_torchtitan_notes_styles_that_are_not_its_llama_split():
+    from shard_planner.report.export.torchtitan import torchtitan_layout_gaps
+
+    plan = llama_tp_plan("tiny", shard=2, tp=2)
+    assert torchtitan_layout_gaps(plan.tensor_parallel) == []
+    styles = {f: s for f, s in plan.tensor_parallel.styles.items() if f != "layers.1.feed_forward.w3"}
+    gaps = torchtitan_layout_gaps(TensorParallel(styles))
+    assert gaps[0] == "block layers.1: 4 colwise, 2 gather_input, 2 norm, 2 rowwise" and len(gaps) == 2
+    _, _, notes = _torchtitan(replace(plan, tensor_parallel=TensorParallel(styles)))
+    assert [n for n in notes if "not torchtitan's Llama split" in n and "block layers.1" in n]
