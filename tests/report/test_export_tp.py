@@ -137,3 +137,35 @@ def test_torchtitan_notes_styles_that_are_not_its_llama_split():
     assert gaps[0] == "block layers.1: 4 colwise, 2 gather_input, 2 norm, 2 rowwise" and len(gaps) == 2
     _, _, notes = _torchtitan(replace(plan, tensor_parallel=TensorParallel(styles)))
     assert [n for n in notes if "not torchtitan's Llama split" in n and "block layers.1" in n]
+
+
+# ---- accelerate ----
+
+def _accelerate(plan):
+    import yaml
+
+    with llama_size("8b" if plan.mesh.world_size > 64 else "tiny"):
+        export = export_plan(plan, "accelerate")
+    return yaml.safe_load(export.text), export
+
+
+def test_accelerate_states_the_sizes_and_how_to_split(plan_8b):
+    config, export = _accelerate(plan_8b)
+    assert config["parallelism_config"] == {"parallelism_config_dp_replicate_size": 1,
+                                            "parallelism_config_dp_shard_size": 32, "parallelism_config_tp_size": 8}
+    assert config["num_processes"] == 256
+    assert "# Tensor parallelism: FSDP over 32 GPUs x TP 8" in export.text
+    assert [n for n in export.notes if "applies none of the plan's 355 tensor-parallel styles" in n
+            and "model.tp_size = 8" in n]
+    assert [n for n in export.notes if "sequence parallelism; transformers' tensor-parallel plans have none" in n]
+    assert [n for n in export.notes if "loss_parallel()" in n]
+
+
+def test_accelerate_hsdp_tp_without_sequence_or_loss_parallelism():
+    plan = llama_tp_plan("tiny", shard=2, replicate=2, tp=2, sequence_parallel=False, loss_parallel=False)
+    config, export = _accelerate(plan)
+    sizes = config["parallelism_config"]
+    assert (sizes["parallelism_config_dp_replicate_size"], sizes["parallelism_config_dp_shard_size"],
+            sizes["parallelism_config_tp_size"]) == (2, 2, 2)
+    assert not [n for n in export.notes if "sequence parallelism" in n or "loss_parallel()" in n]
+    assert [n for n in export.notes if "applies none of the plan's" in n]
