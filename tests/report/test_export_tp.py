@@ -169,3 +169,53 @@ def test_accelerate_hsdp_tp_without_sequence_or_loss_parallelism():
             sizes["parallelism_config_tp_size"]) == (2, 2, 2)
     assert not [n for n in export.notes if "sequence parallelism" in n or "loss_parallel()" in n]
     assert [n for n in export.notes if "applies none of the plan's" in n]
+
+
+# ---- deepspeed ----
+
+def _deepspeed(plan):
+    with llama_size("8b" if plan.mesh.world_size > 64 else "tiny"):
+        info = model_info_for_plan(plan)
+        export = export_plan(plan, "deepspeed", info)
+    return json.loads(export.text), export, info
+
+
+def test_deepspeed_autotp_section_for_dp32_tp8(plan_8b):
+    config, export, info = _deepspeed(plan_8b)
+    tp = config["tensor_parallel"]
+    assert tp["autotp_size"] == 8 and tp["vocab_parallel_lm_head"] is True
+    column, row = tp["partition_config"]["layer_specs"]
+    assert column["partition_type"] == "column" and len(column["patterns"]) == 5  # wq wk wv w1 w3, every block
+    assert row["partition_type"] == "row" and row["patterns"] == [
+        r"(?:.*\.)?layers\.\d+\.attention\.wo\.weight$", r"(?:.*\.)?layers\.\d+\.feed_forward\.w2\.weight$"]
+    assert tp["partition_config"]["lm_head_patterns"] == ["output"]
+    assert "train_batch_size" not in config and config["zero_optimization"]["stage"] == 3
+    for words in ("sequence parallelism (65 norms, 64 gathered inputs) cannot be expressed",
+                  "embedding tok_embeddings on the vocabulary", "loss_function hook"):
+        assert [n for n in export.notes if words in n], words
+    # ZeRO-3's sizes count one tp rank's parameters: a block's split weights / 8, its norms whole
+    block = [m for m in info.modules if m.fqn.startswith("layers.0.") and m.param_count]
+    local = sum(m.param_count // 8 if m.fqn.endswith(("wq", "wk", "wv", "wo", "w1", "w2", "w3")) else m.param_count
+                for m in block)
+    assert config["zero_optimization"]["reduce_bucket_size"] == local
+
+
+def test_deepspeed_without_loss_parallelism_gathers_the_head():
+    import re
+
+    plan = llama_tp_plan("tiny", shard=2, tp=2, sequence_parallel=False, loss_parallel=False)
+    config, export, _ = _deepspeed(plan)
+    tp = config["tensor_parallel"]
+    assert tp["vocab_parallel_lm_head"] is False and "lm_head_patterns" not in tp["partition_config"]
+    head = tp["partition_config"]["layer_specs"][-1]
+    assert head == {"patterns": [r"(?:.*\.)?output\.weight$"], "partition_type": "column", "gather_output": True}
+    assert re.match(head["patterns"][0], "model.output.weight") and not re.match(head["patterns"][0], "output.bias")
+    assert not [n for n in export.notes if "sequence parallelism" in n or "loss_function" in n]
+
+
+def test_deepspeed_without_tp_has_no_tensor_parallel_section():
+    plan = llama_tp_plan("tiny", shard=2, tp=2)
+    config, export, _ = _deepspeed(replace(plan, mesh=replace(plan.mesh, shard=4, tp=1), tensor_parallel=None))
+    assert "tensor_parallel" not in config and config["train_batch_size"] == 4 * 1
+    assert not [n for n in export.notes if "AutoTP" in n]
+
