@@ -62,7 +62,7 @@ def test_deepspeed_zero3_step_partitions_every_block_parameter(tiny_llama_plan, 
     assert result["loss"] == result["loss"]  # finite
 
 
-@pytest.mark.parametrize("name", ["dp32-tp8"])
+@pytest.mark.parametrize("name", ["dp32-tp8", "hsdp2x4-tp8-plain"])
 def test_deepspeed_reads_the_autotp_section(name, llama_8b_tp_exports, monkeypatch):
     """DeepSpeed parses the tensor-parallel exports (its batch check at the plan's world size: it derives
     train_batch_size over every rank) and its AutoTP config maps each of the plan's colwise and rowwise

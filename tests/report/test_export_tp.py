@@ -219,3 +219,10 @@ def test_deepspeed_without_tp_has_no_tensor_parallel_section():
     assert "tensor_parallel" not in config and config["train_batch_size"] == 4 * 1
     assert not [n for n in export.notes if "AutoTP" in n]
 
+
+def test_deepspeed_hsdp_is_noted_not_written_as_mics():
+    """DeepSpeed 0.19.8 refuses mics_shard_size (runtime/config.py _REMOVED_ZERO_CONFIG_KEYS): HSDP is a note."""
+    plan = llama_tp_plan("tiny", shard=2, replicate=2, tp=2, sequence_parallel=False, loss_parallel=False)
+    config, export, _ = _deepspeed(plan)
+    assert "mics_shard_size" not in config["zero_optimization"]
+    assert [n for n in export.notes if n.startswith("HSDP (2 replicas x 2-way sharding) cannot be expressed")]

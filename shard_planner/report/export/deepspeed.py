@@ -194,10 +194,11 @@ def export_deepspeed(plan: Plan, info: ModelInfo) -> Export:
     # ZeRO-3 has no units: grouping and prefetch are expressed through the sizes above
     notes: list[str] = policy_notes(plan, "ZeRO-3", syncs_every_step=True, fsdp2=False)
     notes += finetune_notes(plan, "DeepSpeed", expressible=True)
-    if plan.mesh.is_hsdp:
-        notes.append(f"HSDP ({plan.mesh.replicate_group_size} replicas x {plan.mesh.shard_group_size}-way sharding): "
-                     "ZeRO-3 shards over all ranks; MiCS (mics_shard_size) is DeepSpeed's closest; mics_shard_size is set")
-        zero["mics_shard_size"] = plan.mesh.shard_group_size
+    if plan.mesh.is_hsdp:  # DeepSpeed 0.19.8 rejects mics_shard_size (runtime/config.py:119-122, _reject_removed_config_keys)
+        notes.append(f"HSDP ({plan.mesh.replicate_group_size} replicas x {plan.mesh.shard_group_size}-way sharding) "
+                     f"cannot be expressed: ZeRO-3 shards over all {plan.mesh.dp_size} data-parallel ranks (DeepSpeed "
+                     "0.19.8 removed MiCS, its sharding within groups, and refuses mics_shard_size): less memory per "
+                     "rank than the plan, its all-gathers and reduce-scatters across the replicas too")
     notes += _checkpointing_notes(plan)
     tensor_parallel, tp_notes = autotp_section(plan)
     notes += tp_notes
