@@ -64,3 +64,20 @@ def tiny_llama_plan(tmp_path_factory):
     plan = load_plan(path)
     units = (Unit(("",), False), *(Unit((f"layers.{i}",), True, i == 0) for i in range(2)))
     return replace(plan, units=units, training=replace(plan.training, lr=3e-4, micro_batch=2))
+
+
+@pytest.fixture(scope="session")
+def llama_8b_tp_exports():
+    """name -> (plan, {target: Export}) for tensor-parallel plans of the 8B Llama (tests/report/tp_plans.py):
+    dp 32 x tp 8 with sequence and loss parallelism, and HSDP 2 x 4 x tp 8 without either."""
+    from shard_planner.report.export import TARGETS, export_plan, model_info_for_plan
+    from tests.report.tp_plans import llama_tp_plan
+
+    out = {}
+    with llama_size("8b"):
+        for name, plan in {"dp32-tp8": llama_tp_plan("8b"),
+                           "hsdp2x4-tp8-plain": llama_tp_plan("8b", shard=4, replicate=2, sequence_parallel=False,
+                                                              loss_parallel=False)}.items():
+            info = model_info_for_plan(plan)
+            out[name] = plan, {t: export_plan(plan, t, info) for t in TARGETS}
+    return out

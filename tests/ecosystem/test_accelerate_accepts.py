@@ -52,3 +52,26 @@ def test_accelerate_plugin_means_the_plan(name, llama_8b_exports, tmp_path, monk
     coded.set_mixed_precision("bf16")
     assert coded.mixed_precision_policy.reduce_dtype == torch.float32
     assert coded.reshard_after_forward == plugin.reshard_after_forward
+
+
+@pytest.mark.parametrize("name", ["dp32-tp8", "hsdp2x4-tp8-plain"])
+def test_accelerate_parallelism_config_means_the_tp_plan(name, llama_8b_tp_exports, tmp_path, monkeypatch):
+    """accelerate launch reads the tensor-parallel exports; the ParallelismConfig Accelerate builds from its
+    environment has the plan's sizes, its mesh is the plan's (dp_replicate, dp_shard, tp; tp last), FSDP2
+    shards over the data-parallel dimensions, and the sizes multiply to the plan's processes."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    plan, exports = llama_8b_tp_exports[name]
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(exports["accelerate"].text)
+    env = _launch_env(path)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert env["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true" and env["FSDP_VERSION"] == "2"
+    config = ParallelismConfig()
+    m = plan.mesh
+    assert (config.dp_replicate_size, config.dp_shard_size, config.tp_size) == (m.replicate, m.shard, m.tp)
+    assert config.total_size == m.world_size == plan.cluster.gpus and config.tp_enabled
+    names, sizes = config._get_mesh()
+    assert tuple(n.replace("dp_", "") for n in names) == m.device_mesh_dim_names and sizes == m.device_mesh_shape
+    assert set(config.fsdp_dim_names) <= {"dp_replicate", "dp_shard_cp"}  # FSDP2 over the dp dimensions only

@@ -6,7 +6,9 @@ fsdp2 is exact; the config-driven stacks cannot say everything a plan decides (g
 policies, prefetch depth): each such export lists what it could not express and the nearest setting it
 used, in the file (comments, or ``_comment`` for JSON) and in ``Export.notes``. Accelerate and DeepSpeed
 need the model's classes and parameter counts: from ``info`` (``model_info_from_trace``), or by building
-the plan's model on the meta device.
+the plan's model on the meta device. A tensor-parallel plan's split is stated by each export (the fsdp2
+snippet applies its styles: fsdp2_tp.py; DeepSpeed's AutoTP section: deepspeed_tp.py) or noted where the
+stack cannot say it.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ config_yaml_templates/fsdp.yaml): ``fsdp_version: 2``; ``fsdp_reshard_after_forw
 replaces FSDP1's sharding strategy); ``fsdp_auto_wrap_policy`` with ``fsdp_transformer_layer_cls_to_wrap``
 (comma-separated class names) or ``fsdp_min_num_params``; ``fsdp_activation_checkpointing`` (applied to
 the wrapped layers); ``fsdp_offload_params``; ``mixed_precision`` at the top level; HSDP through
-``parallelism_config`` (``parallelism_config_dp_replicate_size`` / ``_dp_shard_size``). Accelerate's
-FSDP2 has no forward prefetch option and always prefetches one unit in backward.
+``parallelism_config`` (``parallelism_config_dp_replicate_size`` / ``_dp_shard_size``), and tensor
+parallelism's degree there too (``parallelism_config_tp_size``; see [Note: Accelerate's tensor parallelism]).
+Accelerate's FSDP2 has no forward prefetch option and always prefetches one unit in backward.
 
 What Accelerate cannot say (grouped units, per-unit reshard or checkpointing, prefetch depth, units of a
 class that also occurs elsewhere) is written as comments at the top of the file with the nearest setting
@@ -76,6 +77,57 @@ def _reduce_dtype_notes(t) -> list[str]:
             "the rest of this file from accelerate launch's environment"]
 
 
+# [Note: Accelerate's tensor parallelism] (accelerate 1.16) ``ParallelismConfig`` holds dp_replicate_size,
+# dp_shard_size, tp_size (and cp_size, sp_size), read from the PARALLELISM_CONFIG_* variables accelerate launch
+# sets from the file's parallelism_config section (parallelism_config.py:272-277, utils/launch.py:385-387); its
+# mesh is (dp_replicate, dp_shard, tp) with tp last (parallelism_config.py:256-267), the plan's layout, and
+# FSDP2 shards over the dp dimensions (utils/fsdp_utils.py:769, mesh[fsdp_dim_names]); the sizes must
+# multiply to the processes (parallelism_config.py:368-373). Accelerate splits no module itself: with tp_size > 1
+# the model must arrive split, its tp_size set (accelerator.py:1875-1884, get_model_tp_size: utils/other.py:
+# 263-283; transformers' from_pretrained(tp_plan="auto") does both), and it only wraps the parameters left whole
+# as Replicate DTensors over the tp mesh (accelerator.py:1585-1605). transformers splits by the model's own
+# plan, which has no sequence parallelism (shard_planner/tp_styles.py [Note: Sequence parallelism's styles])
+# and all-gathers the logits (e.g. LlamaForCausalLM's {"lm_head": "colwise_gather_output"}); Accelerate has
+# no loss-parallel setting.
+
+
+def _tp_lines(plan: Plan) -> tuple[list[str], list[str]]:
+    """The header lines and notes of a tensor-parallel plan ([], [] without). See [Note: Accelerate's tensor
+    parallelism]."""
+    tp = plan.tensor_parallel
+    if tp is None:
+        return [], []
+    m = plan.mesh
+    header = [f"Tensor parallelism: {m.description} ({tp.description}): parallelism_config_tp_size = {m.tp_size} "
+              f"below, with dp_replicate_size {m.replicate_group_size} x dp_shard_size {m.shard_group_size} = "
+              f"{m.world_size} GPUs / tp {m.tp_size}; Accelerate's mesh is (dp_replicate, dp_shard, tp), as the plan's. "
+              "Accelerate splits no module: split the model before accelerator.prepare (see the notes)."]
+    notes = [f"Accelerate applies none of the plan's {len(tp.styles)} tensor-parallel styles: it needs the model "
+             "split already, with model.tp_size set; transformers' from_pretrained(tp_plan=\"auto\") splits by the "
+             "model's own plan, which is the plan's only when the plan's styles were derived from it. To run the "
+             "plan's styles: apply_tensor_parallel(model, accelerator.torch_device_mesh) from the fsdp2 export "
+             f"(its TP_STYLES) and model.tp_size = {plan.mesh.tp_size}, before accelerator.prepare"]
+    if tp.sequence_parallel:
+        notes.append("the plan uses sequence parallelism; transformers' tensor-parallel plans have none "
+                     "(activations whole on every tp rank: more activation memory than the plan): only the plan's "
+                     "styles applied as above keep it")
+    if tp.loss_parallel:
+        notes.append("the plan keeps the logits split on the vocabulary into the loss (loss parallelism); Accelerate "
+                     "has no setting and transformers' plans all-gather them (colwise_gather_output): with the "
+                     "plan's styles, compute the loss and its backward inside torch.distributed.tensor.parallel."
+                     "loss_parallel() (the fsdp2 export's loss_context())")
+    return header, notes
+
+
+def _parallelism_config(plan: Plan) -> dict:
+    """HSDP's and tensor parallelism's sizes (accelerate launch's parallelism_config_* options)."""
+    sizes = {"parallelism_config_dp_replicate_size": plan.mesh.replicate_group_size,
+             "parallelism_config_dp_shard_size": plan.mesh.shard_group_size}
+    if plan.mesh.is_tp:
+        sizes["parallelism_config_tp_size"] = plan.mesh.tp_size
+    return sizes
+
+
 def export_accelerate(plan: Plan, info: ModelInfo) -> Export:
     notes: list[str] = finetune_notes(plan, "Accelerate", expressible=True)
     classes, class_notes = wrap_classes(plan, info)
@@ -132,9 +184,10 @@ def export_accelerate(plan: Plan, info: ModelInfo) -> Export:
         "machine_rank": 0,
         "fsdp_config": fsdp,
     }
-    if plan.mesh.is_hsdp:
-        config["parallelism_config"] = {"parallelism_config_dp_replicate_size": plan.mesh.replicate_group_size,
-                                        "parallelism_config_dp_shard_size": plan.mesh.shard_group_size}
+    if plan.mesh.is_hsdp or plan.mesh.is_tp:
+        config["parallelism_config"] = _parallelism_config(plan)
+    tp_header, tp_notes = _tp_lines(plan)
+    notes += tp_notes
     header = [
         f"Accelerate FSDP2 config for {plan.model.path} on {plan.cluster.gpus} GPUs, generated by shard-planner "
         f"{__version__} (model fingerprint {plan.model.fingerprint}).",
@@ -145,6 +198,7 @@ def export_accelerate(plan: Plan, info: ModelInfo) -> Export:
         f"Optimizer of the plan: {optimizer_call(t, plan.model.finetune is not None)} (build it in your script; "
         "Accelerate configs do not hold it).",
         *accelerate_lines(plan),
+        *tp_header,
     ]
     if notes:
         header += ["", "Where the plan cannot be expressed exactly (the nearest setting is used below):"]

@@ -71,6 +71,7 @@ def fsdp2_train_step_source(plan: Plan) -> str:
     if t.accumulation_steps == 1:
         return ""
     every = t.gradient_sync == GRADIENT_SYNCS[0]
+    loss_lines = _LOSS_LINES if plan.tensor_parallel is None else _TP_LOSS_LINES
     return f'''
 
 # Gradient accumulation: {plan.accumulation_text}.
@@ -87,9 +88,17 @@ def train_step(model, optimizer, micro_batches, loss_fn) -> torch.Tensor:
         last = i == ACCUMULATION_STEPS - 1
         model.set_requires_gradient_sync(last or SYNC_EVERY_MICRO_STEP, recurse=True)
         model.set_reshard_after_backward(last or not KEEP_PARAMS_GATHERED, recurse=True)
-        loss = loss_fn(model(inputs), targets)
-        (loss / ACCUMULATION_STEPS).backward()  # a mean over the global batch
-        losses.append(loss.detach())
+{loss_lines}        losses.append(loss.detach())
     optimizer.step()
     return torch.stack(losses).mean()
 '''
+
+
+_LOSS_LINES = """        loss = loss_fn(model(inputs), targets)
+        (loss / ACCUMULATION_STEPS).backward()  # a mean over the global batch
+"""
+# With tensor parallelism the loss and its backward run in the snippet's loss_context() (report/export/fsdp2_tp.py)
+_TP_LOSS_LINES = """        with loss_context():  # torch's loss_parallel() when the logits stay split on the vocabulary
+            loss = loss_fn(model(inputs), targets)
+            (loss / ACCUMULATION_STEPS).backward()  # a mean over the global batch
+"""

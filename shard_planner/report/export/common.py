@@ -25,6 +25,20 @@ class Export:
     notes: tuple[str, ...] = ()  # "what the plan says -> the nearest setting used"
 
 
+# Module names folded into f-string templates (f"blocks.{i}"): characters that stand as themselves there.
+TEMPLATE_SAFE = re.compile(r"[A-Za-z0-9_.\-]+")
+
+
+def py_str(text: str) -> str:
+    """``text`` as a Python string literal that compiles back to it, whatever it holds (backslashes such as
+    ``\\N``, quotes, line breaks, non-BMP or surrogate-escaped characters): repr, not json.dumps, whose
+    surrogate pairs would read back as two characters."""
+    literal = repr(text)
+    if literal[0] == "'" and "'" not in text and '"' not in text:
+        return f'"{literal[1:-1]}"'  # the generated file's quotes (nothing inside changes)
+    return literal
+
+
 def allocator_env(plan: Plan) -> str:
     """'PYTORCH_ALLOC_CONF=expandable_segments:True': the CUDA caching allocator's setting ``plan`` was judged to
     fit --mem with (``cluster.expandable_segments``; shard_planner/allocator_conf.py), as an assignment in the

@@ -17,7 +17,6 @@ plan stays a screenful.
 from __future__ import annotations
 
 import json
-import re
 import string
 import textwrap
 from dataclasses import dataclass
@@ -27,13 +26,10 @@ from shard_planner.checkpointing import ALTERNATE_MATMUL, keeps_alternate_matmul
 from shard_planner.plan import Plan, Unit
 from shard_planner.report.export.accumulation import fsdp2_train_step_source
 from shard_planner.report.export.common import (
-    TORCH_DTYPES, allocator_line, finetune_recipe, optimizer_call, split_number,
+    TEMPLATE_SAFE, TORCH_DTYPES, allocator_line, finetune_recipe, optimizer_call, py_str, split_number,
 )
+from shard_planner.report.export.fsdp2_tp import tp_source
 from shard_planner.units import format_bytes
-
-# Module names folded into f-string templates (f"blocks.{i}"): characters that stand as themselves there.
-_TEMPLATE_SAFE = re.compile(r"[A-Za-z0-9_.\-]+")
-
 
 @dataclass(frozen=True)
 class _Entry:
@@ -49,25 +45,15 @@ def _as_entry(unit: Unit) -> _Entry | None:
     """None for a unit that stays literal: the root, a module without a number, or a name whose text an
     f-string template could not hold as it is (quotes, braces, backslashes)."""
     parsed = [split_number(m) for m in unit.modules]
-    if unit.is_root or any(p is None for p in parsed) or not all(_TEMPLATE_SAFE.fullmatch(m) for m in unit.modules):
+    if unit.is_root or any(p is None for p in parsed) or not all(TEMPLATE_SAFE.fullmatch(m) for m in unit.modules):
         return None
     base = parsed[0][1]
     return _Entry(tuple((p[0], p[1] - base, p[2]) for p in parsed), base, unit.reshard_after_forward,
                   unit.activation_checkpoint)
 
 
-def _py_str(text: str) -> str:
-    """``text`` as a Python string literal that compiles back to it, whatever it holds (backslashes such as
-    ``\\N``, quotes, line breaks, non-BMP or surrogate-escaped characters): repr, not json.dumps, whose
-    surrogate pairs would read back as two characters."""
-    literal = repr(text)
-    if literal[0] == "'" and "'" not in text and '"' not in text:
-        return f'"{literal[1:-1]}"'  # the generated file's quotes (nothing inside changes)
-    return literal
-
-
 def _literal(unit: Unit) -> str:
-    names = ", ".join(_py_str(m) for m in unit.modules)
+    names = ", ".join(py_str(m) for m in unit.modules)
     return f"([{names}], {unit.reshard_after_forward!r}, {unit.activation_checkpoint!r}),"
 
 
@@ -155,8 +141,8 @@ def export_fsdp2(plan: Plan) -> str:
         offload = ('\n    # Sharded parameters, gradients and optimizer states live on the host; pinned memory needs'
                    '\n    # an accelerator.\n    policy["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")')
     return _SOURCE.substitute(
-        **_checkpoint_source(plan),
-        model_path=_py_str(plan.model.path), gpus=plan.cluster.gpus, version=__version__,
+        **_checkpoint_source(plan), **tp_source(plan),
+        model_path=py_str(plan.model.path), gpus=plan.cluster.gpus, version=__version__,
         fingerprint=plan.model.fingerprint, predicted=predicted, mesh_shape=mesh_shape, mesh_names=mesh_names,
         optimizer=optimizer_call(t, plan.model.finetune is not None), fsdp_imports=fsdp_imports,
         finetune=_finetune_text(plan), units=units, forward=plan.prefetch.forward,
@@ -177,7 +163,7 @@ Usage, in every rank after init_process_group:
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cuda", $mesh_shape, mesh_dim_names=$mesh_names)
     model = apply_sharding(build_model(), mesh)
-    optimizer = $optimizer
+    optimizer = $optimizer$tp_usage
 """
 
 import functools
@@ -185,7 +171,7 @@ import functools
 import torch
 from torch.distributed.fsdp import $fsdp_imports
 $checkpoint_imports
-
+$tp_imports
 MODEL_PATH = $model_path  # the plan's model file
 # One fully_shard call per unit, in forward order: (module names, reshard_after_forward, activation
 # checkpointing). Several names in one list are one unit: one all-gather and one reduce-scatter for all.
@@ -198,7 +184,7 @@ FORWARD_PREFETCH = $forward  # all-gathers issued this many units ahead in forwa
 BACKWARD_PREFETCH = $backward  # ... and in backward (FSDP2 prefetches 1 by default)
 
 
-${checkpoint_source}def _depth(name: str) -> int:
+${checkpoint_source}${tp_source}def _depth(name: str) -> int:
     return 0 if name == "" else name.count(".") + 1
 
 
@@ -220,8 +206,8 @@ def _replicate_scalars(model: torch.nn.Module, mesh) -> set:
 
 
 def apply_sharding(model: torch.nn.Module, mesh) -> torch.nn.Module:
-    """Shard ``model`` in place as planned and return it; ``mesh`` is the 1-D (or HSDP 2-D) DeviceMesh."""
-    policy = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=$param_dtype,
+    """Shard ``model`` in place as planned and return it; ``mesh`` is the plan's DeviceMesh (the usage's)."""
+$tp_apply    policy = dict(mesh=$dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=$param_dtype,
                                                             reduce_dtype=$reduce_dtype))$offload
     get = model.get_submodule
     policy["ignored_params"] = _replicate_scalars(model, mesh) or None

@@ -19,7 +19,30 @@ a module: its ``shard_planner_plan()`` builds the model's own config function (n
   ``SelectiveAC.Config()`` (per-op: mm and SDPA outputs kept, every second mm recomputed), applied to
   every block alike; 0.3 has no every-k-th-block option;
 - ``optimizer.param_groups[*]`` (components/optimizer/optimizer.py ParamGroupConfig): ``optimizer_name``
-  and ``optimizer_kwargs["lr"]``.
+  and ``optimizer_kwargs["lr"]``;
+- with tensor parallelism, ``parallelism.tensor_parallel_degree`` and ``enable_sequence_parallel``, and
+  ``compile.enable_async_tensor_parallel`` (see [Note: torchtitan 0.3 tensor parallelism]).
+
+[Note: torchtitan 0.3 tensor parallelism] (torchtitan 0.3.0, file:line)
+- the degrees: ``ParallelDims`` requires dp_replicate x dp_shard x cp x tp x pp == WORLD_SIZE
+  (distributed/parallel_dims.py:186), so the data-parallel degrees are the plan's replicate and shard
+  (GPUs / tp), and ``tensor_parallel_degree`` its tp (config/configs.py:157); the global batch is
+  local x dp_replicate x dp_shard per micro-step (trainer.py:415-431);
+- sequence parallelism is an option, ``enable_sequence_parallel`` (configs.py:160, default True), handed to
+  the model's sharding (models/llama3/model.py:83-88 ``set_llama3_sharding_config(enable_sp=...)``): the
+  plan's ``sequence_parallel`` maps onto it exactly;
+- loss parallelism is not an option: the output layer's logits always stay split on the vocabulary
+  (models/common/decoder_sharding.py:330-336, lm_head ``out_dst_shardings`` S(-1)) and
+  ``cross_entropy_loss`` takes the vocabulary-parallel path on them (components/loss.py:39-57);
+- async TP is ``compile.enable_async_tensor_parallel`` (configs.py:295, default False; it needs
+  ``compile.enable``: configs.py:304-311); the plan's collectives are not overlapped: set False;
+- the styles are torchtitan's own: each model declares its sharding (Llama: models/llama3/sharding.py:25-74,
+  decoder_sharding.py:301-336): per block q/k/v and w1/w3 colwise, wo and w2 rowwise, and with sequence
+  parallelism the two norms SequenceParallel and the attention and feed-forward inputs gathered; the token
+  embedding split on the vocabulary, the final norm (sequence parallel) and the output layer colwise. The
+  final norm gathers its output (decoder_sharding.py:119-139) where the plan's ``head`` gathers its input:
+  the same all-gather. A plan whose styles differ (``torchtitan_layout_gaps``) is noted: torchtitan
+  applies its own, not the plan's.
 
 torchtitan 0.2's TOML job config is not served: its format could not be checked against an installed
 0.2 here. torchtitan decides the units itself (one per transformer block, plus embeddings and output)
@@ -30,13 +53,23 @@ from __future__ import annotations
 
 import string
 
+from collections import Counter
+
 from shard_planner import __version__
 from shard_planner.checkpointing import ALTERNATE_MATMUL, DEFAULT_SAVE_OPS, SELECTIVE
 from shard_planner.plan import OPTIMIZER_TORCH, Plan
+from shard_planner.tensor_parallel import Style, TensorParallel
 from shard_planner.report.export.accumulation import policy_notes
 from shard_planner.report.export.common import (
-    Export, allocator_env, allocator_line, block_units, comment_block, finetune_notes, grouped_note, prefetch_notes, uniform_reshard,
+    Export, allocator_env, allocator_line, block_units, comment_block, finetune_notes, grouped_note, prefetch_notes, split_number,
+    uniform_reshard,
 )
+
+# torchtitan's Llama split (see [Note: torchtitan 0.3 tensor parallelism]): styles per block and outside them.
+_LLAMA_BLOCK = Counter({Style.COLWISE: 5, Style.ROWWISE: 2})  # wq, wk, wv, w1, w3; wo, w2
+_LLAMA_BLOCK_SP = _LLAMA_BLOCK + Counter({Style.NORM: 2, Style.GATHER_INPUT: 2})  # the two norms; attention, ffn
+_LLAMA_ROOT = Counter({Style.EMBEDDING: 1, Style.HEAD: 1})
+_LLAMA_ROOT_SP = _LLAMA_ROOT + Counter({Style.NORM: 1})  # the final norm
 
 
 def _covers_torchtitan_op_saves(save_ops: tuple[str, ...]) -> bool:
@@ -103,6 +136,47 @@ def _tables(plan: Plan) -> tuple[dict, dict, list[str]]:
     return parallelism, training, notes
 
 
+def _counts(counter: Counter) -> str:
+    return ", ".join(f"{n} {style.value}" for style, n in sorted(counter.items(), key=lambda item: item[0].value))
+
+
+def torchtitan_layout_gaps(tp: TensorParallel) -> list[str]:
+    """Where ``tp``'s styles differ from torchtitan's Llama split ([] when they are it): per numbered block
+    (the module path up to its last number) and outside the blocks, the styles counted by kind."""
+    blocks: dict[str, Counter] = {}
+    root: Counter = Counter()
+    for fqn, style in tp.styles_by_fqn.items():
+        parsed = split_number(fqn)
+        (root if parsed is None else blocks.setdefault(f"{parsed[0]}{parsed[1]}", Counter()))[style.style] += 1
+    block, top = (_LLAMA_BLOCK_SP, _LLAMA_ROOT_SP) if tp.sequence_parallel else (_LLAMA_BLOCK, _LLAMA_ROOT)
+    gaps = [f"block {name}: {_counts(c)}" for name, c in blocks.items() if c != block][:2]
+    if root != top:
+        gaps.append(f"outside the blocks: {_counts(root)}")
+    if gaps or not blocks:
+        gaps.append(f"torchtitan's Llama: {_counts(block)} per block; {_counts(top)} outside")
+    return gaps
+
+
+def _tp_settings(plan: Plan) -> tuple[dict, dict, list[str]]:
+    """The tensor-parallel ``parallelism`` fields, the ``compile`` fields and notes; see [Note: torchtitan 0.3
+    tensor parallelism]."""
+    tp = plan.tensor_parallel
+    if tp is None:
+        return {}, {}, []
+    parallelism = {"tensor_parallel_degree": plan.mesh.tp_size, "enable_sequence_parallel": tp.sequence_parallel}
+    notes = []
+    if not tp.loss_parallel:
+        notes.append("the plan all-gathers the logits (no loss parallelism); torchtitan 0.3 always keeps them split "
+                     "on the vocabulary into a vocabulary-parallel loss (no option): the logits take 1/"
+                     f"{plan.mesh.tp_size} of the plan's memory here")
+    gaps = torchtitan_layout_gaps(tp)
+    if gaps:
+        notes.append("the plan's tensor-parallel styles are not torchtitan's Llama split, which torchtitan applies "
+                     f"to its model whatever this file says ({'; '.join(gaps)}): the split run is torchtitan's, "
+                     "not the plan's (the fsdp2 export applies the plan's)")
+    return parallelism, {"enable_async_tensor_parallel": False}, notes
+
+
 def _literal(mapping: dict) -> str:
     """A dict of str keys and bool/int/float/str values as Python source, one entry a line."""
     return "{\n" + "".join(f"    {k!r}: {v!r},\n" for k, v in mapping.items()) + "}"
@@ -119,6 +193,9 @@ def export_torchtitan(plan: Plan) -> Export:
                      "checkpoints blocks only; not checkpointed here")
     notes += grouped_note(plan)
     notes += prefetch_notes(plan, where="torchtitan")
+    tp_parallelism, compile_fields, tp_notes = _tp_settings(plan)
+    parallelism.update(tp_parallelism)
+    notes += tp_notes
     notes += finetune_notes(plan, "torchtitan 0.3", expressible=False)  # no LoRA, QLoRA or freezing option
     notes.append("units: torchtitan wraps one unit per transformer block plus embeddings and output in its "
                  f"parallelize function; the plan's {len(plan.inner_units)} units apply where they coincide (the "
@@ -132,12 +209,14 @@ def export_torchtitan(plan: Plan) -> Export:
         f"{__version__} (model fingerprint {plan.model.fingerprint}).",
         allocator_line(plan, "torchrun ... (torchtitan's run_train.sh turns expandable segments on unless the "
                              "variable is set: set it as here)"),
+        *([f"Tensor parallelism: {plan.mesh.description} ({plan.tensor_parallel.description}): "
+           "tensor_parallel_degree and enable_sequence_parallel below."] if plan.tensor_parallel else []),
         "Where the plan cannot be expressed exactly (the nearest setting is used below):",
         *[f"- {n}" for n in notes],
     ]
     text = _SOURCE.substitute(
         header="\n".join(comment_block(header)), gpus=plan.mesh.world_size, alloc_env=allocator_env(plan),
-        parallelism=_literal(parallelism),
+        parallelism=_literal(parallelism), compile=_literal(compile_fields),
         training=_literal(training), mode=repr(mode), optimizer=repr((cls, {"lr": t.lr, **kwargs})))
     return Export("torchtitan", text, ".py", tuple(notes))
 
@@ -161,6 +240,7 @@ $header
 
 PARALLELISM = $parallelism
 TRAINING = $training
+COMPILE = $compile  # with tensor parallelism: async TP off (the plan's TP collectives are not overlapped)
 ACTIVATION_CHECKPOINT = $mode  # every block: "none", "full" (FullAC) or "selective" (per-op SelectiveAC)
 OPTIMIZER = $optimizer  # torch.optim class name and keyword arguments
 
@@ -188,7 +268,7 @@ def shard_planner_plan():
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
     config = base_config()
-    for section, values in (("parallelism", PARALLELISM), ("training", TRAINING)):
+    for section, values in (("parallelism", PARALLELISM), ("training", TRAINING), ("compile", COMPILE)):
         for key, value in values.items():
             setattr(getattr(config, section), key, value)
     config.activation_checkpoint = {"none": None, "full": FullAC.Config(),
