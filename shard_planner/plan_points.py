@@ -56,6 +56,7 @@ class DegreeOutcome:
     samples_per_step: int | None = None
     frontier: tuple[FrontierPoint, ...] = ()
     refused: str | None = None
+    layout: str = ""  # its fastest plan for people: mesh, micro-batch and accumulation, checkpointed units
 
     def __post_init__(self):
         object.__setattr__(self, "frontier", tuple(self.frontier))
@@ -69,26 +70,33 @@ def degree_label(degree: int) -> str:
     return "no tensor parallelism" if degree == 1 else f"TP {degree}"
 
 
-def degree_reason(plan_degree: int, outcomes: tuple[DegreeOutcome, ...]) -> str:
-    """One line for the summary: how much less throughput each other degree's fastest plan has (samples per
-    second: at a fixed micro-batch a degree's step holds gpus / tp micro-batches), and where its step goes
-    beside the chosen one's (compute, exposed communication and of it the tensor-parallel collectives, peak):
-    the figures behind [Note: Why a degree wins or loses], whether a degree was only screened, or why a
-    degree has no plan."""
+def degree_lines(plan_degree: int, outcomes: tuple[DegreeOutcome, ...]) -> list[str]:
+    """For the summary, a line per degree, the chosen one first: its fastest plan's layout and where its step
+    goes (compute, exposed communication and of it the tensor-parallel collectives, peak), and for the
+    others how much less throughput they have (samples per second: at a fixed micro-batch a degree's step
+    holds gpus / tp micro-batches): the figures behind solve/tp_search.py [Note: Why a degree wins or
+    loses]; whether a degree was only screened, or why it has no plan."""
 
     def split(o: DegreeOutcome) -> str:
-        return (f"step {o.step_time_s * 1e3:.4g} ms: compute {o.compute_s * 1e3:.4g} ms, exposed communication "
-                f"{o.exposed_comm_s * 1e3:.4g} ms (TP {o.tp_comm_s * 1e3:.4g} ms), peak {format_bytes(o.peak_bytes)}")
+        layout = f"{o.layout}; " if o.layout else ""
+        return (f"{layout}step {o.step_time_s * 1e3:.4g} ms: compute {o.compute_s * 1e3:.4g} ms, exposed "
+                f"communication {o.exposed_comm_s * 1e3:.4g} ms (TP {o.tp_comm_s * 1e3:.4g} ms), peak "
+                f"{format_bytes(o.peak_bytes)}")
 
     chosen = next(o for o in outcomes if o.degree == plan_degree)
-    parts = []
+    lines = [f"{chosen.label} chosen ({split(chosen)})"]
     for o in outcomes:
         if o is chosen:
             continue
         if o.refused is not None:
-            parts.append(f"{o.label}: {o.refused}")
+            lines.append(f"{o.label}: {o.refused}")
             continue
         change = o.samples_per_s / chosen.samples_per_s - 1 if chosen.samples_per_s else 0.0
         how = "; screened only: its fastest heuristic plan, too far behind to search" if o.judged == "screened" else ""
-        parts.append(f"{o.label} {100 * change:+.1f}% samples/s ({split(o)}{how})")
-    return f"{chosen.label} chosen ({split(chosen)})" + ("; " + "; ".join(parts) if parts else "")
+        lines.append(f"{o.label}: {100 * change:+.1f}% samples/s ({split(o)}{how})")
+    return lines
+
+
+def degree_reason(plan_degree: int, outcomes: tuple[DegreeOutcome, ...]) -> str:
+    """:func:`degree_lines` as one line."""
+    return "; ".join(degree_lines(plan_degree, outcomes))

@@ -20,7 +20,7 @@ from shard_planner.cli.plan_degrees import degrees_to_search, plan_degrees
 from shard_planner.errors import ModelFileError
 from shard_planner.fileio import check_output_dir, check_output_file
 from shard_planner.plan import Plan, report_dir_for, save_plan, with_model_located
-from shard_planner.plan_points import degree_reason
+from shard_planner.plan_points import degree_lines
 from shard_planner.units import DTYPE_NAMES, format_bytes
 
 if TYPE_CHECKING:  # the planner (torch, CP-SAT) is imported when the command runs, not to build the parser
@@ -169,8 +169,11 @@ def time_line(result: PlanResult, trace_s: float | None, report_s: float | None,
         f"screen {t.screen_s:.2f} s", f"solve {t.solve_s:.2f} s", f"frontier {t.frontier_s:.2f} s",
         f"baselines {t.baselines_s:.2f} s", f"polish {t.polish_s:.2f} s", f"simplify {t.simplify_s:.2f} s",
     ] + ([f"report {report_s:.2f} s"] if report_s is not None else [])
+    degrees = (f"; tensor-parallel degrees: {t.degrees_screened} screened in {t.degree_screen_s:.2f} s, "
+               f"{t.degrees_searched} searched in full (the stages above: the chosen one's search"
+               + (", the others beside it in the helper process)" if traced_beside else ")")) if t.degrees_screened else ""
     return (", ".join(parts) + f" (CP-SAT {t.cpsat_s:.2f} s in {t.cpsat_solves} solves, simulators "
-            f"{t.simulate_s:.2f} s for {t.simulated_plans} plans, hints {t.hints_s:.2f} s)")
+            f"{t.simulate_s:.2f} s for {t.simulated_plans} plans, hints {t.hints_s:.2f} s)" + degrees)
 
 
 def _load_and_trace(model: str, hf, dtype: str):
@@ -271,7 +274,8 @@ def summary(result: PlanResult | Plan, profile) -> str:
     lines.append(f"predicted {step} {pr.step_time_s * 1e3:.1f} ms, {pr.throughput_text} on {plan.cluster.gpus} GPUs{mfu}"
                  f"{priced}")
     if plan.tp_degrees:
-        lines.append(f"tensor parallelism: {degree_reason(plan.mesh.tp, plan.tp_degrees)}")
+        lines.append("tensor-parallel degrees (the fastest plan of each):")
+        lines += [f"  {line}" for line in degree_lines(plan.mesh.tp, plan.tp_degrees)]
     fitting = [b for b in plan.baselines if b.fits]
     if fitting:
         best = min(fitting, key=lambda b: b.step_time_s)

@@ -128,6 +128,11 @@ class PlanTimings:
     simulate_s: float
     simulated_plans: int  # distinct plans the simulators judged (each once: the memo)
     cpsat_solves: int
+    # the tensor-parallel degree search around the searches (solve/tp_search.py); the fields above are
+    # the chosen degree's search alone
+    degrees_screened: int = 0
+    degree_screen_s: float = 0.0  # the screens, in this process
+    degrees_searched: int = 0  # in full, the chosen one among them
 
 
 @dataclass(frozen=True)

@@ -40,10 +40,12 @@ cluster: at one global batch, the step time.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable
 
 from shard_planner.errors import InfeasibleError, UserError, first_line
+from shard_planner.plan import Plan
 from shard_planner.plan_points import DegreeOutcome, degree_label
 from shard_planner.solve.context import Checked
 from shard_planner.solve.planner import plan_model, screen_degree
@@ -84,13 +86,16 @@ def plan_over_degrees(options: Iterable[DegreeOption], request: PlanRequest, *,
     errors: list[UserError] = []
     screened: dict[int, Checked | None] = {}
     by_degree: dict[int, DegreeOption] = {}
+    screen_s = 0.0
     for opt in options:
         by_degree[opt.degree] = opt
+        t0 = time.perf_counter()
         try:
             screened[opt.degree] = screen_degree(opt.trace, _request_for(opt, request))
         except (InfeasibleError, UserError) as e:
             errors.append(e)
             outcomes[opt.degree] = DegreeOutcome(opt.degree, judged="refused", refused=first_line(e))
+        screen_s += time.perf_counter() - t0
     to_search = _worth_searching(screened)
     for degree, c in screened.items():
         if degree not in to_search and c is not None:
@@ -101,7 +106,10 @@ def plan_over_degrees(options: Iterable[DegreeOption], request: PlanRequest, *,
             raise errors[0]
         raise UserError("no tensor-parallel degree to plan: " + "; ".join(f"{o.label}: {o.refused}" for o in refused))
     best = max(results, key=lambda r: r.plan.predicted.samples_per_s)
-    return replace(best, plan=replace(best.plan, tp_degrees=tuple(outcomes[d] for d in sorted(outcomes))))
+    timings = replace(best.timings, degrees_screened=len(by_degree), degree_screen_s=screen_s,
+                      degrees_searched=len(to_search))
+    return replace(best, plan=replace(best.plan, tp_degrees=tuple(outcomes[d] for d in sorted(outcomes))),
+                   timings=timings)
 
 
 def _request_for(opt: DegreeOption, request: PlanRequest) -> PlanRequest:
@@ -142,10 +150,20 @@ def _search(by_degree: dict[int, DegreeOption], degrees: list[int], request: Pla
 def _solved_outcome(r: PlanResult) -> DegreeOutcome:
     p, t = r.plan.predicted, r.estimate.time
     return DegreeOutcome(r.plan.mesh.tp, "solved", p.step_time_s, p.samples_per_s, p.peak_bytes, t.compute_s,
-                         t.exposed_comm_s, t.tp_comm_s, r.plan.global_batch_samples, r.plan.frontier)
+                         t.exposed_comm_s, t.tp_comm_s, r.plan.global_batch_samples, r.plan.frontier,
+                         layout=_layout(r.plan))
 
 
 def _screened_outcome(degree: int, c: Checked) -> DegreeOutcome:
     t = c.estimate.time
     return DegreeOutcome(degree, "screened", c.step_time_s, c.samples_per_s, c.peak_bytes, t.compute_s,
-                         t.exposed_comm_s, t.tp_comm_s, c.plan.global_batch_samples)
+                         t.exposed_comm_s, t.tp_comm_s, c.plan.global_batch_samples, layout=_layout(c.plan))
+
+
+def _layout(plan: Plan) -> str:
+    """'FSDP 64 x TP 4, micro-batch 1 x 8 micro-steps, 81 of 82 units checkpointed'."""
+    tr = plan.training
+    steps = f" x {tr.accumulation_steps} micro-steps" if tr.accumulation_steps > 1 else ""
+    checkpointed = sum(1 for u in plan.units if u.activation_checkpoint)
+    return (f"{plan.mesh.description}, micro-batch {tr.micro_batch}{steps}, {checkpointed} of {len(plan.units)} "
+            "units checkpointed")

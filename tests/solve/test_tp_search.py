@@ -48,7 +48,8 @@ def test_the_fastest_degree_wins_and_every_degree_is_an_outcome(request_8, monke
     assert two.frontier == alone.plan.frontier and two.samples_per_step == alone.plan.global_batch_samples
     assert outcomes[1].tp_comm_s > 0 and outcomes[0].tp_comm_s == 0
     line = degree_reason(result.plan.mesh.tp, outcomes)
-    assert line.startswith(f"{fastest.label} chosen (step ") and f"{other.label} -" in line and "samples/s" in line
+    assert line.startswith(f"{fastest.label} chosen ({fastest.layout}; step ") and f"{other.label}: -" in line
+    assert "samples/s" in line and "micro-batch 2" in fastest.layout
     # the outcomes travel in the plan file
     assert Plan.from_dict(result.plan.to_dict()).tp_degrees == outcomes
 
