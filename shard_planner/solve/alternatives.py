@@ -10,6 +10,7 @@ from shard_planner.plan import ROOT, FrontierPoint, Prefetch, Unit
 from shard_planner.solve.baselines import hand_written_units
 from shard_planner.solve.context import Checked, PlanContext
 from shard_planner.solve.linear import GlobalChoice
+from shard_planner.solve.survive import priced_step_time_s
 
 
 def hand_written(ctx: PlanContext, choice: GlobalChoice) -> list[Checked]:
@@ -50,7 +51,8 @@ def no_wrapping(ctx: PlanContext, choice: GlobalChoice) -> list[Checked]:
 
 
 def baseline_points(ctx: PlanContext, evaluated: list[Checked]) -> list[FrontierPoint]:
-    """The hand-written policies among ``evaluated``, as the plan file's ``baselines``."""
-    return [FrontierPoint(peak_bytes=c.peak_bytes, step_time_s=c.step_time_s, description=c.status,
+    """The hand-written policies among ``evaluated``, as the plan file's ``baselines`` (their allocator
+    retries priced, as the answer's: solve/survive.py [Note: Ranked by the priced time])."""
+    return [FrontierPoint(peak_bytes=c.peak_bytes, step_time_s=priced_step_time_s(ctx, c), description=c.status,
                           fits=ctx.shown_fits(c))
             for c in evaluated if c.method == "hand-written"]

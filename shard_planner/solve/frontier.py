@@ -10,6 +10,7 @@ from shard_planner.solve import cpsat
 from shard_planner.solve.context import Checked, PlanContext
 from shard_planner.solve.describe import describe_choice
 from shard_planner.solve.linear import evaluate
+from shard_planner.solve.survive import priced_step_time_s
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +53,13 @@ def sweep(ctx: PlanContext, best: Checked, points: int) -> list[Checked]:
 
 
 def pareto(ctx: PlanContext, evaluated: list[Checked]) -> list[FrontierPoint]:
-    """The Pareto set of (peak, step time) by the simulators' numbers over every plan evaluated."""
+    """The Pareto set of (peak, step time) by the simulators' numbers over every plan evaluated, each point's
+    allocator retries priced in its step time (solve/survive.py [Note: Ranked by the priced time])."""
     front: list[Checked] = []
     for c in sorted(evaluated, key=lambda c: (c.peak_bytes, c.step_time_s)):
         if not front or c.step_time_s < front[-1].step_time_s:
             front.append(c)
-    return [FrontierPoint(peak_bytes=c.peak_bytes, step_time_s=c.step_time_s,
+    return [FrontierPoint(peak_bytes=c.peak_bytes, step_time_s=priced_step_time_s(ctx, c),
                           description=(c.status + ": " if c.method in ("hand-written", "no-wrapping") else "")
                           + describe_choice(c.units, c.choice), fits=ctx.shown_fits(c))
             for c in front]

@@ -75,7 +75,9 @@ def test_the_fastest_policy_that_fits_is_chosen(budget_gib, sync, keep):
     gathered skip the most communication; on a tight budget only syncing every micro-step fits. Against
     every policy on the chosen units, the chosen plan is the fastest that fits."""
     trace = solve_traces.stack_trace(4)
-    request = _request(budget_gib, global_batch_samples=64, micro_batch=1)
+    # fits by the allocated peak alone: the allocator's survival and the retries' price move the answer by their
+    # own rules (solve/survive.py, tested in tests/solve/test_survive.py), across budgets this test does not see
+    request = _request(budget_gib, global_batch_samples=64, micro_batch=1, allocator_check=False)
     plan = plan_model(trace, request).plan
     t = plan.training
     assert (t.micro_batch, t.accumulation_steps, plan.global_batch_samples) == (1, 8, 64)
@@ -87,9 +89,7 @@ def test_the_fastest_policy_that_fits_is_chosen(budget_gib, sync, keep):
             other = replace(plan, training=replace(t, gradient_sync=other_sync, keep_params_gathered=other_keep))
             est = cm.estimate(other, timeline=False)
             if est.memory.peak_bytes <= budget:
-                # the search ranks by the cost model's time; the allocator's retries are priced on its answer only
-                searched_s = plan.predicted.step_time_s - (plan.predicted.alloc_retry_s or 0.0)
-                assert searched_s <= est.time.step_time_s * (1 + 1e-9), (other_sync, other_keep)
+                assert plan.predicted.step_time_s <= est.time.step_time_s * (1 + 1e-9), (other_sync, other_keep)
 
 
 def test_micro_batch_searched_when_not_given():

@@ -78,3 +78,27 @@ def test_a_cpu_profile_keeps_the_allocated_rule(trace8):
     cpu = load_profile("cpu-gloo")
     result = plan_model(trace8, _request(64 * GIB, prof=cpu))
     assert result.fit is None and result.plan.predicted.reserved_peak_bytes is None
+
+
+def test_an_answer_that_retries_gives_way_to_a_plan_faster_with_the_price():
+    """solve/survive.py [Note: Ranked by the priced time]: the search's answer survives with retries costing
+    0.3 s; the runners-up are priced the fastest unpriced first, until one is no faster unpriced than the best
+    priced so far (that one and the rest are not simulated)."""
+    from types import SimpleNamespace
+
+    from shard_planner.solve.survive import surviving_choice
+
+    def plan(name, samples_per_s, step_s, retry_s):
+        return SimpleNamespace(plan=name, samples_per_s=samples_per_s, step_time_s=step_s, peak_bytes=0,
+                               status=name), SimpleNamespace(survives=True, retry_s=retry_s, retries_per_step=2)
+
+    chosen, *others = [plan("answer", 10.0, 1.0, 0.3), plan("retrying", 9.9, 1.01, 0.5), plan("lean", 9.5, 1.05, 0.0),
+                       plan("leaner", 9.0, 1.1, 0.0)]
+    fits = dict([(c.plan, f) for c, f in [chosen, *others]])
+    judged = []
+    ctx = SimpleNamespace(device_fit=lambda p: judged.append(p) or fits[p])
+    best, status = surviving_choice(ctx, chosen[0], [c for c, _ in others], "cp-sat")
+    assert best.plan == "lean" and judged == ["answer", "retrying", "lean"]
+    assert "survives only with 2 allocator retries per step (300 ms)" in status and "+5.0% step time" in status
+    fits["answer"] = SimpleNamespace(survives=True, retry_s=0.0, retries_per_step=0)
+    assert surviving_choice(ctx, chosen[0], [c for c, _ in others], "cp-sat") == (chosen[0], "cp-sat")
