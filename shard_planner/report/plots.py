@@ -4,8 +4,9 @@ Figures are built with ``matplotlib.figure.Figure`` (no pyplot: no global state,
 rendered by Agg), so tests can inspect the artists before anything is saved. Each plot puts its units in
 the axis labels (GiB, MiB, s, ms, tokens/s) and keeps legends outside the data so no text overlaps.
 Artists the tests look for carry a ``gid`` ("frontier", "chosen", "budget", "usable-budget",
-"baseline:<name>", "peak"). Every memory plot draws the same two budget lines (:func:`draw_budget`): --mem,
-dashed, and the usable budget the planner fills (--mem less the fragmentation share), dotted.
+"baseline:<name>", "peak"; per tensor-parallel degree "frontier:tp<d>" and "screened:tp<d>", report/degrees.py).
+Every memory plot draws the same two budget lines (:func:`draw_budget`): --mem, dashed, and the usable budget
+the planner fills (--mem less the fragmentation share), dotted.
 """
 
 from __future__ import annotations
@@ -142,10 +143,11 @@ def plot_frontier(plan: Plan, budget: ReportBudget) -> Figure | None:
                    label=_wrap(b.description + ("" if fits else " (does not fit)")))
 
     draw_chosen(ax, plan, tp, budget)
+    mesh = f"\n{plan.mesh.description}" if plan.mesh.is_tp else ""  # without TP the GPU count says it
     finish_throughput_axes(fig, ax, budget, tp.unit, [q.peak_bytes for q in (*plan.frontier, *plan.baselines)]
                            + ([plan.predicted.peak_bytes] if plan.predicted is not None else []),
                            f"Memory vs throughput: {_model_name(plan)} on {plan.cluster.gpus} GPUs, "
-                           f"micro-batch {plan.training.micro_batch}")
+                           f"micro-batch {plan.training.micro_batch}{mesh}")
     return fig
 
 
