@@ -7,7 +7,8 @@ writes into the folder:
 - ``report.html``: self-contained (every PNG embedded as a ``data:image/png;base64`` URI, CSS inline), so
   it opens offline in any browser and can be mailed as one file;
 - ``report.md``: the same content, with the PNGs beside it;
-- the PNGs: ``frontier.png`` (memory vs throughput), ``memory_timeline.png`` (the chosen plan over one
+- the PNGs: ``frontier.png`` (memory vs throughput), ``tp_degrees.png`` (the same per tensor-parallel degree,
+  when the plan searched more than one: report/degrees.py), ``memory_timeline.png (the chosen plan over one
   step; ``memory_at_peak.png`` when there is no trace to simulate), ``units.png`` (per-unit bars, with a
   trace), ``predicted_vs_measured.png`` (with a measurement), ``tune_runs.png`` (plans ``tune`` ran).
 
@@ -32,8 +33,10 @@ from typing import TYPE_CHECKING, Callable
 from shard_planner.cost.types import Estimate
 from shard_planner.fileio import write_atomic
 from shard_planner.plan import Plan
+from shard_planner.plan_points import degree_label
 from shard_planner.profile import HardwareProfile
 from shard_planner.report.budget import ReportBudget, load_plan_profile, report_budget
+from shard_planner.report.degrees import degrees_table, plot_degrees, throughput_unit
 from shard_planner.report.measured import check_measurement_matches, measured_figures, predictions_for, run_sections
 from shard_planner.report.plots import (
     figures_png, plot_frontier, plot_measured_plans, plot_memory_at_peak, plot_memory_timeline,
@@ -102,7 +105,8 @@ def build_sections(plan: Plan, *, trace: ModelTrace | None = None, profile: Hard
         else:
             estimate = _estimate(plan, trace, profile)
     reserved = reserved_timeline(plan, trace, profile) if estimate is not None else None
-    sections = [_frontier_section(plan, budget), _memory_section(plan, trace, estimate, budget, reserved),
+    sections = [_frontier_section(plan, budget), _degrees_section(plan, budget),
+                _memory_section(plan, trace, estimate, budget, reserved),
                 _units_section(plan, trace, estimate)]
     if plan.measurements:
         sections.append(_tune_section(plan))
@@ -125,14 +129,38 @@ def _frontier_section(plan: Plan, budget: ReportBudget) -> ReportSection | None:
     if fig is None:
         return None
     judged = "the usable budget" if budget.has_usable else "--mem"
+    degree = (f" at the chosen tensor-parallel degree ({degree_label(plan.mesh.tp)}; every degree: Tensor "
+              "parallelism, below)") if plan.tp_degrees else ""
     return ReportSection(
         "Memory vs throughput", "frontier.png", fig,
-        "Each point is a plan of the same model, micro-batch and cluster, as the cost model predicts it. "
+        f"Each point is a plan of the same model, micro-batch and cluster{degree}, as the cost model predicts it. "
         "The line joins the Pareto frontier (no other plan is both smaller and faster); the star is the "
         "chosen plan; the other markers are the usual hand-written policies (an X: over "
         f"{judged}; a hollow frontier point too). {_budget_text(budget)} The table's fits column is "
         f"against {judged}.",
         frontier_table(plan, budget))
+
+
+def _degrees_section(plan: Plan, budget: ReportBudget) -> ReportSection | None:
+    """Every tensor-parallel degree the planner searched, drawn and tabled (report/degrees.py); None for a
+    plan of one degree (--tp given, a CPU profile, a plan from before the degree search)."""
+    if not plan.tp_degrees:
+        return None
+    degrees = ", ".join(f"{o.label} ({o.judged})" for o in plan.tp_degrees)
+    work = throughput_unit(plan).removesuffix("/s")  # tokens or samples
+    return ReportSection(
+        "Tensor parallelism", "tp_degrees.png", plot_degrees(plan, budget),
+        f"The planner chose the tensor-parallel degree too: {degrees}; {degree_label(plan.mesh.tp)} chosen. "
+        "Every degree of 1, 2, 4 and 8 that divides the GPUs per node is screened (its heuristic and hand-written "
+        "plans at each micro-batch) and those close to the best screened one are searched in full (solve/tp_search.py "
+        "[Note: Screening the degrees]). Each line is a searched degree's Pareto frontier, a hollow diamond a "
+        "degree screened only (its fastest heuristic plan: a full search finds at least that), the star the "
+        "chosen plan; a refused degree is in the table only, with why. A degree's throughput is its own global "
+        f"batch (micro-batch x accumulation x GPUs / degree) in {work} over its step time, the whole cluster's. "
+        "Why a degree wins or loses (memory, the global batch, exposed communication, the tensor-parallel "
+        "collectives) is the summary's tensor parallelism line, from the table's figures (solve/tp_search.py "
+        f"[Note: Why a degree wins or loses]). {_budget_text(budget)}",
+        degrees_table(plan))
 
 
 def _memory_section(plan: Plan, trace: ModelTrace | None, estimate: Estimate | None,

@@ -4,8 +4,9 @@ Figures are built with ``matplotlib.figure.Figure`` (no pyplot: no global state,
 rendered by Agg), so tests can inspect the artists before anything is saved. Each plot puts its units in
 the axis labels (GiB, MiB, s, ms, tokens/s) and keeps legends outside the data so no text overlaps.
 Artists the tests look for carry a ``gid`` ("frontier", "chosen", "budget", "usable-budget",
-"baseline:<name>", "peak"). Every memory plot draws the same two budget lines (:func:`draw_budget`): --mem,
-dashed, and the usable budget the planner fills (--mem less the fragmentation share), dotted.
+"baseline:<name>", "peak"; per tensor-parallel degree "frontier:tp<d>" and "screened:tp<d>", report/degrees.py).
+Every memory plot draws the same two budget lines (:func:`draw_budget`): --mem, dashed, and the usable budget
+the planner fills (--mem less the fragmentation share), dotted.
 """
 
 from __future__ import annotations
@@ -129,20 +130,8 @@ def plot_frontier(plan: Plan, budget: ReportBudget) -> Figure | None:
     tp = plan_throughput(plan)
     fig = Figure(figsize=(10, 5.6), layout="constrained")
     ax = fig.add_subplot()
-
-    if plan.frontier:
-        pts = sorted(plan.frontier, key=lambda q: (q.peak_bytes, q.step_time_s))
-        xs = [q.peak_bytes / GIB for q in pts]
-        ys = [tp.of(q.step_time_s) for q in pts]
-        ax.plot(xs, ys, "-", color="#1f77b4", lw=1.5, zorder=2, gid="frontier",
-                label=f"Pareto frontier ({len(pts)} plans)")
-        fits = [q.fits and budget.fits(q.peak_bytes) for q in pts]
-        ax.scatter([x for x, f in zip(xs, fits) if f], [y for y, f in zip(ys, fits) if f],
-                   s=36, color="#1f77b4", zorder=3, gid="frontier-fits")
-        over = [(x, y) for x, y, f in zip(xs, ys, fits) if not f]
-        if over:
-            ax.scatter(*zip(*over), s=36, facecolors="white", edgecolors="#1f77b4", zorder=3,
-                       gid="frontier-over", label="frontier plan over the usable budget" if budget.has_usable
+    draw_frontier_line(ax, plan.frontier, tp, budget, color="#1f77b4", label="Pareto frontier",
+                       over_label="frontier plan over the usable budget" if budget.has_usable
                        else "frontier plan over the budget")
 
     for i, b in enumerate(plan.baselines):
@@ -153,26 +142,61 @@ def plot_frontier(plan: Plan, budget: ReportBudget) -> Figure | None:
                    color=color, edgecolors="black", linewidths=0.6, zorder=4, gid=f"baseline:{b.description}",
                    label=_wrap(b.description + ("" if fits else " (does not fit)")))
 
-    if plan.predicted is not None:
-        p = plan.predicted
-        over = "" if budget.fits(p.peak_bytes) else " (does not fit)"
-        ax.scatter([p.peak_bytes / GIB], [tp.of(p.step_time_s)], s=260, marker="*", color="gold",
-                   edgecolors="black", linewidths=0.8, zorder=5, gid="chosen",
-                   label=_wrap(f"chosen plan: {p.peak_bytes / GIB:.2f} GiB, {tp.of(p.step_time_s):,.0f} "
-                               f"{tp.unit}{over}"))
+    draw_chosen(ax, plan, tp, budget)
+    mesh = f"\n{plan.mesh.description}" if plan.mesh.is_tp else ""  # without TP the GPU count says it
+    finish_throughput_axes(fig, ax, budget, tp.unit, [q.peak_bytes for q in (*plan.frontier, *plan.baselines)]
+                           + ([plan.predicted.peak_bytes] if plan.predicted is not None else []),
+                           f"Memory vs throughput: {_model_name(plan)} on {plan.cluster.gpus} GPUs, "
+                           f"micro-batch {plan.training.micro_batch}{mesh}")
+    return fig
 
+
+def draw_frontier_line(ax, points: Sequence[FrontierPoint], tp: Throughput, budget: ReportBudget, *, color: str,
+                       label: str, over_label: str | None, gid_suffix: str = "") -> None:
+    """A Pareto frontier on ``ax``: its points joined in memory order (gid "frontier" + ``gid_suffix``), those
+    within the usable budget filled ("frontier-fits"...), those over it hollow ("frontier-over"..., labelled
+    ``over_label`` in the legend). Nothing for no points."""
+    if not points:
+        return
+    pts = sorted(points, key=lambda q: (q.peak_bytes, q.step_time_s))
+    xs = [q.peak_bytes / GIB for q in pts]
+    ys = [tp.of(q.step_time_s) for q in pts]
+    ax.plot(xs, ys, "-", color=color, lw=1.5, zorder=2, gid=f"frontier{gid_suffix}",
+            label=f"{label} ({len(pts)} plan{'s' if len(pts) > 1 else ''})")
+    fits = [q.fits and budget.fits(q.peak_bytes) for q in pts]
+    ax.scatter([x for x, f in zip(xs, fits) if f], [y for y, f in zip(ys, fits) if f],
+               s=36, color=color, zorder=3, gid=f"frontier-fits{gid_suffix}")
+    over = [(x, y) for x, y, f in zip(xs, ys, fits) if not f]
+    if over:
+        ax.scatter(*zip(*over), s=36, facecolors="white", edgecolors=color, zorder=3,
+                   gid=f"frontier-over{gid_suffix}", label=over_label)
+
+
+def draw_chosen(ax, plan: Plan, tp: Throughput, budget: ReportBudget) -> None:
+    """The chosen plan as a gold star (gid "chosen"), its peak and throughput in the legend; nothing when the
+    plan has no prediction."""
+    p = plan.predicted
+    if p is None:
+        return
+    over = "" if budget.fits(p.peak_bytes) else " (does not fit)"
+    ax.scatter([p.peak_bytes / GIB], [tp.of(p.step_time_s)], s=260, marker="*", color="gold",
+               edgecolors="black", linewidths=0.8, zorder=5, gid="chosen",
+               label=_wrap(f"chosen plan: {p.peak_bytes / GIB:.2f} GiB, {tp.of(p.step_time_s):,.0f} {tp.unit}{over}"))
+
+
+def finish_throughput_axes(fig: Figure, ax, budget: ReportBudget, unit: str, peaks_bytes: Sequence[int],
+                           title: str) -> None:
+    """What every memory vs throughput plot shares: the budget lines, the axis labels (GiB, ``unit``), the
+    x range from 0 past the budget and every point's peak (``peaks_bytes``, the chosen plan's too), the
+    grid, the title and the legend outside the data."""
     draw_budget(ax, budget, GIB, vertical=True, zorder=1)
     ax.set_xlabel("predicted peak memory per GPU (GiB)")
-    ax.set_ylabel(f"predicted throughput, whole cluster ({tp.unit})")
+    ax.set_ylabel(f"predicted throughput, whole cluster ({unit})")
     ax.yaxis.set_major_formatter(FuncFormatter(_thousands))
-    xs_all = [q.peak_bytes / GIB for q in (*plan.frontier, *plan.baselines)]
-    xs_all += [plan.predicted.peak_bytes / GIB] if plan.predicted is not None else []
-    ax.set_xlim(left=0, right=max([_budget_top(budget) / GIB] + xs_all) * 1.08)
+    ax.set_xlim(left=0, right=max([_budget_top(budget), *peaks_bytes]) / GIB * 1.08)
     ax.grid(True, alpha=0.3)
-    ax.set_title(f"Memory vs throughput: {_model_name(plan)} on {plan.cluster.gpus} GPUs, "
-                 f"micro-batch {plan.training.micro_batch}")
+    ax.set_title(title)
     fig.legend(loc="outside right upper", fontsize=8, frameon=False)
-    return fig
 
 
 def _wrap(label: str, width: int = 44) -> str:

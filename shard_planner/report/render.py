@@ -12,6 +12,7 @@ import pandas as pd
 
 from shard_planner import __version__
 from shard_planner.plan import Plan
+from shard_planner.plan_points import degree_reason
 from shard_planner.report.budget import ReportBudget
 from shard_planner.report.plots import MeasuredFigures, plan_throughput, relative_error
 from shard_planner.report.tables import md_escape, to_html, to_markdown
@@ -37,6 +38,7 @@ def summary_lines(plan: Plan, budget: ReportBudget, measured: tuple[MeasuredFigu
     peak and the hand-written policies judged against the usable budget (``budget``)."""
     c, t, m = plan.cluster, plan.training, plan.mesh
     mesh = f"{m.shard_group_size}-way sharding" + (f" x {m.replicate_group_size} replicas (HSDP)" if m.is_hsdp else "")
+    mesh += f" x TP {m.tp} (tensor parallelism)" if m.is_tp else ""
     inner = list(plan.inner_units)
     grouped = sum(1 for u in inner if len(u.modules) > 1)
     checkpointed = sum(1 for u in inner if u.activation_checkpoint)
@@ -46,6 +48,7 @@ def summary_lines(plan: Plan, budget: ReportBudget, measured: tuple[MeasuredFigu
         ("cluster", f"{c.gpus} GPUs, {c.gpus_per_node} per node, profile {c.profile}; "
                     f"budget {budget.describe()}"),
         ("mesh", mesh),
+        *_degrees_line(plan),
         ("training", f"micro-batch {t.micro_batch} per GPU, {t.optimizer}, params in {t.param_dtype}, "
                      f"gradients reduced in {t.reduce_dtype}" + (", CPU offload" if t.cpu_offload else "")
                      + (f"; {plan.accumulation_text}" if plan.accumulation_text else "")),
@@ -86,6 +89,14 @@ def summary_lines(plan: Plan, budget: ReportBudget, measured: tuple[MeasuredFigu
                               f"prediction error {relative_error(step_time_s, m.step_time_s):+.1%}"),
         ]
     return lines
+
+
+def _degrees_line(plan: Plan) -> list[tuple[str, str]]:
+    """Why the chosen tensor-parallel degree beat the others (plan_points.degree_reason), when the planner
+    searched more than one."""
+    if not plan.tp_degrees:
+        return []
+    return [("tensor parallelism", degree_reason(plan.mesh.tp, plan.tp_degrees))]
 
 
 def _allocator_line(p) -> list[tuple[str, str]]:
