@@ -49,19 +49,22 @@ class DegreeStyles:
 def degree_styles(model_file, degrees: list[int], *, sequence_parallel: bool, loss_parallel: bool,
                   seq_len: int | None) -> DegreeStyles:
     """For each of ``degrees`` above 1: the model's styles (tp_styles.derive_tensor_parallel, from its
-    structure or its transformers plan, the model built on the meta device), or why that degree is refused
-    (the styles cannot be derived; a dimension the degree does not divide). ``seq_len``: the sequence length
+    structure or its transformers plan), or why that degree is refused
+    (the styles cannot be derived; a dimension the degree does not divide); the model built without memory, as
+the tracer builds it (trace/build.py). ``seq_len``: the sequence length
     sequence parallelism splits (None: not checked)."""
-    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
     from shard_planner.hf import tp_plan
     from shard_planner.tp_styles import check_divisible, derive_tensor_parallel
+    from shard_planner.trace.build import build_fake
+    from shard_planner.trace.hf_paths import real_run_paths
 
     wanted = [t for t in degrees if t > 1]
     if not wanted:
         return DegreeStyles()
-    with torch.device("meta"):
-        model = model_file.build()
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model = build_fake(model_file, fake_mode)  # as the tracer builds it: no memory, transformers' paths too
     hf_plan = tp_plan(model)
     is_transformers = hasattr(getattr(model, "config", None), "base_model_tp_plan")
     if is_transformers and (sequence_parallel or loss_parallel):
@@ -72,8 +75,9 @@ def degree_styles(model_file, degrees: list[int], *, sequence_parallel: bool, lo
     try:
         if is_transformers and hf_plan is None:
             raise UserError(f"transformers has no tensor-parallel plan for {type(model).__name__}")
-        tp = derive_tensor_parallel(model, model_file.batch(1)[0], sequence_parallel=sequence_parallel,
-                                    loss_parallel=loss_parallel, hf_tp_plan=hf_plan)
+        with real_run_paths(model_file, 1):  # trace/hf_paths.py [Note: transformers under fake tensors]
+            tp = derive_tensor_parallel(model, model_file.batch(1)[0], sequence_parallel=sequence_parallel,
+                                        loss_parallel=loss_parallel, hf_tp_plan=hf_plan, fake_mode=fake_mode)
     except UserError as e:
         why = first_line(e)
         return DegreeStyles(refused=tuple(DegreeOutcome(t, judged="refused", refused=why) for t in wanted))

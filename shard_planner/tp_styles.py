@@ -117,10 +117,11 @@ class CallTrace:
 
 
 def derive_tensor_parallel(model: nn.Module, inputs, *, sequence_parallel: bool = True, loss_parallel: bool = True,
-                           hf_tp_plan: dict[str, str] | None = None) -> TensorParallel:
+                           hf_tp_plan: dict[str, str] | None = None, fake_mode=None) -> TensorParallel:
     """The styles of ``model`` ([Note: What tensor parallelism recognises]), from its structure or from
     ``hf_tp_plan`` (a transformers model's ``tp_plan``: shard_planner.hf.tp_plan), with sequence
-    parallelism's ([Note: Sequence parallelism's styles]). ``inputs``: one batch's inputs (tuple or dict)."""
+    parallelism's ([Note: Sequence parallelism's styles]). ``inputs``: one batch's inputs (tuple or dict);
+    ``fake_mode``: the FakeTensorMode ``model`` was built in (trace/build.py build_fake), if it was."""
     is_transformers = hasattr(getattr(model, "config", None), "base_model_tp_plan")
     if is_transformers and hf_tp_plan is None:
         raise UserError(f"tensor parallelism: {type(model).__name__} is a transformers model, split by its own plan "
@@ -130,7 +131,7 @@ def derive_tensor_parallel(model: nn.Module, inputs, *, sequence_parallel: bool 
         raise UserError(f"sequence parallelism: {type(model).__name__} reads the sequence length off its embedding's "
                         "output (transformers' position ids and causal mask, e.g. modeling_llama.py:379), which is "
                         "a rank's slice under sequence parallelism; pass sequence_parallel=False")
-    trace = trace_calls(model, inputs)
+    trace = trace_calls(model, inputs, fake_mode)
     styles = _hf_styles(model, hf_tp_plan) if hf_tp_plan is not None else _structural_styles(model, trace)
     if sequence_parallel:
         styles = _with_sequence_parallel(model, trace, styles)
@@ -144,9 +145,10 @@ def derive_tensor_parallel(model: nn.Module, inputs, *, sequence_parallel: bool 
     return TensorParallel(styles=ordered, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
 
 
-def trace_calls(model: nn.Module, inputs) -> CallTrace:
-    """Run one forward of ``model`` on ``inputs`` without real compute (FakeTensorMode; the meta device for
-    a model on it), recording every module's first call and every SDPA call's innermost module."""
+def trace_calls(model: nn.Module, inputs, fake_mode=None) -> CallTrace:
+    """Run one forward of ``model`` on ``inputs`` without real compute (FakeTensorMode: ``fake_mode``, the one
+    the model was built in, or a new one; the meta device for a model on it), recording every module's first
+    call and every SDPA call's innermost module."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     trace = CallTrace()
@@ -158,7 +160,7 @@ def trace_calls(model: nn.Module, inputs) -> CallTrace:
             stack.callback(module.register_forward_pre_hook(_pre_hook(trace, fqn), with_kwargs=True).remove)
             stack.callback(module.register_forward_hook(_post_hook(trace, fqn), always_call=True).remove)
         stack.enter_context(torch.no_grad())
-        stack.enter_context(nullcontext() if on_meta else FakeTensorMode(allow_non_fake_inputs=True))
+        stack.enter_context(nullcontext() if on_meta else fake_mode or FakeTensorMode(allow_non_fake_inputs=True))
         stack.enter_context(_AttentionRecorder(trace))
         try:
             model(**inputs) if isinstance(inputs, dict) else model(*inputs)

@@ -54,12 +54,20 @@ def sweep(ctx: PlanContext, best: Checked, points: int) -> list[Checked]:
 
 def pareto(ctx: PlanContext, evaluated: list[Checked]) -> list[FrontierPoint]:
     """The Pareto set of (peak, step time) by the simulators' numbers over every plan evaluated, each point's
-    allocator retries priced in its step time (solve/survive.py [Note: Ranked by the priced time])."""
+    allocator retries priced in its step time (solve/survive.py [Note: Ranked by the priced time]): the set
+    by the unpriced times, then, priced, the points another point of it now beats (smaller and faster)
+    dropped. Pricing every plan judged would take the allocator's simulation of each, so a plan off the
+    unpriced set is not brought back by its price."""
     front: list[Checked] = []
     for c in sorted(evaluated, key=lambda c: (c.peak_bytes, c.step_time_s)):
         if not front or c.step_time_s < front[-1].step_time_s:
             front.append(c)
-    return [FrontierPoint(peak_bytes=c.peak_bytes, step_time_s=priced_step_time_s(ctx, c),
+    priced: list[tuple[Checked, float]] = []
+    for c in front:  # in peak order: a point stays when it is faster, priced, than every smaller one kept
+        step_s = priced_step_time_s(ctx, c)
+        if not priced or step_s < priced[-1][1]:
+            priced.append((c, step_s))
+    return [FrontierPoint(peak_bytes=c.peak_bytes, step_time_s=step_s,
                           description=(c.status + ": " if c.method in ("hand-written", "no-wrapping") else "")
                           + describe_choice(c.units, c.choice), fits=ctx.shown_fits(c))
-            for c in front]
+            for c, step_s in priced]
