@@ -171,7 +171,8 @@ def time_line(result: PlanResult, trace_s: float | None, report_s: float | None,
     ] + ([f"report {report_s:.2f} s"] if report_s is not None else [])
     degrees = (f"; tensor-parallel degrees: {t.degrees_screened} screened in {t.degree_screen_s:.2f} s, "
                f"{t.degrees_searched} searched in full (the stages above: the chosen one's search"
-               + (", the others beside it in the helper process)" if traced_beside else ")")) if t.degrees_screened else ""
+               + (", the others beside it in the helper process)" if traced_beside and t.degrees_searched > 1
+                  else ")")) if t.degrees_screened else ""
     return (", ".join(parts) + f" (CP-SAT {t.cpsat_s:.2f} s in {t.cpsat_solves} solves, simulators "
             f"{t.simulate_s:.2f} s for {t.simulated_plans} plans, hints {t.hints_s:.2f} s)" + degrees)
 
