@@ -91,11 +91,12 @@ def rank_roles(mesh: DeviceMesh | None) -> dict[frozenset[int], str]:
     """This rank's group of each dimension of ``mesh``, by its ranks -> the dimension's name.
 
     [Note: a group named by its ranks]
-      DTensor may run a collective over another mesh's group of the same ranks: several plans run in one
-      process (``run_plans``) build a mesh each, and DTensor's caches (its sharding propagation, keyed by
-      specs whose meshes compare equal by ranks and layout) can hand an op the mesh of an earlier plan. Seen
-      on CPU/gloo: the second of two 2 x 2 plans issued every tensor-parallel all-reduce over the first plan's
-      tp group. The ranks are the same, so the collective is named by the dimension whose group holds them.
+      DTensor may run a collective over a group that is not this mesh's, of the same ranks. Seen on CPU/gloo
+      (tests/execute/test_tp_predicted.py): several plans in one process (``run_plans``) build a mesh each, and
+      the second of two 2 x 2 plans issued every tensor-parallel all-reduce over a group of its tp ranks whose
+      name none of its mesh's groups has. Likely an earlier plan's mesh reached through a cache of DTensor's
+      (its sharding propagation caches specs, whose meshes compare equal by ranks and layout): not confirmed.
+      The ranks are this rank's tp group's, so the collective is named by the dimension whose group holds them.
     """
     if mesh is None or not mesh.mesh_dim_names:
         return {}
