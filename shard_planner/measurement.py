@@ -153,6 +153,10 @@ class Measurement:
     # the CUDA caching allocator's settings the ranks ran with (PYTORCH_ALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF;
     # shard_planner/allocator_conf.py); None on CPU, or when none was set (the allocator's defaults)
     allocator_conf: str | None = None
+    # What the cost model predicts of comm_tp, per group and kind, from a trace of one rank at the plan's degree
+    # (cost ``tp_collectives_per_step``, traced by execute/runner.py); None: no tensor parallelism, no trace
+    # (it failed, logged), or a measurement from before it
+    comm_tp_predicted: tuple[GroupCollectiveBytes, ...] | None = None
     schema_version: int = MEASUREMENT_SCHEMA_VERSION
 
     def __post_init__(self):
@@ -161,8 +165,9 @@ class Measurement:
         object.__setattr__(self, "step_time_s", tuple(float(t) for t in self.step_time_s))
         object.__setattr__(self, "losses", tuple(float(v) for v in self.losses))
         object.__setattr__(self, "comm_measured", _collectives(self.comm_measured))
-        object.__setattr__(self, "comm_by_group", tuple(
-            c if isinstance(c, GroupCollectiveBytes) else GroupCollectiveBytes(**c) for c in self.comm_by_group))
+        object.__setattr__(self, "comm_by_group", _group_collectives(self.comm_by_group))
+        if self.comm_tp_predicted is not None:
+            object.__setattr__(self, "comm_tp_predicted", _group_collectives(self.comm_tp_predicted))
         object.__setattr__(self, "data_ranks", tuple(int(d) for d in self.data_ranks))
         object.__setattr__(self, "rank_losses", tuple(tuple(float(v) for v in r) for r in self.rank_losses))
         if self.comm_predicted is not None:
@@ -241,6 +246,23 @@ class Measurement:
             return None
         return tuple(self.comm_predicted) == tuple(self.comm_measured) and bool(self.comm_same_every_step)
 
+    def comm_tp_comparison(self) -> list[tuple[str, str, int, tuple[int, int] | None, tuple[int, int] | None]]:
+        """(collective, group, group size, predicted (calls, bytes), measured (calls, bytes)) per step of tensor
+        parallelism, for every (group, collective, group size) either side has; None where a side has none."""
+        predicted = _calls_and_bytes(self.comm_tp_predicted or ())
+        measured = _calls_and_bytes(self.comm_tp)
+        return [(c, g, n, predicted.get((g, c, n)), measured.get((g, c, n)))
+                for g, c, n in sorted(set(predicted) | set(measured))]
+
+    @property
+    def comm_tp_matches(self) -> bool | None:
+        """Tensor parallelism's measured collectives equal the predicted ones call for call and byte for byte,
+        per group and kind, on every rank and timed step (None: no prediction)."""
+        if self.comm_tp_predicted is None:
+            return None
+        return (_calls_and_bytes(self.comm_tp_predicted) == _calls_and_bytes(self.comm_tp)
+                and bool(self.comm_same_every_step))
+
     # ---- JSON ----
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -252,6 +274,7 @@ class Measurement:
             "comm_matches": self.comm_matches,
             "samples_per_s": self.samples_per_s,
             "comm_tp_bytes": sum(c.bytes for c in self.comm_tp),
+            "comm_tp_matches": self.comm_tp_matches,
             "checkpoint_ok": self.checkpoint.ok if self.checkpoint is not None else None,
         }
         return d
@@ -275,6 +298,15 @@ class Measurement:
 
 def _collectives(items) -> tuple[CollectiveBytes, ...]:
     return tuple(c if isinstance(c, CollectiveBytes) else CollectiveBytes(**c) for c in items)
+
+
+def _group_collectives(items) -> tuple[GroupCollectiveBytes, ...]:
+    return tuple(c if isinstance(c, GroupCollectiveBytes) else GroupCollectiveBytes(**c) for c in items)
+
+
+def _calls_and_bytes(items) -> dict[tuple[str, str, int], tuple[int, int]]:
+    """(group, collective, group size) -> (calls, bytes) of ``items`` (GroupCollectiveBytes, one per key)."""
+    return {(c.group, c.collective, c.group_size): (c.calls, c.bytes) for c in items}
 
 
 def measurement_path_for(plan_path: str | os.PathLike) -> Path:

@@ -129,9 +129,8 @@ def run(args) -> int:
 
 def _print_comm(m) -> None:
     rows = m.comm_comparison()
-    if not rows:
-        return
-    print(f"{'communication per step':30}{'predicted':>14}{'measured':>14}")
+    if rows:
+        print(f"{'communication per step':30}{'predicted':>14}{'measured':>14}")
     for collective, group, predicted, measured in rows:
         p = format_bytes(predicted) if predicted is not None else "-"
         print(f"  {collective.replace('_', '-') + f' over {group} ranks':28}{p:>14}"
@@ -141,11 +140,34 @@ def _print_comm(m) -> None:
     elif m.comm_predicted is not None:
         print("  measured bytes differ from the prediction" + (
             "" if m.comm_same_every_step else " (and differ between ranks or timed steps)"))
-    if m.comm_tp:
-        print("tensor parallelism per step (measured; DTensor's collectives, message sizes):")
-        for c in m.comm_tp:
-            what = f"{c.collective.replace('_', '-')} over {c.group} ({c.group_size} ranks)"
-            print(f"  {what:38}{c.calls:>5} calls{format_bytes(c.bytes):>14}")
+    _print_comm_tp(m)
+
+
+def _print_comm_tp(m) -> None:
+    """Tensor parallelism's collectives per step (DTensor's), predicted beside measured, and whether they are
+    equal call for call and byte for byte (Measurement.comm_tp_matches)."""
+    rows = m.comm_tp_comparison()
+    if not rows:
+        return
+    print(f"{'tensor parallelism per step (DTensor)':40}{'predicted':>25}{'measured':>25}")
+    for collective, group, size, predicted, measured in rows:
+        what = f"{collective.replace('_', '-')} over {group} ({size} ranks)"
+        print(f"  {what:38}{_calls_bytes(predicted):>25}{_calls_bytes(measured):>25}")
+    if m.comm_tp_matches:
+        print("  measured calls and bytes equal the predicted ones exactly")
+    elif m.comm_tp_predicted is not None:
+        print("  measured calls or bytes differ from the prediction" + (
+            "" if m.comm_same_every_step else " (and differ between ranks or timed steps)"))
+    else:
+        print("  (no prediction: the model could not be traced at the plan's degree, see the log)")
+
+
+def _calls_bytes(entry: tuple[int, int] | None) -> str:
+    """``N calls, SIZE`` of a (calls, bytes) pair; "-" for none."""
+    if entry is None:
+        return "-"
+    calls, nbytes = entry
+    return f"{calls} call{'s' if calls != 1 else ''}, {format_bytes(nbytes)}"
 
 
 def _print_checkpoint(c) -> bool:

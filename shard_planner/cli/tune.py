@@ -37,6 +37,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "re-derived for it when it differs from --gpus")
     p.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs per node (default 8)")
     p.add_argument("--micro-batch", type=positive_int, help="micro-batch per GPU (default: the model file's)")
+    tp = p.add_argument_group("tensor parallelism")
+    tp.add_argument("--tp", type=positive_int, default=1, metavar="N",
+                    help="tensor-parallel degree every candidate keeps (default 1): N GPUs of a node split every "
+                    "block, styles derived as plan --tp derives them; it must divide the GPUs per node, --gpus, "
+                    "--world-size and the model's heads, MLP width and vocabulary")
+    tp.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
+                    help="with --tp, keep the norms and the block inputs whole on every rank")
+    tp.add_argument("--no-loss-parallel", dest="loss_parallel", action="store_false",
+                    help="with --tp, gather the logits before the loss")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_NAMES),
                    help="mixed-precision param dtype the model is traced, planned and run in (default bf16)")
     p.add_argument("--steps", type=positive_int, default=5, help="timed steps per plan (default 5)")
@@ -71,10 +80,11 @@ def _resolve(args) -> tuple[str, int, str]:
 
 def run(args) -> int:
     from shard_planner.plan import report_dir_for, save_plan, with_model_located
-    from shard_planner.tune import tune_model
+    from shard_planner.tune import check_degree, tune_model
 
     budget = args.mem
     profile, world_size, device = _resolve(args)
+    check_degree(args.tp, gpus=args.gpus, gpus_per_node=args.gpus_per_node, world_size=world_size)
     out = Path(args.output)
     profile_out = Path(args.profile_out) if args.profile_out else out.with_name(f"{out.stem}-fitted.toml")
     report_dir = None if args.no_report else Path(args.report) if args.report else report_dir_for(out)
@@ -92,7 +102,8 @@ def run(args) -> int:
             world_size=world_size, gpus_per_node=args.gpus_per_node, micro_batch=args.micro_batch,
             dtype=DTYPE_NAMES[args.dtype], per_launch=args.per_launch, steps=args.steps, warmup=args.warmup,
             timeout_s=args.timeout, device=device, profile_out=profile_out, report_dir=report_dir,
-            timings=args.timings)
+            timings=args.timings, tp=args.tp, sequence_parallel=args.sequence_parallel,
+            loss_parallel=args.loss_parallel)
     save_plan(with_model_located(result.plan, out), out)
 
     print(f"{'#':>2}  {'launch':>6}  {'measured s':>10}  {'prior s':>9}  {'fitted s':>9}  {'peak':>11}  "

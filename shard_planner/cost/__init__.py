@@ -30,6 +30,7 @@ evaluate a few plans (code that judges many holds one CostModel):
     simulate_time(trace, plan, profile) -> TimeEstimate
     module_compute_s(trace, fqn, micro_batch, profile, param_dtype) -> (fwd_s, bwd_s)
     cost_tables(trace, units) -> CostTables;  model_state_bytes(trace, plan) -> dict
+    tp_collectives_per_step(trace, plan) -> tensor-parallel collectives per step (what ``run`` compares)
 
 ~1 ms per plan for an 80-layer model without the memo (benchmarks/bench_cost.py).
 """
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 from shard_planner.cost.api import (
     cost_tables, estimate, model_state_bytes, module_compute_s, simulate_memory, simulate_time,
+    tp_collectives_per_step,
 )
 from shard_planner.cost.model import CostModel
 from shard_planner.cost.schedule import Event, EventKind, Schedule, build_schedule
@@ -49,5 +51,5 @@ from shard_planner.cost.unit_bytes import UnitBytes, unit_bytes
 __all__ = [
     "CostModel", "CostTables", "Estimate", "Event", "EventKind", "MemoryEstimate", "MemoryEvent", "Schedule",
     "TimeEstimate", "UnitBytes", "UnitTime", "build_schedule", "cost_tables", "estimate", "model_state_bytes",
-    "module_compute_s", "simulate_memory", "simulate_time", "unit_bytes",
+    "module_compute_s", "simulate_memory", "simulate_time", "tp_collectives_per_step", "unit_bytes",
 ]

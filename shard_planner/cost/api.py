@@ -7,9 +7,12 @@ imports back (tests/test_layering.py)."""
 from __future__ import annotations
 
 from shard_planner.checkpointing import check_checkpointing_allowed
+from shard_planner.comm import TP, GroupCollectiveBytes
 from shard_planner.cost.model import CostModel
 from shard_planner.cost import optimizer as optimizer_rules
+from shard_planner.cost.schedule import build_schedule
 from shard_planner.cost.tables import CostTables, build_tables
+from shard_planner.cost.tp_comm import TP_GROUP, tp_bytes_per_step
 from shard_planner.cost.types import Estimate, MemoryEstimate, TimeEstimate
 from shard_planner.cost.unit_bytes import unit_bytes
 from shard_planner.errors import PlanError
@@ -70,3 +73,16 @@ def model_state_bytes(trace: ModelTrace, plan: Plan) -> dict[str, int]:
         "grads": int(round(grads)),
         "optimizer_states": int(round(optimizer_rules.optimizer_state_bytes(plan.training.optimizer, grads))),
     }
+
+
+def tp_collectives_per_step(trace: ModelTrace, plan: Plan) -> tuple[GroupCollectiveBytes, ...]:
+    """The tensor-parallel collectives one rank of ``plan`` issues per optimizer step, per kind, over the
+    device mesh's tp group, as ``run`` counts DTensor's (execute/comm_count.py): calls and bytes from
+    ``trace``, one rank traced at the plan's degree (cost/tp_comm.py ``tp_bytes_per_step``, a checkpointed
+    block's forward ones twice); none without tensor parallelism. PlanError when the trace's degree is not
+    the plan's."""
+    check_tp_degree(plan, trace)
+    t = build_tables(trace, plan.units)
+    checkpointed = build_schedule(t, plan.units, plan.prefetch).checkpointed
+    return tuple(GroupCollectiveBytes(TP, TP_GROUP, c.collective, c.group_size, c.calls, c.bytes)
+                 for c in tp_bytes_per_step(plan, trace, t, checkpointed))

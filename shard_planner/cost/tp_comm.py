@@ -31,6 +31,10 @@ from shard_planner.plan import Plan
 from shard_planner.profile import HardwareProfile
 from shard_planner.trace.types import Affine, ModelTrace
 
+# The device mesh dimension tensor parallelism runs over (mesh.py ``Mesh.device_mesh_dim_names``): the group
+# ``run`` counts DTensor's collectives under (execute/comm_count.py ``group_roles``).
+TP_GROUP = "tp"
+
 
 def collectives_s(collectives: tuple[tuple[str, Affine], ...], micro_batch: int, profile: HardwareProfile,
                   tp_size: int) -> float:

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.distributed_c10d import _get_group_size_by_name
+from torch.distributed.distributed_c10d import _get_group_size_by_name, _resolve_process_group
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -87,8 +87,35 @@ def group_roles(mesh: DeviceMesh | None) -> dict[str, str]:
     return roles
 
 
-def _role(roles: dict[str, str], group_name: str, size: int) -> str:
-    return roles.get(group_name, f"{size} ranks")
+def rank_roles(mesh: DeviceMesh | None) -> dict[frozenset[int], str]:
+    """This rank's group of each dimension of ``mesh``, by its ranks -> the dimension's name.
+
+    [Note: a group named by its ranks]
+      DTensor may run a collective over a group that is not this mesh's, of the same ranks. Seen on CPU/gloo
+      (tests/execute/test_tp_predicted.py): several plans in one process (``run_plans``) build a mesh each, and
+      the second of two 2 x 2 plans issued every tensor-parallel all-reduce over a group of its tp ranks whose
+      name none of its mesh's groups has. Likely an earlier plan's mesh reached through a cache of DTensor's
+      (its sharding propagation caches specs, whose meshes compare equal by ranks and layout): not confirmed.
+      The ranks are this rank's tp group's, so the collective is named by the dimension whose group holds them.
+    """
+    if mesh is None or not mesh.mesh_dim_names:
+        return {}
+    out: dict[frozenset[int], str] = {}
+    for name in mesh.mesh_dim_names:
+        out.setdefault(frozenset(dist.get_process_group_ranks(mesh.get_group(name))), name)
+    return out
+
+
+def _role(roles: dict[str, str], by_ranks: dict[frozenset[int], str], group_name: str, size: int) -> str:
+    """The group's name in the mesh ([Note: a group named by its ranks]); "N ranks" for a group of no mesh
+    dimension (FSDP2's group of an int ``reshard_after_forward``)."""
+    if group_name in roles:
+        return roles[group_name]
+    if by_ranks:
+        ranks = frozenset(dist.get_process_group_ranks(_resolve_process_group(group_name)))
+        if ranks in by_ranks:
+            return by_ranks[ranks]
+    return f"{size} ranks"
 
 
 class _Tally:
@@ -114,7 +141,7 @@ class CommCounter:
 
     def __init__(self, mesh: DeviceMesh | None = None):
         self._tally = _Tally()
-        self._roles = group_roles(mesh)
+        self._roles, self._by_ranks = group_roles(mesh), rank_roles(mesh)
         self._depth = threading.local()
         self._originals: dict[str, object] = {}
 
@@ -130,7 +157,8 @@ class CommCounter:
                 size = dist.get_world_size(group)
                 if tensor is not None and size > 1:
                     pg = group if group is not None else dist.group.WORLD
-                    self._tally.add((FSDP, _role(self._roles, pg.group_name, size), collective, size), _nbytes(tensor))
+                    role = _role(self._roles, self._by_ranks, pg.group_name, size)
+                    self._tally.add((FSDP, role, collective, size), _nbytes(tensor))
             self._depth.n = depth + 1
             try:
                 return fn(*args, **kwargs)
@@ -200,7 +228,7 @@ class FunctionalCollectiveCounter(TorchDispatchMode):
     def __init__(self, mesh: DeviceMesh | None = None):
         super().__init__()
         self._tally = _Tally()
-        self._roles = group_roles(mesh)
+        self._roles, self._by_ranks = group_roles(mesh), rank_roles(mesh)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -213,7 +241,8 @@ class FunctionalCollectiveCounter(TorchDispatchMode):
             group_name = args[-1] if args else kwargs["group_name"]
             size = _get_group_size_by_name(group_name)
             if size > 1:
-                self._tally.add((TP, _role(self._roles, group_name, size), collective, size), message_bytes(args[0], size))
+                role = _role(self._roles, self._by_ranks, group_name, size)
+                self._tally.add((TP, role, collective, size), message_bytes(args[0], size))
         return func(*args, **kwargs)
 
     def take(self) -> tuple[GroupCollectiveBytes, ...]:

@@ -94,23 +94,60 @@ def with_prediction(measurement: Measurement, predicted: Prediction | None) -> M
     )
 
 
-def reestimate(plan: Plan, model_path: str) -> Prediction | None:
+def reestimate(plan: Plan, model_path: str, trace=None) -> Prediction | None:
     """The cost model's prediction for ``plan`` (e.g. re-derived for fewer ranks), or None when the cost
-    model is not available or cannot estimate it (logged)."""
+    model is not available or cannot estimate it (logged). ``trace``: the plan's one-rank trace
+    (:func:`one_rank_trace`), traced here when not given."""
     try:
         from shard_planner.cost import estimate
         from shard_planner.profile import load_priced_profile
-        from shard_planner.trace import trace_model
     except ImportError:
         return None
+    trace = trace if trace is not None else one_rank_trace(plan, model_path)
+    if trace is None:
+        return None
     try:
-        trace = trace_model(model_path, dtype=plan.training.param_dtype,  # traced as the plan computes, one tp rank
-                            tensor_parallel=plan.tensor_parallel, tp_size=plan.mesh.tp_size)
         return estimate(trace, plan, load_priced_profile(plan.cluster.profile, plan.cluster.timings)).prediction()
     except Exception as exc:  # an estimate is a bonus: the run goes on without it
         logger.warning("could not re-estimate the plan for %d ranks: %s: %s", plan.mesh.world_size,
                        type(exc).__name__, exc)
         return None
+
+
+def one_rank_trace(plan: Plan, model_path: str):
+    """``plan``'s model traced as the plan computes it, one rank at its tensor-parallel degree with its styles
+    (the model file's options, e.g. a transformers config's sequence length, from the plan), or None when
+    the tracer is not available or fails (logged: the run's figures do not need it)."""
+    try:
+        from shard_planner.hf import model_options
+        from shard_planner.modelfile import load_model_file
+        from shard_planner.trace import trace_model
+    except ImportError:
+        return None
+    try:
+        return trace_model(load_model_file(model_path, model_options(plan.model, model_path)),
+                           dtype=plan.training.param_dtype, tensor_parallel=plan.tensor_parallel,
+                           tp_size=plan.mesh.tp_size)
+    except Exception as exc:  # a prediction is a bonus: the run goes on without it
+        logger.warning("could not trace %s for the prediction: %s: %s", model_path, type(exc).__name__, exc)
+        return None
+
+
+def with_run_predictions(m: Measurement, ran: Plan, model_path: str, reestimate_rederived: bool) -> Measurement:
+    """``m`` (a run of ``ran``, the plan as the ranks ran it) with what the cost model predicts that needs a
+    trace: a re-derived plan's prediction (when ``reestimate_rederived``) and, with tensor parallelism, its
+    collectives per step (``comm_tp_predicted``, cost ``tp_collectives_per_step``). One trace serves both."""
+    rederive = m.rederived and reestimate_rederived
+    if not (rederive or ran.mesh.is_tp):
+        return m
+    trace = one_rank_trace(ran, model_path)
+    if rederive:  # the prediction of the plan as the ranks re-derived it
+        m = with_prediction(m, reestimate(ran, model_path, trace))
+    if ran.mesh.is_tp and trace is not None:
+        from shard_planner.cost import tp_collectives_per_step
+
+        m = replace(m, comm_tp_predicted=tp_collectives_per_step(trace, ran))
+    return m
 
 
 def launch_plans(plans: list[Plan], *, world_size: int | None = None, steps: int = 5, warmup: int = 2,
@@ -153,9 +190,8 @@ def launch_plans(plans: list[Plan], *, world_size: int | None = None, steps: int
     measurements = []
     for m, plan, run in zip(result.measurements, plans, runs):
         m = replace(m, model_path=plan.model.path)  # the plan's own path, as given
-        if m.rederived and reestimate_rederived:  # the prediction of the plan as the ranks re-derived it
-            m = with_prediction(m, reestimate(run.at_world_size(world_size)[0], run.model.path))
-        measurements.append(m)
+        measurements.append(with_run_predictions(m, run.at_world_size(world_size)[0], run.model.path,
+                                                 reestimate_rederived))
     return replace(result, measurements=tuple(measurements))
 
 

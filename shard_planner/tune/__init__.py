@@ -28,8 +28,8 @@ from shard_planner.tune.tuner import Skipped, Trial, TuneResult, measurement_for
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Candidate", "ProfileFit", "Skipped", "Trial", "TuneResult", "describe_plan", "fit_profile",
-           "scale_profile", "top_candidates", "tune", "tune_model", "write_fitted_profile"]
+__all__ = ["Candidate", "ProfileFit", "Skipped", "Trial", "TuneResult", "check_degree", "describe_plan",
+           "fit_profile", "scale_profile", "top_candidates", "tune", "tune_model", "write_fitted_profile"]
 
 
 def write_fitted_profile(result: TuneResult, prior: HardwareProfile, path: str | os.PathLike,
@@ -51,21 +51,23 @@ def tune_model(model_path: str, *, gpus: int, mem_budget_bytes: int, profile: st
                micro_batch: int | None = None, dtype: str = "bfloat16", per_launch: int | None = None,
                steps: int = 5, warmup: int = 2, timeout_s: float = 600.0, device: str = "auto", trace=None,
                profile_out: str | os.PathLike | None = None, report_dir: str | os.PathLike | None = None,
-               plan_options: dict | None = None, timings: str | None = None) -> TuneResult:
+               plan_options: dict | None = None, timings: str | None = None, tp: int = 1,
+               sequence_parallel: bool = True, loss_parallel: bool = True, run_plans=None) -> TuneResult:
     """Plan ``model_path`` for ``gpus`` GPUs within ``mem_budget_bytes`` each, run the top ``trials``
     distinct plans for real (re-derived for ``world_size`` ranks when given), fit ``profile`` to what was
     measured and return the measured best (see :mod:`shard_planner.tune.tuner`). Writes the fitted profile
     to ``profile_out`` and a report into ``report_dir`` when given; the returned plan names the fitted
     profile when it was written. ``dtype`` is the mixed-precision param dtype the model is traced and
-    planned in (``trace``, when given, must have been traced in it). ``timings``: a module-timings file
-    (``shard-planner calibrate --model``) that prices compute instead of FLOPs; the fit then moves only
-    what the timings leave to the profile (its compute factor stays at the prior for timed modules).
-    ``plan_options``: further :class:`~shard_planner.solve.PlanRequest` fields (``time_limit_s``, ...)."""
+    planned in (``trace``, when given, must have been traced in it, at degree ``tp``). ``timings``: a
+    module-timings file (``shard-planner calibrate --model``) that prices compute instead of FLOPs; the fit
+    then moves only what the timings leave to the profile (its compute factor stays at the prior for timed
+    modules). ``tp``: the tensor-parallel degree every candidate keeps, its styles derived as ``plan --tp``
+    derives them (:func:`_degree_trace`). ``plan_options``: further :class:`~shard_planner.solve.PlanRequest`
+    fields (``time_limit_s``, ...). ``run_plans``: runs a launch's plans (default
+    :func:`shard_planner.execute.run_plans`)."""
     from shard_planner.cost import estimate
-    from shard_planner.execute import run_plans
     from shard_planner.modelfile import load_model_file
     from shard_planner.solve import PlanRequest, plan_model
-    from shard_planner.trace import trace_model
     from shard_planner.units import compute_dtype_name
 
     if trials < 1:
@@ -75,20 +77,21 @@ def tune_model(model_path: str, *, gpus: int, mem_budget_bytes: int, profile: st
         prior = prior.with_timings(load_timings(timings))
     model_file = load_model_file(model_path)
     param_dtype = compute_dtype_name(dtype)
-    if trace is None:
-        trace = trace_model(model_file, dtype=param_dtype)
-    elif trace.compute_dtype != param_dtype:
-        raise UserError(f"the trace given was made in {trace.compute_dtype}, but tune was asked for {param_dtype}")
+    check_degree(tp, gpus=gpus, gpus_per_node=gpus_per_node, world_size=world_size)
+    trace, styles = _degree_trace(model_file, param_dtype, tp, trace, sequence_parallel=sequence_parallel,
+                                  loss_parallel=loss_parallel)
     defaults = model_file.defaults
     request = PlanRequest(gpus=gpus, mem_budget_bytes=mem_budget_bytes, profile=prior, gpus_per_node=gpus_per_node,
                           micro_batch=micro_batch or defaults.micro_batch, optimizer=defaults.optimizer, lr=defaults.lr,
                           param_dtype=param_dtype, model_path=model_path,
                           profile_name=profile if isinstance(profile, str) else None, timings_path=timings,
-                          **(plan_options or {}))
+                          tensor_parallel=styles, **(plan_options or {}))
     plan = plan_model(trace, request).plan
     candidates = top_candidates(trace, plan, prior, trials, estimate=estimate,
                                 solve=lambda budget: plan_model(trace, replace(request, mem_budget_bytes=budget)).plan,
                                 extra=hand_written_plans(trace, plan))
+    if run_plans is None:
+        from shard_planner.execute import run_plans
     result = tune(trace, candidates, prior, estimate=estimate, run_plans=run_plans, world_size=world_size,
                   per_launch=per_launch, steps=steps, warmup=warmup, timeout_s=timeout_s, device=device)
     if profile_out is not None:
@@ -102,12 +105,54 @@ def tune_model(model_path: str, *, gpus: int, mem_budget_bytes: int, profile: st
     return result
 
 
+def check_degree(tp: int, *, gpus: int, gpus_per_node: int, world_size: int | None) -> None:
+    """``tp`` must divide the GPUs per node and the GPUs (tensor parallelism stays inside a node, as ``plan
+    --tp`` requires), and the ranks the candidates run on, so that every run keeps the degree the trace is
+    at (``Plan.with_world_size`` drops a degree that does not divide). UserError, one line, otherwise."""
+    if tp < 1:
+        raise UserError(f"--tp must be a positive integer, got {tp}")
+    if gpus_per_node % tp or gpus % tp:
+        raise UserError(f"--tp {tp} must divide the GPUs per node ({gpus_per_node}) and --gpus ({gpus}): "
+                        "tensor parallelism stays inside a node")
+    if world_size is not None and world_size % tp:
+        raise UserError(f"--tp {tp} must divide --world-size ({world_size}): every run keeps the plan's "
+                        "tensor-parallel degree")
+
+
+def _degree_trace(model_file, param_dtype: str, tp: int, trace, *, sequence_parallel: bool, loss_parallel: bool):
+    """(one rank of the model traced at degree ``tp``, its styles; None at degree 1): the styles derived as
+    ``plan --tp`` derives them (tp_degrees.py ``degree_styles``); a degree the model's dimensions refuse is a
+    UserError naming the dimension. ``trace``: given (checked to be at ``param_dtype`` and ``tp``) or None."""
+    from shard_planner.tp_degrees import degree_styles
+    from shard_planner.trace import trace_model
+
+    if trace is not None:
+        if trace.compute_dtype != param_dtype:
+            raise UserError(f"the trace given was made in {trace.compute_dtype}, but tune was asked for {param_dtype}")
+        if trace.tp_size != tp:
+            raise UserError(f"the trace given is one rank at tensor-parallel degree {trace.tp_size}, but tune was "
+                            f"asked for --tp {tp}")
+    styles = None
+    if tp > 1:
+        found = degree_styles(model_file, [tp], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+                              seq_len=model_file.training.get("seq_len"))
+        if tp not in found.styles:
+            raise UserError(f"--tp {tp}: {found.refused[0].refused}")
+        styles = found.styles[tp]
+    if trace is None:
+        trace = trace_model(model_file, dtype=param_dtype, tensor_parallel=styles, tp_size=tp)
+    return trace, styles
+
+
 def hand_written_plans(trace, plan) -> list[tuple]:
-    """The hand-written policies (shard_planner/solve/baselines.py) with ``plan``'s global choices."""
+    """The hand-written policies (shard_planner/solve/baselines.py) with ``plan``'s global choices: its mesh
+    (the tensor-parallel degree and styles too) and its shard group's ranks per node, as the solver's space
+    has them (solve/context.py ``space``: a shard group's ranks are tp apart)."""
     from shard_planner.solve.baselines import hand_written_units
     from shard_planner.solve.space import build_space
 
-    space = build_space(trace, shard_group=plan.mesh.shard_group_size, gpus_per_node=plan.cluster.gpus_per_node)
+    space = build_space(trace, shard_group=plan.mesh.shard_group_size,
+                        gpus_per_node=plan.mesh.shard_ranks_per_node(plan.cluster.gpus_per_node))
     return [(replace(plan, units=units), f"policy: {name}") for name, units in hand_written_units(space, trace)]
 
 

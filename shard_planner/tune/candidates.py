@@ -15,7 +15,9 @@ Plans the cost model cannot tell apart (same predicted peak and step time) teach
 differ, measured, only by noise: a candidate predicted exactly like a better-ranked one is taken only
 when there are not ``count`` candidates without such a twin.
 
-Every candidate keeps the caller's budget in its cluster section, whatever budget it was solved for.
+Every candidate keeps the caller's budget in its cluster section, whatever budget it was solved for, and the
+plan's mesh, tensor-parallel degree and styles included: the re-solves are of the same trace (one rank at that
+degree) and request, the neighbours and hand-written policies are the plan with other units or prefetch.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def describe_plan(plan: Plan) -> str:
              f"AC {ac}", f"pf {plan.prefetch.forward}/{plan.prefetch.backward}", f"mb {plan.training.micro_batch}"]
     if plan.training.cpu_offload:
         parts.append("offload")
-    if plan.mesh.is_hsdp:
+    if plan.mesh.is_hsdp or plan.mesh.is_tp:
         parts.append(plan.mesh.description)
     return ", ".join(parts)
 

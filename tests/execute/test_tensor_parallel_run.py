@@ -128,6 +128,8 @@ def test_cli_runs_a_2x2_plan_file(tmp_path, capsys):
     assert cli_main(["run", str(path), "--steps", "1", "--warmup", "1", "--device", "cpu", "--no-checkpoint"]) == 0
     out = capsys.readouterr().out
     assert "on 4 ranks" in out and "tensor parallelism per step" in out and "reduce-scatter over tp" in out
+    # predicted from the runner's trace of one tp rank, beside the measured (cost tp_collectives_per_step)
+    assert "measured calls and bytes equal the predicted ones exactly" in out, out
     assert (tmp_path / "measurement.json").is_file()
 
 
