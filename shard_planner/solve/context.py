@@ -26,7 +26,10 @@ from shard_planner.errors import UserError
 from shard_planner.plan import Cluster, Mesh, Plan, Training, Unit
 from shard_planner.solve import cpsat
 from shard_planner.solve.accumulation import NO_ACCUMULATION
-from shard_planner.solve.linear import MIB, GlobalChoice, LinearModel, build_linear_model, evaluate, with_accumulation
+from shard_planner.cost.queries import UnitSetting
+from shard_planner.solve.candidate_costs import CandidateCosts, candidate_costs
+from shard_planner.solve.linear import (MIB, GlobalChoice, LinearModel, build_linear_model, evaluate, unit_setting,
+                                        with_accumulation)
 from shard_planner.solve.request import PlanRequest, PlanTimings
 from shard_planner.solve.simulate import cover_units, make_plan
 from shard_planner.solve.space import SearchSpace, build_space
@@ -126,6 +129,7 @@ class PlanContext:
         self.clock = Clock()
         self._spaces: dict[int, SearchSpace] = {}
         self._linear: dict[GlobalChoice, LinearModel] = {}
+        self._costs: dict[UnitSetting, CandidateCosts] = {}
         self._greedy: dict[tuple[GlobalChoice, int], tuple[int, ...] | None] = {}
         self._estimates: dict[tuple, Estimate] = {}
         self._ahead: dict[tuple[GlobalChoice, float], Future] = {}
@@ -149,8 +153,19 @@ class PlanContext:
             self._linear[choice] = with_accumulation(self.linear(plain), choice, self.training)
         if choice not in self._linear:
             self._linear[choice] = build_linear_model(self.trace, self.space(choice.mesh), choice, self.training,
-                                                      self.profile, cost_model=self.cost_model)
+                                                      self.profile, cost_model=self.cost_model,
+                                                      costs=self.candidate_costs(choice))
         return self._linear[choice]
+
+    def candidate_costs(self, choice: GlobalChoice) -> CandidateCosts:
+        """The unit costs of every candidate of ``choice``'s space under its setting, priced once per setting
+        (solve/candidate_costs.py): the linear models of the choices that share a mesh and offload share
+        them. The space and the profile follow from the setting's mesh (:meth:`space`; ``for_world``)."""
+        setting = unit_setting(choice, self.training)
+        if setting not in self._costs:
+            profile = self.cost_model.for_world(choice.mesh.world_size).profile
+            self._costs[setting] = candidate_costs(self.trace, self.space(choice.mesh), setting, profile)
+        return self._costs[setting]
 
     def greedy(self, lm: LinearModel, budget_mib: int) -> tuple[int, ...] | None:
         """:func:`cpsat.greedy_cover` of ``lm`` at ``budget_mib``, once per pair (the screen's is the first

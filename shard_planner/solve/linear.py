@@ -80,9 +80,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from functools import reduce
-from operator import add
-
 from shard_planner.cost.accumulation import held_between_micro_steps_bytes
 from shard_planner.cost.collectives import ring_bandwidth_s
 from shard_planner.checkpointing import DEFAULT_SAVE_OPS, is_selective
@@ -92,13 +89,13 @@ from shard_planner.cost.reshard import Reshard, ReshardAfterForward
 from shard_planner.cost import optimizer as optimizer_rules
 from shard_planner.cost.tables import largest_module_float_bytes
 from shard_planner.cost.unit_bytes import UnitBytes, reduce_scatter_backend_temp_bytes, reduce_scatter_output_bytes
-from shard_planner.cost.unit_cost import UnitCost, unit_cost
+from shard_planner.cost.unit_cost import UnitCost
 from shard_planner.cost.unit_params import UnitParams
 from shard_planner.dtypes import DTYPE_BYTES
 from shard_planner.plan import Mesh, Prefetch, Training
 from shard_planner.profile import HardwareProfile
 from shard_planner.solve.accumulation import NO_ACCUMULATION, Accumulation
-from shard_planner.solve.item_params import ItemParams, item_params, root_only_params
+from shard_planner.solve.candidate_costs import CandidateCosts, candidate_costs
 from shard_planner.solve.space import Candidate, SearchSpace
 from shard_planner.trace.types import ModelTrace
 
@@ -190,15 +187,29 @@ def _us(seconds: float) -> int:
     return max(0, round(seconds * US_PER_S))
 
 
+def unit_setting(choice: GlobalChoice, training: Training) -> UnitSetting:
+    """What ``choice``'s units share, as the per-unit cost reads it (cost/queries.py)."""
+    return UnitSetting(choice.mesh, training.param_dtype, training.reduce_dtype, training.optimizer,
+                       choice.cpu_offload)
+
+
 def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoice, training: Training,
-                       profile: HardwareProfile, cost_model: CostModel | None = None) -> LinearModel:
+                       profile: HardwareProfile, cost_model: CostModel | None = None,
+                       costs: CandidateCosts | None = None) -> LinearModel:
     """The coefficients for one global choice. ``cost_model``: the CostModel of ``trace`` on ``profile``
-    (module compute times, subtree sums); None: a new one."""
+    (module compute times, subtree sums); None: a new one. ``costs``: the candidates' unit costs under the
+    choice's setting (solve/candidate_costs.py: shared by the choices that differ only in micro-batch,
+    prefetch or accumulation); None: priced here."""
     cm = cost_model if cost_model is not None else CostModel(trace, profile)
     # time as the choice's ranks see the profile (CPU ranks sharing cores: cost/host_share.py); the
     # byte figures the memory rows read are the same on it
     cm = cm.for_world(choice.mesh.world_size)
     profile = cm.profile
+    setting = unit_setting(choice, training)
+    if costs is None:
+        costs = candidate_costs(trace, space, setting, profile)
+    elif not costs.matches(space, setting, profile):
+        raise ValueError(f"{choice.label}: the candidate costs given are of another space, setting or profile")
     b = choice.micro_batch
     shard = choice.mesh.shard_group_size
     bp = DTYPE_BYTES[training.param_dtype]  # unsharded (all-gathered) parameters and their gradients
@@ -223,11 +234,9 @@ def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoi
 
     leading = next((i for i, it in enumerate(items) if not it.may_join_root), len(items))
     per_item = _ItemTerms(tuple(saved), tuple(inputs), tuple(fwd_rise), tuple(bwd_rise), fwd_s, bwd_s, sac)
-    setting = UnitSetting(choice.mesh, training.param_dtype, training.reduce_dtype, training.optimizer,
-                          choice.cpu_offload)
-    shared = _ChoiceTerms(setting=setting, params=item_params(trace, space), profile=profile, d_f=d_f, d_b=d_b,
+    shared = _ChoiceTerms(setting=setting, costs=costs, profile=profile, d_f=d_f, d_b=d_b,
                           overlap=overlap, leading_root_items=leading)
-    coeffs = [_candidate_coeffs(c, space, per_item, shared) for c in space.candidates]
+    coeffs = [_candidate_coeffs(k, c, per_item, shared) for k, c in enumerate(space.candidates)]
 
     # ---- constants ----
     # The whole model as one unit's parameters gives the sharded state (ZeRO §5, stage 3: params +
@@ -235,9 +244,7 @@ def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoi
     # step's temporaries by the simulators' rules (cost/unit_cost.py, cost/optimizer.py); the root's own
     # parameters (no item owns them) are gathered once and kept, with their gradients and reduce-scatter
     # input, all step.
-    model_params = UnitParams.of_modules(trace.modules)
-    model = unit_cost(model_params, True, setting, profile)
-    root = unit_cost(root_only_params(trace, space), None, setting, profile)
+    model_params, model, root = costs.model_params, costs.model, costs.root
     item_saved_total = sum(saved)
     all_saved = cm.subtree_sum("", "saved_bytes_self").at(b) * act_scale
     outside_saved = max(0.0, all_saved - item_saved_total)
@@ -334,12 +341,12 @@ class _ItemTerms:
 @dataclass(frozen=True)
 class _ChoiceTerms:
     """What every candidate of one global choice shares: the units' setting (mesh, dtypes, optimizer,
-    offload) and the items' parameters, the profile (as the choice's ranks see it), the overlap windows
+    offload) and the candidates' unit costs under it, the profile (as the choice's ranks see it), the overlap windows
     in units of a unit's compute (``d_f``, ``d_b``; ``overlap`` False on a CPU profile) and how many
     leading items may join the root."""
 
     setting: UnitSetting
-    params: ItemParams
+    costs: CandidateCosts
     profile: HardwareProfile
     d_f: int
     d_b: int
@@ -353,18 +360,16 @@ def _live(parts: tuple[UnitCost, ...], field: str) -> float:
     return getattr(parts[0].bytes, field) + max((getattr(p.bytes, field) for p in parts[1:]), default=0.0)
 
 
-def _candidate_coeffs(c: Candidate, space: SearchSpace, items: _ItemTerms, ch: _ChoiceTerms) -> Coeffs:
+def _candidate_coeffs(k: int, c: Candidate, items: _ItemTerms, ch: _ChoiceTerms) -> Coeffs:
+    """The terms of candidate ``k`` (``c``) of the space."""
     saved, inputs, fwd_rise, bwd_rise, sac = items.saved, items.inputs, items.fwd_rise, items.bwd_rise, items.sac
     fwd_s, bwd_s = items.fwd_s, items.bwd_s
     profile, shard = ch.profile, ch.setting.mesh.shard_group_size
     o = c.option
     idx = range(c.start, c.stop)
     # each FSDP unit the candidate makes (one, or nested: the outer and one per inner unit) by the
-    # simulators' per-unit query (cost/unit_cost.py), and all of them as one
-    param_parts = ch.params.parts(c)
-    parts = tuple(unit_cost(p, o.reshard_after_forward, ch.setting, profile) for p in param_parts)
-    whole = parts[0] if len(parts) == 1 else unit_cost(reduce(add, param_parts), o.reshard_after_forward,
-                                                        ch.setting, profile)
+    # simulators' per-unit query (cost/unit_cost.py), and all of them as one (solve/candidate_costs.py)
+    parts, whole = ch.costs.parts[k], ch.costs.whole[k]
     gather = whole.bytes.unsharded
     gather_live = _live(parts, "unsharded")
 
