@@ -52,7 +52,7 @@ from shard_planner.cost.activations import BlockActivations, block_activations
 from shard_planner.cost.memory import simulate_memory_walk
 from shard_planner.cost.quantized import dequantisation_s, subtree_dequantisation_s
 from shard_planner.cost.reserved import (ReservedEstimate, ReservedTimeline, simulate_reserved, simulate_reserved_timeline,
-                                         simulated_events)
+                                         simulated_events, unlimited_run)
 from shard_planner.cost.types import Estimate, MemoryEstimate, TimeEstimate
 from shard_planner.cost.unit_bytes import UnitBytes, query_unit_bytes
 from shard_planner.cost.unit_cost import UnitCost, unit_cost
@@ -64,6 +64,9 @@ logger = logging.getLogger(__name__)
 
 TABLES_CACHE_SIZE = 256  # segmentations kept (the solver's screen visits a few dozen per global choice)
 MEMO_SIZE = 4096  # estimates kept per kind (memory with timeline, without, time)
+# unlimited allocator runs kept (cost/reserved.py ``unlimited_run``): each holds its allocator's blocks, and
+# it is asked again right after (cost/fits.py ``device_fit``: without a limit, then under the device's)
+UNLIMITED_RUNS_KEPT = 4
 
 
 class _LRU(OrderedDict):
@@ -111,6 +114,7 @@ class CostModel:
         self._memory_totals = _LRU(memo_size)  # without
         self._time = _LRU(memo_size)
         self._reserved = _LRU(memo_size)
+        self._unlimited_runs = _LRU(min(memo_size, UNLIMITED_RUNS_KEPT))
         self._timings_checked: set[str] = set()
         self._kernel_modules = _LRU(tables_cache_size)  # per-module and loss kernel seconds
         self._dequant = _LRU(tables_cache_size)  # per quantised module, dequantisation seconds
@@ -379,8 +383,10 @@ class CostModel:
                                      self._simulate_reserved)
 
     def _simulate_reserved(self, q: ReservedQuery) -> ReservedEstimate:
+        unlimited = self._unlimited_runs.get_or(replace(q, device_bytes=None), lambda u: unlimited_run(
+            lambda accountants: self._simulate_memory(u.plan, False, accountants), u.expandable_segments))
         return simulate_reserved(lambda accountants: self._simulate_memory(q.plan, False, accountants),
-                                 q.expandable_segments, q.device_bytes)
+                                 q.expandable_segments, q.device_bytes, unlimited=unlimited)
 
     def reserved_timeline(self, plan, expandable_segments: bool = True,
                           device_bytes: int | None = None) -> ReservedTimeline:
