@@ -131,6 +131,7 @@ class PlanContext:
         self._linear: dict[GlobalChoice, LinearModel] = {}
         self._costs: dict[UnitSetting, CandidateCosts] = {}
         self._greedy: dict[tuple[GlobalChoice, int], tuple[int, ...] | None] = {}
+        self._lagrangian: dict[GlobalChoice, tuple] = {}  # cpsat.lagrangian_covers, per linear model
         self._estimates: dict[tuple, Estimate] = {}
         self._ahead: dict[tuple[GlobalChoice, float], Future] = {}
         self._threads: ThreadPoolExecutor | None = None
@@ -169,11 +170,13 @@ class PlanContext:
 
     def greedy(self, lm: LinearModel, budget_mib: int) -> tuple[int, ...] | None:
         """:func:`cpsat.greedy_cover` of ``lm`` at ``budget_mib``, once per pair (the screen's is the first
-        solve's hint)."""
+        solve's hint); its Lagrangian covers, which no budget changes, once per linear model."""
         key = (lm.choice, budget_mib)
         if key not in self._greedy:
             with self.clock.doing("hints"):
-                self._greedy[key] = cpsat.greedy_cover(lm, budget_mib)
+                if lm.choice not in self._lagrangian:
+                    self._lagrangian[lm.choice] = cpsat.lagrangian_covers(lm)
+                self._greedy[key] = cpsat.greedy_cover(lm, budget_mib, self._lagrangian[lm.choice])
         return self._greedy[key]
 
     def min_time(self, lm: LinearModel, budget_mib: int, **kwargs) -> cpsat.SolveResult:
