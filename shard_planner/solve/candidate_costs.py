@@ -44,7 +44,8 @@ class CandidateCosts:
 
     def matches(self, space: SearchSpace, setting: UnitSetting, profile: HardwareProfile) -> bool:
         """Whether these are the costs of ``space``'s candidates under ``setting`` on ``profile``."""
-        return self.space is space and self.setting == setting and self.profile is profile
+        return (self.space is space and self.setting == setting
+                and (self.profile is profile or self.profile == profile))  # (a fresh CostModel's for_world: equal)
 
 
 def candidate_costs(trace: ModelTrace, space: SearchSpace, setting: UnitSetting,

@@ -23,13 +23,13 @@ from shard_planner.cost.fits import FitVerdict, device_fit, smallest_mem_bytes
 from shard_planner.cost.model import CostModel
 from shard_planner.cost.types import Estimate
 from shard_planner.errors import UserError
-from shard_planner.plan import Cluster, Mesh, Plan, Training, Unit
+from shard_planner.plan import Cluster, Mesh, Plan, Prefetch, Training, Unit
 from shard_planner.solve import cpsat
 from shard_planner.solve.accumulation import NO_ACCUMULATION
 from shard_planner.cost.queries import UnitSetting
 from shard_planner.solve.candidate_costs import CandidateCosts, candidate_costs
 from shard_planner.solve.linear import (MIB, GlobalChoice, LinearModel, build_linear_model, evaluate, unit_setting,
-                                        with_accumulation)
+                                        with_accumulation, with_prefetch)
 from shard_planner.solve.request import PlanRequest, PlanTimings
 from shard_planner.solve.simulate import cover_units, make_plan
 from shard_planner.solve.space import SearchSpace, build_space
@@ -129,6 +129,8 @@ class PlanContext:
         self.clock = Clock()
         self._spaces: dict[int, SearchSpace] = {}
         self._linear: dict[GlobalChoice, LinearModel] = {}
+        # per choice without accumulation, its prefetch depths set aside: the first linear model built of it
+        self._built: dict[GlobalChoice, LinearModel] = {}
         self._costs: dict[UnitSetting, CandidateCosts] = {}
         self._greedy: dict[tuple[GlobalChoice, int], tuple[int, ...] | None] = {}
         self._lagrangian: dict[GlobalChoice, tuple] = {}  # cpsat.lagrangian_covers, per linear model
@@ -148,14 +150,21 @@ class PlanContext:
         return self._spaces[shard]
 
     def linear(self, choice: GlobalChoice) -> LinearModel:
-        """The linear model of ``choice`` (built once: the screen, the solves and the sweep share it)."""
+        """The linear model of ``choice`` (built once: the screen, the solves and the sweep share it). One
+        that differs from a built one only in accumulation or prefetch depths is derived from it
+        (linear.py ``with_accumulation``, ``with_prefetch``: the same terms as a build)."""
         plain = replace(choice, accumulation=NO_ACCUMULATION)
         if choice != plain and choice not in self._linear:  # accumulation only adds to its base
             self._linear[choice] = with_accumulation(self.linear(plain), choice, self.training)
         if choice not in self._linear:
-            self._linear[choice] = build_linear_model(self.trace, self.space(choice.mesh), choice, self.training,
-                                                      self.profile, cost_model=self.cost_model,
-                                                      costs=self.candidate_costs(choice))
+            depths_aside = replace(choice, prefetch=Prefetch(0, 0))
+            built = self._built.get(depths_aside)
+            if built is not None:  # the prefetch depths change only the time terms
+                self._linear[choice] = with_prefetch(built, choice, self.candidate_costs(choice))
+            else:
+                self._linear[choice] = self._built[depths_aside] = build_linear_model(
+                    self.trace, self.space(choice.mesh), choice, self.training, self.profile,
+                    cost_model=self.cost_model, costs=self.candidate_costs(choice))
         return self._linear[choice]
 
     def candidate_costs(self, choice: GlobalChoice) -> CandidateCosts:
