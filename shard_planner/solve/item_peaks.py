@@ -49,8 +49,14 @@ class ItemCoverPeaks:
         gathers = [c.gather_mib for c in co]
         self.gather_before = list(accumulate(gathers, max, initial=_NEG))  # max over units < j
         self.gather_after = list(accumulate(reversed(gathers), max, initial=_NEG))[::-1]  # over units >= j
-        xs = [self.starts[j] + self._a(j, co) for j in range(n)]
-        ys = [self.starts[j] + self._b(j, co) for j in range(n)]
+        # S_j + A_j and S_j + B_j for every j at once: :meth:`_a` and :meth:`_b` with each neighbour's
+        # term as a list shifted by one (0 beyond the ends)
+        nxt_gather = gathers[1:] + [0] if self.gather_next else [0] * n
+        prev_out = [0] + [c.prev_out_mib for c in co[:-1]]
+        regather = [0] + [c.regather_mib for c in co[:-1]]
+        nxt_rs_in = [c.rs_in_mib for c in co[1:]] + [0]
+        xs = [s + max(c.fwd_mib + g, c.copy_mib + p) for s, c, g, p in zip(self.starts, co, nxt_gather, prev_out)]
+        ys = [s + max(c.bwd_mib + r + q, c.rs_mib + r) for s, c, r, q in zip(self.starts, co, regather, nxt_rs_in)]
         self.x_before, self.y_before = (list(accumulate(v, max, initial=_NEG)) for v in (xs, ys))
         self.x_after, self.y_after = (list(accumulate(reversed(v), max, initial=_NEG))[::-1] for v in (xs, ys))
 
