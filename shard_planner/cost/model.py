@@ -43,7 +43,7 @@ from shard_planner.cost.selective import (SelectiveBlocks, early_stop_share, flo
 from shard_planner.cost.queries import (BatchQuery, BlockQuery, PlanQuery, ReservedQuery, ScheduleQuery,
                                         SelectiveQuery, SubtreeQuery, UnitBytesQuery, UnitCostsQuery,
                                         segmentation_of)
-from shard_planner.cost.tables import CostTables, segment_tables, subtree_summer
+from shard_planner.cost.tables import CostTables, segment_tables, subtree_summer, unit_params_of
 from shard_planner.cost.host_share import shared_profile
 from shard_planner.cost.tp_comm import block_tp_s, subtree_tp_s
 from shard_planner.cost.time import (BlockCompute, measured_block_times, simulate_time_walk, unit_collectives_s,
@@ -101,6 +101,7 @@ class CostModel:
         self.trace = trace
         self.profile = profile
         self._subtree_sum = subtree_summer(trace)
+        self._params_of = unit_params_of(trace)
         self._tables = _LRU(tables_cache_size)
         self._measured = _LRU(tables_cache_size)
         self._schedules = _LRU(tables_cache_size)
@@ -132,8 +133,8 @@ class CostModel:
                 hit = self
             else:
                 hit = CostModel(self.trace, shared, tables_cache_size=self._tables.size, memo_size=self._time.size)
-                hit._subtree_sum, hit._tables, hit._schedules, hit._unit_bytes = (
-                    self._subtree_sum, self._tables, self._schedules, self._unit_bytes)
+                hit._subtree_sum, hit._params_of, hit._tables, hit._schedules, hit._unit_bytes = (
+                    self._subtree_sum, self._params_of, self._tables, self._schedules, self._unit_bytes)
             self._worlds[world_size] = hit
         return hit
 
@@ -149,7 +150,8 @@ class CostModel:
 
     def segment_tables(self, segmentation: tuple[tuple[str, ...], ...]) -> CostTables:
         """The cost tables of the trace segmented into units of these modules (cost/tables.py)."""
-        return self._tables.get_or(segmentation, lambda seg: segment_tables(self.trace, seg, self._subtree_sum))
+        return self._tables.get_or(segmentation, lambda seg: segment_tables(self.trace, seg, self._subtree_sum,
+                                                                            self._params_of))
 
     def schedule(self, units: tuple[Unit, ...], prefetch) -> Schedule:
         """The step's event sequence (cost/schedule.py) for ``units`` and ``prefetch``."""
