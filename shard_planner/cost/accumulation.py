@@ -265,8 +265,13 @@ def accumulated_time(training: Training, walk: Callable[[tuple], TimeEstimate], 
     without gradient sync has no reduce-scatters (the module docstring)."""
     ag_fwd, ag_bwd, rs = collectives
     none = (0.0,) * len(ag_fwd)
-    parts = [(s.repeats, walk((none if s.gathered else ag_fwd, ag_bwd, rs if s.sync else none)))
-             for s in micro_steps(training)]
+    # a micro-step's walk reads only its collectives, which its (gathered, sync) decide: micro-steps
+    # that agree on both (all of them with every_micro_step and no kept parameters) are walked once
+    walked: dict[tuple[bool, bool], TimeEstimate] = {}
+    for s in micro_steps(training):
+        if (s.gathered, s.sync) not in walked:
+            walked[s.gathered, s.sync] = walk((none if s.gathered else ag_fwd, ag_bwd, rs if s.sync else none))
+    parts = [(s.repeats, walked[s.gathered, s.sync]) for s in micro_steps(training)]
     optimizer_s = parts[-1][1].optimizer_s
     step_s = sum(k * (e.step_time_s - e.optimizer_s) for k, e in parts) + optimizer_s
     compute_s = sum(k * e.compute_s for k, e in parts)
