@@ -259,6 +259,8 @@ def with_prefetch(lm: LinearModel, choice: GlobalChoice, costs: CandidateCosts) 
             or (costs.setting.mesh, costs.setting.cpu_offload) != (choice.mesh, choice.cpu_offload)):
         raise ValueError(f"{choice.label}: not {lm.choice.label} at other prefetch depths, or other candidate costs")
     ch = _choice_terms(lm.space, choice, costs)
+    if (ch.d_f, ch.d_b) == (max(1, lm.choice.prefetch.forward), max(1, lm.choice.prefetch.backward)):
+        return replace(lm, choice=choice)  # the same overlap windows (depth 0 overlaps one unit too): the same terms
     coeffs = tuple(replace(co, time_us=_time_us(k, c, co.compute_s, ch))
                    for k, (c, co) in enumerate(zip(lm.space.candidates, lm.coeffs)))
     return replace(lm, choice=choice, coeffs=coeffs)
