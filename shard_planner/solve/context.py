@@ -134,6 +134,7 @@ class PlanContext:
         self._costs: dict[UnitSetting, CandidateCosts] = {}
         self._greedy: dict[tuple[GlobalChoice, int], tuple[int, ...] | None] = {}
         self._lagrangian: dict[GlobalChoice, tuple] = {}  # cpsat.lagrangian_covers, per linear model
+        self._paths: dict[GlobalChoice, tuple] = {}  # cpsat.lagrangian_paths, per choice without accumulation
         self._estimates: dict[tuple, Estimate] = {}
         self._ahead: dict[tuple[GlobalChoice, float], Future] = {}
         self._threads: ThreadPoolExecutor | None = None
@@ -179,12 +180,18 @@ class PlanContext:
 
     def greedy(self, lm: LinearModel, budget_mib: int) -> tuple[int, ...] | None:
         """:func:`cpsat.greedy_cover` of ``lm`` at ``budget_mib``, once per pair (the screen's is the first
-        solve's hint); its Lagrangian covers, which no budget changes, once per linear model."""
+        solve's hint); its Lagrangian covers, which no budget changes, once per linear model, and their
+        shortest paths, which accumulation does not change either (it adds to ``base`` only:
+        ``with_accumulation``), once per choice without it."""
         key = (lm.choice, budget_mib)
         if key not in self._greedy:
             with self.clock.doing("hints"):
                 if lm.choice not in self._lagrangian:
-                    self._lagrangian[lm.choice] = cpsat.lagrangian_covers(lm)
+                    plain = replace(lm.choice, accumulation=NO_ACCUMULATION)
+                    if plain not in self._paths:
+                        self._paths[plain] = cpsat.lagrangian_paths(self.linear(plain))
+                    shared = self.linear(plain).coeffs is lm.coeffs  # (``lm`` is this context's)
+                    self._lagrangian[lm.choice] = cpsat.lagrangian_covers(lm, self._paths[plain] if shared else None)
                 self._greedy[key] = cpsat.greedy_cover(lm, budget_mib, self._lagrangian[lm.choice])
         return self._greedy[key]
 

@@ -386,12 +386,18 @@ def fastest_cover(lm: LinearModel) -> tuple[int, ...]:
 LAGRANGE_PRICES = [0.0, *(10 ** (e / 4) for e in range(-8, 29))]
 
 
-def lagrangian_covers(lm: LinearModel) -> tuple[tuple[tuple[int, ...], LinearResult], ...]:
+def lagrangian_paths(lm: LinearModel) -> tuple[tuple[int, ...], ...]:
     """The distinct minimisers of :func:`lagrangian_cover`'s prices, in the prices' order (the first of
-    equal ones kept), each with its :func:`evaluate`: what it filters by the budget, the same at every
-    budget (the planner keeps them per linear model: solve/context.py ``PlanContext.greedy``)."""
-    covers = dict.fromkeys(_shortest_paths(lm, LAGRANGE_PRICES))
-    return tuple((cover, evaluate(lm, cover)) for cover in covers)
+    equal ones kept). They read only the candidates' terms (not ``base``: the same with any accumulation)."""
+    return tuple(dict.fromkeys(_shortest_paths(lm, LAGRANGE_PRICES)))
+
+
+def lagrangian_covers(lm: LinearModel,
+                      paths: tuple[tuple[int, ...], ...] | None = None) -> tuple[tuple[tuple[int, ...], LinearResult], ...]:
+    """:func:`lagrangian_paths` (``paths``: the caller's, of a model with the same candidates' terms; None:
+    computed here), each with its :func:`evaluate`: what :func:`lagrangian_cover` filters by the budget,
+    the same at every budget (the planner keeps them per linear model: solve/context.py ``PlanContext.greedy``)."""
+    return tuple((cover, evaluate(lm, cover)) for cover in (paths if paths is not None else lagrangian_paths(lm)))
 
 
 def lagrangian_cover(lm: LinearModel, budget_mib: int,
