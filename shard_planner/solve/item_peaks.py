@@ -49,8 +49,8 @@ class ItemCoverPeaks:
         gathers = [c.gather_mib for c in co]
         self.gather_before = list(accumulate(gathers, max, initial=_NEG))  # max over units < j
         self.gather_after = list(accumulate(reversed(gathers), max, initial=_NEG))[::-1]  # over units >= j
-        # S_j + A_j and S_j + B_j for every j at once: :meth:`_a` and :meth:`_b` with each neighbour's
-        # term as a list shifted by one (0 beyond the ends)
+        # S_j + A_j and S_j + B_j (the module docstring) for every j at once, each neighbour's term as a
+        # list shifted by one (0 beyond the ends)
         nxt_gather = gathers[1:] + [0] if self.gather_next else [0] * n
         prev_out = [0] + [c.prev_out_mib for c in co[:-1]]
         regather = [0] + [c.regather_mib for c in co[:-1]]
@@ -60,16 +60,6 @@ class ItemCoverPeaks:
         self.x_before, self.y_before = (list(accumulate(v, max, initial=_NEG)) for v in (xs, ys))
         self.x_after, self.y_after = (list(accumulate(reversed(v), max, initial=_NEG))[::-1] for v in (xs, ys))
 
-    def _a(self, j: int, co) -> int:
-        nxt = co[j + 1].gather_mib if self.gather_next and j + 1 < len(co) else 0
-        prev = co[j - 1].prev_out_mib if j > 0 else 0
-        return max(co[j].fwd_mib + nxt, co[j].copy_mib + prev)
-
-    def _b(self, j: int, co) -> int:
-        regather = co[j - 1].regather_mib if j > 0 else 0
-        rs_in = co[j + 1].rs_in_mib if j + 1 < len(co) else 0
-        return max(co[j].bwd_mib + regather + rs_in, co[j].rs_mib + regather)
-
     def with_item(self, i: int, k: int) -> int:
         """The linear peak (MiB) of the cover with item ``i``'s unit replaced by candidate ``k``."""
         lm, old, new = self.lm, self.co[i], self.lm.coeffs[k]
@@ -77,16 +67,20 @@ class ItemCoverPeaks:
         ints = self.int_reshard - old.uses_int_reshard + new.uses_int_reshard
         shared = lm.base_mib + self.root - old.root_mib + new.root_mib + (lm.process_group_mib if ints else 0)
         gmax = max(self.gather_before[i], self.gather_after[i + 1], new.gather_mib)
-        # Units i-1..i+1 change their A and B; their neighbours i-2 and i+2 come along as context.
-        first = max(0, i - 2)
-        window = self.co[first:min(n, i + 3)]
-        window[i - first] = new
+        # Units i-1..i+1 change their A and B (the module docstring's, unit i's terms replaced by ``new``);
+        # their neighbours i-2 and i+2 come along as context.
+        co, gather_next = self.co, self.gather_next
         lo, hi = max(0, i - 1), min(n, i + 2)
         x, y = self.x_before[lo], self.y_before[lo]
         for j in range(lo, hi):
+            c = new if j == i else co[j]
+            nxt = (new if j + 1 == i else co[j + 1]) if j + 1 < n else None
+            prev = (new if j - 1 == i else co[j - 1]) if j > 0 else None
+            regather = prev.regather_mib if prev is not None else 0
             s = self.starts[j] + (delta if j > i else 0)
-            x = max(x, s + self._a(j - first, window))
-            y = max(y, s + self._b(j - first, window))
+            x = max(x, s + max(c.fwd_mib + (nxt.gather_mib if gather_next and nxt is not None else 0),
+                               c.copy_mib + (prev.prev_out_mib if prev is not None else 0)))
+            y = max(y, s + max(c.bwd_mib + regather + (nxt.rs_in_mib if nxt is not None else 0), c.rs_mib + regather))
         x, y = max(x, self.x_after[hi] + delta), max(y, self.y_after[hi] + delta)
         return max(lm.optimizer_mib, shared + lm.loss_mib + self.starts[n] + delta,
                    shared + x + self.f_mult * gmax, shared + y + self.b_mult * gmax)
