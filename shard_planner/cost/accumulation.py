@@ -140,6 +140,10 @@ class _AccumulationWalk(_MemoryWalk):
         self.acc = [0.0] * len(self.units)  # unsharded gradients held between micro-steps, per unit
         self.sharded_held = [False] * len(self.units)
         self.step = self.steps[0]
+        # the micro-step of each mark kept in the timeline, and of the peak (the last micro-step in which
+        # the totals' peak moved): read after each micro-step's walk, not at every mark (the hot path)
+        self.step_of_marks: list[int] = []
+        self.step_at_peak = 1
 
     def walk_step(self) -> None:
         events = self.schedule.events
@@ -149,11 +153,13 @@ class _AccumulationWalk(_MemoryWalk):
             if i:  # the previous micro-step's batch and activations are gone; a new batch comes in
                 self.saved_sum, self.flow = 0.0, 0.0
                 self.activation_level = self.batch_bytes
+            peak_before = self.totals.peak_event
+            marks_before = len(self.marks.marks) if self.timeline else 0
             self.walk(events if step.last else without_optimizer)
-
-    def own_accountants(self) -> tuple:
-        self.micro_steps = _MicroStepOfMarks(self)
-        return (*super().own_accountants(), self.micro_steps)
+            if self.totals.peak_event is not peak_before:
+                self.step_at_peak = step.number
+            if self.timeline:
+                self.step_of_marks += [step.number] * (len(self.marks.marks) - marks_before)
 
     def backward(self, ev) -> None:
         """Equal dtypes, gradients held: autograd adds the new gradients into them in place, so they are
@@ -225,35 +231,8 @@ class _AccumulationWalk(_MemoryWalk):
 
         def label(text: str, number: int) -> str:
             return f"micro-step {number}/{n} {text}"
-        timeline = tuple(replace(e, label=label(e.label, k)) for e, k in zip(est.timeline, self.micro_steps.of))
-        return replace(est, peak_event=label(est.peak_event, self.micro_steps.at_peak), timeline=timeline)
-
-
-class _MicroStepOfMarks:
-    """An accountant of marks (after the totals): the micro-step of each mark kept in the timeline (``of``)
-    and of the peak (``at_peak``)."""
-
-    marks_only = True
-
-    def __init__(self, walk: _AccumulationWalk):
-        self.walk = walk
-        self.of: list[int] = []
-        self.at_peak = 1
-        self.peak_seen = None
-
-    def on_alloc(self, kind, size_bytes, owner, stream) -> None:
-        pass
-
-    def on_free(self, kind, size_bytes, owner, stream) -> None:
-        pass
-
-    def on_mark(self, what, who, phase, temp_bytes, comm_bytes, stream) -> None:
-        number = self.walk.step.number
-        if self.walk.timeline:
-            self.of.append(number)
-        if self.walk.totals.peak_event is not self.peak_seen:
-            self.peak_seen = self.walk.totals.peak_event
-            self.at_peak = number
+        timeline = tuple(replace(e, label=label(e.label, k)) for e, k in zip(est.timeline, self.step_of_marks))
+        return replace(est, peak_event=label(est.peak_event, self.step_at_peak), timeline=timeline)
 
 
 # ---- time ----
@@ -265,8 +244,13 @@ def accumulated_time(training: Training, walk: Callable[[tuple], TimeEstimate], 
     without gradient sync has no reduce-scatters (the module docstring)."""
     ag_fwd, ag_bwd, rs = collectives
     none = (0.0,) * len(ag_fwd)
-    parts = [(s.repeats, walk((none if s.gathered else ag_fwd, ag_bwd, rs if s.sync else none)))
-             for s in micro_steps(training)]
+    # a micro-step's walk reads only its collectives, which its (gathered, sync) decide: micro-steps
+    # that agree on both (all of them with every_micro_step and no kept parameters) are walked once
+    walked: dict[tuple[bool, bool], TimeEstimate] = {}
+    for s in micro_steps(training):
+        if (s.gathered, s.sync) not in walked:
+            walked[s.gathered, s.sync] = walk((none if s.gathered else ag_fwd, ag_bwd, rs if s.sync else none))
+    parts = [(s.repeats, walked[s.gathered, s.sync]) for s in micro_steps(training)]
     optimizer_s = parts[-1][1].optimizer_s
     step_s = sum(k * (e.step_time_s - e.optimizer_s) for k, e in parts) + optimizer_s
     compute_s = sum(k * e.compute_s for k, e in parts)

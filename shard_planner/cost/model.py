@@ -43,7 +43,7 @@ from shard_planner.cost.selective import (SelectiveBlocks, early_stop_share, flo
 from shard_planner.cost.queries import (BatchQuery, BlockQuery, PlanQuery, ReservedQuery, ScheduleQuery,
                                         SelectiveQuery, SubtreeQuery, UnitBytesQuery, UnitCostsQuery,
                                         segmentation_of)
-from shard_planner.cost.tables import CostTables, segment_tables, subtree_summer
+from shard_planner.cost.tables import CostTables, segment_tables, subtree_summer, unit_params_of
 from shard_planner.cost.host_share import shared_profile
 from shard_planner.cost.tp_comm import block_tp_s, subtree_tp_s
 from shard_planner.cost.time import (BlockCompute, measured_block_times, simulate_time_walk, unit_collectives_s,
@@ -52,7 +52,7 @@ from shard_planner.cost.activations import BlockActivations, block_activations
 from shard_planner.cost.memory import simulate_memory_walk
 from shard_planner.cost.quantized import dequantisation_s, subtree_dequantisation_s
 from shard_planner.cost.reserved import (ReservedEstimate, ReservedTimeline, simulate_reserved, simulate_reserved_timeline,
-                                         simulated_events)
+                                         simulated_events, unlimited_run)
 from shard_planner.cost.types import Estimate, MemoryEstimate, TimeEstimate
 from shard_planner.cost.unit_bytes import UnitBytes, query_unit_bytes
 from shard_planner.cost.unit_cost import UnitCost, unit_cost
@@ -64,6 +64,9 @@ logger = logging.getLogger(__name__)
 
 TABLES_CACHE_SIZE = 256  # segmentations kept (the solver's screen visits a few dozen per global choice)
 MEMO_SIZE = 4096  # estimates kept per kind (memory with timeline, without, time)
+# unlimited allocator runs kept (cost/reserved.py ``unlimited_run``): each holds its allocator's blocks, and
+# it is asked again right after (cost/fits.py ``device_fit``: without a limit, then under the device's)
+UNLIMITED_RUNS_KEPT = 4
 
 
 class _LRU(OrderedDict):
@@ -98,6 +101,7 @@ class CostModel:
         self.trace = trace
         self.profile = profile
         self._subtree_sum = subtree_summer(trace)
+        self._params_of = unit_params_of(trace)
         self._tables = _LRU(tables_cache_size)
         self._measured = _LRU(tables_cache_size)
         self._schedules = _LRU(tables_cache_size)
@@ -111,6 +115,7 @@ class CostModel:
         self._memory_totals = _LRU(memo_size)  # without
         self._time = _LRU(memo_size)
         self._reserved = _LRU(memo_size)
+        self._unlimited_runs = _LRU(min(memo_size, UNLIMITED_RUNS_KEPT))
         self._timings_checked: set[str] = set()
         self._kernel_modules = _LRU(tables_cache_size)  # per-module and loss kernel seconds
         self._dequant = _LRU(tables_cache_size)  # per quantised module, dequantisation seconds
@@ -128,8 +133,8 @@ class CostModel:
                 hit = self
             else:
                 hit = CostModel(self.trace, shared, tables_cache_size=self._tables.size, memo_size=self._time.size)
-                hit._subtree_sum, hit._tables, hit._schedules, hit._unit_bytes = (
-                    self._subtree_sum, self._tables, self._schedules, self._unit_bytes)
+                hit._subtree_sum, hit._params_of, hit._tables, hit._schedules, hit._unit_bytes = (
+                    self._subtree_sum, self._params_of, self._tables, self._schedules, self._unit_bytes)
             self._worlds[world_size] = hit
         return hit
 
@@ -145,7 +150,8 @@ class CostModel:
 
     def segment_tables(self, segmentation: tuple[tuple[str, ...], ...]) -> CostTables:
         """The cost tables of the trace segmented into units of these modules (cost/tables.py)."""
-        return self._tables.get_or(segmentation, lambda seg: segment_tables(self.trace, seg, self._subtree_sum))
+        return self._tables.get_or(segmentation, lambda seg: segment_tables(self.trace, seg, self._subtree_sum,
+                                                                            self._params_of))
 
     def schedule(self, units: tuple[Unit, ...], prefetch) -> Schedule:
         """The step's event sequence (cost/schedule.py) for ``units`` and ``prefetch``."""
@@ -379,8 +385,10 @@ class CostModel:
                                      self._simulate_reserved)
 
     def _simulate_reserved(self, q: ReservedQuery) -> ReservedEstimate:
+        unlimited = self._unlimited_runs.get_or(replace(q, device_bytes=None), lambda u: unlimited_run(
+            lambda accountants: self._simulate_memory(u.plan, False, accountants), u.expandable_segments))
         return simulate_reserved(lambda accountants: self._simulate_memory(q.plan, False, accountants),
-                                 q.expandable_segments, q.device_bytes)
+                                 q.expandable_segments, q.device_bytes, unlimited=unlimited)
 
     def reserved_timeline(self, plan, expandable_segments: bool = True,
                           device_bytes: int | None = None) -> ReservedTimeline:

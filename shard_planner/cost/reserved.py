@@ -182,11 +182,22 @@ class TwoSteps:
         self.inner.on_mark(what, who, phase, temp_bytes, comm_bytes, stream)
 
 
-def simulate_reserved(walk, expandable_segments: bool, device_bytes: int | None = None) -> ReservedEstimate:
+def unlimited_run(walk, expandable_segments: bool) -> TwoStepRun:
+    """The allocator without a limit over two steps of one plan (``walk`` as :func:`simulate_reserved`'s):
+    what every :func:`simulate_reserved` of the plan in that mode starts from, whatever its limit."""
+    return _two_steps(walk, AllocatorConfig(expandable_segments=expandable_segments))
+
+
+def simulate_reserved(walk, expandable_segments: bool, device_bytes: int | None = None,
+                      unlimited: TwoStepRun | None = None) -> ReservedEstimate:
     """The allocator over two steps of one plan: ``walk(accountants)`` runs the plan's memory walk with
     those extra accountants (CostModel.reserved). ``device_bytes``: the memory the allocator can get (the
-    device's less what is outside it; None: unlimited)."""
-    unlimited = _two_steps(walk, AllocatorConfig(expandable_segments=expandable_segments))
+    device's less what is outside it; None: unlimited). ``unlimited``: :func:`unlimited_run` of the same
+    walk and mode, when the caller has it (CostModel keeps the last few: a plan is judged without a limit
+    and then under its device's, cost/fits.py ``device_fit``); None: run here. Only when the unlimited
+    run asks the driver for more than ``device_bytes`` is the walk run again under the limit."""
+    if unlimited is None:
+        unlimited = unlimited_run(walk, expandable_segments)
     stats = unlimited.accountant.stats()
     capped = unlimited
     if device_bytes is not None and stats.peak_cap_demand_bytes > device_bytes:
@@ -208,7 +219,7 @@ def simulate_reserved(walk, expandable_segments: bool, device_bytes: int | None 
         step_retries=step_retries, forced_alloc_calls_per_step=max(0, forced))
 
 
-def _step_retries(stats: AllocatorStats, run: "_TwoStepRun") -> tuple[StepRetry, ...]:
+def _step_retries(stats: AllocatorStats, run: "TwoStepRun") -> tuple[StepRetry, ...]:
     """The second step's retries of a run (``stats``: its allocator's at the end): [Note: What a retry of
     the second step costs the allocator]."""
     releases = stats.retry_releases[run.first_step_retries:]
@@ -243,18 +254,21 @@ def simulated_events(walk, expandable_segments: bool) -> list[AllocEvent]:
     return _two_steps(walk, AllocatorConfig(expandable_segments=expandable_segments), record=True).accountant.events
 
 
-class _TwoStepRun(NamedTuple):
+class TwoStepRun(NamedTuple):
+    """One run of the allocator over two steps (read only once it has run)."""
+
+
     accountant: AllocatorAccountant
     first_step_retries: int  # the allocator's retries when the first step ended
     first_step_marks: int  # how many of ``accountant.marks`` are the first step's (0 without a timeline)
     first_step_alloc_calls: int = 0  # the allocator's driver allocations when the first step ended
 
 
-def _two_steps(walk, config: AllocatorConfig, timeline: bool = False, record: bool = False) -> _TwoStepRun:
+def _two_steps(walk, config: AllocatorConfig, timeline: bool = False, record: bool = False) -> TwoStepRun:
     accountant = AllocatorAccountant(config, timeline=timeline, record=record)
     steps = TwoSteps(accountant)
     walk((steps,))
-    first = _TwoStepRun(accountant, accountant.allocator.num_alloc_retries, len(accountant.marks) if timeline else 0,
+    first = TwoStepRun(accountant, accountant.allocator.num_alloc_retries, len(accountant.marks) if timeline else 0,
                         accountant.allocator.device_alloc_calls)
     steps.next_step()
     walk((steps,))

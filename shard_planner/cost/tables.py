@@ -20,7 +20,7 @@ Blocks are in forward order (the trace's ``forward_order``); backward runs them 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from shard_planner.cost.unit_params import UnitParams, float_numel_of
@@ -101,13 +101,17 @@ def build_tables(trace: ModelTrace, units: tuple[Unit, ...],
 
 
 def segment_tables(trace: ModelTrace, segmentation: tuple[tuple[str, ...], ...],
-                   subtree_sum: Callable[[str, str], Affine] | None = None) -> CostTables:
+                   subtree_sum: Callable[[str, str], Affine] | None = None,
+                   params_of: Callable[[Sequence], UnitParams] | None = None) -> CostTables:
     """The tables of ``trace`` segmented into units of the modules ``segmentation`` (one tuple of module
     names per unit). ``subtree_sum(fqn, attr)``: the sum of a module field over a subtree, memoised by
     the caller (CostModel.subtree_sum: the sums do not depend on the units); None: summed here, for
-    this call only."""
+    this call only. ``params_of(modules)``: :func:`unit_params_of`'s, the caller's (a unit owns the same
+    modules in most segmentations); None: ``UnitParams.of_modules``."""
     if subtree_sum is None:
         subtree_sum = subtree_summer(trace)
+    if params_of is None:
+        params_of = UnitParams.of_modules
     module_unit, root_index, owner, contains_unit = _owners(trace, segmentation)
 
     n_units = len(segmentation)
@@ -119,7 +123,7 @@ def segment_tables(trace: ModelTrace, segmentation: tuple[tuple[str, ...], ...],
     modules_of: list[list] = [[] for _ in range(n_units)]
     for m in sorted(trace.modules, key=lambda m: order.get(m.fqn, len(order))):
         modules_of[owner[m.fqn]].append(m)
-    params = tuple(UnitParams.of_modules(ms) for ms in modules_of)
+    params = tuple(params_of(ms) for ms in modules_of)
     blocks = _block_sequence(trace, module_unit, owner, contains_unit, subtree_sum)
     in_backward = set(trace.backward_order)
 
@@ -139,7 +143,7 @@ def segment_tables(trace: ModelTrace, segmentation: tuple[tuple[str, ...], ...],
     return CostTables(
         segmentation=segmentation, blocks=tuple(blocks), unit_params=params,
         unit_first_block=tuple(first_block), unit_last_block=tuple(last), forward_units=forward_units,
-        model_params=UnitParams.of_modules(trace.modules),
+        model_params=params_of(trace.modules),
         unit_names=tuple(unit_name(modules) for modules in segmentation),
         unit_backward=tuple(i == root_index or any(fqn in in_backward for fqn in modules)
                             for i, modules in enumerate(segmentation)),
@@ -278,3 +282,19 @@ def subtree_summer(trace: ModelTrace) -> Callable[[str, str], Affine]:
         return sums[key]
 
     return subtree_sum
+
+
+def unit_params_of(trace: ModelTrace) -> Callable[[Sequence], UnitParams]:
+    """A memoised ``UnitParams.of_modules(modules)`` for ``trace``'s modules, keyed by their names in the
+    order given (the order is read: the first with trainable floating parameters). The CostModel holds
+    one per trace, as it holds :func:`subtree_summer`'s."""
+    memo: dict[tuple[str, ...], UnitParams] = {}
+
+    def params_of(modules: Sequence) -> UnitParams:
+        key = tuple(m.fqn for m in modules)
+        hit = memo.get(key)
+        if hit is None:
+            hit = memo[key] = UnitParams.of_modules(modules)
+        return hit
+
+    return params_of

@@ -23,10 +23,13 @@ from shard_planner.cost.fits import FitVerdict, device_fit, smallest_mem_bytes
 from shard_planner.cost.model import CostModel
 from shard_planner.cost.types import Estimate
 from shard_planner.errors import UserError
-from shard_planner.plan import Cluster, Mesh, Plan, Training, Unit
+from shard_planner.plan import Cluster, Mesh, Plan, Prefetch, Training, Unit
 from shard_planner.solve import cpsat
 from shard_planner.solve.accumulation import NO_ACCUMULATION
-from shard_planner.solve.linear import MIB, GlobalChoice, LinearModel, build_linear_model, evaluate, with_accumulation
+from shard_planner.cost.queries import UnitSetting
+from shard_planner.solve.candidate_costs import CandidateCosts, candidate_costs
+from shard_planner.solve.linear import (MIB, GlobalChoice, LinearModel, build_linear_model, evaluate, unit_setting,
+                                        with_accumulation, with_prefetch)
 from shard_planner.solve.request import PlanRequest, PlanTimings
 from shard_planner.solve.simulate import cover_units, make_plan
 from shard_planner.solve.space import SearchSpace, build_space
@@ -126,7 +129,12 @@ class PlanContext:
         self.clock = Clock()
         self._spaces: dict[int, SearchSpace] = {}
         self._linear: dict[GlobalChoice, LinearModel] = {}
+        # per choice without accumulation, its prefetch depths set aside: the first linear model built of it
+        self._built: dict[GlobalChoice, LinearModel] = {}
+        self._costs: dict[UnitSetting, CandidateCosts] = {}
         self._greedy: dict[tuple[GlobalChoice, int], tuple[int, ...] | None] = {}
+        self._lagrangian: dict[GlobalChoice, tuple] = {}  # cpsat.lagrangian_covers, per linear model
+        self._paths: dict[GlobalChoice, tuple] = {}  # cpsat.lagrangian_paths, per choice without accumulation
         self._estimates: dict[tuple, Estimate] = {}
         self._ahead: dict[tuple[GlobalChoice, float], Future] = {}
         self._threads: ThreadPoolExecutor | None = None
@@ -143,22 +151,48 @@ class PlanContext:
         return self._spaces[shard]
 
     def linear(self, choice: GlobalChoice) -> LinearModel:
-        """The linear model of ``choice`` (built once: the screen, the solves and the sweep share it)."""
+        """The linear model of ``choice`` (built once: the screen, the solves and the sweep share it). One
+        that differs from a built one only in accumulation or prefetch depths is derived from it
+        (linear.py ``with_accumulation``, ``with_prefetch``: the same terms as a build)."""
         plain = replace(choice, accumulation=NO_ACCUMULATION)
         if choice != plain and choice not in self._linear:  # accumulation only adds to its base
             self._linear[choice] = with_accumulation(self.linear(plain), choice, self.training)
         if choice not in self._linear:
-            self._linear[choice] = build_linear_model(self.trace, self.space(choice.mesh), choice, self.training,
-                                                      self.profile, cost_model=self.cost_model)
+            depths_aside = replace(choice, prefetch=Prefetch(0, 0))
+            built = self._built.get(depths_aside)
+            if built is not None:  # the prefetch depths change only the time terms
+                self._linear[choice] = with_prefetch(built, choice, self.candidate_costs(choice))
+            else:
+                self._linear[choice] = self._built[depths_aside] = build_linear_model(
+                    self.trace, self.space(choice.mesh), choice, self.training, self.profile,
+                    cost_model=self.cost_model, costs=self.candidate_costs(choice))
         return self._linear[choice]
+
+    def candidate_costs(self, choice: GlobalChoice) -> CandidateCosts:
+        """The unit costs of every candidate of ``choice``'s space under its setting, priced once per setting
+        (solve/candidate_costs.py): the linear models of the choices that share a mesh and offload share
+        them. The space and the profile follow from the setting's mesh (:meth:`space`; ``for_world``)."""
+        setting = unit_setting(choice, self.training)
+        if setting not in self._costs:
+            profile = self.cost_model.for_world(choice.mesh.world_size).profile
+            self._costs[setting] = candidate_costs(self.trace, self.space(choice.mesh), setting, profile)
+        return self._costs[setting]
 
     def greedy(self, lm: LinearModel, budget_mib: int) -> tuple[int, ...] | None:
         """:func:`cpsat.greedy_cover` of ``lm`` at ``budget_mib``, once per pair (the screen's is the first
-        solve's hint)."""
+        solve's hint); its Lagrangian covers, which no budget changes, once per linear model, and their
+        shortest paths, which accumulation does not change either (it adds to ``base`` only:
+        ``with_accumulation``), once per choice without it."""
         key = (lm.choice, budget_mib)
         if key not in self._greedy:
             with self.clock.doing("hints"):
-                self._greedy[key] = cpsat.greedy_cover(lm, budget_mib)
+                if lm.choice not in self._lagrangian:
+                    plain = replace(lm.choice, accumulation=NO_ACCUMULATION)
+                    if plain not in self._paths:
+                        self._paths[plain] = cpsat.lagrangian_paths(self.linear(plain))
+                    shared = self.linear(plain).coeffs is lm.coeffs  # (``lm`` is this context's)
+                    self._lagrangian[lm.choice] = cpsat.lagrangian_covers(lm, self._paths[plain] if shared else None)
+                self._greedy[key] = cpsat.greedy_cover(lm, budget_mib, self._lagrangian[lm.choice])
         return self._greedy[key]
 
     def min_time(self, lm: LinearModel, budget_mib: int, **kwargs) -> cpsat.SolveResult:

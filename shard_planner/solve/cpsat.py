@@ -51,7 +51,7 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from shard_planner.solve.item_peaks import ItemCoverPeaks
-from shard_planner.solve.linear import LinearModel, evaluate
+from shard_planner.solve.linear import LinearModel, LinearResult, evaluate
 from shard_planner.solve.request import DEFAULT_TIME_LIMIT_S
 
 logger = logging.getLogger(__name__)
@@ -386,22 +386,38 @@ def fastest_cover(lm: LinearModel) -> tuple[int, ...]:
 LAGRANGE_PRICES = [0.0, *(10 ** (e / 4) for e in range(-8, 29))]
 
 
-def lagrangian_cover(lm: LinearModel, budget_mib: int) -> tuple[int, ...] | None:
+def lagrangian_paths(lm: LinearModel) -> tuple[tuple[int, ...], ...]:
+    """The distinct minimisers of :func:`lagrangian_cover`'s prices, in the prices' order (the first of
+    equal ones kept). They read only the candidates' terms (not ``base``: the same with any accumulation)."""
+    return tuple(dict.fromkeys(_shortest_paths(lm, LAGRANGE_PRICES)))
+
+
+def lagrangian_covers(lm: LinearModel,
+                      paths: tuple[tuple[int, ...], ...] | None = None) -> tuple[tuple[tuple[int, ...], LinearResult], ...]:
+    """:func:`lagrangian_paths` (``paths``: the caller's, of a model with the same candidates' terms; None:
+    computed here), each with its :func:`evaluate`: what :func:`lagrangian_cover` filters by the budget,
+    the same at every budget (the planner keeps them per linear model: solve/context.py ``PlanContext.greedy``)."""
+    return tuple((cover, evaluate(lm, cover)) for cover in (paths if paths is not None else lagrangian_paths(lm)))
+
+
+def lagrangian_cover(lm: LinearModel, budget_mib: int,
+                     covers: tuple[tuple[tuple[int, ...], LinearResult], ...] | None = None) -> tuple[int, ...] | None:
     """The fastest fitting cover among the minimisers of Σ_c (t_c + λ·(stack_c + root_c + gather_c)) x_c over a grid
     of prices λ (:data:`LAGRANGE_PRICES`): each is a shortest path over the boundaries, O(candidates).
     The memory constraint relaxed into the objective (a Lagrangian heuristic, as for knapsacks); the
-    result is checked against every constraint with :func:`evaluate`. None when no price gives a fit."""
+    result is checked against every constraint with :func:`evaluate`. None when no price gives a fit.
+    ``covers``: :func:`lagrangian_covers` of ``lm``, when the caller kept them (None: computed here)."""
     best = None
-    for cover in _shortest_paths(lm, LAGRANGE_PRICES):
-        res = evaluate(lm, cover)
+    for cover, res in covers if covers is not None else lagrangian_covers(lm):
         if res.peak_mib <= budget_mib and (best is None or res.time_us < best[1]):
             best = (cover, res.time_us)
     return None if best is None else best[0]
 
 
-def greedy_cover(lm: LinearModel, budget_mib: int) -> tuple[int, ...] | None:
-    """The hint: the faster of :func:`lagrangian_cover` and :func:`item_greedy_cover`."""
-    found = [c for c in (lagrangian_cover(lm, budget_mib), item_greedy_cover(lm, budget_mib)) if c is not None]
+def greedy_cover(lm: LinearModel, budget_mib: int,
+                 covers: tuple[tuple[tuple[int, ...], LinearResult], ...] | None = None) -> tuple[int, ...] | None:
+    """The hint: the faster of :func:`lagrangian_cover` (``covers``: as there) and :func:`item_greedy_cover`."""
+    found = [c for c in (lagrangian_cover(lm, budget_mib, covers), item_greedy_cover(lm, budget_mib)) if c is not None]
     return min(found, key=lambda c: evaluate(lm, c).time_us) if found else None
 
 

@@ -46,23 +46,36 @@ class ItemCoverPeaks:
         self.starts = list(accumulate((c.stack_mib for c in co), initial=0))  # S_0..S_n
         self.root = sum(c.root_mib for c in co)
         self.int_reshard = sum(1 for c in co if c.uses_int_reshard)
-        gathers = [c.gather_mib for c in co]
+        self.gathers = [c.gather_mib for c in co]
+        # S_j + A_j and S_j + B_j (the module docstring) for every j at once, each neighbour's term as a
+        # list shifted by one (0 beyond the ends)
+        nxt_gather = self.gathers[1:] + [0] if self.gather_next else [0] * n
+        prev_out = [0] + [c.prev_out_mib for c in co[:-1]]
+        regather = [0] + [c.regather_mib for c in co[:-1]]
+        nxt_rs_in = [c.rs_in_mib for c in co[1:]] + [0]
+        self.xs = [s + max(c.fwd_mib + g, c.copy_mib + p) for s, c, g, p in zip(self.starts, co, nxt_gather, prev_out)]
+        self.ys = [s + max(c.bwd_mib + r + q, c.rs_mib + r) for s, c, r, q in zip(self.starts, co, regather, nxt_rs_in)]
+        self._maxima()
+
+    def _maxima(self) -> None:
+        """The prefix and suffix maxima of the gathers and of S_j + A_j, S_j + B_j."""
+        xs, ys, gathers = self.xs, self.ys, self.gathers
         self.gather_before = list(accumulate(gathers, max, initial=_NEG))  # max over units < j
         self.gather_after = list(accumulate(reversed(gathers), max, initial=_NEG))[::-1]  # over units >= j
-        xs = [self.starts[j] + self._a(j, co) for j in range(n)]
-        ys = [self.starts[j] + self._b(j, co) for j in range(n)]
         self.x_before, self.y_before = (list(accumulate(v, max, initial=_NEG)) for v in (xs, ys))
         self.x_after, self.y_after = (list(accumulate(reversed(v), max, initial=_NEG))[::-1] for v in (xs, ys))
 
-    def _a(self, j: int, co) -> int:
-        nxt = co[j + 1].gather_mib if self.gather_next and j + 1 < len(co) else 0
-        prev = co[j - 1].prev_out_mib if j > 0 else 0
-        return max(co[j].fwd_mib + nxt, co[j].copy_mib + prev)
-
-    def _b(self, j: int, co) -> int:
-        regather = co[j - 1].regather_mib if j > 0 else 0
-        rs_in = co[j + 1].rs_in_mib if j + 1 < len(co) else 0
-        return max(co[j].bwd_mib + regather + rs_in, co[j].rs_mib + regather)
+    def _x_y(self, j: int) -> tuple[int, int]:
+        """S_j + A_j and S_j + B_j of the current cover (the module docstring)."""
+        co, n = self.co, len(self.co)
+        c = co[j]
+        nxt = co[j + 1] if j + 1 < n else None
+        prev = co[j - 1] if j > 0 else None
+        regather = prev.regather_mib if prev is not None else 0
+        s = self.starts[j]
+        return (s + max(c.fwd_mib + (nxt.gather_mib if self.gather_next and nxt is not None else 0),
+                        c.copy_mib + (prev.prev_out_mib if prev is not None else 0)),
+                s + max(c.bwd_mib + regather + (nxt.rs_in_mib if nxt is not None else 0), c.rs_mib + regather))
 
     def with_item(self, i: int, k: int) -> int:
         """The linear peak (MiB) of the cover with item ``i``'s unit replaced by candidate ``k``."""
@@ -71,22 +84,39 @@ class ItemCoverPeaks:
         ints = self.int_reshard - old.uses_int_reshard + new.uses_int_reshard
         shared = lm.base_mib + self.root - old.root_mib + new.root_mib + (lm.process_group_mib if ints else 0)
         gmax = max(self.gather_before[i], self.gather_after[i + 1], new.gather_mib)
-        # Units i-1..i+1 change their A and B; their neighbours i-2 and i+2 come along as context.
-        first = max(0, i - 2)
-        window = self.co[first:min(n, i + 3)]
-        window[i - first] = new
+        # Units i-1..i+1 change their A and B (the module docstring's, unit i's terms replaced by ``new``);
+        # their neighbours i-2 and i+2 come along as context.
+        co, gather_next = self.co, self.gather_next
         lo, hi = max(0, i - 1), min(n, i + 2)
         x, y = self.x_before[lo], self.y_before[lo]
         for j in range(lo, hi):
+            c = new if j == i else co[j]
+            nxt = (new if j + 1 == i else co[j + 1]) if j + 1 < n else None
+            prev = (new if j - 1 == i else co[j - 1]) if j > 0 else None
+            regather = prev.regather_mib if prev is not None else 0
             s = self.starts[j] + (delta if j > i else 0)
-            x = max(x, s + self._a(j - first, window))
-            y = max(y, s + self._b(j - first, window))
+            x = max(x, s + max(c.fwd_mib + (nxt.gather_mib if gather_next and nxt is not None else 0),
+                               c.copy_mib + (prev.prev_out_mib if prev is not None else 0)))
+            y = max(y, s + max(c.bwd_mib + regather + (nxt.rs_in_mib if nxt is not None else 0), c.rs_mib + regather))
         x, y = max(x, self.x_after[hi] + delta), max(y, self.y_after[hi] + delta)
         return max(lm.optimizer_mib, shared + lm.loss_mib + self.starts[n] + delta,
                    shared + x + self.f_mult * gmax, shared + y + self.b_mult * gmax)
 
     def set(self, i: int, k: int) -> None:
-        """Item ``i`` takes candidate ``k``."""
-        if self.cover[i] != k:
-            self.cover[i] = k
-            self._rebuild()
+        """Item ``i`` takes candidate ``k``: S_j moves by the change of its stack for j > i, A_j and B_j
+        change for j in i-1..i+1 only (the module docstring); then the maxima again. The same integers as
+        a rebuild of the new cover."""
+        if self.cover[i] == k:
+            return
+        old, new = self.co[i], self.lm.coeffs[k]
+        delta, n = new.stack_mib - old.stack_mib, len(self.co)
+        self.cover[i], self.co[i], self.gathers[i] = k, new, new.gather_mib
+        self.root += new.root_mib - old.root_mib
+        self.int_reshard += new.uses_int_reshard - old.uses_int_reshard
+        if delta:
+            self.starts[i + 1:] = [s + delta for s in self.starts[i + 1:]]
+            self.xs[i + 2:] = [x + delta for x in self.xs[i + 2:]]
+            self.ys[i + 2:] = [y + delta for y in self.ys[i + 2:]]
+        for j in range(max(0, i - 1), min(n, i + 2)):
+            self.xs[j], self.ys[j] = self._x_y(j)
+        self._maxima()

@@ -78,27 +78,25 @@ With ``sim_peak`` the simulated peak bytes and ``sim_s`` the simulated step time
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-
-from functools import reduce
-from operator import add
+from dataclasses import dataclass, field, replace
 
 from shard_planner.cost.accumulation import held_between_micro_steps_bytes
 from shard_planner.cost.collectives import ring_bandwidth_s
-from shard_planner.checkpointing import DEFAULT_SAVE_OPS, is_selective
+from shard_planner.checkpointing import is_selective
 from shard_planner.cost.model import CostModel
 from shard_planner.cost.queries import UnitSetting
 from shard_planner.cost.reshard import Reshard, ReshardAfterForward
 from shard_planner.cost import optimizer as optimizer_rules
 from shard_planner.cost.tables import largest_module_float_bytes
 from shard_planner.cost.unit_bytes import UnitBytes, reduce_scatter_backend_temp_bytes, reduce_scatter_output_bytes
-from shard_planner.cost.unit_cost import UnitCost, unit_cost
+from shard_planner.cost.unit_cost import UnitCost
 from shard_planner.cost.unit_params import UnitParams
 from shard_planner.dtypes import DTYPE_BYTES
 from shard_planner.plan import Mesh, Prefetch, Training
 from shard_planner.profile import HardwareProfile
 from shard_planner.solve.accumulation import NO_ACCUMULATION, Accumulation
-from shard_planner.solve.item_params import ItemParams, item_params, root_only_params
+from shard_planner.solve.candidate_costs import CandidateCosts, candidate_costs
+from shard_planner.solve.item_terms import ItemTerms, item_terms
 from shard_planner.solve.space import Candidate, SearchSpace
 from shard_planner.trace.types import ModelTrace
 
@@ -152,6 +150,9 @@ class Coeffs:
     root_mib: int  # parameters (and their gradients) added to the root unit when the option is "in root"
     uses_int_reshard: bool
     time_us: int
+    # the compute in time_us, seconds: forward, backward, recomputation (:func:`with_prefetch` prices the
+    # rest again from it); not compared: the integer terms are the program's
+    compute_s: tuple[float, float, float] = field(default=(0.0, 0.0, 0.0), compare=False)
 
 
 @dataclass(frozen=True)
@@ -190,44 +191,39 @@ def _us(seconds: float) -> int:
     return max(0, round(seconds * US_PER_S))
 
 
+def unit_setting(choice: GlobalChoice, training: Training) -> UnitSetting:
+    """What ``choice``'s units share, as the per-unit cost reads it (cost/queries.py)."""
+    return UnitSetting(choice.mesh, training.param_dtype, training.reduce_dtype, training.optimizer,
+                       choice.cpu_offload)
+
+
 def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoice, training: Training,
-                       profile: HardwareProfile, cost_model: CostModel | None = None) -> LinearModel:
+                       profile: HardwareProfile, cost_model: CostModel | None = None,
+                       costs: CandidateCosts | None = None) -> LinearModel:
     """The coefficients for one global choice. ``cost_model``: the CostModel of ``trace`` on ``profile``
-    (module compute times, subtree sums); None: a new one."""
+    (module compute times, subtree sums); None: a new one. ``costs``: the candidates' unit costs under the
+    choice's setting (solve/candidate_costs.py: shared by the choices that differ only in micro-batch,
+    prefetch or accumulation); None: priced here."""
     cm = cost_model if cost_model is not None else CostModel(trace, profile)
     # time as the choice's ranks see the profile (CPU ranks sharing cores: cost/host_share.py); the
     # byte figures the memory rows read are the same on it
     cm = cm.for_world(choice.mesh.world_size)
     profile = cm.profile
+    setting = unit_setting(choice, training)
+    if costs is None:
+        costs = candidate_costs(trace, space, setting, profile)
+    elif not costs.matches(space, setting, profile):
+        raise ValueError(f"{choice.label}: the candidate costs given are of another space, setting or profile")
     b = choice.micro_batch
     shard = choice.mesh.shard_group_size
     bp = DTYPE_BYTES[training.param_dtype]  # unsharded (all-gathered) parameters and their gradients
     act_scale = bp / DTYPE_BYTES.get(trace.compute_dtype, bp)  # activations follow the compute dtype
 
-    # ---- per item, in bytes / FLOPs at micro-batch b ----
-    items = space.items
-    saved = [cm.subtree_sum(it.fqn, "saved_bytes_self").at(b) * act_scale for it in items]
-    inputs = [trace.module(it.fqn).input_bytes.at(b) * act_scale for it in items]
-    fwd_rise = [trace.module(it.fqn).fwd_peak_rise_bytes.at(b) * act_scale for it in items]
-    bwd_rise = [trace.module(it.fqn).bwd_peak_rise_bytes.at(b) * act_scale for it in items]
-    # compute seconds: measured when the profile has module timings, else FLOPs / throughput
-    # (cost.module_compute_s; see "Time per candidate" in the module docstring)
-    fwd_s, bwd_s = zip(*(cm.module_compute_s(it.fqn, b, training.param_dtype) for it in items))
-    sac = _selective_terms(cm, space, b, training.param_dtype, act_scale)
-    # Overlap windows in units of the unit's own compute: FSDP2's implicit prefetch (the CPU runs
-    # ahead) already overlaps one unit in forward when the explicit depth is 0, and backward always
-    # prefetches one (DESIGN.md "FSDP2 facts"; cost/time.py models the same).
-    d_f = max(1, choice.prefetch.forward)
-    d_b = max(1, choice.prefetch.backward)
-    overlap = profile.device != "cpu"
-
-    leading = next((i for i, it in enumerate(items) if not it.may_join_root), len(items))
-    per_item = _ItemTerms(tuple(saved), tuple(inputs), tuple(fwd_rise), tuple(bwd_rise), fwd_s, bwd_s, sac)
-    setting = UnitSetting(choice.mesh, training.param_dtype, training.reduce_dtype, training.optimizer,
-                          choice.cpu_offload)
-    shared = _ChoiceTerms(setting=setting, params=item_params(trace, space), profile=profile, d_f=d_f, d_b=d_b,
-                          overlap=overlap, leading_root_items=leading)
-    coeffs = [_candidate_coeffs(c, space, per_item, shared) for c in space.candidates]
+    # ---- per item, in bytes / FLOPs at micro-batch b (solve/item_terms.py) ----
+    per_item = item_terms(cm, trace, space, b, training.param_dtype, act_scale)
+    saved, fwd_s, bwd_s = per_item.saved, per_item.fwd_s, per_item.bwd_s
+    shared = _choice_terms(space, choice, costs)
+    coeffs = [_candidate_coeffs(k, c, per_item, shared) for k, c in enumerate(space.candidates)]
 
     # ---- constants ----
     # The whole model as one unit's parameters gives the sharded state (ZeRO §5, stage 3: params +
@@ -235,9 +231,7 @@ def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoi
     # step's temporaries by the simulators' rules (cost/unit_cost.py, cost/optimizer.py); the root's own
     # parameters (no item owns them) are gathered once and kept, with their gradients and reduce-scatter
     # input, all step.
-    model_params = UnitParams.of_modules(trace.modules)
-    model = unit_cost(model_params, True, setting, profile)
-    root = unit_cost(root_only_params(trace, space), None, setting, profile)
+    model_params, model, root = costs.model_params, costs.model, costs.root
     item_saved_total = sum(saved)
     all_saved = cm.subtree_sum("", "saved_bytes_self").at(b) * act_scale
     outside_saved = max(0.0, all_saved - item_saved_total)
@@ -254,6 +248,22 @@ def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoi
         space=space, choice=choice, coeffs=tuple(coeffs), base_mib=_mib(base), loss_mib=_mib(loss), optimizer_mib=_mib(optimizer),
         process_group_mib=_mib(profile.per_process_group_bytes), const_time_us=_us(const_s), model_bytes=model.bytes,
     ), choice, training)
+
+
+def with_prefetch(lm: LinearModel, choice: GlobalChoice, costs: CandidateCosts) -> LinearModel:
+    """``lm`` (built for ``choice`` at other prefetch depths; ``costs`` its candidates' unit costs) for
+    ``choice``: the depths change only the overlap windows of the time terms (the program reads its
+    prefetch terms from ``choice``), so only ``time_us`` is priced again, from each candidate's compute
+    (``Coeffs.compute_s``) by the same rule as :func:`build_linear_model`'s."""
+    if (replace(lm.choice, prefetch=choice.prefetch) != choice or costs.space is not lm.space
+            or (costs.setting.mesh, costs.setting.cpu_offload) != (choice.mesh, choice.cpu_offload)):
+        raise ValueError(f"{choice.label}: not {lm.choice.label} at other prefetch depths, or other candidate costs")
+    ch = _choice_terms(lm.space, choice, costs)
+    if (ch.d_f, ch.d_b) == (max(1, lm.choice.prefetch.forward), max(1, lm.choice.prefetch.backward)):
+        return replace(lm, choice=choice)  # the same overlap windows (depth 0 overlaps one unit too): the same terms
+    coeffs = tuple(replace(co, time_us=_time_us(k, c, co.compute_s, ch))
+                   for k, (c, co) in enumerate(zip(lm.space.candidates, lm.coeffs)))
+    return replace(lm, choice=choice, coeffs=coeffs)
 
 
 def with_accumulation(lm: LinearModel, choice: GlobalChoice, training: Training) -> LinearModel:
@@ -298,48 +308,27 @@ def _held_all_step_bytes(x: UnitBytes) -> float:
     return x.unsharded + x.unsharded_grads + x.rs_input
 
 
-def _selective_terms(cm: CostModel, space: SearchSpace, micro_batch: int, param_dtype: str, act_scale: float):
-    """Per item, selective checkpointing's stash (bytes in the param dtype), the share of its forward
-    that recomputation skips, and the share full checkpointing's early stop skips (cost/selective.py);
-    None when no candidate is checkpointed."""
-    options = [c.option.activation_checkpoint for c in space.candidates]
-    if not any(options):
-        return None
-    stash, share, tail = [], [], []
-    any_selective = any(is_selective(o) for o in options)
-    for it in space.items:
-        s, skipped, total = (cm.subtree_selective(it.fqn, DEFAULT_SAVE_OPS, micro_batch, param_dtype)
-                             if any_selective else (0.0, 0.0, 0.0))
-        stash.append(s * act_scale)
-        share.append(min(1.0, skipped / total) if total > 0 else 0.0)
-        tail.append(cm.early_stop_share(it.fqn, micro_batch, param_dtype))
-    return stash, share, tail
-
-
-@dataclass(frozen=True)
-class _ItemTerms:
-    """Per item of the space, at the choice's micro-batch: activation bytes in the param dtype (everything
-    saved in its subtree, its input, its traced forward and backward rises), compute seconds (forward,
-    backward) and ``sac`` (:func:`_selective_terms`: None when no candidate is checkpointed)."""
-
-    saved: tuple[float, ...]
-    inputs: tuple[float, ...]
-    fwd_rise: tuple[float, ...]
-    bwd_rise: tuple[float, ...]
-    fwd_s: tuple[float, ...]
-    bwd_s: tuple[float, ...]
-    sac: tuple | None
+def _choice_terms(space: SearchSpace, choice: GlobalChoice, costs: CandidateCosts) -> _ChoiceTerms:
+    """What every candidate of ``choice`` shares (``costs``: under its setting, on the profile as its
+    ranks see it)."""
+    # Overlap windows in units of the unit's own compute: FSDP2's implicit prefetch (the CPU runs
+    # ahead) already overlaps one unit in forward when the explicit depth is 0, and backward always
+    # prefetches one (DESIGN.md "FSDP2 facts"; cost/time.py models the same).
+    leading = next((i for i, it in enumerate(space.items) if not it.may_join_root), len(space.items))
+    return _ChoiceTerms(setting=costs.setting, costs=costs, profile=costs.profile, d_f=max(1, choice.prefetch.forward),
+                        d_b=max(1, choice.prefetch.backward), overlap=costs.profile.device != "cpu",
+                        leading_root_items=leading)
 
 
 @dataclass(frozen=True)
 class _ChoiceTerms:
     """What every candidate of one global choice shares: the units' setting (mesh, dtypes, optimizer,
-    offload) and the items' parameters, the profile (as the choice's ranks see it), the overlap windows
+    offload) and the candidates' unit costs under it, the profile (as the choice's ranks see it), the overlap windows
     in units of a unit's compute (``d_f``, ``d_b``; ``overlap`` False on a CPU profile) and how many
     leading items may join the root."""
 
     setting: UnitSetting
-    params: ItemParams
+    costs: CandidateCosts
     profile: HardwareProfile
     d_f: int
     d_b: int
@@ -353,18 +342,16 @@ def _live(parts: tuple[UnitCost, ...], field: str) -> float:
     return getattr(parts[0].bytes, field) + max((getattr(p.bytes, field) for p in parts[1:]), default=0.0)
 
 
-def _candidate_coeffs(c: Candidate, space: SearchSpace, items: _ItemTerms, ch: _ChoiceTerms) -> Coeffs:
+def _candidate_coeffs(index: int, c: Candidate, items: ItemTerms, ch: _ChoiceTerms) -> Coeffs:
+    """The terms of candidate ``index`` (``c``) of the space."""
     saved, inputs, fwd_rise, bwd_rise, sac = items.saved, items.inputs, items.fwd_rise, items.bwd_rise, items.sac
     fwd_s, bwd_s = items.fwd_s, items.bwd_s
     profile, shard = ch.profile, ch.setting.mesh.shard_group_size
     o = c.option
     idx = range(c.start, c.stop)
     # each FSDP unit the candidate makes (one, or nested: the outer and one per inner unit) by the
-    # simulators' per-unit query (cost/unit_cost.py), and all of them as one
-    param_parts = ch.params.parts(c)
-    parts = tuple(unit_cost(p, o.reshard_after_forward, ch.setting, profile) for p in param_parts)
-    whole = parts[0] if len(parts) == 1 else unit_cost(reduce(add, param_parts), o.reshard_after_forward,
-                                                        ch.setting, profile)
+    # simulators' per-unit query (cost/unit_cost.py), and all of them as one (solve/candidate_costs.py)
+    parts, whole = ch.costs.parts[index], ch.costs.whole[index]
     gather = whole.bytes.unsharded
     gather_live = _live(parts, "unsharded")
 
@@ -410,15 +397,25 @@ def _candidate_coeffs(c: Candidate, space: SearchSpace, items: _ItemTerms, ch: _
         # full: the early stop's tail is not recomputed (trace/capture.py [Note: Early stop of the
         # recomputation]); a nested unit's own block is priced whole, as the simulator does
         rc = sum(fwd_s[i] * (1.0 - (sac[1][i] if selective else 0.0 if o.nested else sac[2][i])) for i in idx)
-    exposed = _exposed_comm_s(c, parts, whole, cf, cb + rc, ch)
-    # FSDP2's copies on the compute stream: a copy-out per all-gather and the reduce-scatter copy-in
-    exposed += (1 if o.in_root or not r.reshards else 2) * whole.copy_out_s + whole.copy_in_s
     return Coeffs(
         stack_mib=_mib(act_stack + kept_params), fwd_mib=_mib(fwd_mem), copy_mib=_mib(copy_mem), bwd_mib=_mib(bwd_mem),
         rs_mib=_mib(rs_mem), gather_mib=_mib(next_gather), prev_out_mib=_mib(next_gather),
         regather_mib=_mib(regather), rs_in_mib=_mib(rs_in), root_mib=_mib(root_bytes),
-        uses_int_reshard=not o.in_root and r.to_group, time_us=_us(cf + cb + rc + exposed),
+        uses_int_reshard=not o.in_root and r.to_group, time_us=_time_us(index, c, (cf, cb, rc), ch),
+        compute_s=(cf, cb, rc),
     )
+
+
+def _time_us(k: int, c: Candidate, compute_s: tuple[float, float, float], ch: _ChoiceTerms) -> int:
+    """Candidate ``k``'s (``c``) time term: its compute (``compute_s``: forward, backward, recomputation)
+    and what of its communication and FSDP2's copies the compute does not hide."""
+    cf, cb, rc = compute_s
+    whole = ch.costs.whole[k]
+    exposed = _exposed_comm_s(c, ch.costs.parts[k], whole, cf, cb + rc, ch)
+    # FSDP2's copies on the compute stream: a copy-out per all-gather and the reduce-scatter copy-in
+    r = ReshardAfterForward.of(c.option.reshard_after_forward, ch.setting.mesh.shard_group_size)
+    exposed += (1 if c.option.in_root or not r.reshards else 2) * whole.copy_out_s + whole.copy_in_s
+    return _us(cf + cb + rc + exposed)
 
 
 def _exposed_comm_s(c: Candidate, parts: tuple[UnitCost, ...], whole: UnitCost, fwd_s: float, bwd_s: float,
