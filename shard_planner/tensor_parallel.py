@@ -48,7 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from shard_planner.errors import PlanError
+from shard_planner.errors import PlanError, UserError
 
 
 class Style(str, Enum):
@@ -124,6 +124,13 @@ class TensorParallel:
     def style_of(self, fqn: str) -> ModuleStyle | None:
         text = self.styles.get(fqn)
         return None if text is None else ModuleStyle.parse(text, fqn)
+
+    def check_sequence(self, degree: int, seq_len: int | None) -> None:
+        """With sequence parallelism, a :class:`UserError` when ``degree`` does not divide ``seq_len`` tokens per
+        sample (None: no sequence to check): every rank holds an equal slice of it."""
+        if self.sequence_parallel and seq_len is not None and seq_len % degree:
+            raise UserError(f"sequence parallelism of degree {degree}: the sequence length {seq_len} does not divide "
+                            f"by {degree}; choose a tp degree or sequence length so that it does")
 
     @property
     def head_fqn(self) -> str | None:

@@ -45,14 +45,27 @@ class DegreeStyles:
     styles: dict[int, TensorParallel] = field(default_factory=dict)
     refused: tuple[DegreeOutcome, ...] = ()
 
+    def with_sequence(self, seq_len: int | None) -> "DegreeStyles":
+        """The degrees whose sequence parallelism ``seq_len`` tokens per sample do not divide moved to the
+        refused ones (TensorParallel.check_sequence; None: no sequence to split)."""
+        styles, refused = {}, list(self.refused)
+        for t, tp in self.styles.items():
+            try:
+                tp.check_sequence(t, seq_len)
+            except UserError as e:
+                refused.append(DegreeOutcome(t, judged="refused", refused=first_line(e)))
+                continue
+            styles[t] = tp
+        return DegreeStyles(styles, tuple(sorted(refused, key=lambda o: o.degree)))
+
 
 def degree_styles(model_file, degrees: list[int], *, sequence_parallel: bool, loss_parallel: bool,
-                  seq_len: int | None) -> DegreeStyles:
+                  seq_len: int | None = None) -> DegreeStyles:
     """For each of ``degrees`` above 1: the model's styles (tp_styles.derive_tensor_parallel, from its
     structure or its transformers plan), or why that degree is refused
     (the styles cannot be derived; a dimension the degree does not divide); the model built without memory, as
-the tracer builds it (trace/build.py). ``seq_len``: the sequence length
-    sequence parallelism splits (None: not checked)."""
+    the tracer builds it (trace/build.py). ``seq_len``: the sequence length sequence parallelism splits (None:
+    not checked here: :meth:`DegreeStyles.with_sequence`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from shard_planner.hf import tp_plan

@@ -431,9 +431,7 @@ def check_divisible(model: nn.Module, tp: TensorParallel, degree: int, *, seq_le
             if size % degree:
                 raise UserError(f"tensor parallelism of degree {degree}: {fqn} {what} {size}, which {degree} does "
                                 "not divide; choose a tp degree that divides it")
-    if tp.sequence_parallel and seq_len is not None and seq_len % degree:
-        raise UserError(f"sequence parallelism of degree {degree}: the sequence length {seq_len} does not divide by "
-                        f"{degree}; choose a tp degree or sequence length so that it does")
+    tp.check_sequence(degree, seq_len)
 
 
 def _split_sizes(model: nn.Module, fqn: str, module: nn.Module, style: Style) -> list[tuple[str, int]]:

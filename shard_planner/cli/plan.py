@@ -16,11 +16,12 @@ from shard_planner.argtypes import token_count
 from shard_planner.cli.background import Helper, HelperDied, helper_process
 from shard_planner.cli.args import add_hf_arguments, byte_size, hf_options, positive_float, positive_int
 from shard_planner.cli.collector import command_collector, without_collections
-from shard_planner.cli.plan_degrees import degrees_to_search, plan_degrees
+from shard_planner.cli.plan_degrees import DegreeWork, degrees_to_search
 from shard_planner.errors import ModelFileError
 from shard_planner.fileio import check_output_dir, check_output_file
 from shard_planner.plan import Plan, report_dir_for, save_plan, with_model_located
 from shard_planner.plan_points import degree_lines
+from shard_planner.profile import load_profile
 from shard_planner.units import DTYPE_NAMES, format_bytes
 
 if TYPE_CHECKING:  # the planner (torch, CP-SAT) is imported when the command runs, not to build the parser
@@ -95,18 +96,23 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     # The helper process traces beside the planner's imports and renders figures beside the command's
     # (see cli/background.py); it ends with the command.
-    with command_collector(), helper_process() as helper:  # see [Note: the collector during a command]
-        return _run(args, helper)
+    # A second helper derives and traces the tensor-parallel degrees (cli/plan_degrees.py [Note: Two helpers
+    # for the degrees]). For the collector, see [Note: the collector during a command].
+    with command_collector(), helper_process() as helper, helper_process() as second:
+        return _run(args, helper, second)
 
 
-def _run(args: argparse.Namespace, helper: Helper) -> int:
+def _run(args: argparse.Namespace, helper: Helper, second: Helper) -> int:
     check_output_file(args.output, "plan")
     if args.report:
         check_output_dir(_report_dir(args), "report")
     t0 = time.perf_counter()
     tracing = helper.submit(_load_and_trace, args.model, hf_options(args), DTYPE_NAMES[args.dtype])
+    plain = load_profile(args.profile)  # light: the GPUs per node and the device say which degrees to search
+    degrees = degrees_to_search(args, args.gpus_per_node or plain.interconnect.gpus_per_node, plain.device)
+    degree_work = DegreeWork.start(args, hf_options(args), DTYPE_NAMES[args.dtype], degrees, second)
     if args.report:
-        helper.submit(_import_report)  # once the trace is done, while this process plans
+        helper.submit(_import_report)  # once the trace is done, while the styles are derived or this process plans
     with without_collections():
         from shard_planner.solve import PlanRequest
         from shard_planner.profile import load_priced_profile
@@ -124,7 +130,6 @@ def _run(args: argparse.Namespace, helper: Helper) -> int:
                                  "or crash?") from exc
     # A plan made from a trace.json records the trace's model file (never the trace), and uses the TRAINING
     # defaults the trace carries from it.
-    defaults_from_trace = defaults is None  # MODEL is a trace.json
     model_path = args.model if defaults is not None else trace_model_file(trace, args.model)
     defaults = defaults if defaults is not None else _trace_defaults(trace)
     global_batch = args.global_batch or args.global_batch_tokens
@@ -136,8 +141,7 @@ def _run(args: argparse.Namespace, helper: Helper) -> int:
                       time_limit_s=args.time_limit, model_path=model_path, profile_name=args.profile,
                       timings_path=args.timings, global_batch_samples=args.global_batch,
                       global_batch_tokens=args.global_batch_tokens, expandable_segments=planned_expandable(os.environ))
-    degrees = degrees_to_search(args, req.gpus_per_node, profile.device, from_trace_file=defaults_from_trace)
-    result = plan_degrees(args, hf_options(args), DTYPE_NAMES[args.dtype], degrees, trace, req, helper)
+    result = degree_work.plan(trace, req, helper)
     result = replace(result, plan=with_model_located(result.plan, args.output))
     if args.hf_task is not None or finetune is not None:  # run and export rebuild the config as this task, fine-tuned
         result = replace(result, plan=replace(result.plan, model=replace(result.plan.model, hf_task=args.hf_task,
@@ -169,7 +173,8 @@ def time_line(result: PlanResult, trace_s: float | None, report_s: float | None,
         f"screen {t.screen_s:.2f} s", f"solve {t.solve_s:.2f} s", f"frontier {t.frontier_s:.2f} s",
         f"baselines {t.baselines_s:.2f} s", f"polish {t.polish_s:.2f} s", f"simplify {t.simplify_s:.2f} s",
     ] + ([f"report {report_s:.2f} s"] if report_s is not None else [])
-    degrees = (f"; tensor-parallel degrees: {t.degrees_screened} screened in {t.degree_screen_s:.2f} s, "
+    degrees = (f"; tensor-parallel degrees: {t.degrees_screened} screened ({t.degree_screen_s:.2f} s of it in this "
+               f"process), "
                f"{t.degrees_searched} searched in full (the stages above: the chosen one's search"
                + (", the others beside it in the helper process)" if traced_beside and t.degrees_searched > 1
                   else ")")) if t.degrees_screened else ""

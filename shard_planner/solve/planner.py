@@ -55,7 +55,7 @@ from shard_planner.solve.accumulation import (
 from shard_planner.solve.context import Checked, PlanContext, speed
 from shard_planner.solve.describe import budget_text, infeasible_error
 from shard_planner.solve.frontier import pareto, start_sweep, sweep
-from shard_planner.solve.linear import MIB, GlobalChoice
+from shard_planner.solve.linear import MIB, GlobalChoice, evaluate
 from shard_planner.solve.polish import polish
 from shard_planner.solve.request import PlanRequest, PlanResult
 from shard_planner.solve.survive import plan_surviving, surviving_choice
@@ -152,24 +152,38 @@ def screen_degree(trace: ModelTrace, request: PlanRequest) -> Checked | None:
     """The fastest plan of a cheap look at ``trace``'s degree, for screening tensor-parallel degrees
     (solve/tp_search.py [Note: Screening the degrees]): at every micro-batch the global batch allows (or
     the request's), plain FSDP over the data-parallel ranks, FSDP2's default prefetch and the leanest
-    accumulation policy, the heuristic cover (:func:`cpsat.greedy_cover`) and the hand-written policies
-    judged by the simulators at the allocated budget; None when none of them fits. Raises what
+    accumulation policy, the heuristic cover (:func:`cpsat.greedy_cover`), every uniform cover
+    (:func:`cpsat.uniform_covers`: the full search often ends on one) and the hand-written policies judged by
+    the simulators at the allocated budget; on a GPU the fastest of them that survives --mem in the allocator,
+    ranked and shown with its retries priced (survive.py [Note: Ranked by the priced time]). None when none
+    of them fits or survives. Raises what
     :func:`plan_model` raises for a request the degree cannot meet (a global batch its data-parallel ranks
     do not divide)."""
     ctx = PlanContext(trace, request)
     try:
-        best: Checked | None = None
+        fitting: list[Checked] = []
         mesh = _meshes(ctx.cluster.gpus, ctx.cluster.gpus_per_node, trace.tp_size)[0]
         for mb, accumulations in _batches(ctx):
             choice = GlobalChoice(mb, PREFETCH_CHOICES[0], mesh, False, accumulations[0])
             lm = ctx.linear(choice)
             cover = ctx.greedy(lm, ctx.budget_mib)
-            covers = ([cover] if cover is not None else []) + list(cpsat.uniform_covers(lm).values())
-            judged = [ctx.check(lm, c, "heuristic") for c in covers] + alternatives.hand_written(ctx, choice)
-            for c in judged:
-                if c.peak_bytes <= ctx.budget_bytes and (best is None or speed(c) > speed(best)):
-                    best = c
-        return best
+            judged = ([ctx.check(lm, cover, "heuristic")] if cover is not None else []) + alternatives.hand_written(
+                ctx, choice)
+            for uniform in sorted(cpsat.uniform_covers(lm).values(), key=lambda c: evaluate(lm, c).time_us):
+                judged.append(ctx.check(lm, uniform, "heuristic"))
+                if judged[-1].peak_bytes <= ctx.budget_bytes:
+                    break  # the slower uniform covers, by the linear model's time, are not judged
+            fitting += [c for c in judged if c.peak_bytes <= ctx.budget_bytes]
+        if not fitting:
+            return None
+        best, _ = surviving_choice(ctx, max(fitting, key=speed), fitting, "screened")
+        fit = ctx.device_fit(best.plan)
+        if fit is None or fit.retry_s == 0:
+            return best
+        if not fit.survives:
+            return None  # none of the fastest survives the allocator: as if none fitted
+        priced_s = best.step_time_s + fit.retry_s
+        return replace(best, step_time_s=priced_s, samples_per_s=best.samples_per_s * best.step_time_s / priced_s)
     finally:
         ctx.close()
 

@@ -59,11 +59,31 @@ SCREEN_MARGIN = 0.04  # a degree screened this much slower than the best screene
 
 
 @dataclass(frozen=True)
+class Screened:
+    """A degree's screen: the fastest plan it judged that fits (None: none), with its allocator retries priced
+    (planner.py ``screen_degree``), or why the degree cannot be planned (``error``)."""
+
+    best: Checked | None = None
+    error: UserError | None = None
+
+
+def screen(trace: ModelTrace, request: PlanRequest) -> Screened:
+    """``screen_degree``, a degree it refuses as :class:`Screened` ``error`` (module-level: the command's
+    helper processes screen the degrees they trace)."""
+    try:
+        return Screened(best=screen_degree(trace, request))
+    except (InfeasibleError, UserError) as e:
+        return Screened(error=e)
+
+
+@dataclass(frozen=True)
 class DegreeOption:
-    """One tensor-parallel degree to search: its styles (None at degree 1) and the trace of one rank."""
+    """One tensor-parallel degree to search: its styles (None at degree 1), the trace of one rank, and its
+    screen when it was screened already (None: :func:`plan_over_degrees` screens it)."""
 
     tensor_parallel: TensorParallel | None
     trace: ModelTrace
+    screened: Screened | None = None
 
     @property
     def degree(self) -> int:
@@ -90,12 +110,13 @@ def plan_over_degrees(options: Iterable[DegreeOption], request: PlanRequest, *,
     for opt in options:
         by_degree[opt.degree] = opt
         t0 = time.perf_counter()
-        try:
-            screened[opt.degree] = screen_degree(opt.trace, _request_for(opt, request))
-        except (InfeasibleError, UserError) as e:
-            errors.append(e)
-            outcomes[opt.degree] = DegreeOutcome(opt.degree, judged="refused", refused=first_line(e))
+        found = opt.screened if opt.screened is not None else screen(opt.trace, _request_for(opt, request))
         screen_s += time.perf_counter() - t0
+        if found.error is not None:
+            errors.append(found.error)
+            outcomes[opt.degree] = DegreeOutcome(opt.degree, judged="refused", refused=first_line(found.error))
+        else:
+            screened[opt.degree] = found.best
     to_search = _worth_searching(screened)
     for degree, c in screened.items():
         if degree not in to_search and c is not None:

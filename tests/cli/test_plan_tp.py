@@ -31,7 +31,7 @@ def test_every_degree_is_screened_on_a_gpu_profile(tmp_path, capsys):
     assert by_degree[2].judged in ("solved", "screened") and by_degree[2].step_time_s > 0
     text = capsys.readouterr().out
     assert "tensor-parallel degrees (the fastest plan of each):" in text and "TP 4: tensor parallelism of degree 4" in text
-    assert "tensor-parallel degrees: 2 screened in" in text  # 1 and 2: 4 and 8 refused before a trace
+    assert "tensor-parallel degrees: 2 screened (" in text  # 1 and 2: 4 and 8 refused before a trace
     assert "tp_degrees" in json.loads(out.read_text())
 
 
