@@ -26,18 +26,26 @@ def test_deepspeed_config_means_the_plan(name, llama_8b_exports, monkeypatch):
     monkeypatch.setattr(ds_config.dist, "get_world_size", lambda *a, **k: plan.mesh.world_size)
     parsed = ds_config.DeepSpeedConfig(config)  # asserts train_batch = micro x accumulation x world
     t = plan.training
-    assert parsed.train_batch_size == plan.global_batch_samples
+    if plan.mesh.is_tp:  # without an mpu DeepSpeed counts every rank, tp too (report/export/deepspeed_tp.py)
+        assert parsed.train_batch_size == plan.global_batch_samples * plan.mesh.tp_size and "train_batch_size" not in config
+        assert any("train_batch_size is left to DeepSpeed" in n for n in exports["deepspeed"].notes)
+    else:
+        assert parsed.train_batch_size == plan.global_batch_samples
     assert parsed.train_micro_batch_size_per_gpu == t.micro_batch
     assert parsed.gradient_accumulation_steps == t.accumulation_steps
     assert parsed.zero_optimization_stage == 3 and parsed.bfloat16_config.enabled == (t.param_dtype == "bfloat16")
     assert parsed.optimizer_name == t.optimizer and parsed.optimizer_params["lr"] == t.lr
-    # every tensor of the blocks lies above the persistence threshold: DeepSpeed partitions them
+    # every tensor of the blocks lies above the persistence threshold: DeepSpeed partitions them (when the blocks
+    # are units)
     from shard_planner.report.export import model_info_for_plan
 
     with llama_size("8b"):
         info = model_info_for_plan(plan)
     block_tensors = [n for m in info.modules if m.fqn.startswith("layers.") for n in m.param_numels]
-    assert parsed.zero_config.param_persistence_threshold < min(block_tensors)
+    if plan.inner_units:
+        assert parsed.zero_config.param_persistence_threshold < min(block_tensors)
+    else:  # the root alone, kept gathered: every tensor persistent (export/deepspeed.py persistence_threshold)
+        assert parsed.zero_config.param_persistence_threshold >= max(block_tensors)
     assert (parsed.zero_config.offload_param is not None) == t.cpu_offload
 
 
