@@ -24,7 +24,8 @@ cluster: at one global batch, the step time.
 [Note: Screening the degrees]
   A full search costs seconds per degree at scale (Llama 3 70B on 256 GPUs: 5-10 s each), so every degree
   is first screened (planner.py ``screen_degree``: at each micro-batch, plain FSDP and default prefetch, the
-  heuristic cover, every uniform cover and the hand-written policies, about a second), and only the degrees
+  heuristic cover, the uniform covers fastest first until one fits and the hand-written policies, under a
+  second; its answer's allocator retries priced as the search prices its own), and only the degrees
   whose screened speed is within ``SCREEN_MARGIN`` of the best screened one are searched in full. The margin
   is what the full search has been seen to gain over the screen, rounded up: on Llama 3 70B at 256 GPUs (seq
   8192, global batch 512) +0.5%, +3.1%, +1.3% and +1.2% at TP 1, 2, 4, 8; on 405B at 512 GPUs (global batch
@@ -32,9 +33,10 @@ cluster: at one global batch, the step time.
   answer by 8.5%: the full search ends on a uniform cover often). A degree screened out keeps its screened
   figures (``judged="screened"``: what a search would at least find) and the summary says so. A degree
   whose screen finds no plan is searched only when no degree's screen found one (the search may, where
-  the screen does not). Options may arrive one by one (an iterator: the command's helper traces the next
-  degree while this process screens the last), and with ``beside`` (the helper) every degree to search but
-  the best screened one runs there, at the same time as this process's search.
+  the screen does not). Options may arrive one by one (an iterator: the command's helpers trace the next
+  degree while this process screens the last), screened already or not (:class:`Screened`), and with
+  ``beside`` (the helpers) every degree to search but the best screened one runs there, at the same time as
+  this process's search (cli/plan_degrees.py [Note: Two helpers for the degrees]).
 """
 
 from __future__ import annotations
