@@ -58,7 +58,7 @@ from shard_planner.solve.frontier import pareto, start_sweep, sweep
 from shard_planner.solve.linear import MIB, GlobalChoice, evaluate
 from shard_planner.solve.polish import polish
 from shard_planner.solve.request import PlanRequest, PlanResult
-from shard_planner.solve.survive import plan_surviving, surviving_choice
+from shard_planner.solve.survive import plan_surviving, priced_step_time_s, surviving_choice
 from shard_planner.trace.types import ModelTrace
 from shard_planner.units import format_bytes
 
@@ -178,11 +178,11 @@ def screen_degree(trace: ModelTrace, request: PlanRequest) -> Checked | None:
             return None
         best, _ = surviving_choice(ctx, max(fitting, key=speed), fitting, "screened")
         fit = ctx.device_fit(best.plan)
-        if fit is None or fit.retry_s == 0:
-            return best
-        if not fit.survives:
+        if fit is not None and not fit.survives:
             return None  # none of the fastest survives the allocator: as if none fitted
-        priced_s = best.step_time_s + fit.retry_s
+        priced_s = priced_step_time_s(ctx, best)
+        if priced_s == best.step_time_s:
+            return best
         return replace(best, step_time_s=priced_s, samples_per_s=best.samples_per_s * best.step_time_s / priced_s)
     finally:
         ctx.close()

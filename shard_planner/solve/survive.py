@@ -51,8 +51,9 @@ from shard_planner.units import format_bytes
 logger = logging.getLogger(__name__)
 
 MAX_RESOLVES = 3  # searches after the first, each at a tighter allocated budget
-RUNNERS_UP_JUDGED = 8  # plans of one search judged by the allocator when its answer does not survive
-PRICED_JUDGED = 32  # plans judged by the allocator when the answer survives with retries (each 3-50 ms)
+# plans of one search judged by the allocator (3-50 ms each) when its answer does not survive, or survives
+# only with retries
+RUNNERS_UP_JUDGED = 32
 MIN_TIGHTEN_FRACTION = 0.01  # of the allocated budget: the least a re-solve lowers it by
 
 
@@ -87,8 +88,8 @@ def surviving_choice(ctx: PlanContext, chosen: Checked, pool: list[Checked], sta
     """``chosen`` when it survives --mem in the allocator simulation without retries (or on a CPU profile);
     else the fastest, with the retries' price in its step time, of ``chosen`` (when it survives) and the plans
     of ``pool`` (this search's, within its budget) that survive: judged the fastest unpriced first, until one
-    that unpriced is no faster than the best priced so far, at most ``RUNNERS_UP_JUDGED`` when none has
-    survived yet, ``PRICED_JUDGED`` in all; the status says why. ``chosen`` again when none survives
+    that unpriced is no faster than the best priced so far, at most ``RUNNERS_UP_JUDGED``; the status says
+    why. ``chosen`` again when none survives
     (:func:`plan_surviving` searches again). See [Note: Ranked by the priced time]."""
     fit = ctx.device_fit(chosen.plan)
     if fit is None or (fit.survives and fit.retry_s == 0):
@@ -96,7 +97,7 @@ def surviving_choice(ctx: PlanContext, chosen: Checked, pool: list[Checked], sta
     best, best_speed = (chosen, _priced_speed(chosen, fit)) if fit.survives else (None, 0.0)
     runners_up = sorted((c for c in pool if c.plan != chosen.plan), key=speed, reverse=True)
     for judged, c in enumerate(runners_up):
-        if judged >= PRICED_JUDGED or c.samples_per_s <= best_speed:
+        if judged >= RUNNERS_UP_JUDGED or c.samples_per_s <= best_speed:
             break  # the price only slows a plan: one no faster unpriced cannot win
         c_fit = ctx.device_fit(c.plan)
         if c_fit.survives and _priced_speed(c, c_fit) > best_speed:

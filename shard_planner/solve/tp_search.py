@@ -19,7 +19,7 @@ cluster: at one global batch, the step time.
   the compute stream's critical path. A degree wins where FSDP's exposed all-gathers or activation memory
   (so a smaller micro-batch or checkpointing) cost more than those collectives, or where the global batch
   leaves fewer samples than GPUs (FSDP alone would need a micro-batch under one sample); it loses where
-  FSDP already hides its communication. :func:`degree_reason` gives the figures, for the summary.
+  FSDP already hides its communication. plan_points.degree_lines gives the figures, for the summary.
 
 [Note: Screening the degrees]
   A full search costs seconds per degree at scale (Llama 3 70B on 256 GPUs: 5-10 s each), so every degree
@@ -100,10 +100,10 @@ Beside = Callable[..., Any]
 def plan_over_degrees(options: Iterable[DegreeOption], request: PlanRequest, *,
                       refused: tuple[DegreeOutcome, ...] = (), beside: Beside | None = None) -> PlanResult:
     """The fastest plan over ``options``' degrees, its ``tp_degrees`` every degree's outcome (``refused``: the
-    degrees ruled out before tracing, e.g. by a dimension they do not divide). Each degree searched in full ([Note: Screening the degrees]) keeps its fastest
-    plan's figures and its frontier in its outcome (the report draws them beside the answer's). A degree that cannot
-    be planned (no plan fits; a global batch its data-parallel ranks do not divide) is an outcome; all of
-    them raise the first one's error."""
+    degrees ruled out before tracing, e.g. by a dimension they do not divide). Each degree searched in full
+    ([Note: Screening the degrees]) keeps its fastest plan's figures and its frontier in its outcome (the
+    report draws them beside the answer's). A degree that cannot be planned (no plan fits; a global batch
+    its data-parallel ranks do not divide) is an outcome; all of them raise the first one's error."""
     outcomes: dict[int, DegreeOutcome] = {o.degree: o for o in refused}
     errors: list[UserError] = []
     screened: dict[int, Checked | None] = {}
