@@ -204,12 +204,17 @@ def load_model_file(path: str, hf_options=None) -> ModelFile:
     return ModelFile(path, build_model, make_batch, loss_fn, _check_training(path, training))
 
 
-def load_unless_trace(model: str, hf_options=None) -> ModelFile | None:
-    """The model file behind a command's MODEL argument, loaded once; None for a trace.json (a .json that
-    is not a transformers config)."""
+def is_trace_file(model: str) -> bool:
+    """Whether a command's MODEL argument is a trace.json: a .json that is not a transformers config."""
     from shard_planner import hf
 
-    if str(model).endswith(".json") and hf.config_file(model) is None:
+    return str(model).endswith(".json") and hf.config_file(model) is None
+
+
+def load_unless_trace(model: str, hf_options=None) -> ModelFile | None:
+    """The model file behind a command's MODEL argument, loaded once; None for a trace.json
+    (:func:`is_trace_file`)."""
+    if is_trace_file(model):
         return None
     return load_model_file(model, hf_options)
 

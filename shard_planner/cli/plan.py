@@ -21,7 +21,7 @@ from shard_planner.errors import ModelFileError
 from shard_planner.fileio import check_output_dir, check_output_file
 from shard_planner.plan import Plan, report_dir_for, save_plan, with_model_located
 from shard_planner.plan_points import degree_lines
-from shard_planner.profile import load_profile
+from shard_planner.profile import load_priced_profile
 from shard_planner.units import DTYPE_NAMES, format_bytes
 
 if TYPE_CHECKING:  # the planner (torch, CP-SAT) is imported when the command runs, not to build the parser
@@ -108,20 +108,18 @@ def _run(args: argparse.Namespace, helper: Helper, second: Helper) -> int:
         check_output_dir(_report_dir(args), "report")
     t0 = time.perf_counter()
     tracing = helper.submit(_load_and_trace, args.model, hf_options(args), DTYPE_NAMES[args.dtype])
-    plain = load_profile(args.profile)  # light: the GPUs per node and the device say which degrees to search
-    degrees = degrees_to_search(args, args.gpus_per_node or plain.interconnect.gpus_per_node, plain.device)
+    profile = load_priced_profile(args.profile, args.timings)  # light; which degrees to search depends on it
+    degrees = degrees_to_search(args, args.gpus_per_node or profile.interconnect.gpus_per_node, profile.device)
     degree_work = DegreeWork.start(args, hf_options(args), DTYPE_NAMES[args.dtype], degrees, second)
     if args.report:
         helper.submit(_import_report)  # once the trace is done, while the styles are derived or this process plans
     with without_collections():
         from shard_planner.solve import PlanRequest
-        from shard_planner.profile import load_priced_profile
         from shard_planner.trace.files import trace_model_file
 
         if args.report:
             _import_report()
         import_s = time.perf_counter() - t0
-        profile = load_priced_profile(args.profile, args.timings)
         dtype = DTYPE_NAMES[args.dtype]
         try:
             trace, defaults, finetune, trace_s = tracing.result()
@@ -174,8 +172,7 @@ def time_line(result: PlanResult, trace_s: float | None, report_s: float | None,
         f"baselines {t.baselines_s:.2f} s", f"polish {t.polish_s:.2f} s", f"simplify {t.simplify_s:.2f} s",
     ] + ([f"report {report_s:.2f} s"] if report_s is not None else [])
     degrees = (f"; tensor-parallel degrees: {t.degrees_screened} screened ({t.degree_screen_s:.2f} s of it in this "
-               f"process), "
-               f"{t.degrees_searched} searched in full (the stages above: the chosen one's search"
+               f"process), {t.degrees_searched} searched in full (the stages above: the chosen one's search"
                + (", the others beside it in the helper process)" if traced_beside and t.degrees_searched > 1
                   else ")")) if t.degrees_screened else ""
     return (", ".join(parts) + f" (CP-SAT {t.cpsat_s:.2f} s in {t.cpsat_solves} solves, simulators "

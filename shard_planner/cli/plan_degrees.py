@@ -15,9 +15,8 @@ each traced and screened in a helper process, then one search over them (solve/t
   three processes on two cores, each with about the same work. On Llama 3 70B at 256 GPUs the screens end
   at about 6 s where one helper doing it all took 8.2 s. The degrees to search in full but the best
   screened one are searched in the helpers (``beside``, the second first), at the same time as this
-  process's search. On two cores this keeps both busy from the start: Llama 3 70B on 256
-  GPUs and 405B on 512 use about 25 CPU-seconds, so nothing can bring them under about 12.5 s on this
-  machine.
+  process's search. On two cores this keeps both busy from the start: Llama 3 70B on 256 GPUs and 405B on
+  512 use about 25 CPU-seconds, so nothing can bring them under about 12.5 s on this machine.
 """
 
 from __future__ import annotations
@@ -35,9 +34,10 @@ logger = logging.getLogger(__name__)
 def degrees_to_search(args: argparse.Namespace, gpus_per_node: int, device: str) -> list[int]:
     """``[--tp]`` (checked against the cluster), else the candidate degrees on a GPU profile and ``[1]`` on a
     CPU one or for a trace.json (tp_degrees.py [Note: Which degrees are searched])."""
+    from shard_planner.modelfile import is_trace_file
     from shard_planner.tp_degrees import candidate_degrees
 
-    from_trace_file = _is_trace_file(args.model)
+    from_trace_file = is_trace_file(args.model)
     if args.tp is not None:
         if gpus_per_node % args.tp or args.gpus % args.tp:
             raise UserError(f"--tp {args.tp} must divide the GPUs per node ({gpus_per_node}) and --gpus ({args.gpus}): "
@@ -49,12 +49,6 @@ def degrees_to_search(args: argparse.Namespace, gpus_per_node: int, device: str)
     if device == "cpu" or from_trace_file:
         return [1]
     return candidate_degrees(args.gpus, gpus_per_node)
-
-
-def _is_trace_file(model: str) -> bool:
-    from shard_planner.hf import config_file
-
-    return str(model).endswith(".json") and config_file(model) is None
 
 
 @dataclass

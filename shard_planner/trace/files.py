@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from shard_planner.errors import UserError, first_line
-from shard_planner.hf import config_file
+from shard_planner.modelfile import is_trace_file
 from shard_planner.trace.types import ModelTrace
 from shard_planner.units import compute_dtype_name
 
@@ -30,7 +30,7 @@ def trace_or_load(
     path: str | Path, *, batch_sizes: tuple[int, int] = (1, 2), dtype: str = "bfloat16"
 ) -> ModelTrace:
     """A trace.json is loaded (its dtype must match ``dtype``); anything else is a model file to trace."""
-    if str(path).endswith(".json") and config_file(path) is None:  # a transformers config is a model
+    if is_trace_file(path):  # a transformers config is a model
         trace = load_trace(path)
         want = compute_dtype_name(dtype)
         if trace.compute_dtype != want:
