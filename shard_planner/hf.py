@@ -111,8 +111,14 @@ def tp_plan(model) -> dict[str, str] | None:
     e.g. LlamaForCausalLM's ``{"lm_head": "colwise_gather_output"}``, and each child's plan under its name,
     ``model.`` + the config's ``base_model_tp_plan`` and ``embed_tokens: embedding_rowwise``). None for
     another model, or a transformers model without a plan."""
-    plan = getattr(model, "tp_plan", None) if hasattr(getattr(model, "config", None), "base_model_tp_plan") else None
+    plan = getattr(model, "tp_plan", None) if is_transformers_model(model) else None
     return dict(plan) if isinstance(plan, dict) and plan else None
+
+
+def is_transformers_model(model) -> bool:
+    """Whether transformers built ``model``: its config has a tensor-parallel plan's field
+    (``base_model_tp_plan``, PretrainedConfig), whether or not the plan is set."""
+    return hasattr(getattr(model, "config", None), "base_model_tp_plan")
 
 
 def config_file(path: str | Path) -> Path | None:

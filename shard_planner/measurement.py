@@ -16,7 +16,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from shard_planner.comm import FSDP, TP, CollectiveBytes, GroupCollectiveBytes
+from shard_planner.comm import TP, CollectiveBytes, GroupCollectiveBytes
 from shard_planner.errors import UserError
 from shard_planner.fileio import read_json, write_atomic
 from shard_planner.plan import Plan
@@ -210,10 +210,6 @@ class Measurement:
     def comm_tp(self) -> tuple[GroupCollectiveBytes, ...]:
         """Tensor parallelism's collectives per step (DTensor's), per group and kind."""
         return tuple(c for c in self.comm_by_group if c.source == TP)
-
-    @property
-    def comm_fsdp_by_group(self) -> tuple[GroupCollectiveBytes, ...]:
-        return tuple(c for c in self.comm_by_group if c.source == FSDP)
 
     @property
     def rederived(self) -> bool:

@@ -68,7 +68,7 @@ def degree_styles(model_file, degrees: list[int], *, sequence_parallel: bool, lo
     not checked here: :meth:`DegreeStyles.with_sequence`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from shard_planner.hf import tp_plan
+    from shard_planner.hf import is_transformers_model, tp_plan
     from shard_planner.tp_styles import check_divisible, derive_tensor_parallel
     from shard_planner.trace.build import build_fake
     from shard_planner.trace.hf_paths import real_run_paths
@@ -79,7 +79,7 @@ def degree_styles(model_file, degrees: list[int], *, sequence_parallel: bool, lo
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     model = build_fake(model_file, fake_mode)  # as the tracer builds it: no memory, transformers' paths too
     hf_plan = tp_plan(model)
-    is_transformers = hasattr(getattr(model, "config", None), "base_model_tp_plan")
+    is_transformers = is_transformers_model(model)
     if is_transformers and (sequence_parallel or loss_parallel):
         logger.info("%s is a transformers model: tensor parallelism by its own plan, without sequence or loss "
                     "parallelism (shard_planner/tp_degrees.py [Note: Which degrees are searched])",

@@ -2,7 +2,7 @@
 allocator's cache loses to it (issue 29, build item 3: "plans that only fit with retries say so and price
 them"). The one place a retry becomes seconds; cost/fits.py attaches the price to a plan's verdict.
 
-    price = price_retries(capped, time, profile)   # RetryPrice; NO_RETRIES when the step does not retry
+    price = price_retries(capped, time, profile)   # RetryPrice; no_retries(step) when the step does not retry
     price.total_s = price.sync_s + price.free_s + price.alloc_s
     price.describe()                                # 'costing 12.3 ms per step (+1.2%): ...'
 

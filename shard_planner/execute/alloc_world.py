@@ -13,7 +13,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import socket
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 
 from shard_planner.cost.alloc_sequence import SeqEvent, SequenceCheck, compare_sequences, walk_sequence
+from shard_planner.execute.launch import free_port
 from shard_planner.plan import Plan
 
 
@@ -37,7 +37,7 @@ def record_sequences(plans: list[Plan], world_size: int = 2, warmup: int = 2) ->
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_rank_main, args=(world_size, _free_port(), plans, out_dir, warmup),
+        mp.start_processes(_rank_main, args=(world_size, free_port(), plans, out_dir, warmup),
                            nprocs=world_size, join=True, start_method="spawn")
         out = []
         for i, plan in enumerate(plans):
@@ -47,12 +47,6 @@ def record_sequences(plans: list[Plan], world_size: int = 2, warmup: int = 2) ->
                     ranks.append(tuple(SeqEvent(**e) for e in json.load(f)))
             out.append(PlanSequences(plan, tuple(ranks)))
     return out
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, world_size: int, port: int, plans: list[Plan], out_dir: str, warmup: int) -> None:
@@ -75,7 +69,7 @@ def record_plan_step(plan: Plan, rank: int, warmup: int) -> list[SeqEvent]:
     """This rank's recorded steady-state step of ``plan`` (module docstring), in an initialised world."""
     from shard_planner.execute.alloc_record import SequenceRecorder, real_sequence
     from shard_planner.execute.apply import apply_plan, build_mesh
-    from shard_planner.execute.worker import build_on_device, make_optimizer, make_step_batch
+    from shard_planner.execute.stepper import build_on_device, make_optimizer, make_step_batch
     from shard_planner.modelfile import load_model_file
 
     model_file = load_model_file(plan.model.path)
