@@ -32,6 +32,14 @@ logger = logging.getLogger(__name__)
 CANDIDATE_DEGREES = (1, 2, 4, 8)
 
 
+def check_node_degree(tp: int, gpus: int, gpus_per_node: int) -> None:
+    """A :class:`UserError` (one line) when ``--tp`` does not divide the GPUs per node and the GPUs: tensor
+    parallelism stays inside a node ([Note: Which degrees are searched])."""
+    if gpus_per_node % tp or gpus % tp:
+        raise UserError(f"--tp {tp} must divide the GPUs per node ({gpus_per_node}) and --gpus ({gpus}): "
+                        "tensor parallelism stays inside a node")
+
+
 def candidate_degrees(gpus: int, gpus_per_node: int) -> list[int]:
     """The degrees of ``CANDIDATE_DEGREES`` that divide the GPUs per node and the GPUs ([Note: Which degrees
     are searched])."""

@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from shard_planner.profile import load_priced_profile
     from shard_planner.hf import HfOptions, config_file
     from shard_planner.modelfile import load_unless_trace
-    from shard_planner.trace import trace_model, trace_or_load
+    from shard_planner.trace import trace_for_plan, trace_or_load
 
     req = EstimateRequest(args.model, args.plan, args.profile, args.timings, args.gpus, args.micro_batch, args.write)
     plan = load_plan(req.plan)
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     model_file = load_unless_trace(req.model, options)
     dtype = plan.training.param_dtype
     trace = (trace_or_load(req.model, dtype=dtype) if model_file is None  # one rank at the plan's tp degree
-             else trace_model(model_file, dtype=dtype, tensor_parallel=plan.tensor_parallel, tp_size=plan.mesh.tp_size))
+             else trace_for_plan(model_file, plan))
     if plan.model.fingerprint not in (trace.fingerprint, ""):
         raise PlanError(f"{req.plan} was made for a model with fingerprint {plan.model.fingerprint}, but "
                         f"{req.model} has {trace.fingerprint}: a different model or size")

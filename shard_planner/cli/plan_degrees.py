@@ -35,13 +35,11 @@ def degrees_to_search(args: argparse.Namespace, gpus_per_node: int, device: str)
     """``[--tp]`` (checked against the cluster), else the candidate degrees on a GPU profile and ``[1]`` on a
     CPU one or for a trace.json (tp_degrees.py [Note: Which degrees are searched])."""
     from shard_planner.modelfile import is_trace_file
-    from shard_planner.tp_degrees import candidate_degrees
+    from shard_planner.tp_degrees import candidate_degrees, check_node_degree
 
     from_trace_file = is_trace_file(args.model)
     if args.tp is not None:
-        if gpus_per_node % args.tp or args.gpus % args.tp:
-            raise UserError(f"--tp {args.tp} must divide the GPUs per node ({gpus_per_node}) and --gpus ({args.gpus}): "
-                            "tensor parallelism stays inside a node")
+        check_node_degree(args.tp, args.gpus, gpus_per_node)
         if args.tp > 1 and from_trace_file:
             raise UserError(f"--tp {args.tp}: a trace.json holds one rank at one degree; plan the model file to "
                             "trace it at another")

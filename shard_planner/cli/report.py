@@ -48,13 +48,12 @@ def run(args) -> int:
             raise UserError(f"the plan's model file {source} is not here: give --trace TRACE_OR_MODEL or --no-trace")
         from shard_planner.hf import model_options
         from shard_planner.modelfile import load_unless_trace
-        from shard_planner.trace import trace_model, trace_or_load
+        from shard_planner.trace import trace_for_plan, trace_or_load
 
         # the plan's own model: a transformers config as planned (sequence length, task, fine-tune)
         model_file = None if args.trace else load_unless_trace(source, model_options(plan.model, source))
         with progress(f"tracing {source}"):
-            trace = (trace_model(model_file, dtype=plan.training.param_dtype, tensor_parallel=plan.tensor_parallel,
-                                 tp_size=plan.mesh.tp_size) if model_file is not None  # one rank at the plan's tp
+            trace = (trace_for_plan(model_file, plan) if model_file is not None  # one rank at the plan's tp
                      else trace_or_load(source, dtype=plan.training.param_dtype))
         if trace.fingerprint != plan.model.fingerprint:
             raise PlanError(f"{source} is not the model the plan was made for (fingerprint {trace.fingerprint}, plan "

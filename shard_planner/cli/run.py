@@ -128,18 +128,20 @@ def run(args) -> int:
 
 
 def _print_comm(m) -> None:
+    """FSDP2's collectives per step, predicted beside measured (nothing when the run had none), then
+    :func:`_print_comm_tp`'s."""
     rows = m.comm_comparison()
     if rows:
         print(f"{'communication per step':30}{'predicted':>14}{'measured':>14}")
-    for collective, group, predicted, measured in rows:
-        p = format_bytes(predicted) if predicted is not None else "-"
-        print(f"  {collective.replace('_', '-') + f' over {group} ranks':28}{p:>14}"
-              f"{format_bytes(measured) if measured is not None else '-':>14}")
-    if m.comm_matches:
-        print("  measured bytes equal the predicted bytes exactly")
-    elif m.comm_predicted is not None:
-        print("  measured bytes differ from the prediction" + (
-            "" if m.comm_same_every_step else " (and differ between ranks or timed steps)"))
+        for collective, group, predicted, measured in rows:
+            p = format_bytes(predicted) if predicted is not None else "-"
+            print(f"  {collective.replace('_', '-') + f' over {group} ranks':28}{p:>14}"
+                  f"{format_bytes(measured) if measured is not None else '-':>14}")
+        if m.comm_matches:
+            print("  measured bytes equal the predicted bytes exactly")
+        elif m.comm_predicted is not None:
+            print("  measured bytes differ from the prediction" + (
+                "" if m.comm_same_every_step else " (and differ between ranks or timed steps)"))
     _print_comm_tp(m)
 
 

@@ -121,13 +121,11 @@ def one_rank_trace(plan: Plan, model_path: str):
     try:
         from shard_planner.hf import model_options
         from shard_planner.modelfile import load_model_file
-        from shard_planner.trace import trace_model
+        from shard_planner.trace import trace_for_plan
     except ImportError:
         return None
     try:
-        return trace_model(load_model_file(model_path, model_options(plan.model, model_path)),
-                           dtype=plan.training.param_dtype, tensor_parallel=plan.tensor_parallel,
-                           tp_size=plan.mesh.tp_size)
+        return trace_for_plan(load_model_file(model_path, model_options(plan.model, model_path)), plan)
     except Exception as exc:  # a prediction is a bonus: the run goes on without it
         logger.warning("could not trace %s for the prediction: %s: %s", model_path, type(exc).__name__, exc)
         return None

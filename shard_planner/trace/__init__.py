@@ -12,6 +12,7 @@ _LAZY = {
     "Difference": "realrun",
     "compare_with_real_run": "realrun",
     "load_trace": "files",
+    "trace_for_plan": "tracer",
     "trace_model": "tracer",
     "trace_or_load": "files",
 }

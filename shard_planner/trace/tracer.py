@@ -28,6 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from shard_planner.errors import ModelFileError, UserError
 from shard_planner.modelfile import ModelFile, load_model_file
+from shard_planner.plan import Plan
 from shard_planner.tensor_parallel import TensorParallel
 from shard_planner.trace.build import build_fake, cast_parameters
 from shard_planner.trace.capture import Step, run_step
@@ -123,6 +124,13 @@ def trace_model(
         tensor_parallel=tp,
         loss_tp_collectives=fit_collectives(list(r1.loss_tp_collectives), list(r2.loss_tp_collectives), b1, b2),
     )
+
+
+def trace_for_plan(model_file: ModelFile | str, plan: Plan) -> ModelTrace:
+    """``model_file`` traced as ``plan`` runs it: one rank at the plan's tensor-parallel degree and styles, in
+    its mixed-precision dtype (what ``estimate``, ``report`` and ``run``'s prediction price the plan on)."""
+    return trace_model(model_file, dtype=plan.training.param_dtype, tensor_parallel=plan.tensor_parallel,
+                       tp_size=plan.mesh.tp_size)
 
 
 def _check_something_trains(mf: ModelFile, model: nn.Module) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from shard_planner.errors import UserError
 from shard_planner.profile import HardwareProfile, load_profile
 from shard_planner.timings import load_timings
+from shard_planner.tp_degrees import check_node_degree
 from shard_planner.tune.candidates import Candidate, describe_plan, top_candidates
 from shard_planner.tune.fit import ProfileFit, fit_profile, scale_profile
 from shard_planner.tune.profile_file import write_profile
@@ -111,9 +112,7 @@ def check_degree(tp: int, *, gpus: int, gpus_per_node: int, world_size: int | No
     at (``Plan.with_world_size`` drops a degree that does not divide). UserError, one line, otherwise."""
     if tp < 1:
         raise UserError(f"--tp must be a positive integer, got {tp}")
-    if gpus_per_node % tp or gpus % tp:
-        raise UserError(f"--tp {tp} must divide the GPUs per node ({gpus_per_node}) and --gpus ({gpus}): "
-                        "tensor parallelism stays inside a node")
+    check_node_degree(tp, gpus, gpus_per_node)
     if world_size is not None and world_size % tp:
         raise UserError(f"--tp {tp} must divide --world-size ({world_size}): every run keeps the plan's "
                         "tensor-parallel degree")
