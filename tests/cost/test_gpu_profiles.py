@@ -20,7 +20,7 @@ CARDS = {
     "rtx-4090": (24, 2.52, False),   # Ada whitepaper v2.01, Appendix A
     "rtx-3090": (24, 1.695, False),  # GA102 whitepaper v2.0, Appendix A
     "rtx-a6000": (48, 1.80, False),  # GA102 whitepaper v2.0, Appendix C
-    "a10g": (24, 1.71, False),       # AWS / published A10G tables
+    "a10g": (24, 1.71, False),       # no vendor datasheet: its rate is derived from this clock (an arithmetic check)
     "l40s": (48, 2.52, False),       # L40S datasheet (its 362 TFLOP/s implies ~2.49 GHz: within the tolerance)
     "v100-32gb": (32, 1.53, True),   # V100 datasheet (SXM2), DGX-1 NVLink2
     "b200": (180, None, True),       # no per-clock figure published: tensor_flop_per_clk_per_sm is an estimate
