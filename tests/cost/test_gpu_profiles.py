@@ -2,7 +2,7 @@
 A10G, L40S, V100 SXM2 32GB, B200. Each loads, cites a source for every number, is internally consistent
 (its peak rate follows from its SMs, tensor rate per SM and clock; no fp8 on cards without it; a PCIe-only card's
 ring never beats its PCIe link) and plans a small model. A V100 refuses a bfloat16 plan in one line
-(shard_planner/profile.py [Note: A compute dtype the device lacks])."""
+(shard_planner/profile.py [Note: A compute dtype the device lacks]). docs/profiles.md lists every shipped profile."""
 
 import re
 
@@ -122,3 +122,12 @@ def test_plan_command_refuses_bfloat16_on_a_v100_before_tracing(tmp_path, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert code != 0 and not out.exists()
     assert len(err) == 1 and "no bfloat16 compute rate" in err[0] and "--dtype fp16" in err[0]
+
+
+def test_docs_list_every_shipped_profile():
+    """docs/profiles.md's table names every file in profiles/ (a profile added without a line there fails)."""
+    from tests.paths import REPO
+
+    text = (REPO / "docs" / "profiles.md").read_text()
+    missing = [p.stem for p in PROFILES_DIR.glob("*.toml") if f"`{p.stem}`" not in text]
+    assert not missing, f"docs/profiles.md does not list: {', '.join(missing)}"
