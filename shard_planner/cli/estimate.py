@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from shard_planner.allocator_conf import mode_name
 from shard_planner.cli.args import add_hf_arguments, hf_options, positive_int
-from shard_planner.errors import PlanError
+from shard_planner.checked_plan import check_plan, checked_plan_file
 from shard_planner.fileio import check_output_file
 from shard_planner.plan import MEMORY_CATEGORIES, Plan, load_plan, save_plan
 from shard_planner.plan_estimate import asked_again, with_prediction
@@ -72,12 +72,11 @@ def run(args: argparse.Namespace) -> int:
         options = HfOptions(args.hf_task or plan.model.hf_task, args.seq_len or plan.model.seq_len,
                             (options.finetune if options is not None else None) or plan.model.finetune)
     model_file = load_unless_trace(req.model, options)
-    dtype = plan.training.param_dtype
-    trace = (trace_or_load(req.model, dtype=dtype) if model_file is None  # one rank at the plan's tp degree
-             else trace_for_plan(model_file, plan))
-    if plan.model.fingerprint not in (trace.fingerprint, ""):
-        raise PlanError(f"{req.plan} was made for a model with fingerprint {plan.model.fingerprint}, but "
-                        f"{req.model} has {trace.fingerprint}: a different model or size")
+    # a trace.json stands for the model; a model file is checked before it is traced (checked_plan.py)
+    trace = trace_or_load(req.model, dtype=plan.training.param_dtype) if model_file is None else None
+    with checked_plan_file(req.plan):
+        check_plan(plan, model_file=model_file, trace=trace, source=req.model)
+    trace = trace if trace is not None else trace_for_plan(model_file, plan)  # one rank at the plan's tp degree
     est = estimate(trace, plan, profile)
     cm = CostModel(trace, profile)
     fit = device_fit(cm, plan)  # None on a CPU profile

@@ -78,6 +78,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils.checkpoint import checkpoint
 
+from shard_planner.checked_plan import check_fingerprint
 from shard_planner.checkpointing import SELECTIVE
 from shard_planner.errors import PlanError
 from shard_planner.execute.selective import selective_context_fn
@@ -107,21 +108,18 @@ class UnitSharding(NamedTuple):
 def check_plan_matches(model: nn.Module, plan: Plan) -> None:
     """Raise :class:`PlanError` saying what differs when ``plan`` was not made for ``model``."""
     modules = dict(model.named_modules())
+    already = [fqn for fqn, m in modules.items() if isinstance(m, FSDPModule)]  # (a tp split alone is allowed)
+    if already:
+        raise PlanError(f"the model is already sharded (module {already[0]!r} is an FSDP module); apply a plan once")
+    # the line every command says (checked_plan.py [Note: A plan checked against its model]), before the
+    # module names that another size of the model lacks
+    check_fingerprint(plan, model_fingerprint(model), plan.model.path)
     missing = [fqn for u in plan.units for fqn in u.modules if fqn not in modules]
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise PlanError(
             f"the plan names modules this model does not have: {', '.join(repr(m) for m in missing[:3])}{more} "
             f"(plan made for {plan.model.path}, fingerprint {plan.model.fingerprint})")
-    already = [fqn for fqn, m in modules.items() if isinstance(m, FSDPModule)]  # (a tp split alone is allowed)
-    if already:
-        raise PlanError(f"the model is already sharded (module {already[0]!r} is an FSDP module); apply a plan once")
-    fingerprint = model_fingerprint(model)
-    if fingerprint != plan.model.fingerprint:
-        raise PlanError(
-            f"the plan was made for a model with fingerprint {plan.model.fingerprint} but this model's is "
-            f"{fingerprint}: same module names, different classes, shapes or dtypes (was it built with "
-            f"another size, e.g. SHARD_PLANNER_SIZE, or a changed {plan.model.path}?); re-run shard-planner plan")
     for unit in plan.units:
         if len(unit.modules) > 1:
             _check_group(model, unit)
