@@ -42,17 +42,20 @@ def run(args) -> int:
         from shard_planner.measurement import load_measurement
 
         measurement = load_measurement(args.measurement)
+    profile = None
+    if args.profile or not args.no_trace:
+        # the timeline is priced with the profile and the module timings the plan records (resolved beside it):
+        # one missing here is one line, not a report without its timeline (--no-trace draws the file alone)
+        from shard_planner.profile import load_priced_profile
+
+        with checked_plan_file(args.plan):
+            profile = load_priced_profile(args.profile or plan.cluster.profile, plan.cluster.timings)
     if args.no_trace:
         trace = None
         with checked_plan_file(args.plan):  # what can be checked without the model
             check_tp_degree(plan)
     else:
         trace = _checked_trace(args, plan)
-    profile = None
-    if args.profile:
-        from shard_planner.profile import load_priced_profile
-
-        profile = load_priced_profile(args.profile, plan.cluster.timings)
     from shard_planner.report import write_report
 
     with progress("writing the report"):

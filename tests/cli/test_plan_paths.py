@@ -53,3 +53,12 @@ def test_timings_and_profile_paths_resolve_beside_the_plan_from_any_folder(tmp_p
     md = (elsewhere / "rep" / "report.md").read_text()
     assert "module-timings" not in md and "cannot be loaded" not in md
     assert (elsewhere / "rep" / "memory_timeline.png").is_file()
+
+    # a recorded file missing here is one line and no report, not a report without its timeline
+    (moved / "cal" / "timings.json").unlink()
+    capsys.readouterr()
+    assert main(["report", plan_path, "--trace", trace_path, "-o", "rep2"]) == 2
+    err = capsys.readouterr().err.strip()
+    recorded = (project / "cal" / "timings.json").resolve()  # found nowhere: named as recorded
+    assert err == f"shard-planner: error: {plan_path}: {recorded}: no such module-timings file"
+    assert not (elsewhere / "rep2").exists()
