@@ -14,7 +14,9 @@ writes, in one line each:
    command says so in the same line (:func:`check_fingerprint`), where each used to fail its own way
    further on (a rank's "names modules this model does not have", a tensor-parallel style naming a module
    the model lacks, an export written for the wrong model);
-2. every unit names modules the model has;
+2. every unit names modules the model has, a grouped unit's modules are contiguous siblings, and tied
+   weights are not split over two units (:func:`check_model_matches`, which each rank's ``apply_plan``
+   repeats on the real model);
 3. tensor parallelism: the degree divides the GPUs per node and the GPUs (tp_degrees.check_node_degree),
    and every dimension the styles split (heads, key/value heads, MLP width, vocabulary, the sequence with
    sequence parallelism: tp_styles.check_divisible), as ``plan`` refuses a degree. A hand-edited plan
@@ -29,7 +31,8 @@ import os
 from typing import TYPE_CHECKING
 
 from shard_planner.errors import ModelFileError, PlanError, UserError, first_line
-from shard_planner.plan import ModelRef, Plan, load_plan
+from shard_planner.ownership import contiguous_among, owners
+from shard_planner.plan import ModelRef, Plan, Unit, load_plan
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -72,14 +75,7 @@ def check_plan(plan: Plan, *, model_file=None, trace=None, source: str | None = 
         model, source = plan_model(plan.model), plan.model.path
     else:
         model, source = build_meta(model_file), model_file.path
-    from shard_planner.trace.structure import model_fingerprint
-
-    check_fingerprint(plan, model_fingerprint(model), source)
-    modules = dict(model.named_modules())
-    missing = [fqn for u in plan.units for fqn in u.modules if fqn not in modules]
-    if missing:
-        raise PlanError(f"units name {len(missing)} module(s) {source} does not have, e.g. {missing[0]!r}: "
-                        "re-run shard-planner plan")
+    check_model_matches(plan, model, source)
     if plan.tensor_parallel is not None:
         from shard_planner.tp_styles import check_divisible
 
@@ -87,11 +83,75 @@ def check_plan(plan: Plan, *, model_file=None, trace=None, source: str | None = 
     return model
 
 
+def check_model_matches(plan: Plan, model: nn.Module, source: str) -> None:
+    """PlanError naming what differs when ``plan`` was not made for ``model`` (built from ``source``): its
+    fingerprint, the modules its units name, grouped modules that are not contiguous siblings, tied weights
+    split over two units. On the meta model before launching, and in each rank on the real one
+    (execute/apply.py ``check_plan_matches``)."""
+    from shard_planner.trace.structure import model_fingerprint
+
+    check_fingerprint(plan, model_fingerprint(model), source)  # first: another size lacks module names too
+    modules = dict(model.named_modules())
+    missing = [fqn for u in plan.units for fqn in u.modules if fqn not in modules]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise PlanError(
+            f"the plan names modules this model does not have: {', '.join(repr(m) for m in missing[:3])}{more} "
+            f"(plan made for {plan.model.path}, fingerprint {plan.model.fingerprint})")
+    for unit in plan.units:
+        if len(unit.modules) > 1:
+            check_group(model, unit)
+    check_ties(modules, plan)
+
+
 def check_tp_degree(plan: Plan) -> None:
     """The check that needs no model: a tensor-parallel degree stays inside a node, as ``plan --tp`` requires."""
     from shard_planner.tp_degrees import check_node_degree
 
     check_node_degree(plan.mesh.tp, plan.cluster.gpus, plan.cluster.gpus_per_node)
+
+
+def check_ties(modules: dict[str, nn.Module], plan: Plan) -> None:
+    """FSDP2 shards each Parameter in exactly one unit: modules registering the same Parameter object
+    (tied weights) must end up in the same unit (the innermost plan unit holding the module)."""
+    wrapped = {fqn: unit for unit in plan.units for fqn in unit.modules}
+    registered_by: dict[int, list[str]] = {}
+    names: dict[int, str] = {}
+    for fqn, module in modules.items():
+        for name, p in module.named_parameters(recurse=False):
+            registered_by.setdefault(id(p), []).append(fqn)
+            names.setdefault(id(p), f"{fqn}.{name}" if fqn else name)
+    for key, fqns in registered_by.items():
+        units = owners(wrapped, fqns)  # None: not wrapped at all (no root unit), stays unsharded
+        if len({id(u) for u in units.values()}) > 1:
+            where = ", ".join(f"{fqn!r} in unit {u.name if u is not None else '(none)'}" for fqn, u in units.items())
+            raise PlanError(f"the plan splits tied weights: parameter {names[key]!r} is registered by {where}; "
+                            f"FSDP2 shards a parameter in one unit only, so these modules must share a unit "
+                            f"(re-run shard-planner plan)")
+
+
+def _parent_and_name(fqn: str) -> tuple[str, str]:
+    parent, _, name = fqn.rpartition(".")
+    return parent, name
+
+
+def check_group(model: nn.Module, unit: Unit) -> None:
+    parents = {_parent_and_name(fqn)[0] for fqn in unit.modules}
+    if len(parents) != 1:
+        raise PlanError(f"unit {unit.name}: grouped modules must be siblings, but they have parents "
+                        f"{sorted(repr(p) for p in parents)}")
+    parent = model.get_submodule(parents.pop())
+    # Contiguous as a set, in any order: the solver lists a group in call order, which can differ from
+    # registration order (transformers' BertEmbeddings registers word, position, token_type embeddings and
+    # calls word, token_type, position), and fully_shard([m1, m2]) runs the group's pre-forward at the first
+    # of its modules to run and its post-forward after the last, whatever the order of the list.
+    # Siblings without parameters (dropout, activations) do not break a group (ownership.contiguous_among).
+    order = [name for name, child in parent.named_children() if any(True for _ in child.parameters())]
+    names = [_parent_and_name(fqn)[1] for fqn in unit.modules]
+    if not contiguous_among(order, names):
+        positions = sorted(order.index(n) for n in names if n in order)
+        raise PlanError(f"unit {unit.name}: grouped modules must be a contiguous run of siblings in "
+                        f"registration order (siblings without parameters aside), got positions {positions}")
 
 
 def check_fingerprint(plan: Plan, fingerprint: str, source: str) -> None:

@@ -63,6 +63,23 @@ def test_a_tensor_parallel_degree_the_heads_refuse_is_refused_before_any_rank(tm
         "heads 2, which 4 does not divide; choose a tp degree that divides it"))
 
 
+def test_a_group_that_is_not_contiguous_siblings_is_refused_before_any_rank(tmp_path, monkeypatch, capsys):
+    """apply_plan's group check, made before launching (a hand-edited plan used to fail in every rank)."""
+    from dataclasses import replace
+
+    from shard_planner.execute import runner
+    from shard_planner.plan import Unit
+
+    monkeypatch.setattr(runner, "launch_local", lambda *a, **k: pytest.fail("ranks were launched"))
+    plan = tiny_plan()
+    plan_path = tmp_path / "plan.json"
+    save_plan(replace(plan, units=(plan.units[0], Unit(("blocks.0", "blocks.2")))), plan_path)
+    assert main(["run", str(plan_path), "--device", "cpu"]) == 2
+    assert one_error_line(capsys) == (f"{plan_path}: unit blocks.0..blocks.2: grouped modules must be a contiguous "
+                                      "run of siblings in registration order (siblings without parameters aside), "
+                                      "got positions [0, 2]")
+
+
 def _fingerprint(size: str) -> str:
     """The structural fingerprint of examples/llama.py at ``size``."""
     import torch
