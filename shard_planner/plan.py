@@ -6,10 +6,11 @@ command that reads a plan uses): one walk over the JSON checks every field's typ
 (:mod:`shard_planner.plan_schema`, with :data:`PLAN_RULES`), and errors name the field by its JSON path
 (``plan.json: units[3].activation_checkpoint must be true or false, got "yes"``).
 
-The model file is recorded as an absolute path plus the path relative to the plan file
-(:class:`ModelRef`; :func:`with_model_located` when a command writes a plan, :func:`resolve_model_file`
-when one reads it), so a plan runs from any folder; plans without ``relative_path`` still load. The
-default report folder is beside the plan (:func:`report_dir_for`).
+Every file a plan records (its model file, a profile given as a TOML path, measured module times) is
+written as an absolute path plus the path relative to the plan file (:func:`save_plan`) and resolved on
+load (:func:`load_plan`), one rule for all three: See [Note: Paths in a plan file] in
+shard_planner/recorded_paths.py. A plan read with :func:`load_plan` holds absolute paths wherever the
+command runs. The default report folder is beside the plan (:func:`report_dir_for`).
 
 Units are listed in forward order. The root module (fqn ``""``) is always a unit of its own: FSDP2
 wraps it last and it owns every parameter no other unit owns. Nested units are allowed (a unit for
@@ -31,6 +32,7 @@ from shard_planner.finetune import FineTune  # the plan file's "model.finetune":
 from shard_planner.mesh import Mesh  # the plan file's "mesh" section: the parallel degrees
 from shard_planner.plan_points import DEGREE_JUDGED, DegreeOutcome, FrontierPoint, MeasuredPoint  # noqa: F401 (the plan file's points)
 from shard_planner.plan_schema import AnyOf, Bool, Int, ListOf, MapOf, Nullable, Number, Section, Text
+from shard_planner.recorded_paths import is_profile_path, locate, resolve
 from shard_planner.tensor_parallel import TensorParallel  # the plan file's "tensor_parallel": how modules split
 
 PLAN_SCHEMA_VERSION = 1
@@ -142,6 +144,10 @@ class Cluster:
     # the CUDA caching allocator's mode the plan was made for and `run` sets (shard_planner/allocator_conf.py,
     # [Note: The allocator mode a plan runs with]); plans written before the field read True
     expandable_segments: bool = True
+    # profile (when a TOML path) and timings relative to the plan file's folder, as written (None: not a path,
+    # or a plan written before them, or a plan read with load_plan): See [Note: Paths in a plan file]
+    profile_relative_path: str | None = None
+    timings_relative_path: str | None = None
 
     def __post_init__(self):
         _require(isinstance(self.gpus, int) and self.gpus >= 1, f"cluster.gpus must be a positive int, got {self.gpus!r}")
@@ -361,6 +367,9 @@ class Plan:
                 del u["ac_save_ops"]
         if self.model.finetune is None:  # plans without a fine-tune read as they did before it
             del d["model"]["finetune"]
+        for name in _CLUSTER_RELATIVE_PATHS:  # plans without recorded paths read as they did before them
+            if d["cluster"][name] is None:
+                del d["cluster"][name]
         if self.mesh.tp == 1:  # plans without tensor parallelism read as they did before it
             d["mesh"].pop("tp")
             del d["tensor_parallel"]
@@ -389,6 +398,7 @@ class Plan:
 
 
 _ACCUMULATION_FIELDS = ("accumulation_steps", "gradient_sync", "keep_params_gathered")
+_CLUSTER_RELATIVE_PATHS = ("profile_relative_path", "timings_relative_path")
 
 # What each plan-file field may hold beyond its type hint ("Class.field" -> kind); plan_schema reads the
 # rest from the dataclasses above. One table, so every command reads a plan file the same way.
@@ -398,6 +408,7 @@ PLAN_RULES = {
     "ModelRef.hf_task": Nullable(Text()),
     "FineTune.lora_rank": Nullable(_COUNT), "FineTune.lora_targets": ListOf(Text()), "FineTune.freeze": ListOf(Text()),
     "Cluster.gpus": _COUNT, "Cluster.gpus_per_node": _COUNT, "Cluster.mem_budget_bytes": _COUNT,
+    "Cluster.profile_relative_path": Nullable(Text()), "Cluster.timings_relative_path": Nullable(Text()),
     "Mesh.shard": _COUNT, "Mesh.replicate": _COUNT, "Mesh.tp": _COUNT,
     "TensorParallel.styles": MapOf(Text()),
     "Training.micro_batch": _COUNT, "Training.optimizer": Text(OPTIMIZERS),
@@ -425,33 +436,36 @@ PLAN_RULES = {
 }
 
 
-# ---- where a plan's files are: its model file, its report ----
-def with_model_located(plan: Plan, plan_path: str | os.PathLike) -> Plan:
-    """``plan`` as it is written to ``plan_path``: its model file (a path from the current folder)
-    recorded as an absolute path and relative to the plan file's folder. A ``package.module``, or a path
-    that is not a file here, stays as given."""
-    given = Path(plan.model.path)
-    if not given.is_file():
-        return plan
-    absolute = given.resolve()
-    relative = os.path.relpath(absolute, Path(plan_path).resolve().parent)
-    return replace(plan, model=replace(plan.model, path=str(absolute), relative_path=Path(relative).as_posix()))
+# ---- where a plan's files are: See [Note: Paths in a plan file] in shard_planner/recorded_paths.py ----
+def with_paths_located(plan: Plan, plan_path: str | os.PathLike) -> Plan:
+    """``plan`` as it is written to ``plan_path``: each file it records (model, a profile's TOML path, module
+    timings; paths from the current folder, or absolute) as an absolute path and relative to the plan file's
+    folder. A ``package.module``, a profile name, or a path that is not a file here stays as given."""
+    model, model_rel = locate(plan.model.path, plan_path)
+    profile, profile_rel = locate(plan.cluster.profile, plan_path) if is_profile_path(plan.cluster.profile) \
+        else (plan.cluster.profile, None)
+    timings, timings_rel = locate(plan.cluster.timings, plan_path) if plan.cluster.timings else (None, None)
+    return replace(plan, model=replace(plan.model, path=model, relative_path=model_rel),
+                   cluster=replace(plan.cluster, profile=profile, profile_relative_path=profile_rel,
+                                   timings=timings, timings_relative_path=timings_rel))
+
+
+def with_paths_resolved(plan: Plan, plan_path: str | os.PathLike | None) -> Plan:
+    """``plan``, read from ``plan_path``, with each file it records as an absolute path found from here (beside
+    the plan first), its relative paths dropped; a file found nowhere stays as recorded."""
+    c = plan.cluster
+    profile = (resolve(c.profile, c.profile_relative_path, plan_path) if is_profile_path(c.profile)
+               else c.profile)
+    timings = resolve(c.timings, c.timings_relative_path, plan_path) if c.timings else None
+    return replace(plan, model=replace(plan.model, path=resolve_model_file(plan.model, plan_path), relative_path=None),
+                   cluster=replace(c, profile=profile, profile_relative_path=None,
+                                   timings=timings, timings_relative_path=None))
 
 
 def resolve_model_file(model: ModelRef, plan_path: str | os.PathLike | None = None) -> str:
-    """The plan's model file as an absolute path, wherever the command runs: beside the plan file
-    (``relative_path``, then an old plan's relative ``path``) or at ``path`` (absolute, or from the current
-    folder); an importable ``package.module`` (or a file found nowhere) is returned as given."""
-    given = Path(model.path)
-    here = Path(plan_path).resolve().parent if plan_path is not None else None
-    candidates = [here / model.relative_path] if here is not None and model.relative_path else []
-    candidates.append(given)
-    if here is not None and not given.is_absolute():
-        candidates.append(here / given)  # plans written before relative_path: relative to the plan, maybe
-    for c in candidates:
-        if c.is_file():
-            return str(c.resolve())
-    return model.path
+    """The plan's model file as an absolute path, wherever the command runs (:func:`resolve`); an importable
+    ``package.module`` (or a file found nowhere) is returned as given."""
+    return resolve(model.path, model.relative_path, plan_path)
 
 
 def report_dir_for(plan_path: str | os.PathLike) -> Path:
@@ -462,12 +476,15 @@ def report_dir_for(plan_path: str | os.PathLike) -> Path:
 
 
 def load_plan(path: str | os.PathLike) -> Plan:
+    """The plan in the file ``path``, every field checked, the files it records resolved
+    (:func:`with_paths_resolved`)."""
     d = read_json(path, PlanError, "plan")
     try:
-        return Plan.from_dict(d)
+        return with_paths_resolved(Plan.from_dict(d), path)
     except PlanError as exc:
         raise PlanError(f"{path}: {exc}") from None
 
 
 def save_plan(plan: Plan, path: str | os.PathLike) -> None:
-    write_atomic(path, plan.to_json() + "\n")
+    """Write ``plan`` to ``path`` atomically, the files it records located from there (:func:`with_paths_located`)."""
+    write_atomic(path, with_paths_located(plan, path).to_json() + "\n")

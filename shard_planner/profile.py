@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from shard_planner.errors import ProfileError
+from shard_planner.recorded_paths import is_profile_path
 from shard_planner.timings import ModuleTimings, load_timings
 from shard_planner.units import DTYPE_NAMES, format_bytes
 
@@ -218,9 +219,7 @@ def usable_reason(mem_budget_bytes: int, memory_bytes: int | None, usable_fracti
 
 def load_profile(name_or_path: str) -> HardwareProfile:
     """A profile by name (profiles/NAME.toml) or by path to a TOML file."""
-    path = Path(name_or_path)
-    if not (path.suffix == ".toml" or path.is_file()):
-        path = PROFILES_DIR / f"{name_or_path}.toml"
+    path = Path(name_or_path) if is_profile_path(name_or_path) else PROFILES_DIR / f"{name_or_path}.toml"
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in PROFILES_DIR.glob("*.toml"))) or "none"
         raise ProfileError(f"no profile {name_or_path!r}: give a path to a TOML file or one of: {known}")

@@ -4,13 +4,14 @@ step time of a plan, from the cost model."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from shard_planner.allocator_conf import mode_name
 from shard_planner.cli.args import add_hf_arguments, hf_options, positive_int
-from shard_planner.errors import PlanError
+from shard_planner.checked_plan import check_plan, checked_plan_file
 from shard_planner.fileio import check_output_file
 from shard_planner.plan import MEMORY_CATEGORIES, Plan, load_plan, save_plan
+from shard_planner.plan_estimate import asked_again, with_prediction
 from shard_planner.units import format_bytes
 
 
@@ -59,26 +60,23 @@ def run(args: argparse.Namespace) -> int:
     from shard_planner.trace import trace_for_plan, trace_or_load
 
     req = EstimateRequest(args.model, args.plan, args.profile, args.timings, args.gpus, args.micro_batch, args.write)
-    plan = load_plan(req.plan)
+    found = load_plan(req.plan)
     if req.write:
         check_output_file(req.plan, "plan")
-    if req.gpus is not None and req.gpus != plan.cluster.gpus:
-        plan = plan.with_world_size(req.gpus)
-    if req.micro_batch is not None:
-        plan = replace(plan, training=replace(plan.training, micro_batch=req.micro_batch), predicted=None)
-    timings = plan.cluster.timings if req.timings is None else (req.timings or None)
-    profile = load_priced_profile(req.profile or plan.cluster.profile, timings)
+    # the plan as asked here; its cluster says what it was asked (plan_estimate.py [Note: A plan file never
+    # contradicts itself])
+    plan = asked_again(found, profile=req.profile, timings=req.timings, gpus=req.gpus, micro_batch=req.micro_batch)
+    profile = load_priced_profile(plan.cluster.profile, plan.cluster.timings)
     options = hf_options(args)
     if config_file(req.model) is not None:  # the sequence length and fine-tune the plan was made for, unless given
         options = HfOptions(args.hf_task or plan.model.hf_task, args.seq_len or plan.model.seq_len,
                             (options.finetune if options is not None else None) or plan.model.finetune)
     model_file = load_unless_trace(req.model, options)
-    dtype = plan.training.param_dtype
-    trace = (trace_or_load(req.model, dtype=dtype) if model_file is None  # one rank at the plan's tp degree
-             else trace_for_plan(model_file, plan))
-    if plan.model.fingerprint not in (trace.fingerprint, ""):
-        raise PlanError(f"{req.plan} was made for a model with fingerprint {plan.model.fingerprint}, but "
-                        f"{req.model} has {trace.fingerprint}: a different model or size")
+    # a trace.json stands for the model; a model file is checked before it is traced (checked_plan.py)
+    trace = trace_or_load(req.model, dtype=plan.training.param_dtype) if model_file is None else None
+    with checked_plan_file(req.plan):
+        check_plan(plan, model_file=model_file, trace=trace, source=req.model)
+    trace = trace if trace is not None else trace_for_plan(model_file, plan)  # one rank at the plan's tp degree
     est = estimate(trace, plan, profile)
     cm = CostModel(trace, profile)
     fit = device_fit(cm, plan)  # None on a CPU profile
@@ -86,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     if fit is not None:
         print(reserved_report(plan, cm, fit))
     if req.write:
-        save_plan(replace(plan, predicted=fit.priced(est.prediction()) if fit else est.prediction()), req.plan)
+        save_plan(with_prediction(found, plan, fit.priced(est.prediction()) if fit else est.prediction()), req.plan)
         print(f"wrote the prediction into {req.plan}")
     return 0
 

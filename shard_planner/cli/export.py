@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
-
 from shard_planner.fileio import check_output_file, write_atomic
-from shard_planner.plan import load_plan, resolve_model_file
-from shard_planner.report.export import TARGETS, export_plan, model_info_from_trace
+from shard_planner.report.export import TARGETS, export_plan, model_info_from_model, model_info_from_trace
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -28,16 +25,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
+    from shard_planner.checked_plan import load_checked_plan, plan_model
+
     if args.output:
         check_output_file(args.output, "export")
-    plan = load_plan(args.plan)
-    # the model file is found beside the plan too, wherever the command runs
-    plan = replace(plan, model=replace(plan.model, path=resolve_model_file(plan.model, args.plan)))
-    info = None
-    if args.trace and args.to in ("accelerate", "deepspeed"):
+    if args.trace:  # the plan's trace stands for its model (which need not be here)
         from shard_planner.trace import load_trace
 
-        info = model_info_from_trace(load_trace(args.trace))
+        trace = load_trace(args.trace)
+        plan = load_checked_plan(args.plan, trace=trace, source=args.trace)
+        info = model_info_from_trace(trace)
+    else:  # its model built on the meta device (once: plan_model is memoized), checked
+        plan = load_checked_plan(args.plan)
+        info = model_info_from_model(plan_model(plan.model))
     result = export_plan(plan, args.to, info)
     if args.output:
         write_atomic(args.output, result.text)

@@ -19,7 +19,7 @@ from shard_planner.cli.collector import command_collector, without_collections
 from shard_planner.cli.plan_degrees import DegreeWork, degrees_to_search
 from shard_planner.errors import ModelFileError
 from shard_planner.fileio import check_output_dir, check_output_file
-from shard_planner.plan import Plan, report_dir_for, save_plan, with_model_located
+from shard_planner.plan import Plan, report_dir_for, save_plan, with_paths_located
 from shard_planner.plan_points import degree_lines
 from shard_planner.profile import load_priced_profile
 from shard_planner.units import DTYPE_NAMES, format_bytes
@@ -141,7 +141,7 @@ def _run(args: argparse.Namespace, helper: Helper, second: Helper) -> int:
                       timings_path=args.timings, global_batch_samples=args.global_batch,
                       global_batch_tokens=args.global_batch_tokens, expandable_segments=planned_expandable(os.environ))
     result = degree_work.plan(trace, req, helper)
-    result = replace(result, plan=with_model_located(result.plan, args.output))
+    result = replace(result, plan=with_paths_located(result.plan, args.output))
     if args.hf_task is not None or finetune is not None:  # run and export rebuild the config as this task, fine-tuned
         result = replace(result, plan=replace(result.plan, model=replace(result.plan.model, hf_task=args.hf_task,
                                                                          finetune=finetune)))

@@ -7,9 +7,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from shard_planner.errors import PlanError, UserError
+from shard_planner.checked_plan import check_plan, check_tp_degree, checked_plan_file
+from shard_planner.errors import UserError
 from shard_planner.fileio import check_output_dir
-from shard_planner.plan import load_plan, report_dir_for, resolve_model_file
+from shard_planner.plan import load_plan, report_dir_for
 from shard_planner.progress import progress
 
 
@@ -41,29 +42,20 @@ def run(args) -> int:
         from shard_planner.measurement import load_measurement
 
         measurement = load_measurement(args.measurement)
-    trace = None
-    if not args.no_trace:
-        source = args.trace or resolve_model_file(plan.model, args.plan)
-        if not args.trace and not Path(source).exists() and not source.replace(".", "").isidentifier():
-            raise UserError(f"the plan's model file {source} is not here: give --trace TRACE_OR_MODEL or --no-trace")
-        from shard_planner.hf import model_options
-        from shard_planner.modelfile import load_unless_trace
-        from shard_planner.trace import trace_for_plan, trace_or_load
-
-        # the plan's own model: a transformers config as planned (sequence length, task, fine-tune)
-        model_file = None if args.trace else load_unless_trace(source, model_options(plan.model, source))
-        with progress(f"tracing {source}"):
-            trace = (trace_for_plan(model_file, plan) if model_file is not None  # one rank at the plan's tp
-                     else trace_or_load(source, dtype=plan.training.param_dtype))
-        if trace.fingerprint != plan.model.fingerprint:
-            raise PlanError(f"{source} is not the model the plan was made for (fingerprint {trace.fingerprint}, plan "
-                            f"{plan.model.fingerprint}; another SHARD_PLANNER_SIZE?): give the right --trace or "
-                            "--no-trace")
     profile = None
-    if args.profile:
+    if args.profile or not args.no_trace:
+        # the timeline is priced with the profile and the module timings the plan records (resolved beside it):
+        # one missing here is one line, not a report without its timeline (--no-trace draws the file alone)
         from shard_planner.profile import load_priced_profile
 
-        profile = load_priced_profile(args.profile, plan.cluster.timings)
+        with checked_plan_file(args.plan):
+            profile = load_priced_profile(args.profile or plan.cluster.profile, plan.cluster.timings)
+    if args.no_trace:
+        trace = None
+        with checked_plan_file(args.plan):  # what can be checked without the model
+            check_tp_degree(plan)
+    else:
+        trace = _checked_trace(args, plan)
     from shard_planner.report import write_report
 
     with progress("writing the report"):
@@ -72,3 +64,25 @@ def run(args) -> int:
     print(f"        {html.with_name('report.md')} (PNGs beside it)")
     sys.stdout.flush()
     return 0
+
+
+def _checked_trace(args, plan):
+    """The trace the report draws: ``--trace`` (a trace.json, or a model file traced as the plan runs it) or
+    the plan's own model traced so; the plan checked against it first (checked_plan.py [Note: A plan checked
+    against its model]): nothing is traced for a model the plan was not made for."""
+    from shard_planner.hf import model_options
+    from shard_planner.modelfile import load_unless_trace
+    from shard_planner.trace import trace_for_plan, trace_or_load
+
+    source = args.trace or plan.model.path
+    if not args.trace and not Path(source).exists() and not source.replace(".", "").isidentifier():
+        raise UserError(f"the plan's model file {source} is not here: give --trace TRACE_OR_MODEL or --no-trace")
+    model_file = load_unless_trace(source, model_options(plan.model, source))  # a config as planned
+    with checked_plan_file(args.plan):
+        if model_file is None:  # a trace.json: it stands for the model
+            trace = trace_or_load(source, dtype=plan.training.param_dtype)
+            check_plan(plan, trace=trace, source=source)
+            return trace
+        check_plan(plan, model_file=model_file)
+    with progress(f"tracing {source}"):
+        return trace_for_plan(model_file, plan)  # one rank at the plan's tensor-parallel degree

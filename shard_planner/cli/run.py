@@ -66,10 +66,10 @@ def run(args) -> int:
     from shard_planner.execute.launch import resolve_device
     from shard_planner.execute.runner import CheckpointOptions, run_plan_file
     from shard_planner.fileio import check_output_file
+    from shard_planner.checked_plan import load_checked_plan
     from shard_planner.measurement import measurement_path_for
-    from shard_planner.plan import load_plan
 
-    plan = load_plan(args.plan)
+    plan = load_checked_plan(args.plan)  # checked against its model before any rank starts
     if args.resume_from:
         return _resume(args, plan)
     check_output_file(args.output or measurement_path_for(args.plan), "measurement")

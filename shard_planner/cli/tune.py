@@ -79,7 +79,7 @@ def _resolve(args) -> tuple[str, int, str]:
 
 
 def run(args) -> int:
-    from shard_planner.plan import report_dir_for, save_plan, with_model_located
+    from shard_planner.plan import report_dir_for, save_plan
     from shard_planner.tune import check_degree, tune_model
 
     budget = args.mem
@@ -104,7 +104,7 @@ def run(args) -> int:
             timeout_s=args.timeout, device=device, profile_out=profile_out, report_dir=report_dir,
             timings=args.timings, tp=args.tp, sequence_parallel=args.sequence_parallel,
             loss_parallel=args.loss_parallel)
-    save_plan(with_model_located(result.plan, out), out)
+    save_plan(result.plan, out)
 
     print(f"{'#':>2}  {'launch':>6}  {'measured s':>10}  {'prior s':>9}  {'fitted s':>9}  {'peak':>11}  "
           f"{'pred. peak':>11}  plan")

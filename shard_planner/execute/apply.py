@@ -14,8 +14,9 @@ parallelism before FSDP2]).
 
 Order of operations (torchtitan, torchtitan/distributed/fsdp.py, does the same):
 
-1. check that the plan matches the model (:func:`check_plan_matches`): fingerprint, every FQN, grouped
-   modules are contiguous siblings; a mismatch raises :class:`PlanError` naming what differs;
+1. check that the plan matches the model (:func:`check_plan_matches`: shard_planner/checked_plan.py's
+   checks, as every command makes them before launching: fingerprint, every FQN, grouped modules are
+   contiguous siblings, tied weights in one unit); a mismatch raises :class:`PlanError` naming what differs;
 2. with tensor parallelism, ``parallelize_module`` over the mesh's "tp" dimension
    ([Note: tensor parallelism before FSDP2]);
 3. activation checkpointing: the ``forward`` of every module of a checkpointed unit is replaced on the
@@ -78,13 +79,12 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils.checkpoint import checkpoint
 
+from shard_planner.checked_plan import check_model_matches
 from shard_planner.checkpointing import SELECTIVE
 from shard_planner.errors import PlanError
 from shard_planner.execute.selective import selective_context_fn
 from shard_planner.execute.tensor_parallel import torch_tp_plan
-from shard_planner.ownership import contiguous_among, owners
 from shard_planner.plan import Plan, Unit
-from shard_planner.trace.structure import model_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -105,70 +105,12 @@ class UnitSharding(NamedTuple):
 
 # ---- checks ----
 def check_plan_matches(model: nn.Module, plan: Plan) -> None:
-    """Raise :class:`PlanError` saying what differs when ``plan`` was not made for ``model``."""
-    modules = dict(model.named_modules())
-    missing = [fqn for u in plan.units for fqn in u.modules if fqn not in modules]
-    if missing:
-        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        raise PlanError(
-            f"the plan names modules this model does not have: {', '.join(repr(m) for m in missing[:3])}{more} "
-            f"(plan made for {plan.model.path}, fingerprint {plan.model.fingerprint})")
-    already = [fqn for fqn, m in modules.items() if isinstance(m, FSDPModule)]  # (a tp split alone is allowed)
+    """Raise :class:`PlanError` saying what differs when ``plan`` was not made for ``model``: the model's
+    structure as every command checks it (checked_plan.check_model_matches), and that it is not sharded yet."""
+    already = [fqn for fqn, m in model.named_modules() if isinstance(m, FSDPModule)]  # (a tp split alone is allowed)
     if already:
         raise PlanError(f"the model is already sharded (module {already[0]!r} is an FSDP module); apply a plan once")
-    fingerprint = model_fingerprint(model)
-    if fingerprint != plan.model.fingerprint:
-        raise PlanError(
-            f"the plan was made for a model with fingerprint {plan.model.fingerprint} but this model's is "
-            f"{fingerprint}: same module names, different classes, shapes or dtypes (was it built with "
-            f"another size, e.g. SHARD_PLANNER_SIZE, or a changed {plan.model.path}?); re-run shard-planner plan")
-    for unit in plan.units:
-        if len(unit.modules) > 1:
-            _check_group(model, unit)
-    _check_ties(modules, plan)
-
-
-def _check_ties(modules: dict[str, nn.Module], plan: Plan) -> None:
-    """FSDP2 shards each Parameter in exactly one unit: modules registering the same Parameter object
-    (tied weights) must end up in the same unit (the innermost plan unit holding the module)."""
-    wrapped = {fqn: unit for unit in plan.units for fqn in unit.modules}
-    registered_by: dict[int, list[str]] = {}
-    names: dict[int, str] = {}
-    for fqn, module in modules.items():
-        for name, p in module.named_parameters(recurse=False):
-            registered_by.setdefault(id(p), []).append(fqn)
-            names.setdefault(id(p), f"{fqn}.{name}" if fqn else name)
-    for key, fqns in registered_by.items():
-        units = owners(wrapped, fqns)  # None: not wrapped at all (no root unit), stays unsharded
-        if len({id(u) for u in units.values()}) > 1:
-            where = ", ".join(f"{fqn!r} in unit {u.name if u is not None else '(none)'}" for fqn, u in units.items())
-            raise PlanError(f"the plan splits tied weights: parameter {names[key]!r} is registered by {where}; "
-                            f"FSDP2 shards a parameter in one unit only, so these modules must share a unit "
-                            f"(re-run shard-planner plan)")
-
-
-def _parent_and_name(fqn: str) -> tuple[str, str]:
-    parent, _, name = fqn.rpartition(".")
-    return parent, name
-
-
-def _check_group(model: nn.Module, unit: Unit) -> None:
-    parents = {_parent_and_name(fqn)[0] for fqn in unit.modules}
-    if len(parents) != 1:
-        raise PlanError(f"unit {unit.name}: grouped modules must be siblings, but they have parents "
-                        f"{sorted(repr(p) for p in parents)}")
-    parent = model.get_submodule(parents.pop())
-    # Contiguous as a set, in any order: the solver lists a group in call order, which can differ from
-    # registration order (transformers' BertEmbeddings registers word, position, token_type embeddings and
-    # calls word, token_type, position), and fully_shard([m1, m2]) runs the group's pre-forward at the first
-    # of its modules to run and its post-forward after the last, whatever the order of the list.
-    # Siblings without parameters (dropout, activations) do not break a group (ownership.contiguous_among).
-    order = [name for name, child in parent.named_children() if any(True for _ in child.parameters())]
-    names = [_parent_and_name(fqn)[1] for fqn in unit.modules]
-    if not contiguous_among(order, names):
-        positions = sorted(order.index(n) for n in names if n in order)
-        raise PlanError(f"unit {unit.name}: grouped modules must be a contiguous run of siblings in "
-                        f"registration order (siblings without parameters aside), got positions {positions}")
+    check_model_matches(plan, model, plan.model.path)
 
 
 # ---- mesh and policies ----

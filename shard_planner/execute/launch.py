@@ -46,6 +46,7 @@ from pathlib import Path
 from shard_planner.allocator_conf import mode_name, rank_environment
 from shard_planner.cost.host_share import threads_per_rank, usable_cores
 from shard_planner.errors import RunError
+from shard_planner.execute.host_memory import HostMemory, available_host_bytes, rank_need_bytes
 from shard_planner.measurement import Measurement, RestoreCheck, load_measurement
 from shard_planner.plan import Plan, load_plan, resolve_model_file
 from shard_planner.process import die_with_parent, exit_status
@@ -98,8 +99,9 @@ class _World:
     """The rank processes of one run, and their reports."""
 
     def __init__(self, run_dir: Path, world_size: int, worker_args: list[str], model_paths: tuple[str, ...] = (),
-                 extra_env: dict[str, str] | None = None):
+                 extra_env: dict[str, str] | None = None, host: HostMemory | None = None):
         self.run_dir = run_dir
+        self.host = host  # a CPU run's host memory at launch, named when a rank is killed (SIGKILL)
         self.extra_env = dict(extra_env or {})  # added to every rank's environment (the allocator's mode)
         self.world_size = world_size
         self.model_paths = model_paths  # the plans' model files, named when a rank dies without a report
@@ -189,7 +191,8 @@ def _unreported_exit(world: _World, rank: int, code: int) -> str:
     last = tail.strip().splitlines()[-1] if tail.strip() else "no output"
     early = " before finishing" if code == 0 else ""
     model = f"model file {', '.join(world.model_paths)}; " if world.model_paths else ""
-    return f"rank {rank} {exit_status(code)}{early} during '{world.status(rank)}' ({model}last output: {last})"
+    oom = f": {world.host.killed_text()}" if code == -signal.SIGKILL and world.host is not None else ""
+    return f"rank {rank} {exit_status(code)}{early} during '{world.status(rank)}'{oom} ({model}last output: {last})"
 
 
 def watch(world: _World, timeout_s: float) -> None:
@@ -331,6 +334,7 @@ def launch_local(plan_paths: list[str | os.PathLike], *, world_size: int, steps:
     checkpoint there after the measured steps and restore it (worker.RunOptions); ``resume_from`` (one
     plan): only restore that checkpoint at ``world_size`` and compare (``LaunchResult.restore``)."""
     plans = [load_plan(p) for p in plan_paths]
+    host = check_before_launch(plans, world_size, device)
     model_paths = tuple(dict.fromkeys(p.model.path for p in plans))
     extra_env = allocator_environment(plans) if device == "cuda" else {}
     run_dir = Path(tempfile.mkdtemp(prefix="shard-planner-run-"))
@@ -341,7 +345,7 @@ def launch_local(plan_paths: list[str | os.PathLike], *, world_size: int, steps:
                        "--timeout", str(collective_timeout_s(timeout_s)), "--checkpoint-steps", str(checkpoint_steps)]
         worker_args += ["--checkpoint-dir", str(checkpoint_dir)] if checkpoint_dir else []
         worker_args += ["--resume-from", str(resume_from)] if resume_from else []
-        world = _World(run_dir, world_size, worker_args, model_paths, extra_env)
+        world = _World(run_dir, world_size, worker_args, model_paths, extra_env, host)
         logger.info("launched %d ranks: pids %s", world_size, world.pids)
         try:
             watch(world, timeout_s)
@@ -362,6 +366,21 @@ def launch_local(plan_paths: list[str | os.PathLike], *, world_size: int, steps:
             if world is not None:
                 world.kill()  # a no-op when every rank has exited; the safety net on any other way out
             shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def check_before_launch(plans: list[Plan], world_size: int, device: str) -> HostMemory | None:
+    """Before any rank starts: every plan checked against its model (checked_plan.py [Note: A plan checked
+    against its model]) and, on CPU, the ranks' host memory against what the machine has
+    (execute/host_memory.py [Note: A CPU run's host memory]), which is returned (None on GPU)."""
+    from shard_planner.checked_plan import built_bytes, check_plan
+
+    models = [check_plan(p) for p in plans]  # each model built once on the meta device (memoized)
+    if device != "cpu":
+        return None
+    host = HostMemory(max(rank_need_bytes(p, built_bytes(m), world_size) for p, m in zip(plans, models)),
+                      world_size, available_host_bytes())
+    host.check()
+    return host
 
 
 def allocator_environment(plans: list[Plan]) -> dict[str, str]:

@@ -35,7 +35,8 @@ def test_plan_records_the_model_absolute_and_relative_and_reports_beside_it(proj
     for folder in ("a", "b"):
         plan = load_plan(project / folder / "plan.json")
         assert plan.model.path == str((project / "models" / "net.py").resolve())
-        assert plan.model.relative_path == "../models/net.py"
+        written = json.loads((project / folder / "plan.json").read_text())["model"]  # load_plan resolves it
+        assert written["relative_path"] == "../models/net.py" and written["path"] == plan.model.path
         assert (project / folder / "plan.report" / "report.html").is_file()
     assert not (project / "reports").exists()
     assert report_dir_for(project / "a" / "plan.json") == project / "a" / "plan.report"
@@ -70,7 +71,7 @@ def test_a_plan_from_a_trace_json_records_the_model_file_and_its_training(projec
     assert main(["plan", "traces/trace.json", "-o", "out/plan.json", "--no-report", *PLAN_ARGS]) == 0
     plan = load_plan(project / "out" / "plan.json")
     assert plan.model.path == str((project / "models" / "net.py").resolve())  # never the trace.json
-    assert plan.model.relative_path == "../models/net.py"
+    assert json.loads((project / "out" / "plan.json").read_text())["model"]["relative_path"] == "../models/net.py"
     assert plan.training.micro_batch == 4  # TRAINING through the trace, not 1
     capsys.readouterr()
     assert main(["export", "out/plan.json", "--to", "accelerate"]) == 0  # built the model file, not the trace
@@ -85,11 +86,12 @@ def test_old_plan_files_without_relative_path_still_load_and_resolve(project, tm
     d["model"] = {k: v for k, v in d["model"].items() if k != "relative_path"}
     d["model"]["path"] = "models/net.py"
     (project / "old.json").write_text(json.dumps(d))
-    plan = load_plan(project / "old.json")
+    plan = Plan.from_dict(d)  # as written
     assert plan.model.relative_path is None and plan.model.path == "models/net.py"
     monkeypatch.chdir(tmp_path)  # another folder: found beside the plan, as before
     want = str((project / "models" / "net.py").resolve())
     assert resolve_model_file(plan.model, project / "old.json") == want
+    assert load_plan(project / "old.json").model.path == want  # load_plan resolves it
     assert resolve_model_file(plan.model) == "models/net.py"  # no plan file to look beside
     d["model"]["relative_path"] = 3  # the schema checks the new field like the others
     with pytest.raises(PlanError, match=r"^model\.relative_path must be a string or null, got 3$"):

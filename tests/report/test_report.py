@@ -412,7 +412,9 @@ def test_report_cli(tmp_path, capsys):
     assert "report.html" in capsys.readouterr().out
     assert (out / "predicted_vs_measured.png").exists() and (out / "report.md").exists()
     # The plan's model file is not here: one clear line, non-zero exit.
-    assert main(["report", str(tmp_path / "plan.json"), "-o", str(out)]) == 2
+    gone = Plan(**{**plan.__dict__, "model": ModelRef("/nowhere/model.py", plan.model.fingerprint)})
+    save_plan(gone, tmp_path / "gone.json")
+    assert main(["report", str(tmp_path / "gone.json"), "-o", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("shard-planner: error:") and "--no-trace" in err and len(err.splitlines()) == 1
 

@@ -46,7 +46,7 @@ def test_planner_groups_only_what_the_executor_applies(path):
     consecutive in call order, not a run of siblings)."""
     import torch
 
-    from shard_planner.execute.apply import _check_group
+    from shard_planner.checked_plan import check_group
     from shard_planner.modelfile import load_model_file
     from shard_planner.plan import Unit
     from shard_planner.solve.space import build_space
@@ -57,4 +57,4 @@ def test_planner_groups_only_what_the_executor_applies(path):
     groups = {tuple(it.fqn for it in space.items[c.start:c.stop]) for c in space.candidates if c.stop - c.start > 1}
     assert groups, "unet's space has grouped candidates"
     for modules in groups:
-        _check_group(model, Unit(modules))
+        check_group(model, Unit(modules))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shard_planner.errors import PlanError
 from shard_planner.plan import Plan
 from shard_planner.report.rows import unit_owners
 from shard_planner.trace.types import ModelTrace
@@ -70,20 +69,11 @@ def model_info_from_model(model) -> ModelInfo:
 
 
 def model_info_for_plan(plan: Plan) -> ModelInfo:
-    """Build the plan's model on the meta device and check it is the model the plan was made for."""
-    import torch
-
-    from shard_planner.hf import model_options
-    from shard_planner.modelfile import load_model_file
+    """Build the plan's model on the meta device and check it is the model the plan was made for (the line every
+    command says: shard_planner/checked_plan.py, [Note: A plan checked against its model])."""
+    from shard_planner.checked_plan import check_fingerprint, plan_model
     from shard_planner.trace.structure import model_fingerprint
 
-    model_file = load_model_file(plan.model.path, model_options(plan.model))  # its fine-tune too
-    with torch.device("meta"):
-        model = model_file.build()
-    fingerprint = model_fingerprint(model)
-    if fingerprint != plan.model.fingerprint:
-        raise PlanError(
-            f"{plan.model.path} builds a model with fingerprint {fingerprint}, but the plan was made for "
-            f"{plan.model.fingerprint} (another size, e.g. SHARD_PLANNER_SIZE, or a changed file?); "
-            "re-run shard-planner plan, or pass --trace with the plan's trace")
+    model = plan_model(plan.model)
+    check_fingerprint(plan, model_fingerprint(model), plan.model.path)
     return model_info_from_model(model)
