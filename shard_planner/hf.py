@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -102,6 +102,15 @@ def model_options(model, path: str | None = None) -> HfOptions | None:
     """:func:`plan_options` of a plan's model section (a :class:`~shard_planner.plan.ModelRef`), for the
     model file at ``path`` (default: the section's own path)."""
     return plan_options(path or model.path, model.hf_task, model.seq_len, model.finetune)
+
+
+def as_planned(plan, task: str | None, finetune: FineTune | None):
+    """``plan`` (a :class:`~shard_planner.plan.Plan`) recording the ``--hf-task`` and fine-tune its
+    transformers config was planned with, which ``run`` and ``export`` rebuild (:func:`model_options`
+    reads them back); ``plan`` itself when there are none."""
+    if task is None and finetune is None:
+        return plan
+    return replace(plan, model=replace(plan.model, hf_task=task, finetune=finetune))
 
 
 def tp_plan(model) -> dict[str, str] | None:

@@ -7,7 +7,8 @@ import argparse
 from dataclasses import dataclass, replace
 
 from shard_planner.allocator_conf import mode_name
-from shard_planner.cli.args import add_hf_arguments, hf_options, positive_int
+from shard_planner.cli.args import (add_gpus, add_hf_arguments, add_micro_batch, add_model_argument, add_profile,
+                                    add_timings, hf_options)
 from shard_planner.errors import PlanError
 from shard_planner.fileio import check_output_file
 from shard_planner.plan import MEMORY_CATEGORIES, Plan, load_plan, save_plan
@@ -33,19 +34,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "trace.json) and print the predicted per-GPU peak memory, its breakdown by category, and the "
         "step time with its compute, communication and optimizer parts.",
     )
-    p.add_argument("model", help="model file (path/to/model.py), a transformers config (config.json or its "
-                   "folder; --seq-len defaults to the plan's), or a trace.json from shard-planner trace")
+    add_model_argument(p, more=" (a config's --seq-len defaults to the plan's)")
     add_hf_arguments(p)
     p.add_argument("--plan", required=True, help="plan.json")
-    p.add_argument("--profile", default=None,
-                   help="hardware profile: a name in profiles/ (h100-80gb, a100-40gb, ..., cpu-gloo) or a TOML "
-                   "path (default: the plan's cluster.profile)")
-    p.add_argument("--gpus", type=positive_int, default=None, metavar="N",
-                   help="estimate the plan's decisions on N GPUs instead (plain FSDP over N ranks)")
-    p.add_argument("--timings", default=None, metavar="FILE",
-                   help="measured module times (shard-planner calibrate --model) to price compute from (default: "
-                   "the plan's cluster.timings; --timings '' prices from FLOPs)")
-    p.add_argument("--micro-batch", type=positive_int, default=None, metavar="B", help="override the plan's micro-batch")
+    add_profile(p, default=None, default_text="the plan's cluster.profile")
+    add_gpus(p, required=False, default_text="the plan's; another N estimates the plan's decisions on N GPUs, plain "
+             "FSDP over N ranks")
+    add_timings(p, default_text="the plan's cluster.timings; --timings '' prices from FLOPs")
+    add_micro_batch(p, default="the plan's")
     p.add_argument("--write", action="store_true", help="store the prediction in the plan file's 'predicted'")
     return p
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from shard_planner.cli.args import non_negative_int, positive_float, positive_int
+from shard_planner.cli.args import add_device, non_negative_int, positive_float, positive_int
 from shard_planner.units import format_bytes
 
 
@@ -28,8 +28,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="ranks to run (default: the plan's GPUs); fewer re-derive the plan for that size")
     p.add_argument("--timeout", type=positive_float, default=300.0,
                    help="seconds the whole run may take before it is ended as hung (default 300)")
-    p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto",
-                   help="auto: CUDA when available, else CPU/gloo")
+    add_device(p)
     p.add_argument("-o", "--output", help="measurement file (default: measurement.json beside the plan)")
     c = p.add_argument_group("checkpoint", "after the measured steps, save a distributed checkpoint (DCP: sharded "
                              "model, optimizer state, progress), train on, restore it into the model built afresh "

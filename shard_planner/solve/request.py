@@ -27,6 +27,14 @@ DEFAULT_TIME_LIMIT_S = 1.0  # per CP-SAT solve; the planner runs several (solve/
 DEFAULT_FRONTIER_POINTS = 4
 
 
+def requested_micro_batch(given: int | None, default: int, *, search_batch: bool, global_batch: bool) -> int | None:
+    """:attr:`PlanRequest.micro_batch` for a command line: the micro-batch given; else None, which the planner
+    searches, with ``search_batch`` or a global batch; else ``default`` (the model file's)."""
+    if given is not None:
+        return given
+    return None if search_batch or global_batch else default
+
+
 @dataclass(frozen=True)
 class PlanRequest:
     """Everything :func:`shard_planner.solve.plan_model` needs besides the trace.
