@@ -44,6 +44,15 @@ class Interconnect:
 COMPUTE_MODELS = ("flops", "roofline")
 
 
+# [Note: --mem at a device's nominal size]
+# What a GPU reports (nvidia-smi, profiles/*.toml memory_bytes) is below the size its datasheet names: 81559 of
+# 81920 MiB on an H100 SXM 80GB (0.4% below), 40536 of 40960 MiB on an A100 SXM 40GB (1.0%), 143771 MiB on an
+# H200 "141 GB" (0.4%), 23034 of 24576 MiB on an L4 24GB (6.3%). `--mem 80GB` on h100-80gb therefore means the
+# device, not a budget above it: a --mem at most this share above memory_bytes is taken as the device without a
+# warning (it is capped at memory_bytes as any --mem above it is: tensor_budget_bytes).
+NOMINAL_SIZE_SLACK = 0.07
+
+
 @dataclass(frozen=True)
 class HardwareProfile:
     name: str
@@ -163,6 +172,11 @@ class HardwareProfile:
         On a GPU profile it is the search's filter, about the most a plan can allocate and still fit: what
         fits is decided by the caching-allocator simulation (cost/fits.py, solve/survive.py)."""
         return int(min(mem_budget_bytes, self.memory_bytes) * self.usable_fraction)
+
+    def is_nominal_size(self, mem_budget_bytes: int) -> bool:
+        """Whether ``mem_budget_bytes`` (--mem) above the device's memory is the size its datasheet names, which
+        means the whole device (see [Note: --mem at a device's nominal size])."""
+        return self.memory_bytes < mem_budget_bytes <= self.memory_bytes / (1 - NOMINAL_SIZE_SLACK)
 
     def mem_for_tensor_budget(self, tensor_bytes: int) -> int:
         """The smallest ``--mem`` whose ``tensor_budget_bytes`` holds ``tensor_bytes``: tensor_bytes /

@@ -14,6 +14,7 @@ import threading
 
 from shard_planner import __version__
 from shard_planner.cli.args import Parser, add_debug
+from shard_planner.cli.once import OncePerCause
 from shard_planner.errors import UserError
 
 # In pipeline order; each is a module shard_planner.cli.<name> with add_parser() and run().
@@ -56,11 +57,13 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 
 def configure_logging(debug: bool) -> None:
-    """Configure the package logger (never the root logger), with the rank when there is one."""
+    """Configure the package logger (never the root logger), with the rank when there is one, each
+    warning printed once per command (cli/once.py)."""
     rank = os.environ.get("RANK")
     fmt = ("[rank%s] " % rank if rank is not None else "") + "%(levelname)s %(name)s: %(message)s"
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(fmt))
+    handler.addFilter(OncePerCause())  # see [Note: each warning once per cause]
     log = logging.getLogger("shard_planner")
     log.handlers[:] = [handler]
     log.setLevel(logging.DEBUG if debug else logging.WARNING)

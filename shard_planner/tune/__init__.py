@@ -92,7 +92,7 @@ def tune_model(model_path: str, *, gpus: int, mem_budget_bytes: int, profile: st
                                                             search_batch=options.get("search_batch", False)),
                           optimizer=defaults.optimizer, lr=defaults.lr, param_dtype=param_dtype, model_path=model_path,
                           profile_name=profile if isinstance(profile, str) else None, timings_path=timings,
-                          tensor_parallel=styles, **options)
+                          tensor_parallel=styles, run_ranks=world_size, **options)
     plan = plan_model(trace, request).plan
     candidates = top_candidates(trace, plan, prior, trials, estimate=estimate,
                                 solve=lambda budget: plan_model(trace, replace(request, mem_budget_bytes=budget)).plan,

@@ -35,3 +35,51 @@ def test_a_json_model_that_is_wrong_says_what_it_was_taken_for(name, text, says,
     assert main(["plan", name, "--gpus", "2", "--mem", "1GB", "--profile", "cpu-gloo", "--no-report"]) == 2
     assert _one_error_line(capsys) == says
     assert not (tmp_path / "plan.json").exists()
+
+
+# ---- each warning once per cause ----
+
+def _warn_in_child_then_here(text: str) -> None:
+    """The same warning from a forked process (as plan's helpers are) and then from this one."""
+    import logging
+    import os
+
+    log = logging.getLogger("shard_planner.solve.planner")
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        log.warning(text)
+        os._exit(0)
+    os.waitpid(pid, 0)
+    log.warning(text)
+    log.warning(text)
+
+
+def test_a_warning_is_printed_once_across_the_commands_processes(capfd):
+    """`plan` runs the planner once per tensor-parallel degree, here and in forked helpers, and `tune` at
+    several budgets: a warning came 3-6 times. Same text, one line; another text is another cause."""
+    from shard_planner.cli.main import configure_logging
+
+    configure_logging(debug=False)
+    _warn_in_child_then_here("no plan fits without CPU offload; offloading sharded state to the host")
+    _warn_in_child_then_here("another cause")
+    err = capfd.readouterr().err
+    assert err.count("no plan fits without CPU offload") == 1, err
+    assert err.count("another cause") == 1, err
+    configure_logging(debug=False)  # the next command prints it again
+    _warn_in_child_then_here("another cause")
+    assert capfd.readouterr().err.count("another cause") == 1
+
+
+def _plan_warnings(tmp_path, capsys, *args) -> str:
+    from tests.paths import REPO
+
+    assert main(["plan", str(REPO / "examples" / "llama.py"), "--gpus", "8", "--no-report", "--tp", "1",
+                 "-o", str(tmp_path / "p.json"), *args]) == 0
+    return capsys.readouterr().err
+
+
+def test_mem_at_the_devices_nominal_size_means_the_device(tmp_path, capsys):
+    """--mem 80GB on h100-80gb (79.65 GiB) warned `budget 80.00 GiB exceeds the memory of a h100-80gb device`
+    (three times, once per degree); 100GB still does, once."""
+    assert "exceeds the memory" not in _plan_warnings(tmp_path, capsys, "--mem", "80GB")
+    assert _plan_warnings(tmp_path, capsys, "--mem", "100GB").count("exceeds the memory of a h100-80gb") == 1
