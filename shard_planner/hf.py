@@ -145,6 +145,21 @@ def config_file(path: str | Path) -> Path | None:
     return file if isinstance(data, dict) and "model_type" in data else None
 
 
+def warn_if_other_dtype(path: str | Path, dtype: str) -> None:
+    """Say (once: cli/once.py) when ``dtype``, the dtype a command traces and plans the model in (--dtype),
+    is not the one the transformers config at ``path`` names (``torch_dtype``, or ``dtype`` in newer
+    transformers): `--dtype fp16` on a bf16 config was taken without a word. Nothing for a model file."""
+    file = config_file(path)
+    if file is None:
+        return
+    data = json.loads(file.read_text())
+    named = data.get("torch_dtype") or data.get("dtype")
+    if isinstance(named, str) and named in ("bfloat16", "float16", "float32") and named != dtype:
+        logger.warning("%s: the config's dtype is %s, but the model is planned in %s as --dtype asks: its parameters "
+                       "are gathered and computed in %s (--dtype %s keeps the config's)", path, named, dtype, dtype,
+                       {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[named])
+
+
 def load_hf_config(path: str, options: HfOptions = HfOptions()) -> HfModel:
     """The model-file functions for the transformers config at ``path`` (a config.json or a folder holding one)."""
     file = config_file(path)

@@ -149,9 +149,23 @@ def add_timings(p: argparse.ArgumentParser, *, default_text: str = "none: comput
 
 
 def add_dtype(p: argparse.ArgumentParser, *, more: str = "") -> None:
-    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_NAMES),
+    """``--dtype``; :func:`param_dtype` reads it (None when not given: bf16)."""
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPE_NAMES),
                    help="mixed-precision param dtype: what the model is traced, planned, timed and run in "
                    f"(default bf16){more}")
+
+
+def param_dtype(args: argparse.Namespace) -> str:
+    """--dtype as a torch dtype name (``"bfloat16"`` when not given). Given for a transformers config that
+    names another, it is said once (hf.warn_if_other_dtype); bf16 by default is not (many configs say fp32)."""
+    if args.dtype is None:
+        return DTYPE_NAMES["bf16"]
+    dtype = DTYPE_NAMES[args.dtype]
+    if getattr(args, "model", None):
+        from shard_planner.hf import warn_if_other_dtype
+
+        warn_if_other_dtype(args.model, dtype)
+    return dtype
 
 
 def add_micro_batch(p, *, default: str) -> None:

@@ -8,7 +8,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from shard_planner.cli.args import add_device, add_dtype, add_micro_batch, add_profile
+from shard_planner.cli.args import add_device, add_dtype, add_micro_batch, add_profile, param_dtype
 from shard_planner.errors import UserError
 from shard_planner.fileio import check_output_file
 from shard_planner.units import format_bytes
@@ -102,12 +102,11 @@ def run_timings(args: argparse.Namespace) -> int:
     from shard_planner.profile import DEFAULT_PROFILE, load_profile
     from shard_planner.timings import save_timings
     from shard_planner.trace.tracer import trace_model
-    from shard_planner.units import DTYPE_NAMES
 
     out = Path(args.output or "timings.json")
     if out.suffix != ".json":
         raise UserError(f"-o {out}: module timings are a .json file")
-    dtype = DTYPE_NAMES[args.dtype]
+    dtype = param_dtype(args)
     if args.world_size < 1:
         raise UserError(f"--world-size must be at least 1, got {args.world_size}")
     if args.device == "cuda":

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from shard_planner.allocator_conf import planned_expandable
 from shard_planner.cli.args import (add_batch_search, add_dtype, add_gpus, add_gpus_per_node, add_hf_arguments, add_mem,
                                     add_model_argument, add_output, add_profile, add_report_arguments, add_time_limit,
-                                    add_timings, add_tp_arguments, hf_options, report_dir)
+                                    add_timings, add_tp_arguments, hf_options, param_dtype, report_dir)
 from shard_planner.cli.background import Helper, HelperDied, helper_process
 from shard_planner.cli.collector import command_collector, without_collections
 from shard_planner.cli.plan_degrees import DegreeWork, degrees_to_search
@@ -24,7 +24,7 @@ from shard_planner.hf import as_planned
 from shard_planner.plan import Plan, save_plan, with_model_located
 from shard_planner.plan_points import degree_lines
 from shard_planner.profile import load_priced_profile
-from shard_planner.units import DTYPE_NAMES, format_bytes
+from shard_planner.units import format_bytes
 
 if TYPE_CHECKING:  # the planner (torch, CP-SAT) is imported when the command runs, not to build the parser
     from shard_planner.solve.request import PlanResult
@@ -72,11 +72,12 @@ def _run(args: argparse.Namespace, helper: Helper, second: Helper) -> int:
     if args.report:
         check_output_dir(report_dir(args), "report")
     t0 = time.perf_counter()
-    tracing = helper.submit(_load_and_trace, args.model, hf_options(args), DTYPE_NAMES[args.dtype])
+    dtype = param_dtype(args)
+    tracing = helper.submit(_load_and_trace, args.model, hf_options(args), dtype)
     profile = load_priced_profile(args.profile, args.timings)  # light; which degrees to search depends on it
     profile.check_compute_dtype(DTYPE_NAMES[args.dtype])  # before the trace's result is waited for
     degrees = degrees_to_search(args, args.gpus_per_node or profile.interconnect.gpus_per_node, profile.device)
-    degree_work = DegreeWork.start(args, hf_options(args), DTYPE_NAMES[args.dtype], degrees, second)
+    degree_work = DegreeWork.start(args, hf_options(args), dtype, degrees, second)
     if args.report:
         helper.submit(_import_report)  # once the trace is done, while the styles are derived or this process plans
     with without_collections():
@@ -87,7 +88,6 @@ def _run(args: argparse.Namespace, helper: Helper, second: Helper) -> int:
         if args.report:
             _import_report()
         import_s = time.perf_counter() - t0
-        dtype = DTYPE_NAMES[args.dtype]
         try:
             trace, defaults, finetune, trace_s = tracing.result()
         except HelperDied as exc:

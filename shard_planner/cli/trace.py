@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shard_planner.cli.args import (add_dtype, add_hf_arguments, add_micro_batch, add_model_argument, add_output,
-                                    hf_options, positive_int)
+                                    hf_options, param_dtype, positive_int)
 from shard_planner.fileio import check_output_file, write_atomic
 from shard_planner.trace.types import ModelTrace
 from shard_planner.units import format_bytes
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from shard_planner.modelfile import load_model_file
     from shard_planner.trace import compare_with_real_run, trace_model
 
-    req = TraceRequest(args.model, args.micro_batch, args.dtype, Path(args.output), args.check)
+    req = TraceRequest(args.model, args.micro_batch, param_dtype(args), Path(args.output), args.check)
     check_output_file(req.output, "trace")
     model_file = load_model_file(req.model, hf_options(args))
     trace = trace_model(model_file, dtype=req.dtype)

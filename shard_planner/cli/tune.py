@@ -9,12 +9,12 @@ from pathlib import Path
 
 from shard_planner.cli.args import (add_batch_search, add_device, add_dtype, add_gpus, add_gpus_per_node, add_hf_arguments,
                                     add_mem, add_model_argument, add_output, add_profile, add_report_arguments,
-                                    add_time_limit, add_timings, add_tp_arguments, hf_options, non_negative_int,
+                                    add_time_limit, add_timings, add_tp_arguments, hf_options, non_negative_int, param_dtype,
                                     positive_float, positive_int, report_dir)
 from shard_planner.errors import UserError
 from shard_planner.fileio import check_output_dir, check_output_file
 from shard_planner.progress import progress
-from shard_planner.units import DTYPE_NAMES, format_bytes
+from shard_planner.units import format_bytes
 
 CPU_DEFAULT_WORLD_SIZE = 2  # gloo ranks on a CPU machine (DESIGN.md: 2-4 on two cores)
 
@@ -104,7 +104,7 @@ def run(args) -> int:
         result = tune_model(
             args.model, gpus=args.gpus, mem_budget_bytes=budget, profile=profile, trials=args.trials,
             world_size=world_size, gpus_per_node=gpus_per_node, micro_batch=args.micro_batch,
-            dtype=DTYPE_NAMES[args.dtype], per_launch=args.per_launch, steps=args.steps, warmup=args.warmup,
+            dtype=param_dtype(args), per_launch=args.per_launch, steps=args.steps, warmup=args.warmup,
             timeout_s=args.timeout, device=device, profile_out=profile_out, report_dir=report,
             timings=args.timings, tp=args.tp, sequence_parallel=args.sequence_parallel,
             loss_parallel=args.loss_parallel, plan_options=_plan_options(args), hf_options=hf_options(args))

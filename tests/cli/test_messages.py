@@ -83,3 +83,16 @@ def test_mem_at_the_devices_nominal_size_means_the_device(tmp_path, capsys):
     (three times, once per degree); 100GB still does, once."""
     assert "exceeds the memory" not in _plan_warnings(tmp_path, capsys, "--mem", "80GB")
     assert _plan_warnings(tmp_path, capsys, "--mem", "100GB").count("exceeds the memory of a h100-80gb") == 1
+
+
+@pytest.mark.parametrize("dtype, warned", [(["--dtype", "fp16"], True), ([], False), (["--dtype", "bf16"], False)])
+def test_a_dtype_other_than_the_configs_is_said_once(dtype, warned, tmp_path, capsys):
+    """`--dtype fp16` on a bf16 transformers config was taken without a word."""
+    pytest.importorskip("transformers")
+    from tests.hf.finetune import write_config
+
+    config = write_config(tmp_path / "cfg")
+    assert main(["plan", config, "--gpus", "2", "--mem", "4GB", "--profile", "cpu-gloo", "--seq-len", "32",
+                 "--no-report", "-o", str(tmp_path / "p.json"), *dtype]) == 0
+    err = capsys.readouterr().err
+    assert err.count("the config's dtype is bfloat16, but the model is planned in float16 as --dtype asks") == warned, err
