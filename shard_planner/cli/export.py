@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import replace
+from pathlib import Path
 
+from shard_planner.errors import UserError
 from shard_planner.fileio import check_output_file, write_atomic
 from shard_planner.plan import load_plan, resolve_model_file
 from shard_planner.report.export import TARGETS, export_plan, model_info_from_trace
@@ -21,10 +23,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("plan", help="plan.json written by shard-planner plan")
     p.add_argument("--to", required=True, choices=TARGETS, help="the training stack")
     p.add_argument("-o", "--output", help="file to write (default: standard output)")
-    p.add_argument("--trace", metavar="TRACE_JSON",
-                   help="the plan's trace.json, for module classes and sizes (default: build the plan's model on "
-                        "the meta device)")
+    p.add_argument("--trace", metavar="TRACE_OR_MODEL",
+                   help="the plan's trace.json or model file (traced), for module classes and sizes (default: build "
+                        "the plan's model on the meta device)")
     return p
+
+
+# What each export is, and the names its file may have by its suffix (report/export: Export.suffix): `-o x.toml`
+# for torchtitan wrote a Python config module into a .toml file.
+KINDS = {"fsdp2": "Python code", "torchtitan": "a Python config module (for torchtitan's --module/--config)",
+         "accelerate": "a YAML config", "deepspeed": "a JSON config"}
+SUFFIXES = {".py": (".py",), ".yaml": (".yaml", ".yml"), ".json": (".json",)}
 
 
 def run(args) -> int:
@@ -35,10 +44,10 @@ def run(args) -> int:
     plan = replace(plan, model=replace(plan.model, path=resolve_model_file(plan.model, args.plan)))
     info = None
     if args.trace and args.to in ("accelerate", "deepspeed"):
-        from shard_planner.trace import load_trace
-
-        info = model_info_from_trace(load_trace(args.trace))
+        info = model_info_from_trace(_trace(args.trace, plan))
     result = export_plan(plan, args.to, info)
+    if args.output and Path(args.output).suffix not in SUFFIXES[result.suffix]:
+        raise UserError(f"-o {args.output}: the {args.to} export is {KINDS[args.to]}; name the file *{result.suffix}")
     if args.output:
         write_atomic(args.output, result.text)
         print(f"wrote {args.output} ({args.to})")
@@ -50,3 +59,14 @@ def run(args) -> int:
         for note in result.notes:
             print(f"  - {note}", file=sys.stderr)
     return 0
+
+
+def _trace(source: str, plan):
+    """--trace: a trace.json read, or a model file (or transformers config, as planned) traced at the plan's
+    degree and dtype, as ``report --trace`` takes it."""
+    from shard_planner.hf import model_options
+    from shard_planner.modelfile import load_unless_trace
+    from shard_planner.trace import load_trace, trace_for_plan
+
+    model_file = load_unless_trace(source, model_options(plan.model, source))
+    return load_trace(source) if model_file is None else trace_for_plan(model_file, plan)

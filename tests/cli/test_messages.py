@@ -96,3 +96,42 @@ def test_a_dtype_other_than_the_configs_is_said_once(dtype, warned, tmp_path, ca
                  "--no-report", "-o", str(tmp_path / "p.json"), *dtype]) == 0
     err = capsys.readouterr().err
     assert err.count("the config's dtype is bfloat16, but the model is planned in float16 as --dtype asks") == warned, err
+
+
+@pytest.fixture(scope="module")
+def tiny_plan(tmp_path_factory):
+    from tests.paths import REPO
+
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    assert main(["plan", str(REPO / "examples" / "llama.py"), "--gpus", "2", "--mem", "4GB", "--profile", "cpu-gloo",
+                 "--no-report", "-o", str(path)]) == 0
+    return path
+
+
+@pytest.mark.parametrize("target, name, says", [
+    ("torchtitan", "x.toml", "-o {out}: the torchtitan export is a Python config module (for torchtitan's "
+     "--module/--config); name the file *.py"),
+    ("accelerate", "x.json", "-o {out}: the accelerate export is a YAML config; name the file *.yaml"),
+    ("deepspeed", "x.yaml", "-o {out}: the deepspeed export is a JSON config; name the file *.json"),
+])
+def test_an_export_is_written_only_to_a_file_of_its_format(target, name, says, tiny_plan, tmp_path, capsys):
+    """`export --to torchtitan -o x.toml` wrote a Python config function into a .toml file."""
+    out = tmp_path / name
+    assert main(["export", str(tiny_plan), "--to", target, "-o", str(out)]) == 2
+    assert _one_error_line(capsys) == says.format(out=out)
+    assert not out.exists()
+    assert main(["export", str(tiny_plan), "--to", "accelerate", "-o", str(tmp_path / "x.yml")]) == 0
+
+
+def test_export_trace_takes_a_model_file_as_report_trace_does(tiny_plan, tmp_path, capsys):
+    """`export --trace` took only a trace.json where `report --trace` takes a model file too."""
+    from tests.paths import REPO
+
+    via_model = tmp_path / "m.json"
+    assert main(["export", str(tiny_plan), "--to", "deepspeed", "-o", str(via_model), "--trace",
+                 str(REPO / "examples" / "llama.py")]) == 0
+    assert main(["trace", str(REPO / "examples" / "llama.py"), "-o", str(tmp_path / "t.json")]) == 0
+    via_trace = tmp_path / "t_export.json"
+    assert main(["export", str(tiny_plan), "--to", "deepspeed", "-o", str(via_trace), "--trace",
+                 str(tmp_path / "t.json")]) == 0
+    assert json.loads(via_model.read_text()) == json.loads(via_trace.read_text())
