@@ -173,6 +173,11 @@ class HardwareProfile:
         fits is decided by the caching-allocator simulation (cost/fits.py, solve/survive.py)."""
         return int(min(mem_budget_bytes, self.memory_bytes) * self.usable_fraction)
 
+    @property
+    def rank_word(self) -> str:
+        """What one rank is called in what people read: ``"GPU"``, or ``"CPU rank"`` on a CPU profile."""
+        return "CPU rank" if self.device == "cpu" else "GPU"
+
     def is_nominal_size(self, mem_budget_bytes: int) -> bool:
         """Whether ``mem_budget_bytes`` (--mem) above the device's memory is the size its datasheet names, which
         means the whole device (see [Note: --mem at a device's nominal size])."""

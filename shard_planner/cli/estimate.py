@@ -96,6 +96,7 @@ def report(plan: Plan, profile, est, fit=None) -> str:
     fits there; None on a CPU profile, where the allocated peak against the usable budget does."""
     mem, t = est.memory, est.time
     tr = plan.training
+    rank = profile.rank_word  # "GPU", "CPU rank" on a CPU profile
     budget = profile.tensor_budget_bytes(plan.cluster.mem_budget_bytes)
     within = mem.peak_bytes <= budget
     if fit is not None:  # on a GPU the allocated peak is the search's filter; what fits is the allocator's verdict
@@ -103,12 +104,12 @@ def report(plan: Plan, profile, est, fit=None) -> str:
     else:
         fits = "fits in" if within else "DOES NOT FIT in"
     lines = [
-        f"plan: {len(plan.units)} units, {plan.mesh.description}, "
+        f"plan: {len(plan.units)} units, {plan.mesh.describe(rank)}, "
         f"micro-batch {tr.micro_batch}, {tr.optimizer}, params {tr.param_dtype} / reduce {tr.reduce_dtype}"
         f"{', CPU offload' if tr.cpu_offload else ''}; profile {profile.name}"
         f"{'; compute from measured module times' if profile.module_timings is not None else ''}"
-        f"{'; ' + plan.accumulation_text if plan.accumulation_text else ''}",
-        f"peak memory per GPU: {format_bytes(mem.peak_bytes)} at \"{mem.peak_event}\" — {fits} "
+        f"{'; ' + plan.accumulation_words(rank) if plan.accumulation_words(rank) else ''}",
+        f"peak memory per {rank}: {format_bytes(mem.peak_bytes)} at \"{mem.peak_event}\" — {fits} "
         f"{format_bytes(budget)} ({profile.usable_reason(plan.cluster.mem_budget_bytes)})",
     ]
     for cat in MEMORY_CATEGORIES:
@@ -122,7 +123,7 @@ def report(plan: Plan, profile, est, fit=None) -> str:
     if fit is not None and fit.retry_s > 0:
         lines.append(f"  + the CUDA caching allocator's {fit.retries_per_step} retries per step on --mem: "
                      f"{fit.retry_price.describe()}: {_ms(predicted.step_time_s)} per step")
-    lines.append(f"throughput: {predicted.throughput_text} over {plan.mesh.world_size} GPUs, "
+    lines.append(f"throughput: {predicted.throughput_text} over {plan.mesh.world_size} {rank}s, "
                  f"MFU {100 * (predicted.mfu or 0.0):.1f}%")
     return "\n".join(lines)
 

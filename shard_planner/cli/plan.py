@@ -216,14 +216,15 @@ def summary(result: PlanResult | Plan, profile) -> str:
     budget = profile.tensor_budget_bytes(plan.cluster.mem_budget_bytes)
     tr = plan.training
     finetune = f" ({plan.model.finetune.text})" if plan.model.finetune is not None else ""
-    lines = [f"plan for {plan.model.path}{finetune}: {len(plan.units)} FSDP units, {plan.mesh.description}, "
+    rank = profile.rank_word  # "GPU", "CPU rank" on a CPU profile
+    lines = [f"plan for {plan.model.path}{finetune}: {len(plan.units)} FSDP units, {plan.mesh.describe(rank)}, "
              f"micro-batch {tr.micro_batch}, "
              f"prefetch forward {plan.prefetch.forward} / backward {plan.prefetch.backward}"
              f"{', CPU offload' if tr.cpu_offload else ''}"]
-    if plan.accumulation_text:
-        lines.append(f"  {plan.accumulation_text}")
+    if plan.accumulation_words(rank):
+        lines.append(f"  {plan.accumulation_words(rank)}")
     lines += [f"  {line}" for line in summarize_units(plan.units)]
-    lines.append(f"predicted peak {format_bytes(pr.peak_bytes)} per GPU of {format_bytes(budget)} usable "
+    lines.append(f"predicted peak {format_bytes(pr.peak_bytes)} per {rank} of {format_bytes(budget)} usable "
                  f"({100 * pr.peak_bytes / budget:.0f}%; {profile.usable_reason(plan.cluster.mem_budget_bytes)}), "
                  "at the peak: " + ", ".join(
                      f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in sorted(
@@ -234,7 +235,7 @@ def summary(result: PlanResult | Plan, profile) -> str:
     mfu = f", MFU {100 * pr.mfu:.0f}%" if pr.mfu else ""
     priced = f" (compute from measured module times, {plan.cluster.timings})" if plan.cluster.timings else ""
     step = "optimizer step" if tr.accumulation_steps > 1 else "step"
-    lines.append(f"predicted {step} {pr.step_time_s * 1e3:.1f} ms, {pr.throughput_text} on {plan.cluster.gpus} GPUs{mfu}"
+    lines.append(f"predicted {step} {pr.step_time_s * 1e3:.1f} ms, {pr.throughput_text} on {plan.cluster.gpus} {rank}s{mfu}"
                  f"{priced}")
     if plan.tp_degrees:
         lines.append("tensor-parallel degrees (the fastest plan of each):")

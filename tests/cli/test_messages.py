@@ -135,3 +135,37 @@ def test_export_trace_takes_a_model_file_as_report_trace_does(tiny_plan, tmp_pat
     assert main(["export", str(tiny_plan), "--to", "deepspeed", "-o", str(via_trace), "--trace",
                  str(tmp_path / "t.json")]) == 0
     assert json.loads(via_model.read_text()) == json.loads(via_trace.read_text())
+
+
+def test_the_global_batch_asked_for_is_recorded_without_accumulation_too(tmp_path, capsys):
+    """With accumulation 1 the summary had no global-batch line and plan.json did not record --global-batch."""
+    from shard_planner.plan import load_plan
+    from tests.paths import REPO
+
+    out = tmp_path / "p.json"
+    assert main(["plan", str(REPO / "examples" / "llama.py"), "--gpus", "8", "--mem", "40GB", "--global-batch", "512",
+                 "--no-report", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    plan = load_plan(out)
+    assert plan.training.accumulation_steps == 1 and plan.training.global_batch_asked == 512
+    assert json.loads(out.read_text())["training"]["global_batch_asked"] == 512
+    assert f"global batch 512 (as asked) = micro-batch {plan.training.micro_batch} x " in text
+    assert plan.with_world_size(4).training.global_batch_asked is None  # another size reaches another batch
+    assert main(["plan", str(REPO / "examples" / "llama.py"), "--gpus", "8", "--mem", "40GB", "--no-report",
+                 "-o", str(out)]) == 0
+    assert "global_batch_asked" not in json.loads(out.read_text())["training"]  # none asked: as before
+
+
+def test_a_cpu_plan_speaks_of_cpu_ranks(tmp_path, capsys):
+    """CPU plans said "GPUs": FSDP over 2 GPUs, per GPU, on 2 GPUs."""
+    from tests.paths import REPO
+
+    out = tmp_path / "p.json"
+    model = str(REPO / "examples" / "llama.py")
+    assert main(["plan", model, "--gpus", "2", "--mem", "4GB", "--profile", "cpu-gloo", "--global-batch", "16",
+                 "--no-report", "-o", str(out)]) == 0
+    assert main(["estimate", model, "--plan", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "GPU" not in text, text
+    assert "FSDP over 2 CPU ranks" in text and "per CPU rank" in text and "on 2 CPU ranks" in text
+    assert "micro-batch 8 x 2 CPU ranks" in text
