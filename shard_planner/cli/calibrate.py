@@ -50,7 +50,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", default=None,
                    help="file to write (default profiles/local.toml; with --model, timings.json)")
     p.add_argument("--name", default=None, help="profile name (default: the output file's stem)")
-    p.add_argument("--quick", action="store_true", help="fewer repeats and no largest sweep shapes (CPU: ~half the time)")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer repeats and without the largest kernel shapes: the kernel sweep in this process takes "
+                   "about half as long (CPU: 1.5 of 3 CPU-s), but most of the command is the same either way, "
+                   "launching the ranks for the collectives and the framework overheads (~14 CPU-s on a 2-core "
+                   "machine): the whole command is a few seconds faster at most")
     g = p.add_argument_group("module timings (--model)", "time every module's forward and backward of a "
                              "model on this device (real training steps at micro-batches B and 2B, no FSDP; the "
                              "whole model must fit on one device) and write them for the cost model")
@@ -122,7 +126,9 @@ def run_timings(args: argparse.Namespace) -> int:
     trace = trace_model(req.model, dtype=req.dtype)
     print(timings_table(timings, trace, profile))
     save_timings(timings, req.output)
-    print(f"wrote {req.output}; use it with load_timings({str(req.output)!r}) and profile.with_timings(...)")
+    dtype = f" --dtype {req.dtype}" if req.dtype != "bfloat16" else ""  # timings price plans of their dtype only
+    print(f"wrote {req.output}; price compute from it with `shard-planner plan {req.model}{dtype} --timings "
+          f"{req.output}` (estimate and tune take --timings too)")
     return 0
 
 

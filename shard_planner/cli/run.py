@@ -46,6 +46,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def losses_line(m) -> str:
+    """The mean loss of every step the ranks ran, and which steps they were: on CPU one more step than
+    --warmup + --steps runs after the timed ones, under the storage tracker that measures peak memory
+    (execute/worker.py _peak_memory), and its loss is listed too."""
+    timed = len(m.step_time_s)
+    extra = len(m.losses) - m.warmup_steps - timed
+    steps = [f"{m.warmup_steps} warm-up", f"{timed} timed"] + (
+        [f"{extra} more measuring peak memory [{m.memory_method}]"] if extra > 0 else [])
+    return f"losses ({', '.join(steps)}): " + " ".join(f"{v:.4f}" for v in m.losses)
+
+
 def _under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
@@ -103,7 +114,7 @@ def run(args) -> int:
     if m.samples_per_s is not None:
         print(f"throughput: {m.samples_per_s:,.1f} samples/s ({m.samples_per_step} samples a step over "
               f"{m.world_size // m.mesh_tp} data-parallel rank{'s' if m.world_size // m.mesh_tp > 1 else ''})")
-    print("losses: " + " ".join(f"{v:.4f}" for v in m.losses))
+    print(losses_line(m))
     rows = m.comparison()
     if rows:
         print(f"{'':14}{'predicted':>14}{'measured':>14}{'error':>9}")

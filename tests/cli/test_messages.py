@@ -169,3 +169,19 @@ def test_a_cpu_plan_speaks_of_cpu_ranks(tmp_path, capsys):
     assert "GPU" not in text, text
     assert "FSDP over 2 CPU ranks" in text and "per CPU rank" in text and "on 2 CPU ranks" in text
     assert "micro-batch 8 x 2 CPU ranks" in text
+
+
+def test_runs_losses_say_which_steps_they_are():
+    """On CPU `run` printed 8 losses for 7 steps (2 warm-up + 5 timed): the 8th is the step measured under the
+    storage tracker."""
+    from dataclasses import replace
+
+    from shard_planner.cli.run import losses_line
+    from tests.tune.test_tune import fake_run_plans, make_plan
+
+    m = fake_run_plans([])([make_plan()], world_size=2, steps=5, warmup=2, timeout_s=1, device="cpu")[0]
+    m = replace(m, losses=(1.0,) * 8, step_time_s=(0.1,) * 5)
+    assert losses_line(m).startswith("losses (2 warm-up, 5 timed, 1 more measuring peak memory [storage-tracker]): ")
+    assert losses_line(m).count("1.0000") == 8
+    gpu = replace(m, losses=(1.0,) * 7)
+    assert losses_line(gpu).startswith("losses (2 warm-up, 5 timed): ")
