@@ -132,7 +132,7 @@ def run(args) -> int:
     elif plan.predicted is None:
         print("the plan holds no prediction to compare with")
     _print_comm(m)
-    ok = _print_checkpoint(m.checkpoint) if m.checkpoint is not None else True
+    ok = _print_checkpoint(m.checkpoint, plan) if m.checkpoint is not None else True
     print(f"wrote {out}")
     return 0 if ok else 1
 
@@ -182,7 +182,7 @@ def _calls_bytes(entry: tuple[int, int] | None) -> str:
     return f"{calls} call{'s' if calls != 1 else ''}, {format_bytes(nbytes)}"
 
 
-def _print_checkpoint(c) -> bool:
+def _print_checkpoint(c, plan) -> bool:
     """Print the checkpoint's figures and each restore's comparison; True when every restore matched."""
     where = c.directory if c.directory else "a temporary folder, removed"
     print(f"checkpoint at step {c.saved_at_step} ({where}): {format_bytes(c.size_bytes)} on disk, saved in "
@@ -190,10 +190,20 @@ def _print_checkpoint(c) -> bool:
           f"[{c.save_memory_method}]")
     if c.frozen_params_left_out:
         print(f"  it holds what training changes, the trainable parameters and their optimizer state; the "
-              f"{c.frozen_params_left_out:,} frozen parameters are left out (the model file builds them)")
+              f"{c.frozen_params_left_out:,} frozen parameters are left out ({frozen_source(plan)})")
     for r in c.restores:
         print(f"  {_restore_line(r)}")
     return c.ok
+
+
+def frozen_source(plan) -> str:
+    """Where a checkpoint's left-out frozen parameters come from when training resumes: a model file builds
+    them; a transformers config's are the pretrained weights the training script loads."""
+    from shard_planner.hf import config_file
+
+    if config_file(plan.model.path) is not None:
+        return "a transformers config's are its pretrained weights, which the training script loads"
+    return "the model file builds them"
 
 
 def _restore_line(r) -> str:

@@ -185,3 +185,17 @@ def test_runs_losses_say_which_steps_they_are():
     assert losses_line(m).count("1.0000") == 8
     gpu = replace(m, losses=(1.0,) * 7)
     assert losses_line(gpu).startswith("losses (2 warm-up, 5 timed): ")
+
+
+def test_the_checkpoint_note_says_where_frozen_parameters_come_from(tmp_path):
+    """The LoRA checkpoint note said "the model file builds them" for a transformers config."""
+    from dataclasses import replace
+
+    from shard_planner.cli.run import frozen_source
+    from tests.hf.finetune import write_config
+    from tests.tune.test_tune import make_plan
+
+    plan = make_plan()
+    config = replace(plan, model=replace(plan.model, path=write_config(tmp_path / "cfg")))
+    assert "pretrained weights" in frozen_source(config) and "model file" not in frozen_source(config)
+    assert frozen_source(plan) == "the model file builds them"
