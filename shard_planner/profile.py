@@ -47,9 +47,10 @@ COMPUTE_MODELS = ("flops", "roofline")
 # [Note: --mem at a device's nominal size]
 # What a GPU reports (nvidia-smi, profiles/*.toml memory_bytes) is below the size its datasheet names: 81559 of
 # 81920 MiB on an H100 SXM 80GB (0.4% below), 40536 of 40960 MiB on an A100 SXM 40GB (1.0%), 143771 MiB on an
-# H200 "141 GB" (0.4%), 23034 of 24576 MiB on an L4 24GB (6.3%). `--mem 80GB` on h100-80gb therefore means the
-# device, not a budget above it: a --mem at most this share above memory_bytes is taken as the device without a
-# warning (it is capped at memory_bytes as any --mem above it is: tensor_budget_bytes).
+# H200 "141 GB" (0.4%), 23034 of 24576 MiB on an L4 24GB, 23028 MiB on an A10G 24GB and 46068 of 49152 MiB on an
+# L40S 48GB (6.3% each). `--mem 80GB` on h100-80gb therefore means the device, not a budget above it: a --mem
+# whose device reports at most NOMINAL_SIZE_SLACK less (--mem <= memory_bytes / (1 - slack)) is taken as the
+# device without a warning; it is capped at memory_bytes as any --mem above it is (tensor_budget_bytes).
 NOMINAL_SIZE_SLACK = 0.07
 
 

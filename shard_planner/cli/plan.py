@@ -75,7 +75,7 @@ def _run(args: argparse.Namespace, helper: Helper, second: Helper) -> int:
     dtype = param_dtype(args)
     tracing = helper.submit(_load_and_trace, args.model, hf_options(args), dtype)
     profile = load_priced_profile(args.profile, args.timings)  # light; which degrees to search depends on it
-    profile.check_compute_dtype(DTYPE_NAMES[args.dtype])  # before the trace's result is waited for
+    profile.check_compute_dtype(dtype)  # before the trace's result is waited for
     degrees = degrees_to_search(args, args.gpus_per_node or profile.interconnect.gpus_per_node, profile.device)
     degree_work = DegreeWork.start(args, hf_options(args), dtype, degrees, second)
     if args.report:
