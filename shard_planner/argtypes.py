@@ -9,6 +9,7 @@ the CLI package.
 from __future__ import annotations
 
 import argparse
+import re
 
 from shard_planner.errors import UserError
 from shard_planner.units import parse_bytes
@@ -46,7 +47,12 @@ def positive_float(text: str) -> float:
 
 
 def byte_size(text: str) -> int:
-    """``type=`` for memory sizes: ``"40GB"`` -> bytes (:func:`shard_planner.units.parse_bytes`)."""
+    """``type=`` for memory sizes: ``"40GB"`` -> bytes (:func:`shard_planner.units.parse_bytes`). A number
+    without a unit is refused: ``--mem 40`` meant 40 GB, never 40 bytes."""
+    if re.fullmatch(r"\s*[0-9.]+\s*", text):
+        raise argparse.ArgumentTypeError(
+            f"must be a memory size with its unit such as 40GB, 80GiB or 512MB, got {text!r} (a number alone "
+            "would be bytes)")
     try:
         return parse_bytes(text)
     except UserError:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -104,6 +104,15 @@ def model_options(model, path: str | None = None) -> HfOptions | None:
     return plan_options(path or model.path, model.hf_task, model.seq_len, model.finetune)
 
 
+def as_planned(plan, task: str | None, finetune: FineTune | None):
+    """``plan`` (a :class:`~shard_planner.plan.Plan`) recording the ``--hf-task`` and fine-tune its
+    transformers config was planned with, which ``run`` and ``export`` rebuild (:func:`model_options`
+    reads them back); ``plan`` itself when there are none."""
+    if task is None and finetune is None:
+        return plan
+    return replace(plan, model=replace(plan.model, hf_task=task, finetune=finetune))
+
+
 def tp_plan(model) -> dict[str, str] | None:
     """The tensor-parallel plan of a model transformers built, as ``derive_tensor_parallel(hf_tp_plan=...)``
     reads it: module-name patterns (``*`` for layer numbers) -> transformers' style names. It is the model's
@@ -134,6 +143,21 @@ def config_file(path: str | Path) -> Path | None:
     except (OSError, ValueError):
         return None
     return file if isinstance(data, dict) and "model_type" in data else None
+
+
+def warn_if_other_dtype(path: str | Path, dtype: str) -> None:
+    """Say (once: cli/once.py) when ``dtype``, the dtype a command traces and plans the model in (--dtype),
+    is not the one the transformers config at ``path`` names (``torch_dtype``, or ``dtype`` in newer
+    transformers): `--dtype fp16` on a bf16 config was taken without a word. Nothing for a model file."""
+    file = config_file(path)
+    if file is None:
+        return
+    data = json.loads(file.read_text())
+    named = data.get("torch_dtype") or data.get("dtype")
+    if isinstance(named, str) and named in ("bfloat16", "float16", "float32") and named != dtype:
+        logger.warning("%s: the config's dtype is %s, but the model is planned in %s as --dtype asks: its parameters "
+                       "are gathered and computed in %s (--dtype %s keeps the config's)", path, named, dtype, dtype,
+                       {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[named])
 
 
 def load_hf_config(path: str, options: HfOptions = HfOptions()) -> HfModel:

@@ -143,10 +143,15 @@ class Mesh:
     @property
     def description(self) -> str:
         """For people: ``FSDP over 8 GPUs``, ``HSDP 2 replicas x 8 GPUs`` (replicate x shard), then `` x TP 4``."""
+        return self.describe()
+
+    def describe(self, rank: str = "GPU") -> str:
+        """:attr:`description` with ``rank`` the word for one rank (``"CPU rank"`` on a CPU profile:
+        profile.rank_word)."""
         if not self.is_hsdp:
-            dp = f"FSDP over {self.shard} GPU{'s' if self.shard > 1 else ''}"
+            dp = f"FSDP over {self.shard} {rank}{'s' if self.shard > 1 else ''}"
         else:
-            dp = f"HSDP {self.replicate} replicas x {self.shard} GPUs"
+            dp = f"HSDP {self.replicate} replicas x {self.shard} {rank}s"
         return dp + (f" x TP {self.tp}" if self.is_tp else "")
 
     @property

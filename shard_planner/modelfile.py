@@ -247,7 +247,8 @@ def _check_training(path: str, training: Any) -> dict:
 def _import(path: str):
     file = Path(path)
     if file.is_dir():
-        raise ModelFileError(f"{path}: is a folder, expected a model file (path/to/model.py or package.module)")
+        raise ModelFileError(f"{path}: is a folder without a config.json, expected a model file (path/to/model.py or "
+                             "package.module) or a transformers config (config.json or a folder holding one)")
     if path.endswith(".py") or file.exists():
         if not file.is_file():
             raise ModelFileError(f"{path}: no such model file")

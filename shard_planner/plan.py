@@ -174,6 +174,9 @@ class Training:
     accumulation_steps: int = 1
     gradient_sync: str = "every_micro_step"
     keep_params_gathered: bool = False
+    # --global-batch (--global-batch-tokens in samples) the plan was asked to reach, which it reaches exactly
+    # (solve/accumulation.py), recorded with accumulation or without; None: none was asked
+    global_batch_asked: int | None = None
 
     def __post_init__(self):
         _require(isinstance(self.micro_batch, int) and self.micro_batch >= 1,
@@ -246,7 +249,7 @@ class SolverInfo:
 @dataclass(frozen=True)
 class ModelRef:
     """The model file a plan was made for. ``path``: an absolute path in plan files written by ``plan``
-    and ``tune`` (:func:`with_model_located`), else as given (older plans: relative to where ``plan``
+    and ``tune`` (:func:`with_paths_located`), else as given (older plans: relative to where ``plan``
     ran), or an importable ``package.module``; ``relative_path``: the same file relative to the plan
     file's folder, so a plan and its model moved or checked out together still find each other (None in
     older plans). :func:`resolve_model_file` reads both."""
@@ -316,15 +319,24 @@ class Plan:
 
     @property
     def accumulation_text(self) -> str:
-        """For people: "" without accumulation, else e.g. ``global batch 512 = micro-batch 4 x 16 micro-steps x
-        8 GPUs, gradients reduce-scattered on the last micro-step only, parameters kept gathered between them``."""
+        """For people: "" without accumulation or a global batch asked for, else e.g. ``global batch 512 =
+        micro-batch 4 x 16 micro-steps x 8 GPUs, gradients reduce-scattered on the last micro-step only,
+        parameters kept gathered between them``."""
+        return self.accumulation_words()
+
+    def accumulation_words(self, rank: str = "GPU") -> str:
+        """:attr:`accumulation_text`, ``rank`` the word for one rank (profile.rank_word); with tensor
+        parallelism the micro-batch is per data-parallel group of ``mesh.tp`` ranks."""
         tr = self.training
-        if tr.accumulation_steps == 1:
-            return ""
+        ranks = f"{self.mesh.dp_size} {rank}s" if not self.mesh.is_tp else \
+            f"{self.mesh.dp_size} data-parallel groups of {self.mesh.tp} {rank}s"
+        if tr.accumulation_steps == 1:  # the global batch asked for is said without accumulation too
+            return (f"global batch {self.global_batch_samples} (as asked) = micro-batch {tr.micro_batch} x "
+                    f"{ranks}, no accumulation") if tr.global_batch_asked is not None else ""
         sync = "every micro-step" if tr.gradient_sync == GRADIENT_SYNCS[0] else "the last micro-step only"
         kept = ", parameters kept gathered between them" if tr.keep_params_gathered else ""
         return (f"global batch {self.global_batch_samples} = micro-batch {tr.micro_batch} x {tr.accumulation_steps} "
-                f"micro-steps x {self.mesh.dp_size} GPUs, gradients reduce-scattered on {sync}{kept}")
+                f"micro-steps x {ranks}, gradients reduce-scattered on {sync}{kept}")
 
     @property
     def inner_units(self) -> tuple[Unit, ...]:
@@ -354,6 +366,7 @@ class Plan:
             cluster=replace(self.cluster, gpus=world_size, gpus_per_node=min(self.cluster.gpus_per_node, world_size)),
             mesh=mesh,
             units=units,
+            training=replace(self.training, global_batch_asked=None),  # another size, another global batch
             predicted=None,
             tensor_parallel=self.tensor_parallel if mesh.is_tp else None,
             tp_degrees=(),  # searched for the old size
@@ -378,6 +391,8 @@ class Plan:
         if self.training.accumulation_steps == 1:  # plans without accumulation read as they did before it
             for name in _ACCUMULATION_FIELDS:
                 d["training"].pop(name)
+        if self.training.global_batch_asked is None:  # plans made without --global-batch read as before it
+            d["training"].pop("global_batch_asked")
         return d
 
     def to_json(self) -> str:
@@ -414,6 +429,7 @@ PLAN_RULES = {
     "Training.micro_batch": _COUNT, "Training.optimizer": Text(OPTIMIZERS),
     "Training.param_dtype": Text(DTYPES), "Training.reduce_dtype": Text(DTYPES), "Training.lr": Number(positive=True),
     "Training.accumulation_steps": _COUNT, "Training.gradient_sync": Text(GRADIENT_SYNCS),
+    "Training.global_batch_asked": Nullable(_COUNT),
     "Unit.modules": ListOf(Text(), min_len=1),
     "Unit.reshard_after_forward": AnyOf(Bool(), Int(least=2), wanted="true, false or an integer >= 2"),
     "Unit.activation_checkpoint": AnyOf(Bool(), Text((SELECTIVE,)), wanted='true, false or "selective"'),

@@ -45,6 +45,16 @@ class Interconnect:
 COMPUTE_MODELS = ("flops", "roofline")
 
 
+# [Note: --mem at a device's nominal size]
+# What a GPU reports (nvidia-smi, profiles/*.toml memory_bytes) is below the size its datasheet names: 81559 of
+# 81920 MiB on an H100 SXM 80GB (0.4% below), 40536 of 40960 MiB on an A100 SXM 40GB (1.0%), 143771 MiB on an
+# H200 "141 GB" (0.4%), 23034 of 24576 MiB on an L4 24GB, 23028 MiB on an A10G 24GB and 46068 of 49152 MiB on an
+# L40S 48GB (6.3% each). `--mem 80GB` on h100-80gb therefore means the device, not a budget above it: a --mem
+# whose device reports at most NOMINAL_SIZE_SLACK less (--mem <= memory_bytes / (1 - slack)) is taken as the
+# device without a warning; it is capped at memory_bytes as any --mem above it is (tensor_budget_bytes).
+NOMINAL_SIZE_SLACK = 0.07
+
+
 @dataclass(frozen=True)
 class HardwareProfile:
     name: str
@@ -164,6 +174,16 @@ class HardwareProfile:
         On a GPU profile it is the search's filter, about the most a plan can allocate and still fit: what
         fits is decided by the caching-allocator simulation (cost/fits.py, solve/survive.py)."""
         return int(min(mem_budget_bytes, self.memory_bytes) * self.usable_fraction)
+
+    @property
+    def rank_word(self) -> str:
+        """What one rank is called in what people read: ``"GPU"``, or ``"CPU rank"`` on a CPU profile."""
+        return "CPU rank" if self.device == "cpu" else "GPU"
+
+    def is_nominal_size(self, mem_budget_bytes: int) -> bool:
+        """Whether ``mem_budget_bytes`` (--mem) above the device's memory is the size its datasheet names, which
+        means the whole device (see [Note: --mem at a device's nominal size])."""
+        return self.memory_bytes < mem_budget_bytes <= self.memory_bytes / (1 - NOMINAL_SIZE_SLACK)
 
     def mem_for_tensor_budget(self, tensor_bytes: int) -> int:
         """The smallest ``--mem`` whose ``tensor_budget_bytes`` holds ``tensor_bytes``: tensor_bytes /

@@ -8,7 +8,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from shard_planner.cli.args import positive_int
+from shard_planner.cli.args import add_device, add_dtype, add_micro_batch, add_profile, param_dtype
 from shard_planner.errors import UserError
 from shard_planner.fileio import check_output_file
 from shard_planner.units import format_bytes
@@ -46,21 +46,22 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "tensor. Writes a profile TOML for --profile that prices compute with the roofline.",
     )
     p.add_argument("--world-size", type=int, default=2, metavar="N", help="ranks for the collectives (default 2)")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="default: cuda if available")
+    add_device(p)
     p.add_argument("-o", "--output", default=None,
                    help="file to write (default profiles/local.toml; with --model, timings.json)")
     p.add_argument("--name", default=None, help="profile name (default: the output file's stem)")
-    p.add_argument("--quick", action="store_true", help="fewer repeats and no largest sweep shapes (CPU: ~half the time)")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer repeats and without the largest kernel shapes: the kernel sweep in this process takes "
+                   "about half as long (CPU: 1.5 of 3 CPU-s), but most of the command is the same either way, "
+                   "launching the ranks for the collectives and the framework overheads (~14 CPU-s on a 2-core "
+                   "machine): the whole command is a few seconds faster at most")
     g = p.add_argument_group("module timings (--model)", "time every module's forward and backward of a "
                              "model on this device (real training steps at micro-batches B and 2B, no FSDP; the "
                              "whole model must fit on one device) and write them for the cost model")
     g.add_argument("--model", default=None, metavar="FILE", help="model file to time (instead of writing a profile)")
-    g.add_argument("--micro-batch", type=positive_int, default=None, metavar="B",
-                   help="measure at B and 2B (default: the model file's TRAINING micro_batch, else 1)")
-    g.add_argument("--dtype", default="bf16", help="compute dtype the parameters are cast to: bf16, fp16, fp32 "
-                   "(default bf16; a plan uses timings of its param dtype)")
-    g.add_argument("--profile", default=None, help="profile for the FLOP-model column of the table (default: "
-                   "cpu-gloo on CPU, h100-80gb on GPU)")
+    add_micro_batch(g, default="the model file's TRAINING['micro_batch'], else 1; measured at B and 2B")
+    add_dtype(g)
+    add_profile(g, default=None, default_text="cpu-gloo on CPU, h100-80gb on GPU; for the FLOP-model column of the table")
     return p
 
 
@@ -105,14 +106,11 @@ def run_timings(args: argparse.Namespace) -> int:
     from shard_planner.profile import DEFAULT_PROFILE, load_profile
     from shard_planner.timings import save_timings
     from shard_planner.trace.tracer import trace_model
-    from shard_planner.units import DTYPE_NAMES
 
     out = Path(args.output or "timings.json")
     if out.suffix != ".json":
         raise UserError(f"-o {out}: module timings are a .json file")
-    dtype = DTYPE_NAMES.get(args.dtype.lower())
-    if dtype is None:
-        raise UserError(f"--dtype {args.dtype}: choose one of bf16, fp16, fp32")
+    dtype = param_dtype(args)
     if args.world_size < 1:
         raise UserError(f"--world-size must be at least 1, got {args.world_size}")
     if args.device == "cuda":
@@ -128,7 +126,9 @@ def run_timings(args: argparse.Namespace) -> int:
     trace = trace_model(req.model, dtype=req.dtype)
     print(timings_table(timings, trace, profile))
     save_timings(timings, req.output)
-    print(f"wrote {req.output}; use it with load_timings({str(req.output)!r}) and profile.with_timings(...)")
+    dtype = f" --dtype {req.dtype}" if req.dtype != "bfloat16" else ""  # timings price plans of their dtype only
+    print(f"wrote {req.output}; price compute from it with `shard-planner plan {req.model}{dtype} --timings "
+          f"{req.output}` (estimate and tune take --timings too)")
     return 0
 
 

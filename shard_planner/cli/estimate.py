@@ -7,8 +7,9 @@ import argparse
 from dataclasses import dataclass
 
 from shard_planner.allocator_conf import mode_name
-from shard_planner.cli.args import add_hf_arguments, hf_options, positive_int
 from shard_planner.checked_plan import check_plan, checked_plan_file
+from shard_planner.cli.args import (add_gpus, add_hf_arguments, add_micro_batch, add_model_argument, add_profile,
+                                    add_timings, hf_options)
 from shard_planner.fileio import check_output_file
 from shard_planner.plan import MEMORY_CATEGORIES, Plan, load_plan, save_plan
 from shard_planner.plan_estimate import asked_again, with_prediction
@@ -34,19 +35,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "trace.json) and print the predicted per-GPU peak memory, its breakdown by category, and the "
         "step time with its compute, communication and optimizer parts.",
     )
-    p.add_argument("model", help="model file (path/to/model.py), a transformers config (config.json or its "
-                   "folder; --seq-len defaults to the plan's), or a trace.json from shard-planner trace")
+    add_model_argument(p, more=" (a config's --seq-len defaults to the plan's)")
     add_hf_arguments(p)
     p.add_argument("--plan", required=True, help="plan.json")
-    p.add_argument("--profile", default=None,
-                   help="hardware profile: a name in profiles/ (h100-80gb, a100-40gb, ..., cpu-gloo) or a TOML "
-                   "path (default: the plan's cluster.profile)")
-    p.add_argument("--gpus", type=positive_int, default=None, metavar="N",
-                   help="estimate the plan's decisions on N GPUs instead (plain FSDP over N ranks)")
-    p.add_argument("--timings", default=None, metavar="FILE",
-                   help="measured module times (shard-planner calibrate --model) to price compute from (default: "
-                   "the plan's cluster.timings; --timings '' prices from FLOPs)")
-    p.add_argument("--micro-batch", type=positive_int, default=None, metavar="B", help="override the plan's micro-batch")
+    add_profile(p, default=None, default_text="the plan's cluster.profile")
+    add_gpus(p, required=False, default_text="the plan's; another N estimates the plan's decisions on N GPUs, plain "
+             "FSDP over N ranks")
+    add_timings(p, default_text="the plan's cluster.timings; --timings '' prices from FLOPs")
+    add_micro_batch(p, default="the plan's")
     p.add_argument("--write", action="store_true", help="store the prediction in the plan file's 'predicted'")
     return p
 
@@ -98,6 +94,7 @@ def report(plan: Plan, profile, est, fit=None) -> str:
     fits there; None on a CPU profile, where the allocated peak against the usable budget does."""
     mem, t = est.memory, est.time
     tr = plan.training
+    rank = profile.rank_word  # "GPU", "CPU rank" on a CPU profile
     budget = profile.tensor_budget_bytes(plan.cluster.mem_budget_bytes)
     within = mem.peak_bytes <= budget
     if fit is not None:  # on a GPU the allocated peak is the search's filter; what fits is the allocator's verdict
@@ -105,12 +102,12 @@ def report(plan: Plan, profile, est, fit=None) -> str:
     else:
         fits = "fits in" if within else "DOES NOT FIT in"
     lines = [
-        f"plan: {len(plan.units)} units, {plan.mesh.description}, "
+        f"plan: {len(plan.units)} units, {plan.mesh.describe(rank)}, "
         f"micro-batch {tr.micro_batch}, {tr.optimizer}, params {tr.param_dtype} / reduce {tr.reduce_dtype}"
         f"{', CPU offload' if tr.cpu_offload else ''}; profile {profile.name}"
         f"{'; compute from measured module times' if profile.module_timings is not None else ''}"
-        f"{'; ' + plan.accumulation_text if plan.accumulation_text else ''}",
-        f"peak memory per GPU: {format_bytes(mem.peak_bytes)} at \"{mem.peak_event}\" — {fits} "
+        f"{'; ' + plan.accumulation_words(rank) if plan.accumulation_words(rank) else ''}",
+        f"peak memory per {rank}: {format_bytes(mem.peak_bytes)} at \"{mem.peak_event}\" — {fits} "
         f"{format_bytes(budget)} ({profile.usable_reason(plan.cluster.mem_budget_bytes)})",
     ]
     for cat in MEMORY_CATEGORIES:
@@ -124,7 +121,7 @@ def report(plan: Plan, profile, est, fit=None) -> str:
     if fit is not None and fit.retry_s > 0:
         lines.append(f"  + the CUDA caching allocator's {fit.retries_per_step} retries per step on --mem: "
                      f"{fit.retry_price.describe()}: {_ms(predicted.step_time_s)} per step")
-    lines.append(f"throughput: {predicted.throughput_text} over {plan.mesh.world_size} GPUs, "
+    lines.append(f"throughput: {predicted.throughput_text} over {plan.mesh.world_size} {rank}s, "
                  f"MFU {100 * (predicted.mfu or 0.0):.1f}%")
     return "\n".join(lines)
 

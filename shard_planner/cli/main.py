@@ -12,7 +12,9 @@ import signal
 import sys
 import threading
 
-from shard_planner.cli.args import Parser
+from shard_planner import __version__
+from shard_planner.cli.args import Parser, add_debug
+from shard_planner.cli.once import OncePerCause
 from shard_planner.errors import UserError
 
 # In pipeline order; each is a module shard_planner.cli.<name> with add_parser() and run().
@@ -43,20 +45,25 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         description="Plan, check and run PyTorch FSDP2 sharding: wrap boundaries, prefetch, reshard, "
         "activation checkpointing and micro-batch, for the fastest step that fits in memory.",
     )
-    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    add_debug(parser, top=True)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__} (Python {sys.version.split()[0]})",
+                        help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in _available_commands(_named_command(argv) if argv is not None else COMMANDS):
         p = module.add_parser(sub)
+        add_debug(p, top=False)
         p.set_defaults(_run=module.run)
     return parser
 
 
 def configure_logging(debug: bool) -> None:
-    """Configure the package logger (never the root logger), with the rank when there is one."""
+    """Configure the package logger (never the root logger), with the rank when there is one, each
+    warning printed once per command (cli/once.py)."""
     rank = os.environ.get("RANK")
     fmt = ("[rank%s] " % rank if rank is not None else "") + "%(levelname)s %(name)s: %(message)s"
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(fmt))
+    handler.addFilter(OncePerCause())  # see [Note: each warning once per cause]
     log = logging.getLogger("shard_planner")
     log.handlers[:] = [handler]
     log.setLevel(logging.DEBUG if debug else logging.WARNING)

@@ -12,17 +12,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shard_planner.allocator_conf import planned_expandable
-from shard_planner.argtypes import token_count
+from shard_planner.cli.args import (add_batch_search, add_dtype, add_gpus, add_gpus_per_node, add_hf_arguments, add_mem,
+                                    add_model_argument, add_output, add_profile, add_report_arguments, add_time_limit,
+                                    add_timings, add_tp_arguments, hf_options, param_dtype, report_dir)
 from shard_planner.cli.background import Helper, HelperDied, helper_process
-from shard_planner.cli.args import add_hf_arguments, byte_size, hf_options, positive_float, positive_int
 from shard_planner.cli.collector import command_collector, without_collections
 from shard_planner.cli.plan_degrees import DegreeWork, degrees_to_search
 from shard_planner.errors import ModelFileError
 from shard_planner.fileio import check_output_dir, check_output_file
-from shard_planner.plan import Plan, report_dir_for, save_plan, with_paths_located
+from shard_planner.hf import as_planned
+from shard_planner.plan import Plan, save_plan, with_paths_located
 from shard_planner.plan_points import degree_lines
 from shard_planner.profile import load_priced_profile
-from shard_planner.units import DTYPE_NAMES, format_bytes
+from shard_planner.units import format_bytes
 
 if TYPE_CHECKING:  # the planner (torch, CP-SAT) is imported when the command runs, not to build the parser
     from shard_planner.solve.request import PlanResult
@@ -38,58 +40,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "depth, mesh and micro-batch with CP-SAT, check every answer with the cost model's simulators, and "
         "write plan.json with the memory-vs-time frontier and the usual hand-written policies beside it.",
     )
-    p.add_argument("model", help="model file (path/to/model.py), a transformers config (config.json or its "
-                   "folder), or a trace.json from shard-planner trace")
+    add_model_argument(p)
     add_hf_arguments(p)
-    p.add_argument("--gpus", type=positive_int, required=True, metavar="N", help="number of GPUs")
-    p.add_argument("--mem", type=byte_size, required=True, metavar="SIZE", help="memory per GPU, e.g. 40GB (GB = GiB); on "
-                   "a GPU profile the plan's first two steps, simulated through the CUDA caching allocator in the mode "
-                   "PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF set here (expandable segments when unset), must "
-                   "survive 94.7%% of it less the CUDA context and NCCL; on a CPU profile the predicted peak fills at "
-                   "most the profile's usable_fraction of it")
-    p.add_argument("--profile", default="h100-80gb",
-                   help="hardware profile: a name in profiles/ or a TOML path (default: h100-80gb)")
-    p.add_argument("--timings", default=None, metavar="FILE",
-                   help="measured module times from `shard-planner calibrate --model` (this model, this device, "
-                   "--dtype): compute is priced from them instead of FLOPs; the plan records the file")
-    p.add_argument("--gpus-per-node", type=positive_int, default=None, metavar="K",
-                   help="GPUs per node (default: the profile's)")
-    batch = p.add_mutually_exclusive_group()
-    batch.add_argument("--batch-size", type=positive_int, default=None, metavar="B",
-                       help="micro-batch per GPU (default: the model file's TRAINING['micro_batch'], which a "
-                       "trace.json carries too, else 1)")
-    batch.add_argument("--search-batch", action="store_true",
-                       help="also choose the micro-batch that maximises throughput")
-    gb = p.add_mutually_exclusive_group()
-    gb.add_argument("--global-batch", type=positive_int, default=None, metavar="N",
-                    help="samples per optimizer step over all GPUs: the plan reaches it as micro-batch x gradient "
-                    "accumulation steps x GPUs, choosing the micro-batch (or using --batch-size), the steps and "
-                    "whether gradients sync every micro-step or only on the last; an N no plan can reach is refused "
-                    "with the nearest that work")
-    gb.add_argument("--global-batch-tokens", type=token_count, default=None, metavar="N",
-                    help="the same in tokens (samples x the model's sequence length), e.g. 4194304 or 4M (K, M, G: "
-                    "powers of 1024)")
-    tp = p.add_argument_group("tensor parallelism (inside a node; FSDP or HSDP over the rest)")
-    tp.add_argument("--tp", type=positive_int, default=None, metavar="N",
-                    help="tensor-parallel degree: N GPUs of a node split every block (it must divide the GPUs per "
-                    "node and the model's heads, MLP width and vocabulary); default: on a GPU profile each of 1, 2, "
-                    "4, 8 that divides the GPUs per node is screened and the promising ones searched; on a CPU "
-                    "profile 1 (gloo's timing says nothing of tensor parallelism)")
-    tp.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
-                    help="with tensor parallelism, keep the norms and the block inputs whole on every rank instead of "
-                    "split along the sequence (torchtitan's default splits them)")
-    tp.add_argument("--no-loss-parallel", dest="loss_parallel", action="store_false",
-                    help="with tensor parallelism, gather the logits before the loss instead of computing the "
-                    "cross-entropy on each rank's slice of the vocabulary")
-    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_NAMES), help="mixed-precision param dtype (default bf16)")
-    p.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default plan.json)")
-    p.add_argument("--time-limit", type=positive_float, default=1.0, metavar="S",
-                   help="CP-SAT effort per solve (default 1): S x 0.05 s of CP-SAT's deterministic time, so the "
-                   "plan does not depend on the machine's load, and at most 3 x S s of wall clock; the plan's "
-                   "solver status says whether the answer was proven optimal")
-    p.add_argument("--report-dir", metavar="DIR",
-                   help="report folder (default: beside the plan, <plan name>.report/; plan.json -> plan.report/)")
-    p.add_argument("--no-report", dest="report", action="store_false", help="skip the report")
+    add_gpus(p)
+    add_mem(p)
+    add_profile(p, default="h100-80gb", default_text="h100-80gb")
+    add_timings(p)
+    add_gpus_per_node(p)
+    add_batch_search(p)
+    add_tp_arguments(p, tp_default=None, tp_help="default: on a GPU profile each of 1, 2, 4, 8 that divides the "
+                     "GPUs per node is screened and the promising ones searched; on a CPU profile 1 (gloo's timing "
+                     "says nothing of tensor parallelism)")
+    add_dtype(p)
+    add_output(p, what="plan", default="plan.json")
+    add_time_limit(p)
+    add_report_arguments(p)
     return p
 
 
@@ -105,23 +70,24 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, helper: Helper, second: Helper) -> int:
     check_output_file(args.output, "plan")
     if args.report:
-        check_output_dir(_report_dir(args), "report")
+        check_output_dir(report_dir(args), "report")
     t0 = time.perf_counter()
-    tracing = helper.submit(_load_and_trace, args.model, hf_options(args), DTYPE_NAMES[args.dtype])
+    dtype = param_dtype(args)
+    tracing = helper.submit(_load_and_trace, args.model, hf_options(args), dtype)
     profile = load_priced_profile(args.profile, args.timings)  # light; which degrees to search depends on it
-    profile.check_compute_dtype(DTYPE_NAMES[args.dtype])  # before the trace's result is waited for
+    profile.check_compute_dtype(dtype)  # before the trace's result is waited for
     degrees = degrees_to_search(args, args.gpus_per_node or profile.interconnect.gpus_per_node, profile.device)
-    degree_work = DegreeWork.start(args, hf_options(args), DTYPE_NAMES[args.dtype], degrees, second)
+    degree_work = DegreeWork.start(args, hf_options(args), dtype, degrees, second)
     if args.report:
         helper.submit(_import_report)  # once the trace is done, while the styles are derived or this process plans
     with without_collections():
         from shard_planner.solve import PlanRequest
+        from shard_planner.solve.request import requested_micro_batch
         from shard_planner.trace.files import trace_model_file
 
         if args.report:
             _import_report()
         import_s = time.perf_counter() - t0
-        dtype = DTYPE_NAMES[args.dtype]
         try:
             trace, defaults, finetune, trace_s = tracing.result()
         except HelperDied as exc:
@@ -134,17 +100,15 @@ def _run(args: argparse.Namespace, helper: Helper, second: Helper) -> int:
     global_batch = args.global_batch or args.global_batch_tokens
     req = PlanRequest(gpus=args.gpus, mem_budget_bytes=args.mem, profile=profile,
                       gpus_per_node=args.gpus_per_node or profile.interconnect.gpus_per_node,
-                      # a global batch searches the micro-batch unless --batch-size fixes it
-                      micro_batch=args.batch_size or (None if args.search_batch or global_batch else defaults.micro_batch),
+                      micro_batch=requested_micro_batch(args.micro_batch, defaults.micro_batch, search_batch=args.search_batch,
+                                                        global_batch=global_batch is not None),
                       search_batch=args.search_batch, optimizer=defaults.optimizer, lr=defaults.lr, param_dtype=dtype,
                       time_limit_s=args.time_limit, model_path=model_path, profile_name=args.profile,
                       timings_path=args.timings, global_batch_samples=args.global_batch,
                       global_batch_tokens=args.global_batch_tokens, expandable_segments=planned_expandable(os.environ))
     result = degree_work.plan(trace, req, helper)
     result = replace(result, plan=with_paths_located(result.plan, args.output))
-    if args.hf_task is not None or finetune is not None:  # run and export rebuild the config as this task, fine-tuned
-        result = replace(result, plan=replace(result.plan, model=replace(result.plan.model, hf_task=args.hf_task,
-                                                                         finetune=finetune)))
+    result = replace(result, plan=as_planned(result.plan, args.hf_task, finetune))  # run and export rebuild it so
     save_plan(result.plan, args.output)
     print(summary(result, profile))
     print(f"wrote {args.output}")
@@ -152,7 +116,7 @@ def _run(args: argparse.Namespace, helper: Helper, second: Helper) -> int:
     if args.report:
         t1 = time.perf_counter()
         with without_collections():
-            out = _write_report(result, _report_dir(args), trace, profile, helper)
+            out = _write_report(result, report_dir(args), trace, profile, helper)
         report_s = time.perf_counter() - t1
         if out is not None:
             print(f"report: {out}")
@@ -209,7 +173,7 @@ def _import_report() -> None:
     figure_png(fig, dpi=20)
 
 
-def _write_report(result: PlanResult, report_dir: Path, trace, profile, helper: Helper):
+def _write_report(result: PlanResult, out_dir: Path, trace, profile, helper: Helper):
     try:
         from shard_planner.report import write_report
         from shard_planner.report.plots import figures_png
@@ -230,13 +194,8 @@ def _write_report(result: PlanResult, report_dir: Path, trace, profile, helper: 
                      names[half:], "helper" if helper.forked else "same process", time.perf_counter() - t1)
         return pngs
 
-    return write_report(result.plan, report_dir, trace=trace, profile=profile, estimate=result.estimate,
+    return write_report(result.plan, out_dir, trace=trace, profile=profile, estimate=result.estimate,
                         render=render)
-
-
-def _report_dir(args: argparse.Namespace) -> Path:
-    """--report-dir, else beside the plan file (plan.report_dir_for): checked before planning."""
-    return Path(args.report_dir) if args.report_dir else report_dir_for(args.output)
 
 
 def _trace_defaults(trace):
@@ -257,14 +216,15 @@ def summary(result: PlanResult | Plan, profile) -> str:
     budget = profile.tensor_budget_bytes(plan.cluster.mem_budget_bytes)
     tr = plan.training
     finetune = f" ({plan.model.finetune.text})" if plan.model.finetune is not None else ""
-    lines = [f"plan for {plan.model.path}{finetune}: {len(plan.units)} FSDP units, {plan.mesh.description}, "
+    rank = profile.rank_word  # "GPU", "CPU rank" on a CPU profile
+    lines = [f"plan for {plan.model.path}{finetune}: {len(plan.units)} FSDP units, {plan.mesh.describe(rank)}, "
              f"micro-batch {tr.micro_batch}, "
              f"prefetch forward {plan.prefetch.forward} / backward {plan.prefetch.backward}"
              f"{', CPU offload' if tr.cpu_offload else ''}"]
-    if plan.accumulation_text:
-        lines.append(f"  {plan.accumulation_text}")
+    if plan.accumulation_words(rank):
+        lines.append(f"  {plan.accumulation_words(rank)}")
     lines += [f"  {line}" for line in summarize_units(plan.units)]
-    lines.append(f"predicted peak {format_bytes(pr.peak_bytes)} per GPU of {format_bytes(budget)} usable "
+    lines.append(f"predicted peak {format_bytes(pr.peak_bytes)} per {rank} of {format_bytes(budget)} usable "
                  f"({100 * pr.peak_bytes / budget:.0f}%; {profile.usable_reason(plan.cluster.mem_budget_bytes)}), "
                  "at the peak: " + ", ".join(
                      f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in sorted(
@@ -275,7 +235,7 @@ def summary(result: PlanResult | Plan, profile) -> str:
     mfu = f", MFU {100 * pr.mfu:.0f}%" if pr.mfu else ""
     priced = f" (compute from measured module times, {plan.cluster.timings})" if plan.cluster.timings else ""
     step = "optimizer step" if tr.accumulation_steps > 1 else "step"
-    lines.append(f"predicted {step} {pr.step_time_s * 1e3:.1f} ms, {pr.throughput_text} on {plan.cluster.gpus} GPUs{mfu}"
+    lines.append(f"predicted {step} {pr.step_time_s * 1e3:.1f} ms, {pr.throughput_text} on {plan.cluster.gpus} {rank}s{mfu}"
                  f"{priced}")
     if plan.tp_degrees:
         lines.append("tensor-parallel degrees (the fastest plan of each):")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from shard_planner.cli.args import non_negative_int, positive_float, positive_int
+from shard_planner.cli.args import add_device, non_negative_int, positive_float, positive_int
 from shard_planner.units import format_bytes
 
 
@@ -28,8 +28,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="ranks to run (default: the plan's GPUs); fewer re-derive the plan for that size")
     p.add_argument("--timeout", type=positive_float, default=300.0,
                    help="seconds the whole run may take before it is ended as hung (default 300)")
-    p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto",
-                   help="auto: CUDA when available, else CPU/gloo")
+    add_device(p)
     p.add_argument("-o", "--output", help="measurement file (default: measurement.json beside the plan)")
     c = p.add_argument_group("checkpoint", "after the measured steps, save a distributed checkpoint (DCP: sharded "
                              "model, optimizer state, progress), train on, restore it into the model built afresh "
@@ -45,6 +44,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     c.add_argument("--resume-from", metavar="DIR", help="only restore the checkpoint in DIR (kept by an earlier run "
                    "with --checkpoint-dir) on --world-size ranks and compare; writes nothing")
     return p
+
+
+def losses_line(m) -> str:
+    """The mean loss of every step the ranks ran, and which steps they were: on CPU one more step than
+    --warmup + --steps runs after the timed ones, under the storage tracker that measures peak memory
+    (execute/worker.py _peak_memory), and its loss is listed too."""
+    timed = len(m.step_time_s)
+    extra = len(m.losses) - m.warmup_steps - timed
+    steps = [f"{m.warmup_steps} warm-up", f"{timed} timed"] + (
+        [f"{extra} more measuring peak memory [{m.memory_method}]"] if extra > 0 else [])
+    return f"losses ({', '.join(steps)}): " + " ".join(f"{v:.4f}" for v in m.losses)
 
 
 def _under_torchrun() -> bool:
@@ -104,7 +114,7 @@ def run(args) -> int:
     if m.samples_per_s is not None:
         print(f"throughput: {m.samples_per_s:,.1f} samples/s ({m.samples_per_step} samples a step over "
               f"{m.world_size // m.mesh_tp} data-parallel rank{'s' if m.world_size // m.mesh_tp > 1 else ''})")
-    print("losses: " + " ".join(f"{v:.4f}" for v in m.losses))
+    print(losses_line(m))
     rows = m.comparison()
     if rows:
         print(f"{'':14}{'predicted':>14}{'measured':>14}{'error':>9}")
@@ -122,7 +132,7 @@ def run(args) -> int:
     elif plan.predicted is None:
         print("the plan holds no prediction to compare with")
     _print_comm(m)
-    ok = _print_checkpoint(m.checkpoint) if m.checkpoint is not None else True
+    ok = _print_checkpoint(m.checkpoint, plan) if m.checkpoint is not None else True
     print(f"wrote {out}")
     return 0 if ok else 1
 
@@ -172,7 +182,7 @@ def _calls_bytes(entry: tuple[int, int] | None) -> str:
     return f"{calls} call{'s' if calls != 1 else ''}, {format_bytes(nbytes)}"
 
 
-def _print_checkpoint(c) -> bool:
+def _print_checkpoint(c, plan) -> bool:
     """Print the checkpoint's figures and each restore's comparison; True when every restore matched."""
     where = c.directory if c.directory else "a temporary folder, removed"
     print(f"checkpoint at step {c.saved_at_step} ({where}): {format_bytes(c.size_bytes)} on disk, saved in "
@@ -180,10 +190,20 @@ def _print_checkpoint(c) -> bool:
           f"[{c.save_memory_method}]")
     if c.frozen_params_left_out:
         print(f"  it holds what training changes, the trainable parameters and their optimizer state; the "
-              f"{c.frozen_params_left_out:,} frozen parameters are left out (the model file builds them)")
+              f"{c.frozen_params_left_out:,} frozen parameters are left out ({frozen_source(plan)})")
     for r in c.restores:
         print(f"  {_restore_line(r)}")
     return c.ok
+
+
+def frozen_source(plan) -> str:
+    """Where a checkpoint's left-out frozen parameters come from when training resumes: a model file builds
+    them; a transformers config's are the pretrained weights the training script loads."""
+    from shard_planner.hf import config_file
+
+    if config_file(plan.model.path) is not None:
+        return "a transformers config's are its pretrained weights, which the training script loads"
+    return "the model file builds them"
 
 
 def _restore_line(r) -> str:

@@ -7,10 +7,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from shard_planner.cli.args import add_hf_arguments, hf_options, positive_int
+from shard_planner.cli.args import (add_dtype, add_hf_arguments, add_micro_batch, add_model_argument, add_output,
+                                    hf_options, param_dtype, positive_int)
 from shard_planner.fileio import check_output_file, write_atomic
 from shard_planner.trace.types import ModelTrace
-from shard_planner.units import DTYPE_NAMES, format_bytes
+from shard_planner.units import format_bytes
 
 TABLE_ROWS = 20  # modules shown in the summary; the rest are counted in one line
 
@@ -18,7 +19,7 @@ TABLE_ROWS = 20  # modules shown in the summary; the rest are counted in one lin
 @dataclass(frozen=True)
 class TraceRequest:
     model: str
-    batch_size: int | None  # the micro-batch the table shows (default: TRAINING["micro_batch"] or 1)
+    micro_batch: int | None  # the micro-batch the table shows (default: TRAINING["micro_batch"] or 1)
     dtype: str
     output: Path
     check_batch: int | None  # run a real step at this micro-batch and compare
@@ -32,14 +33,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "FakeTensorMode, record per-module parameters, saved activations, peaks and FLOPs, write them "
         "to a trace.json, and print a per-module summary.",
     )
-    p.add_argument("model", help="model file (path/to/model.py or package.module), or a transformers config "
-                   "(config.json or a folder holding one)")
-    p.add_argument("--batch-size", type=positive_int, default=None, metavar="N",
-                   help="micro-batch shown in the table (default: the model file's TRAINING micro_batch, else 1); "
-                   "the trace itself is fitted from batch sizes 1 and 2")
-    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_NAMES),
-                   help="compute dtype (FSDP2 mixed-precision param dtype); default bf16")
-    p.add_argument("-o", "--output", default="trace.json", help="where to write the trace (default: trace.json)")
+    add_model_argument(p, trace_json=False)
+    add_micro_batch(p, default="the model file's TRAINING['micro_batch'], else 1; the table shows the trace at it, "
+                    "which is itself fitted from micro-batches 1 and 2")
+    add_dtype(p)
+    add_output(p, what="trace", default="trace.json")
     p.add_argument("--check", type=positive_int, default=None, metavar="B",
                    help="also run one real training step on this CPU at micro-batch B with the same instruments "
                    "and list where the fake-mode trace differs (builds the model for real: small sizes only)")
@@ -51,12 +49,12 @@ def run(args: argparse.Namespace) -> int:
     from shard_planner.modelfile import load_model_file
     from shard_planner.trace import compare_with_real_run, trace_model
 
-    req = TraceRequest(args.model, args.batch_size, args.dtype, Path(args.output), args.check)
+    req = TraceRequest(args.model, args.micro_batch, param_dtype(args), Path(args.output), args.check)
     check_output_file(req.output, "trace")
     model_file = load_model_file(req.model, hf_options(args))
     trace = trace_model(model_file, dtype=req.dtype)
     write_atomic(req.output, trace.to_json())
-    batch = req.batch_size or model_file.defaults.micro_batch
+    batch = req.micro_batch or model_file.defaults.micro_batch
     print(summary_table(trace, batch))
     print(f"wrote {req.output}")
     if req.check_batch is not None:

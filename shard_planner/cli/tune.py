@@ -7,11 +7,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from shard_planner.cli.args import byte_size, non_negative_int, positive_float, positive_int
+from shard_planner.cli.args import (add_batch_search, add_device, add_dtype, add_gpus, add_gpus_per_node, add_hf_arguments,
+                                    add_mem, add_model_argument, add_output, add_profile, add_report_arguments,
+                                    add_time_limit, add_timings, add_tp_arguments, hf_options, non_negative_int, param_dtype,
+                                    positive_float, positive_int, report_dir)
 from shard_planner.errors import UserError
 from shard_planner.fileio import check_output_dir, check_output_file
 from shard_planner.progress import progress
-from shard_planner.units import DTYPE_NAMES, format_bytes
+from shard_planner.units import format_bytes
 
 CPU_DEFAULT_WORLD_SIZE = 2  # gloo ranks on a CPU machine (DESIGN.md: 2-4 on two cores)
 
@@ -23,48 +26,38 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "profile's compute efficiency and collective bandwidth/latency to the measured step times, "
                     "re-rank, stop early when no remaining plan can beat the measured best, and write the "
                     "measured best (with every measurement) as the plan, the fitted profile and a report.")
-    p.add_argument("model", help="model file (build_model, make_batch, loss_fn, TRAINING)")
-    p.add_argument("--gpus", type=positive_int, required=True, help="GPUs to plan for")
-    p.add_argument("--mem", type=byte_size, required=True, help="memory budget per GPU, e.g. 40GB")
+    add_model_argument(p, trace_json=False)
+    add_hf_arguments(p)
+    add_gpus(p)
+    add_mem(p)
     p.add_argument("--trials", type=positive_int, default=3, help="most plans to run for real (default 3)")
-    p.add_argument("--profile", help="hardware profile name or TOML path (default: cpu-gloo on a machine "
-                                     "without CUDA; required with CUDA)")
-    p.add_argument("--timings", metavar="FILE",
-                   help="measured module times (shard-planner calibrate --model, same model, device and --dtype) "
-                        "to price compute from instead of FLOPs")
+    add_profile(p, default=None, default_text="cpu-gloo on a machine without CUDA; required with CUDA")
+    add_timings(p)
     p.add_argument("--world-size", type=positive_int,
                    help=f"ranks to run on (default: --gpus; {CPU_DEFAULT_WORLD_SIZE} on CPU): the plans are "
                         "re-derived for it when it differs from --gpus")
-    p.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs per node (default 8)")
-    p.add_argument("--micro-batch", type=positive_int, help="micro-batch per GPU (default: the model file's)")
-    tp = p.add_argument_group("tensor parallelism")
-    tp.add_argument("--tp", type=positive_int, default=1, metavar="N",
-                    help="tensor-parallel degree every candidate keeps (default 1): N GPUs of a node split every "
-                    "block, styles derived as plan --tp derives them; it must divide the GPUs per node, --gpus, "
-                    "--world-size and the model's heads, MLP width and vocabulary")
-    tp.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
-                    help="with --tp, keep the norms and the block inputs whole on every rank")
-    tp.add_argument("--no-loss-parallel", dest="loss_parallel", action="store_false",
-                    help="with --tp, gather the logits before the loss")
-    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_NAMES),
-                   help="mixed-precision param dtype the model is traced, planned and run in (default bf16)")
+    add_gpus_per_node(p)
+    add_batch_search(p)
+    add_time_limit(p)
+    add_tp_arguments(p, tp_default=1, tp_help="every candidate keeps it (default 1), its styles derived as plan "
+                     "derives them; it must divide --world-size too")
+    add_dtype(p)
     p.add_argument("--steps", type=positive_int, default=5, help="timed steps per plan (default 5)")
     p.add_argument("--warmup", type=non_negative_int, default=2, help="warm-up steps per plan (default 2)")
     p.add_argument("--per-launch", type=positive_int,
                    help="plans run per launch (default: half of --trials, rounded up; a launch costs 10-20 s on CPU)")
     p.add_argument("--timeout", type=positive_float, default=600.0, help="seconds one launch may take (default 600)")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("-o", "--output", default="plan.json", help="plan file to write (default plan.json)")
+    add_device(p)
+    add_output(p, what="plan", default="plan.json")
     p.add_argument("--profile-out", help="fitted profile to write (default: <plan>-fitted.toml beside the plan)")
-    p.add_argument("--report-dir", "--report", dest="report", metavar="DIR",
-                   help="report folder (default: beside the plan, <plan name>.report/)")
-    p.add_argument("--no-report", action="store_true", help="do not write a report")
+    add_report_arguments(p)
     return p
 
 
-def _resolve(args) -> tuple[str, int, str]:
-    """(profile, world size, device) from the arguments and the machine."""
+def _resolve(args) -> tuple[str, int, str, int]:
+    """(profile, world size, device, GPUs per node) from the arguments, the profile and the machine."""
     from shard_planner.execute.launch import resolve_device
+    from shard_planner.profile import load_profile
 
     device = resolve_device(args.device)
     profile = args.profile
@@ -75,23 +68,34 @@ def _resolve(args) -> tuple[str, int, str]:
     world_size = args.world_size
     if world_size is None:
         world_size = args.gpus if device == "cuda" else min(args.gpus, CPU_DEFAULT_WORLD_SIZE)
-    return profile, world_size, device
+    return profile, world_size, device, args.gpus_per_node or load_profile(profile).interconnect.gpus_per_node
+
+
+def _plan_options(args) -> dict:
+    """The plan search's options (:class:`~shard_planner.solve.PlanRequest` fields) the command line sets,
+    as ``plan`` sets them."""
+    options = {"time_limit_s": args.time_limit, "search_batch": args.search_batch}
+    if args.global_batch is not None:
+        options["global_batch_samples"] = args.global_batch
+    if args.global_batch_tokens is not None:
+        options["global_batch_tokens"] = args.global_batch_tokens
+    return options
 
 
 def run(args) -> int:
-    from shard_planner.plan import report_dir_for, save_plan
+    from shard_planner.plan import save_plan
     from shard_planner.tune import check_degree, tune_model
 
     budget = args.mem
-    profile, world_size, device = _resolve(args)
-    check_degree(args.tp, gpus=args.gpus, gpus_per_node=args.gpus_per_node, world_size=world_size)
+    profile, world_size, device, gpus_per_node = _resolve(args)
+    check_degree(args.tp, gpus=args.gpus, gpus_per_node=gpus_per_node, world_size=world_size)
     out = Path(args.output)
     profile_out = Path(args.profile_out) if args.profile_out else out.with_name(f"{out.stem}-fitted.toml")
-    report_dir = None if args.no_report else Path(args.report) if args.report else report_dir_for(out)
+    report = report_dir(args)
     check_output_file(out, "plan")
     check_output_file(profile_out, "fitted profile")
-    if report_dir is not None:
-        check_output_dir(report_dir, "report")
+    if report is not None:
+        check_output_dir(report, "report")
     if world_size != args.gpus:
         print(f"tune: running at world size {world_size} on {device}: each plan for {args.gpus} GPUs is re-derived "
               f"for {world_size} ranks to run; the returned plan is for {args.gpus} GPUs")
@@ -99,12 +103,12 @@ def run(args) -> int:
     with progress(f"tuning {args.model}"):
         result = tune_model(
             args.model, gpus=args.gpus, mem_budget_bytes=budget, profile=profile, trials=args.trials,
-            world_size=world_size, gpus_per_node=args.gpus_per_node, micro_batch=args.micro_batch,
-            dtype=DTYPE_NAMES[args.dtype], per_launch=args.per_launch, steps=args.steps, warmup=args.warmup,
-            timeout_s=args.timeout, device=device, profile_out=profile_out, report_dir=report_dir,
+            world_size=world_size, gpus_per_node=gpus_per_node, micro_batch=args.micro_batch,
+            dtype=param_dtype(args), per_launch=args.per_launch, steps=args.steps, warmup=args.warmup,
+            timeout_s=args.timeout, device=device, profile_out=profile_out, report_dir=report,
             timings=args.timings, tp=args.tp, sequence_parallel=args.sequence_parallel,
-            loss_parallel=args.loss_parallel)
-    save_plan(result.plan, out)
+            loss_parallel=args.loss_parallel, plan_options=_plan_options(args), hf_options=hf_options(args))
+    save_plan(result.plan, out)  # its files located from there (plan.with_paths_located)
 
     print(f"{'#':>2}  {'launch':>6}  {'measured s':>10}  {'prior s':>9}  {'fitted s':>9}  {'peak':>11}  "
           f"{'pred. peak':>11}  plan")
@@ -124,6 +128,6 @@ def run(args) -> int:
           f"{result.launches} launch(es), {result.seconds:.1f} s")
     print(f"plan: {out}")
     print(f"fitted profile: {profile_out}")
-    if report_dir is not None:
-        print(f"report: {report_dir / 'report.html'}")
+    if report is not None:
+        print(f"report: {report / 'report.html'}")
     return 0

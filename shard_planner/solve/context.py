@@ -25,7 +25,7 @@ from shard_planner.cost.types import Estimate
 from shard_planner.errors import UserError
 from shard_planner.plan import Cluster, Mesh, Plan, Prefetch, Training, Unit
 from shard_planner.solve import cpsat
-from shard_planner.solve.accumulation import NO_ACCUMULATION
+from shard_planner.solve.accumulation import NO_ACCUMULATION, resolve_global_batch
 from shard_planner.cost.queries import UnitSetting
 from shard_planner.solve.candidate_costs import CandidateCosts, candidate_costs
 from shard_planner.solve.linear import (MIB, GlobalChoice, LinearModel, build_linear_model, evaluate, unit_setting,
@@ -108,8 +108,11 @@ class PlanContext:
 
     def __init__(self, trace: ModelTrace, request: PlanRequest):
         self.trace, self.request, self.profile = trace, request, request.profile
+        asked = resolve_global_batch(request.global_batch_samples, request.global_batch_tokens,
+                                     trace.tokens_per_sample, trace.model_path)
         self.training = Training(micro_batch=request.micro_batch or 1, optimizer=request.optimizer, lr=request.lr,
-                                 param_dtype=request.param_dtype, reduce_dtype=request.reduce_dtype)
+                                 param_dtype=request.param_dtype, reduce_dtype=request.reduce_dtype,
+                                 global_batch_asked=asked.samples if asked is not None else None)
         self.cluster = Cluster(gpus=request.gpus, gpus_per_node=min(request.gpus_per_node, request.gpus),
                                profile=request.profile_name or self.profile.name,
                                mem_budget_bytes=request.mem_budget_bytes, timings=request.timings_path,

@@ -105,13 +105,13 @@ def _plan_at_budget(trace: ModelTrace, request: PlanRequest) -> PlanResult:
 def _plan(ctx: PlanContext) -> PlanResult:
     request = ctx.request
     profile = request.profile
-    if request.mem_budget_bytes > profile.memory_bytes:
+    if request.mem_budget_bytes > profile.memory_bytes and not profile.is_nominal_size(request.mem_budget_bytes):
         logger.warning("budget %s exceeds the memory of a %s device (%s): planning for %s",
                        format_bytes(request.mem_budget_bytes), profile.name, format_bytes(profile.memory_bytes),
                        budget_text(profile, request.mem_budget_bytes))
-    share = host_factors(profile, request.gpus)[0]
+    share = host_factors(profile, request.run_ranks or request.gpus)[0]
     if share > 1:
-        ranks = ranks_per_host(profile, request.gpus)
+        ranks = ranks_per_host(profile, request.run_ranks or request.gpus)
         logger.warning("%d ranks share this host's %d cores: each runs at 1/%.3g of a core, which the step time "
                        "includes; the ranks' waits for a core at every collective are not modelled "
                        "(`shard-planner calibrate --world-size %d` measures them into a profile)",

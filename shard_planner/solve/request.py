@@ -27,6 +27,14 @@ DEFAULT_TIME_LIMIT_S = 1.0  # per CP-SAT solve; the planner runs several (solve/
 DEFAULT_FRONTIER_POINTS = 4
 
 
+def requested_micro_batch(given: int | None, default: int, *, search_batch: bool, global_batch: bool) -> int | None:
+    """:attr:`PlanRequest.micro_batch` for a command line: the micro-batch given; else None, which the planner
+    searches, with ``search_batch`` or a global batch; else ``default`` (the model file's)."""
+    if given is not None:
+        return given
+    return None if search_batch or global_batch else default
+
+
 @dataclass(frozen=True)
 class PlanRequest:
     """Everything :func:`shard_planner.solve.plan_model` needs besides the trace.
@@ -71,6 +79,9 @@ class PlanRequest:
     # how the model splits over the trace's tensor-parallel degree (trace.tp_size > 1; None without TP):
     # the plans of that degree record it (solve/tp_search.py searches the degrees, one trace each)
     tensor_parallel: TensorParallel | None = None
+    # the ranks that will run the plan's step on this host, when not the plan's gpus (tune runs an 8-GPU plan
+    # re-derived for 2 CPU ranks): the "N ranks share this host's cores" warning names them; None: gpus
+    run_ranks: int | None = None
 
     def __post_init__(self):
         if not _positive_int(self.gpus) or not _positive_int(self.gpus_per_node):
@@ -84,7 +95,7 @@ class PlanRequest:
         if not _positive_int(self.max_group_size) or not _positive_int(self.frontier_points):
             raise UserError(f"max_group_size and frontier_points must be positive ints, got {self.max_group_size} "
                             f"and {self.frontier_points}")
-        for name in ("global_batch_samples", "global_batch_tokens", "allocated_budget_bytes"):
+        for name in ("global_batch_samples", "global_batch_tokens", "allocated_budget_bytes", "run_ranks"):
             if getattr(self, name) is not None and not _positive_int(getattr(self, name)):
                 raise UserError(f"{name} must be a positive int, got {getattr(self, name)!r}")
         if self.global_batch_samples is not None and self.global_batch_tokens is not None:

@@ -53,7 +53,8 @@ def tune_model(model_path: str, *, gpus: int, mem_budget_bytes: int, profile: st
                steps: int = 5, warmup: int = 2, timeout_s: float = 600.0, device: str = "auto", trace=None,
                profile_out: str | os.PathLike | None = None, report_dir: str | os.PathLike | None = None,
                plan_options: dict | None = None, timings: str | None = None, tp: int = 1,
-               sequence_parallel: bool = True, loss_parallel: bool = True, run_plans=None) -> TuneResult:
+               sequence_parallel: bool = True, loss_parallel: bool = True, run_plans=None,
+               hf_options=None) -> TuneResult:
     """Plan ``model_path`` for ``gpus`` GPUs within ``mem_budget_bytes`` each, run the top ``trials``
     distinct plans for real (re-derived for ``world_size`` ranks when given), fit ``profile`` to what was
     measured and return the measured best (see :mod:`shard_planner.tune.tuner`). Writes the fitted profile
@@ -65,10 +66,13 @@ def tune_model(model_path: str, *, gpus: int, mem_budget_bytes: int, profile: st
     modules). ``tp``: the tensor-parallel degree every candidate keeps, its styles derived as ``plan --tp``
     derives them (:func:`_degree_trace`). ``plan_options``: further :class:`~shard_planner.solve.PlanRequest`
     fields (``time_limit_s``, ...). ``run_plans``: runs a launch's plans (default
-    :func:`shard_planner.execute.run_plans`)."""
+    :func:`shard_planner.execute.run_plans`). ``hf_options``: for a transformers config, its task, sequence
+    length and fine-tune (:class:`~shard_planner.hf.HfOptions`), which every candidate records to be run as."""
     from shard_planner.cost import estimate
     from shard_planner.modelfile import load_model_file
+    from shard_planner.hf import as_planned
     from shard_planner.solve import PlanRequest, plan_model
+    from shard_planner.solve.request import requested_micro_batch
     from shard_planner.units import compute_dtype_name
 
     if trials < 1:
@@ -76,21 +80,25 @@ def tune_model(model_path: str, *, gpus: int, mem_budget_bytes: int, profile: st
     prior = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
     if timings is not None:
         prior = prior.with_timings(load_timings(timings))
-    model_file = load_model_file(model_path)
+    model_file = load_model_file(model_path, hf_options)
     param_dtype = compute_dtype_name(dtype)
     check_degree(tp, gpus=gpus, gpus_per_node=gpus_per_node, world_size=world_size)
     trace, styles = _degree_trace(model_file, param_dtype, tp, trace, sequence_parallel=sequence_parallel,
                                   loss_parallel=loss_parallel)
-    defaults = model_file.defaults
+    defaults, options = model_file.defaults, plan_options or {}
+    global_batch = options.get("global_batch_samples") or options.get("global_batch_tokens")
     request = PlanRequest(gpus=gpus, mem_budget_bytes=mem_budget_bytes, profile=prior, gpus_per_node=gpus_per_node,
-                          micro_batch=micro_batch or defaults.micro_batch, optimizer=defaults.optimizer, lr=defaults.lr,
-                          param_dtype=param_dtype, model_path=model_path,
+                          micro_batch=requested_micro_batch(micro_batch, defaults.micro_batch, global_batch=bool(global_batch),
+                                                            search_batch=options.get("search_batch", False)),
+                          optimizer=defaults.optimizer, lr=defaults.lr, param_dtype=param_dtype, model_path=model_path,
                           profile_name=profile if isinstance(profile, str) else None, timings_path=timings,
-                          tensor_parallel=styles, **(plan_options or {}))
+                          tensor_parallel=styles, run_ranks=world_size, **options)
     plan = plan_model(trace, request).plan
     candidates = top_candidates(trace, plan, prior, trials, estimate=estimate,
                                 solve=lambda budget: plan_model(trace, replace(request, mem_budget_bytes=budget)).plan,
                                 extra=hand_written_plans(trace, plan))
+    task = hf_options.task if hf_options is not None else None
+    candidates = [replace(c, plan=as_planned(c.plan, task, model_file.finetune)) for c in candidates]
     if run_plans is None:
         from shard_planner.execute import run_plans
     result = tune(trace, candidates, prior, estimate=estimate, run_plans=run_plans, world_size=world_size,

@@ -345,7 +345,9 @@ def test_cli_trace_of_a_model_file_that_exits(tmp_path, capsys, monkeypatch):
 
 def test_a_folder_given_as_the_model_file(tmp_path, capsys):
     assert _cli("trace", tmp_path, "-o", tmp_path / "t.json") == 2
-    assert one_error_line(capsys) == f"{tmp_path}: is a folder, expected a model file (path/to/model.py or package.module)"
+    assert one_error_line(capsys) == (f"{tmp_path}: is a folder without a config.json, expected a model file "
+                                      "(path/to/model.py or package.module) or a transformers config (config.json or a "
+                                      "folder holding one)")
 
 
 # ---- runs (several processes) ----

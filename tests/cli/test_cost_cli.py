@@ -32,7 +32,7 @@ def test_estimate_prints_peak_breakdown_and_step_time(files, capsys):
     assert main(["estimate", str(d / "trace.json"), "--plan", str(d / "plan.json")]) == 0
     out = capsys.readouterr().out
     est = estimate(trace, plan, load_profile("cpu-gloo"))
-    assert f"peak memory per GPU: {format_bytes(est.memory.peak_bytes)}" in out
+    assert f"peak memory per CPU rank: {format_bytes(est.memory.peak_bytes)}" in out  # a cpu-gloo plan
     assert "backward: reduce-scatter blocks.3" in out
     for cat in est.memory.memory_at_peak:
         assert cat in out

@@ -277,7 +277,7 @@ MLP_FILE = str(MODELS / "cost_mlp.py")
 
 @pytest.mark.parametrize("argv, message", [
     (["-o", "t.toml"], "module timings are a .json file"),
-    (["--dtype", "int8"], "--dtype int8: choose one of bf16, fp16, fp32"),
+    (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),  # one --dtype for every command (cli/args.py)
     (["--micro-batch", "0"], "--micro-batch must be a positive integer"),
 ])
 def test_calibrate_model_cli_bad_arguments_are_one_line(argv, message, capsys):
@@ -305,6 +305,8 @@ def test_calibrate_model_cli_writes_timings(tmp_path, capsys):
                  "-o", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "Block" in printed and "FLOP model" in printed and f"wrote {out}" in printed
+    # what to do with it: the command line, not the Python API (issue 36, item 12)
+    assert f"`shard-planner plan {MLP_FILE} --dtype float32 --timings {out}`" in printed
     t = load_timings(out)
     assert t.param_dtype == "float32" and t.micro_batches == (2, 4) and t.world_size == 1
     assert set(t.modules) == {"", "head"} | {f"blocks.{i}{s}" for i in range(L) for s in ("", ".fc", ".act")}
