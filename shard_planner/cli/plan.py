@@ -151,7 +151,7 @@ def _run(args: argparse.Namespace, helper: Helper, second: Helper) -> int:
     if args.report:
         t1 = time.perf_counter()
         with without_collections():
-            out = _write_report(result, _report_dir(args), trace, profile, helper)
+            out = _write_report(result, _report_dir(args), degree_work.trace_of(result.plan), profile, helper)
         report_s = time.perf_counter() - t1
         if out is not None:
             print(f"report: {out}")
@@ -209,6 +209,9 @@ def _import_report() -> None:
 
 
 def _write_report(result: PlanResult, report_dir: Path, trace, profile, helper: Helper):
+    """The report of the plan as saved, drawn by the code ``shard-planner report plan.json`` runs (write_report)
+    from the planner's trace at the chosen degree (``trace``: report/__init__.py [Note: One rank's trace]) and
+    estimate, half its figures rendered in the helper."""
     try:
         from shard_planner.report import write_report
         from shard_planner.report.plots import figures_png

@@ -50,8 +50,9 @@ def run(args) -> int:
         from shard_planner.modelfile import load_unless_trace
         from shard_planner.trace import trace_for_plan, trace_or_load
 
-        # the plan's own model: a transformers config as planned (sequence length, task, fine-tune)
-        model_file = None if args.trace else load_unless_trace(source, model_options(plan.model, source))
+        # the plan's own model (or --trace's model file): a transformers config as planned (sequence length,
+        # task, fine-tune), traced at the plan's degree (report/__init__.py [Note: One rank's trace])
+        model_file = load_unless_trace(source, model_options(plan.model, source))
         with progress(f"tracing {source}"):
             trace = (trace_for_plan(model_file, plan) if model_file is not None  # one rank at the plan's tp
                      else trace_or_load(source, dtype=plan.training.param_dtype))

@@ -17,6 +17,14 @@ once on the plan for the timeline and the per-unit times; without, the report dr
 holds. A caller that already has the estimate passes it as ``estimate=`` (``shard-planner plan`` passes
 the planner's, ``PlanResult.estimate``, so the cost model runs once per command).
 
+[Note: One rank's trace]
+  Every per-unit figure, the memory timeline and the allocator's line are one rank's, so the trace they
+  come from must be one rank's at the plan's tensor-parallel degree (trace ``tp_size``), the trace the
+  planner priced the plan on: ``plan`` passes the chosen degree's (cli/plan_degrees.py
+  ``DegreeWork.trace_of``), ``report`` traces the plan's model at its degree (trace/tracer.py
+  ``trace_for_plan``). A trace of the whole model drawn for a TP plan reads every split block at its full
+  size; :func:`check_trace_rank` refuses it. Both commands write the report with :func:`write_report`.
+
 Memory is judged against the usable budget the planner fills, --mem x the profile's usable_fraction
 (report/budget.py); both lines are drawn. On a GPU profile the timeline draws the simulated CUDA caching
 allocator's reserved bytes too (report/reserved.py), and the summary its figures from the plan file. When the plan's profile is not here the report compares
@@ -31,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from shard_planner.cost.types import Estimate
+from shard_planner.errors import PlanError
 from shard_planner.fileio import write_atomic
 from shard_planner.plan import Plan
 from shard_planner.plan_points import degree_label
@@ -56,7 +65,7 @@ Renderer = Callable[[dict[str, "Figure"]], dict[str, bytes]]  # figures by file 
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_sections", "write_report", "write_sections"]
+__all__ = ["build_sections", "check_trace_rank", "write_report", "write_sections"]
 
 
 def _estimate(plan: Plan, trace: ModelTrace, profile: HardwareProfile | None) -> Estimate | None:
@@ -94,6 +103,8 @@ def build_sections(plan: Plan, *, trace: ModelTrace | None = None, profile: Hard
                    budget: ReportBudget | None = None) -> list[ReportSection]:
     """The report's sections in order, each with its figure (if any) and table (if any). ``budget``:
     :func:`report_budget` of the plan and ``profile`` when not given."""
+    if trace is not None:
+        check_trace_rank(plan, trace)
     if budget is None:
         missing = ""
         if profile is None:
@@ -120,6 +131,14 @@ def build_sections(plan: Plan, *, trace: ModelTrace | None = None, profile: Hard
         "shard-planner export plan.json --to fsdp2 -o apply_sharding.py. For a training stack: --to accelerate, "
         "torchtitan or deepspeed (each export lists what that stack cannot express, with the nearest setting)."))
     return [s for s in sections if s is not None]
+
+
+def check_trace_rank(plan: Plan, trace: ModelTrace) -> None:
+    """``trace`` is one rank's at ``plan``'s tensor-parallel degree ([Note: One rank's trace]), else one line."""
+    if trace.tp_size != plan.mesh.tp_size:
+        raise PlanError(f"the trace holds one rank at {degree_label(trace.tp_size)} where the plan runs "
+                        f"{degree_label(plan.mesh.tp_size)}: give the model file (--trace MODEL), which is traced "
+                        "at the plan's degree, or --no-trace")
 
 
 def _frontier_section(plan: Plan, budget: ReportBudget) -> ReportSection | None:
