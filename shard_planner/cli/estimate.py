@@ -135,11 +135,11 @@ def reserved_report(plan: Plan, cm, fit) -> str:
     """What the CUDA caching allocator would reserve for the plan's first two steps (cost/reserved.py), whether
     the step survives a GPU of ``--mem`` in the plan's allocator mode (``fit``: cost/fits.py, the margin
     included), and the same figures in the other mode."""
-    from shard_planner.cost.fits import device_fit
+    from shard_planner.cost.fits import allocator_figures_text, device_fit
 
     other = not fit.expandable_segments
     alt = device_fit(cm, plan, expandable_segments=other)
     return "\n".join([
         f"on the GPU, as planned: {fit.describe()}",
-        f"  with {mode_name(other)} instead: reserved peak {format_bytes(alt.reserved_peak_total_bytes)}, no retries "
-        f"from {format_bytes(alt.no_retry_total_bytes)}; {alt.verdict()}"])
+        f"  with {mode_name(other)} instead: {alt.verdict()}; " + allocator_figures_text(
+            alt.reserved_peak_total_bytes, alt.no_retry_total_bytes, other)])

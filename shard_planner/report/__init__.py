@@ -48,13 +48,13 @@ from shard_planner.report.budget import ReportBudget, load_plan_profile, report_
 from shard_planner.report.degrees import degrees_table, plot_degrees, throughput_unit
 from shard_planner.report.measured import check_measurement_matches, measured_figures, predictions_for, run_sections
 from shard_planner.report.plots import (
-    figures_png, plot_frontier, plot_measured_plans, plot_memory_at_peak, plot_memory_timeline,
-    plot_predicted_vs_measured, plot_units,
+    figures_png, plot_frontier, plot_measured_plans, plot_memory_at_peak, plot_predicted_vs_measured, plot_units,
 )
 from shard_planner.report.reserved import reserved_caption, reserved_timeline
 from shard_planner.report.render import ReportSection, render_html, render_markdown, summary_lines
 from shard_planner.report.rows import unit_rows
 from shard_planner.report.tables import frontier_table, measurements_table, units_table
+from shard_planner.report.timeline import plot_memory_timeline
 from shard_planner.trace.types import ModelTrace
 from shard_planner.units import format_bytes
 
@@ -275,13 +275,15 @@ def write_report(plan: Plan, out_dir: str | os.PathLike, *, trace: ModelTrace | 
     budget = report_budget(plan, profile, missing)
     sections = build_sections(plan, trace=trace, profile=profile, measurement=measurement, estimate=estimate,
                               budget=budget)
-    return write_sections(plan, sections, out_dir, measurement=measurement, budget=budget, render=render)
+    return write_sections(plan, sections, out_dir, measurement=measurement, budget=budget, render=render, trace=trace)
 
 
 def write_sections(plan: Plan, sections: list[ReportSection], out_dir: str | os.PathLike, *,
-                   measurement=None, budget: ReportBudget | None = None, render: Renderer = figures_png) -> Path:
+                   measurement=None, budget: ReportBudget | None = None, render: Renderer = figures_png,
+                   trace: ModelTrace | None = None) -> Path:
     """Write already built sections (:func:`build_sections`) as the report; return report.html's path.
-    ``budget``: the one the sections were built with (None: :func:`report_budget` of the plan's profile)."""
+    ``budget``: the one the sections were built with (None: :func:`report_budget` of the plan's profile);
+    ``trace``: theirs, for the summary's line of what trains."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     pngs = render({s.image: s.figure for s in sections if s.figure is not None})
@@ -291,7 +293,7 @@ def write_sections(plan: Plan, sections: list[ReportSection], out_dir: str | os.
     predicted = predictions_for(plan, measurement) if measurement is not None else None
     if predicted is not None:
         measured = (measured_figures(measurement), predicted)
-    summary = summary_lines(plan, budget if budget is not None else report_budget(plan), measured)
+    summary = summary_lines(plan, budget if budget is not None else report_budget(plan), measured, trace)
     write_atomic(out / "report.md", render_markdown(plan, summary, sections))
     html_path = out / "report.html"
     write_atomic(html_path, render_html(plan, summary, sections, pngs))

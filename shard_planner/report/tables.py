@@ -6,6 +6,7 @@ with ``DataFrame.to_markdown`` because that needs the optional ``tabulate`` pack
 
 from __future__ import annotations
 
+import html
 from typing import Sequence
 
 import pandas as pd
@@ -16,6 +17,7 @@ from shard_planner.report.plots import GIB, plan_throughput
 from shard_planner.report.rows import UnitRow
 
 MIB = 2**20
+NUM = ' class="num"'  # a numeric column's cells: right-aligned (render.py's CSS)
 
 
 def units_table(rows: Sequence[UnitRow]) -> pd.DataFrame:
@@ -131,8 +133,17 @@ def to_markdown(df: pd.DataFrame) -> str:
 
 
 def to_html(df: pd.DataFrame) -> str:
-    """An HTML table with the same number formatting as the Markdown one."""
-    return df.to_html(index=False, border=0, classes="table", escape=True, na_rep="", formatters=_formatters(df))
+    """An HTML table with the same number formatting as the Markdown one: numbers right-aligned (class
+    "num"), text left-aligned, as the Markdown table aligns them."""
+    numeric = [pd.api.types.is_numeric_dtype(df[c]) for c in df.columns]
+    fmt = _formatters(df)
+
+    def cells(tag: str, values) -> str:
+        return "".join(f"<{tag}{NUM if num else ''}>{html.escape(v)}</{tag}>" for v, num in zip(values, numeric))
+
+    rows = [f"<tr>{cells('td', [fmt[c](v) for c, v in zip(df.columns, row)])}</tr>" for row in df.itertuples(index=False)]
+    return ('<table class="table">\n<thead><tr>' + cells("th", [str(c) for c in df.columns]) + "</tr></thead>\n<tbody>\n"
+            + "\n".join(rows) + "\n</tbody>\n</table>")
 
 
 def measurements_table(plan: Plan) -> pd.DataFrame:

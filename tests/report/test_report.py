@@ -26,8 +26,9 @@ from shard_planner.report.budget import report_budget
 from shard_planner.report.measured import measured_figures
 from shard_planner.report.plots import (
     frontier_point_count, plan_throughput, plot_frontier, plot_measured_plans, plot_memory_at_peak,
-    plot_memory_timeline, plot_predicted_vs_measured, plot_units,
+    plot_predicted_vs_measured, plot_units,
 )
+from shard_planner.report.timeline import plot_memory_timeline
 from shard_planner.report.render import summary_lines
 from shard_planner.report.rows import unit_rows
 from shard_planner.report.tables import frontier_table, measurements_table, to_markdown, units_table
@@ -126,7 +127,9 @@ def test_memory_timeline_content():
     assert peak.get_xdata()[0] == i and peak.get_ydata()[0] == pytest.approx(est.memory.peak_bytes / GIB)
     assert gid_artists(fig, "budget")[0].get_ydata()[0] == pytest.approx(40.0)
     assert gid_artists(fig, "usable-budget")[0].get_ydata()[0] == pytest.approx(40.0 * 0.947)
-    assert {t.get_text() for t in ax.texts} >= {"forward", "backward", "optimizer"}
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert {"forward (shaded)", "backward (shaded)", "optimizer step (shaded)"} <= set(legend)  # phases named once
+    assert not ax.texts  # nothing written over the data: every name is in the legend
     assert "(GiB)" in ax.get_ylabel()
     assert not texts_overlap(fig)
 
