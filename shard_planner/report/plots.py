@@ -25,7 +25,7 @@ from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 from shard_planner.plan import MEMORY_CATEGORIES, FrontierPoint, Plan, Prediction  # noqa: E402
 from shard_planner.report.budget import ReportBudget  # noqa: E402
-from shard_planner.report.rows import UnitRow  # noqa: E402
+from shard_planner.report.rows import UnitRow, exposed_columns  # noqa: E402
 from shard_planner.units import format_bytes  # noqa: E402
 
 GIB = 2**30
@@ -43,6 +43,7 @@ CATEGORY_LABELS = {
     "comm_buffers": "communication buffers",
     "overhead": "overhead (CUDA context, NCCL)",
 }
+EXPOSED_COLORS = ("#d62728", "#e377c2", "#ff9896", "#9467bd")  # the parts of exposed communication, in order
 BASELINE_MARKERS = ("s", "D", "^", "v", "P", "p", "h", "<", ">")
 BASELINE_COLORS = ("#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f")
 
@@ -278,8 +279,9 @@ def unit_label(row: UnitRow) -> str:
 
 def plot_units(rows: Sequence[UnitRow], title: str = "") -> Figure | None:
     """Horizontal bars per unit (identical consecutive units folded into one row, figures per unit):
-    left, sharded and unsharded parameter bytes and activations kept for backward; right, compute vs
-    communication time with the exposed part of communication hatched. None without per-unit sizes."""
+    left, sharded and unsharded parameter bytes and activations kept for backward; right, compute, FSDP's
+    collectives on their stream and exposed communication in its parts, hatched (the units table's columns).
+    None without per-unit sizes."""
     rows = [r for r in rows if r.param_count is not None]
     if not rows:
         return None
@@ -306,13 +308,17 @@ def plot_units(rows: Sequence[UnitRow], title: str = "") -> Figure | None:
 
     if has_time:
         ax = axes[1]
-        tscale, tunit = _time_scale(max(max(r.compute_s, r.comm_s) for r in rows))
-        ax.barh([y - h / 2 for y in ys], [r.compute_s / tscale for r in rows], height=h, color="#17becf",
+        tscale, tunit = _time_scale(max(max(r.compute_s, r.comm_s, r.exposed_comm_s) for r in rows))
+        ax.barh([y - h for y in ys], [r.compute_s / tscale for r in rows], height=h, color="#17becf",
                 label="compute (fwd + bwd + recompute)", gid="time:compute")
-        ax.barh([y + h / 2 for y in ys], [r.comm_s / tscale for r in rows], height=h, color="#bcbd22",
-                label="communication (all-gather + reduce-scatter)", gid="time:comm")
-        ax.barh([y + h / 2 for y in ys], [r.exposed_comm_s / tscale for r in rows], height=h, color="none",
-                edgecolor="#d62728", hatch="////", lw=0.8, label="exposed communication", gid="time:exposed")
+        ax.barh(ys, [r.comm_s / tscale for r in rows], height=h, color="#bcbd22",
+                label="FSDP collectives on their stream (all-gather + reduce-scatter)", gid="time:comm")
+        left = [0.0] * n  # exposed communication, its parts stacked (the units table's columns)
+        for (field, name), color in zip(exposed_columns(rows), EXPOSED_COLORS):
+            widths = [getattr(r.exposed_parts, field) / tscale for r in rows]
+            ax.barh([y + h for y in ys], widths, left=left, height=h, color=color, hatch="////", edgecolor="white",
+                    lw=0, label=f"exposed: {name}", gid=f"time:exposed:{field}")
+            left = [a + w for a, w in zip(left, widths)]
         ax.set_xlabel(f"time per step, per unit ({tunit})")
         ax.set_title("Time")
         ax.grid(True, axis="x", alpha=0.3)

@@ -14,7 +14,7 @@ import pandas as pd
 from shard_planner.plan import Plan
 from shard_planner.report.budget import ReportBudget
 from shard_planner.report.plots import GIB, plan_throughput
-from shard_planner.report.rows import UnitRow
+from shard_planner.report.rows import UnitRow, exposed_columns
 
 MIB = 2**20
 NUM = ' class="num"'  # a numeric column's cells: right-aligned (render.py's CSS)
@@ -25,6 +25,7 @@ def units_table(rows: Sequence[UnitRow]) -> pd.DataFrame:
     a column of trainable parameters when some are frozen (a fine-tune)."""
     records = []
     frozen = any(r.param_count is not None and r.trainable_param_count != r.param_count for r in rows)
+    parts = exposed_columns(rows)
     for r in rows:
         rec = {
             "unit": r.label,
@@ -45,8 +46,9 @@ def units_table(rows: Sequence[UnitRow]) -> pd.DataFrame:
         if r.compute_s is not None:
             rec.update({
                 "compute (ms)": r.compute_s * 1e3,
-                "communication (ms)": r.comm_s * 1e3,
+                "FSDP collectives (ms)": r.comm_s * 1e3,
                 "exposed comm. (ms)": r.exposed_comm_s * 1e3,
+                **{f"of it {name} (ms)": getattr(r.exposed_parts, field) * 1e3 for field, name in parts},
             })
         records.append(rec)
     return pd.DataFrame.from_records(records)

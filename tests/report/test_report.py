@@ -181,7 +181,7 @@ def test_units_plot_content():
     fig = plot_units(rows)
     mem_ax, time_ax = fig.axes
     for gid in ("mem:sharded_param_bytes", "mem:unsharded_param_bytes", "mem:activation_bytes", "time:compute",
-                "time:comm", "time:exposed"):
+                "time:comm", "time:exposed:wait_s"):
         assert len(gid_artists(fig, gid)) == len(rows)  # one bar per row
     assert "(GiB)" in mem_ax.get_xlabel() or "(MiB)" in mem_ax.get_xlabel()
     assert "(ms)" in time_ax.get_xlabel()

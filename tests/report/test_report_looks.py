@@ -175,3 +175,41 @@ def test_durations_never_in_exponent_form():
     slow = DegreeOutcome(1, "solved", 10.74, 10.0, 30 * GIB, 9.5, 1.2, 0.0, 64)
     (line,) = degree_lines(1, (slow,))
     assert "step 10.74 s: compute 9.5 s, exposed communication 1.2 s" in line and "e+" not in line
+
+
+def test_exposed_communication_in_parts_that_add_up(gpt2, tmp_path, capsys):
+    """Exposed communication counts FSDP2's copies and the compute slowed by overlapped collectives beside the
+    wait for collectives (issue 36 item 8: 'communication 0.04048 ms of which exposed 0.04127 ms'): estimate,
+    the units table and the units figure name the same parts (cost/types.py ExposedParts), and they add up."""
+    from shard_planner.cli.main import main
+    from shard_planner.plan import save_plan
+    from shard_planner.report.plots import plot_units
+    from shard_planner.report.rows import unit_rows
+    from shard_planner.report.tables import units_table
+
+    trace, profile, cm = gpt2
+    plan = _example_plan(trace, "examples/gpt2.py")
+    est = cm.estimate(plan)
+    t = est.time
+    parts = t.exposed_parts()
+    assert parts.copies_s > 0 and parts.total_s == pytest.approx(t.exposed_comm_s)
+    assert t.compute_s + t.exposed_comm_s + t.optimizer_s == pytest.approx(t.step_time_s)
+    assert all(u.parts.total_s == pytest.approx(u.exposed_comm_s) for u in t.units)
+    save_plan(plan, tmp_path / "plan.json")
+    assert main(["estimate", "examples/gpt2.py", "--plan", str(tmp_path / "plan.json")]) == 0
+    out = capsys.readouterr().out
+    step, exposed_line = [line for line in out.splitlines() if "exposed communication" in line][:2]
+    ms = [float(v) * (1e-3 if u == "µs" else 1.0) for v, u in re.findall(r"([\d.]+) (ms|µs)", exposed_line)]
+    total = float(re.search(r"exposed communication ([\d.]+) ms", step).group(1))
+    assert "FSDP2's copies" in exposed_line and sum(ms) == pytest.approx(total, rel=2e-3)
+    rows = unit_rows(plan, trace, est)
+    table = units_table(rows)
+    of_it = [c for c in table.columns if c.startswith("of it ")]
+    assert "of it FSDP2's copies (ms)" in of_it
+    assert (table[of_it].sum(axis=1) - table["exposed comm. (ms)"]).abs().max() < 1e-9
+    fig = plot_units(rows)
+    bars = [a for a in fig.findobj() if str(getattr(a, "get_gid", lambda: None)()).startswith("time:exposed:")]
+    scale = 1e-3 if "(ms)" in fig.axes[1].get_xlabel() else 1.0
+    for i, r in enumerate(rows):  # a row's stacked parts end at its exposed figure
+        ends = [b.get_x() + b.get_width() for b in bars if abs(b.get_y() + b.get_height() / 2 - (i + 0.26)) < 1e-9]
+        assert max(ends) * scale == pytest.approx(r.exposed_comm_s)
