@@ -82,8 +82,12 @@ def _estimate(plan: Plan, trace: ModelTrace, profile: HardwareProfile | None) ->
     return estimate(trace, plan, profile)
 
 
-def _budget_text(budget: ReportBudget) -> str:
-    """What the budget lines of a memory plot are, for its caption."""
+def _budget_text(budget: ReportBudget, fig=None) -> str:
+    """What the budget lines of a memory plot (``fig``) are, for its caption; where the plot is zoomed to its
+    data (report/plots.py [Note: Zoom to the data]), that the budget is off its scale."""
+    if fig is not None and any(getattr(a, "get_gid", lambda: None)() == "budget-off-scale" for a in fig.findobj()):
+        return (f"The budget, {budget.describe()}, is off this plot's scale: the axis is zoomed to the data, which "
+                "stay under half of it (the legend names the budget).")
     if budget.has_usable and budget.device == "cuda":
         return (f"The dashed line is --mem ({format_bytes(budget.mem_bytes)} per GPU); the dotted one the most the "
                 f"planner lets a plan allocate, {format_bytes(budget.usable_bytes)}: {budget.usable_reason}; what "
@@ -155,7 +159,7 @@ def _frontier_section(plan: Plan, budget: ReportBudget) -> ReportSection | None:
         f"Each point is a plan of the same model, micro-batch and cluster{degree}, as the cost model predicts it. "
         "The line joins the Pareto frontier (no other plan is both smaller and faster); the star is the "
         "chosen plan; the other markers are the usual hand-written policies (an X: over "
-        f"{judged}; a hollow frontier point too). {_budget_text(budget)} The table's fits column is "
+        f"{judged}; a hollow frontier point too). {_budget_text(budget, fig)} The table's fits column is "
         f"against {judged}.",
         frontier_table(plan, budget))
 
@@ -167,8 +171,9 @@ def _degrees_section(plan: Plan, budget: ReportBudget) -> ReportSection | None:
         return None
     degrees = ", ".join(f"{o.label} ({o.judged})" for o in plan.tp_degrees)
     work = throughput_unit(plan).removesuffix("/s")  # tokens or samples
+    fig = plot_degrees(plan, budget)
     return ReportSection(
-        "Tensor parallelism", "tp_degrees.png", plot_degrees(plan, budget),
+        "Tensor parallelism", "tp_degrees.png", fig,
         f"The planner chose the tensor-parallel degree too: {degrees}; {degree_label(plan.mesh.tp)} chosen. "
         "Every degree of 1, 2, 4 and 8 that divides the GPUs per node is screened (its heuristic and hand-written "
         "plans at each micro-batch) and those close to the best screened one are searched in full (solve/tp_search.py "
@@ -178,7 +183,7 @@ def _degrees_section(plan: Plan, budget: ReportBudget) -> ReportSection | None:
         f"batch (micro-batch x accumulation x GPUs / degree) in {work} over its step time, the whole cluster's. "
         "Why a degree wins or loses (memory, the global batch, exposed communication, the tensor-parallel "
         "collectives) is the summary's tensor parallelism line, from the table's figures (solve/tp_search.py "
-        f"[Note: Why a degree wins or loses]). {_budget_text(budget)}",
+        f"[Note: Why a degree wins or loses]). {_budget_text(budget, fig)}",
         degrees_table(plan))
 
 
@@ -187,21 +192,21 @@ def _memory_section(plan: Plan, trace: ModelTrace | None, estimate: Estimate | N
     """The chosen plan's memory over one step (with an estimate; on a GPU with the allocator's reserved
     bytes beside it, ``reserved``: report/reserved.py), else at its peak (from the plan file)."""
     if estimate is not None:
+        fig = plot_memory_timeline(estimate.memory, budget, f"Memory over one training step: {_model_name(plan)}, "
+                                   "chosen plan (predicted, per GPU)", reserved)
         return ReportSection(
-            "Memory over one step", "memory_timeline.png",
-            plot_memory_timeline(estimate.memory, budget, f"Memory over one training step: {_model_name(plan)}, "
-                                 "chosen plan (predicted, per GPU)", reserved),
+            "Memory over one step", "memory_timeline.png", fig,
             "Live bytes on one GPU after each event of the FSDP2 schedule (all-gathers, unit forward and "
-            f"backward, reduce-scatters, optimizer step), stacked by category (allocated). {_budget_text(budget)} "
-            f"{reserved_caption(reserved)}".rstrip())
+            f"backward, reduce-scatters, optimizer step), stacked by category (allocated). "
+            f"{_budget_text(budget, fig)} {reserved_caption(reserved)}".rstrip())
     if plan.predicted is None:
         return None
+    fig = plot_memory_at_peak(plan.predicted, budget)
     return ReportSection(
-        "Memory at the peak", "memory_at_peak.png",
-        plot_memory_at_peak(plan.predicted, budget),
+        "Memory at the peak", "memory_at_peak.png", fig,
         "The plan's predicted memory at its peak, by category (re-run with the model or its trace"
         + (" and a profile (--profile)" if budget.missing_profile and trace is not None else "")
-        + f" for the whole timeline). {_budget_text(budget)}")
+        + f" for the whole timeline). {_budget_text(budget, fig)}")
 
 
 def _units_section(plan: Plan, trace: ModelTrace | None, estimate: Estimate | None) -> ReportSection:

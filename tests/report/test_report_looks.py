@@ -213,3 +213,10 @@ def test_exposed_communication_in_parts_that_add_up(gpt2, tmp_path, capsys):
     for i, r in enumerate(rows):  # a row's stacked parts end at its exposed figure
         ends = [b.get_x() + b.get_width() for b in bars if abs(b.get_y() + b.get_height() / 2 - (i + 0.26)) < 1e-9]
         assert max(ends) * scale == pytest.approx(r.exposed_comm_s)
+
+
+def test_the_caption_says_the_budget_is_off_scale(gpt2):
+    trace, profile, cm = gpt2
+    plan = _predicted(cm, _example_plan(trace, "examples/gpt2.py"))  # about 1 GiB of 8 GiB
+    memory = next(s for s in build_sections(plan, trace=trace, profile=profile) if s.image == "memory_timeline.png")
+    assert "is off this plot's scale" in memory.caption and "The dashed line is --mem" not in memory.caption
