@@ -49,6 +49,7 @@ class ExposedParts:
     # the parts' names for people, in order: estimate's line, the units table's columns, the units figure's legend
     NAMES = (("wait_s", "waiting for FSDP collectives"), ("copies_s", "FSDP2's copies"),
              ("slowdown_s", "compute slowed by overlapped collectives"), ("tp_s", "tensor-parallel collectives"))
+    SHORT_NAMES = {"wait_s": "waited", "copies_s": "copies", "slowdown_s": "slowdown", "tp_s": "TP"}  # table columns
 
     @property
     def total_s(self) -> float:

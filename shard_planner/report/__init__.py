@@ -53,7 +53,7 @@ from shard_planner.report.plots import (
 from shard_planner.report.reserved import reserved_caption, reserved_timeline
 from shard_planner.report.render import ReportSection, render_html, render_markdown, summary_lines
 from shard_planner.report.rows import unit_rows
-from shard_planner.report.tables import frontier_table, measurements_table, units_table
+from shard_planner.report.tables import exposed_parts_text, frontier_table, measurements_table, units_table
 from shard_planner.report.timeline import plot_memory_timeline
 from shard_planner.trace.types import ModelTrace
 from shard_planner.units import format_bytes
@@ -217,6 +217,7 @@ def _units_section(plan: Plan, trace: ModelTrace | None, estimate: Estimate | No
         "One row per FSDP unit in forward order; consecutive units of the same block are folded into one row "
         "per decision (reshard, checkpointing), with their count and figures per unit (\"N of M\": every "
         "other block, say). Memory is per GPU at the plan's micro-batch; times are per step."
+        + (" " + exposed_parts_text(rows) if exposed_parts_text(rows) else "")
         + (" " + fine_tune_text(trace) if trace is not None and trace.has_frozen_params else ""),
         units_table(rows))
 

@@ -201,7 +201,7 @@ def draw_chosen(ax, plan: Plan, tp: Throughput, budget: ReportBudget) -> None:
     ax.scatter([p.peak_bytes / GIB], [tp.of(p.step_time_s)], s=260, marker="*", color="gold",
                edgecolors="black", linewidths=0.8, zorder=3.5, gid="chosen",  # under the (smaller) policy
                # markers, so a hand-written policy the planner chose shows inside the star
-               label=_wrap(f"chosen plan: {p.peak_bytes / GIB:.2f} GiB, {tp.of(p.step_time_s):,.0f} {tp.unit}{over}"))
+               label=_wrap(f"chosen plan: {format_bytes(p.peak_bytes)}, {tp.of(p.step_time_s):,.0f} {tp.unit}{over}"))
 
 
 def finish_throughput_axes(fig: Figure, ax, budget: ReportBudget, unit: str, peaks_bytes: Sequence[int],
@@ -220,6 +220,10 @@ def finish_throughput_axes(fig: Figure, ax, budget: ReportBudget, unit: str, pea
         lo, hi = min(peaks_bytes) / GIB, max(peaks_bytes) / GIB
         pad = max((hi - lo) * 0.15, hi * 0.002)
         ax.set_xlim(left=max(0.0, lo - pad), right=hi + pad)
+        scale, name = byte_scale(max(peaks_bytes))
+        if scale < GIB:  # the points stay in GiB (the figure's data); the ticks read in the unit that fits
+            ax.set_xlabel(f"predicted peak memory per GPU ({name})")
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v * GIB / scale:.4g}"))
     ax.grid(True, alpha=0.3)
     ax.set_title(title)
     fig.legend(loc="outside right upper", fontsize=8, frameon=False)

@@ -152,7 +152,7 @@ _CSS = """
 body { font-family: -apple-system, Segoe UI, Helvetica, Arial, sans-serif; margin: 2em auto; max-width: 1200px;
        color: #222; padding: 0 1em; }
 h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 2em; border-bottom: 1px solid #ddd; }
-table { border-collapse: collapse; font-size: 0.85em; margin: 0.8em 0; }
+table { border-collapse: collapse; font-size: 0.85em; margin: 0.8em 0; display: block; overflow-x: auto; }
 th, td { padding: 0.25em 0.7em; border-bottom: 1px solid #e4e4e4; text-align: left; vertical-align: top; }
 th { background: #f5f5f5; } th.num, td.num { text-align: right; }
 table.summary td { text-align: left; } table.summary td:first-child { font-weight: 600; white-space: nowrap; }

@@ -11,6 +11,7 @@ from typing import Sequence
 
 import pandas as pd
 
+from shard_planner.cost.types import ExposedParts
 from shard_planner.plan import Plan
 from shard_planner.report.budget import ReportBudget
 from shard_planner.report.plots import GIB, plan_throughput
@@ -22,7 +23,8 @@ NUM = ' class="num"'  # a numeric column's cells: right-aligned (render.py's CSS
 
 def units_table(rows: Sequence[UnitRow]) -> pd.DataFrame:
     """One line per row of :func:`~shard_planner.report.rows.unit_rows` (folded units: figures per unit);
-    a column of trainable parameters when some are frozen (a fine-tune)."""
+    a column of trainable parameters when some are frozen (a fine-tune); exposed communication and a column
+    per part of it some row has (:func:`exposed_parts_text` says what each is)."""
     records = []
     frozen = any(r.param_count is not None and r.trainable_param_count != r.param_count for r in rows)
     parts = exposed_columns(rows)
@@ -48,10 +50,22 @@ def units_table(rows: Sequence[UnitRow]) -> pd.DataFrame:
                 "compute (ms)": r.compute_s * 1e3,
                 "FSDP collectives (ms)": r.comm_s * 1e3,
                 "exposed comm. (ms)": r.exposed_comm_s * 1e3,
-                **{f"of it {name} (ms)": getattr(r.exposed_parts, field) * 1e3 for field, name in parts},
+                **{f"of it {ExposedParts.SHORT_NAMES[field]} (ms)": getattr(r.exposed_parts, field) * 1e3
+                   for field, _ in parts},
             })
         records.append(rec)
     return pd.DataFrame.from_records(records)
+
+
+def exposed_parts_text(rows: Sequence[UnitRow]) -> str:
+    """What the units table's exposed columns are, for its caption ("" without times)."""
+    parts = exposed_columns(rows)
+    if not parts:
+        return ""
+    named = "; ".join(f"{ExposedParts.SHORT_NAMES[field]}: {name}" for field, name in parts)
+    return ("Exposed comm. is what communication adds to the step; its parts, which add up to it: "
+            f"{named}. FSDP collectives is their time on the communication stream, hidden under compute where "
+            "it is not waited for.")
 
 
 def frontier_table(plan: Plan, budget: ReportBudget) -> pd.DataFrame:
