@@ -8,8 +8,8 @@ writes into the folder:
   it opens offline in any browser and can be mailed as one file;
 - ``report.md``: the same content, with the PNGs beside it;
 - the PNGs: ``frontier.png`` (memory vs throughput), ``tp_degrees.png`` (the same per tensor-parallel degree,
-  when the plan searched more than one: report/degrees.py), ``memory_timeline.png (the chosen plan over one
-  step; ``memory_at_peak.png`` when there is no trace to simulate), ``units.png`` (per-unit bars, with a
+  when the plan searched more than one: report/degrees.py), ``memory_timeline.png`` (the chosen plan over one
+  step: report/timeline.py; ``memory_at_peak.png`` when there is no trace to simulate), ``units.png`` (per-unit bars, with a
   trace), ``predicted_vs_measured.png`` (with a measurement), ``tune_runs.png`` (plans ``tune`` ran).
 
 With a trace (and a profile, loaded from the plan's profile name when not given) the cost model is run

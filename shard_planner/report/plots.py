@@ -3,10 +3,11 @@
 Figures are built with ``matplotlib.figure.Figure`` (no pyplot: no global state, no GUI backend; PNGs are
 rendered by Agg), so tests can inspect the artists before anything is saved. Each plot puts its units in
 the axis labels (GiB, MiB, s, ms, tokens/s) and keeps legends outside the data so no text overlaps.
-Artists the tests look for carry a ``gid`` ("frontier", "chosen", "budget", "usable-budget",
-"baseline:<name>", "peak"; per tensor-parallel degree "frontier:tp<d>" and "screened:tp<d>", report/degrees.py).
-Every memory plot draws the same two budget lines (:func:`draw_budget`): --mem, dashed, and the usable budget
-the planner fills (--mem less the fragmentation share), dotted.
+Artists the tests look for carry a ``gid`` ("frontier", "chosen", "budget", "usable-budget", "budget-off-scale",
+"baseline:<name>"; per tensor-parallel degree "frontier:tp<d>" and "screened:tp<d>", report/degrees.py; the
+memory timeline's: report/timeline.py). Every memory plot draws the same two budget lines (:func:`draw_budget`):
+--mem, dashed, and the usable budget the planner fills (--mem less the fragmentation share), dotted; or, zoomed
+to data far under them, names them in the legend ([Note: Zoom to the data]).
 """
 
 from __future__ import annotations
