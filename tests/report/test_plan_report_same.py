@@ -56,3 +56,6 @@ def test_a_trace_of_another_degree_is_refused(tmp_path):
     whole = trace_model(load_model_file(LLAMA), dtype="bfloat16")  # every block at its full size
     with pytest.raises(PlanError, match="the trace holds one rank at no tensor parallelism where the plan runs TP 2"):
         check_trace_rank(load_plan(out), whole)
+    assert main(["trace", LLAMA, "-o", str(tmp_path / "trace.json")]) == 0  # one rank at degree 1
+    assert main(["report", str(out), "--trace", str(tmp_path / "trace.json"), "-o", str(tmp_path / "r")]) == 2
+    assert not (tmp_path / "r").exists()
