@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shard_planner.units import format_bytes
+from shard_planner.units import format_bytes, format_duration
 
 
 @dataclass(frozen=True)
@@ -79,8 +79,8 @@ def degree_lines(plan_degree: int, outcomes: tuple[DegreeOutcome, ...]) -> list[
 
     def split(o: DegreeOutcome) -> str:
         layout = f"{o.layout}; " if o.layout else ""
-        return (f"{layout}step {o.step_time_s * 1e3:.4g} ms: compute {o.compute_s * 1e3:.4g} ms, exposed "
-                f"communication {o.exposed_comm_s * 1e3:.4g} ms (TP {o.tp_comm_s * 1e3:.4g} ms), peak "
+        return (f"{layout}step {format_duration(o.step_time_s)}: compute {format_duration(o.compute_s)}, exposed "
+                f"communication {format_duration(o.exposed_comm_s)} (TP {format_duration(o.tp_comm_s)}), peak "
                 f"{format_bytes(o.peak_bytes)}")
 
     chosen = next(o for o in outcomes if o.degree == plan_degree)

@@ -37,6 +37,17 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
+def format_duration(seconds: float) -> str:
+    """Seconds for people, 4 significant figures, never in exponent form: ``334.1 ms``, ``0.0405 ms``,
+    ``10.74 s`` (not ``1.074e+04 ms``), ``12,345 s``."""
+    if seconds >= 1000:
+        return f"{seconds:,.0f} s"
+    if seconds >= 1:
+        return f"{seconds:.4g} s"
+    ms = seconds * 1e3
+    return f"{ms:.4g} ms" if ms >= 1e-3 or ms == 0 else f"{seconds * 1e6:.3g} µs"
+
+
 def format_bytes(n: float) -> str:
     """Bytes for people: ``format_bytes(3 * 2**30) == "3.00 GiB"``."""
     for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):

@@ -13,7 +13,7 @@ from shard_planner.cli.args import (add_gpus, add_hf_arguments, add_micro_batch,
 from shard_planner.fileio import check_output_file
 from shard_planner.plan import MEMORY_CATEGORIES, Plan, load_plan, save_plan
 from shard_planner.plan_estimate import asked_again, with_prediction
-from shard_planner.units import format_bytes
+from shard_planner.units import format_bytes, format_duration
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,23 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.4g} ms"
+    return format_duration(seconds)
+
+
+def _time_lines(t, step: str) -> list[str]:
+    """Where the step goes, in parts that add up: compute + exposed communication + optimizer, the exposed part
+    by what it is (cost/types.py [Note: The parts of exposed communication]), and FSDP's collectives on their
+    own stream, exposed (waited for) or hidden under compute."""
+    from shard_planner.cost.types import ExposedParts
+
+    parts = t.exposed_parts()
+    named = [f"{name} {_ms(getattr(parts, field))}" for field, name in ExposedParts.NAMES
+             if field == "wait_s" or getattr(parts, field) > 0]
+    return [f"{step} time: {_ms(t.step_time_s)} = compute {_ms(t.compute_s)} + exposed communication "
+            f"{_ms(t.exposed_comm_s)} + optimizer {_ms(t.optimizer_s)}",
+            f"  exposed communication = {' + '.join(named)}",
+            f"  FSDP collectives: {_ms(t.fsdp_comm_s)} on their stream, {_ms(min(parts.wait_s, t.fsdp_comm_s))} of it "
+            f"waited for (above), {_ms(max(0.0, t.fsdp_comm_s - parts.wait_s))} hidden under compute"]
 
 
 def report(plan: Plan, profile, est, fit=None) -> str:
@@ -114,9 +130,7 @@ def report(plan: Plan, profile, est, fit=None) -> str:
         v = mem.memory_at_peak.get(cat, 0)
         share = 100 * v / mem.peak_bytes if mem.peak_bytes else 0.0
         lines.append(f"  {cat:18s} {format_bytes(v):>12s}  {share:5.1f}%")
-    lines.append(
-        f"{'optimizer step' if tr.accumulation_steps > 1 else 'step'} time: {_ms(t.step_time_s)} (compute {_ms(t.compute_s)}, communication {_ms(t.comm_s)} of which "
-        f"exposed {_ms(t.exposed_comm_s)}, optimizer {_ms(t.optimizer_s)})")
+    lines += _time_lines(t, "optimizer step" if tr.accumulation_steps > 1 else "step")
     predicted = fit.priced(est.prediction()) if fit is not None else est.prediction()  # retries priced in
     if fit is not None and fit.retry_s > 0:
         lines.append(f"  + the CUDA caching allocator's {fit.retries_per_step} retries per step on --mem: "
@@ -130,11 +144,11 @@ def reserved_report(plan: Plan, cm, fit) -> str:
     """What the CUDA caching allocator would reserve for the plan's first two steps (cost/reserved.py), whether
     the step survives a GPU of ``--mem`` in the plan's allocator mode (``fit``: cost/fits.py, the margin
     included), and the same figures in the other mode."""
-    from shard_planner.cost.fits import device_fit
+    from shard_planner.cost.fits import allocator_figures_text, device_fit
 
     other = not fit.expandable_segments
     alt = device_fit(cm, plan, expandable_segments=other)
     return "\n".join([
         f"on the GPU, as planned: {fit.describe()}",
-        f"  with {mode_name(other)} instead: reserved peak {format_bytes(alt.reserved_peak_total_bytes)}, no retries "
-        f"from {format_bytes(alt.no_retry_total_bytes)}; {alt.verdict()}"])
+        f"  with {mode_name(other)} instead: {alt.verdict()}; " + allocator_figures_text(
+            alt.reserved_peak_total_bytes, alt.no_retry_total_bytes, other)])

@@ -39,7 +39,7 @@ def run(args) -> int:
         check_output_file(args.output, "export")
     plan, info = _plan_and_model_info(args.plan, args.trace)
     result = export_plan(plan, args.to, info)
-    if args.output and Path(args.output).suffix not in SUFFIXES[result.suffix]:
+    if args.output and Path(args.output).suffix not in ("", *SUFFIXES[result.suffix]):  # a name without one: as given
         raise UserError(f"-o {args.output}: the {args.to} export is {KINDS[args.to]}; name the file *{result.suffix}")
     if args.output:
         write_atomic(args.output, result.text)

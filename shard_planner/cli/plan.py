@@ -116,7 +116,7 @@ def _run(args: argparse.Namespace, helper: Helper, second: Helper) -> int:
     if args.report:
         t1 = time.perf_counter()
         with without_collections():
-            out = _write_report(result, report_dir(args), trace, profile, helper)
+            out = _write_report(result, report_dir(args), degree_work.trace_of(result.plan), profile, helper)
         report_s = time.perf_counter() - t1
         if out is not None:
             print(f"report: {out}")
@@ -174,6 +174,9 @@ def _import_report() -> None:
 
 
 def _write_report(result: PlanResult, out_dir: Path, trace, profile, helper: Helper):
+    """The report of the plan as saved, drawn by the code ``shard-planner report plan.json`` runs (write_report)
+    from the planner's trace at the chosen degree (``trace``: report/__init__.py [Note: One rank's trace]) and
+    estimate, half its figures rendered in the helper."""
     try:
         from shard_planner.report import write_report
         from shard_planner.report.plots import figures_png
@@ -229,7 +232,7 @@ def summary(result: PlanResult | Plan, profile) -> str:
                  "at the peak: " + ", ".join(
                      f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in sorted(
                          pr.memory_at_peak.items(), key=lambda kv: -kv[1])[:3]))
-    device_line = _device_line(getattr(result, "fit", None), pr)  # a Plan has none
+    device_line = _device_line(getattr(result, "fit", None), plan)  # a Plan has none
     if device_line:
         lines.append(device_line)
     mfu = f", MFU {100 * pr.mfu:.0f}%" if pr.mfu else ""
@@ -254,12 +257,15 @@ def summary(result: PlanResult | Plan, profile) -> str:
     return "\n".join(lines)
 
 
-def _device_line(fit, pr) -> str | None:
+def _device_line(fit, plan: Plan) -> str | None:
     """On a GPU: the plan's fit through the simulated caching allocator (cost/fits.py), from the planner's
     verdict, else from the figures the plan file keeps (None: a CPU plan, or one written before them)."""
+    from shard_planner.cost.fits import allocator_figures_text
+
     if fit is not None:
         return f"on the GPU: {fit.describe()}"
+    pr = plan.predicted
     if pr.reserved_peak_bytes is None:
         return None
-    return (f"on the GPU (CUDA caching allocator, simulated): reserved peak {format_bytes(pr.reserved_peak_bytes)}, "
-            f"no retries from {format_bytes(pr.no_retry_bytes)}" + pr.retries_text("; "))
+    return (f"on the GPU (CUDA caching allocator, simulated): {pr.retries_text()}; " + allocator_figures_text(
+        pr.reserved_peak_bytes, pr.no_retry_bytes, plan.cluster.expandable_segments))

@@ -3,6 +3,7 @@ each traced and screened in a helper process, then one search over them (solve/t
 
     work = DegreeWork.start(args, hf, dtype, degrees, second)   # before degree 1's trace is back
     result = work.plan(trace, request, helper)
+    work.trace_of(result.plan)   # the trace of one rank at the chosen degree: what the report draws
 
 [Note: Two helpers for the degrees]
   The degree search is CPU work in pieces that do not wait on each other, and the tracing has to be done
@@ -24,7 +25,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from shard_planner.errors import UserError
 
@@ -59,6 +60,7 @@ class DegreeWork:
     degrees: list[int]
     second: object  # cli/background.py Helper
     styles_call: object | None  # its Call, None when only degree 1 is planned
+    traces: dict = field(default_factory=dict)  # degree -> the trace of one rank there, as each arrives
 
     @classmethod
     def start(cls, args: argparse.Namespace, hf, dtype: str, degrees: list[int], second) -> "DegreeWork":
@@ -74,13 +76,14 @@ class DegreeWork:
         from shard_planner.solve import plan_model
         from shard_planner.solve.tp_search import DegreeOption, plan_over_degrees
 
+        self.traces[trace.tp_size] = trace
         if self.styles_call is None:
             return plan_model(trace, request)
         found = self.styles_call.result().with_sequence(trace.tokens_per_sample)
         if len(found.styles) == 1 and 1 not in self.degrees and not found.refused:  # --tp N: that degree alone
             (t, styles), = found.styles.items()
             option = self.second.submit(_trace_and_screen, self.args.model, self.hf, self.dtype, styles, t, None)
-            return plan_model(option.result().trace, replace(request, tensor_parallel=styles))
+            return plan_model(self._kept(option.result()).trace, replace(request, tensor_parallel=styles))
         calls = {t: who.submit(_trace_and_screen, self.args.model, self.hf, self.dtype, found.styles[t], t,
                                 replace(request, tensor_parallel=found.styles[t]) if screen_there else None)
                  for t, (who, screen_there) in _deal(list(found.styles), self.second, helper).items()}
@@ -89,11 +92,23 @@ class DegreeWork:
             if 1 in self.degrees:
                 yield DegreeOption(None, trace)
             for call in calls.values():
-                yield call.result()
+                yield self._kept(call.result())
 
         searching = itertools.cycle([self.second, helper])
         beside = (lambda fn, *a: next(searching).submit(fn, *a)) if helper.forked else None
         return plan_over_degrees(options(), request, refused=found.refused, beside=beside)
+
+
+    def _kept(self, option):
+        """``option`` (a DegreeOption), its trace kept for :meth:`trace_of`."""
+        self.traces[option.trace.tp_size] = option.trace
+        return option
+
+    def trace_of(self, plan):
+        """The trace of one rank at ``plan``'s tensor-parallel degree, the one its prediction was made on (the
+        report's units, timeline and allocator line are that rank's: report/__init__.py [Note: One rank's
+        trace])."""
+        return self.traces[plan.mesh.tp_size]
 
 
 def _deal(degrees: list[int], second, first) -> dict[int, tuple[object, bool]]:

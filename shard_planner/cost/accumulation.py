@@ -257,7 +257,8 @@ def accumulated_time(training: Training, walk: Callable[[tuple], TimeEstimate], 
     samples = training.micro_batch * training.accumulation_steps * dp_size
     units = tuple(
         replace(us[0][1], **{f: sum(k * getattr(u, f) for k, u in us) for f in (
-            "fwd_compute_s", "bwd_compute_s", "all_gather_s", "reduce_scatter_s", "exposed_comm_s")})
+            "fwd_compute_s", "bwd_compute_s", "all_gather_s", "reduce_scatter_s", "exposed_comm_s", "copies_s",
+            "slowdown_s", "tp_s")})
         for us in zip(*[[(k, u) for u in e.units] for k, e in parts]))
     return TimeEstimate(
         step_time_s=step_s, compute_s=compute_s, comm_s=sum(k * e.comm_s for k, e in parts),

@@ -177,10 +177,25 @@ class FitVerdict:
         return f"fits {format_bytes(self.mem_bytes)} without retries"
 
     def describe(self) -> str:
-        """The verdict and the predictions, in one line."""
+        """The verdict and the predictions, in one line, each figure named (:func:`allocator_figures_text`)."""
         return (f"{self.verdict()}; CUDA caching allocator ({mode_name(self.expandable_segments)}, simulated over "
-                f"two steps on {self.checked_on}): reserved peak {format_bytes(self.reserved_peak_total_bytes)}, "
-                f"no retries from {format_bytes(self.no_retry_total_bytes)}")
+                f"two steps on {self.checked_on}); " + allocator_figures_text(
+                    self.reserved_peak_total_bytes, self.no_retry_total_bytes, self.expandable_segments))
+
+
+def allocator_figures_text(reserved_peak_total_bytes: int, no_retry_total_bytes: int, expandable_segments: bool) -> str:
+    """What the simulated allocator's two figures are, in words (``plan``, ``estimate`` and the report say them
+    with this): the reserved peak of the two steps with no memory limit, and the smallest memory a cap
+    may leave the steps without a retry (``ReservedEstimate.no_retry_bytes``: [Note: The cap and the device's
+    memory] in cost/allocator.py; with expandable segments a set_per_process_memory_fraction cap counts whole
+    segment sizes where the device counts the pages mapped, so the cap's figure can be well above the peak).
+    Neither is the verdict on --mem, which :meth:`FitVerdict.verdict` says."""
+    held = (f"with no memory limit it would hold at most {format_bytes(reserved_peak_total_bytes)} (reserved peak, "
+            "CUDA context and NCCL included)")
+    if expandable_segments:
+        return (f"{held}; a set_per_process_memory_fraction cap needs {format_bytes(no_retry_total_bytes)} to run it "
+                "without retries (the cap counts whole segments, not the pages mapped)")
+    return f"{held}; without retries from {format_bytes(no_retry_total_bytes)} (the peak and the segment then asked for)"
 
 
 def margin_percent(usable_fraction: float) -> str:

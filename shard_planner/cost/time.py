@@ -223,6 +223,7 @@ def simulate_time_walk(trace: ModelTrace, t: CostTables, plan: PlanQuery, profil
     if profile.device == "cpu":
         # gloo collectives are synchronous on the thread that computes: nothing overlaps.
         exposed = [ag_fwd[u] + (ag_bwd[u] if needs_bwd_ag[u] else 0.0) + rs[u] for u in range(n_units)]
+        copied = slowed = [0.0] * n_units
         step_s = compute_s + tp_s + comm_s + optimizer_s  # the blocks' TP collectives run in turn too
     else:
         zeros = (0.0,) * n_units
@@ -231,7 +232,7 @@ def simulate_time_walk(trace: ModelTrace, t: CostTables, plan: PlanQuery, profil
                               _UnitComm(ag_fwd, ag_bwd, rs, needs_bwd_ag, copy_out, copy_in),
                               profile.overlap_compute_slowdown)
         step_s = streams.run() + optimizer_s
-        exposed = streams.exposed
+        exposed, copied, slowed = streams.exposed, streams.copied, streams.slowed
 
     samples = b * plan.mesh.dp_size
     model_flops = (t.model_fwd_flops.at(b) + t.model_bwd_flops.at(b) + trace.loss_flops.at(b))
@@ -239,7 +240,8 @@ def simulate_time_walk(trace: ModelTrace, t: CostTables, plan: PlanQuery, profil
     units = tuple(
         UnitTime(name=plan.units[u].name, fwd_compute_s=unit_fwd[u] - tp_f[u], bwd_compute_s=unit_bwd[u] - tp_b[u],
                  all_gather_s=ag_fwd[u] + (ag_bwd[u] if needs_bwd_ag[u] else 0.0),
-                 reduce_scatter_s=rs[u], exposed_comm_s=exposed[u] + tp_f[u] + tp_b[u])
+                 reduce_scatter_s=rs[u], exposed_comm_s=exposed[u] + tp_f[u] + tp_b[u],
+                 copies_s=copied[u], slowdown_s=slowed[u], tp_s=tp_f[u] + tp_b[u])
         for u in range(n_units)
     )
     return TimeEstimate(
@@ -294,6 +296,9 @@ class _TwoStreams:
         self.ag_fwd, self.ag_bwd, self.rs, self.needs_bwd_ag = comm.ag_fwd, comm.ag_bwd, comm.rs, comm.needs_bwd_ag
         n_units = len(comm.ag_fwd)
         self.exposed = [0.0] * n_units
+        # of it: FSDP2's copies and the slowdown (cost/types.py [Note: The parts of exposed communication])
+        self.copied = [0.0] * n_units
+        self.slowed = [0.0] * n_units
         self.comp = 0.0  # compute stream: free from this time on
         self.comm = 0.0  # communication stream
         self.ag_end = [-1.0] * n_units  # when the unit's current all-gather finishes
@@ -318,6 +323,7 @@ class _TwoStreams:
         if self.slowdown and self.comm > self.comp:
             end = overlapped_compute_end_s(self.comp, work_s, self.comm, self.slowdown)
             self.exposed[unit] += end - self.comp - work_s
+            self.slowed[unit] += end - self.comp - work_s
             self.comp = end
         else:
             self.comp += work_s
@@ -327,6 +333,7 @@ class _TwoStreams:
         if work_s > 0.0:
             self.compute(work_s, unit)
             self.exposed[unit] += work_s  # compute() counted only what the slowdown added
+            self.copied[unit] += work_s
 
     def forward(self, ev) -> None:
         self.compute(self.fwd_s[ev.block], ev.unit)

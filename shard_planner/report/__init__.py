@@ -8,14 +8,22 @@ writes into the folder:
   it opens offline in any browser and can be mailed as one file;
 - ``report.md``: the same content, with the PNGs beside it;
 - the PNGs: ``frontier.png`` (memory vs throughput), ``tp_degrees.png`` (the same per tensor-parallel degree,
-  when the plan searched more than one: report/degrees.py), ``memory_timeline.png (the chosen plan over one
-  step; ``memory_at_peak.png`` when there is no trace to simulate), ``units.png`` (per-unit bars, with a
+  when the plan searched more than one: report/degrees.py), ``memory_timeline.png`` (the chosen plan over one
+  step: report/timeline.py; ``memory_at_peak.png`` when there is no trace to simulate), ``units.png`` (per-unit bars, with a
   trace), ``predicted_vs_measured.png`` (with a measurement), ``tune_runs.png`` (plans ``tune`` ran).
 
 With a trace (and a profile, loaded from the plan's profile name when not given) the cost model is run
 once on the plan for the timeline and the per-unit times; without, the report draws what the plan file
 holds. A caller that already has the estimate passes it as ``estimate=`` (``shard-planner plan`` passes
 the planner's, ``PlanResult.estimate``, so the cost model runs once per command).
+
+[Note: One rank's trace]
+  Every per-unit figure, the memory timeline and the allocator's line are one rank's, so the trace they
+  come from must be one rank's at the plan's tensor-parallel degree (trace ``tp_size``), the trace the
+  planner priced the plan on: ``plan`` passes the chosen degree's (cli/plan_degrees.py
+  ``DegreeWork.trace_of``), ``report`` traces the plan's model at its degree (trace/tracer.py
+  ``trace_for_plan``). A trace of the whole model drawn for a TP plan reads every split block at its full
+  size; :func:`check_trace_rank` refuses it. Both commands write the report with :func:`write_report`.
 
 Memory is judged against the usable budget the planner fills, --mem x the profile's usable_fraction
 (report/budget.py); both lines are drawn. On a GPU profile the timeline draws the simulated CUDA caching
@@ -31,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from shard_planner.cost.types import Estimate
+from shard_planner.errors import PlanError
 from shard_planner.fileio import write_atomic
 from shard_planner.plan import Plan
 from shard_planner.plan_points import degree_label
@@ -39,13 +48,13 @@ from shard_planner.report.budget import ReportBudget, load_plan_profile, report_
 from shard_planner.report.degrees import degrees_table, plot_degrees, throughput_unit
 from shard_planner.report.measured import check_measurement_matches, measured_figures, predictions_for, run_sections
 from shard_planner.report.plots import (
-    figures_png, plot_frontier, plot_measured_plans, plot_memory_at_peak, plot_memory_timeline,
-    plot_predicted_vs_measured, plot_units,
+    figures_png, plot_frontier, plot_measured_plans, plot_memory_at_peak, plot_predicted_vs_measured, plot_units,
 )
 from shard_planner.report.reserved import reserved_caption, reserved_timeline
 from shard_planner.report.render import ReportSection, render_html, render_markdown, summary_lines
 from shard_planner.report.rows import unit_rows
-from shard_planner.report.tables import frontier_table, measurements_table, units_table
+from shard_planner.report.tables import exposed_parts_text, frontier_table, measurements_table, units_table
+from shard_planner.report.timeline import plot_memory_timeline
 from shard_planner.trace.types import ModelTrace
 from shard_planner.units import format_bytes
 
@@ -56,7 +65,7 @@ Renderer = Callable[[dict[str, "Figure"]], dict[str, bytes]]  # figures by file 
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_sections", "write_report", "write_sections"]
+__all__ = ["build_sections", "check_trace_rank", "write_report", "write_sections"]
 
 
 def _estimate(plan: Plan, trace: ModelTrace, profile: HardwareProfile | None) -> Estimate | None:
@@ -73,8 +82,12 @@ def _estimate(plan: Plan, trace: ModelTrace, profile: HardwareProfile | None) ->
     return estimate(trace, plan, profile)
 
 
-def _budget_text(budget: ReportBudget) -> str:
-    """What the budget lines of a memory plot are, for its caption."""
+def _budget_text(budget: ReportBudget, fig=None) -> str:
+    """What the budget lines of a memory plot (``fig``) are, for its caption; where the plot is zoomed to its
+    data (report/plots.py [Note: Zoom to the data]), that the budget is off its scale."""
+    if fig is not None and any(getattr(a, "get_gid", lambda: None)() == "budget-off-scale" for a in fig.findobj()):
+        return (f"The budget, {budget.describe()}, is off this plot's scale: the axis is zoomed to the data, which "
+                "stay under half of it (the legend names the budget).")
     if budget.has_usable and budget.device == "cuda":
         return (f"The dashed line is --mem ({format_bytes(budget.mem_bytes)} per GPU); the dotted one the most the "
                 f"planner lets a plan allocate, {format_bytes(budget.usable_bytes)}: {budget.usable_reason}; what "
@@ -94,6 +107,8 @@ def build_sections(plan: Plan, *, trace: ModelTrace | None = None, profile: Hard
                    budget: ReportBudget | None = None) -> list[ReportSection]:
     """The report's sections in order, each with its figure (if any) and table (if any). ``budget``:
     :func:`report_budget` of the plan and ``profile`` when not given."""
+    if trace is not None:
+        check_trace_rank(plan, trace)
     if budget is None:
         missing = ""
         if profile is None:
@@ -122,6 +137,14 @@ def build_sections(plan: Plan, *, trace: ModelTrace | None = None, profile: Hard
     return [s for s in sections if s is not None]
 
 
+def check_trace_rank(plan: Plan, trace: ModelTrace) -> None:
+    """``trace`` is one rank's at ``plan``'s tensor-parallel degree ([Note: One rank's trace]), else one line."""
+    if trace.tp_size != plan.mesh.tp_size:
+        raise PlanError(f"the trace holds one rank at {degree_label(trace.tp_size)} where the plan runs "
+                        f"{degree_label(plan.mesh.tp_size)}: give the model file (--trace MODEL), which is traced "
+                        "at the plan's degree, or --no-trace")
+
+
 def _frontier_section(plan: Plan, budget: ReportBudget) -> ReportSection | None:
     """Memory vs throughput: the frontier, the chosen plan and the hand-written policies (None without
     a point to compare with)."""
@@ -136,7 +159,7 @@ def _frontier_section(plan: Plan, budget: ReportBudget) -> ReportSection | None:
         f"Each point is a plan of the same model, micro-batch and cluster{degree}, as the cost model predicts it. "
         "The line joins the Pareto frontier (no other plan is both smaller and faster); the star is the "
         "chosen plan; the other markers are the usual hand-written policies (an X: over "
-        f"{judged}; a hollow frontier point too). {_budget_text(budget)} The table's fits column is "
+        f"{judged}; a hollow frontier point too). {_budget_text(budget, fig)} The table's fits column is "
         f"against {judged}.",
         frontier_table(plan, budget))
 
@@ -148,8 +171,9 @@ def _degrees_section(plan: Plan, budget: ReportBudget) -> ReportSection | None:
         return None
     degrees = ", ".join(f"{o.label} ({o.judged})" for o in plan.tp_degrees)
     work = throughput_unit(plan).removesuffix("/s")  # tokens or samples
+    fig = plot_degrees(plan, budget)
     return ReportSection(
-        "Tensor parallelism", "tp_degrees.png", plot_degrees(plan, budget),
+        "Tensor parallelism", "tp_degrees.png", fig,
         f"The planner chose the tensor-parallel degree too: {degrees}; {degree_label(plan.mesh.tp)} chosen. "
         "Every degree of 1, 2, 4 and 8 that divides the GPUs per node is screened (its heuristic and hand-written "
         "plans at each micro-batch) and those close to the best screened one are searched in full (solve/tp_search.py "
@@ -159,7 +183,7 @@ def _degrees_section(plan: Plan, budget: ReportBudget) -> ReportSection | None:
         f"batch (micro-batch x accumulation x GPUs / degree) in {work} over its step time, the whole cluster's. "
         "Why a degree wins or loses (memory, the global batch, exposed communication, the tensor-parallel "
         "collectives) is the summary's tensor parallelism line, from the table's figures (solve/tp_search.py "
-        f"[Note: Why a degree wins or loses]). {_budget_text(budget)}",
+        f"[Note: Why a degree wins or loses]). {_budget_text(budget, fig)}",
         degrees_table(plan))
 
 
@@ -168,21 +192,21 @@ def _memory_section(plan: Plan, trace: ModelTrace | None, estimate: Estimate | N
     """The chosen plan's memory over one step (with an estimate; on a GPU with the allocator's reserved
     bytes beside it, ``reserved``: report/reserved.py), else at its peak (from the plan file)."""
     if estimate is not None:
+        fig = plot_memory_timeline(estimate.memory, budget, f"Memory over one training step: {_model_name(plan)}, "
+                                   "chosen plan (predicted, per GPU)", reserved)
         return ReportSection(
-            "Memory over one step", "memory_timeline.png",
-            plot_memory_timeline(estimate.memory, budget, f"Memory over one training step: {_model_name(plan)}, "
-                                 "chosen plan (predicted, per GPU)", reserved),
+            "Memory over one step", "memory_timeline.png", fig,
             "Live bytes on one GPU after each event of the FSDP2 schedule (all-gathers, unit forward and "
-            f"backward, reduce-scatters, optimizer step), stacked by category (allocated). {_budget_text(budget)} "
-            f"{reserved_caption(reserved)}".rstrip())
+            f"backward, reduce-scatters, optimizer step), stacked by category (allocated). "
+            f"{_budget_text(budget, fig)} {reserved_caption(reserved)}".rstrip())
     if plan.predicted is None:
         return None
+    fig = plot_memory_at_peak(plan.predicted, budget)
     return ReportSection(
-        "Memory at the peak", "memory_at_peak.png",
-        plot_memory_at_peak(plan.predicted, budget),
+        "Memory at the peak", "memory_at_peak.png", fig,
         "The plan's predicted memory at its peak, by category (re-run with the model or its trace"
         + (" and a profile (--profile)" if budget.missing_profile and trace is not None else "")
-        + f" for the whole timeline). {_budget_text(budget)}")
+        + f" for the whole timeline). {_budget_text(budget, fig)}")
 
 
 def _units_section(plan: Plan, trace: ModelTrace | None, estimate: Estimate | None) -> ReportSection:
@@ -193,6 +217,7 @@ def _units_section(plan: Plan, trace: ModelTrace | None, estimate: Estimate | No
         "One row per FSDP unit in forward order; consecutive units of the same block are folded into one row "
         "per decision (reshard, checkpointing), with their count and figures per unit (\"N of M\": every "
         "other block, say). Memory is per GPU at the plan's micro-batch; times are per step."
+        + (" " + exposed_parts_text(rows) if exposed_parts_text(rows) else "")
         + (" " + fine_tune_text(trace) if trace is not None and trace.has_frozen_params else ""),
         units_table(rows))
 
@@ -256,13 +281,15 @@ def write_report(plan: Plan, out_dir: str | os.PathLike, *, trace: ModelTrace | 
     budget = report_budget(plan, profile, missing)
     sections = build_sections(plan, trace=trace, profile=profile, measurement=measurement, estimate=estimate,
                               budget=budget)
-    return write_sections(plan, sections, out_dir, measurement=measurement, budget=budget, render=render)
+    return write_sections(plan, sections, out_dir, measurement=measurement, budget=budget, render=render, trace=trace)
 
 
 def write_sections(plan: Plan, sections: list[ReportSection], out_dir: str | os.PathLike, *,
-                   measurement=None, budget: ReportBudget | None = None, render: Renderer = figures_png) -> Path:
+                   measurement=None, budget: ReportBudget | None = None, render: Renderer = figures_png,
+                   trace: ModelTrace | None = None) -> Path:
     """Write already built sections (:func:`build_sections`) as the report; return report.html's path.
-    ``budget``: the one the sections were built with (None: :func:`report_budget` of the plan's profile)."""
+    ``budget``: the one the sections were built with (None: :func:`report_budget` of the plan's profile);
+    ``trace``: theirs, for the summary's line of what trains."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     pngs = render({s.image: s.figure for s in sections if s.figure is not None})
@@ -272,7 +299,7 @@ def write_sections(plan: Plan, sections: list[ReportSection], out_dir: str | os.
     predicted = predictions_for(plan, measurement) if measurement is not None else None
     if predicted is not None:
         measured = (measured_figures(measurement), predicted)
-    summary = summary_lines(plan, budget if budget is not None else report_budget(plan), measured)
+    summary = summary_lines(plan, budget if budget is not None else report_budget(plan), measured, trace)
     write_atomic(out / "report.md", render_markdown(plan, summary, sections))
     html_path = out / "report.html"
     write_atomic(html_path, render_html(plan, summary, sections, pngs))

@@ -15,6 +15,7 @@ import re
 from collections.abc import Sequence
 
 from shard_planner.cost.types import MemoryEvent
+from shard_planner.units import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +44,10 @@ def held_gradient_bytes(events: Sequence[MemoryEvent]) -> list[tuple[int, int]]:
     return [(lo, events[lo].bytes_by_category.get("grads", 0)) for _, _, lo, _ in micro_step_spans(events)[1:]]
 
 
-def draw_micro_steps(ax, events: Sequence[MemoryEvent], scale: float, unit: str) -> None:
+def draw_micro_steps(ax, events: Sequence[MemoryEvent], scale: float) -> None:
     """Mark each simulated micro-step of ``events`` on ``ax`` (the memory timeline): a line where it
-    starts, its name at the foot of the plot, and the gradients held at its start."""
+    starts (gid "micro-step:<k>"), its name in the band along the top of the axes, left-aligned at its start,
+    with the gradients held at its start under the name and as a dot on the stack (gid "held:<k>")."""
     spans = micro_step_spans(events)
     if not spans:
         return
@@ -54,12 +56,12 @@ def draw_micro_steps(ax, events: Sequence[MemoryEvent], scale: float, unit: str)
     middle = f"; micro-step 2 stands for 2..{n - 1}" if n > 3 else ""
     ax.set_xlabel(f"event in one optimizer step of {n} micro-steps (index, in execution order{middle})")
     for k, n, lo, hi in spans:
+        name = f"micro-step {k}/{n}" if k in (1, n) or n == 3 else f"micro-steps 2..{n - 1} of {n}"
         if lo:
             ax.axvline(lo - 0.5, color="#555555", ls="--", lw=0.8, zorder=3, gid=f"micro-step:{k}")
-        name = f"micro-step {k}/{n}" if k in (1, n) or n == 3 else f"micro-steps 2..{n - 1} of {n}"
-        ax.text(lo, 0.86, f" {name}", transform=ax.get_xaxis_transform(), ha="left", va="top", fontsize=8,
-                color="#333333", zorder=6)  # at its start: the peak's label is mostly mid-span
         if lo in held:
-            ax.annotate(f"gradients held: {held[lo] / scale:.3g} {unit}", (lo - 0.5, held[lo] / scale),
-                        xytext=(4, 4), textcoords="offset points", fontsize=7, color="#222222", zorder=6,
-                        gid=f"held:{k}")
+            name += f"\ngradients held: {format_bytes(held[lo])}"
+            ax.plot([lo - 0.5], [held[lo] / scale], marker="o", ms=4, color="#222222", zorder=6, ls="none",
+                    gid=f"held:{k}")
+        ax.text(lo - 0.3, 0.985, name, transform=ax.get_xaxis_transform(), ha="left", va="top", fontsize=8,
+                color="#333333", zorder=6, gid=f"micro-step-name:{k}")

@@ -3,10 +3,11 @@
 Figures are built with ``matplotlib.figure.Figure`` (no pyplot: no global state, no GUI backend; PNGs are
 rendered by Agg), so tests can inspect the artists before anything is saved. Each plot puts its units in
 the axis labels (GiB, MiB, s, ms, tokens/s) and keeps legends outside the data so no text overlaps.
-Artists the tests look for carry a ``gid`` ("frontier", "chosen", "budget", "usable-budget",
-"baseline:<name>", "peak"; per tensor-parallel degree "frontier:tp<d>" and "screened:tp<d>", report/degrees.py).
-Every memory plot draws the same two budget lines (:func:`draw_budget`): --mem, dashed, and the usable budget
-the planner fills (--mem less the fragmentation share), dotted.
+Artists the tests look for carry a ``gid`` ("frontier", "chosen", "budget", "usable-budget", "budget-off-scale",
+"baseline:<name>"; per tensor-parallel degree "frontier:tp<d>" and "screened:tp<d>", report/degrees.py; the
+memory timeline's: report/timeline.py). Every memory plot draws the same two budget lines (:func:`draw_budget`):
+--mem, dashed, and the usable budget the planner fills (--mem less the fragmentation share), dotted; or, zoomed
+to data far under them, names them in the legend ([Note: Zoom to the data]).
 """
 
 from __future__ import annotations
@@ -23,14 +24,10 @@ matplotlib.use("Agg")  # the report never opens a window; harmless if a caller a
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
-from shard_planner.cost.reserved import ReservedTimeline  # noqa: E402
-from shard_planner.cost.schedule import Phase  # noqa: E402
-from shard_planner.cost.types import MemoryEstimate  # noqa: E402
 from shard_planner.plan import MEMORY_CATEGORIES, FrontierPoint, Plan, Prediction  # noqa: E402
-from shard_planner.report.accumulation import draw_micro_steps  # noqa: E402
 from shard_planner.report.budget import ReportBudget  # noqa: E402
-from shard_planner.report.reserved import draw_reserved  # noqa: E402
-from shard_planner.report.rows import UnitRow  # noqa: E402
+from shard_planner.report.rows import UnitRow, exposed_columns  # noqa: E402
+from shard_planner.units import format_bytes  # noqa: E402
 
 GIB = 2**30
 # One colour per memory category, the same in every plot (matplotlib's tab10, colour-blind friendlier
@@ -47,6 +44,7 @@ CATEGORY_LABELS = {
     "comm_buffers": "communication buffers",
     "overhead": "overhead (CUDA context, NCCL)",
 }
+EXPOSED_COLORS = ("#d62728", "#e377c2", "#ff9896", "#9467bd")  # the parts of exposed communication, in order
 BASELINE_MARKERS = ("s", "D", "^", "v", "P", "p", "h", "<", ">")
 BASELINE_COLORS = ("#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f")
 
@@ -64,7 +62,7 @@ def figures_png(figures: dict[str, Figure]) -> dict[str, bytes]:
     return {name: figure_png(fig) for name, fig in figures.items()}
 
 
-def _byte_scale(max_bytes: float) -> tuple[float, str]:
+def byte_scale(max_bytes: float) -> tuple[float, str]:
     """A divisor and its unit name so the largest value reads between 1 and 1024."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if max_bytes >= size:
@@ -76,9 +74,18 @@ def _thousands(value, _pos) -> str:
     return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
 
 
-def draw_budget(ax, budget: ReportBudget, scale: float, *, vertical: bool, zorder: float = 4) -> None:
+def draw_budget(ax, budget: ReportBudget, scale: float, *, vertical: bool, zorder: float = 4,
+                on_scale: bool = True) -> None:
     """The budget lines on ``ax`` (values divided by ``scale``), labelled for the legend: --mem dashed
-    (gid "budget") and, when the profile gives one below it, the usable budget dotted (gid "usable-budget")."""
+    (gid "budget") and, when the profile gives one below it, the usable budget dotted (gid "usable-budget");
+    when the axis is zoomed to the data (``on_scale`` False: [Note: Zoom to the data]), no line but a legend
+    entry that names both and points where they are (gid "budget-off-scale")."""
+    if not on_scale:
+        usable = f", usable {format_bytes(budget.usable_bytes)}" if budget.has_usable else ""
+        ax.plot([], [], ls="none", color="#d62728", marker=r"$\rightarrow$" if vertical else r"$\uparrow$", ms=10,
+                gid="budget-off-scale",
+                label=_wrap(f"budget off scale ({'right' if vertical else 'above'}): {budget.mem_label}{usable}"))
+        return
     line = ax.axvline if vertical else ax.axhline
     line(budget.mem_bytes / scale, color="#d62728", ls="--", lw=1.3, zorder=zorder, gid="budget",
          label=_wrap(f"budget: {budget.mem_label}"))
@@ -89,6 +96,19 @@ def draw_budget(ax, budget: ReportBudget, scale: float, *, vertical: bool, zorde
 
 def _budget_top(budget: ReportBudget) -> int:
     return max(budget.mem_bytes, budget.usable_bytes)
+
+
+# [Note: Zoom to the data]
+#   A memory axis runs from 0 past the budget lines while the data reaches ZOOM_FRACTION of the budget. A
+#   tiny model under a large --mem (1 GiB of a 40 GiB budget) would put every point on the zero line, so
+#   below that the axis ends just above the data and the budget is named in the legend, with an arrow to
+#   where it is (draw_budget's "budget-off-scale"). One rule for every memory axis of the report.
+ZOOM_FRACTION = 0.5
+
+
+def budget_on_scale(data_top_bytes: float, budget: ReportBudget) -> bool:
+    """The budget lines belong on a memory axis whose data reach ``data_top_bytes`` ([Note: Zoom to the data])."""
+    return data_top_bytes >= ZOOM_FRACTION * _budget_top(budget)
 
 
 # ---- memory vs throughput ----
@@ -173,15 +193,16 @@ def draw_frontier_line(ax, points: Sequence[FrontierPoint], tp: Throughput, budg
 
 
 def draw_chosen(ax, plan: Plan, tp: Throughput, budget: ReportBudget) -> None:
-    """The chosen plan as a gold star (gid "chosen"), its peak and throughput in the legend; nothing when the
-    plan has no prediction."""
+    """The chosen plan as a gold star (gid "chosen"), its peak and throughput in the legend, drawn under the
+    hand-written policies' markers; nothing when the plan has no prediction."""
     p = plan.predicted
     if p is None:
         return
     over = "" if budget.fits(p.peak_bytes) else " (does not fit)"
     ax.scatter([p.peak_bytes / GIB], [tp.of(p.step_time_s)], s=260, marker="*", color="gold",
-               edgecolors="black", linewidths=0.8, zorder=5, gid="chosen",
-               label=_wrap(f"chosen plan: {p.peak_bytes / GIB:.2f} GiB, {tp.of(p.step_time_s):,.0f} {tp.unit}{over}"))
+               edgecolors="black", linewidths=0.8, zorder=3.5, gid="chosen",  # under the (smaller) policy
+               # markers, so a hand-written policy the planner chose shows inside the star
+               label=_wrap(f"chosen plan: {format_bytes(p.peak_bytes)}, {tp.of(p.step_time_s):,.0f} {tp.unit}{over}"))
 
 
 def finish_throughput_axes(fig: Figure, ax, budget: ReportBudget, unit: str, peaks_bytes: Sequence[int],
@@ -189,11 +210,21 @@ def finish_throughput_axes(fig: Figure, ax, budget: ReportBudget, unit: str, pea
     """What every memory vs throughput plot shares: the budget lines, the axis labels (GiB, ``unit``), the
     x range from 0 past the budget and every point's peak (``peaks_bytes``, the chosen plan's too), the
     grid, the title and the legend outside the data."""
-    draw_budget(ax, budget, GIB, vertical=True, zorder=1)
+    on_scale = budget_on_scale(max(peaks_bytes, default=0), budget)
+    draw_budget(ax, budget, GIB, vertical=True, zorder=1, on_scale=on_scale)
     ax.set_xlabel("predicted peak memory per GPU (GiB)")
     ax.set_ylabel(f"predicted throughput, whole cluster ({unit})")
     ax.yaxis.set_major_formatter(FuncFormatter(_thousands))
-    ax.set_xlim(left=0, right=max([_budget_top(budget), *peaks_bytes]) / GIB * 1.08)
+    if on_scale:
+        ax.set_xlim(left=0, right=max([_budget_top(budget), *peaks_bytes]) / GIB * 1.08)
+    else:  # the points' range, padded: they may differ by a few MiB ([Note: Zoom to the data])
+        lo, hi = min(peaks_bytes) / GIB, max(peaks_bytes) / GIB
+        pad = max((hi - lo) * 0.15, hi * 0.002)
+        ax.set_xlim(left=max(0.0, lo - pad), right=hi + pad)
+        scale, name = byte_scale(max(peaks_bytes))
+        if scale < GIB:  # the points stay in GiB (the figure's data); the ticks read in the unit that fits
+            ax.set_xlabel(f"predicted peak memory per GPU ({name})")
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v * GIB / scale:.4g}"))
     ax.grid(True, alpha=0.3)
     ax.set_title(title)
     fig.legend(loc="outside right upper", fontsize=8, frameon=False)
@@ -208,83 +239,15 @@ def _model_name(plan: Plan) -> str:
     return plan.model.path.rsplit("/", 1)[-1]
 
 
-# ---- memory timeline ----
-
-def _phase_spans(phases: Sequence[str]) -> list[tuple[str, int, int]]:
-    """Contiguous runs of one phase: (phase, first index, last index)."""
-    spans: list[tuple[str, int, int]] = []
-    for i, ph in enumerate(phases):
-        if spans and spans[-1][0] == ph:
-            spans[-1] = (ph, spans[-1][1], i)
-        else:
-            spans.append((ph, i, i))
-    return spans
-
-
-PHASE_SHADES = {Phase.FORWARD: "#e8f1fa", Phase.BACKWARD: "#fdf0e6", Phase.OPTIMIZER: "#eaf5ea"}
-
-
-def plot_memory_timeline(memory: MemoryEstimate, budget: ReportBudget, title: str = "",
-                         reserved: ReservedTimeline | None = None) -> Figure:
-    """Live bytes per rank after each event of one step, stacked by category; the peak marked and
-    labelled, the budget lines (--mem dashed, usable dotted), forward/backward/optimizer phases shaded
-    and named; on a GPU the simulated allocator's reserved bytes as a line (``reserved``: report/reserved.py)."""
-    budget_bytes = _budget_top(budget)
-    events = memory.timeline
-    n = len(events)
-    cats = [c for c in MEMORY_CATEGORIES if any(e.bytes_by_category.get(c, 0) for e in events)]
-    reserved_top = max((m[4] for m in reserved.marks), default=0) + reserved.outside_bytes if reserved else 0
-    ymax = max([memory.peak_bytes, budget_bytes, reserved_top] + [e.total_bytes for e in events])
-    scale, unit = _byte_scale(ymax)
-    # Memory is constant between events: draw each event as a step one unit wide centred on its index.
-    xs = [x for i in range(n) for x in (i - 0.5, i + 0.5)]
-    fig = Figure(figsize=(11, 5.4), layout="constrained")
-    ax = fig.add_subplot()
-
-    for ph, lo, hi in _phase_spans([e.phase for e in events]):
-        ax.axvspan(lo - 0.5, hi + 0.5, color=PHASE_SHADES.get(ph, "#f2f2f2"), zorder=0, lw=0)
-    ax.stackplot(xs, [[e.bytes_by_category.get(c, 0) / scale for e in events for _ in (0, 1)] for c in cats],
-                 labels=[CATEGORY_LABELS[c] for c in cats], colors=[CATEGORY_COLORS[c] for c in cats],
-                 alpha=0.9, zorder=2, gid="stack")
-
-    top = max(memory.peak_bytes, budget_bytes, reserved_top) / scale * 1.22
-    ax.set_ylim(0, top)
-    ax.set_xlim(-0.5, n - 0.5)
-    # Phase names in a band at the top of the axes; a narrow phase (the optimizer step is one or two
-    # events) is named one row lower, right-aligned, so it never runs into its neighbour's name.
-    for ph, lo, hi in _phase_spans([e.phase for e in events]):
-        narrow = (hi - lo + 1) / max(n, 1) < 0.12
-        x = hi + 0.5 if narrow else (lo + hi) / 2
-        ax.text(x, 0.985 if not narrow else 0.925, ph, transform=ax.get_xaxis_transform(),
-                ha="right" if narrow else "center", va="top", fontsize=9, fontweight="bold", color="#444444",
-                gid=f"phase:{ph}")
-
-    peak_i = max(range(n), key=lambda i: events[i].total_bytes) if n else 0
-    peak_y = events[peak_i].total_bytes / scale if n else memory.peak_bytes / scale
-    ax.plot([peak_i], [peak_y], marker="v", color="black", ms=9, zorder=5, ls="none", gid="peak",
-            label=f"peak {memory.peak_bytes / scale:.2f} {unit}")
-    left = peak_i > n / 2
-    ax.annotate(f"peak {memory.peak_bytes / scale:.2f} {unit}\n{memory.peak_event}", (peak_i, peak_y),
-                xytext=(-12 if left else 12, 14), textcoords="offset points", ha="right" if left else "left",
-                va="bottom", fontsize=8, zorder=6,
-                bbox=dict(boxstyle="round,pad=0.25", fc="white", ec="#999999", alpha=0.95))
-    draw_budget(ax, budget, scale, vertical=False)
-    draw_reserved(ax, events, reserved, scale, unit)  # on a GPU: report/reserved.py
-    ax.set_xlabel("event in one training step (index, in execution order)")
-    draw_micro_steps(ax, events, scale, unit)  # gradient accumulation: report/accumulation.py
-    ax.set_ylabel(f"live memory per GPU ({unit})")
-    ax.set_title(title or "Memory over one training step (predicted)")
-    ax.grid(True, axis="y", alpha=0.3)
-    fig.legend(loc="outside right upper", fontsize=8, frameon=False)
-    return fig
-
+# ---- memory at the peak (the timeline: report/timeline.py) ----
 
 def plot_memory_at_peak(prediction: Prediction, budget: ReportBudget, title: str = "") -> Figure:
     """What the plan file holds without a trace: memory at the peak by category, one stacked bar, and
     the budget lines (drawn when no timeline can be simulated)."""
-    budget_bytes = _budget_top(budget)
+    on_scale = budget_on_scale(prediction.peak_bytes, budget)
+    top_bytes = max(prediction.peak_bytes, _budget_top(budget)) if on_scale else prediction.peak_bytes
     cats = [c for c in MEMORY_CATEGORIES if prediction.memory_at_peak.get(c, 0)]
-    scale, unit = _byte_scale(max(prediction.peak_bytes, budget_bytes))
+    scale, unit = byte_scale(top_bytes)
     fig = Figure(figsize=(9, 2.6), layout="constrained")
     ax = fig.add_subplot()
     left = 0.0
@@ -293,10 +256,10 @@ def plot_memory_at_peak(prediction: Prediction, budget: ReportBudget, title: str
         ax.barh([0], [v], left=[left], height=0.5, color=CATEGORY_COLORS[c],
                 label=f"{CATEGORY_LABELS[c]}: {v:.2f} {unit}", gid=f"cat:{c}")
         left += v
-    draw_budget(ax, budget, scale, vertical=True)
+    draw_budget(ax, budget, scale, vertical=True, on_scale=on_scale)
     ax.set_yticks([0], ["at the peak"])
     ax.set_xlabel(f"predicted memory per GPU ({unit})")
-    ax.set_xlim(0, max(left, budget_bytes / scale) * 1.08)
+    ax.set_xlim(0, max(left, top_bytes / scale) * 1.08)
     ax.set_title(title or f"Memory at the predicted peak: {prediction.peak_bytes / scale:.2f} {unit}")
     fig.legend(loc="outside right upper", fontsize=8, frameon=False)
     return fig
@@ -321,8 +284,9 @@ def unit_label(row: UnitRow) -> str:
 
 def plot_units(rows: Sequence[UnitRow], title: str = "") -> Figure | None:
     """Horizontal bars per unit (identical consecutive units folded into one row, figures per unit):
-    left, sharded and unsharded parameter bytes and activations kept for backward; right, compute vs
-    communication time with the exposed part of communication hatched. None without per-unit sizes."""
+    left, sharded and unsharded parameter bytes and activations kept for backward; right, compute, FSDP's
+    collectives on their stream and exposed communication in its parts, hatched (the units table's columns).
+    None without per-unit sizes."""
     rows = [r for r in rows if r.param_count is not None]
     if not rows:
         return None
@@ -334,7 +298,7 @@ def plot_units(rows: Sequence[UnitRow], title: str = "") -> Figure | None:
     h = 0.26
 
     ax = axes[0]
-    scale, unit = _byte_scale(max(max(r.unsharded_param_bytes, r.activation_bytes, r.sharded_param_bytes) for r in rows))
+    scale, unit = byte_scale(max(max(r.unsharded_param_bytes, r.activation_bytes, r.sharded_param_bytes) for r in rows))
     series = (("sharded_param_bytes", "sharded params per rank", CATEGORY_COLORS["sharded_params"]),
               ("unsharded_param_bytes", "unsharded params (while gathered)", CATEGORY_COLORS["unsharded_params"]),
               ("activation_bytes", "activations kept for backward", CATEGORY_COLORS["activations"]))
@@ -349,13 +313,17 @@ def plot_units(rows: Sequence[UnitRow], title: str = "") -> Figure | None:
 
     if has_time:
         ax = axes[1]
-        tscale, tunit = _time_scale(max(max(r.compute_s, r.comm_s) for r in rows))
-        ax.barh([y - h / 2 for y in ys], [r.compute_s / tscale for r in rows], height=h, color="#17becf",
+        tscale, tunit = _time_scale(max(max(r.compute_s, r.comm_s, r.exposed_comm_s) for r in rows))
+        ax.barh([y - h for y in ys], [r.compute_s / tscale for r in rows], height=h, color="#17becf",
                 label="compute (fwd + bwd + recompute)", gid="time:compute")
-        ax.barh([y + h / 2 for y in ys], [r.comm_s / tscale for r in rows], height=h, color="#bcbd22",
-                label="communication (all-gather + reduce-scatter)", gid="time:comm")
-        ax.barh([y + h / 2 for y in ys], [r.exposed_comm_s / tscale for r in rows], height=h, color="none",
-                edgecolor="#d62728", hatch="////", lw=0.8, label="exposed communication", gid="time:exposed")
+        ax.barh(ys, [r.comm_s / tscale for r in rows], height=h, color="#bcbd22",
+                label="FSDP collectives on their stream (all-gather + reduce-scatter)", gid="time:comm")
+        left = [0.0] * n  # exposed communication, its parts stacked (the units table's columns)
+        for (field, name), color in zip(exposed_columns(rows), EXPOSED_COLORS):
+            widths = [getattr(r.exposed_parts, field) / tscale for r in rows]
+            ax.barh([y + h for y in ys], widths, left=left, height=h, color=color, hatch="////", edgecolor="white",
+                    lw=0, label=f"exposed: {name}", gid=f"time:exposed:{field}")
+            left = [a + w for a, w in zip(left, widths)]
         ax.set_xlabel(f"time per step, per unit ({tunit})")
         ax.set_title("Time")
         ax.grid(True, axis="x", alpha=0.3)
@@ -393,7 +361,7 @@ def plot_predicted_vs_measured(predicted_peak_bytes: int, predicted_step_time_s:
     fig = Figure(figsize=(9, 4.2), layout="constrained")
     ax_m, ax_t = fig.subplots(1, 2)
 
-    scale, unit = _byte_scale(max(predicted_peak_bytes, measured.peak_bytes))
+    scale, unit = byte_scale(max(predicted_peak_bytes, measured.peak_bytes))
     err_m = relative_error(predicted_peak_bytes, measured.peak_bytes)
     bars = ax_m.bar([0, 1], [predicted_peak_bytes / scale, measured.peak_bytes / scale], color=["#1f77b4", "#ff7f0e"],
                     width=0.6, gid="peak-bars")
@@ -434,9 +402,10 @@ def frontier_point_count(fig: Figure) -> int:
 
 
 __all__ = [
-    "FrontierPoint", "MeasuredFigures", "Throughput", "draw_budget", "figure_png", "frontier_point_count",
+    "FrontierPoint", "MeasuredFigures", "Throughput", "budget_on_scale", "byte_scale", "draw_budget", "figure_png",
+    "frontier_point_count",
     "plan_throughput",
-    "plot_frontier", "plot_memory_at_peak", "plot_memory_timeline", "plot_predicted_vs_measured", "plot_units",
+    "plot_frontier", "plot_memory_at_peak", "plot_predicted_vs_measured", "plot_units",
     "relative_error", "unit_label",
 ]
 
@@ -453,7 +422,7 @@ def plot_measured_plans(plan: Plan) -> Figure | None:
         return None
     fig = Figure(figsize=(11, 4.6), layout="constrained")
     ax_m, ax_t = fig.subplots(1, 2)
-    scale, unit = _byte_scale(max(max(m.peak_bytes, m.predicted_peak_bytes) for m in points))
+    scale, unit = byte_scale(max(max(m.peak_bytes, m.predicted_peak_bytes) for m in points))
     tscale, tunit = _time_scale(max(max(m.step_time_s, m.predicted_step_time_s) for m in points))
     for i, m in enumerate(points):
         style = dict(marker="*", s=220, color="gold") if m.chosen else dict(

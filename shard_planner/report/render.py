@@ -11,12 +11,14 @@ from typing import Any
 import pandas as pd
 
 from shard_planner import __version__
+from shard_planner.cost.fits import allocator_figures_text
 from shard_planner.plan import Plan
 from shard_planner.plan_points import degree_reason
 from shard_planner.report.budget import ReportBudget
 from shard_planner.report.plots import MeasuredFigures, plan_throughput, relative_error
 from shard_planner.report.tables import md_escape, to_html, to_markdown
-from shard_planner.units import format_bytes
+from shard_planner.trace.types import ModelTrace
+from shard_planner.units import format_bytes, format_duration
 
 
 @dataclass(frozen=True)
@@ -32,10 +34,11 @@ def _reshard_text(r: bool | int) -> str:
     return f"to {r} ranks" if not isinstance(r, bool) else ("yes" if r else "no")
 
 
-def summary_lines(plan: Plan, budget: ReportBudget, measured: tuple[MeasuredFigures, tuple[int, float]] | None = None
-                  ) -> list[tuple[str, str]]:
+def summary_lines(plan: Plan, budget: ReportBudget, measured: tuple[MeasuredFigures, tuple[int, float]] | None = None,
+                  trace: ModelTrace | None = None) -> list[tuple[str, str]]:
     """(field, value) pairs that say what the plan is and what it is predicted (and measured) to do; the
-    peak and the hand-written policies judged against the usable budget (``budget``)."""
+    peak and the hand-written policies judged against the usable budget (``budget``); what trains (a
+    fine-tune's kind) from the plan's fine-tune or, for a model file that freezes its own, ``trace``."""
     c, t, m = plan.cluster, plan.training, plan.mesh
     mesh = f"{m.shard_group_size}-way sharding" + (f" x {m.replicate_group_size} replicas (HSDP)" if m.is_hsdp else "")
     mesh += f" x TP {m.tp} (tensor parallelism)" if m.is_tp else ""
@@ -48,6 +51,7 @@ def summary_lines(plan: Plan, budget: ReportBudget, measured: tuple[MeasuredFigu
         ("cluster", f"{c.gpus} GPUs, {c.gpus_per_node} per node, profile {c.profile}; "
                     f"budget {budget.describe()}"),
         ("mesh", mesh),
+        *_trains_line(plan, trace),
         *_degrees_line(plan),
         ("training", f"micro-batch {t.micro_batch} per GPU, {t.optimizer}, params in {t.param_dtype}, "
                      f"gradients reduced in {t.reduce_dtype}" + (", CPU offload" if t.cpu_offload else "")
@@ -65,9 +69,9 @@ def summary_lines(plan: Plan, budget: ReportBudget, measured: tuple[MeasuredFigu
                                f"the {'usable ' if budget.has_usable else ''}budget, "
                                f"{format_bytes(budget.usable_bytes)})"
                                + ("" if budget.fits(p.peak_bytes) else ": DOES NOT FIT")),
-            *_allocator_line(p),
-            ("predicted optimizer step" if t.accumulation_steps > 1 else "predicted step", f"{p.step_time_s:.4g} s, {tp.of(p.step_time_s):,.0f} {tp.unit} (whole cluster), "
-                               f"exposed communication {p.exposed_comm_s:.3g} s{extra}"),
+            *_allocator_line(plan),
+            ("predicted optimizer step" if t.accumulation_steps > 1 else "predicted step", f"{format_duration(p.step_time_s)}, {tp.of(p.step_time_s):,.0f} {tp.unit} (whole "
+                               f"cluster), exposed communication {format_duration(p.exposed_comm_s)}{extra}"),
         ]
         fits = [b for b in plan.baselines if b.fits and budget.fits(b.peak_bytes)]
         if fits:
@@ -85,10 +89,27 @@ def summary_lines(plan: Plan, budget: ReportBudget, measured: tuple[MeasuredFigu
         lines += [
             ("measured peak", f"{format_bytes(m.peak_bytes)} (max over {len(m.peak_bytes_per_rank)} ranks); "
                               f"prediction error {relative_error(peak_bytes, m.peak_bytes):+.1%}"),
-            ("measured step", f"{m.step_time_s:.4g} s (median of {len(m.step_time_samples_s)}); "
+            ("measured step", f"{format_duration(m.step_time_s)} (median of {len(m.step_time_samples_s)}); "
                               f"prediction error {relative_error(step_time_s, m.step_time_s):+.1%}"),
         ]
     return lines
+
+
+def _trains_line(plan: Plan, trace: ModelTrace | None) -> list[tuple[str, str]]:
+    """What trains: the plan's fine-tune (LoRA, QLoRA, frozen modules) with, given the trace, how many
+    parameters train; for a model file that freezes its own, the count alone; every parameter otherwise
+    (nothing without a trace or a fine-tune)."""
+    counts = ""
+    if trace is not None:
+        counts = f"{trace.trainable_param_count:,} of {trace.param_count:,} parameters train" + (
+            f" ({trace.trainable_param_count / trace.param_count:.2%})" if trace.param_count else "")
+    if plan.model.finetune is not None:
+        return [("trains", f"fine-tune, {plan.model.finetune.text}" + (f": {counts}" if counts else ""))]
+    if trace is None:
+        return []
+    if trace.has_frozen_params:
+        return [("trains", f"fine-tune, the model file freezes the rest: {counts}")]
+    return [("trains", f"every parameter ({trace.param_count:,}): full training or full fine-tuning")]
 
 
 def _degrees_line(plan: Plan) -> list[tuple[str, str]]:
@@ -99,13 +120,14 @@ def _degrees_line(plan: Plan) -> list[tuple[str, str]]:
     return [("tensor parallelism", degree_reason(plan.mesh.tp, plan.tp_degrees))]
 
 
-def _allocator_line(p) -> list[tuple[str, str]]:
-    """On a GPU, the simulated CUDA caching allocator's figures the plan file keeps (cost/fits.py)."""
+def _allocator_line(plan: Plan) -> list[tuple[str, str]]:
+    """On a GPU, the simulated CUDA caching allocator's figures the plan file keeps, each named
+    (cost/fits.py ``allocator_figures_text``): what it does on --mem, then what it would hold unlimited."""
+    p = plan.predicted
     if p.reserved_peak_bytes is None:
         return []
-    return [("on the GPU", f"reserved peak {format_bytes(p.reserved_peak_bytes)} per GPU (CUDA caching allocator, "
-                           f"simulated, CUDA context and NCCL included); no retries from "
-                           f"{format_bytes(p.no_retry_bytes)}" + p.retries_text("; "))]
+    return [("on the GPU", f"{p.retries_text()}; CUDA caching allocator, simulated per GPU: "
+             + allocator_figures_text(p.reserved_peak_bytes, p.no_retry_bytes, plan.cluster.expandable_segments))]
 
 
 def _title(plan: Plan) -> str:
@@ -130,9 +152,9 @@ _CSS = """
 body { font-family: -apple-system, Segoe UI, Helvetica, Arial, sans-serif; margin: 2em auto; max-width: 1200px;
        color: #222; padding: 0 1em; }
 h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 2em; border-bottom: 1px solid #ddd; }
-table { border-collapse: collapse; font-size: 0.85em; margin: 0.8em 0; }
-th, td { padding: 0.25em 0.7em; border-bottom: 1px solid #e4e4e4; text-align: right; }
-th { background: #f5f5f5; } td:first-child, th:first-child { text-align: left; }
+table { border-collapse: collapse; font-size: 0.85em; margin: 0.8em 0; display: block; overflow-x: auto; }
+th, td { padding: 0.25em 0.7em; border-bottom: 1px solid #e4e4e4; text-align: left; vertical-align: top; }
+th { background: #f5f5f5; } th.num, td.num { text-align: right; }
 table.summary td { text-align: left; } table.summary td:first-child { font-weight: 600; white-space: nowrap; }
 img { max-width: 100%; border: 1px solid #eee; }
 p.caption { color: #555; font-size: 0.9em; max-width: 60em; }

@@ -11,7 +11,8 @@ else (plan.py's rule, the one FSDP2 applies). Per unit and per rank:
   all-gathers in under ``MixedPrecisionPolicy(param_dtype=...)``;
 - activations kept for backward at the plan's micro-batch: the traced saved tensors of the unit's own
   modules, or, for a checkpointed unit, only the inputs of its modules (what checkpointing keeps);
-- compute, communication and exposed communication time: the cost model's ``UnitTime``.
+- compute, FSDP collectives and exposed communication time, the last in its parts (waiting, FSDP2's copies,
+  slowdown, tensor-parallel collectives): the cost model's ``UnitTime``.
 
 Consecutive units of the same block (same structural hashes: the 80 blocks of a 70B model) are folded
 into one row per decision (reshard, checkpointing) with their count, figures per unit (times and kept
@@ -22,11 +23,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from shard_planner.dtypes import dtype_bytes
 from shard_planner.cost.selective import flops_price, subtree_selective
-from shard_planner.cost.types import Estimate, UnitTime
+from shard_planner.cost.types import Estimate, ExposedParts, UnitTime
 from shard_planner.plan import Plan, Unit
 from shard_planner import ownership
 from shard_planner.trace.types import ModelTrace
@@ -49,7 +50,9 @@ class UnitRow:
     activation_bytes: int | None = None  # per unit, kept for backward at the plan's micro-batch
     compute_s: float | None = None  # per unit: forward + backward (recomputation included)
     comm_s: float | None = None  # per unit: all-gathers + reduce-scatter
-    exposed_comm_s: float | None = None  # per unit: communication the compute stream waited for
+    exposed_comm_s: float | None = None  # per unit: what communication adds to the step, all parts
+    exposed_parts: ExposedParts | None = None  # per unit: its parts (cost/types.py [Note: The parts of exposed
+    # communication]), adding up to exposed_comm_s
 
     @property
     def reshard_text(self) -> str:
@@ -151,8 +154,17 @@ def unit_rows(plan: Plan, trace: ModelTrace | None = None, estimate: Estimate | 
                        activation_bytes=int(_mean([sizes[i]["saved_bytes"] for i in members])))
         unit_times = [times[plan.units[i].name] for i in members if plan.units[i].name in times]
         if len(unit_times) == len(members):
+            parts = [t.parts for t in unit_times]
             row.update(compute_s=_mean([t.fwd_compute_s + t.bwd_compute_s for t in unit_times]),
                        comm_s=_mean([t.all_gather_s + t.reduce_scatter_s for t in unit_times]),
-                       exposed_comm_s=_mean([t.exposed_comm_s for t in unit_times]))
+                       exposed_comm_s=_mean([t.exposed_comm_s for t in unit_times]),
+                       exposed_parts=ExposedParts(*(_mean([getattr(p, f) for p in parts]) for f, _ in ExposedParts.NAMES)))
         rows.append(UnitRow(**row))
     return tuple(rows)
+
+
+def exposed_columns(rows: Sequence[UnitRow]) -> list[tuple[str, str]]:
+    """The parts of exposed communication (cost/types.py ``ExposedParts.NAMES``) some row has: the units table's
+    columns and the units figure's bars, so that they add up to the exposed figure beside them."""
+    return [(field, name) for field, name in ExposedParts.NAMES
+            if any(r.exposed_parts is not None and getattr(r.exposed_parts, field) > 0 for r in rows)]

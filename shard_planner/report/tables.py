@@ -6,23 +6,28 @@ with ``DataFrame.to_markdown`` because that needs the optional ``tabulate`` pack
 
 from __future__ import annotations
 
+import html
 from typing import Sequence
 
 import pandas as pd
 
+from shard_planner.cost.types import ExposedParts
 from shard_planner.plan import Plan
 from shard_planner.report.budget import ReportBudget
 from shard_planner.report.plots import GIB, plan_throughput
-from shard_planner.report.rows import UnitRow
+from shard_planner.report.rows import UnitRow, exposed_columns
 
 MIB = 2**20
+NUM = ' class="num"'  # a numeric column's cells: right-aligned (render.py's CSS)
 
 
 def units_table(rows: Sequence[UnitRow]) -> pd.DataFrame:
     """One line per row of :func:`~shard_planner.report.rows.unit_rows` (folded units: figures per unit);
-    a column of trainable parameters when some are frozen (a fine-tune)."""
+    a column of trainable parameters when some are frozen (a fine-tune); exposed communication and a column
+    per part of it some row has (:func:`exposed_parts_text` says what each is)."""
     records = []
     frozen = any(r.param_count is not None and r.trainable_param_count != r.param_count for r in rows)
+    parts = exposed_columns(rows)
     for r in rows:
         rec = {
             "unit": r.label,
@@ -43,11 +48,24 @@ def units_table(rows: Sequence[UnitRow]) -> pd.DataFrame:
         if r.compute_s is not None:
             rec.update({
                 "compute (ms)": r.compute_s * 1e3,
-                "communication (ms)": r.comm_s * 1e3,
+                "FSDP collectives (ms)": r.comm_s * 1e3,
                 "exposed comm. (ms)": r.exposed_comm_s * 1e3,
+                **{f"of it {ExposedParts.SHORT_NAMES[field]} (ms)": getattr(r.exposed_parts, field) * 1e3
+                   for field, _ in parts},
             })
         records.append(rec)
     return pd.DataFrame.from_records(records)
+
+
+def exposed_parts_text(rows: Sequence[UnitRow]) -> str:
+    """What the units table's exposed columns are, for its caption ("" without times)."""
+    parts = exposed_columns(rows)
+    if not parts:
+        return ""
+    named = "; ".join(f"{ExposedParts.SHORT_NAMES[field]}: {name}" for field, name in parts)
+    return ("Exposed comm. is what communication adds to the step; its parts, which add up to it: "
+            f"{named}. FSDP collectives is their time on the communication stream, hidden under compute where "
+            "it is not waited for.")
 
 
 def frontier_table(plan: Plan, budget: ReportBudget) -> pd.DataFrame:
@@ -131,8 +149,17 @@ def to_markdown(df: pd.DataFrame) -> str:
 
 
 def to_html(df: pd.DataFrame) -> str:
-    """An HTML table with the same number formatting as the Markdown one."""
-    return df.to_html(index=False, border=0, classes="table", escape=True, na_rep="", formatters=_formatters(df))
+    """An HTML table with the same number formatting as the Markdown one: numbers right-aligned (class
+    "num"), text left-aligned, as the Markdown table aligns them."""
+    numeric = [pd.api.types.is_numeric_dtype(df[c]) for c in df.columns]
+    fmt = _formatters(df)
+
+    def cells(tag: str, values) -> str:
+        return "".join(f"<{tag}{NUM if num else ''}>{html.escape(v)}</{tag}>" for v, num in zip(values, numeric))
+
+    rows = [f"<tr>{cells('td', [fmt[c](v) for c, v in zip(df.columns, row)])}</tr>" for row in df.itertuples(index=False)]
+    return ('<table class="table">\n<thead><tr>' + cells("th", [str(c) for c in df.columns]) + "</tr></thead>\n<tbody>\n"
+            + "\n".join(rows) + "\n</tbody>\n</table>")
 
 
 def measurements_table(plan: Plan) -> pd.DataFrame:

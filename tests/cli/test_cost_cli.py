@@ -54,7 +54,8 @@ def test_estimate_other_gpus_profile_and_write(files, capsys):
     # (--mem 1 GiB on h100-80gb, whose CUDA context and NCCL take 1 GiB: nothing is left for the allocator)
     assert "on the GPU, as planned: DOES NOT FIT 1.00 GiB: the simulated allocator runs out of memory at" in out
     assert "expandable_segments:True, simulated" in out and "0 B for the allocator" in out
-    assert "with expandable_segments:False (the default) instead: reserved peak" in out
+    assert "with expandable_segments:False (the default) instead: DOES NOT FIT 1.00 GiB" in out
+    assert "with no memory limit it would hold at most" in out and "no retries from" not in out
     assert "OVER the search's budget, allocated, of" in out
     fit = device_fit(CostModel(trace, load_profile("h100-80gb")), saved)
     assert (saved.predicted.reserved_peak_bytes, saved.predicted.no_retry_bytes) == (

@@ -15,7 +15,7 @@ from shard_planner.report.accumulation import held_gradient_bytes, micro_step_sp
 from shard_planner.report.budget import report_budget
 from shard_planner.report.export import export_plan, model_info_for_plan
 from shard_planner.report.export.fsdp2 import export_fsdp2
-from shard_planner.report.plots import plot_memory_timeline
+from shard_planner.report.timeline import plot_memory_timeline
 from shard_planner.report.render import summary_lines
 from shard_planner.modelfile import load_model_file
 from shard_planner.trace.structure import model_fingerprint

@@ -26,8 +26,9 @@ from shard_planner.report.budget import report_budget
 from shard_planner.report.measured import measured_figures
 from shard_planner.report.plots import (
     frontier_point_count, plan_throughput, plot_frontier, plot_measured_plans, plot_memory_at_peak,
-    plot_memory_timeline, plot_predicted_vs_measured, plot_units,
+    plot_predicted_vs_measured, plot_units,
 )
+from shard_planner.report.timeline import plot_memory_timeline
 from shard_planner.report.render import summary_lines
 from shard_planner.report.rows import unit_rows
 from shard_planner.report.tables import frontier_table, measurements_table, to_markdown, units_table
@@ -126,7 +127,9 @@ def test_memory_timeline_content():
     assert peak.get_xdata()[0] == i and peak.get_ydata()[0] == pytest.approx(est.memory.peak_bytes / GIB)
     assert gid_artists(fig, "budget")[0].get_ydata()[0] == pytest.approx(40.0)
     assert gid_artists(fig, "usable-budget")[0].get_ydata()[0] == pytest.approx(40.0 * 0.947)
-    assert {t.get_text() for t in ax.texts} >= {"forward", "backward", "optimizer"}
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert {"forward (shaded)", "backward (shaded)", "optimizer step (shaded)"} <= set(legend)  # phases named once
+    assert not ax.texts  # nothing written over the data: every name is in the legend
     assert "(GiB)" in ax.get_ylabel()
     assert not texts_overlap(fig)
 
@@ -178,7 +181,7 @@ def test_units_plot_content():
     fig = plot_units(rows)
     mem_ax, time_ax = fig.axes
     for gid in ("mem:sharded_param_bytes", "mem:unsharded_param_bytes", "mem:activation_bytes", "time:compute",
-                "time:comm", "time:exposed"):
+                "time:comm", "time:exposed:wait_s"):
         assert len(gid_artists(fig, gid)) == len(rows)  # one bar per row
     assert "(GiB)" in mem_ax.get_xlabel() or "(MiB)" in mem_ax.get_xlabel()
     assert "(ms)" in time_ax.get_xlabel()
