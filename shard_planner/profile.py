@@ -13,7 +13,7 @@ from pathlib import Path
 
 from shard_planner.errors import ProfileError
 from shard_planner.timings import ModuleTimings, load_timings
-from shard_planner.units import format_bytes
+from shard_planner.units import DTYPE_NAMES, format_bytes
 
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 DEFAULT_PROFILE = "h100-80gb"
@@ -176,12 +176,28 @@ class HardwareProfile:
         """How ``tensor_budget_bytes(mem_budget_bytes)`` follows from --mem, in words (:func:`usable_reason`)."""
         return usable_reason(mem_budget_bytes, self.memory_bytes, self.usable_fraction, self.device)
 
+    def check_compute_dtype(self, dtype: str) -> None:
+        """One ProfileError line when this profile gives no rate for compute dtype ``dtype``.
+
+        [Note: A compute dtype the device lacks] A profile lists a peak rate for each dtype its device's
+        GEMMs run in, and none for one it lacks: a V100 (Volta) has FP16 tensor cores and no bfloat16 ones,
+        where PyTorch's bfloat16 matmuls run emulated, far below the fp16 rate (profiles/v100-32gb.toml).
+        A plan in such a dtype is refused before anything is traced, naming the dtypes the profile has, rather
+        than priced at another dtype's rate or switched silently to fp16 (whose training needs a loss scaler
+        that a bfloat16 plan does not)."""
+        if dtype in self.peak_flops_per_s:
+            return
+        typed = {v: k for k, v in DTYPE_NAMES.items() if len(k) == 4}  # "float16" -> "fp16", as --dtype takes it
+        usable = [typed[d] for d in self.peak_flops_per_s if d in typed]
+        instead = f"plan with --dtype {' or '.join(usable)}" if usable else "add a rate it has"
+        raise ProfileError(f"profile {self.name} gives no {dtype} compute rate (its [peak_flops_per_s] has "
+                           f"{', '.join(self.peak_flops_per_s)}): {instead}, or, if the device has {dtype} "
+                           f"arithmetic, add its rate to {self.source or 'the profile'}")
+
     def flops_per_s(self, dtype: str) -> float:
         """Achievable FLOP/s in ``dtype``: peak x efficiency."""
-        try:
-            return self.peak_flops_per_s[dtype] * self.compute_efficiency
-        except KeyError:
-            raise ProfileError(f"profile {self.name} has no peak FLOP/s for {dtype}; add it under [peak_flops_per_s]") from None
+        self.check_compute_dtype(dtype)  # See [Note: A compute dtype the device lacks]
+        return self.peak_flops_per_s[dtype] * self.compute_efficiency
 
 
 def usable_reason(mem_budget_bytes: int, memory_bytes: int | None, usable_fraction: float, device: str, *,

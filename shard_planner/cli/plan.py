@@ -109,6 +109,7 @@ def _run(args: argparse.Namespace, helper: Helper, second: Helper) -> int:
     t0 = time.perf_counter()
     tracing = helper.submit(_load_and_trace, args.model, hf_options(args), DTYPE_NAMES[args.dtype])
     profile = load_priced_profile(args.profile, args.timings)  # light; which degrees to search depends on it
+    profile.check_compute_dtype(DTYPE_NAMES[args.dtype])  # before the trace's result is waited for
     degrees = degrees_to_search(args, args.gpus_per_node or profile.interconnect.gpus_per_node, profile.device)
     degree_work = DegreeWork.start(args, hf_options(args), DTYPE_NAMES[args.dtype], degrees, second)
     if args.report:
