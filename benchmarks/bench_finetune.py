@@ -101,13 +101,13 @@ def plan_row(case: str, path: str, trace, cluster: tuple[str, str, str], trace_s
     p = plan.predicted
     return {**row, "fits": True, "units": len(plan.units), "ac": sum(bool(u.activation_checkpoint) for u in plan.units),
             "offload": plan.training.cpu_offload, "peak": format_bytes(p.peak_bytes),
-            "tokens_per_s": round(p.tokens_per_s or 0), "mfu": round(p.mfu or 0, 3),
+            "tokens_per_s": round(p.tokens_per_s or 0), "alloc_retries": p.alloc_retries_per_step, "mfu": round(p.mfu or 0, 3),
             "step_s": round(p.step_time_s, 2), "dequant_s": round(dequant_seconds(trace, profile), 2)}, plan
 
 
 def dequant_seconds(trace, profile) -> float:
     """Seconds of one step's NF4 dequantisation at HBM bandwidth, which the profile's "flops" compute model
-    does not price: the memory-bound kernels (all but matmuls) of the modules holding NF4 weights (stored as
+    alone does not price (cost/quantized.py adds it to the step): the memory-bound kernels (all but matmuls) of the modules holding NF4 weights (stored as
     uint8 codes), forward and backward once at the micro-batch (a checkpointed unit dequantises again in its
     recomputation: not counted). 0 without NF4."""
     moved = sum(k.bytes.at(MICRO_BATCH) for m in trace.modules if "uint8" in m.frozen_param_bytes_by_dtype
@@ -128,12 +128,24 @@ def formula_check(trace, plan, profile_name: str) -> dict:
             "offload": plan.training.cpu_offload}
 
 
+def plan_command(case: str, cluster: tuple[str, str, str]) -> list[str]:
+    """The ``shard-planner plan`` command a (LoRA or QLoRA) row answers, as a user types it from the repository's
+    root: the report lists these, and the docs quote them (tests/test_readme_figures.py checks that they agree).
+    Full fine-tuning needs a copy of the config in fp32 (:func:`config_for`), so it has none."""
+    _label, profile_name, mem = cluster
+    finetune = CASES[case]
+    argv = ["shard-planner", "plan", str(CONFIG.relative_to(ROOT)), "--lora", str(finetune.lora_rank), "--lora-targets",
+            ALL_LINEAR]
+    argv += ["--qlora"] if finetune.qlora else []
+    return argv + ["--gpus", str(GPUS), "--mem", mem, "--profile", profile_name, "--batch-size", str(MICRO_BATCH),
+                   "--seq-len", str(SEQ_LEN)]
+
+
 def cli_plan_seconds(folder: Path) -> tuple[float, str]:
     """``shard-planner plan`` for LoRA on 8 x 80GB in a fresh process (--no-report): wall seconds, its time line."""
     out = folder / "plan.json"
-    argv = [sys.executable, "-m", "shard_planner.cli.main", "plan", str(CONFIG), "--lora", str(RANK), "--lora-targets",
-            ALL_LINEAR, "--gpus", str(GPUS), "--mem", "80GB", "--profile", "h100-80gb", "--seq-len", str(SEQ_LEN),
-            "--batch-size", str(MICRO_BATCH), "-o", str(out), "--no-report"]
+    argv = [sys.executable, "-m", "shard_planner.cli.main", *plan_command("lora", CLUSTERS[0])[1:], "-o", str(out),
+            "--no-report"]
     t0 = time.perf_counter()
     done = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -169,7 +181,7 @@ def main() -> int:
 def write_report(rows: list[dict], check: dict | None, cli: tuple[float, str] | None, load: str) -> None:
     """Print the tables and write finetune.csv (the side-by-side rows) and finetune.md."""
     columns = ["case", "cluster", "profile", "params", "trainable", "trace_s", "plan_s", "fits", "units", "ac",
-               "offload", "peak", "tokens_per_s", "mfu", "step_s", "dequant_s"]
+               "offload", "peak", "tokens_per_s", "alloc_retries", "mfu", "step_s", "dequant_s"]
     print_table(rows, title=f"Llama 3.1 70B on {GPUS} GPUs, seq {SEQ_LEN}, micro-batch {MICRO_BATCH} (load {load})",
                 columns=columns)
     write_csv(rows, "finetune", columns=columns)
@@ -178,7 +190,11 @@ def write_report(rows: list[dict], check: dict | None, cli: tuple[float, str] | 
           f"LoRA r={RANK} on all linear layers (peft, fp32 adapters, alpha {2 * RANK}); QLoRA the same on an NF4 base "
           "(torchao). Full fine-tuning keeps fp32 master weights. Shared 2-core CPU, load "
           f"{load} at the end (wall times noisy). Targets: trace and plan under {TARGET_S:g} s each.", "",
-          _markdown(rows, columns), "", NOTES]
+          _markdown(rows, columns), "", NOTES, "", "## The commands", "",
+          "Each LoRA and QLoRA row is what this command answers, run from the repository's root (full fine-tuning "
+          "gives `plan` a copy of the config with `torch_dtype` float32; `alloc_retries`: the CUDA caching "
+          "allocator's cache releases per step the plan survives with, priced in its step time):", "",
+          *(f"    {' '.join(plan_command(case, cluster))}" for case in CASES if case != "full" for cluster in CLUSTERS)]
     if check is not None:
         print_table([check], title="LoRA, 8 x 80GB: sharded parameters + optimizer states vs (2F + 4T)/8 + 8T/8")
         md += ["", "## LoRA on 8 x 80GB: sharded parameters + optimizer states against the formula", "",
@@ -193,14 +209,16 @@ def write_report(rows: list[dict], check: dict | None, cli: tuple[float, str] | 
     write_atomic(OUT_DIR / "finetune.md", "\n".join(md) + "\n")
 
 
-NOTES = """`dequant_s`: what the predicted step time leaves out for QLoRA. torchao dequantises every NF4 weight to bf16
-where it is used (`LinearNF4`: forward, and again in backward for the input gradient), in eager elementwise ops
-(unpack the 4-bit codes to int64, look them up, scale by the dequantised scalers, interleave) that move about 14
-bytes per element where the matmul reads 2. The trace records those kernels and their bytes, and their
-temporaries are in the predicted peak (3.1 GiB for one 8192 x 28672 weight); but the profiles' `flops` compute
-model prices a block by its FLOPs, and these ops have none, so only their launch overhead counts. `dequant_s` is
-their bytes at the profile's HBM bandwidth, forward and backward once (recomputation not counted): a lower bound
-of the time missing from QLoRA's step. Full fine-tuning and LoRA have none.
+NOTES = """`dequant_s`: the NF4 dequantisation in QLoRA's step. torchao dequantises every NF4 weight to bf16 where
+it is used (`LinearNF4`: forward, and again in backward for the input gradient), in eager elementwise ops (unpack
+the 4-bit codes to int64, look them up, scale by the dequantised scalers, interleave) that move about 14 bytes per
+element where the matmul reads 2. The trace records those kernels and their bytes, and their temporaries are in
+the predicted peak (3.1 GiB for one 8192 x 28672 weight). These ops have no FLOPs, so the profiles' `flops`
+compute model alone would price them at their launch overhead; cost/quantized.py adds their bytes at the
+profile's HBM bandwidth ([Note: NF4 dequantisation time]), forward and backward, and again in a checkpointed
+block's recomputation, so `step_s` holds them. `dequant_s` is that time forward and backward once (recomputation
+not counted), computed here on its own: how much of QLoRA's step is dequantisation. Full fine-tuning and LoRA
+have none.
 
 Trace time: peft's `get_peft_model` builds 1,120 adapter Linears under FakeTensorMode (each made, then moved to
 the base's dtype and cast back up to fp32: ~24,000 fake ops) - about 1.7 of LoRA's 3.8 s warm trace; the plain

@@ -104,6 +104,7 @@ def main(argv=None) -> int:
     parser.add_argument("--data", type=Path, default=ROOT / "benchmarks" / "data" / "h200_2026-12-04")
     parser.add_argument("--profile", default="h200")
     args = parser.parse_args(argv)
+    args.data = args.data.resolve()  # the report's command line names it relative to the repository, as typed there
     from common import OUT_DIR, print_table, write_csv
 
     from shard_planner.fileio import write_atomic
@@ -111,7 +112,7 @@ def main(argv=None) -> int:
     rows = rows_for(args.data, args.profile)
     out = io.StringIO()
     print(f"# Reserved memory: simulated (cost/reserved.py) vs measured\n\nCommand: `python benchmarks/bench_reserved.py "
-          f"--data {args.data.relative_to(ROOT)} --profile {args.profile}`. Measured: torch.cuda.max_memory_allocated and "
+          f"--data {args.data.relative_to(ROOT) if ROOT in args.data.parents else args.data} --profile {args.profile}`. Measured: torch.cuda.max_memory_allocated and "
           "max_memory_reserved of the stored runs (world size 1, `expandable_segments:True`). Simulated: the memory "
           "walk's first two steps through the caching-allocator simulation, expandable segments on (`sim_reserved`) "
           "and off (`sim_reserved_default`); ratio = reserved / allocated. sim_ms: one simulation (two walks).",

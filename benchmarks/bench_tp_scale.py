@@ -200,14 +200,18 @@ def chosen_row(case: Case, runs: list[dict]) -> dict:
 
 
 def degree_rows(case: Case, plan: dict) -> list[dict]:
-    """Every degree's outcome from the plan file's ``tp_degrees``."""
+    """Every degree's outcome from the plan file's ``tp_degrees``; ``chosen_over_pct``: the chosen degree's
+    throughput over this one's, in percent (what the docs quote as "+x% over FSDP alone")."""
     chosen = plan["mesh"].get("tp", 1)
+    outcomes = plan.get("tp_degrees") or []
+    chosen_sps = next((o.get("samples_per_s") for o in outcomes if o["degree"] == chosen), None)
     rows = []
-    for o in plan.get("tp_degrees") or []:
+    for o in outcomes:
         sps = o.get("samples_per_s")
         rows.append(dict(table="degrees", case=case.name, degree=o["degree"], chosen=o["degree"] == chosen,
                          judged=o["judged"], layout=o.get("layout") or "",
                          tps_gpu=round(sps * SEQ / case.gpus) if sps else None,
+                         chosen_over_pct=round(100 * (chosen_sps / sps - 1), 1) if sps and chosen_sps else None,
                          step_s=round(o["step_time_s"], 3) if o.get("step_time_s") else None,
                          compute_s=round(o["compute_s"], 3) if o.get("compute_s") else None,
                          exposed_comm_s=round(o["exposed_comm_s"], 3) if o.get("exposed_comm_s") is not None else None,
@@ -315,7 +319,7 @@ def mirror_row(case: Case, cache_dir: Path | None, chosen: dict) -> dict:
 # ---- the report ----
 CHOSEN_COLS = ["case", "mesh", "micro_batch", "prefetch", "checkpointing", "pred_tps_gpu", "mfu_pct", "peak_gib",
                "reserved_gib", "alloc_retries", "published_closest", "pred_vs_published_pct", "same_plan_every_run"]
-DEGREE_COLS = ["case", "degree", "chosen", "judged", "tps_gpu", "step_s", "compute_s", "exposed_comm_s", "tp_comm_s",
+DEGREE_COLS = ["case", "degree", "chosen", "judged", "tps_gpu", "chosen_over_pct", "step_s", "compute_s", "exposed_comm_s", "tp_comm_s",
                "peak_gib", "layout", "refused"]
 MIRROR_COLS = ["case", "torchtitan_layout", "mirrored_as", "published", "closest", "pred_tps_gpu", "pred_vs_closest_pct",
                "pred_mfu_pct", "pred_tp_comm_s", "pred_peak_gib", "pred_reserved_gib", "fits_80gb",
