@@ -89,16 +89,16 @@ def _budget_text(budget: ReportBudget, fig=None) -> str:
         return (f"The budget, {budget.describe()}, is off this plot's scale: the axis is zoomed to the data, which "
                 "stay under half of it (the legend names the budget).")
     if budget.has_usable and budget.device == "cuda":
-        return (f"The dashed line is --mem ({format_bytes(budget.mem_bytes)} per GPU); the dotted one the most the "
+        return (f"The dashed line is --mem ({format_bytes(budget.mem_bytes)} per {budget.rank_word}); the dotted one the most the "
                 f"planner lets a plan allocate, {format_bytes(budget.usable_bytes)}: {budget.usable_reason}; what "
                 "fits is decided by the simulated CUDA caching allocator (its reserved memory exceeds what it "
                 "hands out).")
     if budget.has_usable:
-        return (f"The dashed line is --mem ({format_bytes(budget.mem_bytes)} per GPU); the dotted one the usable "
+        return (f"The dashed line is --mem ({format_bytes(budget.mem_bytes)} per {budget.rank_word}); the dotted one the usable "
                 f"budget the planner fills, {format_bytes(budget.usable_bytes)}: {budget.usable_reason}.")
     if budget.missing_profile:
-        return f"The dashed line is --mem ({format_bytes(budget.mem_bytes)} per GPU), {budget.fallback_note}."
-    return (f"The dashed line is --mem ({format_bytes(budget.mem_bytes)} per GPU); the profile keeps none of it "
+        return f"The dashed line is --mem ({format_bytes(budget.mem_bytes)} per {budget.rank_word}), {budget.fallback_note}."
+    return (f"The dashed line is --mem ({format_bytes(budget.mem_bytes)} per {budget.rank_word}); the profile keeps none of it "
             "free.")
 
 
@@ -122,7 +122,7 @@ def build_sections(plan: Plan, *, trace: ModelTrace | None = None, profile: Hard
     reserved = reserved_timeline(plan, trace, profile) if estimate is not None else None
     sections = [_frontier_section(plan, budget), _degrees_section(plan, budget),
                 _memory_section(plan, trace, estimate, budget, reserved),
-                _units_section(plan, trace, estimate)]
+                _units_section(plan, trace, estimate, budget)]
     if plan.measurements:
         sections.append(_tune_section(plan))
     if measurement is not None:
@@ -193,10 +193,10 @@ def _memory_section(plan: Plan, trace: ModelTrace | None, estimate: Estimate | N
     bytes beside it, ``reserved``: report/reserved.py), else at its peak (from the plan file)."""
     if estimate is not None:
         fig = plot_memory_timeline(estimate.memory, budget, f"Memory over one training step: {_model_name(plan)}, "
-                                   "chosen plan (predicted, per GPU)", reserved)
+                                   f"chosen plan (predicted, per {budget.rank_word})", reserved)
         return ReportSection(
             "Memory over one step", "memory_timeline.png", fig,
-            "Live bytes on one GPU after each event of the FSDP2 schedule (all-gathers, unit forward and "
+            f"Live bytes on one {budget.rank_word} after each event of the FSDP2 schedule (all-gathers, unit forward and "
             f"backward, reduce-scatters, optimizer step), stacked by category (allocated). "
             f"{_budget_text(budget, fig)} {reserved_caption(reserved)}".rstrip())
     if plan.predicted is None:
@@ -209,14 +209,15 @@ def _memory_section(plan: Plan, trace: ModelTrace | None, estimate: Estimate | N
         + f" for the whole timeline). {_budget_text(budget, fig)}")
 
 
-def _units_section(plan: Plan, trace: ModelTrace | None, estimate: Estimate | None) -> ReportSection:
+def _units_section(plan: Plan, trace: ModelTrace | None, estimate: Estimate | None,
+                   budget: ReportBudget) -> ReportSection:
     rows = unit_rows(plan, trace, estimate)
-    fig = plot_units(rows)
+    fig = plot_units(rows, rank_word=budget.rank_word)
     return ReportSection(
         "Units", "units.png" if fig is not None else None, fig,
         "One row per FSDP unit in forward order; consecutive units of the same block are folded into one row "
         "per decision (reshard, checkpointing), with their count and figures per unit (\"N of M\": every "
-        "other block, say). Memory is per GPU at the plan's micro-batch; times are per step."
+        f"other block, say). Memory is per {budget.rank_word} at the plan's micro-batch; times are per step."
         + (" " + exposed_parts_text(rows) if exposed_parts_text(rows) else "")
         + (" " + fine_tune_text(trace) if trace is not None and trace.has_frozen_params else ""),
         units_table(rows))
@@ -299,10 +300,11 @@ def write_sections(plan: Plan, sections: list[ReportSection], out_dir: str | os.
     predicted = predictions_for(plan, measurement) if measurement is not None else None
     if predicted is not None:
         measured = (measured_figures(measurement), predicted)
-    summary = summary_lines(plan, budget if budget is not None else report_budget(plan), measured, trace)
-    write_atomic(out / "report.md", render_markdown(plan, summary, sections))
+    budget = budget if budget is not None else report_budget(plan)
+    summary = summary_lines(plan, budget, measured, trace)
+    write_atomic(out / "report.md", render_markdown(plan, summary, sections, budget))
     html_path = out / "report.html"
-    write_atomic(html_path, render_html(plan, summary, sections, pngs))
+    write_atomic(html_path, render_html(plan, summary, sections, pngs, budget))
     logger.info("report written to %s", html_path)
     return html_path
 

@@ -63,11 +63,22 @@ class ReportBudget:
         """The frontier table's fits column, named by the budget it judges against."""
         return "fits the usable budget" if self.has_usable else "fits --mem"
 
+    @property
+    def rank_word(self) -> str:
+        """What one rank is called in the report: "GPU", or "CPU rank" on a CPU profile (as the command line says
+        it: profile.HardwareProfile.rank_word)."""
+        return "CPU rank" if self.device == "cpu" else "GPU"
+
+    def ranks(self, count: int) -> str:
+        """``count`` ranks in words: "8 GPUs", "2 CPU ranks"."""
+        return f"{count} {self.rank_word}{'' if count == 1 else 's'}"
+
     def describe(self) -> str:
         """Both budgets in words, for the summary and captions."""
+        per = f"per {self.rank_word}"
         if self.has_usable:
-            return f"{self.mem_label} per GPU, {format_bytes(self.usable_bytes)} usable ({self.usable_reason})"
-        return f"{self.mem_label} per GPU" + (f" ({self.fallback_note})" if self.missing_profile else "")
+            return f"{self.mem_label} {per}, {format_bytes(self.usable_bytes)} usable ({self.usable_reason})"
+        return f"{self.mem_label} {per}" + (f" ({self.fallback_note})" if self.missing_profile else "")
 
     @property
     def fallback_note(self) -> str:

@@ -80,7 +80,7 @@ def plot_degrees(plan: Plan, budget: ReportBudget) -> Figure | None:
         peaks_bytes.append(plan.predicted.peak_bytes)
     finish_throughput_axes(fig, ax, budget, tp.unit, peaks_bytes,
                            f"Memory vs throughput per tensor-parallel degree: {_model_name(plan)} on "
-                           f"{plan.cluster.gpus} GPUs")
+                           f"{budget.ranks(plan.cluster.gpus)}")
     return fig
 
 

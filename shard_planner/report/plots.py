@@ -22,7 +22,7 @@ import matplotlib
 matplotlib.use("Agg")  # the report never opens a window; harmless if a caller already chose Agg
 
 from matplotlib.figure import Figure  # noqa: E402
-from matplotlib.ticker import FuncFormatter  # noqa: E402
+from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator  # noqa: E402
 
 from shard_planner.plan import MEMORY_CATEGORIES, FrontierPoint, Plan, Prediction  # noqa: E402
 from shard_planner.report.budget import ReportBudget  # noqa: E402
@@ -166,7 +166,7 @@ def plot_frontier(plan: Plan, budget: ReportBudget) -> Figure | None:
     mesh = f"\n{plan.mesh.description}" if plan.mesh.is_tp else ""  # without TP the GPU count says it
     finish_throughput_axes(fig, ax, budget, tp.unit, [q.peak_bytes for q in (*plan.frontier, *plan.baselines)]
                            + ([plan.predicted.peak_bytes] if plan.predicted is not None else []),
-                           f"Memory vs throughput: {_model_name(plan)} on {plan.cluster.gpus} GPUs, "
+                           f"Memory vs throughput: {_model_name(plan)} on {budget.ranks(plan.cluster.gpus)}, "
                            f"micro-batch {plan.training.micro_batch}{mesh}")
     return fig
 
@@ -212,7 +212,7 @@ def finish_throughput_axes(fig: Figure, ax, budget: ReportBudget, unit: str, pea
     grid, the title and the legend outside the data."""
     on_scale = budget_on_scale(max(peaks_bytes, default=0), budget)
     draw_budget(ax, budget, GIB, vertical=True, zorder=1, on_scale=on_scale)
-    ax.set_xlabel("predicted peak memory per GPU (GiB)")
+    ax.set_xlabel(f"predicted peak memory per {budget.rank_word} (GiB)")
     ax.set_ylabel(f"predicted throughput, whole cluster ({unit})")
     ax.yaxis.set_major_formatter(FuncFormatter(_thousands))
     if on_scale:
@@ -222,8 +222,11 @@ def finish_throughput_axes(fig: Figure, ax, budget: ReportBudget, unit: str, pea
         pad = max((hi - lo) * 0.15, hi * 0.002)
         ax.set_xlim(left=max(0.0, lo - pad), right=hi + pad)
         scale, name = byte_scale(max(peaks_bytes))
-        if scale < GIB:  # the points stay in GiB (the figure's data); the ticks read in the unit that fits
-            ax.set_xlabel(f"predicted peak memory per GPU ({name})")
+        if scale < GIB:  # the points stay in GiB (the figure's data); the ticks read in the unit that fits, at
+            # round values of it (ticks placed in GiB read 4.096, 4.608, ... MiB)
+            ax.set_xlabel(f"predicted peak memory per {budget.rank_word} ({name})")
+            shown = MaxNLocator(nbins=8, steps=[1, 2, 2.5, 5, 10]).tick_values(*(v * GIB / scale for v in ax.get_xlim()))
+            ax.xaxis.set_major_locator(FixedLocator([v * scale / GIB for v in shown]))
             ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v * GIB / scale:.4g}"))
     ax.grid(True, alpha=0.3)
     ax.set_title(title)
@@ -258,7 +261,7 @@ def plot_memory_at_peak(prediction: Prediction, budget: ReportBudget, title: str
         left += v
     draw_budget(ax, budget, scale, vertical=True, on_scale=on_scale)
     ax.set_yticks([0], ["at the peak"])
-    ax.set_xlabel(f"predicted memory per GPU ({unit})")
+    ax.set_xlabel(f"predicted memory per {budget.rank_word} ({unit})")
     ax.set_xlim(0, max(left, top_bytes / scale) * 1.08)
     ax.set_title(title or f"Memory at the predicted peak: {prediction.peak_bytes / scale:.2f} {unit}")
     fig.legend(loc="outside right upper", fontsize=8, frameon=False)
@@ -282,11 +285,11 @@ def unit_label(row: UnitRow) -> str:
     return row.label + (f"  [{', '.join(tags)}]" if tags else "")
 
 
-def plot_units(rows: Sequence[UnitRow], title: str = "") -> Figure | None:
+def plot_units(rows: Sequence[UnitRow], title: str = "", rank_word: str = "GPU") -> Figure | None:
     """Horizontal bars per unit (identical consecutive units folded into one row, figures per unit):
     left, sharded and unsharded parameter bytes and activations kept for backward; right, compute, FSDP's
     collectives on their stream and exposed communication in its parts, hatched (the units table's columns).
-    None without per-unit sizes."""
+    None without per-unit sizes. ``rank_word``: what one rank is called ("GPU", "CPU rank": ReportBudget.rank_word)."""
     rows = [r for r in rows if r.param_count is not None]
     if not rows:
         return None
@@ -307,7 +310,7 @@ def plot_units(rows: Sequence[UnitRow], title: str = "") -> Figure | None:
                 color=color, label=label, gid=f"mem:{attr}")
     ax.set_yticks(ys, [unit_label(r) for r in rows], fontsize=8)
     ax.invert_yaxis()  # forward order from the top
-    ax.set_xlabel(f"memory per GPU, per unit ({unit})")
+    ax.set_xlabel(f"memory per {rank_word}, per unit ({unit})")
     ax.set_title("Memory")
     ax.grid(True, axis="x", alpha=0.3)
 

@@ -48,12 +48,12 @@ def summary_lines(plan: Plan, budget: ReportBudget, measured: tuple[MeasuredFigu
     reshard = [f"{_reshard_text(r)} for {n}" for r, n in Counter(u.reshard_after_forward for u in inner).most_common()]
     lines = [
         ("model", f"{plan.model.path} (fingerprint {plan.model.fingerprint})"),
-        ("cluster", f"{c.gpus} GPUs, {c.gpus_per_node} per node, profile {c.profile}; "
+        ("cluster", f"{budget.ranks(c.gpus)}, {c.gpus_per_node} per node, profile {c.profile}; "
                     f"budget {budget.describe()}"),
         ("mesh", mesh),
         *_trains_line(plan, trace),
         *_degrees_line(plan),
-        ("training", f"micro-batch {t.micro_batch} per GPU, {t.optimizer}, params in {t.param_dtype}, "
+        ("training", f"micro-batch {t.micro_batch} per {budget.rank_word}, {t.optimizer}, params in {t.param_dtype}, "
                      f"gradients reduced in {t.reduce_dtype}" + (", CPU offload" if t.cpu_offload else "")
                      + (f"; {plan.accumulation_text}" if plan.accumulation_text else "")),
         ("units", f"{len(inner)} units + root ({grouped} grouped, {checkpointed} checkpointed); "
@@ -65,7 +65,7 @@ def summary_lines(plan: Plan, budget: ReportBudget, measured: tuple[MeasuredFigu
         tp = plan_throughput(plan)
         extra = f", MFU {p.mfu:.1%}" if p.mfu is not None else ""
         lines += [
-            ("predicted peak", f"{format_bytes(p.peak_bytes)} per GPU ({p.peak_bytes / budget.usable_bytes:.0%} of "
+            ("predicted peak", f"{format_bytes(p.peak_bytes)} per {budget.rank_word} ({p.peak_bytes / budget.usable_bytes:.0%} of "
                                f"the {'usable ' if budget.has_usable else ''}budget, "
                                f"{format_bytes(budget.usable_bytes)})"
                                + ("" if budget.fits(p.peak_bytes) else ": DOES NOT FIT")),
@@ -130,12 +130,13 @@ def _allocator_line(plan: Plan) -> list[tuple[str, str]]:
              + allocator_figures_text(p.reserved_peak_bytes, p.no_retry_bytes, plan.cluster.expandable_segments))]
 
 
-def _title(plan: Plan) -> str:
-    return f"shard-planner report: {plan.model.path.rsplit('/', 1)[-1]} on {plan.cluster.gpus} GPUs"
+def _title(plan: Plan, budget: ReportBudget) -> str:
+    return f"shard-planner report: {plan.model.path.rsplit('/', 1)[-1]} on {budget.ranks(plan.cluster.gpus)}"
 
 
-def render_markdown(plan: Plan, summary: list[tuple[str, str]], sections: list[ReportSection]) -> str:
-    out = [f"# {_title(plan)}", "", "| | |", "|---|---|"]
+def render_markdown(plan: Plan, summary: list[tuple[str, str]], sections: list[ReportSection],
+                    budget: ReportBudget) -> str:
+    out = [f"# {_title(plan, budget)}", "", "| | |", "|---|---|"]
     out += [f"| {k} | {md_escape(v)} |" for k, v in summary]
     for s in sections:
         out += ["", f"## {s.title}", ""]
@@ -162,9 +163,9 @@ p.caption { color: #555; font-size: 0.9em; max-width: 60em; }
 
 
 def render_html(plan: Plan, summary: list[tuple[str, str]], sections: list[ReportSection],
-                pngs: dict[str, bytes]) -> str:
+                pngs: dict[str, bytes], budget: ReportBudget) -> str:
     """One self-contained page: the PNGs inlined as base64 data URIs, the CSS inline, no scripts."""
-    title = html.escape(_title(plan))
+    title = html.escape(_title(plan, budget))
     out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">', f"<title>{title}</title>",
            f"<style>{_CSS}</style></head><body>", f"<h1>{title}</h1>", '<table class="summary">']
     out += [f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>" for k, v in summary]

@@ -79,7 +79,7 @@ def plot_memory_timeline(memory: MemoryEstimate, budget: ReportBudget, title: st
     draw_reserved(ax, events, reserved, scale)  # on a GPU: report/reserved.py
     ax.set_xlabel("event in one training step (index, in execution order)")
     draw_micro_steps(ax, events, scale)  # gradient accumulation: report/accumulation.py
-    ax.set_ylabel(f"live memory per GPU ({unit})")
+    ax.set_ylabel(f"live memory per {budget.rank_word} ({unit})")
     ax.set_title(title or "Memory over one training step (predicted)")
     ax.grid(True, axis="y", alpha=0.3)
     fig.legend(loc="outside right upper", fontsize=8, frameon=False)

@@ -220,3 +220,31 @@ def test_the_caption_says_the_budget_is_off_scale(gpt2):
     plan = _predicted(cm, _example_plan(trace, "examples/gpt2.py"))  # about 1 GiB of 8 GiB
     memory = next(s for s in build_sections(plan, trace=trace, profile=profile) if s.image == "memory_timeline.png")
     assert "is off this plot's scale" in memory.caption and "The dashed line is --mem" not in memory.caption
+
+
+def test_a_cpu_plan_reads_in_cpu_ranks_and_round_mib(tmp_path):
+    """A tiny plan on cpu-gloo: the report said "2 GPUs" and "per GPU" (issue 36 item 12), its frontier axis read
+    4.096, 4.608, ... MiB (ticks placed at round GiB values) and its table gave the peak as 0.00737 GiB."""
+    from shard_planner.solve import PlanRequest, plan_model
+    from shard_planner.trace.tracer import trace_model
+
+    trace = trace_model("examples/llama.py")
+    profile = load_profile("cpu-gloo")
+    plan = plan_model(trace, PlanRequest(gpus=2, mem_budget_bytes=2 * GIB, profile=profile, micro_batch=8)).plan
+    budget = report_budget(plan, profile)
+    summary = dict(summary_lines(plan, budget))
+    assert summary["cluster"].startswith("2 CPU ranks,") and "per CPU rank" in summary["predicted peak"]
+    assert not any("GPU" in v for k, v in summary.items() if k != "model")
+    frontier = plot_frontier(plan, budget)
+    ax = frontier.axes[0]
+    assert "per CPU rank (MiB)" in ax.get_xlabel() and "on 2 CPU ranks" in ax.get_title()
+    FigureCanvasAgg(frontier).draw()
+    lo, hi = ax.get_xlim()
+    ticks = [t.get_text() for t in ax.get_xticklabels() if t.get_text() and lo <= t.get_position()[0] <= hi]
+    assert len(ticks) >= 3 and all(re.fullmatch(r"\d+(\.(25|5|75|0*[1-9]|[1-9]))?", t) for t in ticks), ticks
+    table = frontier_table(plan, budget)
+    assert "peak (MiB)" in table.columns and table["peak (MiB)"].max() > 1
+    from shard_planner.report import write_report
+
+    html = write_report(plan, tmp_path / "rep", trace=trace, profile=profile).read_text()
+    assert "on 2 CPU ranks</h1>" in html and "per GPU" not in html
