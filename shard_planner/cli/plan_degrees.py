@@ -106,21 +106,46 @@ def _deal(degrees: list[int], second, first) -> dict[int, tuple[object, bool]]:
     return {degrees[0]: (second, False), **{t: (first, False) for t in degrees[1:-1]}, degrees[-1]: (second, True)}
 
 
-def _degree_styles(model: str, hf, degrees: list[int], sequence_parallel: bool, loss_parallel: bool):
-    """In a helper: tp_degrees.degree_styles of the model file."""
-    from shard_planner.modelfile import load_model_file
-    from shard_planner.tp_degrees import degree_styles
+def load_and_trace(model: str, hf, dtype: str):
+    """(trace, TRAINING defaults, fine-tune) of the model file (or transformers config) ``model`` at degree 1,
+    from the trace cache when it holds them (trace/trace_cache.py)."""
+    from shard_planner.trace.trace_cache import CacheKey, cached
 
-    return degree_styles(load_model_file(model, hf), degrees, sequence_parallel=sequence_parallel,
-                         loss_parallel=loss_parallel)
+    def traced():
+        from shard_planner.modelfile import load_model_file
+        from shard_planner.trace import trace_model
+
+        model_file = load_model_file(model, hf)
+        return trace_model(model_file, dtype=dtype), model_file.defaults, model_file.finetune
+
+    return cached(CacheKey("model", model, (hf, dtype, 1)), traced)
+
+
+def _degree_styles(model: str, hf, degrees: list[int], sequence_parallel: bool, loss_parallel: bool):
+    """In a helper: tp_degrees.degree_styles of the model file (from the trace cache when it holds them)."""
+    from shard_planner.trace.trace_cache import CacheKey, cached
+
+    def derived():
+        from shard_planner.modelfile import load_model_file
+        from shard_planner.tp_degrees import degree_styles
+
+        return degree_styles(load_model_file(model, hf), degrees, sequence_parallel=sequence_parallel,
+                             loss_parallel=loss_parallel)
+
+    return cached(CacheKey("styles", model, (hf, tuple(degrees), sequence_parallel, loss_parallel)), derived)
 
 
 def _trace_and_screen(model: str, hf, dtype: str, styles, degree: int, request):
-    """In a helper: one rank of the model at ``degree`` with ``styles``, traced, and its screen
-    (solve/tp_search.py ``screen``; none when ``request`` is None), as a DegreeOption."""
-    from shard_planner.modelfile import load_model_file
+    """In a helper: one rank of the model at ``degree`` with ``styles``, traced (or from the trace cache), and
+    its screen (solve/tp_search.py ``screen``; none when ``request`` is None), as a DegreeOption."""
     from shard_planner.solve.tp_search import DegreeOption, screen
-    from shard_planner.trace import trace_model
+    from shard_planner.trace.trace_cache import CacheKey, cached
 
-    trace = trace_model(load_model_file(model, hf), dtype=dtype, tensor_parallel=styles, tp_size=degree)
+    def traced():
+        from shard_planner.modelfile import load_model_file
+        from shard_planner.trace import trace_model
+
+        return trace_model(load_model_file(model, hf), dtype=dtype, tensor_parallel=styles, tp_size=degree)
+
+    trace = cached(CacheKey("trace", model, (hf, dtype, degree, styles)), traced)
     return DegreeOption(styles, trace, screen(trace, request) if request is not None else None)

@@ -1,0 +1,51 @@
+"""`plan` twice on one model: the second takes every trace (each degree's, and the tensor-parallel styles) from
+the trace cache (shard_planner/trace/trace_cache.py) and writes the same plan; a changed model file is
+traced again."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from shard_planner.cli.main import main
+from shard_planner.trace.trace_cache import CACHE_ENV
+from tests.paths import EXAMPLES
+
+
+def _plan(model, out):
+    return main(["plan", str(model), "--gpus", "8", "--mem", "4GB", "-o", str(out), "--no-report",
+                 "--time-limit", "0.5"])
+
+
+def _decisions(path):
+    """The plan file without the solver's wall seconds (the one figure that differs between two runs)."""
+    plan = json.loads(path.read_text())
+    plan["solver"].pop("seconds")
+    return plan
+
+
+def _no_tracing(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("traced again: the trace cache was not used")
+
+    monkeypatch.setattr("shard_planner.trace.tracer.trace_model", refuse)
+    monkeypatch.setattr("shard_planner.tp_degrees.degree_styles", refuse)
+
+
+def test_a_second_plan_traces_nothing_and_plans_the_same(tmp_path, monkeypatch):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    model = tmp_path / "llama.py"
+    shutil.copy(EXAMPLES / "llama.py", model)
+    assert _plan(model, tmp_path / "first.json") == 0
+    assert len(list((tmp_path / "cache").glob("*.pickle"))) == 3  # degree 1, the styles, degree 2
+    with monkeypatch.context() as m:
+        _no_tracing(m)
+        assert _plan(model, tmp_path / "second.json") == 0
+    assert _decisions(tmp_path / "second.json") == _decisions(tmp_path / "first.json")
+    model.write_text(model.read_text() + "\n# edited\n")
+    with monkeypatch.context() as m, pytest.raises(AssertionError, match="traced again"):
+        _no_tracing(m)
+        main(["plan", str(model), "--gpus", "8", "--mem", "4GB", "-o", str(tmp_path / "third.json"),
+              "--no-report"])
