@@ -126,6 +126,13 @@ def cached(key: CacheKey, compute: Callable[[], T]) -> T:
     return value
 
 
+def holds(key: CacheKey) -> bool:
+    """Whether the cache has an entry for ``key`` (its sources unchecked: for deciding who does what, never
+    for an answer, which :func:`cached` gives)."""
+    folder = cache_dir()
+    return folder is not None and Path(key.model).expanduser().exists() and (folder / f"{key.digest()}.pickle").is_file()
+
+
 class _Logged(logging.Handler):
     """[Note: A cached trace's log] What the package's loggers emit while a value is computed (a trace's
     warnings: data-dependent routing assumed, identical blocks not reused), as (logger, level, message), so
