@@ -178,12 +178,17 @@ def summary_md(rows: list[dict]) -> str:
         return f"{statistics.median(vals):.2f}" if vals else "-"
 
     keys = sorted({(r["case"], r["label"], r["cache"]) for r in rows},
-                  key=lambda k: (list(CASES).index(k[0]), k[1] != "before", k[2]))
+                  key=lambda k: (list(CASES).index(k[0]), k[1].endswith("loaded"), not k[1].startswith("before"),
+                                 k[2]))
     split = COLUMNS[7:16]
     lines = ["# Planner speed: `shard-planner plan` end to end (benchmarks/bench_planner_speed.py)", "",
              "Medians over the runs; seconds. `cpu_s`: the command and its helper processes; the split columns "
-             "ending in `_cpu_s` are CPU seconds of one helper call each, the others the command's own wall "
-             "seconds from its `time:` line. Load: the 1-minute load average before each run (2 cores).", "",
+             "ending in `_cpu_s` are CPU seconds of one helper call each (`trace_tp1` and `styles` include that "
+             "helper's `import torch`), the others the command's own wall seconds from its `time:` line. Load: "
+             "the 1-minute load average before each run (2 cores; a run of this benchmark alone keeps it near 2). "
+             "`cold`: an empty trace cache; `warm`: the same command run once before (shard_planner/trace/"
+             "trace_cache.py); code without the cache is always cold. The machine is shared: wall seconds "
+             "follow the other processes' load, CPU seconds much less.", "",
              "| case | label | cache | runs | wall_s | cpu_s | load | " + " | ".join(split) + " | chosen |",
              "|" + "---|" * (8 + len(split))]
     for case, label, cache in keys:

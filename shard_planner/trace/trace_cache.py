@@ -50,7 +50,9 @@ from typing import Callable, TypeVar
 logger = logging.getLogger(__name__)
 
 CACHE_ENV = "SHARD_PLANNER_TRACE_CACHE"
-MAX_CACHE_BYTES = 512 * 2**20  # about 100 Llama-8B degree traces (0.5-5 MB each)
+# One degree's trace of the Llama example: 0.65 MB at 8B, 1.6 MB at 70B, so this holds the four degrees of about
+# 80 different 70B models (or dtypes, fine-tunes, sequence lengths), 200 of 8B
+MAX_CACHE_BYTES = 512 * 2**20
 FORMAT = 1  # the layout of an entry file: (FORMAT, sources, logged, value)
 # Environment variables that change between two runs of the same command in one shell, and one that torch sets
 # in the middle of a command (torch 2.13's dynamo, on its first import: TORCHINDUCTOR_CACHE_DIR), so that a
@@ -65,8 +67,9 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class CacheKey:
     """What one cached value depends on beyond the model's code and the planner's ([Note: What a cached trace
-    is keyed by]): ``kind`` ("trace", "styles"), the model argument, and ``parts`` (each with a stable
-    ``repr``: strings, numbers, tuples, frozen dataclasses)."""
+    is keyed by]): ``kind`` (what is cached: "model" for degree 1's trace with the model file's defaults,
+    "trace", "styles"), the model argument, and ``parts`` (strings, numbers, tuples, dicts, frozen
+    dataclasses: :func:`_canonical`)."""
 
     kind: str
     model: str
