@@ -1,7 +1,7 @@
 """Fixtures the test stages share.
 
 - Every test runs with the example models at their default (tiny) size: SHARD_PLANNER_SIZE and
-  SHARD_PLANNER_SEQ from the caller's environment are removed.
+  SHARD_PLANNER_SEQ from the caller's environment are removed; and without the trace cache.
 - ``gloo`` / ``h100``: the shipped cpu-gloo and h100-80gb hardware profiles.
 - ``synth``: the synthetic 8-layer transformer trace of tests/models/cost_synth.py (hidden 1024, seq 512).
 - ``fake_world``: a fake process group in this process (torch.testing's FakeStore: FSDP2 runs its hooks,
@@ -22,6 +22,9 @@ from tests.paths import REPO
 def _default_example_size(monkeypatch):
     monkeypatch.delenv("SHARD_PLANNER_SIZE", raising=False)
     monkeypatch.delenv("SHARD_PLANNER_SEQ", raising=False)
+    # no trace cache (shard_planner/trace/trace_cache.py): a test that patches the tracer traces for real, and
+    # nothing is written under the user's ~/.cache; tests of the cache set their own folder
+    monkeypatch.setenv("SHARD_PLANNER_TRACE_CACHE", "off")
 
 
 @pytest.fixture(scope="session")

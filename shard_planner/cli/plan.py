@@ -17,7 +17,7 @@ from shard_planner.cli.args import (add_batch_search, add_dtype, add_gpus, add_g
                                     add_timings, add_tp_arguments, hf_options, param_dtype, report_dir)
 from shard_planner.cli.background import Helper, HelperDied, helper_process
 from shard_planner.cli.collector import command_collector, without_collections
-from shard_planner.cli.plan_degrees import DegreeWork, degrees_to_search
+from shard_planner.cli.plan_degrees import DegreeWork, degrees_to_search, load_and_trace
 from shard_planner.errors import ModelFileError
 from shard_planner.fileio import check_output_dir, check_output_file
 from shard_planner.hf import as_planned
@@ -150,13 +150,14 @@ def _load_and_trace(model: str, hf, dtype: str):
     a trace.json read."""
     t0 = time.perf_counter()
     with without_collections():
-        from shard_planner.modelfile import load_unless_trace
-        from shard_planner.trace import trace_model, trace_or_load
+        from shard_planner.modelfile import is_trace_file
 
-        model_file = load_unless_trace(model, hf)
-        trace = trace_or_load(model, dtype=dtype) if model_file is None else trace_model(model_file, dtype=dtype)
-    return (trace, model_file.defaults if model_file is not None else None,
-            model_file.finetune if model_file is not None else None, time.perf_counter() - t0)
+        if is_trace_file(model):
+            from shard_planner.trace import trace_or_load
+
+            return trace_or_load(model, dtype=dtype), None, None, time.perf_counter() - t0
+        trace, defaults, finetune = load_and_trace(model, hf, dtype)  # the trace cache's when it holds it
+    return trace, defaults, finetune, time.perf_counter() - t0
 
 
 def _import_report() -> None:

@@ -18,6 +18,10 @@ each traced and screened in a helper process, then one search over them (solve/t
   screened one are searched in the helpers (``beside``, the second first), at the same time as this
   process's search. On two cores this keeps both busy from the start: Llama 3 70B on 256 GPUs and 405B on
   512 use about 25 CPU-seconds, so nothing can bring them under about 12.5 s on this machine.
+  Each trace and the styles come from the trace cache when it holds them (trace/trace_cache.py: planning
+  the same model again at another budget or GPU count): the helpers then import no torch, and when every
+  degree's trace is there the second helper screens every degree above 1 (``_deal``), since their traces
+  cost nothing, while this process screens degree 1.
 """
 
 from __future__ import annotations
@@ -66,8 +70,12 @@ class DegreeWork:
     def start(cls, args: argparse.Namespace, hf, dtype: str, degrees: list[int], second) -> "DegreeWork":
         """Start deriving the styles of ``degrees`` above 1 in ``second`` (the sequence length is checked
         later, against degree 1's trace)."""
+        from shard_planner.trace.trace_cache import holds
+
         call = second.submit(_degree_styles, args.model, hf, degrees, args.sequence_parallel,
                              args.loss_parallel) if degrees != [1] else None
+        if call is not None and holds(_model_key(args.model, hf, dtype)):  # traces from the cache: the second
+            second.submit(_import_screen)  # helper is idle while this process imports, and will screen (_deal)
         return cls(args, hf, dtype, degrees, second, call)
 
     def plan(self, trace, request, helper):
@@ -84,9 +92,12 @@ class DegreeWork:
             (t, styles), = found.styles.items()
             option = self.second.submit(_trace_and_screen, self.args.model, self.hf, self.dtype, styles, t, None)
             return plan_model(self._kept(option.result()).trace, replace(request, tensor_parallel=styles))
+        from shard_planner.trace.trace_cache import holds
+
+        cached = all(holds(_trace_key(self.args.model, self.hf, self.dtype, t, s)) for t, s in found.styles.items())
         calls = {t: who.submit(_trace_and_screen, self.args.model, self.hf, self.dtype, found.styles[t], t,
                                 replace(request, tensor_parallel=found.styles[t]) if screen_there else None)
-                 for t, (who, screen_there) in _deal(list(found.styles), self.second, helper).items()}
+                 for t, (who, screen_there) in _deal(list(found.styles), self.second, helper, cached).items()}
 
         def options():  # those not screened in a helper are screened here, as they come
             if 1 in self.degrees:
@@ -111,31 +122,79 @@ class DegreeWork:
         return self.traces[plan.mesh.tp_size]
 
 
-def _deal(degrees: list[int], second, first) -> dict[int, tuple[object, bool]]:
+def _deal(degrees: list[int], second, first, cached: bool = False) -> dict[int, tuple[object, bool]]:
     """Who traces each of ``degrees`` (above 1), and whether it screens it too (else this process does): the
     second helper traces the first degree and traces and screens the last, the first helper (the one that
     traced degree 1) traces those between; in the order the traces are read ([Note: Two helpers for the
-    degrees])."""
+    degrees]). When the trace cache holds every one of them (``cached``), a "trace" is a file read, so the
+    second helper (which imported the planner while this process did: ``DegreeWork.start``) screens them all
+    while this process screens degree 1 and the first helper imports the report."""
+    if cached:
+        return {t: (second, True) for t in degrees}
     if len(degrees) < 2:
         return {t: (second, True) for t in degrees}
     return {degrees[0]: (second, False), **{t: (first, False) for t in degrees[1:-1]}, degrees[-1]: (second, True)}
 
 
-def _degree_styles(model: str, hf, degrees: list[int], sequence_parallel: bool, loss_parallel: bool):
-    """In a helper: tp_degrees.degree_styles of the model file."""
-    from shard_planner.modelfile import load_model_file
-    from shard_planner.tp_degrees import degree_styles
+def load_and_trace(model: str, hf, dtype: str):
+    """(trace, TRAINING defaults, fine-tune) of the model file (or transformers config) ``model`` at degree 1,
+    from the trace cache when it holds them (trace/trace_cache.py)."""
+    from shard_planner.trace.trace_cache import cached
 
-    return degree_styles(load_model_file(model, hf), degrees, sequence_parallel=sequence_parallel,
-                         loss_parallel=loss_parallel)
+    def traced():
+        from shard_planner.modelfile import load_model_file
+        from shard_planner.trace import trace_model
+
+        model_file = load_model_file(model, hf)
+        return trace_model(model_file, dtype=dtype), model_file.defaults, model_file.finetune
+
+    return cached(_model_key(model, hf, dtype), traced)
+
+
+def _model_key(model: str, hf, dtype: str):
+    """The trace cache's key of ``model`` at degree 1, with its TRAINING defaults and fine-tune."""
+    from shard_planner.trace.trace_cache import CacheKey
+
+    return CacheKey("model", model, (hf, dtype, 1))
+
+
+def _import_screen() -> None:
+    """In a helper: import what screening a degree imports (the planner, CP-SAT), ahead of the first screen."""
+    import shard_planner.solve.tp_search  # noqa: F401
+
+
+def _degree_styles(model: str, hf, degrees: list[int], sequence_parallel: bool, loss_parallel: bool):
+    """In a helper: tp_degrees.degree_styles of the model file (from the trace cache when it holds them)."""
+    from shard_planner.trace.trace_cache import CacheKey, cached
+
+    def derived():
+        from shard_planner.modelfile import load_model_file
+        from shard_planner.tp_degrees import degree_styles
+
+        return degree_styles(load_model_file(model, hf), degrees, sequence_parallel=sequence_parallel,
+                             loss_parallel=loss_parallel)
+
+    return cached(CacheKey("styles", model, (hf, tuple(degrees), sequence_parallel, loss_parallel)), derived)
 
 
 def _trace_and_screen(model: str, hf, dtype: str, styles, degree: int, request):
-    """In a helper: one rank of the model at ``degree`` with ``styles``, traced, and its screen
-    (solve/tp_search.py ``screen``; none when ``request`` is None), as a DegreeOption."""
-    from shard_planner.modelfile import load_model_file
+    """In a helper: one rank of the model at ``degree`` with ``styles``, traced (or from the trace cache), and
+    its screen (solve/tp_search.py ``screen``; none when ``request`` is None), as a DegreeOption."""
     from shard_planner.solve.tp_search import DegreeOption, screen
-    from shard_planner.trace import trace_model
+    from shard_planner.trace.trace_cache import cached
 
-    trace = trace_model(load_model_file(model, hf), dtype=dtype, tensor_parallel=styles, tp_size=degree)
+    def traced():
+        from shard_planner.modelfile import load_model_file
+        from shard_planner.trace import trace_model
+
+        return trace_model(load_model_file(model, hf), dtype=dtype, tensor_parallel=styles, tp_size=degree)
+
+    trace = cached(_trace_key(model, hf, dtype, degree, styles), traced)
     return DegreeOption(styles, trace, screen(trace, request) if request is not None else None)
+
+
+def _trace_key(model: str, hf, dtype: str, degree: int, styles):
+    """The trace cache's key of one rank of ``model`` at ``degree`` with ``styles`` (trace/trace_cache.py)."""
+    from shard_planner.trace.trace_cache import CacheKey
+
+    return CacheKey("trace", model, (hf, dtype, degree, styles))
