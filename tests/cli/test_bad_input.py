@@ -58,6 +58,22 @@ def tiny_plan(world_size: int = 2) -> Plan:
                 (Unit(("",), False), *(Unit((b,)) for b in BLOCKS)), Prefetch(0, 1))
 
 
+def plan_failing_in_rank1(tmp_path: Path, name: str, statement: str) -> Plan:
+    """:func:`tiny_plan` of a copy of exec_net.py, written to ``tmp_path / name``, whose rank 1 runs
+    ``statement`` (one line of Python, ``os`` and ``signal`` imported) while it builds the model."""
+    model = tmp_path / name
+    model.write_text(f"import os, signal, sys\nsys.path.insert(0, {str(EXEC_NET.parent)!r})\nimport exec_net\n"
+                     "make_batch, loss_fn = exec_net.make_batch, exec_net.loss_fn\n"
+                     "def build_model():\n"
+                     "    if os.environ.get('RANK') == '1':\n"
+                     f"        {statement}\n"
+                     "    return exec_net.build_model()\n")
+    from shard_planner.trace.structure import model_fingerprint
+
+    fingerprint = model_fingerprint(load_model_file(str(model)).build())  # RANK is not 1 here
+    return Plan.from_dict({**tiny_plan().to_dict(), "model": {"path": str(model), "fingerprint": fingerprint}})
+
+
 # ---- output places ----
 
 def test_output_under_a_file_is_one_line(tmp_path):
@@ -356,17 +372,8 @@ def test_a_folder_given_as_the_model_file(tmp_path, capsys):
 def test_a_rank_that_exits_without_reporting_names_the_model_file(tmp_path):
     from shard_planner.execute import launch_plans
 
-    model = tmp_path / "exits_in_rank1.py"
-    model.write_text(f"import os, sys\nsys.path.insert(0, {str(EXEC_NET.parent)!r})\nimport exec_net\n"
-                     "make_batch, loss_fn = exec_net.make_batch, exec_net.loss_fn\n"
-                     "def build_model():\n"
-                     "    if os.environ.get('RANK') == '1':\n"
-                     "        os._exit(0)\n"
-                     "    return exec_net.build_model()\n")
-    from shard_planner.trace.structure import model_fingerprint
-
-    fingerprint = model_fingerprint(load_model_file(str(model)).build())  # RANK is not 1 here
-    plan = Plan.from_dict({**tiny_plan().to_dict(), "model": {"path": str(model), "fingerprint": fingerprint}})
+    plan = plan_failing_in_rank1(tmp_path, "exits_in_rank1.py", "os._exit(0)")
+    model = plan.model.path
     with pytest.raises(RunError) as info:
         launch_plans([plan], steps=1, warmup=0, device="cpu", timeout_s=120)
     msg = str(info.value)

@@ -20,7 +20,7 @@ from shard_planner.cli.main import main
 from shard_planner.errors import RunError
 from shard_planner.execute import launch
 from shard_planner.plan import save_plan
-from tests.cli.test_bad_input import EXEC_NET, one_error_line, tiny_plan
+from tests.cli.test_bad_input import one_error_line, plan_failing_in_rank1, tiny_plan
 from tests.ecosystem.conftest import llama_size
 from tests.paths import EXAMPLES
 from tests.report.tp_plans import llama_tp_plan
@@ -139,20 +139,9 @@ def test_a_rank_needs_the_model_as_built_or_the_predicted_peak():
 @pytest.mark.multiprocess
 def test_a_rank_killed_by_sigkill_is_named_as_likely_out_of_host_memory(tmp_path):
     from shard_planner.execute import launch_plans
-    from shard_planner.plan import Plan
 
-    model = tmp_path / "killed_in_rank1.py"
-    model.write_text(f"import os, signal, sys\nsys.path.insert(0, {str(EXEC_NET.parent)!r})\nimport exec_net\n"
-                     "make_batch, loss_fn = exec_net.make_batch, exec_net.loss_fn\n"
-                     "def build_model():\n"
-                     "    if os.environ.get('RANK') == '1':\n"
-                     "        os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer does\n"
-                     "    return exec_net.build_model()\n")
-    from shard_planner.modelfile import load_model_file
-    from shard_planner.trace.structure import model_fingerprint
-
-    fingerprint = model_fingerprint(load_model_file(str(model)).build())  # RANK is not 1 here
-    plan = Plan.from_dict({**tiny_plan().to_dict(), "model": {"path": str(model), "fingerprint": fingerprint}})
+    plan = plan_failing_in_rank1(tmp_path, "killed_in_rank1.py",
+                                 "os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer does")
     with pytest.raises(RunError) as info:
         launch_plans([plan], steps=1, warmup=0, device="cpu", timeout_s=120)
     msg = str(info.value)
