@@ -177,8 +177,8 @@ class HardwareProfile:
 
     @property
     def rank_word(self) -> str:
-        """What one rank is called in what people read: ``"GPU"``, or ``"CPU rank"`` on a CPU profile."""
-        return "CPU rank" if self.device == "cpu" else "GPU"
+        """What one rank is called in what people read (:func:`rank_word`)."""
+        return rank_word(self.device)
 
     def is_nominal_size(self, mem_budget_bytes: int) -> bool:
         """Whether ``mem_budget_bytes`` (--mem) above the device's memory is the size its datasheet names, which
@@ -219,6 +219,11 @@ class HardwareProfile:
         """Achievable FLOP/s in ``dtype``: peak x efficiency."""
         self.check_compute_dtype(dtype)  # See [Note: A compute dtype the device lacks]
         return self.peak_flops_per_s[dtype] * self.compute_efficiency
+
+
+def rank_word(device: str) -> str:
+    """What one rank on ``device`` is called in what people read: ``"GPU"``, or ``"CPU rank"`` on the CPU."""
+    return "CPU rank" if device == "cpu" else "GPU"
 
 
 def usable_reason(mem_budget_bytes: int, memory_bytes: int | None, usable_fraction: float, device: str, *,

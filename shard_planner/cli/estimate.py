@@ -111,6 +111,7 @@ def report(plan: Plan, profile, est, fit=None) -> str:
     mem, t = est.memory, est.time
     tr = plan.training
     rank = profile.rank_word  # "GPU", "CPU rank" on a CPU profile
+    accumulation = plan.accumulation_words(rank)
     budget = profile.tensor_budget_bytes(plan.cluster.mem_budget_bytes)
     within = mem.peak_bytes <= budget
     if fit is not None:  # on a GPU the allocated peak is the search's filter; what fits is the allocator's verdict
@@ -122,7 +123,7 @@ def report(plan: Plan, profile, est, fit=None) -> str:
         f"micro-batch {tr.micro_batch}, {tr.optimizer}, params {tr.param_dtype} / reduce {tr.reduce_dtype}"
         f"{', CPU offload' if tr.cpu_offload else ''}; profile {profile.name}"
         f"{'; compute from measured module times' if profile.module_timings is not None else ''}"
-        f"{'; ' + plan.accumulation_words(rank) if plan.accumulation_words(rank) else ''}",
+        f"{'; ' + accumulation if accumulation else ''}",
         f"peak memory per {rank}: {format_bytes(mem.peak_bytes)} at \"{mem.peak_event}\" — {fits} "
         f"{format_bytes(budget)} ({profile.usable_reason(plan.cluster.mem_budget_bytes)})",
     ]

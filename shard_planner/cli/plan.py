@@ -225,8 +225,9 @@ def summary(result: PlanResult | Plan, profile) -> str:
              f"micro-batch {tr.micro_batch}, "
              f"prefetch forward {plan.prefetch.forward} / backward {plan.prefetch.backward}"
              f"{', CPU offload' if tr.cpu_offload else ''}"]
-    if plan.accumulation_words(rank):
-        lines.append(f"  {plan.accumulation_words(rank)}")
+    accumulation = plan.accumulation_words(rank)
+    if accumulation:
+        lines.append(f"  {accumulation}")
     lines += [f"  {line}" for line in summarize_units(plan.units)]
     lines.append(f"predicted peak {format_bytes(pr.peak_bytes)} per {rank} of {format_bytes(budget)} usable "
                  f"({100 * pr.peak_bytes / budget:.0f}%; {profile.usable_reason(plan.cluster.mem_budget_bytes)}), "

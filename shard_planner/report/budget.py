@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from shard_planner.errors import UserError
 from shard_planner.plan import Plan
-from shard_planner.profile import HardwareProfile, usable_reason
+from shard_planner.profile import HardwareProfile, rank_word, usable_reason
 from shard_planner.units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -65,9 +65,8 @@ class ReportBudget:
 
     @property
     def rank_word(self) -> str:
-        """What one rank is called in the report: "GPU", or "CPU rank" on a CPU profile (as the command line says
-        it: profile.HardwareProfile.rank_word)."""
-        return "CPU rank" if self.device == "cpu" else "GPU"
+        """What one rank is called in the report, as the command line says it (profile.rank_word)."""
+        return rank_word(self.device)
 
     def ranks(self, count: int) -> str:
         """``count`` ranks in words: "8 GPUs", "2 CPU ranks"."""
