@@ -391,6 +391,45 @@ def device_of(profile, dtype: str) -> Device | None:
 
 # ---- kernels of a trace (trace/types.py KernelRecord; trace/kernel_ops.py [Note: kernel records]) ----
 
+# [Note: memory-bound kernels on a CPU priced from FLOPs] A CPU profile without a ``[kernels]`` table
+# (cpu-gloo) prices compute as traced FLOPs at ``peak_flops_per_s``, a measured GEMM rate
+# (compute_efficiency 1.0), plus aten ops x ``per_op_overhead_s``, measured on 16 tiny Linear+GELU layers
+# whose tensors are a few KiB (execute/calibrate.py): a fixed cost per op, not the bytes an op moves.
+# Elementwise ops, norms, softmax and the loss have no FLOPs (FlopCounterMode counts matmuls, attention and
+# convolutions), and on a CPU the one thread that runs the GEMMs also runs them, in turn: so each also
+# takes its bytes read + written (its kernel records, trace/kernel_ops.py) at the profile's measured copy
+# bandwidth. They matter where a tensor is large beside the GEMMs: a transformers Llama (hidden 256,
+# vocab 32000, seq 256, bf16, one thread of an AMD EPYC with AVX512-BF16) spent 54 of its 155 ms of step
+# CPU time in them, 39 ms in the fp32 loss over (256, 32000) logits alone (_log_softmax 12, its backward
+# 16, nll_loss_backward 10), where its ~1,100 ops x 8.9 us priced all of them at 10 ms. A GPU profile's
+# FLOP model is not changed: its compute_efficiency is fitted to whole models' steps, memory-bound
+# kernels included, and its host runs ahead of the device (cost/time.py).
+
+
+def cpu_memory_bound_s(trace, micro_batch: int, profile) -> dict[str, tuple[float, float]]:
+    """Per module, the forward and backward seconds of its own memory-bound kernels on a CPU profile
+    priced from FLOPs ([Note: memory-bound kernels on a CPU priced from FLOPs]); empty on a GPU."""
+    if profile.device != "cpu":
+        return {}
+    bw = profile.memory_bandwidth_bytes_per_s
+    return {m.fqn: (memory_bound_bytes(m.fwd_kernels, micro_batch) / bw,
+                    memory_bound_bytes(m.bwd_kernels, micro_batch) / bw)
+            for m in trace.modules if m.fwd_kernels or m.bwd_kernels}
+
+
+def cpu_loss_memory_bound_s(trace, micro_batch: int, profile) -> float:
+    """The loss function's memory-bound kernels, forward and backward, as :func:`cpu_memory_bound_s`."""
+    if profile.device != "cpu":
+        return 0.0
+    return memory_bound_bytes(trace.loss_kernels, micro_batch) / profile.memory_bandwidth_bytes_per_s
+
+
+def memory_bound_bytes(records, micro_batch: int) -> float:
+    """Bytes read + written by the memory-bound kernels of ``records`` at ``micro_batch``."""
+    return sum(max(0.0, r.bytes.at(micro_batch)) for r in records if r.op_class in MEMORY_BOUND)
+
+
+
 @functools.lru_cache(maxsize=1 << 16)
 def _cached_op_time_s(op: KernelOp, dev: Device) -> float:
     return op_time_s(op, dev)  # repeated blocks share their records' shapes: priced once

@@ -35,7 +35,8 @@ from dataclasses import replace
 
 from shard_planner.cost.accumulation import accumulated_time, simulate_accumulated_memory
 from shard_planner.cost.kernels import (
-    block_kernel_s, device_of, has_kernel_records, loss_kernel_s, module_kernel_s, records_time_s,
+    block_kernel_s, cpu_loss_memory_bound_s, cpu_memory_bound_s, device_of, has_kernel_records, loss_kernel_s,
+    module_kernel_s, records_time_s,
 )
 from shard_planner.cost.schedule import Schedule, build_schedule
 from shard_planner.cost.selective import (SelectiveBlocks, early_stop_share, flops_price, selective_blocks,
@@ -118,7 +119,7 @@ class CostModel:
         self._unlimited_runs = _LRU(min(memo_size, UNLIMITED_RUNS_KEPT))
         self._timings_checked: set[str] = set()
         self._kernel_modules = _LRU(tables_cache_size)  # per-module and loss kernel seconds
-        self._dequant = _LRU(tables_cache_size)  # per quantised module, dequantisation seconds
+        self._dequant = _LRU(tables_cache_size)  # per module, seconds FLOPs do not see (_unseen_s)
         self._kernel_records = has_kernel_records(trace)
         self._worlds: dict[int, CostModel] = {}
 
@@ -264,12 +265,12 @@ class CostModel:
         if kernels is not None:  # GPU kernel model (cost/kernels.py) from the trace's kernel records
             priced_fwd, priced_bwd = block_kernel_s(self.trace, blocks, kernels[0])
             loss_priced = kernels[1]
-        else:  # FLOPs, and the dequantisation of quantised weights they do not see (cost/quantized.py)
-            deq = self._dequantisation_s(b, param_dtype)
-            extra = [subtree_dequantisation_s(self.trace, blk.fqn, deq, blk.self_only) for blk in blocks]
+        else:  # FLOPs, and the kernels they do not see (:meth:`_unseen_s`)
+            unseen = self._unseen_s(b, param_dtype)
+            extra = [subtree_dequantisation_s(self.trace, blk.fqn, unseen, blk.self_only) for blk in blocks]
             priced_fwd = tuple(blk.fwd_flops.at(b) / rate + x[0] for blk, x in zip(blocks, extra))
             priced_bwd = tuple(blk.bwd_flops.at(b) / rate + x[1] for blk, x in zip(blocks, extra))
-            loss_priced = self.trace.loss_flops.at(b) / rate
+            loss_priced = self.trace.loss_flops.at(b) / rate + cpu_loss_memory_bound_s(self.trace, b, profile)
         if timings is not None:
             loss_dev, loss_host = timings.loss_fwd_s.at(b) + timings.loss_bwd_s.at(b), 0.0
         else:
@@ -307,10 +308,17 @@ class CostModel:
                     loss_kernel_s(self.trace, q.micro_batch, dev, rate))
         return self._kernel_modules.get_or(BatchQuery(micro_batch, param_dtype), price)
 
-    def _dequantisation_s(self, micro_batch: int, param_dtype: str) -> dict[str, tuple[float, float]]:
-        """Per module holding quantised weights, their dequantisation's seconds (cost/quantized.py)."""
-        return self._dequant.get_or(BatchQuery(micro_batch, param_dtype),
-                                    lambda q: dequantisation_s(self.trace, q.micro_batch, self.profile))
+    def _unseen_s(self, micro_batch: int, param_dtype: str) -> dict[str, tuple[float, float]]:
+        """Per module, the forward and backward seconds of its own kernels that FLOPs do not see: the
+        dequantisation of quantised weights on a GPU (cost/quantized.py) and, on a CPU, every memory-bound
+        kernel (cost/kernels.py [Note: memory-bound kernels on a CPU priced from FLOPs])."""
+        def unseen(q: BatchQuery) -> dict[str, tuple[float, float]]:
+            out = dict(dequantisation_s(self.trace, q.micro_batch, self.profile))
+            for fqn, (f, b) in cpu_memory_bound_s(self.trace, q.micro_batch, self.profile).items():
+                f0, b0 = out.get(fqn, (0.0, 0.0))
+                out[fqn] = (f0 + f, b0 + b)
+            return out
+        return self._dequant.get_or(BatchQuery(micro_batch, param_dtype), unseen)
 
     def module_compute_s(self, fqn: str | None, micro_batch: int, param_dtype: str) -> tuple[float, float]:
         """Forward and backward seconds of ``fqn``'s subtree at ``micro_batch``, compute only (no FSDP2 or
@@ -341,8 +349,9 @@ class CostModel:
             return tuple(sum(kernels[0][m.fqn][i] for m in self.trace.subtree(fqn)) for i in (0, 1))
         rate = self.profile.flops_per_s(param_dtype)
         if fqn is None:  # the trace does not split the loss's FLOPs into forward and backward
-            return self.trace.loss_flops.at(micro_batch) / rate, 0.0
-        deq_f, deq_b = subtree_dequantisation_s(self.trace, fqn, self._dequantisation_s(micro_batch, param_dtype))
+            return (self.trace.loss_flops.at(micro_batch) / rate
+                    + cpu_loss_memory_bound_s(self.trace, micro_batch, self.profile), 0.0)
+        deq_f, deq_b = subtree_dequantisation_s(self.trace, fqn, self._unseen_s(micro_batch, param_dtype))
         return (self.subtree_sum(fqn, "fwd_flops_self").at(micro_batch) / rate + deq_f,
                 self.subtree_sum(fqn, "bwd_flops_self").at(micro_batch) / rate + deq_b)
 

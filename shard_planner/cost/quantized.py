@@ -14,7 +14,8 @@ read and written), so here a module that holds quantised parameters (``ModuleTra
 quantized_param_bytes_by_dtype``) adds the bytes of its own memory-bound kernels at the device's
 achieved HBM bandwidth (cost/fsdp_copies.py ``copy_bandwidth_bytes_per_s``), forward and backward; a
 checkpointed block's recomputation repeats the forward's. The "roofline" model prices every kernel
-already and measured module times hold it, so neither adds it; a CPU profile's per-op overhead holds it.
+already and measured module times hold it, so neither adds it; a CPU profile prices every memory-bound
+kernel's bytes (cost/kernels.py [Note: memory-bound kernels on a CPU priced from FLOPs]), these included.
 """
 
 from __future__ import annotations

@@ -50,7 +50,8 @@ shard_planner/execute/calibrate.py). Each block has a *host* time: its traced at
 overhead of every unit whose pre-forward runs at the block (FSDP2's pre/post-forward hooks and
 all-gather copy-out) and, in backward, the other half at the block where the unit's backward starts
 (pre/post-backward hooks, reduce-scatter copies). The loss adds its ops. On a CPU profile the host is
-the device: a block takes FLOPs / throughput + host time. On a GPU the host launches asynchronously and
+the device: a block takes FLOPs / throughput + its memory-bound kernels' bytes / bandwidth (cost/kernels.py
+[Note: memory-bound kernels on a CPU priced from FLOPs]) + host time. On a GPU the host launches asynchronously and
 runs ahead, so a block takes max(FLOPs / throughput, host time): the overhead shows only where the
 kernels are too small to hide it (small models, small micro-batches). A checkpointed block's
 recomputation runs its forward ops again but not FSDP2's hooks (its pre-forward returns at once during

@@ -13,11 +13,24 @@ are affine in the micro-batch (a token dimension is b x seq, a weight dimension 
 layout code is the larger batch's). Views and
 allocations run no kernel and are not recorded (they still count as aten ops for the per-op host
 overhead).
+
+[Note: copies only one batch size runs] "The same code" can still run different ops: ``x.contiguous()``
+(and ``reshape``) copies a strided view only when it is not already contiguous, and at batch 1 a slice
+along the sequence of a (1, T + 1) tensor is (a size-1 dimension's stride does not count). transformers'
+causal-LM loss (``ForCausalLMLoss``: ``labels[..., 1:].contiguous()``) runs a ``clone`` at batch 2 that
+batch 1 skips; before this rule the two sequences did not pair and the whole module, the root with the
+fp32 cast, ``_log_softmax`` and ``nll_loss_forward`` of every logit, got no records (priced from its 0
+FLOPs). So sequences that differ only by copies are aligned (difflib's longest matching blocks, on the
+class, the op's name and the number of dimensions); the ops both run pair as above, and each copy only one batch size
+runs is a record proportional to the micro-batch through that size (a copy of a (b, T) tensor:
+bytes(b) = bytes at b_i x b / b_i). Sequences that differ by anything else (a model whose ops depend on
+the batch size) still give no records.
 """
 
 from __future__ import annotations
 
 import logging
+from difflib import SequenceMatcher
 from typing import NamedTuple
 
 import torch
@@ -75,6 +88,7 @@ class OpSample(NamedTuple):
     flops: int
     bytes: int
     new_bytes: int = 0  # storages its outputs newly allocate (forward ops; selective checkpointing)
+    op: str = ""  # the aten op's name: which copy is which ([Note: copies only one batch size runs])
 
 
 def _nbytes(x) -> int:
@@ -192,20 +206,43 @@ def classify(func, args, kwargs, out, flops: int, new_bytes: int = 0) -> OpSampl
         dims = _attention_dims(func, name, args, kwargs)
     else:
         dims = ()
-    return OpSample(cls, dims, flops, moved, new_bytes)
+    return OpSample(cls, dims, flops, moved, new_bytes, name)
+
+
+def _aligned(seq1: list[OpSample], seq2: list[OpSample]):
+    """The op pairs of two sequences that differ at most by copies only one of them runs, and those copies
+    each with the index of its sequence ([Note: copies only one batch size runs]); None when they differ
+    by any other op."""
+    if len(seq1) == len(seq2) and all(x.op_class == y.op_class and len(x.dims) == len(y.dims)
+                                      for x, y in zip(seq1, seq2)):
+        return list(zip(seq1, seq2)), []
+    keys1, keys2 = [(x.op_class, x.op, len(x.dims)) for x in seq1], [(y.op_class, y.op, len(y.dims)) for y in seq2]
+    pairs, used1, used2 = [], set(), set()
+    for blk in SequenceMatcher(None, keys1, keys2, autojunk=False).get_matching_blocks():
+        pairs += [(seq1[blk.a + i], seq2[blk.b + i]) for i in range(blk.size)]
+        used1.update(range(blk.a, blk.a + blk.size))
+        used2.update(range(blk.b, blk.b + blk.size))
+    lone = ([(0, x) for i, x in enumerate(seq1) if i not in used1]
+            + [(1, y) for i, y in enumerate(seq2) if i not in used2])
+    if any(x.op_class != "copy" for _, x in lone):
+        return None
+    return pairs, lone
 
 
 def fit_records(seq1: list[OpSample], seq2: list[OpSample], b1: int, b2: int) -> tuple[KernelRecord, ...]:
     """Pair the kernels of one module and phase at batch sizes b1 and b2 op by op and aggregate them by
-    (class, shape at b1, shape at b2) ([Note: kernel records]). Sequences that do not pair (a model
-    whose ops depend on the batch size) give no records: the block is then priced from its FLOPs."""
-    if len(seq1) != len(seq2) or any(x.op_class != y.op_class or len(x.dims) != len(y.dims)
-                                     for x, y in zip(seq1, seq2)):
+    (class, shape at b1, shape at b2) ([Note: kernel records]); a copy only one batch size runs is its own
+    record, proportional to the batch ([Note: copies only one batch size runs]). Sequences that differ by
+    other ops (a model whose ops depend on the batch size) give no records: the block is then priced
+    from its FLOPs."""
+    aligned = _aligned(seq1, seq2)
+    if aligned is None:
         logger.debug("kernel sequences differ between batch sizes %d and %d (%d vs %d ops): no records",
                      b1, b2, len(seq1), len(seq2))
         return ()
+    pairs, lone = aligned
     groups: dict[tuple, list] = {}
-    for x, y in zip(seq1, seq2):
+    for x, y in pairs:
         g = groups.setdefault((x.op_class, x.dims, y.dims), [0, 0, 0, 0, 0, 0, 0])
         g[0] += 1
         g[1] += x.flops
@@ -224,4 +261,8 @@ def fit_records(seq1: list[OpSample], seq2: list[OpSample], b1: int, b2: int) ->
         out.append(KernelRecord(op_class, count, Affine.fit(b1, float(f1), b2, float(f2)),
                                 Affine.fit(b1, float(m1), b2, float(m2)), dims,
                                 Affine.fit(b1, float(n1), b2, float(n2))))
+    for which, x in lone:  # a copy of a (b, ...) tensor: through the origin ([Note: copies only one ...])
+        b = (b1, b2)[which]
+        out.append(KernelRecord(x.op_class, 1, Affine(0.0, x.flops / b), Affine(0.0, x.bytes / b), (),
+                                Affine(0.0, x.new_bytes / b)))
     return tuple(out)

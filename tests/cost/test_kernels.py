@@ -198,3 +198,48 @@ def test_attention_tile_constants_may_be_zero_but_not_negative():
     assert _constants(attention_tile_bwd_s=0.0, attention_kv_block=0).attention_tile_bwd_s == 0.0
     with pytest.raises(ProfileError, match="attention_tile_bwd_s must be a positive number"):
         _constants(attention_tile_bwd_s=-1e-6)
+
+
+def _with_memory_bound_records(trace):
+    """``trace`` with a 6 MB-per-sample fp32 loss-like reduction in ln_f's forward, 9 MB in its backward and
+    3 MB in the loss function: memory-bound kernel records (trace/kernel_ops.py) with no FLOPs."""
+    from dataclasses import replace
+
+    from shard_planner.trace.types import Affine, KernelRecord
+
+    def rec(mb):
+        return (KernelRecord("reduction", 1, Affine(0, 0), Affine(0, mb * 1e6)),)
+
+    mods = tuple(replace(m, fwd_kernels=rec(6), bwd_kernels=rec(9)) if m.fqn == "ln_f" else m for m in trace.modules)
+    return replace(trace, modules=mods, loss_kernels=rec(3))
+
+
+def test_a_cpu_prices_memory_bound_kernels_bytes_beside_the_flops():
+    # [Note: memory-bound kernels on a CPU priced from FLOPs]: before, a CPU profile priced them at 0 s
+    from tests.models.report_fixtures import make_trace
+
+    from shard_planner.cost import CostModel
+
+    plain = make_trace(2)
+    traced = _with_memory_bound_records(plain)
+    cpu = load_profile("cpu-gloo")
+    bw = cpu.memory_bandwidth_bytes_per_s
+    before, after = CostModel(plain, cpu), CostModel(traced, cpu)
+    f0, b0 = before.module_compute_s("ln_f", 4, "bfloat16")
+    f1, b1 = after.module_compute_s("ln_f", 4, "bfloat16")
+    assert f1 - f0 == pytest.approx(24e6 / bw) and b1 - b0 == pytest.approx(36e6 / bw)
+    assert after.module_compute_s(None, 4, "bfloat16")[0] - before.module_compute_s(None, 4, "bfloat16")[0] \
+        == pytest.approx(12e6 / bw)
+    # the step simulator's compute holds them too (ln_f's forward and backward, the loss), at the
+    # bandwidth of a rank's share of the host's cores (cost/host_share.py)
+    from tests.models.report_fixtures import make_plan
+
+    plan = make_plan(2, checkpoint_every=0)
+    share_bw = after.for_world(plan.mesh.world_size).profile.memory_bandwidth_bytes_per_s
+    per_sample_bytes = (6 + 9 + 3) * 1e6
+    assert after.time(plan).compute_s - before.time(plan).compute_s == \
+        pytest.approx(per_sample_bytes * plan.training.micro_batch / share_bw)
+    # a GPU's FLOP model is fitted to whole steps, memory-bound kernels included: unchanged
+    gpu = load_profile("h100-80gb")
+    assert CostModel(traced, gpu).module_compute_s("ln_f", 4, "bfloat16") == \
+        CostModel(plain, gpu).module_compute_s("ln_f", 4, "bfloat16")

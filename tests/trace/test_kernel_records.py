@@ -26,7 +26,7 @@ def _classify(func, *args, flops=0, **kwargs):
 def test_matmuls_record_m_n_k_layout_and_bytes():
     # row-major operands: layout 1, "kn" (cost/kernels.py [Note: matmul layouts])
     s = _classify(aten.mm.default, (32, 64), (64, 128), flops=7)
-    assert s == OpSample("matmul", (1, 32, 128, 64, 1), 7, (32 * 64 + 64 * 128 + 32 * 128) * 2)
+    assert s == OpSample("matmul", (1, 32, 128, 64, 1), 7, (32 * 64 + 64 * 128 + 32 * 128) * 2, 0, "mm")
     s = _classify(aten.addmm.default, (128,), (32, 64), (64, 128))
     assert s.dims == (1, 32, 128, 64, 1) and s.bytes == (128 + 32 * 64 + 64 * 128 + 32 * 128) * 2
     assert _classify(aten.bmm.default, (4, 32, 64), (4, 64, 16)).dims == (4, 32, 16, 64, 1)
@@ -82,7 +82,7 @@ def test_convolutions_are_their_own_class():
 def test_views_and_allocations_run_no_kernel():
     assert _classify(aten.transpose.int, (4, 8), 0, 1) is None
     assert _classify(aten._unsafe_view.default, (4, 8), [32]) is None
-    assert _classify(aten.add.Tensor, (4, 8), (4, 8)) == OpSample("elementwise", (), 0, 3 * 4 * 8 * 2)
+    assert _classify(aten.add.Tensor, (4, 8), (4, 8)) == OpSample("elementwise", (), 0, 3 * 4 * 8 * 2, 0, "add")
     assert _classify(aten._to_copy.default, (4, 8), dtype=torch.float32).op_class == "copy"
     assert _classify(aten._softmax.default, (4, 8), -1, False).op_class == "reduction"
 
@@ -223,3 +223,28 @@ def test_roofline_needs_a_kernels_table_and_a_known_model():
         dataclasses.replace(gpu, compute_model="roofline", kernels=None)
     with pytest.raises(ProfileError, match="compute_model must be one of flops, roofline"):
         dataclasses.replace(gpu, compute_model="kernels")
+
+
+def test_fit_pairs_around_a_copy_only_the_larger_batch_runs():
+    # transformers' causal-LM loss: labels[..., 1:].contiguous() clones at batch 2, not at batch 1
+    # ([Note: copies only one batch size runs]); before, the whole sequence gave no records
+    seq1 = [OpSample("matmul", (1, 32, 128, 64, 0), 100, 10), OpSample("copy", (), 0, 4, 0, "constant_pad_nd"),
+            OpSample("reduction", (), 0, 50), OpSample("loss", (), 0, 30)]
+    seq2 = [OpSample("matmul", (1, 64, 128, 64, 0), 200, 16), OpSample("copy", (), 0, 8, 0, "constant_pad_nd"),
+            OpSample("copy", (), 0, 6, 3, "clone"), OpSample("reduction", (), 0, 100), OpSample("loss", (), 0, 60)]
+    recs = fit_records(seq1, seq2, 1, 2)
+    by = {}
+    for r in recs:
+        by.setdefault(r.op_class, []).append(r)
+    assert by["matmul"][0].flops.at(4) == 400 and by["reduction"][0].bytes.at(4) == 200
+    assert by["loss"][0].bytes.at(3) == 90
+    paired, lone = sorted(by["copy"], key=lambda r: r.bytes.fixed)
+    assert paired.bytes.at(4) == 16 and paired.count == 1
+    assert lone.count == 1 and lone.bytes.at(4) == 12 and lone.new_bytes.at(4) == 6  # 6 bytes at b=2, x b/2
+
+
+def test_fit_gives_no_records_when_ops_other_than_copies_differ():
+    seq1 = [OpSample("matmul", (1, 32, 128, 64, 0), 100, 10), OpSample("loss", (), 0, 30)]
+    seq2 = [OpSample("matmul", (1, 64, 128, 64, 0), 200, 16), OpSample("elementwise", (), 0, 6),
+            OpSample("loss", (), 0, 60)]
+    assert fit_records(seq1, seq2, 1, 2) == ()
