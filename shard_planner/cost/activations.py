@@ -23,6 +23,8 @@ class BlockActivations:
     bwd_rise: tuple[float, ...]
     kept: tuple[float, ...]  # what a checkpointed block keeps: [Note: Checkpointed inputs held elsewhere]
     flows: tuple[bool, ...]  # a module block (its input and output flow); False: a container's own code
+    held: tuple[float, ...]  # held by the forward's output until the loss: trace/held.py
+    tail_rise: tuple[float, ...]  # a container's own code: [Note: A container's own code] (cost/memory.py)
     own_grads: tuple[float, ...]  # its own parameters' gradients in the param dtype
     names: tuple[str, ...]  # the block's name (the owner of its allocations; ``CostTables.blocks[i].name``)
 
@@ -36,6 +38,7 @@ def block_activations(trace: ModelTrace, t: CostTables, micro_batch: int, param_
         saved=tuple(blk.saved.at(b) * s for blk in blocks), fwd_rise=tuple(blk.fwd_rise.at(b) * s for blk in blocks),
         bwd_rise=tuple(blk.bwd_rise.at(b) * s for blk in blocks),
         kept=tuple((blk.input.at(b) - blk.input_shared.at(b)) * s for blk in blocks),
-        flows=tuple(not blk.self_only for blk in blocks),
+        flows=tuple(not blk.self_only for blk in blocks), held=tuple(blk.held.at(b) * s for blk in blocks),
+        tail_rise=tuple(blk.tail_rise.at(b) * s for blk in blocks),
         own_grads=tuple(blk.own_float_numel * elem for blk in blocks), names=tuple(blk.name for blk in blocks),
     )

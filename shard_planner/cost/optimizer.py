@@ -3,6 +3,26 @@ temporaries and traffic per sharded parameter element — one table each and one
 called by the memory simulator (cost/memory.py), the time simulator (cost/time.py), the model-state
 summary (cost/api.py) and the solver's linear model (solve/linear.py), so that none of them re-derives a
 rule (issue 27; tests/solve/test_linear_follows_cost_rules.py changes a rule here and sees all follow).
+
+[Note: Optimizer step]
+  Optimizer states are created at the first step and live from then on (the simulated step is a
+  steady-state one). On GPU torch.optim defaults to the foreach implementation: AdamW/Adam allocate
+  one temporary the size of all sharded parameters (``torch._foreach_sqrt(exp_avg_sqs)`` in
+  torch/optim/adamw.py ``_multi_tensor_adamw``). On CPU tensors it takes the single-tensor path
+  (``_default_to_fused_or_foreach`` picks foreach for CUDA only), whose temporaries are per parameter:
+  measured with the storage tracker, AdamW's step peaks 2x one parameter above its states with one
+  parameter and 3x the parameter size with 2 to 8 equal ones (``sqrt`` and ``div`` of this one, the
+  previous ``denom`` not yet released) — modelled as 3x the largest module's parameter shard. SGD
+  (with or without momentum, no weight decay) allocates none either way. Gradients are freed by
+  ``zero_grad(set_to_none=True)`` before the next forward. Not counted: Adam's ``step`` counter, a 4-byte
+  tensor per parameter that lives on the host unless ``capturable``/``fused`` (on a CPU rank, 188 B for
+  the zoo's T5: 47 parameters).
+
+[Note: CPU offload]
+  With ``CPUOffloadPolicy`` the sharded parameters, gradients and optimizer states live on the host,
+  and the optimizer steps there. On a GPU profile they leave the device, but every all-gather first
+  copies the unit's fp32 shard to the device (1/N, transient). On a CPU profile (``device == "cpu"``)
+  the host is the device: nothing moves and offloaded state still counts.
 """
 
 from __future__ import annotations
@@ -16,7 +36,7 @@ from shard_planner.profile import HardwareProfile
 # counts them in K).
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
 
-# Temporaries of the step. See cost/memory.py [Note: Optimizer step]. GPU (foreach): in sizes of all
+# Temporaries of the step. See [Note: Optimizer step]. GPU (foreach): in sizes of all
 # sharded parameters together (torch/optim/adamw.py _multi_tensor_adamw: torch._foreach_sqrt(exp_avg_sqs));
 # CPU (single-tensor): in sizes of the largest one parameter shard (measured, tests/test_cost_model.py).
 OPTIMIZER_TEMPORARIES = {"adamw": 1, "adam": 1, "sgd_momentum": 0, "sgd": 0}
@@ -43,7 +63,7 @@ def optimizer_step_bytes(optimizer: str, sharded_elements: float, state_elem_byt
 def state_on_device(cpu_offload: bool, device: str) -> bool:
     """Whether the sharded parameters, gradients and optimizer states are in device memory: not under
     ``CPUOffloadPolicy`` on a GPU (they live on the host, and the step runs there); on a CPU profile the
-    host is the device and they still count (cost/memory.py [Note: CPU offload])."""
+    host is the device and they still count ([Note: CPU offload])."""
     return not (cpu_offload and device != "cpu")
 
 
@@ -55,7 +75,7 @@ def optimizer_state_bytes(optimizer: str, sharded_grad_bytes: float) -> float:
 
 def optimizer_temporaries_bytes(optimizer: str, device: str, sharded_float_bytes: float,
                                 largest_module_float_bytes: float, shard: int) -> float:
-    """The step's temporaries on one rank when it steps on the device (cost/memory.py [Note: Optimizer
+    """The step's temporaries on one rank when it steps on the device ([Note: Optimizer
     step]): foreach on a GPU, in sizes of all ``sharded_float_bytes`` together; the single-tensor path on
     a CPU, in sizes of the largest module's floating parameters' shard."""
     if device == "cpu":

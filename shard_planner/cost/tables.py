@@ -53,6 +53,12 @@ class Block:
     # block keeps ``input - input_shared`` new bytes (memory.py, [Note: Checkpointed inputs held elsewhere])
     input_shared: Affine = ZERO
     self_only: bool = False  # a container's own operations, its children (and their units) left out
+    # held by the forward's output until it is dropped after the loss (trace/held.py), subtree included
+    held: Affine = ZERO
+    # a container's own code (``self_only``): its trace's fwd_tail_rise_bytes, and the index of the first block
+    # of its subtree (where the level it rises from was): cost/memory.py [Note: A container's own code]
+    tail_rise: Affine = ZERO
+    first_block: int = -1
     # tensor-parallel collectives of the block's modules (trace ModuleTrace.tp_collectives), forward order:
     # each (kind, full bytes per micro-batch) on the compute stream's critical path (cost/tp_comm.py)
     tp_fwd: tuple[tuple[str, Affine], ...] = ()
@@ -226,6 +232,7 @@ def _block_sequence(trace: ModelTrace, module_unit: dict[str, int], owner: dict[
             fwd_flops=subtree_sum(fqn, "fwd_flops_self"), bwd_flops=subtree_sum(fqn, "bwd_flops_self"),
             fwd_ops=subtree_sum(fqn, "fwd_ops_self"), bwd_ops=subtree_sum(fqn, "bwd_ops_self"),
             input_shared=m.input_shared_bytes, tp_fwd=tp_fwd, tp_bwd=tp_bwd,
+            held=subtree_sum(fqn, "held_bytes_self"),
         )
 
     def decompose(fqn: str) -> None:
@@ -236,6 +243,7 @@ def _block_sequence(trace: ModelTrace, module_unit: dict[str, int], owner: dict[
             if fqn != ROOT or not blocks:
                 blocks.append(whole_block(fqn, owner[fqn], False))
             return
+        first = len(blocks)
         for c in called_children(fqn):
             decompose(c)
         m = trace.module(fqn)
@@ -245,7 +253,8 @@ def _block_sequence(trace: ModelTrace, module_unit: dict[str, int], owner: dict[
             own_float_numel=float_numel_of(m.trainable_sharded_param_bytes_by_dtype),
             saved=m.saved_bytes_self, input=ZERO, output=ZERO, fwd_rise=ZERO, bwd_rise=ZERO,
             fwd_flops=m.fwd_flops_self, bwd_flops=m.bwd_flops_self,
-            fwd_ops=m.fwd_ops_self, bwd_ops=m.bwd_ops_self,
+            fwd_ops=m.fwd_ops_self, bwd_ops=m.bwd_ops_self, held=m.held_bytes_self,
+            tail_rise=m.fwd_tail_rise_bytes, first_block=first,
         ))
 
     decompose(ROOT)

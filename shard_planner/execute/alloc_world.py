@@ -70,9 +70,10 @@ def record_plan_step(plan: Plan, rank: int, warmup: int) -> list[SeqEvent]:
     from shard_planner.execute.alloc_record import SequenceRecorder, real_sequence
     from shard_planner.execute.apply import apply_plan, build_mesh
     from shard_planner.execute.stepper import build_on_device, make_optimizer, make_step_batch
+    from shard_planner.hf import model_options
     from shard_planner.modelfile import load_model_file
 
-    model_file = load_model_file(plan.model.path)
+    model_file = load_model_file(plan.model.path, model_options(plan.model))  # as planned (runner.py)
     device = torch.device("cpu")
     model = apply_plan(build_on_device(model_file, device), plan, build_mesh(plan, "cpu"))
     optimizer = make_optimizer(plan, model.parameters())
@@ -123,6 +124,8 @@ def check_plans(named_plans: dict[str, Plan], world_size: int = 2) -> list[PlanC
     """Record each plan's step in one spawned world and compare every rank with the plan's memory walk
     (each model traced once per param dtype, on the cpu-gloo profile)."""
     from shard_planner.cost.model import CostModel
+    from shard_planner.hf import model_options
+    from shard_planner.modelfile import load_model_file
     from shard_planner.profile import load_profile
     from shard_planner.trace import trace_model
 
@@ -132,7 +135,8 @@ def check_plans(named_plans: dict[str, Plan], world_size: int = 2) -> list[PlanC
     for name, rec in zip(named_plans, recorded):
         key = (rec.plan.model.path, rec.plan.training.param_dtype)
         if key not in models:
-            models[key] = CostModel(trace_model(key[0], dtype=key[1]), profile)
+            model_file = load_model_file(key[0], model_options(rec.plan.model))
+            models[key] = CostModel(trace_model(model_file, dtype=key[1]), profile)
         simulated = walk_sequence(models[key], rec.plan)
         out.append(PlanCheck(name, rec.plan, len(simulated),
                              tuple(compare_sequences(list(r), simulated) for r in rec.ranks)))

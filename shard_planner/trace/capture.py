@@ -102,6 +102,7 @@ class Step:
         self.loss_call = Call(None, None)
         self.batch_input_bytes = 0
         self.forward_cache: str | None = None  # [Note: A forward that builds a cache]
+        self.output_sids: frozenset[int] = frozenset()  # the output's tensors' storages (trace/held.py)
         self.producer: dict[int, tuple[str, int]] = {}  # sid -> (kernel class, log position) of a forward op's new output
 
     # ---- ops: the one place an aten op is recorded ----
@@ -389,6 +390,7 @@ class Step:
             self.phase = "fwd"
             out = self._forward(inputs)
             self.forward_cache = output_cache(out)
+            self.output_sids = frozenset(self.log.sid(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
             self._open(self.loss_call, "fwd")
             try:
                 loss = self.mf.loss(out, targets)

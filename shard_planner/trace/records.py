@@ -101,6 +101,8 @@ class ModuleRecord:
     fwd_tail_kernels: list = field(default_factory=list)  # Call.fwd_tail, over its calls
     input_grad: bool = False  # Call.input_grad, of any of its calls
     tp_collectives: list = field(default_factory=list)  # Call.tp_collectives, over its calls
+    held: int = 0  # bytes the forward's output held until dropped (trace/held.py), over its calls
+    fwd_tail_rise: int = 0  # ModuleTrace.fwd_tail_rise_bytes: the largest over its calls
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from shard_planner.trace.capture import Step
+from shard_planner.trace.held import held_by_output
 from shard_planner.trace.kernel_ops import fit_records
 from shard_planner.trace.params import OwnParams, own_params
 from shard_planner.trace.records import ENTER, EXIT, Call, ModuleRecord, Span, StepResult, join_fqn, rel_fqn
@@ -35,6 +36,8 @@ class Replay:
     def __init__(self, step: Step):
         self.step = step
         self._stats: dict[tuple[int, int], tuple[int, int]] = {}
+        # id(call) -> bytes the forward's output held: [Note: Storages the forward's output holds]
+        self.held = held_by_output(step.log.events, step.root_call, step.loss_call, step.output_sids)
 
     def span_stats(self, span: Span | None) -> tuple[int, int]:
         """(peak rise above the level at entry, net change) of live non-parameter bytes over a span."""
@@ -72,6 +75,16 @@ class Replay:
         self._stats[key] = (peak, level)
         return peak, level
 
+    def tail_rise(self, call: Call) -> int:
+        """ModuleTrace.fwd_tail_rise_bytes of one call: the highest level of live non-parameter bytes while its
+        own code runs after its last child returned, above the level at its entry (0 without children)."""
+        if not call.children or call.fwd is None or call.fwd.end < 0:
+            return 0
+        last = call.children[-1].fwd.end  # the last child's EXIT
+        _, at_last = self.replay(call.fwd.start + 1, last + 1)
+        tail_peak, _ = self.replay(last + 1, call.fwd.end)
+        return at_last + tail_peak
+
     def records(self, call: Call, memo: dict) -> list[ModuleRecord]:
         """The call's numbers and its subtree's, per module (twins expanded from their templates)."""
         cached = memo.get(id(call))
@@ -92,6 +105,7 @@ class Replay:
             fwd_ops=call.fwd_ops, bwd_ops=call.bwd_ops, input_shared_bytes=call.input_shared_bytes,
             fwd_kernels=call.fwd_kernels, bwd_kernels=call.bwd_kernels, output_by_class=call.output_by_class,
             fwd_tail_kernels=call.fwd_tail, input_grad=call.input_grad, tp_collectives=call.tp_collectives,
+            held=self.held.get(id(call), 0), fwd_tail_rise=self.tail_rise(call),
         )
         out = [own]
         for child in call.children:
@@ -113,6 +127,7 @@ class Replay:
                 r.fwd_kernels, r.bwd_kernels, r.output_by_class, r.fwd_tail_kernels,
                 call.input_grad if r.fqn == t.fqn else r.input_grad,
                 call.tp_collectives if r.fqn == t.fqn else r.tp_collectives,  # its own style ran for real
+                r.held, r.fwd_tail_rise,
             ))
         return out
 
@@ -175,6 +190,8 @@ def _accumulate(agg: ModuleRecord, r: ModuleRecord) -> None:
     agg.input_grad = agg.input_grad or r.input_grad
     agg.tp_collectives = agg.tp_collectives + r.tp_collectives
     agg.output_bytes += r.output_bytes
+    agg.held += r.held
+    agg.fwd_tail_rise = max(agg.fwd_tail_rise, r.fwd_tail_rise)
     agg.output_by_class = {c: agg.output_by_class.get(c, 0) + r.output_by_class.get(c, 0)
                            for c in {*agg.output_by_class, *r.output_by_class}}
     agg.fwd_rise = max(agg.fwd_rise, r.fwd_rise)
@@ -238,6 +255,8 @@ def module_traces(modules: list[tuple[str, nn.Module]], static: StaticFacts, has
             input_shared_bytes=fit("input_shared_bytes"),
             output_bytes=fit("output_bytes"),
             saved_bytes_self=fit("saved"),
+            held_bytes_self=fit("held"),
+            fwd_tail_rise_bytes=fit("fwd_tail_rise"),
             fwd_flops_self=fit("fwd_flops"),
             bwd_flops_self=fit("bwd_flops"),
             fwd_peak_rise_bytes=fit("fwd_rise"),

@@ -37,6 +37,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
+import weakref
 
 import torch
 import torch.nn as nn
@@ -347,6 +348,10 @@ def _signature(leaves, spec) -> tuple:
     for x in leaves:
         if isinstance(x, torch.Tensor):
             sig.append((tuple(x.shape), tuple(x.stride()), x.dtype, x.requires_grad, x.device.type))
+        elif type(x).__hash__ is object.__hash__ and hasattr(type(x), "__weakref__"):
+            # compared by identity: a weak reference compares as its object does while it lives, and does
+            # not keep it alive (a KV cache passed to every attention layer: trace/held.py)
+            sig.append(("v", type(x).__name__, weakref.ref(x)))
         else:
             try:
                 hash(x)

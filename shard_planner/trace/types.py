@@ -133,6 +133,14 @@ class ModuleTrace:
     # every decoder block takes). A checkpointed unit keeps only the rest as new bytes (memory.py,
     # [Note: Checkpointed inputs held elsewhere]). Traces written before this field load with none.
     input_shared_bytes: Affine = ZERO
+    # Storages its own forward ops allocated that the forward's output holds beyond its tensors (a KV cache)
+    # until it is dropped after the loss: trace/held.py. Traces written before this field load with none.
+    held_bytes_self: Affine = ZERO
+    # The highest level of live non-parameter bytes while its own code runs after its last child returned,
+    # above the level at its entry (0 without children): what a container's own code reaches, e.g. a
+    # loss computed inside the root's forward with its decoder's output still held (cost/memory.py,
+    # [Note: A container's own code]). Traces written before this field load with none.
+    fwd_tail_rise_bytes: Affine = ZERO
     # The kernels of its own forward and backward (trace/kernel_ops.py, [Note: kernel records]), for the
     # GPU kernel model (cost/kernels.py). Traces written before them load with none (priced from FLOPs).
     fwd_kernels: tuple[KernelRecord, ...] = ()
