@@ -106,8 +106,9 @@ class Mesh:
     @classmethod
     def per_node_hsdp(cls, world_size: int, gpus_per_node: int, tp: int = 1) -> "Mesh | None":
         """HSDP with one node per shard group (its tp groups sharded inside the node, one replica per node):
-        None unless ``world_size`` is several whole nodes."""
-        if world_size <= gpus_per_node or not degree_divides(gpus_per_node, world_size):
+        None unless ``world_size`` is several whole nodes, each holding whole tp groups."""
+        if world_size <= gpus_per_node or not degree_divides(gpus_per_node, world_size) \
+                or not degree_divides(tp, gpus_per_node):
             return None
         return cls(shard=gpus_per_node // tp, replicate=world_size // gpus_per_node, tp=tp)
 

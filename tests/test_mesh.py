@@ -147,6 +147,7 @@ def test_layouts_of_a_world():
         Mesh.fsdp(6, tp=4)
     assert Mesh.per_node_hsdp(32, 8, tp=2) == Mesh(shard=4, replicate=4, tp=2)
     assert Mesh.per_node_hsdp(8, 8) is None and Mesh.per_node_hsdp(12, 8) is None
+    assert Mesh.per_node_hsdp(24, 8, tp=3) is None  # a tp group would straddle two nodes
     assert Mesh(shard=4, replicate=2, tp=2).at_world_size(4) == Mesh(shard=2, tp=2)
     assert Mesh(shard=4, tp=2).at_world_size(3) == Mesh(shard=3)
     assert Mesh.tp_group(4) == Mesh(shard=1, tp=4) and Mesh.tp_group(4).world_size == 4
