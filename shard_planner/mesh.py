@@ -7,11 +7,13 @@ checks them once, and derives every size and group placement the other stages ne
     mesh.shard_group_spans_nodes(8)   # False: the shard group fits in one node of 8 GPUs
     Mesh.fsdp(16, tp=2)               # plain FSDP over every tp group of 16 ranks: shard 8 x tp 2
 
-The layout is passed, not rebuilt: the request's GPUs become a layout here (:meth:`Mesh.fsdp`,
-:meth:`Mesh.per_node_hsdp`, :meth:`Mesh.at_world_size`), the plan carries it (its ``mesh`` section), cost
-asks it for group sizes and placements (cost/collectives.py takes the layout, not integers), and execute
-builds the torch device mesh from :attr:`Mesh.device_mesh_shape` and :attr:`Mesh.device_mesh_dim_names`
-(``execute.apply.build_mesh``), as the FSDP2 export writes it. Nothing outside this module multiplies,
+The layout is built here and then passed: a request's GPUs at the trace's tensor-parallel degree become
+the layouts the solver searches, once per request (:meth:`Mesh.fsdp`, :meth:`Mesh.per_node_hsdp`;
+solve/context.py ``PlanContext.layouts``), another world size's layout is :meth:`Mesh.at_world_size`,
+the plan carries the chosen one (its ``mesh`` section), cost asks it for group sizes and placements
+(cost/collectives.py takes the layout, not integers), and execute builds the torch device mesh from
+:attr:`Mesh.device_mesh_shape` and :attr:`Mesh.device_mesh_dim_names` (``execute.apply.build_mesh``), as
+the FSDP2 export writes it. Nothing outside this module multiplies,
 divides or takes the remainder of a raw degree, and no other dataclass stores one:
 tests/test_layout_owns_degrees.py searches the package for it, with its allow-list (a trace's own degree,
 ``ModelTrace.tp_size``: a trace is one rank's numbers at the degree it was traced at, a fact of the data as
