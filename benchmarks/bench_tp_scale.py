@@ -281,7 +281,7 @@ def mirror_plan(case: Case, trace, styles):
     units = (Unit(("",), False),) + tuple(Unit((f"layers.{i}",), True, **ac) for i in range(n_layers))
     tp = case.mirror_tp
     return Plan(ModelRef(str(LLAMA), trace.fingerprint, seq_len=trace.tokens_per_sample),
-                Cluster(case.gpus, 8, "h100-80gb", 80 * GIB), Mesh(shard=case.gpus // tp, tp=tp),
+                Cluster(case.gpus, 8, "h100-80gb", 80 * GIB), Mesh.fsdp(case.gpus, tp),
                 Training(case.mirror_micro_batch, "adamw", "bfloat16", "float32"), units, Prefetch(0, 1),
                 tensor_parallel=styles if tp > 1 else None)
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from shard_planner.comm import TP, CollectiveBytes, GroupCollectiveBytes
 from shard_planner.errors import UserError
 from shard_planner.fileio import read_json, write_atomic
+from shard_planner.mesh import Mesh
 from shard_planner.plan import Plan
 
 MEASUREMENT_SCHEMA_VERSION = 1
@@ -180,6 +181,12 @@ class Measurement:
             raise MeasurementError(f"measurement: {len(self.memory)} ranks of memory for world size {self.world_size}")
 
     # ---- summaries ----
+    @property
+    def mesh(self) -> Mesh:
+        """The layout the run ran with (the file records its degrees as ``mesh_*`` fields, as before the
+        layout type; every size is the layout's: shard_planner/mesh.py)."""
+        return Mesh(shard=self.mesh_shard, replicate=self.mesh_replicate, tp=self.mesh_tp)
+
     @property
     def peak_bytes(self) -> int:
         """The largest peak over ranks (what must fit)."""

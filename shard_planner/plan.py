@@ -299,8 +299,7 @@ class Plan:
         """The same decisions on ``world_size`` ranks: plain FSDP, keeping the tensor-parallel degree and
         styles when it divides ``world_size`` (dropping them otherwise); int reshard sizes that no longer
         divide the group become True. Predictions are dropped: they were for the old size."""
-        tp = self.mesh.tp if world_size % self.mesh.tp == 0 else 1
-        mesh = Mesh(shard=world_size // tp, tp=tp)
+        mesh = self.mesh.at_world_size(world_size)
         units = tuple(
             u if isinstance(u.reshard_after_forward, bool) or mesh.is_reshard_size(u.reshard_after_forward)
             else replace(u, reshard_after_forward=True)
@@ -331,6 +330,8 @@ class Plan:
         if self.mesh.tp == 1:  # plans without tensor parallelism read as they did before it
             d["mesh"].pop("tp")
             del d["tensor_parallel"]
+        if self.mesh.pp == 1:  # plans without pipeline stages (all of them today) read as before the field
+            d["mesh"].pop("pp")
         if not self.tp_degrees:  # plans of one degree read as they did before the degree search
             del d["tp_degrees"]
         if self.training.accumulation_steps == 1:  # plans without accumulation read as they did before it
@@ -369,7 +370,7 @@ PLAN_RULES = {
     "FineTune.lora_rank": Nullable(_COUNT), "FineTune.lora_targets": ListOf(Text()), "FineTune.freeze": ListOf(Text()),
     "Cluster.gpus": _COUNT, "Cluster.gpus_per_node": _COUNT, "Cluster.mem_budget_bytes": _COUNT,
     "Cluster.profile_relative_path": Nullable(Text()), "Cluster.timings_relative_path": Nullable(Text()),
-    "Mesh.shard": _COUNT, "Mesh.replicate": _COUNT, "Mesh.tp": _COUNT,
+    "Mesh.shard": _COUNT, "Mesh.replicate": _COUNT, "Mesh.tp": _COUNT, "Mesh.pp": _COUNT,
     "TensorParallel.styles": MapOf(Text()),
     "Training.micro_batch": _COUNT, "Training.optimizer": Text(OPTIMIZERS),
     "Training.param_dtype": Text(DTYPES), "Training.reduce_dtype": Text(DTYPES), "Training.lr": Number(positive=True),

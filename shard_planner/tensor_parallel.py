@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from shard_planner.errors import PlanError, UserError
+from shard_planner.mesh import degree_divides
 
 
 class Style(str, Enum):
@@ -128,7 +129,7 @@ class TensorParallel:
     def check_sequence(self, degree: int, seq_len: int | None) -> None:
         """With sequence parallelism, a :class:`UserError` when ``degree`` does not divide ``seq_len`` tokens per
         sample (None: no sequence to check): every rank holds an equal slice of it."""
-        if self.sequence_parallel and seq_len is not None and seq_len % degree:
+        if self.sequence_parallel and seq_len is not None and not degree_divides(degree, seq_len):
             raise UserError(f"sequence parallelism of degree {degree}: the sequence length {seq_len} does not divide "
                             f"by {degree}; choose a tp degree or sequence length so that it does")
 

@@ -24,6 +24,7 @@ import logging
 from dataclasses import dataclass, field
 
 from shard_planner.errors import UserError, first_line
+from shard_planner.mesh import degree_divides
 from shard_planner.plan_points import DegreeOutcome
 from shard_planner.tensor_parallel import TensorParallel
 
@@ -35,7 +36,7 @@ CANDIDATE_DEGREES = (1, 2, 4, 8)
 def check_node_degree(tp: int, gpus: int, gpus_per_node: int) -> None:
     """A :class:`UserError` (one line) when ``--tp`` does not divide the GPUs per node and the GPUs: tensor
     parallelism stays inside a node ([Note: Which degrees are searched])."""
-    if gpus_per_node % tp or gpus % tp:
+    if not degree_divides(tp, gpus_per_node, gpus):
         raise UserError(f"--tp {tp} must divide the GPUs per node ({gpus_per_node}) and --gpus ({gpus}): "
                         "tensor parallelism stays inside a node")
 
@@ -43,7 +44,7 @@ def check_node_degree(tp: int, gpus: int, gpus_per_node: int) -> None:
 def candidate_degrees(gpus: int, gpus_per_node: int) -> list[int]:
     """The degrees of ``CANDIDATE_DEGREES`` that divide the GPUs per node and the GPUs ([Note: Which degrees
     are searched])."""
-    return [t for t in CANDIDATE_DEGREES if gpus_per_node % t == 0 and gpus % t == 0]
+    return [t for t in CANDIDATE_DEGREES if degree_divides(t, gpus_per_node, gpus)]
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,7 @@ from torch.overrides import TorchFunctionMode
 
 from shard_planner.errors import UserError
 from shard_planner.hf import is_transformers_model
+from shard_planner.mesh import degree_divides
 from shard_planner.tensor_parallel import GATHER_KWARG_SEPARATOR, Style, TensorParallel
 
 logger = logging.getLogger(__name__)
@@ -434,7 +435,7 @@ def check_divisible(model: nn.Module, tp: TensorParallel, degree: int, *, seq_le
             raise UserError(f"tensor parallelism: the plan styles {fqn}, which {type(model).__name__} has not; "
                             "derive the styles for this model") from None
         for what, size in _split_sizes(model, fqn, module, style.style):
-            if size % degree:
+            if not degree_divides(degree, size):
                 raise UserError(f"tensor parallelism of degree {degree}: {fqn} {what} {size}, which {degree} does "
                                 "not divide; choose a tp degree that divides it")
     tp.check_sequence(degree, seq_len)

@@ -117,3 +117,46 @@ def test_ranks_per_node_and_the_node_reshard_choice():
     assert reshard_choices(16, 8) == (True, False, 8)
     assert reshard_choices(8, 8) == (True, False) and reshard_choices(12, 8) == (True, False)
     assert reshard_choices(16, 1) == (True, False)
+
+
+def test_pipeline_degree_is_validated_and_refused_above_1():
+    """pp is room for pipeline stages: validated, 1 by default, refused above 1 in one PlanError line (mesh.py
+    [Note: The layout's name and its pipeline degree]); plan files read and write as before it."""
+    with pytest.raises(PlanError, match="mesh.pp must be a positive int"):
+        Mesh(shard=8, pp=0)
+    with pytest.raises(PlanError, match=r"^mesh.pp is 2: pipeline stages are not planned yet"):
+        Mesh(shard=4, pp=2)
+    m = Mesh(shard=8, tp=2)
+    assert (m.pp_size, m.non_data_parallel_size, m.world_size) == (1, 2, 16)
+    plan = make_plan(mesh=Mesh(shard=8))
+    d = json.loads(plan.to_json())
+    assert "pp" not in d["mesh"]
+    d["mesh"]["pp"] = 1
+    assert Plan.from_dict(d) == plan
+    d["mesh"]["pp"] = 2
+    with pytest.raises(PlanError, match="pipeline stages are not planned yet"):
+        Plan.from_dict(d)
+
+
+def test_layouts_of_a_world():
+    """The layouts a world of ranks is planned on, built here and nowhere else."""
+    from shard_planner.mesh import degree_divides
+
+    assert Mesh.fsdp(16, tp=2) == Mesh(shard=8, tp=2) and Mesh.fsdp(8) == Mesh(shard=8)
+    with pytest.raises(PlanError, match="mesh.tp 4 does not divide the 6 ranks"):
+        Mesh.fsdp(6, tp=4)
+    assert Mesh.per_node_hsdp(32, 8, tp=2) == Mesh(shard=4, replicate=4, tp=2)
+    assert Mesh.per_node_hsdp(8, 8) is None and Mesh.per_node_hsdp(12, 8) is None
+    assert Mesh.per_node_hsdp(24, 8, tp=3) is None  # a tp group would straddle two nodes
+    assert Mesh(shard=4, replicate=2, tp=2).at_world_size(4) == Mesh(shard=2, tp=2)
+    assert Mesh(shard=4, tp=2).at_world_size(3) == Mesh(shard=3)
+    assert Mesh.tp_group(4) == Mesh(shard=1, tp=4) and Mesh.tp_group(4).world_size == 4
+    assert Mesh(shard=2, tp=4).tp_share(4096) == 1024 and Mesh(shard=2).tp_share(7) == 7
+    assert degree_divides(4, 8, 16) and not degree_divides(4, 8, 6)
+
+
+def test_tp_group_placement():
+    """tp ranks are adjacent: the group leaves a node only when the degree exceeds its GPUs."""
+    assert not Mesh.tp_group(8).tp_group_spans_nodes(gpus_per_node=8)
+    assert Mesh.tp_group(16).tp_group_spans_nodes(gpus_per_node=8)
+    assert not Mesh(shard=4).tp_group_spans_nodes(gpus_per_node=8)  # no tp, no group

@@ -113,7 +113,7 @@ def run(args) -> int:
           f"{len(m.step_time_s)} steps after {m.warmup_steps} warm-up [{m.timing_method}]")
     if m.samples_per_s is not None:
         print(f"throughput: {m.samples_per_s:,.1f} samples/s ({m.samples_per_step} samples a step over "
-              f"{m.world_size // m.mesh_tp} data-parallel rank{'s' if m.world_size // m.mesh_tp > 1 else ''})")
+              f"{m.mesh.dp_size} data-parallel rank{'s' if m.mesh.dp_size > 1 else ''})")
     print(losses_line(m))
     rows = m.comparison()
     if rows:

@@ -28,17 +28,16 @@ Every collective of the cost model and the solver's linear model is priced by :f
 
 Rank layout: ranks are numbered node by node (torchrun's default), the shard group is contiguous and
 the replicate group (HSDP) strides by the shard size — the ("replicate", "shard") mesh of
-``init_device_mesh``. The rule of which group leaves a node is the mesh's
-(:func:`shard_planner.mesh.group_spans_nodes`, [Note: which size means what]); the functions here take
-the group sizes and the tp degree (shard ranks are ``tp`` apart, replicas ``shard x tp``), and
-:func:`tp_collective_time_s` the tensor-parallel group (its ranks adjacent: inside a node when the degree
-is at most the node's GPUs).
+``init_device_mesh``. Which group leaves a node is the layout's to say (shard_planner/mesh.py
+``Mesh.*_group_spans_nodes``, [Note: which size means what]): the functions here take the plan's layout
+and ask it, and :func:`tp_collective_time_s` the layout of the tensor-parallel group (its ranks adjacent:
+inside a node when the degree is at most the node's GPUs).
 """
 
 from __future__ import annotations
 
 from shard_planner.comm import ALL_REDUCE
-from shard_planner.mesh import group_spans_nodes
+from shard_planner.mesh import Mesh
 from shard_planner.profile import HardwareProfile
 
 
@@ -57,17 +56,6 @@ def busbw_at_bytes(nbytes: float, busbw_bytes_per_s: float, busbw_half_bytes: fl
     return busbw_bytes_per_s * nbytes / (nbytes + busbw_half_bytes)
 
 
-def shard_group_spans_nodes(profile: HardwareProfile, group_size: int, stride_ranks: int = 1) -> bool:
-    """A group of ``group_size`` ranks ``stride_ranks`` apart (the tp degree: shard ranks stride by it)
-    leaves its node when it covers more than a node."""
-    return group_spans_nodes(group_size, stride_ranks, profile.interconnect.gpus_per_node)
-
-
-def replicate_group_spans_nodes(profile: HardwareProfile, shard_size: int, replicate: int, tp: int = 1) -> bool:
-    """Replicas stride by ``shard_size`` x ``tp`` ranks: they share a node only if all of them fit in one."""
-    return group_spans_nodes(replicate, shard_size * tp, profile.interconnect.gpus_per_node)
-
-
 def ring_time_s(nbytes: float, group_size: int, latency_s: float, busbw_bytes_per_s: float,
                 busbw_half_bytes: float = 0.0) -> float:
     """One ring all-gather or reduce-scatter of ``nbytes`` (the unsharded size) over ``group_size`` ranks:
@@ -79,48 +67,45 @@ def ring_time_s(nbytes: float, group_size: int, latency_s: float, busbw_bytes_pe
     return latency_s * steps + steps / group_size * (nbytes + busbw_half_bytes) / busbw_bytes_per_s
 
 
-def all_gather_time_s(profile: HardwareProfile, nbytes: float, group_size: int, tp: int = 1) -> float:
-    """All-gather over FSDP's shard group (or a smaller reshard group), its ranks ``tp`` apart."""
-    lat, bw, half = _link(profile, shard_group_spans_nodes(profile, group_size, tp))
-    return ring_time_s(nbytes, group_size, lat, bw, half)
+def all_gather_time_s(profile: HardwareProfile, nbytes: float, mesh: Mesh, group_size: int | None = None) -> float:
+    """All-gather over the layout's shard group (or a smaller reshard group of ``group_size`` of its ranks)."""
+    size = mesh.shard_group_size if group_size is None else group_size
+    lat, bw, half = _link(profile, mesh.shard_group_spans_nodes(profile.interconnect.gpus_per_node, size))
+    return ring_time_s(nbytes, size, lat, bw, half)
 
 
-def ring_bandwidth_s(profile: HardwareProfile, nbytes: float, group_size: int, tp: int = 1) -> float:
-    """The bandwidth term alone of an all-gather or reduce-scatter over a contiguous group: bytes that
+def ring_bandwidth_s(profile: HardwareProfile, nbytes: float, mesh: Mesh) -> float:
+    """The bandwidth term alone of an all-gather or reduce-scatter over the layout's shard group: bytes that
     join another collective of the same group (the solver's linear model, for modules that join the
     root unit's all-gather and reduce-scatter). The marginal bytes of a collective run at the plateau:
     with busbw(n) = plateau x n / (n + n_1/2) the time is linear in n, and the joined collective pays
     the n_1/2 term once."""
-    _, bw, _ = _link(profile, shard_group_spans_nodes(profile, group_size, tp))
-    return ring_time_s(nbytes, group_size, 0.0, bw)
+    _, bw, _ = _link(profile, mesh.shard_group_spans_nodes(profile.interconnect.gpus_per_node))
+    return ring_time_s(nbytes, mesh.shard_group_size, 0.0, bw)
 
 
-def replica_all_reduce_time_s(profile: HardwareProfile, nbytes: float, shard_size: int, replicate: int,
-                              tp: int = 1) -> float:
-    """HSDP: the all-reduce of the 1/shard reduce-scatter output of ``nbytes`` across the replicas
+def replica_all_reduce_time_s(profile: HardwareProfile, nbytes: float, mesh: Mesh) -> float:
+    """HSDP: the all-reduce of the 1/shard reduce-scatter output of ``nbytes`` across the layout's replicas
     (all-reduce = reduce-scatter + all-gather: two ring passes); 0 without replicas."""
-    if replicate <= 1:
+    if not mesh.is_hsdp:
         return 0.0
-    lat, bw, half = _link(profile, replicate_group_spans_nodes(profile, shard_size, replicate, tp))
+    lat, bw, half = _link(profile, mesh.replicate_group_spans_nodes(profile.interconnect.gpus_per_node))
     # nccl-tests all-reduce busbw = 2 (p-1)/p x n / t: two ring passes over the same message size n
-    return 2 * ring_time_s(nbytes / shard_size, replicate, lat, bw, half)
+    return 2 * ring_time_s(nbytes / mesh.shard_group_size, mesh.replicate_group_size, lat, bw, half)
 
 
-def reduce_scatter_time_s(profile: HardwareProfile, nbytes: float, shard_size: int, replicate: int = 1,
-                          tp: int = 1) -> float:
-    """Gradient reduction: reduce-scatter of ``nbytes`` in the shard group, then for HSDP an all-reduce of
-    the 1/shard result across the replicas (FSDP2 ``foreach_reduce``; a hierarchical reduction)."""
-    lat, bw, half = _link(profile, shard_group_spans_nodes(profile, shard_size, tp))
-    t = ring_time_s(nbytes, shard_size, lat, bw, half)
-    if replicate > 1:
-        t += replica_all_reduce_time_s(profile, nbytes, shard_size, replicate, tp)
-    return t
+def reduce_scatter_time_s(profile: HardwareProfile, nbytes: float, mesh: Mesh) -> float:
+    """Gradient reduce-scatter of ``nbytes`` in the layout's shard group. Under HSDP FSDP2's
+    ``foreach_reduce`` then all-reduces the 1/shard result across the replicas
+    (:func:`replica_all_reduce_time_s`, priced apart: cost/unit_collectives.py), a hierarchical reduction."""
+    lat, bw, half = _link(profile, mesh.shard_group_spans_nodes(profile.interconnect.gpus_per_node))
+    return ring_time_s(nbytes, mesh.shard_group_size, lat, bw, half)
 
 
-def tp_collective_time_s(profile: HardwareProfile, kind: str, nbytes: float, tp_size: int) -> float:
-    """One tensor-parallel collective of ``nbytes`` (its full tensor: cost/tp_comm.py) over the tp group's
-    ``tp_size`` adjacent ranks: a ring all-gather or reduce-scatter, or an all-reduce (two ring passes,
+def tp_collective_time_s(profile: HardwareProfile, kind: str, nbytes: float, mesh: Mesh) -> float:
+    """One tensor-parallel collective of ``nbytes`` (its full tensor: cost/tp_comm.py) over the layout's tp
+    group (adjacent ranks): a ring all-gather or reduce-scatter, or an all-reduce (two ring passes,
     nccl-tests' 2 (n-1)/n bus factor). ``kind``: shard_planner.comm's collective names."""
-    lat, bw, half = _link(profile, group_spans_nodes(tp_size, 1, profile.interconnect.gpus_per_node))
-    one_pass = ring_time_s(nbytes, tp_size, lat, bw, half)
+    lat, bw, half = _link(profile, mesh.tp_group_spans_nodes(profile.interconnect.gpus_per_node))
+    one_pass = ring_time_s(nbytes, mesh.tp_size, lat, bw, half)
     return 2 * one_pass if kind == ALL_REDUCE else one_pass

@@ -27,6 +27,7 @@ from __future__ import annotations
 from shard_planner.comm import CollectiveBytes
 from shard_planner.cost.collectives import tp_collective_time_s
 from shard_planner.cost.tables import CostTables, tp_collectives_of
+from shard_planner.mesh import Mesh
 from shard_planner.plan import Plan
 from shard_planner.profile import HardwareProfile
 from shard_planner.trace.types import Affine, ModelTrace
@@ -37,16 +38,22 @@ TP_GROUP = "tp"
 
 
 def collectives_s(collectives: tuple[tuple[str, Affine], ...], micro_batch: int, profile: HardwareProfile,
-                  tp_size: int) -> float:
-    """Seconds of ``collectives`` ((kind, full bytes) each) run one after another at ``micro_batch``."""
-    return sum(tp_collective_time_s(profile, kind, nbytes.at(micro_batch), tp_size) for kind, nbytes in collectives)
+                  tp: Mesh) -> float:
+    """Seconds of ``collectives`` ((kind, full bytes) each) run one after another at ``micro_batch`` over the
+    tp group of the layout ``tp``."""
+    return sum(tp_collective_time_s(profile, kind, nbytes.at(micro_batch), tp) for kind, nbytes in collectives)
+
+
+def trace_tp_group(trace: ModelTrace) -> Mesh:
+    """The layout of the tp group ``trace`` is one rank of (its degree: mesh.py ``Mesh.tp_group``)."""
+    return Mesh.tp_group(trace.tp_size)
 
 
 def block_tp_s(t: CostTables, trace: ModelTrace, micro_batch: int, profile: HardwareProfile):
     """Per block of ``t`` its forward and backward tensor-parallel seconds, and the loss's (forward and
     backward together): none (and 0) without tensor parallelism."""
-    tp = trace.tp_size
-    if tp <= 1:
+    tp = trace_tp_group(trace)
+    if not tp.is_tp:
         return (), (), 0.0
     fwd = tuple(collectives_s(b.tp_fwd, micro_batch, profile, tp) for b in t.blocks)
     bwd = tuple(collectives_s(b.tp_bwd, micro_batch, profile, tp) for b in t.blocks)
@@ -56,12 +63,12 @@ def block_tp_s(t: CostTables, trace: ModelTrace, micro_batch: int, profile: Hard
 
 def subtree_tp_s(trace: ModelTrace, fqn: str | None, micro_batch: int, profile: HardwareProfile) -> tuple[float, float]:
     """Forward and backward tensor-parallel seconds of ``fqn``'s subtree (the loss's for None, all forward)."""
+    tp = trace_tp_group(trace)
     if fqn is None:
         return collectives_s(tuple((c.kind, c.full_bytes) for c in trace.loss_tp_collectives), micro_batch,
-                             profile, trace.tp_size), 0.0
+                             profile, tp), 0.0
     fwd, bwd = tp_collectives_of(trace.subtree(fqn))
-    return (collectives_s(fwd, micro_batch, profile, trace.tp_size),
-            collectives_s(bwd, micro_batch, profile, trace.tp_size))
+    return collectives_s(fwd, micro_batch, profile, tp), collectives_s(bwd, micro_batch, profile, tp)
 
 
 def tp_bytes_per_step(plan: Plan, trace: ModelTrace, t: CostTables, checkpointed: tuple[bool, ...]

@@ -62,7 +62,7 @@ def unit_bytes(t: CostTables, plan: Plan) -> tuple[UnitBytes, ...]:
 def query_unit_bytes(t: CostTables, q: UnitBytesQuery) -> tuple[UnitBytes, ...]:
     """The byte sizes of every unit of ``q`` (segmented as ``t``); reads only ``q``
     (cost/queries.py [Note: A memo is keyed by its function's query])."""
-    return tuple(unit_bytes_of(p, u.reshard_after_forward, q.shard, q.param_dtype, q.reduce_dtype)
+    return tuple(unit_bytes_of(p, u.reshard_after_forward, q.shard_group_size, q.param_dtype, q.reduce_dtype)
                  for p, u in zip(t.unit_params, q.units))
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from shard_planner.cost.collectives import all_gather_time_s, reduce_scatter_time_s, replica_all_reduce_time_s
 from shard_planner.cost.reshard import Reshard, ReshardAfterForward
+from shard_planner.mesh import Mesh
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,27 +64,26 @@ class UnitCollectives:
         return self.reduce_scatter_s + self.replica_all_reduce_s + self.copy_back_s
 
 
-def unit_collectives(profile, reshard: ReshardAfterForward, shard_group_size: int, replicate_group_size: int,
-                     all_gather_bytes: float, reduce_scatter_bytes: float, host_copy_in_bytes: float = 0.0,
-                     host_copy_back_bytes: float = 0.0, tp: int = 1) -> UnitCollectives:
+def unit_collectives(profile, reshard: ReshardAfterForward, mesh: Mesh, all_gather_bytes: float,
+                     reduce_scatter_bytes: float, host_copy_in_bytes: float = 0.0,
+                     host_copy_back_bytes: float = 0.0) -> UnitCollectives:
     """The collectives of one unit that all-gathers ``all_gather_bytes`` (the unsharded size) and
-    reduce-scatters ``reduce_scatter_bytes`` (the full input) with ``reshard`` after forward; under CPU
-    offload it copies ``host_copy_in_bytes`` in before each all-gather from the sharded state and
-    ``host_copy_back_bytes`` back (0: no offload); its groups' ranks are ``tp`` apart (the mesh's tp degree). [Note: The per-unit collective rule and its byte inputs]"""
-    ag_fwd = all_gather_time_s(profile, all_gather_bytes, shard_group_size, tp)
+    reduce-scatters ``reduce_scatter_bytes`` (the full input) with ``reshard`` after forward over the groups
+    of the layout ``mesh``; under CPU offload it copies ``host_copy_in_bytes`` in before each all-gather from
+    the sharded state and ``host_copy_back_bytes`` back (0: no offload). [Note: The per-unit collective rule and its byte inputs]"""
+    ag_fwd = all_gather_time_s(profile, all_gather_bytes, mesh)
     if reshard.kind is Reshard.ALWAYS:  # from the sharded state again, over the shard group
         ag_bwd = ag_fwd
     elif reshard.kind is Reshard.NEVER:
         ag_bwd = 0.0
     else:  # from the 1/r post-forward shards, over the r ranks of its node (cost/reshard.py)
-        ag_bwd = all_gather_time_s(profile, all_gather_bytes, reshard.group_size, tp)
+        ag_bwd = all_gather_time_s(profile, all_gather_bytes, mesh, reshard.group_size)
     h2d = profile.host_to_device_bytes_per_s
     copy_in = host_copy_in_bytes / h2d if host_copy_in_bytes else 0.0
     return UnitCollectives(
         all_gather_fwd_s=ag_fwd, all_gather_bwd_s=ag_bwd,
-        reduce_scatter_s=reduce_scatter_time_s(profile, reduce_scatter_bytes, shard_group_size, tp=tp),
-        replica_all_reduce_s=replica_all_reduce_time_s(profile, reduce_scatter_bytes, shard_group_size,
-                                                       replicate_group_size, tp),
+        reduce_scatter_s=reduce_scatter_time_s(profile, reduce_scatter_bytes, mesh),
+        replica_all_reduce_s=replica_all_reduce_time_s(profile, reduce_scatter_bytes, mesh),
         copy_in_fwd_s=copy_in, copy_in_bwd_s=copy_in if reshard.kind is Reshard.ALWAYS else 0.0,
         copy_back_s=host_copy_back_bytes / h2d if host_copy_back_bytes else 0.0,
     )

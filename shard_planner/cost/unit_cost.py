@@ -71,8 +71,8 @@ def unit_cost(params: UnitParams, reshard_after_forward: bool | int | None, sett
     x = unit_bytes_rules.unit_bytes_of(params, reshard_after_forward, n, setting.param_dtype, setting.reduce_dtype)
     offload = setting.cpu_offload
     coll = collective_rules.unit_collectives(
-        profile, ReshardAfterForward.of(reshard_after_forward, n), n, mesh.replicate_group_size, x.unsharded,
-        x.rs_input, x.sharded if offload else 0.0, x.sharded_grad if offload else 0.0, mesh.tp_size)
+        profile, ReshardAfterForward.of(reshard_after_forward, n), mesh, x.unsharded,
+        x.rs_input, x.sharded if offload else 0.0, x.sharded_grad if offload else 0.0)
     bw = copy_bandwidth_bytes_per_s(profile)
     copy_out, copy_in = copies_s(x.unsharded, x.rs_input, bw) if bw > 0.0 else (0.0, 0.0)
     return UnitCost(bytes=x, collectives=coll, copy_out_s=copy_out, copy_in_s=copy_in,

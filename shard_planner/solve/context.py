@@ -126,6 +126,10 @@ class PlanContext:
         self.max_group_size = request.max_group_size
         self.allow_offload = request.allow_offload and self.profile.device != "cpu"
         self.cost_model = CostModel(trace, request.profile)
+        # the layouts searched: plain FSDP over every tp group (the trace's degree: ModelTrace.tp_size), and
+        # HSDP with one node per shard group when there are several nodes
+        hsdp = Mesh.per_node_hsdp(self.cluster.gpus, self.cluster.gpus_per_node, trace.tp_size)
+        self.layouts = (Mesh.fsdp(self.cluster.gpus, trace.tp_size), *([hsdp] if hsdp is not None else []))
         refusal = checkpointing_refusal(trace.model_path, trace.forward_cache)
         if refusal is not None:  # the search space offers none (space.checkpointing_allowed)
             logger.warning("planning without activation checkpointing: %s", refusal)

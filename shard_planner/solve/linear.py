@@ -432,9 +432,9 @@ def _exposed_comm_s(c: Candidate, parts: tuple[UnitCost, ...], whole: UnitCost, 
     per_unit = [p.collectives for p in parts]
     ar = sum(u.replica_all_reduce_s for u in per_unit)  # HSDP; 0 without
     if o.in_root:
-        tp = ch.setting.mesh.tp_size
-        ag_f = ring_bandwidth_s(profile, whole.bytes.unsharded, shard, tp)  # joins the root's all-gather: no extra latency
-        rs = ring_bandwidth_s(profile, whole.bytes.rs_input, shard, tp)
+        mesh = ch.setting.mesh
+        ag_f = ring_bandwidth_s(profile, whole.bytes.unsharded, mesh)  # joins the root's all-gather: no extra latency
+        rs = ring_bandwidth_s(profile, whole.bytes.rs_input, mesh)
         exposed = ag_f + rs + ar  # at the very start and the very end of the step: nothing to hide behind
     else:
         ag_f = sum(u.all_gather_fwd_s for u in per_unit)

@@ -47,7 +47,7 @@ import math
 from dataclasses import replace
 
 from shard_planner.cost.host_share import host_factors, ranks_per_host
-from shard_planner.plan import Mesh, Prefetch, SolverInfo
+from shard_planner.plan import Prefetch, SolverInfo
 from shard_planner.solve import alternatives, cpsat, simpler
 from shard_planner.solve.accumulation import (
     NO_ACCUMULATION, Accumulation, accumulation_options, resolve_global_batch, split_global_batch,
@@ -162,7 +162,7 @@ def screen_degree(trace: ModelTrace, request: PlanRequest) -> Checked | None:
     ctx = PlanContext(trace, request)
     try:
         fitting: list[Checked] = []
-        mesh = _meshes(ctx.cluster.gpus, ctx.cluster.gpus_per_node, trace.tp_size)[0]
+        mesh = ctx.layouts[0]
         for mb, accumulations in _batches(ctx):
             choice = GlobalChoice(mb, PREFETCH_CHOICES[0], mesh, False, accumulations[0])
             lm = ctx.linear(choice)
@@ -199,7 +199,7 @@ def _search(ctx: PlanContext) -> list[Checked]:
     for offload in (False, True) if ctx.allow_offload else (False,):
         for mb, accumulations in batches:
             choices = [GlobalChoice(mb, pf, mesh, offload, acc) for acc in accumulations
-                       for mesh in _meshes(ctx.cluster.gpus, ctx.cluster.gpus_per_node, ctx.trace.tp_size)
+                       for mesh in ctx.layouts
                        for pf in PREFETCH_CHOICES]
             with ctx.clock.stage("screen"):
                 kept = _screen(ctx, choices)
@@ -241,8 +241,8 @@ def _batches(ctx: PlanContext) -> list[tuple[int, list[Accumulation]]]:
     if batch is None:
         mbs = [request.micro_batch or 1] if not request.search_batch else _batch_ladder()
         return [(mb, [NO_ACCUMULATION]) for mb in mbs]
-    dp_ranks = ctx.cluster.gpus // ctx.trace.tp_size  # a tp group shares one micro-batch (mesh.dp_size)
-    pairs = split_global_batch(batch, dp_ranks, request.micro_batch, ctx.trace.tokens_per_sample)
+    # a tp group shares one micro-batch: every layout searched has the same data-parallel ranks
+    pairs = split_global_batch(batch, ctx.layouts[0].dp_size, request.micro_batch, ctx.trace.tokens_per_sample)
     return [(mb, accumulation_options(steps)) for mb, steps in pairs]
 
 
@@ -284,15 +284,6 @@ def _polished(ctx: PlanContext, chosen: Checked, status: str) -> tuple[Checked, 
 
 def _batch_ladder() -> list[int]:
     return [2**k for k in range(int(math.log2(MAX_SEARCH_BATCH)) + 1)]
-
-
-def _meshes(gpus: int, gpus_per_node: int, tp: int = 1) -> list[Mesh]:
-    """Plain FSDP over every GPU's tp group (``tp`` adjacent GPUs: the trace's degree); and HSDP with one
-    node per shard group when there are several nodes."""
-    meshes = [Mesh(shard=gpus // tp, tp=tp)]
-    if gpus > gpus_per_node and gpus % gpus_per_node == 0:
-        meshes.append(Mesh(shard=gpus_per_node // tp, replicate=gpus // gpus_per_node, tp=tp))
-    return meshes
 
 
 def _screen(ctx: PlanContext, choices: list[GlobalChoice]) -> list[GlobalChoice]:
@@ -410,7 +401,7 @@ def _smallest_peak(ctx: PlanContext, micro_batch: int, accumulation: Accumulatio
     with the hand-written baselines at the same choices (the linear model is an approximation, so
     another plan may have the smallest simulated peak)."""
     out: list[Checked] = []
-    for mesh in _meshes(ctx.cluster.gpus, ctx.cluster.gpus_per_node, ctx.trace.tp_size):
+    for mesh in ctx.layouts:
         for offload in ((False, True) if ctx.allow_offload else (False,)):
             for pf in PREFETCH_CHOICES[:1]:  # deeper prefetch only adds memory
                 choice = GlobalChoice(micro_batch, pf, mesh, offload, accumulation)

@@ -256,7 +256,9 @@ class ModelTrace:
     forward_cache: str | None = None
     # The tensor-parallel degree and styles the trace is one rank of (trace/tp_local.py), and the loss's
     # collectives (loss parallelism's all-reduces). 1, None and none: no tensor parallelism, as traces
-    # written before them; their JSON then has none of these keys.
+    # written before them; their JSON then has none of these keys. The degree is a fact of the numbers (as
+    # compute_dtype): the plan's layout (mesh.py Mesh.tp) is derived from it by the planner
+    # (solve/context.py PlanContext.layouts) and checked equal to it where both meet (cost/api.py, report).
     tp_size: int = 1
     tensor_parallel: TensorParallel | None = None
     loss_tp_collectives: tuple[TPCollective, ...] = ()

@@ -19,6 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from shard_planner.errors import UserError
+from shard_planner.mesh import degree_divides
 from shard_planner.profile import HardwareProfile, load_profile
 from shard_planner.timings import load_timings
 from shard_planner.tp_degrees import check_node_degree
@@ -121,7 +122,7 @@ def check_degree(tp: int, *, gpus: int, gpus_per_node: int, world_size: int | No
     if tp < 1:
         raise UserError(f"--tp must be a positive integer, got {tp}")
     check_node_degree(tp, gpus, gpus_per_node)
-    if world_size is not None and world_size % tp:
+    if world_size is not None and not degree_divides(tp, world_size):
         raise UserError(f"--tp {tp} must divide --world-size ({world_size}): every run keeps the plan's "
                         "tensor-parallel degree")
 

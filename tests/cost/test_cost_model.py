@@ -9,7 +9,9 @@ import pytest
 from tests.models import cost_mlp  # noqa: E402
 
 from shard_planner.cost import estimate, model_state_bytes, simulate_memory, simulate_time  # noqa: E402
-from shard_planner.cost.collectives import all_gather_time_s, reduce_scatter_time_s, ring_time_s  # noqa: E402
+from shard_planner.cost.collectives import (  # noqa: E402
+    all_gather_time_s, reduce_scatter_time_s, replica_all_reduce_time_s, ring_time_s,
+)
 from shard_planner.errors import PlanError  # noqa: E402
 from shard_planner.plan import (  # noqa: E402
     MEMORY_CATEGORIES, Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit,
@@ -227,10 +229,11 @@ def test_ring_formula():
 
 def test_inter_node_and_hsdp_cost_more(h100):
     nbytes = 2e9
-    assert all_gather_time_s(h100, nbytes, 16) > all_gather_time_s(h100, nbytes, 8)
+    assert all_gather_time_s(h100, nbytes, Mesh(16)) > all_gather_time_s(h100, nbytes, Mesh(8))
     # HSDP: reduce-scatter in the shard group, then an all-reduce of 1/shard across replicas
-    plain = reduce_scatter_time_s(h100, nbytes, 8)
-    hsdp = reduce_scatter_time_s(h100, nbytes, 8, replicate=4)
+    plain = reduce_scatter_time_s(h100, nbytes, Mesh(8))
+    hsdp = reduce_scatter_time_s(h100, nbytes, Mesh(8, replicate=4)) + replica_all_reduce_time_s(
+        h100, nbytes, Mesh(8, replicate=4))
     ic = h100.interconnect
     assert hsdp - plain == pytest.approx(2 * ring_time_s(nbytes / 8, 4, ic.inter_node_latency_s, ic.inter_node_busbw_bytes_per_s))
 

@@ -39,9 +39,9 @@ def h100():
 def test_tp_collective_time_is_the_ring_over_the_node(h100):
     ic = h100.interconnect
     one = ring_time_s(ACT, 4, ic.intra_node_latency_s, ic.intra_node_busbw_bytes_per_s, ic.intra_node_busbw_half_bytes)
-    assert tp_collective_time_s(h100, ALL_GATHER, ACT, 4) == pytest.approx(one)
-    assert tp_collective_time_s(h100, "all_reduce", ACT, 4) == pytest.approx(2 * one)
-    assert tp_collective_time_s(h100, ALL_GATHER, ACT, 1) == 0.0
+    assert tp_collective_time_s(h100, ALL_GATHER, ACT, Mesh.tp_group(4)) == pytest.approx(one)
+    assert tp_collective_time_s(h100, "all_reduce", ACT, Mesh.tp_group(4)) == pytest.approx(2 * one)
+    assert tp_collective_time_s(h100, ALL_GATHER, ACT, Mesh.tp_group(1)) == 0.0
 
 
 @pytest.mark.parametrize("profile_name", ["h100-80gb", "cpu-gloo"])
@@ -56,7 +56,7 @@ def test_tp_collectives_add_their_ring_time_on_the_critical_path(profile_name, c
     plan = tp_plan(trace, tp, mb=2, ckpt=ckpt)
     with_tp, without = CostModel(trace, h100).time(plan), CostModel(silent, h100).time(plan)
     ranks_see = CostModel(trace, h100).for_world(plan.mesh.world_size).profile  # CPU ranks share the host's cores
-    one = tp_collective_time_s(ranks_see, ALL_GATHER, 2 * ACT, tp)  # AG and RS cost the same
+    one = tp_collective_time_s(ranks_see, ALL_GATHER, 2 * ACT, plan.mesh)  # AG and RS cost the same
     per_block = 4 * one  # attention and MLP: AG + RS forward each
     blocks_fwd = LAYERS * per_block + 2 * one  # embedding RS, head AG
     expected = blocks_fwd + LAYERS * per_block + len(ckpt) * per_block  # backward, recomputation

@@ -8,6 +8,7 @@ from dataclasses import replace
 from shard_planner.cli.run import _print_comm
 from shard_planner.comm import FSDP, TP, GroupCollectiveBytes
 from shard_planner.measurement import Measurement, RankMemory
+from shard_planner.mesh import Mesh
 
 AG = GroupCollectiveBytes(TP, "tp", "all_gather", 2, 10, 10 * 4096)
 RS = GroupCollectiveBytes(TP, "tp", "reduce_scatter", 2, 10, 10 * 4096)
@@ -57,3 +58,10 @@ def test_run_prints_predicted_beside_measured(capsys):
     assert "11 calls, 40.00 KiB" in out and "differ from the prediction" in out
     _print_comm(measured(AG, RS))
     assert "no prediction" in capsys.readouterr().out
+
+
+def test_the_measurement_reads_its_layout_back():
+    """A measurement records the layout its run ran with as mesh_* fields; Measurement.mesh is that layout,
+    whose sizes ``run`` prints (the data-parallel ranks: 4 ranks / tp 2)."""
+    m = measured(AG, RS)
+    assert m.mesh == Mesh(shard=2, tp=2) and m.mesh.dp_size == 2 and m.mesh.world_size == m.world_size

@@ -78,14 +78,14 @@ def autotp_local_info(plan: Plan, info: ModelInfo) -> ModelInfo:
     tensors, so its sizes (report/export/deepspeed.py ``derive_zero3``) are counted on them."""
     if plan.tensor_parallel is None:
         return info
-    tp, split = plan.mesh.tp_size, _split_by_autotp(plan)
+    mesh, split = plan.mesh, _split_by_autotp(plan)
 
     def local(m):
         if m.fqn not in split or not m.param_count:
             return m
         if m.param_numels is None:
-            return replace(m, param_count=m.param_count // tp)
-        weight = m.param_numels[0] // tp
+            return replace(m, param_count=mesh.tp_share(m.param_count))
+        weight = mesh.tp_share(m.param_numels[0])
         return replace(m, param_count=m.param_count - m.param_numels[0] + weight,
                        param_numels=(weight, *m.param_numels[1:]))
 
