@@ -361,9 +361,10 @@ class _MemoryWalk:
 
     def loss(self, ev) -> None:
         self.record("loss forward+backward", "", Phase.BACKWARD, extra_temp=self.trace.loss_peak_rise_bytes.at(self.b))
-        self.saved_sum, self.held_sum = self.saved_sum - self.held_sum, 0.0  # the output is dropped
+        self.saved_sum -= self.held_sum  # the output is dropped, and what it held with it
+        self.activation_level -= self.held_sum
+        self.held_sum = 0.0
         self.flow = self.acts.output[-1] if self.acts.output else 0.0
-        self.activation_level = self.batch_bytes + self.saved_sum + self.flow
 
     # ---- backward ----
     def enter_backward_block(self, i: int) -> None:
