@@ -50,7 +50,7 @@ class _Template:
     calls: tuple
     attention: tuple
     ticks: int
-    outputs: tuple  # None, or (shape, stride, dtype, device) per element; see _layout
+    outputs: tuple  # per element of the output: None, or its (shape, stride, dtype, device)
     is_sequence: type | None  # tuple or list when the output was one, else None (a tensor)
     module_ids: frozenset[int]
     param_ids: frozenset[int]
