@@ -75,6 +75,18 @@ def degree_styles(model_file, degrees: list[int], *, sequence_parallel: bool, lo
     (the styles cannot be derived; a dimension the degree does not divide); the model built without memory, as
     the tracer builds it (trace/build.py). ``seq_len``: the sequence length sequence parallelism splits (None:
     not checked here: :meth:`DegreeStyles.with_sequence`)."""
+    from shard_planner.trace.dynamo_deferred import dynamo_deferred
+
+    wanted = [t for t in degrees if t > 1]
+    if not wanted:
+        return DegreeStyles()
+    with dynamo_deferred():  # [Note: torch._dynamo during a trace]: this forward needs it no more than a trace
+        return _styles_of(model_file, wanted, sequence_parallel, loss_parallel, seq_len)
+
+
+def _styles_of(model_file, wanted: list[int], sequence_parallel: bool, loss_parallel: bool,
+               seq_len: int | None) -> DegreeStyles:
+    """:func:`degree_styles` of ``wanted`` (each above 1)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from shard_planner.hf import is_transformers_model, tp_plan
@@ -82,9 +94,6 @@ def degree_styles(model_file, degrees: list[int], *, sequence_parallel: bool, lo
     from shard_planner.trace.build import build_fake
     from shard_planner.trace.hf_paths import real_run_paths
 
-    wanted = [t for t in degrees if t > 1]
-    if not wanted:
-        return DegreeStyles()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     model = build_fake(model_file, fake_mode)  # as the tracer builds it: no memory, transformers' paths too
     hf_plan = tp_plan(model)
@@ -98,7 +107,9 @@ def degree_styles(model_file, degrees: list[int], *, sequence_parallel: bool, lo
         if is_transformers and hf_plan is None:
             raise UserError(f"transformers has no tensor-parallel plan for {type(model).__name__}")
         with real_run_paths(model_file, 1):  # trace/hf_paths.py [Note: transformers under fake tensors]
-            tp = derive_tensor_parallel(model, model_file.batch(1)[0], sequence_parallel=sequence_parallel,
+            with fake_mode:  # as a trace makes it (trace/tracer.py _trace_batch): no real tensor to convert
+                inputs, _targets = model_file.batch(1)
+            tp = derive_tensor_parallel(model, inputs, sequence_parallel=sequence_parallel,
                                         loss_parallel=loss_parallel, hf_tp_plan=hf_plan, fake_mode=fake_mode)
     except UserError as e:
         why = first_line(e)

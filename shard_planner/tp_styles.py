@@ -6,7 +6,9 @@
 
 ``inputs`` are a batch's inputs (a tuple, passed positionally, or a dict of keyword inputs, as
 ``ModelFile.batch`` gives them); one forward runs on them under FakeTensorMode (or on the meta device
-for a meta model), with hooks recording how each module is called: no real compute, no weights read.
+for a meta model), with hooks recording how each module is called: no real compute, no weights read (a
+repeated block's records are copied from its first twin's: tp_call_twins.py [Note: Twin blocks in the styles'
+forward]).
 The styles are those of shard_planner/tensor_parallel.py [Note: The tensor-parallel styles].
 
 [Note: What tensor parallelism recognises]
@@ -148,11 +150,14 @@ def derive_tensor_parallel(model: nn.Module, inputs, *, sequence_parallel: bool 
     return TensorParallel(styles=ordered, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
 
 
-def trace_calls(model: nn.Module, inputs, fake_mode=None) -> CallTrace:
+def trace_calls(model: nn.Module, inputs, fake_mode=None, reuse: bool = True) -> CallTrace:
     """Run one forward of ``model`` on ``inputs`` without real compute (FakeTensorMode: ``fake_mode``, the one
     the model was built in, or a new one; the meta device for a model on it), recording every module's first
-    call and every SDPA call's innermost module."""
+    call and every SDPA call's innermost module; a repeated block's records copied from its first twin's
+    (``reuse=False``: every block run; tp_call_twins.py [Note: Twin blocks in the styles' forward])."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from shard_planner.tp_call_twins import call_twins
 
     trace = CallTrace()
     on_meta = any(p.device.type == "meta" for p in model.parameters())
@@ -165,6 +170,7 @@ def trace_calls(model: nn.Module, inputs, fake_mode=None) -> CallTrace:
         stack.enter_context(torch.no_grad())
         stack.enter_context(nullcontext() if on_meta else fake_mode or FakeTensorMode(allow_non_fake_inputs=True))
         stack.enter_context(_AttentionRecorder(trace))
+        stack.enter_context(call_twins(model, trace) if reuse else nullcontext())
         try:
             model(**inputs) if isinstance(inputs, dict) else model(*inputs)
         except Exception as exc:

@@ -9,7 +9,8 @@ each traced and screened in a helper process, then one search over them (solve/t
   The degree search is CPU work in pieces that do not wait on each other, and the tracing has to be done
   in the helper processes (cli/background.py: this process never imports torch). The command forks a
   second helper beside the one that traces degree 1; the second derives the styles (tp_degrees.py, a
-  forward of the model built without memory: 1.5 s on Llama 3 70B) while the first traces and this process
+  forward of the model built without memory, each repeated block recorded from its first: tp_call_twins.py;
+  about 1.2 CPU-s on Llama 3 70B besides that helper's torch import) while the first traces and this process
   imports the planner, where this process would otherwise wait. Then the second traces the first degree
   above 1 and traces and screens (tp_search.screen) the last, the first helper traces those between (0.6-0.8
   s each at 70B), and this process screens degree 1 and each of the others as it comes (0.6-0.9 s each):

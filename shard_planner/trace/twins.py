@@ -208,7 +208,7 @@ class Twins:
         """What a twin must share with its template; None for a module that is never reused."""
         f = self.facts
         if f.hashes.get(fqn) in f.twin_hashes and fqn != "" and fqn not in f.leaves:
-            return (f.hashes[fqn], f.attr_sigs[fqn], _signature(leaves, spec))
+            return (f.hashes[fqn], f.attr_sigs[fqn], input_signature(leaves, spec))
         return None
 
     def template_for(self, key: tuple | None, fqn: str, grad_input_sids) -> Call | None:
@@ -343,7 +343,10 @@ def run_twin(log: StorageLog, saves: SavedTensors, call: Call, info: TwinInfo, p
     return tree_unflatten(leaves, info.out_spec)
 
 
-def _signature(leaves, spec) -> tuple:
+def input_signature(leaves, spec) -> tuple:
+    """What a call's inputs (``leaves, spec = tree_flatten((args, kwargs))``) must share with its template's: their
+    structure, the grad mode, each tensor's shape, stride, dtype, requires_grad and device type, each other value
+    (or its repr when it has no hash)."""
     sig = [str(spec), torch.is_grad_enabled()]
     for x in leaves:
         if isinstance(x, torch.Tensor):

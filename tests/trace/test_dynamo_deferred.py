@@ -65,3 +65,28 @@ def test_a_trace_imports_the_compiler_only_if_needed_and_equals_one_with_it(mode
 
 def test_a_trace_that_needs_the_compiler_gets_the_real_package():
     assert _run(NEEDS_REAL) == {"imported": True, "kept": True, "attribute": True}
+
+
+STYLES_TWICE = r"""
+import json, sys, torch
+from shard_planner.modelfile import load_model_file
+from shard_planner.tp_degrees import degree_styles
+
+def styles():
+    found = degree_styles(load_model_file(sys.argv[1]), [1, 2, 4], sequence_parallel=True, loss_parallel=True)
+    return repr(sorted((t, sorted(tp.styles.items())) for t, tp in found.styles.items())), repr(found.refused)
+
+assert "torch._dynamo" not in sys.modules
+first = styles()
+deferred = not any(m == "torch._dynamo" or m.startswith("torch._dynamo.") for m in sys.modules)
+import torch._dynamo  # the real package, after the derivation
+second = styles()
+print(json.dumps({"deferred": deferred, "same": first == second, "styles": "colwise" in first[0]}))
+"""
+
+
+def test_deriving_the_tensor_parallel_styles_defers_the_compiler_too():
+    """tp_degrees.degree_styles runs one forward as a trace does (its batch made under the FakeTensorMode), so
+    it imports no torch._dynamo either (the helper that derives the styles: cli/plan_degrees.py), and finds the
+    same styles as with the real package."""
+    assert _run(STYLES_TWICE, str(EXAMPLES / "llama.py")) == {"deferred": True, "same": True, "styles": True}
