@@ -38,6 +38,7 @@ is at most the node's GPUs).
 from __future__ import annotations
 
 from shard_planner.comm import ALL_REDUCE
+from shard_planner.cost import fsdp2_rules  # called through the module: a test changes a rule, every caller follows
 from shard_planner.mesh import group_spans_nodes
 from shard_planner.profile import HardwareProfile
 
@@ -103,7 +104,7 @@ def replica_all_reduce_time_s(profile: HardwareProfile, nbytes: float, shard_siz
         return 0.0
     lat, bw, half = _link(profile, replicate_group_spans_nodes(profile, shard_size, replicate, tp))
     # nccl-tests all-reduce busbw = 2 (p-1)/p x n / t: two ring passes over the same message size n
-    return 2 * ring_time_s(nbytes / shard_size, replicate, lat, bw, half)
+    return 2 * ring_time_s(fsdp2_rules.shard_bytes(nbytes, shard_size), replicate, lat, bw, half)
 
 
 def reduce_scatter_time_s(profile: HardwareProfile, nbytes: float, shard_size: int, replicate: int = 1,

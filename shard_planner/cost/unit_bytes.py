@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shard_planner.cost import fsdp2_rules  # called through the module: a test changes a rule, every caller follows
 from shard_planner.cost.queries import UnitBytesQuery
 from shard_planner.cost.reshard import ReshardAfterForward
 from shard_planner.cost.tables import CostTables
@@ -39,12 +40,6 @@ class UnitBytes:
     last_grad: float  # the gradient autograd produces last for the unit ([Note: Reduce-scatter buffers])
     mp: bool  # mixed precision applies (some floating parameter's dtype differs from the param dtype)
     unsharded_grads: float  # every unsharded gradient of its trainable parameters, in the param dtype
-
-
-def reduce_scatter_output_bytes(rs_input_bytes: float, shard_group_size: int) -> float:
-    """The 1/N output of a reduce-scatter of ``rs_input_bytes`` (cost/memory.py [Note: Reduce-scatter
-    buffers]); the memory walk reads it from :class:`UnitBytes`, the solver's linear model from here."""
-    return rs_input_bytes / shard_group_size
 
 
 def reduce_scatter_backend_temp_bytes(rs_input_bytes: float, profile: HardwareProfile) -> float:
@@ -80,16 +75,17 @@ def unit_bytes_of(p: UnitParams, reshard_after_forward: bool | int | None, shard
     # all-gather and the parameters for all of them (cost/unit_params.py [Note: Frozen parameters in a unit]).
     # reduce_dtype equal to param_dtype means "no cast" (FSDPParam.init_dtype_attrs): same bytes.
     rs_input = p.trainable_float_numel * rs_elem
-    rs_output = reduce_scatter_output_bytes(rs_input, n)
-    sharded_grad = p.trainable_float_built_bytes / n
+    rs_output = fsdp2_rules.shard_bytes(rs_input, n)  # its 1/N output (cost/fsdp2_rules.py)
+    sharded_grad = fsdp2_rules.shard_bytes(p.trainable_float_built_bytes, n)
     r = ReshardAfterForward.of(reshard_after_forward, n)
     # 0-d parameters are replicated, not sharded: whole on every rank, with their whole gradient (in the
     # built dtype, all-reduced) and so their whole optimizer states; never gathered or reduce-scattered.
     # See [Note: 0-d parameters] in execute/apply.py.
     return UnitBytes(
-        sharded=(p.float_built_bytes + p.other_bytes) / n + p.replicated_bytes, unsharded=unsharded,
-        all_gather_output=unsharded, rs_input=rs_input, rs_output=rs_output,
-        sharded_grad=sharded_grad + p.replicated_float_bytes, cast_input=unsharded / n if mp else 0.0,
+        sharded=fsdp2_rules.shard_bytes(p.float_built_bytes + p.other_bytes, n) + p.replicated_bytes,
+        unsharded=unsharded, all_gather_output=unsharded, rs_input=rs_input, rs_output=rs_output,
+        sharded_grad=sharded_grad + p.replicated_float_bytes,
+        cast_input=fsdp2_rules.shard_bytes(unsharded, n) if mp else 0.0,
         post_forward=r.clone_bytes(unsharded), reshard=r.reshards,
         grad_cast=rs_output != sharded_grad,  # reduce dtype differs from built: cast after
         last_grad=p.first_float_numel * pd_elem, mp=mp, unsharded_grads=p.trainable_float_numel * pd_elem,
