@@ -86,7 +86,7 @@ from shard_planner.checkpointing import is_selective
 from shard_planner.cost.model import CostModel
 from shard_planner.cost.queries import UnitSetting
 from shard_planner.cost import fsdp2_rules  # called through the module: a test changes a rule, every caller follows
-from shard_planner.cost.reshard import Reshard, ReshardAfterForward
+from shard_planner.cost.reshard import ReshardAfterForward
 from shard_planner.cost import optimizer as optimizer_rules
 from shard_planner.cost.tables import largest_module_float_bytes
 from shard_planner.cost.unit_bytes import UnitBytes, reduce_scatter_backend_temp_bytes
@@ -462,8 +462,8 @@ def _exposed_comm_s(c: Candidate, parts: tuple[UnitCost, ...], whole: UnitCost, 
             exposed = max(0.0, ag_f - d_f * fwd_s) + max(0.0, ag_b + rs + ar - d_b * bwd_s)
         # Tie-break: among covers the model finds equally fast, prefer fewer collectives (each costs a
         # launch and a synchronisation that the ring model does not see; FSDP paper §3.2: finer units
-        # cost throughput through more, smaller collectives).
-        exposed += TIE_BREAK_S_PER_COLLECTIVE * len(parts) * (3 if r.kind is Reshard.ALWAYS else 2)
+        # cost throughput through more, smaller collectives): per unit, its reshard policy's (cost/fsdp2_rules.py).
+        exposed += TIE_BREAK_S_PER_COLLECTIVE * len(parts) * len(fsdp2_rules.unit_collectives_of(r, shard))
     return exposed
 
 

@@ -15,6 +15,8 @@ from shard_planner.cost import optimizer as optimizer_rules
 from shard_planner.cost.unit_cost import unit_bytes_rules
 from shard_planner.cost import unit_collectives as collective_rules
 from shard_planner.plan import Cluster, Mesh, Prefetch, Training
+from shard_planner.solve import linear
+from shard_planner.solve.candidate_costs import candidate_costs
 from shard_planner.solve.linear import MIB, US_PER_S, GlobalChoice, build_linear_model, evaluate
 from shard_planner.solve.simulate import cover_units, make_plan
 from shard_planner.solve.space import build_space
@@ -261,3 +263,29 @@ def test_reshard_collectives_rule_moves_both(setup, monkeypatch):
     assert evaluate(lm2, cover).time_us < evaluate(lm, cover).time_us
     assert est2.memory == est.memory
 
+
+@pytest.mark.parametrize("reshard,collectives", [(True, 3), (8, 3), (False, 2)])
+def test_tie_break_counts_each_policys_collectives(setup, reshard, collectives):
+    """The linear model's tie-break (1 µs per collective) counts the collectives FSDP2 issues per unit:
+    forward all-gather, reduce-scatter and, for True and an int r alike, the backward all-gather
+    (cost/fsdp2_rules.py [Note: The collectives of each reshard policy]). Before issue 37 it gave an int r
+    two. 16 ranks on nodes of 8: the space offers True, False and 8 (solve/space.py ``reshard_choices``)."""
+    profile, training, _ = setup
+    choice = GlobalChoice(1, Prefetch(1, 1), Mesh(16, 1))
+    trace = solve_traces.stack_trace(4)
+    space = build_space(trace, shard_group=16, gpus_per_node=8, max_group_size=4)
+    costs = candidate_costs(trace, space, linear.unit_setting(choice, training), profile)
+    ch = linear._choice_terms(space, choice, costs)
+    checked = 0
+    for k, c in enumerate(space.candidates):
+        r = c.option.reshard_after_forward
+        if c.option.in_root or r != reshard or type(r) is not type(reshard):
+            continue
+        parts = costs.parts[k]
+        comm = sum(p.collectives.all_gather_fwd_s + p.collectives.all_gather_bwd_s + p.collectives.reduce_scatter_s
+                   + p.collectives.replica_all_reduce_s for p in parts)
+        # no compute to hide behind: every collective is exposed, and the tie-break on top
+        exposed = linear._exposed_comm_s(c, parts, costs.whole[k], 0.0, 0.0, ch)
+        assert exposed - comm == pytest.approx(linear.TIE_BREAK_S_PER_COLLECTIVE * len(parts) * collectives, abs=1e-12)
+        checked += 1
+    assert checked
