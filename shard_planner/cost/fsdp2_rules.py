@@ -19,6 +19,11 @@ ceil(d0 / N) rows (:func:`shard_rows`), and the all-gather output and the reduce
 parameter of shape (d0, ...) hold ceil(d0 / N) x N rows (``_get_dim0_padded_size``, _fsdp_common.py:
 ``math.ceil(tensor_size[0] / dim0_factor) * dim0_factor``): :func:`padded_numel`. The 1/N of such a
 padded flat buffer — a reduce-scatter's output, the HSDP all-reduce's message — is :func:`shard_bytes`.
+The unsharded parameters are views of the padded all-gather output (``FSDPParam.init_unsharded_param``),
+the sharded gradient a view of the padded reduce-scatter output, so rank 0 (the largest shard) holds
+ceil(dim0 / N) rows of each. cost/unit_bytes.py pads every tensor whose shape the trace recorded
+(``ModuleTrace.sharded_param_shapes``); hand-written and older traces have none and stay unpadded.
+A tensor with dim 0 of 1 (ViT's ``pos_embed``) is whole on every rank.
 
 [Note: Prefetch depth and targets]
 An explicit prefetch depth k sets, on each unit, the list of the next k units of its order
