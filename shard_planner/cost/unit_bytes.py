@@ -12,6 +12,7 @@ explained in cost/memory.py's notes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import NamedTuple
 
 from shard_planner.cost import fsdp2_rules  # called through the module: a test changes a rule, every caller follows
@@ -116,8 +117,13 @@ _NO_PADDING = _Padding()
 def _padding(p: UnitParams, n: int) -> _Padding:
     """The rows FSDP2 pads ``p``'s tensors with over ``n`` ranks (cost/fsdp2_rules.py ``padded_numel``): 0
     for a unit whose shapes the trace does not know, or none of whose dim 0 sizes leaves a remainder."""
+    return _padding_of(p.sharded_shapes, n) if p.sharded_shapes else _NO_PADDING
+
+
+@lru_cache(maxsize=4096)  # the planner asks for the same units' bytes at every choice of one mesh
+def _padding_of(sharded_shapes: tuple, n: int) -> _Padding:
     out = [0, 0, 0, 0, 0]
-    for dim0, numel, dtype, trainable in p.sharded_shapes:
+    for dim0, numel, dtype, trainable in sharded_shapes:
         extra = fsdp2_rules.padded_numel(dim0, numel, n) - numel
         if not extra:
             continue

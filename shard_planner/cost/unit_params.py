@@ -53,7 +53,8 @@ class UnitParams:
     trainable_float_numel: int = 0  # floating elements that get gradients and optimizer states
     trainable_float_built_bytes: int = 0  # their bytes as built
     # of numel_by_dtype, the tensors whose dim-0 shapes the trace knows: (dim0, numel, dtype, trainable)
-    # (trace/types.py ``ModuleTrace.sharded_param_shapes``; none in hand-written and older traces)
+    # (trace/types.py ``ModuleTrace.sharded_param_shapes``; none in hand-written and older traces), those
+    # of one (dim0, dtype, trainable) merged: their dim-0 padding is the same number of rows of each
     sharded_shapes: tuple[tuple[int, int, str, bool], ...] = ()
 
     @staticmethod
@@ -72,7 +73,8 @@ class UnitParams:
             other_bytes=sum(k * dtype_bytes(dt) for dt, k in numel_by_dtype.items() if dt not in FLOAT_DTYPES),
             float_dtypes=frozenset(dt for dt, _ in floats),
             trainable_float_numel=sum(k for _, k in trainable),
-            trainable_float_built_bytes=sum(k * dtype_bytes(dt) for dt, k in trainable), sharded_shapes=sharded_shapes)
+            trainable_float_built_bytes=sum(k * dtype_bytes(dt) for dt, k in trainable),
+            sharded_shapes=_merged(sharded_shapes))
 
     @staticmethod
     def of_modules(modules: Iterable) -> "UnitParams":
@@ -109,6 +111,14 @@ class UnitParams:
                              self.replicated_bytes + other.replicated_bytes,
                              self.replicated_float_bytes + other.replicated_float_bytes, trainable,
                              self.sharded_shapes + other.sharded_shapes)
+
+
+def _merged(shapes) -> tuple[tuple[int, int, str, bool], ...]:
+    """``shapes`` with the elements of each (dim0, dtype, trainable) summed, sorted."""
+    numel: dict[tuple[int, str, bool], int] = {}
+    for dim0, k, dtype, trainable in shapes:
+        numel[dim0, dtype, trainable] = numel.get((dim0, dtype, trainable), 0) + k
+    return tuple(sorted((dim0, k, dtype, trainable) for (dim0, dtype, trainable), k in numel.items()))
 
 
 def float_numel_of(param_bytes_by_dtype: dict[str, int]) -> int:
