@@ -37,6 +37,7 @@ inside a node when the degree is at most the node's GPUs).
 from __future__ import annotations
 
 from shard_planner.comm import ALL_REDUCE
+from shard_planner.cost import fsdp2_rules  # called through the module: a test changes a rule, every caller follows
 from shard_planner.mesh import Mesh
 from shard_planner.profile import HardwareProfile
 
@@ -91,7 +92,8 @@ def replica_all_reduce_time_s(profile: HardwareProfile, nbytes: float, mesh: Mes
         return 0.0
     lat, bw, half = _link(profile, mesh.replicate_group_spans_nodes(profile.interconnect.gpus_per_node))
     # nccl-tests all-reduce busbw = 2 (p-1)/p x n / t: two ring passes over the same message size n
-    return 2 * ring_time_s(nbytes / mesh.shard_group_size, mesh.replicate_group_size, lat, bw, half)
+    return 2 * ring_time_s(fsdp2_rules.shard_bytes(nbytes, mesh.shard_group_size), mesh.replicate_group_size, lat, bw,
+                           half)
 
 
 def reduce_scatter_time_s(profile: HardwareProfile, nbytes: float, mesh: Mesh) -> float:

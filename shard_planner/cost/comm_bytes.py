@@ -6,15 +6,15 @@ and the shapes of the parameters each unit owns. The sizes follow torch 2.13's F
 (torch/distributed/fsdp/_fully_shard/):
 
 - padding: a parameter is sharded on dim 0 with ``torch.chunk`` over the shard group of N ranks, and
-  every rank's shard is padded to the first chunk's size (``FSDPParam._init_sharded_param``:
-  ``padded_sharded_size = chunks[0].size()``), so the all-gather output and the reduce-scatter input of a
-  parameter of shape (d0, ...) hold ``ceil(d0 / N) * N * numel / d0`` elements
-  (``_get_dim0_padded_size``);
+  every rank's shard is padded to the first chunk's size, so the all-gather output and the
+  reduce-scatter input of a parameter of shape (d0, ...) hold ``ceil(d0 / N) * N * numel / d0``
+  elements (cost/fsdp2_rules.py ``padded_numel``, [Note: Dim-0 padding]);
 - all-gather (``foreach_all_gather``: one ``all_gather_single`` per unit): the unit's parameters in the
   plan's param dtype (MixedPrecisionPolicy casts floating parameters; others keep their dtype), once in
   forward and, for a unit that reshards after forward, once more in backward — over the shard group
   (True) or over the smaller group it resharded to (an int r: ``_all_gather_process_group`` is the
-  post-forward mesh's); a unit kept unsharded (False; the root's None) is not gathered again;
+  post-forward mesh's); a unit kept unsharded (False; the root's None) is not gathered again
+  (cost/fsdp2_rules.py ``unit_collectives_of``, [Note: The collectives of each reshard policy]);
 - reduce-scatter (``foreach_reduce``: one ``reduce_scatter_single`` per unit) of the unit's trainable
   floating parameters' gradients in the reduce dtype, over the shard group; none for a unit whose
   parameters are all frozen (``FSDPParamGroup.post_backward`` returns before it: docs/frozen_facts.md
@@ -42,13 +42,12 @@ that is not modelled (``run`` shows the measured bytes beside these).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from shard_planner.comm import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CollectiveBytes
 from shard_planner.cost.accumulation import micro_steps
+from shard_planner.cost import fsdp2_rules  # called through the module: a test changes a rule, every caller follows
 from shard_planner.cost.reshard import ReshardAfterForward
-from shard_planner.cost.schedule import backward_prefetch_targets
 from shard_planner.dtypes import FLOAT_DTYPES, dtype_bytes
 from shard_planner.plan import Plan
 
@@ -64,14 +63,6 @@ class ParamShape:
     trainable: bool = True
 
 
-def padded_numel(shape: ParamShape, shard_size: int) -> int:
-    """Elements of the parameter's all-gather output / reduce-scatter input: dim 0 padded to a multiple of
-    the shard group size (FSDP2's ``_get_dim0_padded_size``)."""
-    if shape.dim0 == 0:
-        return 0
-    return math.ceil(shape.dim0 / shard_size) * shard_size * (shape.numel // shape.dim0)
-
-
 def _add(totals: dict, collective: str, group_size: int, nbytes: int, times: int = 1) -> None:
     if group_size <= 1:  # nothing moves (FSDP2 skips it; a 1-rank all-reduce is not counted either)
         return
@@ -82,7 +73,7 @@ def _add(totals: dict, collective: str, group_size: int, nbytes: int, times: int
 def gathers_in_backward(plan: Plan, has_backward: tuple[bool, ...] | None) -> tuple[bool, ...]:
     """Per unit of ``plan`` (if it reshards after forward), whether it is all-gathered in backward: it
     runs a pre-backward (``has_backward``; None: every unit does), or a unit that does prefetches it —
-    the units cost/schedule.py ``backward_prefetch_targets`` names (docs/frozen_facts.md [Note: Backward
+    the units cost/fsdp2_rules.py ``backward_prefetch_targets`` names (docs/frozen_facts.md [Note: Backward
     prefetch of a group without a pre-backward])."""
     if has_backward is None:
         return (True,) * len(plan.units)
@@ -91,7 +82,7 @@ def gathers_in_backward(plan: Plan, has_backward: tuple[bool, ...] | None) -> tu
     gathered = list(has_backward)
     for k, u in enumerate(order):
         if has_backward[u]:
-            for v in backward_prefetch_targets(order, k, plan.prefetch.backward):
+            for v in fsdp2_rules.backward_prefetch_targets(order, k, plan.prefetch.backward):
                 gathered[v] = True
     return tuple(gathered)
 
@@ -119,17 +110,20 @@ def collective_bytes_per_step(plan: Plan, unit_params: tuple[tuple[ParamShape, .
         for unit, params, in_backward in zip(plan.units, unit_params, gathers_in_backward(plan, has_backward)):
             if not params:
                 continue  # no parameter group: FSDP2 issues nothing for it
-            gathered = sum(padded_numel(p, n) * (param_elem if p.dtype in FLOAT_DTYPES else dtype_bytes(p.dtype))
-                           for p in params)
-            reduced = sum(padded_numel(p, n) * reduce_elem for p in params if p.dtype in FLOAT_DTYPES and p.trainable)
-            if not step.gathered:
-                _add(totals, ALL_GATHER, n, gathered, k)  # forward
-            r = ReshardAfterForward.of(unit.reshard_after_forward, n)  # cost/reshard.py
-            if r.reshards and in_backward:  # backward, from the sharded state or the 1/r post-forward shards
-                _add(totals, ALL_GATHER, r.group_size, gathered, k)
-            if reduced and step.sync:
-                _add(totals, REDUCE_SCATTER, n, reduced, k)
-                _add(totals, ALL_REDUCE, replicas, reduced // n, k)  # HSDP: the 1/N output across the replicas
+            gathered = sum(fsdp2_rules.padded_numel(p.dim0, p.numel, n)
+                           * (param_elem if p.dtype in FLOAT_DTYPES else dtype_bytes(p.dtype)) for p in params)
+            trained = [p for p in params if p.dtype in FLOAT_DTYPES and p.trainable]
+            reduced = sum(fsdp2_rules.padded_numel(p.dim0, p.numel, n) * reduce_elem for p in trained)
+            # the forward all-gather, the backward one (over the shard group or the 1/r post-forward
+            # shards' group; none when kept) and the reduce-scatter: cost/fsdp2_rules.py
+            for c in fsdp2_rules.unit_collectives_of(ReshardAfterForward.of(unit.reshard_after_forward, n), n):
+                if c.collective == ALL_GATHER and (in_backward if c.backward else not step.gathered):
+                    _add(totals, ALL_GATHER, c.group_size, gathered, k)
+                elif c.collective == REDUCE_SCATTER and reduced and step.sync:
+                    _add(totals, REDUCE_SCATTER, c.group_size, reduced, k)
+                    # HSDP: each rank's padded 1/N output (ceil(d0 / N) rows of each) across the replicas
+                    shard = sum(fsdp2_rules.shard_numel(p.dim0, p.numel, n) * reduce_elem for p in trained)
+                    _add(totals, ALL_REDUCE, replicas, shard, k)
         for p in scalar_params:  # their hook all-reduces after every backward (execute/apply.py)
             if p.dtype in FLOAT_DTYPES and p.trainable:
                 for group_size in ((n, replicas) if replicas > 1 else (n,)):

@@ -18,6 +18,8 @@ torch 2.13's ``fully_shard(reshard_after_forward=...)`` (torch/distributed/fsdp/
 Every reader — the step's events (cost/schedule.py), the unit bytes (cost/unit_bytes.py), the
 collectives' seconds (cost/time.py) and bytes (cost/comm_bytes.py), the memory walk's process groups
 (cost/memory.py) and the solver's linear model (solve/linear.py) — asks :meth:`ReshardAfterForward.of`.
+Which collectives each meaning issues per step is cost/fsdp2_rules.py's ``unit_collectives_of`` ([Note: The
+collectives of each reshard policy]).
 """
 
 from __future__ import annotations

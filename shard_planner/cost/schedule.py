@@ -27,7 +27,8 @@ time model in cost/time.py):
   next unit's pre-forward (the memory simulator skips it; ALL_GATHER_WAIT issues what is not pending).
 - backward: the root prefetches one unit (FSDP2's default: the executor sets no list on the root);
   every other unit the next max(1, ``prefetch.backward``) in backward order (an empty list means the
-  default, one).
+  default, one). Both depths and the targets are cost/fsdp2_rules.py's ([Note: Prefetch depth and
+  targets]).
 - a unit none of whose outputs requires grad (a frozen embedding: ``CostTables.unit_backward``) has no
   pre-backward (no wait, no prefetch of its own), but the unit before it in backward order still
   prefetches it: an ALL_GATHER that no one waits for, dropped at the end of backward
@@ -50,6 +51,7 @@ import enum
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from shard_planner.cost import fsdp2_rules  # called through the module: a test changes a rule, every caller follows
 from shard_planner.cost.reshard import reshards_after_forward
 from shard_planner.cost.tables import CostTables
 from shard_planner.plan import Prefetch, Unit
@@ -105,15 +107,6 @@ class Schedule:
     prefetched_in_backward: frozenset[int] = frozenset()  # units some pre-backward prefetches
 
 
-def backward_prefetch_targets(backward_units, position: int, prefetch_backward: int) -> tuple:
-    """The units the pre-backward of ``backward_units[position]`` prefetches, ``backward_units`` in
-    pre-backward order with the root first: the root the next one (FSDP2's default: the executor sets no
-    list on it), every other unit the next max(1, ``prefetch_backward``) (execute/apply.py
-    ``_set_prefetch``). The schedule and run's byte count (cost/comm_bytes.py) both ask here."""
-    depth = 1 if position == 0 else max(1, prefetch_backward)
-    return tuple(backward_units[position + 1: position + 1 + depth])
-
-
 def build_schedule(t: CostTables, units: tuple[Unit, ...], prefetch: Prefetch) -> Schedule:
     """The event sequence of one step for ``units`` segmented as ``t`` (see the module docstring)."""
     root = next(i for i, u in enumerate(units) if u.is_root)
@@ -121,8 +114,8 @@ def build_schedule(t: CostTables, units: tuple[Unit, ...], prefetch: Prefetch) -
     fwd_units = t.forward_units
     bwd_units = (root, *reversed([u for u in fwd_units if u != root]))
     k_fwd = prefetch.forward
-    k_fwd_eff = max(1, k_fwd)
-    k_bwd = max(1, prefetch.backward)
+    k_fwd_eff = fsdp2_rules.effective_prefetch_depth(k_fwd)  # [Note: Prefetch depth and targets]
+    k_bwd = fsdp2_rules.effective_prefetch_depth(prefetch.backward)
     ckpt = tuple(bool(units[b.unit].activation_checkpoint and b.unit_module) for b in blocks)
     ev: list[Event] = []
     fpos = {u: i for i, u in enumerate(fwd_units)}
@@ -132,7 +125,7 @@ def build_schedule(t: CostTables, units: tuple[Unit, ...], prefetch: Prefetch) -
         ev.append(Event(EventKind.PRE_FORWARD, Phase.FORWARD, u, block))
         ev.append(Event(EventKind.ALL_GATHER_WAIT, Phase.FORWARD, u, block))
         i = fpos[u]
-        for j, v in enumerate(fwd_units[i + 1: i + 1 + k_fwd_eff]):
+        for j, v in enumerate(fsdp2_rules.explicit_prefetch(fwd_units, i, k_fwd_eff)):
             ev.append(Event(EventKind.ALL_GATHER, Phase.FORWARD, v, block, implicit=j >= k_fwd))
 
     def pre_backward(u: int, block: int) -> None:
@@ -140,7 +133,7 @@ def build_schedule(t: CostTables, units: tuple[Unit, ...], prefetch: Prefetch) -
             return
         ev.append(Event(EventKind.PRE_BACKWARD, Phase.BACKWARD, u, block))
         ev.append(Event(EventKind.ALL_GATHER_WAIT, Phase.BACKWARD, u, block))
-        for v in backward_prefetch_targets(bwd_units, bpos[u], prefetch.backward):
+        for v in fsdp2_rules.backward_prefetch_targets(bwd_units, bpos[u], prefetch.backward):
             ev.append(Event(EventKind.ALL_GATHER, Phase.BACKWARD, v, block))
 
     pre_forward(root, -1)

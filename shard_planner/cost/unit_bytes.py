@@ -2,20 +2,25 @@
 
 Sharded, unsharded (all-gathered), reduce-scatter input and output, the mixed-precision cast copy and
 the reshard-to-a-group clone of one unit (:func:`unit_bytes_of`), from its parameters
-(cost/unit_params.py) and the plan's mesh and dtypes; the per-unit cost query (cost/unit_cost.py) and
-the memory walk (every unit of a plan: :func:`query_unit_bytes`) ask it. The buffers themselves are
+(cost/unit_params.py) and the plan's mesh and dtypes, each tensor's dim 0 padded to a multiple of the
+shard group as FSDP2 pads it where the trace knows its shape (cost/fsdp2_rules.py [Note: Dim-0
+padding]); the per-unit cost query (cost/unit_cost.py) and the memory walk (every unit of a plan:
+:func:`query_unit_bytes`) ask it. The buffers themselves are
 explained in cost/memory.py's notes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import NamedTuple
 
+from shard_planner.cost import fsdp2_rules  # called through the module: a test changes a rule, every caller follows
 from shard_planner.cost.queries import UnitBytesQuery
 from shard_planner.cost.reshard import ReshardAfterForward
 from shard_planner.cost.tables import CostTables
 from shard_planner.cost.unit_params import UnitParams
-from shard_planner.dtypes import dtype_bytes
+from shard_planner.dtypes import FLOAT_DTYPES, dtype_bytes
 from shard_planner.plan import Plan
 from shard_planner.profile import HardwareProfile
 
@@ -24,7 +29,7 @@ from shard_planner.profile import HardwareProfile
 class UnitBytes:
     """One unit's byte sizes under one plan (bytes on one rank)."""
 
-    sharded: float  # its sharded parameters (+ non-floating ones), 1/N; its 0-d parameters whole
+    sharded: float  # its sharded parameters (+ non-floating ones), 1/N of them padded; its 0-d parameters whole
     unsharded: float  # the unsharded parameters (copied out of the all-gather output), in the param dtype
     # the flat all-gather output: the same bytes while the all-gather runs in the param dtype; another size
     # where it does not (float8 and NF4 all-gathers): its own allocation kind (cost/allocations.py)
@@ -39,12 +44,6 @@ class UnitBytes:
     last_grad: float  # the gradient autograd produces last for the unit ([Note: Reduce-scatter buffers])
     mp: bool  # mixed precision applies (some floating parameter's dtype differs from the param dtype)
     unsharded_grads: float  # every unsharded gradient of its trainable parameters, in the param dtype
-
-
-def reduce_scatter_output_bytes(rs_input_bytes: float, shard_group_size: int) -> float:
-    """The 1/N output of a reduce-scatter of ``rs_input_bytes`` (cost/memory.py [Note: Reduce-scatter
-    buffers]); the memory walk reads it from :class:`UnitBytes`, the solver's linear model from here."""
-    return rs_input_bytes / shard_group_size
 
 
 def reduce_scatter_backend_temp_bytes(rs_input_bytes: float, profile: HardwareProfile) -> float:
@@ -75,22 +74,66 @@ def unit_bytes_of(p: UnitParams, reshard_after_forward: bool | int | None, shard
     pd_elem, rs_elem = dtype_bytes(param_dtype), dtype_bytes(reduce_dtype)
     # Mixed precision applies to floating parameters whose dtype differs from param_dtype.
     mp = any(dt != param_dtype for dt in p.float_dtypes)
-    unsharded = p.float_numel * pd_elem + p.other_bytes
+    # dim 0 padded to ceil(dim0 / N) x N rows: the all-gather output (of which the unsharded parameters are
+    # views), the reduce-scatter input, and each rank's shard, ceil(dim0 / N) rows (rank 0's, the largest)
+    pad = _padding(p, n)
+    unsharded = (p.float_numel + pad.float_numel) * pd_elem + p.other_bytes + pad.other_bytes
     # Gradients, their reduce-scatter and the optimizer's states exist for trainable parameters only; the
     # all-gather and the parameters for all of them (cost/unit_params.py [Note: Frozen parameters in a unit]).
     # reduce_dtype equal to param_dtype means "no cast" (FSDPParam.init_dtype_attrs): same bytes.
-    rs_input = p.trainable_float_numel * rs_elem
-    rs_output = reduce_scatter_output_bytes(rs_input, n)
-    sharded_grad = p.trainable_float_built_bytes / n
+    rs_input = (p.trainable_float_numel + pad.trainable_float_numel) * rs_elem
+    rs_output = fsdp2_rules.shard_bytes(rs_input, n)  # its 1/N output (cost/fsdp2_rules.py)
+    sharded_grad = fsdp2_rules.shard_bytes(p.trainable_float_built_bytes + pad.trainable_float_built_bytes,
+                                           n)
     r = ReshardAfterForward.of(reshard_after_forward, n)
     # 0-d parameters are replicated, not sharded: whole on every rank, with their whole gradient (in the
     # built dtype, all-reduced) and so their whole optimizer states; never gathered or reduce-scattered.
     # See [Note: 0-d parameters] in execute/apply.py.
     return UnitBytes(
-        sharded=(p.float_built_bytes + p.other_bytes) / n + p.replicated_bytes, unsharded=unsharded,
-        all_gather_output=unsharded, rs_input=rs_input, rs_output=rs_output,
-        sharded_grad=sharded_grad + p.replicated_float_bytes, cast_input=unsharded / n if mp else 0.0,
+        sharded=fsdp2_rules.shard_bytes(p.float_built_bytes + p.other_bytes + pad.float_built_bytes
+                                        + pad.other_bytes, n) + p.replicated_bytes,
+        unsharded=unsharded, all_gather_output=unsharded, rs_input=rs_input, rs_output=rs_output,
+        sharded_grad=sharded_grad + p.replicated_float_bytes,
+        cast_input=fsdp2_rules.shard_bytes(unsharded, n) if mp else 0.0,
         post_forward=r.clone_bytes(unsharded), reshard=r.reshards,
         grad_cast=rs_output != sharded_grad,  # reduce dtype differs from built: cast after
         last_grad=p.first_float_numel * pd_elem, mp=mp, unsharded_grads=p.trainable_float_numel * pd_elem,
     )
+
+
+class _Padding(NamedTuple):
+    """What dim-0 padding adds to a unit's parameters over N ranks (all N shards together)."""
+
+    float_numel: int = 0  # floating elements (gathered in the param dtype)
+    float_built_bytes: int = 0  # their bytes as built
+    other_bytes: int = 0  # non-floating parameters' bytes
+    trainable_float_numel: int = 0  # of the floating elements, those that train
+    trainable_float_built_bytes: int = 0
+
+
+_NO_PADDING = _Padding()
+
+
+def _padding(p: UnitParams, n: int) -> _Padding:
+    """The rows FSDP2 pads ``p``'s tensors with over ``n`` ranks (cost/fsdp2_rules.py ``padded_numel``): 0
+    for a unit whose shapes the trace does not know, or none of whose dim 0 sizes leaves a remainder."""
+    return _padding_of(p.sharded_shapes, n) if p.sharded_shapes else _NO_PADDING
+
+
+@lru_cache(maxsize=4096)  # the planner asks for the same units' bytes at every choice of one mesh
+def _padding_of(sharded_shapes: tuple, n: int) -> _Padding:
+    out = [0, 0, 0, 0, 0]
+    for dim0, numel, dtype, trainable in sharded_shapes:
+        extra = fsdp2_rules.padded_numel(dim0, numel, n) - numel
+        if not extra:
+            continue
+        nbytes = extra * dtype_bytes(dtype)
+        if dtype not in FLOAT_DTYPES:
+            out[2] += nbytes
+            continue
+        out[0] += extra
+        out[1] += nbytes
+        if trainable:
+            out[3] += extra
+            out[4] += nbytes
+    return _Padding(*out) if any(out) else _NO_PADDING

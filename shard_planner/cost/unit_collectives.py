@@ -6,7 +6,8 @@ unit is written once.
 FSDP2 (torch 2.13, torch/distributed/fsdp/_fully_shard/) issues per unit: an all-gather of its
 unsharded parameters over the shard group before its forward; another before its backward when it
 resharded after forward — over the shard group (True) or over the ``r`` ranks it resharded to (an int);
-none when it kept them (False) — (cost/reshard.py, one meaning of ``reshard_after_forward``); a
+none when it kept them (False) — (cost/reshard.py, one meaning of ``reshard_after_forward``;
+cost/fsdp2_rules.py, the collectives of each: [Note: The collectives of each reshard policy]); a
 reduce-scatter of its gradients over the shard group after its backward and, under HSDP, an all-reduce
 of the 1/N output across the replicas (``foreach_reduce``). Under CPU offload the sharded parameters are
 copied host-to-device before every all-gather from the sharded state and the sharded gradients back
@@ -30,7 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shard_planner.cost.collectives import all_gather_time_s, reduce_scatter_time_s, replica_all_reduce_time_s
-from shard_planner.cost.reshard import Reshard, ReshardAfterForward
+from shard_planner.cost import fsdp2_rules  # called through the module: a test changes a rule, every caller follows
+from shard_planner.cost.reshard import ReshardAfterForward
 from shard_planner.mesh import Mesh
 
 
@@ -72,18 +74,21 @@ def unit_collectives(profile, reshard: ReshardAfterForward, mesh: Mesh, all_gath
     of the layout ``mesh``; under CPU offload it copies ``host_copy_in_bytes`` in before each all-gather from
     the sharded state and ``host_copy_back_bytes`` back (0: no offload). [Note: The per-unit collective rule and its byte inputs]"""
     ag_fwd = all_gather_time_s(profile, all_gather_bytes, mesh)
-    if reshard.kind is Reshard.ALWAYS:  # from the sharded state again, over the shard group
-        ag_bwd = ag_fwd
-    elif reshard.kind is Reshard.NEVER:
+    # which all-gather runs in backward, over which group: cost/fsdp2_rules.py [Note: The collectives of
+    # each reshard policy] (none when the unit kept its parameters)
+    bwd = fsdp2_rules.backward_all_gather(reshard, mesh.shard_group_size)
+    if bwd is None:
         ag_bwd = 0.0
+    elif bwd.group_size == mesh.shard_group_size:  # from the sharded state again, over the shard group
+        ag_bwd = ag_fwd
     else:  # from the 1/r post-forward shards, over the r ranks of its node (cost/reshard.py)
-        ag_bwd = all_gather_time_s(profile, all_gather_bytes, mesh, reshard.group_size)
+        ag_bwd = all_gather_time_s(profile, all_gather_bytes, mesh, bwd.group_size)
     h2d = profile.host_to_device_bytes_per_s
     copy_in = host_copy_in_bytes / h2d if host_copy_in_bytes else 0.0
     return UnitCollectives(
         all_gather_fwd_s=ag_fwd, all_gather_bwd_s=ag_bwd,
         reduce_scatter_s=reduce_scatter_time_s(profile, reduce_scatter_bytes, mesh),
         replica_all_reduce_s=replica_all_reduce_time_s(profile, reduce_scatter_bytes, mesh),
-        copy_in_fwd_s=copy_in, copy_in_bwd_s=copy_in if reshard.kind is Reshard.ALWAYS else 0.0,
+        copy_in_fwd_s=copy_in, copy_in_bwd_s=copy_in if bwd is not None and bwd.from_sharded else 0.0,
         copy_back_s=host_copy_back_bytes / h2d if host_copy_back_bytes else 0.0,
     )

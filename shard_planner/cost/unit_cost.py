@@ -17,7 +17,8 @@ every profile and rank count, the collectives' is not), the two-stream time walk
 the copies (cost/model.py ``unit_costs``), and the solver's linear model all of it, per candidate unit
 (solve/linear.py). So each FSDP2 rule a unit's cost follows — what ``reshard_after_forward`` means, which
 buffers exist and their sizes, which collectives run over which group, the offload test, the optimizer
-states — is written once, in the module named beside it above; tests/solve/test_linear_follows_cost_rules.py
+states — is written once, in the module named beside it above (FSDP2's per-unit rules those modules call —
+the padded 1/N shard, the collectives of each reshard policy — in cost/fsdp2_rules.py); tests/solve/test_linear_follows_cost_rules.py
 changes one and sees the simulators and the linear model follow. Compute is priced per block of modules,
 not per unit (cost/model.py ``module_compute_s`` for the linear model's items, ``block_compute_s`` for
 the simulators' blocks, both from one :func:`shard_planner.cost.kernels` price per module).

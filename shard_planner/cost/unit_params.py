@@ -52,10 +52,15 @@ class UnitParams:
     float_dtypes: frozenset = frozenset()
     trainable_float_numel: int = 0  # floating elements that get gradients and optimizer states
     trainable_float_built_bytes: int = 0  # their bytes as built
+    # of numel_by_dtype, the tensors whose dim-0 shapes the trace knows: (dim0, numel, dtype, trainable)
+    # (trace/types.py ``ModuleTrace.sharded_param_shapes``; none in hand-written and older traces), those
+    # of one (dim0, dtype, trainable) merged: their dim-0 padding is the same number of rows of each
+    sharded_shapes: tuple[tuple[int, int, str, bool], ...] = ()
 
     @staticmethod
     def of(numel_by_dtype: dict[str, int], first_float_numel: int = 0, replicated_bytes: int = 0,
-           replicated_float_bytes: int = 0, trainable_numel_by_dtype: dict[str, int] | None = None) -> "UnitParams":
+           replicated_float_bytes: int = 0, trainable_numel_by_dtype: dict[str, int] | None = None,
+           sharded_shapes: tuple = ()) -> "UnitParams":
         """``trainable_numel_by_dtype`` None: every floating parameter trains."""
         floats = [(dt, k) for dt, k in numel_by_dtype.items() if dt in FLOAT_DTYPES]
         trainable = [(dt, k) for dt, k in (floats if trainable_numel_by_dtype is None
@@ -68,7 +73,8 @@ class UnitParams:
             other_bytes=sum(k * dtype_bytes(dt) for dt, k in numel_by_dtype.items() if dt not in FLOAT_DTYPES),
             float_dtypes=frozenset(dt for dt, _ in floats),
             trainable_float_numel=sum(k for _, k in trainable),
-            trainable_float_built_bytes=sum(k * dtype_bytes(dt) for dt, k in trainable))
+            trainable_float_built_bytes=sum(k * dtype_bytes(dt) for dt, k in trainable),
+            sharded_shapes=_merged(sharded_shapes))
 
     @staticmethod
     def of_modules(modules: Iterable) -> "UnitParams":
@@ -79,7 +85,9 @@ class UnitParams:
         trainable: dict[str, int] = {}
         first = 0
         replicated = replicated_float = 0
+        shapes: list = []
         for m in modules:
+            shapes.extend(m.sharded_param_shapes)
             for dt, nbytes in m.sharded_param_bytes_by_dtype.items():
                 numel[dt] = numel.get(dt, 0) + nbytes // dtype_bytes(dt)
             own_trainable = m.trainable_sharded_param_bytes_by_dtype
@@ -90,7 +98,7 @@ class UnitParams:
             for dt, nbytes in m.scalar_param_bytes_by_dtype.items():
                 replicated += nbytes
             replicated_float += sum(nb for dt, nb in m.trainable_scalar_param_bytes_by_dtype.items() if dt in FLOAT_DTYPES)
-        return UnitParams.of(numel, first, replicated, replicated_float, trainable)
+        return UnitParams.of(numel, first, replicated, replicated_float, trainable, tuple(shapes))
 
     def __add__(self, other: "UnitParams") -> "UnitParams":
         """Both units' parameters as one unit's (``self``'s module first in forward order)."""
@@ -101,7 +109,16 @@ class UnitParams:
             trainable[dt] = trainable.get(dt, 0) + k
         return UnitParams.of(numel, self.first_float_numel or other.first_float_numel,
                              self.replicated_bytes + other.replicated_bytes,
-                             self.replicated_float_bytes + other.replicated_float_bytes, trainable)
+                             self.replicated_float_bytes + other.replicated_float_bytes, trainable,
+                             self.sharded_shapes + other.sharded_shapes)
+
+
+def _merged(shapes) -> tuple[tuple[int, int, str, bool], ...]:
+    """``shapes`` with the elements of each (dim0, dtype, trainable) summed, sorted."""
+    numel: dict[tuple[int, str, bool], int] = {}
+    for dim0, k, dtype, trainable in shapes:
+        numel[dim0, dtype, trainable] = numel.get((dim0, dtype, trainable), 0) + k
+    return tuple(sorted((dim0, k, dtype, trainable) for (dim0, dtype, trainable), k in numel.items()))
 
 
 def float_numel_of(param_bytes_by_dtype: dict[str, int]) -> int:

@@ -60,9 +60,10 @@ Forward order is the plan's unit order with the root first (its pre-forward runs
 unit's); backward order is its reverse without the root (the root is the last to finish backward and
 its all-gather, when it reshards at all, is issued by its own pre-backward hook). With depth k, unit i
 prefetches the next k units of the order: ``set_modules_to_forward_prefetch`` /
-``set_modules_to_backward_prefetch``. FSDP2 always prefetches one unit in backward when a unit's
-explicit backward list is empty (``FSDPState._pre_backward``), so a backward depth of 0 cannot be
-expressed and behaves as 1; it is logged.
+``set_modules_to_backward_prefetch`` (the list is cost/fsdp2_rules.py's ``explicit_prefetch``, which the
+cost model's schedule and the FSDP2 export follow too). FSDP2 always prefetches one unit in backward
+when a unit's explicit backward list is empty (``FSDPState._pre_backward``), so a backward depth of 0
+cannot be expressed and behaves as 1 (``effective_prefetch_depth``); it is logged.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ from torch.utils.checkpoint import checkpoint
 
 from shard_planner.checked_plan import check_model_matches
 from shard_planner.checkpointing import SELECTIVE
+from shard_planner.cost import fsdp2_rules  # called through the module: a test changes a rule, every caller follows
 from shard_planner.errors import PlanError
 from shard_planner.execute.selective import selective_context_fn
 from shard_planner.execute.tensor_parallel import torch_tp_plan
@@ -265,16 +267,14 @@ def _set_prefetch(plan: Plan, modules: dict[str, nn.Module]) -> None:
     def handle(unit: Unit) -> FSDPModule:
         return modules[unit.modules[0]]  # every module of a group shares the group's FSDP state
 
-    if plan.prefetch.forward > 0:
-        for i, unit in enumerate(forward):
-            nxt = forward[i + 1: i + 1 + plan.prefetch.forward]
-            if nxt:
-                handle(unit).set_modules_to_forward_prefetch([handle(u) for u in nxt])
-    if plan.prefetch.backward == 0:
+    # the lists: cost/fsdp2_rules.py ``explicit_prefetch`` ([Note: Prefetch depth and targets])
+    for i, unit in enumerate(forward):
+        if nxt := fsdp2_rules.explicit_prefetch(forward, i, plan.prefetch.forward):
+            handle(unit).set_modules_to_forward_prefetch([handle(u) for u in nxt])
+    if fsdp2_rules.effective_prefetch_depth(plan.prefetch.backward) != plan.prefetch.backward:
         logger.warning("prefetch.backward=0: FSDP2 always prefetches one unit in backward; it behaves as 1")
     for i, unit in enumerate(backward):
-        nxt = backward[i + 1: i + 1 + plan.prefetch.backward]
-        if nxt:
+        if nxt := fsdp2_rules.explicit_prefetch(backward, i, plan.prefetch.backward):
             handle(unit).set_modules_to_backward_prefetch([handle(u) for u in nxt])
 
 

@@ -40,10 +40,10 @@ reduce-scatter copy-in, cost/fsdp_copies.py, as the simulator prices them), and 
 communication, linearised per unit as ``max(0, comm - overlap x compute)``: the all-gathers and
 reduce-scatters of a unit hide behind compute of the neighbouring units; the unit's own compute stands
 in for its neighbours' (exact for uniform stacks of blocks), and the prefetch depth sets how many
-neighbours (``overlap = max(1, depth)``: FSDP2's implicit prefetch overlaps one unit even at depth 0;
-on a CPU profile nothing overlaps). The linear model has no per-op or per-unit framework overhead
-(only the simulators price it, cost/time.py), so measured times, which hold the per-op framework time
-already, are not counted twice. Collectives use the ring model ``alpha (p-1) + (p-1)/p x bytes / busbw`` (nccl-tests' bus bandwidth, DESIGN.md "Time model").
+neighbours (``overlap = max(1, depth)``, cost/fsdp2_rules.py ``effective_prefetch_depth``: FSDP2's
+implicit prefetch overlaps one unit even at depth 0; on a CPU profile nothing overlaps). The linear
+model has no per-op or per-unit framework overhead (only the simulators price it, cost/time.py), so
+measured times, which hold the per-op framework time already, are not counted twice. Collectives use the ring model ``alpha (p-1) + (p-1)/p x bytes / busbw`` (nccl-tests' bus bandwidth, DESIGN.md "Time model").
 The constant part (loss, modules outside items, optimizer step) does not change the argmin but is
 added so the linear step time is comparable with the simulator's.
 
@@ -85,10 +85,11 @@ from shard_planner.cost.collectives import ring_bandwidth_s
 from shard_planner.checkpointing import is_selective
 from shard_planner.cost.model import CostModel
 from shard_planner.cost.queries import UnitSetting
-from shard_planner.cost.reshard import Reshard, ReshardAfterForward
+from shard_planner.cost import fsdp2_rules  # called through the module: a test changes a rule, every caller follows
+from shard_planner.cost.reshard import ReshardAfterForward
 from shard_planner.cost import optimizer as optimizer_rules
 from shard_planner.cost.tables import largest_module_float_bytes
-from shard_planner.cost.unit_bytes import UnitBytes, reduce_scatter_backend_temp_bytes, reduce_scatter_output_bytes
+from shard_planner.cost.unit_bytes import UnitBytes, reduce_scatter_backend_temp_bytes
 from shard_planner.cost.unit_cost import UnitCost
 from shard_planner.cost.unit_params import UnitParams
 from shard_planner.dtypes import DTYPE_BYTES
@@ -173,8 +174,9 @@ class LinearModel:
 
     @property
     def backward_depth(self) -> int:
-        # FSDP2 always prefetches one unit in backward (DESIGN.md "FSDP2 facts").
-        return max(1, self.choice.prefetch.backward)
+        # FSDP2 always prefetches one unit in backward (cost/fsdp2_rules.py [Note: Prefetch depth and
+        # targets]).
+        return fsdp2_rules.effective_prefetch_depth(self.choice.prefetch.backward)
 
 
 @dataclass(frozen=True)
@@ -259,7 +261,7 @@ def with_prefetch(lm: LinearModel, choice: GlobalChoice, costs: CandidateCosts) 
             or (costs.setting.mesh, costs.setting.cpu_offload) != (choice.mesh, choice.cpu_offload)):
         raise ValueError(f"{choice.label}: not {lm.choice.label} at other prefetch depths, or other candidate costs")
     ch = _choice_terms(lm.space, choice, costs)
-    if (ch.d_f, ch.d_b) == (max(1, lm.choice.prefetch.forward), max(1, lm.choice.prefetch.backward)):
+    if (ch.d_f, ch.d_b) == _overlap_windows(lm.choice):
         return replace(lm, choice=choice)  # the same overlap windows (depth 0 overlaps one unit too): the same terms
     coeffs = tuple(replace(co, time_us=_time_us(k, c, co.compute_s, ch))
                    for k, (c, co) in enumerate(zip(lm.space.candidates, lm.coeffs)))
@@ -315,9 +317,16 @@ def _choice_terms(space: SearchSpace, choice: GlobalChoice, costs: CandidateCost
     # ahead) already overlaps one unit in forward when the explicit depth is 0, and backward always
     # prefetches one (DESIGN.md "FSDP2 facts"; cost/time.py models the same).
     leading = next((i for i, it in enumerate(space.items) if not it.may_join_root), len(space.items))
-    return _ChoiceTerms(setting=costs.setting, costs=costs, profile=costs.profile, d_f=max(1, choice.prefetch.forward),
-                        d_b=max(1, choice.prefetch.backward), overlap=costs.profile.device != "cpu",
-                        leading_root_items=leading)
+    d_f, d_b = _overlap_windows(choice)
+    return _ChoiceTerms(setting=costs.setting, costs=costs, profile=costs.profile, d_f=d_f, d_b=d_b,
+                        overlap=costs.profile.device != "cpu", leading_root_items=leading)
+
+
+def _overlap_windows(choice: GlobalChoice) -> tuple[int, int]:
+    """(forward, backward) units of compute a unit's collectives may hide behind at ``choice``'s prefetch
+    depths: FSDP2's effective depths (cost/fsdp2_rules.py ``effective_prefetch_depth``)."""
+    depth = fsdp2_rules.effective_prefetch_depth
+    return depth(choice.prefetch.forward), depth(choice.prefetch.backward)
 
 
 @dataclass(frozen=True)
@@ -385,7 +394,7 @@ def _candidate_coeffs(index: int, c: Candidate, items: ItemTerms, ch: _ChoiceTer
         # the copy-in holds the unit's unsharded gradients and the flat input together; then the 1/N
         # output and the backend's copy of the input (gloo) join, the gradients freed but the last one:
         # bounded by all of them (cost/memory.py [Note: Reduce-scatter buffers])
-        rs_mem = (_live(parts, "unsharded_grads") + rs_in + reduce_scatter_output_bytes(rs_in, shard)
+        rs_mem = (_live(parts, "unsharded_grads") + rs_in + fsdp2_rules.shard_bytes(rs_in, shard)
                   + reduce_scatter_backend_temp_bytes(rs_in, profile))
         next_gather = gather_live
 
@@ -414,7 +423,9 @@ def _time_us(k: int, c: Candidate, compute_s: tuple[float, float, float], ch: _C
     exposed = _exposed_comm_s(c, ch.costs.parts[k], whole, cf, cb + rc, ch)
     # FSDP2's copies on the compute stream: a copy-out per all-gather and the reduce-scatter copy-in
     r = ReshardAfterForward.of(c.option.reshard_after_forward, ch.setting.mesh.shard_group_size)
-    exposed += (1 if c.option.in_root or not r.reshards else 2) * whole.copy_out_s + whole.copy_in_s
+    # (cost/fsdp2_rules.py: the all-gathers of its reshard policy; a unit in the root is gathered once)
+    gathers = 1 if c.option.in_root else fsdp2_rules.all_gathers_per_step(r, ch.setting.mesh.shard_group_size)
+    exposed += gathers * whole.copy_out_s + whole.copy_in_s
     return _us(cf + cb + rc + exposed)
 
 
@@ -451,8 +462,8 @@ def _exposed_comm_s(c: Candidate, parts: tuple[UnitCost, ...], whole: UnitCost, 
             exposed = max(0.0, ag_f - d_f * fwd_s) + max(0.0, ag_b + rs + ar - d_b * bwd_s)
         # Tie-break: among covers the model finds equally fast, prefer fewer collectives (each costs a
         # launch and a synchronisation that the ring model does not see; FSDP paper §3.2: finer units
-        # cost throughput through more, smaller collectives).
-        exposed += TIE_BREAK_S_PER_COLLECTIVE * len(parts) * (3 if r.kind is Reshard.ALWAYS else 2)
+        # cost throughput through more, smaller collectives): per unit, its reshard policy's (cost/fsdp2_rules.py).
+        exposed += TIE_BREAK_S_PER_COLLECTIVE * len(parts) * len(fsdp2_rules.unit_collectives_of(r, shard))
     return exposed
 
 

@@ -30,6 +30,9 @@ class OwnParams:
     frozen_bytes_by_dtype: dict[str, int] = field(default_factory=dict)  # of bytes_by_dtype, the frozen ones
     frozen_scalar_bytes_by_dtype: dict[str, int] = field(default_factory=dict)  # of those, the 0-d ones
     quantized_bytes_by_dtype: dict[str, int] = field(default_factory=dict)  # of bytes_by_dtype, quantised weights'
+    # (dim0, numel, dtype, trainable) of each plain tensor FSDP2 shards on dim 0 (not 0-d, not a quantised
+    # weight's part): its dim-0 padding over N ranks (cost/fsdp2_rules.py [Note: Dim-0 padding])
+    sharded_shapes: list[tuple[int, int, str, bool]] = field(default_factory=list)
 
     def add(self, p: nn.Parameter) -> None:
         """Count ``p``: its elements as the weight it stands for, its bytes as the tensors it stores
@@ -51,6 +54,8 @@ class OwnParams:
                     _add(self.frozen_scalar_bytes_by_dtype, part.dtype, part.nbytes)
             if part.quantized:
                 _add(self.quantized_bytes_by_dtype, part.dtype, part.nbytes)
+            elif part.sharded:
+                self.sharded_shapes.append((part.dim0, part.numel, part.dtype, not frozen))
 
 
 def _add(by_dtype: dict[str, int], dtype: str, nbytes: int) -> None:

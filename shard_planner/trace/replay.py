@@ -280,4 +280,5 @@ def _param_fields(own: OwnParams) -> dict:
                 scalar_param_bytes_by_dtype=own.scalar_bytes_by_dtype, frozen_param_count=own.frozen_count,
                 frozen_param_tensors=own.frozen_tensors, frozen_param_bytes_by_dtype=own.frozen_bytes_by_dtype,
                 frozen_scalar_param_bytes_by_dtype=own.frozen_scalar_bytes_by_dtype,
-                quantized_param_bytes_by_dtype=own.quantized_bytes_by_dtype)
+                quantized_param_bytes_by_dtype=own.quantized_bytes_by_dtype,
+                sharded_param_shapes=tuple(own.sharded_shapes))

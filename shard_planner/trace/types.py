@@ -182,6 +182,11 @@ class ModuleTrace:
     # The tensor-parallel collectives its style issues (trace/tp_local.py, [Note: The collectives torch 2.13
     # issues per style]), in the order they ran; none at tp_size 1 and in traces written before them.
     tp_collectives: tuple[TPCollective, ...] = ()
+    # Of its own parameters, each plain tensor FSDP2 shards on dim 0 (not 0-d, not a quantised weight's
+    # part) as (dim0, numel, dtype as built, trainable): the cost model pads its shard to ceil(dim0 / N)
+    # rows as FSDP2 does (cost/fsdp2_rules.py [Note: Dim-0 padding]). Traces written before this field
+    # load with none (sharded sizes unpadded: numel / N).
+    sharded_param_shapes: tuple[tuple[int, int, str, bool], ...] = ()
 
     @property
     def param_bytes(self) -> int:
@@ -334,8 +339,9 @@ class ModelTrace:
         if not self.loss_tp_collectives:
             del d["loss_tp_collectives"]
         for m in d["modules"]:
-            if not m["tp_collectives"]:
-                del m["tp_collectives"]
+            for key in ("tp_collectives", "sharded_param_shapes"):  # none: its JSON as before
+                if not m[key]:
+                    del m[key]
         return d
 
     def to_json(self) -> str:
@@ -381,6 +387,8 @@ def _module_from_dict(d: dict) -> ModuleTrace:
     for key in ("fwd_kernels", "bwd_kernels", "fwd_tail_kernels"):
         d[key] = tuple(KernelRecord.from_dict(k) for k in d.get(key, ()))
     d["tp_collectives"] = tuple(TPCollective.from_dict(c) for c in d.get("tp_collectives", ()))
+    d["sharded_param_shapes"] = tuple((int(d0), int(k), str(dt), bool(t))
+                                      for d0, k, dt, t in d.get("sharded_param_shapes", ()))
     return ModuleTrace(**d)
 
 

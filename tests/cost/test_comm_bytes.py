@@ -4,7 +4,8 @@ real-run equality with the counted bytes is tests/execute/test_comm_count.py).""
 import pytest
 
 from shard_planner.comm import CollectiveBytes
-from shard_planner.cost.comm_bytes import ParamShape, collective_bytes_per_step, padded_numel
+from shard_planner.cost.comm_bytes import ParamShape, collective_bytes_per_step
+from shard_planner.cost.fsdp2_rules import padded_numel
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit
 
 F32 = "float32"
@@ -21,10 +22,10 @@ def as_dict(result):
 
 
 def test_padding_is_dim0_rounded_up_to_the_shard_group():
-    assert padded_numel(ParamShape(5, 15, F32), 2) == 6 * 3  # ceil(5/2)=3 rows per rank, 2 ranks, 3 columns
-    assert padded_numel(ParamShape(5, 15, F32), 4) == 8 * 3
-    assert padded_numel(ParamShape(8, 16, F32), 4) == 16  # divisible: no padding
-    assert padded_numel(ParamShape(0, 0, F32), 2) == 0
+    assert padded_numel(5, 15, 2) == 6 * 3  # ceil(5/2)=3 rows per rank, 2 ranks, 3 columns
+    assert padded_numel(5, 15, 4) == 8 * 3
+    assert padded_numel(8, 16, 4) == 16  # divisible: no padding
+    assert padded_numel(0, 0, 2) == 0
 
 
 def test_reshard_true_gathers_twice_false_once_each_unit_reduce_scatters_once():
