@@ -83,13 +83,14 @@ def exhaustive_space(trace, base) -> list[tuple[str, object]]:
 
 def hand_written(trace, base) -> list[tuple[str, object]]:
     """The policies people write by hand, as the solver defines them for its report
-    (shard_planner/solve/baselines.py: torchtitan default, Accelerate TRANSFORMER_BASED_WRAP and
-    SIZE_BASED_WRAP, ZeRO-2-like, full activation checkpointing), plus the whole model as one unit."""
-    from shard_planner.solve.baselines import POLICIES
+    (shard_planner/recipes.py: torchtitan, torchtune, Accelerate TRANSFORMER_BASED_WRAP and
+    SIZE_BASED_WRAP, ZeRO-2-like, full activation checkpointing; those that offload left out), plus the
+    whole model as one unit."""
+    from shard_planner.recipes import RECIPES
     from shard_planner.solve.space import build_space
 
     space = build_space(trace, shard_group=base.mesh.shard, gpus_per_node=base.cluster.gpus_per_node)
-    out = [(f"policy: {name}", replace(base, units=make(space))) for name, make in POLICIES]
+    out = [(f"policy: {r.title}", replace(base, units=r.units(space))) for r in RECIPES if not r.cpu_offload]
     out.append(("policy: root only (no wrapping)", base))
     return out
 

@@ -185,7 +185,7 @@ class Training:
 
 @dataclass(frozen=True)
 class SolverInfo:
-    method: str  # "cp-sat", "dp", "brute-force", "hand-written", "given"
+    method: str  # "cp-sat", "dp", "brute-force", "recipe", "given"
     status: str  # "OPTIMAL", "FEASIBLE", ...
     objective: float  # predicted step time in seconds of the chosen plan
     seconds: float  # wall time of the search

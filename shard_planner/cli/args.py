@@ -121,9 +121,9 @@ def add_gpus(p: argparse.ArgumentParser, *, required: bool = True, default_text:
                    help="number of GPUs (ranks) the plan is for" + (f" (default: {default_text})" if default_text else ""))
 
 
-def add_mem(p: argparse.ArgumentParser) -> None:
+def add_mem(p: argparse.ArgumentParser, *, required: bool = True) -> None:
     """``--mem SIZE``, with its unit: ``--mem 40`` is refused at parse time (argtypes.byte_size)."""
-    p.add_argument("--mem", type=byte_size, required=True, metavar="SIZE",
+    p.add_argument("--mem", type=byte_size, required=required, default=None, metavar="SIZE",
                    help="memory per GPU with its unit, e.g. 40GB (GB = GiB; a profile's nominal size, 80GB on "
                    "h100-80gb, means the whole device); on a GPU profile the plan's first two steps, simulated "
                    "through the CUDA caching allocator in the mode PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF set "
@@ -166,6 +166,16 @@ def param_dtype(args: argparse.Namespace) -> str:
 
         warn_if_other_dtype(args.model, dtype)
     return dtype
+
+
+def add_recipe(p) -> None:
+    """``--recipe NAME``: one of shard_planner/recipes.py's recipes (light: the planner is not imported). ``p``
+    may be a mutually exclusive group (with ``--plan``)."""
+    from shard_planner.recipes import RECIPE_NAMES
+
+    p.add_argument("--recipe", choices=RECIPE_NAMES, default=None, metavar="NAME",
+                   help="price a named recipe (the FSDP2 policy a stack applies) instead of a plan file: "
+                   f"{', '.join(RECIPE_NAMES)}; needs --gpus (--mem: the profile's device by default)")
 
 
 def add_micro_batch(p, *, default: str) -> None:

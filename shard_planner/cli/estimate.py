@@ -1,5 +1,6 @@
-"""``shard-planner estimate model.py --plan plan.json``: predicted peak memory (with its breakdown) and
-step time of a plan, from the cost model."""
+"""``shard-planner estimate model.py --plan plan.json`` (or ``--recipe NAME --gpus N``): predicted peak memory
+(with its breakdown) and step time of a plan, or of a named recipe (shard_planner/recipes.py) built on the
+model without a plan file, from the cost model."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from dataclasses import dataclass
 
 from shard_planner.allocator_conf import mode_name
 from shard_planner.checked_plan import check_plan, checked_plan_file
-from shard_planner.cli.args import (add_gpus, add_hf_arguments, add_micro_batch, add_model_argument, add_profile,
-                                    add_timings, hf_options)
+from shard_planner.cli.args import (add_dtype, add_gpus, add_hf_arguments, add_mem, add_micro_batch, add_model_argument,
+                                    add_profile, add_recipe, add_timings, hf_options)
+from shard_planner.errors import UserError
 from shard_planner.fileio import check_output_file
 from shard_planner.plan import MEMORY_CATEGORIES, Plan, load_plan, save_plan
 from shard_planner.plan_estimate import asked_again, with_prediction
@@ -19,7 +21,7 @@ from shard_planner.units import format_bytes, format_duration
 @dataclass(frozen=True)
 class EstimateRequest:
     model: str  # a model file, or a trace.json
-    plan: str
+    plan: str | None  # None: ``recipe``
     profile: str | None  # None: the plan's cluster.profile
     timings: str | None  # None: the plan's cluster.timings; "": price compute from FLOPs
     gpus: int | None  # None: the plan's
@@ -33,16 +35,22 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="predict a plan's per-GPU peak memory (by category) and step time",
         description="Simulate one FSDP2 training step of the plan on the model (traced now, or read from a "
         "trace.json) and print the predicted per-GPU peak memory, its breakdown by category, and the "
-        "step time with its compute, communication and optimizer parts.",
+        "step time with its compute, communication and optimizer parts. With --recipe NAME instead of --plan, the "
+        "recipe (shard_planner/recipes.py) is built on the model for --gpus, --mem (default: the profile's device "
+        "memory), --micro-batch and --dtype, and priced the same way.",
     )
     add_model_argument(p, more=" (a config's --seq-len defaults to the plan's)")
     add_hf_arguments(p)
-    p.add_argument("--plan", required=True, help="plan.json")
-    add_profile(p, default=None, default_text="the plan's cluster.profile")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--plan", help="plan.json")
+    add_recipe(which)
+    add_profile(p, default=None, default_text="the plan's cluster.profile; with --recipe h100-80gb")
     add_gpus(p, required=False, default_text="the plan's; another N estimates the plan's decisions on N GPUs, plain "
-             "FSDP over N ranks")
+             "FSDP over N ranks; required with --recipe")
+    add_mem(p, required=False)  # with --recipe (default: the profile's device memory)
     add_timings(p, default_text="the plan's cluster.timings; --timings '' prices from FLOPs")
-    add_micro_batch(p, default="the plan's")
+    add_micro_batch(p, default="the plan's; with --recipe the model file's, else 1")
+    add_dtype(p)  # with --recipe: a plan file has its own
     p.add_argument("--write", action="store_true", help="store the prediction in the plan file's 'predicted'")
     return p
 
@@ -55,6 +63,11 @@ def run(args: argparse.Namespace) -> int:
     from shard_planner.modelfile import load_unless_trace
     from shard_planner.trace import trace_for_plan, trace_or_load
 
+    if args.recipe is not None:
+        return _run_recipe(args)
+    if args.mem is not None or args.dtype is not None:
+        raise UserError("--mem and --dtype are for --recipe: a plan file has its own (cluster.mem_budget_bytes, "
+                        "training.param_dtype)")
     req = EstimateRequest(args.model, args.plan, args.profile, args.timings, args.gpus, args.micro_batch, args.write)
     found = load_plan(req.plan)
     if req.write:
@@ -82,6 +95,25 @@ def run(args: argparse.Namespace) -> int:
     if req.write:
         save_plan(with_prediction(found, plan, fit.priced(est.prediction()) if fit else est.prediction()), req.plan)
         print(f"wrote the prediction into {req.plan}")
+    return 0
+
+
+def _run_recipe(args: argparse.Namespace) -> int:
+    """``estimate --recipe NAME``: the recipe's plan (cli/estimate_recipe.py), priced and printed as a plan file's,
+    after the line that says what the recipe fixes and what it leaves to the planner."""
+    from shard_planner.cli.estimate_recipe import recipe_plan_for
+    from shard_planner.cost import CostModel, estimate
+    from shard_planner.cost.fits import device_fit
+    from shard_planner.recipes import recipe_named
+
+    plan, trace, profile = recipe_plan_for(args)
+    est = estimate(trace, plan, profile)
+    cm = CostModel(trace, profile)
+    fit = device_fit(cm, plan)  # None on a CPU profile
+    print(f"recipe {recipe_named(args.recipe).describe()}")
+    print(report(plan, profile, est, fit))
+    if fit is not None:
+        print(reserved_report(plan, cm, fit))
     return 0
 
 

@@ -1,5 +1,5 @@
 """``shard-planner plan model.py --gpus 8 --mem 40GB``: the fastest FSDP2 plan that fits, written to
-plan.json (with the frontier and the hand-written baselines), a terminal summary, and a report."""
+plan.json (with the frontier and the recipes, shard_planner/recipes.py), a terminal summary, and a report."""
 
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="find the fastest FSDP2 plan that fits a per-GPU memory budget",
         description="Trace the model, search wrap boundaries, reshard and checkpointing per unit, prefetch "
         "depth, mesh and micro-batch with CP-SAT, check every answer with the cost model's simulators, and "
-        "write plan.json with the memory-vs-time frontier and the usual hand-written policies beside it.",
+        "write plan.json with the memory-vs-time frontier and the recipes people run (torchtitan, torchtune, "
+        "Accelerate, ZeRO-2-like, full AC) beside it; the answer is never slower than a recipe that fits.",
     )
     add_model_argument(p)
     add_hf_arguments(p)
@@ -211,7 +212,7 @@ def _trace_defaults(trace):
 
 def summary(result: PlanResult | Plan, profile) -> str:
     """The chosen plan in a few lines, predicted peak vs budget, step time and throughput, and how it
-    compares with the best hand-written policy that fits (and, when the planner preferred a simpler
+    compares with the best recipe that fits (shard_planner/recipes.py; and, when the planner preferred a simpler
     plan, what that costs against the fastest it found)."""
     from shard_planner.solve import summarize_units
 
@@ -249,10 +250,10 @@ def summary(result: PlanResult | Plan, profile) -> str:
     if fitting:
         best = min(fitting, key=lambda b: b.step_time_s)
         gain = best.step_time_s / pr.step_time_s - 1
-        lines.append(f"vs best hand-written policy that fits ({best.description}: {best.step_time_s * 1e3:.1f} ms, "
+        lines.append(f"vs best recipe that fits ({best.description}: {best.step_time_s * 1e3:.1f} ms, "
                      f"{format_bytes(best.peak_bytes)}): {100 * gain:+.1f}% throughput")
     elif plan.baselines:
-        lines.append("no hand-written policy fits this budget: " + ", ".join(
+        lines.append("no recipe fits this budget: " + ", ".join(
             f"{b.description} needs {format_bytes(b.peak_bytes)}" for b in plan.baselines[:3]))
     s = plan.solver
     lines.append(f"solver: {s.method}, {s.status}, {s.seconds:.1f} s; frontier of {len(plan.frontier)} plans in the file")

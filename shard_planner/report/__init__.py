@@ -158,7 +158,7 @@ def _frontier_section(plan: Plan, budget: ReportBudget) -> ReportSection | None:
         "Memory vs throughput", "frontier.png", fig,
         f"Each point is a plan of the same model, micro-batch and cluster{degree}, as the cost model predicts it. "
         "The line joins the Pareto frontier (no other plan is both smaller and faster); the star is the "
-        "chosen plan; the other markers are the usual hand-written policies (an X: over "
+        "chosen plan; the other markers are the recipes people run (shard_planner/recipes.py; an X: over "
         f"{judged}; a hollow frontier point too). {_budget_text(budget, fig)} The table's fits column is "
         f"against {judged}.",
         frontier_table(plan, budget))

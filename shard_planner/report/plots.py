@@ -141,7 +141,7 @@ def plan_throughput(plan: Plan) -> Throughput:
 
 def plot_frontier(plan: Plan, budget: ReportBudget) -> Figure | None:
     """Peak memory per GPU (x) vs throughput (y): the Pareto frontier joined in memory order, the
-    budget lines (--mem and the usable budget), the chosen plan (star), each hand-written policy
+    budget lines (--mem and the usable budget), the chosen plan (star), each recipe
     labelled in the legend; points over the usable budget are drawn hollow (frontier) or as an X
     (policies). None when the plan holds no point to compare the chosen plan with (no frontier, no
     policies)."""
@@ -201,7 +201,7 @@ def draw_chosen(ax, plan: Plan, tp: Throughput, budget: ReportBudget) -> None:
     over = "" if budget.fits(p.peak_bytes) else " (does not fit)"
     ax.scatter([p.peak_bytes / GIB], [tp.of(p.step_time_s)], s=260, marker="*", color="gold",
                edgecolors="black", linewidths=0.8, zorder=3.5, gid="chosen",  # under the (smaller) policy
-               # markers, so a hand-written policy the planner chose shows inside the star
+               # markers, so a recipe the planner chose shows inside the star
                label=_wrap(f"chosen plan: {format_bytes(p.peak_bytes)}, {tp.of(p.step_time_s):,.0f} {tp.unit}{over}"))
 
 

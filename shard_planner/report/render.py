@@ -37,7 +37,7 @@ def _reshard_text(r: bool | int) -> str:
 def summary_lines(plan: Plan, budget: ReportBudget, measured: tuple[MeasuredFigures, tuple[int, float]] | None = None,
                   trace: ModelTrace | None = None) -> list[tuple[str, str]]:
     """(field, value) pairs that say what the plan is and what it is predicted (and measured) to do; the
-    peak and the hand-written policies judged against the usable budget (``budget``); what trains (a
+    peak and the recipes judged against the usable budget (``budget``); what trains (a
     fine-tune's kind) from the plan's fine-tune or, for a model file that freezes its own, ``trace``."""
     c, t, m = plan.cluster, plan.training, plan.mesh
     mesh = f"{m.shard_group_size}-way sharding" + (f" x {m.replicate_group_size} replicas (HSDP)" if m.is_hsdp else "")
@@ -76,10 +76,10 @@ def summary_lines(plan: Plan, budget: ReportBudget, measured: tuple[MeasuredFigu
         fits = [b for b in plan.baselines if b.fits and budget.fits(b.peak_bytes)]
         if fits:
             best = min(fits, key=lambda b: b.step_time_s)
-            lines.append(("vs hand-written", f"{best.step_time_s / p.step_time_s:.2f}x the throughput of the best "
-                                             f"hand-written policy that fits ({best.description})"))
+            lines.append(("vs recipes", f"{best.step_time_s / p.step_time_s:.2f}x the throughput of the best "
+                                        f"recipe that fits ({best.description})"))
         elif plan.baselines:
-            lines.append(("vs hand-written", "no hand-written policy fits the "
+            lines.append(("vs recipes", "no recipe fits the "
                                              f"{'usable ' if budget.has_usable else ''}budget"))
     if plan.solver is not None:
         s = plan.solver

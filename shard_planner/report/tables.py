@@ -69,7 +69,7 @@ def exposed_parts_text(rows: Sequence[UnitRow]) -> str:
 
 
 def frontier_table(plan: Plan, budget: ReportBudget) -> pd.DataFrame:
-    """The chosen plan, the Pareto frontier and the hand-written policies, with throughput; fits: the
+    """The chosen plan, the Pareto frontier and the recipes, with throughput; fits: the
     peak within the usable budget (``budget.fits``, what the solver fills) and, for the frontier and the
     policies, the solver's own ``fits`` flag."""
     tp = plan_throughput(plan)
@@ -82,7 +82,7 @@ def frontier_table(plan: Plan, budget: ReportBudget) -> pd.DataFrame:
         records.append(dict(kind="frontier", plan=q.description, peak_bytes=q.peak_bytes, step=q.step_time_s,
                             fits=q.fits and budget.fits(q.peak_bytes)))
     for q in plan.baselines:
-        records.append(dict(kind="hand-written", plan=q.description, peak_bytes=q.peak_bytes, step=q.step_time_s,
+        records.append(dict(kind="recipe", plan=q.description, peak_bytes=q.peak_bytes, step=q.step_time_s,
                             fits=q.fits and budget.fits(q.peak_bytes)))
     # peaks in GiB, or in the unit the plot's axis reads in when every peak is under a GiB (a tiny model's
     # 0.00737 GiB reads 7.55 MiB)

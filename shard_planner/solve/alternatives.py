@@ -1,24 +1,62 @@
-"""What the program cannot express, judged by the same simulators as its plans: the hand-written
-policies (:mod:`.baselines`), the whole model as one unit, and the solver's plans with the root
-resharded after forward."""
+"""What the program cannot express, judged by the same simulators as its plans: the recipes
+(:mod:`shard_planner.recipes`), the whole model as one unit, and the solver's plans with the root resharded after
+forward."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import replace
 
-from shard_planner.plan import ROOT, FrontierPoint, Prefetch, Unit
-from shard_planner.solve.baselines import hand_written_units
+from shard_planner.checkpointing import checkpointing_refusal
+from shard_planner.errors import PlanError
+from shard_planner.mesh import Mesh
+from shard_planner.plan import ROOT, FrontierPoint, Plan, Prefetch, Unit
 from shard_planner.solve.context import Checked, PlanContext
 from shard_planner.solve.linear import GlobalChoice
+from shard_planner.recipes import recipe_named, recipes_for
+from shard_planner.solve.request import PlanRequest
+from shard_planner.trace.types import ModelTrace
 from shard_planner.solve.survive import priced_step_time_s
 
+RECIPE_METHOD = "recipe"  # Checked.method of a recipe's plan
 
-def hand_written(ctx: PlanContext, choice: GlobalChoice) -> list[Checked]:
-    """The hand-written policies at the chosen micro-batch and mesh, FSDP2's default prefetch."""
-    space = ctx.space(choice.mesh)
-    base_choice = replace(choice, prefetch=Prefetch())
-    return [ctx.check_units(units, base_choice, name, method="hand-written")
-            for name, units in hand_written_units(space, ctx.trace)]
+
+def recipes(ctx: PlanContext, choices: Iterable[GlobalChoice]) -> list[Checked]:
+    """Every recipe (:data:`shard_planner.recipes.RECIPES`) at each of ``choices``, with the knobs it fixes: its units,
+    its CPU offload, and FSDP2's default prefetch where its stack exposes none; the planner's knobs
+    (micro-batch, accumulation, mesh, and prefetch where the recipe leaves it) are the choice's. Each
+    (recipe, resulting choice) is judged once; the status is the recipe's title, the method ``"recipe"``.
+    A recipe that offloads is judged only where the search may offload (a GPU profile, offload allowed)."""
+    out, seen = [], set()
+    for choice in choices:
+        for recipe, units in recipes_for(ctx.space(choice.mesh), ctx.trace):
+            if recipe.cpu_offload and not ctx.allow_offload:
+                continue
+            at = replace(choice, cpu_offload=recipe.cpu_offload,
+                         prefetch=Prefetch() if recipe.fixes_prefetch else choice.prefetch)
+            if (recipe.name, at) not in seen:
+                seen.add((recipe.name, at))
+                out.append(ctx.check_units(units, at, recipe.title, method=RECIPE_METHOD))
+    return out
+
+
+def recipe_plan(trace: ModelTrace, request: PlanRequest, name: str) -> Plan:
+    """The recipe called ``name`` as a plan for ``trace`` (``estimate --recipe``): its units, offload and
+    prefetch, with the planner's knobs as ``request`` gives them (its micro-batch, 1 when None; plain FSDP
+    over every GPU's tp group, no accumulation; FSDP2's default prefetch where the recipe leaves it). No
+    prediction. Raises PlanError for a recipe that checkpoints a model that may not be checkpointed."""
+    recipe = recipe_named(name)
+    ctx = PlanContext(trace, request)
+    try:
+        mesh = Mesh(shard=request.gpus // trace.tp_size, tp=trace.tp_size)
+        units = recipe.units(ctx.space(mesh))
+        refusal = checkpointing_refusal(trace.model_path, trace.forward_cache)
+        if refusal is not None and any(u.activation_checkpoint for u in units):
+            raise PlanError(f"recipe {name} checkpoints, but {refusal}")
+        choice = GlobalChoice(request.micro_batch or 1, Prefetch(), mesh, recipe.cpu_offload)
+        return ctx.check_units(units, choice, recipe.title, method=RECIPE_METHOD).plan
+    finally:
+        ctx.close()
 
 
 def root_resharded(ctx: PlanContext, found: list[Checked]) -> list[Checked]:
@@ -50,9 +88,16 @@ def no_wrapping(ctx: PlanContext, choice: GlobalChoice) -> list[Checked]:
             for r in (False, True)]
 
 
-def baseline_points(ctx: PlanContext, evaluated: list[Checked]) -> list[FrontierPoint]:
-    """The hand-written policies among ``evaluated``, as the plan file's ``baselines`` (their allocator
-    retries priced, as the answer's: solve/survive.py [Note: Ranked by the priced time])."""
+def baseline_points(ctx: PlanContext, evaluated: list[Checked], answer: Checked) -> list[FrontierPoint]:
+    """The recipes among ``evaluated``, as the plan file's ``baselines``: per recipe, at the answer's
+    micro-batch (so that step times compare), its fastest plan that fits, else its smallest; their
+    allocator retries priced, as the answer's (solve/survive.py [Note: Ranked by the priced time])."""
+    best: dict[str, tuple[Checked, float]] = {}
+    for c in evaluated:
+        if c.method != RECIPE_METHOD or c.choice.micro_batch != answer.choice.micro_batch:
+            continue
+        key = (ctx.shown_fits(c), -priced_step_time_s(ctx, c) if ctx.shown_fits(c) else -c.peak_bytes)
+        if c.status not in best or key > best[c.status][1]:
+            best[c.status] = (c, key)
     return [FrontierPoint(peak_bytes=c.peak_bytes, step_time_s=priced_step_time_s(ctx, c), description=c.status,
-                          fits=ctx.shown_fits(c))
-            for c in evaluated if c.method == "hand-written"]
+                          fits=key[0]) for c, key in best.values()]

@@ -47,12 +47,12 @@ class Checked:
     peak_bytes: int
     step_time_s: float
     samples_per_s: float
-    status: str  # the solver's status, or the policy's name for a hand-written plan
+    status: str  # the solver's status, or the recipe's title for a recipe's plan
     linear_peak_mib: int
     plan: Plan
     estimate: Estimate  # without the memory timeline (see [Note: one call to the cost model])
     method: str = "cp-sat"
-    cover: tuple[int, ...] | None = None  # candidate indices (None for hand-written plans)
+    cover: tuple[int, ...] | None = None  # candidate indices (None for a recipe's plan)
 
 
 def speed(c: Checked) -> tuple[float, int]:
@@ -253,7 +253,7 @@ class PlanContext:
             return device_fit(self.cost_model, plan)
 
     def shown_fits(self, c: Checked) -> bool:
-        """Whether a plan the planner shows (the frontier, the hand-written policies) fits --mem: its allocated
+        """Whether a plan the planner shows (the frontier, the recipes) fits --mem: its allocated
         peak within the search's budget at --mem and, on a GPU, its simulated steps surviving there
         (solve/survive.py [Note: Search by the allocated peak, judge by the allocator])."""
         if c.peak_bytes > self.shown_budget_bytes:

@@ -68,6 +68,6 @@ def pareto(ctx: PlanContext, evaluated: list[Checked]) -> list[FrontierPoint]:
         if not priced or step_s < priced[-1][1]:
             priced.append((c, step_s))
     return [FrontierPoint(peak_bytes=c.peak_bytes, step_time_s=step_s,
-                          description=(c.status + ": " if c.method in ("hand-written", "no-wrapping") else "")
+                          description=(c.status + ": " if c.method in ("recipe", "no-wrapping") else "")
                           + describe_choice(c.units, c.choice), fits=ctx.shown_fits(c))
             for c, step_s in priced]

@@ -15,7 +15,8 @@
    :meth:`.context.PlanContext.estimate` (memoised, no timeline; see [Note: one call to the cost model]).
 3. The best checked plan by simulated throughput, against what the program cannot express, judged
    by the same simulators: the solver's plans with the root resharded after forward
-   (:mod:`.alternatives`), no wrapping at all, and the hand-written policies (:mod:`.baselines`);
+   (:mod:`.alternatives`), no wrapping at all, and every recipe (:mod:`shard_planner.recipes`) at every global
+   choice the search found;
    the frontier by a budget sweep at its global choice (:mod:`.frontier`). The solver line names
    what won.
 4. The chosen plan is polished by a simulator-guided local search (:mod:`.polish`: drop, merge or
@@ -23,9 +24,9 @@
    ``POLISH_MODULE_EVALUATIONS`` module-simulations (:func:`_polished`); the solver line says when it
    helped. The frontier and the baselines are those of step 3. Then the simplest plan within
    ``request.simpler_within`` of the fastest (:mod:`.simpler`: fewest distinct unit shapes) is the
-   answer.
-5. Nothing found: the smallest-peak plans (CP-SAT's minimum linear peak, and the hand-written
-   policies, per mesh and offload) are judged by the simulators; one that fits is returned (the budget
+   answer, unless a recipe that fits is faster (:mod:`.never_worse`: then the fastest plan found, or
+   the recipe).
+5. Nothing found: the smallest-peak plans (CP-SAT's minimum linear peak, and the recipes, per mesh and offload) are judged by the simulators; one that fits is returned (the budget
    solves can miss it: time limits, re-solves exhausted by the linear model's error). Otherwise
    :class:`~shard_planner.errors.InfeasibleError` with the smallest budget any of them needs (always
    larger than the asked one), that plan, and what dominates memory there.
@@ -56,6 +57,7 @@ from shard_planner.solve.context import Checked, PlanContext, speed
 from shard_planner.solve.describe import budget_text, infeasible_error
 from shard_planner.solve.frontier import pareto, start_sweep, sweep
 from shard_planner.solve.linear import MIB, GlobalChoice, evaluate
+from shard_planner.solve.never_worse import never_worse
 from shard_planner.solve.polish import polish
 from shard_planner.solve.request import PlanRequest, PlanResult
 from shard_planner.solve.survive import plan_surviving, priced_step_time_s, surviving_choice
@@ -88,7 +90,7 @@ def plan_model(trace: ModelTrace, request: PlanRequest) -> PlanResult:
     """The fastest plan for ``trace`` on ``request.gpus`` GPUs that fits ``request.mem_budget_bytes`` per GPU
     (its simulated peak within ``profile.tensor_budget_bytes``; on a GPU profile its simulated allocator
     surviving --mem too: :mod:`.survive`), or the simplest within ``request.simpler_within`` of it, with the
-    frontier, the hand-written baselines, the chosen plan's estimate and where the time went. Pure: no
+    frontier, the recipes as baselines, the chosen plan's estimate and where the time went. Pure: no
     files, no printing."""
     return plan_surviving(trace, request, _plan_at_budget)
 
@@ -120,9 +122,9 @@ def _plan(ctx: PlanContext) -> PlanResult:
     best = max(found, key=speed)
     with ctx.clock.stage("frontier"):
         swept = sweep(ctx, best, request.frontier_points)
-    with ctx.clock.stage("baselines"):
-        others = (alternatives.root_resharded(ctx, found) + alternatives.no_wrapping(ctx, best.choice)
-                  + alternatives.hand_written(ctx, best.choice))
+    with ctx.clock.stage("baselines"):  # every recipe at every global choice found (never_worse.py)
+        recipes = alternatives.recipes(ctx, dict.fromkeys(c.choice for c in (best, *found)))
+        others = alternatives.root_resharded(ctx, found) + alternatives.no_wrapping(ctx, best.choice) + recipes
     evaluated = swept + others
     pool = found + [c for c in evaluated if c.peak_bytes <= ctx.budget_bytes]
     chosen = max(pool, key=speed)  # the simulators' numbers decide
@@ -134,6 +136,7 @@ def _plan(ctx: PlanContext) -> PlanResult:
     with ctx.clock.stage("simplify"):
         chosen, status, fastest = simpler.prefer_simpler(ctx, chosen, pool, status)
     chosen, status = surviving_choice(ctx, chosen, pool, status)  # on a GPU (solve/survive.py)
+    chosen, status = never_worse(ctx, chosen, fastest, recipes, status)
     est = ctx.estimate(chosen.plan, timeline=True)  # the report's memory timeline
     fit = ctx.device_fit(chosen.plan)  # on a GPU: the caching allocator over two steps (cost/fits.py)
     plan = replace(
@@ -142,7 +145,7 @@ def _plan(ctx: PlanContext) -> PlanResult:
         solver=SolverInfo(method=chosen.method, status=status, objective=chosen.step_time_s,
                           seconds=ctx.clock.elapsed_s()),
         frontier=tuple(pareto(ctx, found + evaluated)),
-        baselines=tuple(alternatives.baseline_points(ctx, evaluated)),
+        baselines=tuple(alternatives.baseline_points(ctx, evaluated, chosen)),
     )
     return PlanResult(plan=plan, estimate=est, timings=ctx.clock.timings(ctx.simulated_plans),
                       fastest_step_time_s=fastest.step_time_s, fit=fit)
@@ -153,7 +156,7 @@ def screen_degree(trace: ModelTrace, request: PlanRequest) -> Checked | None:
     (solve/tp_search.py [Note: Screening the degrees]): at every micro-batch the global batch allows (or
     the request's), plain FSDP over the data-parallel ranks, FSDP2's default prefetch and the leanest
     accumulation policy, the heuristic cover (:func:`cpsat.greedy_cover`), every uniform cover
-    (:func:`cpsat.uniform_covers`: the full search often ends on one) and the hand-written policies judged by
+    (:func:`cpsat.uniform_covers`: the full search often ends on one) and the recipes judged by
     the simulators at the allocated budget; on a GPU the fastest of them that survives --mem in the allocator,
     ranked and shown with its retries priced (survive.py [Note: Ranked by the priced time]). None when none
     of them fits or survives. Raises what
@@ -167,8 +170,8 @@ def screen_degree(trace: ModelTrace, request: PlanRequest) -> Checked | None:
             choice = GlobalChoice(mb, PREFETCH_CHOICES[0], mesh, False, accumulations[0])
             lm = ctx.linear(choice)
             cover = ctx.greedy(lm, ctx.budget_mib)
-            judged = ([ctx.check(lm, cover, "heuristic")] if cover is not None else []) + alternatives.hand_written(
-                ctx, choice)
+            judged = ([ctx.check(lm, cover, "heuristic")] if cover is not None else []) + alternatives.recipes(
+                ctx, [choice])
             for uniform in sorted(cpsat.uniform_covers(lm).values(), key=lambda c: evaluate(lm, c).time_us):
                 judged.append(ctx.check(lm, uniform, "heuristic"))
                 if judged[-1].peak_bytes <= ctx.budget_bytes:
@@ -398,7 +401,7 @@ def _solve_checked(ctx: PlanContext, choice: GlobalChoice, hints: tuple = ()) ->
 
 def _smallest_peak(ctx: PlanContext, micro_batch: int, accumulation: Accumulation = NO_ACCUMULATION) -> list[Checked]:
     """Per mesh and offload setting, the plan of least linear-model peak, judged by the simulators;
-    with the hand-written baselines at the same choices (the linear model is an approximation, so
+    with the recipes at the same choices (the linear model is an approximation, so
     another plan may have the smallest simulated peak)."""
     out: list[Checked] = []
     for mesh in ctx.layouts:
@@ -409,5 +412,5 @@ def _smallest_peak(ctx: PlanContext, micro_batch: int, accumulation: Accumulatio
                 res = ctx.min_peak(lm, ctx.time_limit_s)
                 if res.chosen is not None:
                     out.append(ctx.check(lm, res.chosen, res.status))
-                out.extend(alternatives.hand_written(ctx, choice))
+                out.extend(alternatives.recipes(ctx, [choice]))
     return out

@@ -64,7 +64,7 @@ def prefer_simpler(ctx: PlanContext, chosen: Checked, pool: list[Checked],
                    status: str) -> tuple[Checked, str, Checked]:
     """The simplest plan within ``simpler_within`` of the fastest among ``chosen``, ``pool`` and the
     uniform variants of ``chosen``, of the :data:`VARIANT_SEEDS` fastest plans of ``pool`` at its mesh
-    and of the fastest of each method there (hand-written, cp-sat, ...). A variant may be faster than
+    and of the fastest of each method there (recipe, cp-sat, ...). A variant may be faster than
     ``chosen``: where the search ends depends on where it started, and a regrouping of a plan it passed
     over can win (ViT-L on 8 GPUs at 5GB: 49.8 ms from the hand-written full checkpointing regrouped,
     83.2 ms from the plan polish ended on). The status says what it costs. Returns (the plan, its

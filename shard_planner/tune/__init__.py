@@ -97,7 +97,7 @@ def tune_model(model_path: str, *, gpus: int, mem_budget_bytes: int, profile: st
     plan = plan_model(trace, request).plan
     candidates = top_candidates(trace, plan, prior, trials, estimate=estimate,
                                 solve=lambda budget: plan_model(trace, replace(request, mem_budget_bytes=budget)).plan,
-                                extra=hand_written_plans(trace, plan))
+                                extra=recipe_plans(trace, plan))
     task = hf_options.task if hf_options is not None else None
     candidates = [replace(c, plan=as_planned(c.plan, task, model_file.finetune)) for c in candidates]
     if run_plans is None:
@@ -152,16 +152,17 @@ def _degree_trace(model_file, param_dtype: str, tp: int, trace, *, sequence_para
     return trace, styles
 
 
-def hand_written_plans(trace, plan) -> list[tuple]:
-    """The hand-written policies (shard_planner/solve/baselines.py) with ``plan``'s global choices: its mesh
+def recipe_plans(trace, plan) -> list[tuple]:
+    """The recipes (shard_planner/recipes.py) with ``plan``'s global choices and each recipe's CPU offload: its mesh
     (the tensor-parallel degree and styles too) and its shard group's ranks per node, as the solver's space
     has them (solve/context.py ``space``: a shard group's ranks are tp apart)."""
-    from shard_planner.solve.baselines import hand_written_units
+    from shard_planner.recipes import recipes_for
     from shard_planner.solve.space import build_space
 
     space = build_space(trace, shard_group=plan.mesh.shard_group_size,
                         gpus_per_node=plan.mesh.shard_ranks_per_node(plan.cluster.gpus_per_node))
-    return [(replace(plan, units=units), f"policy: {name}") for name, units in hand_written_units(space, trace)]
+    return [(replace(plan, units=units, training=replace(plan.training, cpu_offload=r.cpu_offload)), f"recipe: {r.title}")
+            for r, units in recipes_for(space, trace) if not r.cpu_offload or plan.training.cpu_offload]
 
 
 def _with_profile(result: TuneResult, profile_path: str) -> TuneResult:

@@ -98,7 +98,7 @@ def test_frontier_plot_content():
     tp = plan_throughput(plan)
     assert tuple(chosen.get_offsets()[0]) == pytest.approx((plan.predicted.peak_bytes / GIB, tp.of(plan.predicted.step_time_s)))
     labels = [t.get_text() for t in fig.legends[0].get_texts()]
-    for b in plan.baselines:  # every hand-written policy has its own labelled marker
+    for b in plan.baselines:  # every recipe has its own labelled marker
         assert len(gid_artists(fig, f"baseline:{b.description}")) == 1
         assert any(label.replace("\n", " ").startswith(b.description) for label in labels)
     assert "no reshard (ZeRO-2-like) (does not fit)" in [label.replace("\n", " ") for label in labels]
@@ -247,7 +247,7 @@ def test_peak_between_usable_and_mem_does_not_fit(tmp_path):
     assert summary["cluster"].endswith(
         "budget --mem 40.00 GiB per GPU, 37.88 GiB usable (--mem less the 5.3% margin of the allocator simulation)")
     # The fastest policy within 37.88 GiB (34 GiB, 1.38 s), not the faster one at 38 GiB (1.30 s).
-    assert summary["vs hand-written"].endswith("that fits (torchtitan default (per block, reshard))")
+    assert summary["vs recipes"].endswith("that fits (torchtitan default (per block, reshard))")
     md = (write_report(plan, tmp_path).parent / "report.md").read_text()
     assert "| chosen | chosen plan | 38.0 | 1.270 | 51,603 | NO |" in md
 

@@ -170,10 +170,10 @@ def test_plan_fits_in_the_simulator_and_beats_hand_written(trace8, roomy_plan):
     plan = roomy_plan
     est = simulate(trace8, replace(plan, predicted=None), PROFILE)
     assert est.memory.peak_bytes == plan.predicted.peak_bytes <= 3 * GIB
-    assert plan.solver.method in ("cp-sat", "hand-written") and plan.solver.seconds > 0
+    assert plan.solver.method in ("cp-sat", "recipe") and plan.solver.seconds > 0
     fitting = [b for b in plan.baselines if b.fits]
     assert fitting and plan.predicted.step_time_s <= min(b.step_time_s for b in fitting)
-    assert {b.description for b in plan.baselines} >= {"torchtitan default (per block, reshard)",
+    assert {b.description for b in plan.baselines} >= {"torchtitan (per block, reshard, no AC)",
                                                       "full activation checkpointing"}
     # the frontier is a Pareto set: peaks rise as step times fall
     pts = plan.frontier
@@ -294,12 +294,11 @@ def _unit_of(trace, units, fqn):
 
 
 def _every_plans_units(trace, budgets_mib, micro_batches):
-    from shard_planner.solve.baselines import POLICIES
+    from shard_planner.recipes import RECIPES
     from shard_planner.solve.space import build_space
 
     prof = _cpu_gloo()
-    out = [policy(build_space(trace, shard_group=2, gpus_per_node=2))
-           for _name, policy in POLICIES]
+    out = [r.units(build_space(trace, shard_group=2, gpus_per_node=2)) for r in RECIPES]
     for mb in micro_batches:
         for mib in budgets_mib:
             try:
@@ -379,11 +378,11 @@ def _alternatives(trace, plan, budget_bytes, prof):
     root's reshard flipped."""
     from shard_planner.cost import estimate
     from shard_planner.plan import ROOT, Unit
-    from shard_planner.solve.baselines import POLICIES
+    from shard_planner.recipes import RECIPES
 
     space = build_space(trace, shard_group=plan.mesh.shard, gpus_per_node=plan.cluster.gpus_per_node)
     base = replace(plan, predicted=None, prefetch=Prefetch())
-    alts = [replace(base, units=policy(space)) for _name, policy in POLICIES]
+    alts = [replace(base, units=r.units(space)) for r in RECIPES if not r.cpu_offload]
     alts += [replace(base, units=(Unit((ROOT,), reshard_after_forward=r),)) for r in (False, True)]
     alts.append(replace(plan, predicted=None, units=tuple(
         replace(u, reshard_after_forward=u.reshard_after_forward is not True) if u.is_root else u for u in plan.units)))

@@ -22,7 +22,7 @@ from shard_planner.execute.apply import check_plan_matches
 from shard_planner.modelfile import load_model_file
 from shard_planner.plan import ROOT, Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit
 from shard_planner.solve import PlanRequest, plan_model, simpler
-from shard_planner.solve.baselines import POLICIES
+from shard_planner.recipes import RECIPES
 from shard_planner.solve.polish import MIN_GAIN, neighbours, polish
 from shard_planner.solve.space import build_space
 from shard_planner.trace.structure import model_fingerprint
@@ -85,11 +85,11 @@ def test_polish_finds_the_faster_plan_two_moves_away(traces, gloo, monkeypatch):
 
 @pytest.mark.parametrize("usable_mib,micro_batch", [(3, 4), (6, 8), (16, 1)])
 def test_never_over_budget_nor_slower_and_a_local_optimum(traces, gloo, usable_mib, micro_batch):
-    """From every hand-written policy that fits: the result fits, is never slower, and no neighbour
+    """From every recipe that fits: the result fits, is never slower, and no neighbour
     that fits is faster by more than MIN_GAIN (the search converged)."""
     trace, usable = traces[LLAMA], usable_mib * MIB
     space = build_space(trace, shard_group=2, gpus_per_node=2)
-    starts = [_plan(trace, LLAMA, policy(space), micro_batch=micro_batch) for _, policy in POLICIES]
+    starts = [_plan(trace, LLAMA, r.units(space), micro_batch=micro_batch) for r in RECIPES if not r.cpu_offload]
     starts = [p for p in starts if _judge(trace, p, gloo)[1] <= usable]
     assert starts
     for start in starts:

@@ -26,10 +26,13 @@ def _request(mem_bytes, prof=PROFILE, **kw):
 
 
 def test_the_answer_survives_and_says_what_it_holds(trace8):
-    """At 2 GiB the fastest plan by allocated peak runs out of memory in the allocator: the answer is one that
+    """At 1.9 GiB the fastest plan by allocated peak runs out of memory in the allocator: the answer is one that
     survives (the status says why it is not the fastest), its prediction carries the allocator's figures,
-    and every frontier point marked fitting fits by the allocator too."""
-    result = plan_model(trace8, _request(2 * GIB))
+    and every frontier point marked fitting fits by the allocator too. (At 2 GiB, where this was shown before
+    the recipes joined the search, the search now starts from torchtitan's units and its answer, 224.8 ms,
+    survives; the one before, 233.4 ms, did not: shard_planner/solve/never_worse.py.)"""
+    mem = int(1.9 * GIB)
+    result = plan_model(trace8, _request(mem))
     plan, fit = result.plan, result.fit
     assert fit.survives and "ran out of memory in the simulated allocator" in plan.solver.status
     assert fit == device_fit(CostModel(trace8, PROFILE), plan)
@@ -39,8 +42,8 @@ def test_the_answer_survives_and_says_what_it_holds(trace8):
     assert p.reserved_peak_bytes > p.peak_bytes  # reserved exceeds what it hands out
     assert plan.cluster.expandable_segments
     fitting = [q for q in plan.frontier if q.fits]
-    assert fitting and all(q.peak_bytes <= PROFILE.tensor_budget_bytes(2 * GIB) for q in fitting)
-    unchecked = plan_model(trace8, _request(2 * GIB, allocator_check=False))  # the allocated peak alone
+    assert fitting and all(q.peak_bytes <= PROFILE.tensor_budget_bytes(mem) for q in fitting)
+    unchecked = plan_model(trace8, _request(mem, allocator_check=False))  # the allocated peak alone
     assert unchecked.fit is None and unchecked.plan.predicted.reserved_peak_bytes is None
     assert unchecked.plan.predicted.step_time_s <= p.step_time_s and unchecked.plan.predicted.peak_bytes > p.peak_bytes
 
