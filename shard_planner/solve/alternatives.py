@@ -48,7 +48,7 @@ def recipe_plan(trace: ModelTrace, request: PlanRequest, name: str) -> Plan:
     recipe = recipe_named(name)
     ctx = PlanContext(trace, request)
     try:
-        mesh = Mesh(shard=request.gpus // trace.tp_size, tp=trace.tp_size)
+        mesh = Mesh.fsdp(request.gpus, trace.tp_size)  # plain FSDP over every tp group
         units = recipe.units(ctx.space(mesh))
         refusal = checkpointing_refusal(trace.model_path, trace.forward_cache)
         if refusal is not None and any(u.activation_checkpoint for u in units):
