@@ -59,6 +59,13 @@ def recipe_plan(trace: ModelTrace, request: PlanRequest, name: str) -> Plan:
         ctx.close()
 
 
+def start_plans(ctx: PlanContext) -> list[Checked]:
+    """The plans the request starts from (``PlanRequest.start_plans``: the degree screen's best), judged here
+    at their own global choices."""
+    return [ctx.check_units(p.units, GlobalChoice.of_plan(p), "the degree's screened plan", method="screen")
+            for p in ctx.request.start_plans]
+
+
 def root_resharded(ctx: PlanContext, found: list[Checked]) -> list[Checked]:
     """The solver's plans with the root unit resharded after forward. The program keeps the root's
     parameters (one-off modules left to it: embeddings, final norm, head) gathered all step, as FSDP2

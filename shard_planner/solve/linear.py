@@ -93,7 +93,7 @@ from shard_planner.cost.unit_bytes import UnitBytes, reduce_scatter_backend_temp
 from shard_planner.cost.unit_cost import UnitCost
 from shard_planner.cost.unit_params import UnitParams
 from shard_planner.dtypes import DTYPE_BYTES
-from shard_planner.plan import Mesh, Prefetch, Training
+from shard_planner.plan import Mesh, Plan, Prefetch, Training
 from shard_planner.profile import HardwareProfile
 from shard_planner.solve.accumulation import NO_ACCUMULATION, Accumulation
 from shard_planner.solve.candidate_costs import CandidateCosts, candidate_costs
@@ -128,6 +128,13 @@ class GlobalChoice:
         acc = f", {self.accumulation.label}" if self.accumulation.steps > 1 else ""
         return (f"micro-batch {self.micro_batch}{acc}, prefetch fwd {self.prefetch.forward}/bwd "
                 f"{self.prefetch.backward}, {mesh}{off}")
+
+    @classmethod
+    def of_plan(cls, plan: Plan) -> "GlobalChoice":
+        """The choice ``plan`` was made at (its micro-batch, prefetch, mesh, offload and accumulation)."""
+        t = plan.training
+        return cls(t.micro_batch, plan.prefetch, plan.mesh, t.cpu_offload,
+                   Accumulation(t.accumulation_steps, t.gradient_sync, t.keep_params_gathered))
 
     def training(self, base: Training) -> Training:
         """The plan's training section for this choice: ``base`` (optimizer, dtypes) with its decisions."""

@@ -124,7 +124,8 @@ def _plan(ctx: PlanContext) -> PlanResult:
         swept = sweep(ctx, best, request.frontier_points)
     with ctx.clock.stage("baselines"):  # every recipe at every global choice found (never_worse.py)
         recipes = alternatives.recipes(ctx, dict.fromkeys(c.choice for c in (best, *found)))
-        others = alternatives.root_resharded(ctx, found) + alternatives.no_wrapping(ctx, best.choice) + recipes
+        others = (alternatives.root_resharded(ctx, found) + alternatives.no_wrapping(ctx, best.choice) + recipes
+                  + alternatives.start_plans(ctx))
     evaluated = swept + others
     pool = found + [c for c in evaluated if c.peak_bytes <= ctx.budget_bytes]
     chosen = max(pool, key=speed)  # the simulators' numbers decide

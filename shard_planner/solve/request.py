@@ -82,6 +82,9 @@ class PlanRequest:
     # the ranks that will run the plan's step on this host, when not the plan's gpus (tune runs an 8-GPU plan
     # re-derived for 2 CPU ranks): the "N ranks share this host's cores" warning names them; None: gpus
     run_ranks: int | None = None
+    # plans the search judges beside its own and may answer with: the degree screen's best (solve/tp_search.py
+    # [Note: Screening the degrees]), so that a degree's full search is never slower than its screen
+    start_plans: tuple[Plan, ...] = ()
 
     def __post_init__(self):
         if not _positive_int(self.gpus) or not _positive_int(self.gpus_per_node):

@@ -24,13 +24,19 @@ cluster: at one global batch, the step time.
 [Note: Screening the degrees]
   A full search costs seconds per degree at scale (Llama 3 70B on 256 GPUs: 5-10 s each), so every degree
   is first screened (planner.py ``screen_degree``: at each micro-batch, plain FSDP and default prefetch, the
-  heuristic cover, the uniform covers fastest first until one fits and the hand-written policies, under a
-  second; its answer's allocator retries priced as the search prices its own), and only the degrees
-  whose screened speed is within ``SCREEN_MARGIN`` of the best screened one are searched in full. The margin
-  is what the full search has been seen to gain over the screen, rounded up: on Llama 3 70B at 256 GPUs (seq
-  8192, global batch 512) +0.5%, +3.1%, +1.3% and +1.2% at TP 1, 2, 4, 8; on 405B at 512 GPUs (global batch
-  256) +1.4%, +0.8% and +1.1% at TP 2, 4, 8 (without the uniform covers the screen missed TP 4's 70B
-  answer by 8.5%: the full search ends on a uniform cover often). A degree screened out keeps its screened
+  heuristic cover, the uniform covers fastest first until one fits and the recipes, under a second; its answer's allocator retries priced as the search prices its own), and only the degrees
+  whose screened speed is within ``SCREEN_MARGIN`` of the best screened one are searched in full, each
+  search starting from its degree's screened plan (``PlanRequest.start_plans``: so a degree's answer is never
+  slower than its screen; before, Llama 3 70B on 64 H100s at 80GB answered TP 2 1.9% slower than its screen,
+  on the allocator's retries). The margin is the most the full search has been seen to gain over the screen,
+  rounded up. With the recipes in the screen (solve/never_worse.py) it gains, at TP 1, 2, 4, 8: Llama 3 8B
+  on 8 GPUs at 40GB 0.00%, 0.00%, +0.26%, +16.2% (TP 4 and 8 screened 14% and 38% behind); 70B on 64 GPUs at
+  80GB 0.00%, 0.00%, 0.00%, -0.03% (the simplification's trade); 70B on 256 GPUs (seq 8192, global batch
+  512) +0.08%, 0.00%, +1.68%, +1.20%; 405B on 512 GPUs (seq 8192, global batch 256; TP 1 fits nothing)
+  +0.38%, +0.14% and 0.00% at TP 2, 4, 8 (benchmarks/bench_screen_margin.py ->
+  reports/benchmarks/screen_margin.md). Hence 2%; before the recipes joined the screen
+  it gained up to +3.1% and the margin was 4% (without the uniform covers the screen missed TP 4's 70B answer
+  by 8.5%: the full search ends on a uniform cover often). A degree screened out keeps its screened
   figures (``judged="screened"``: what a search would at least find) and the summary says so. A degree
   whose screen finds no plan is searched only when no degree's screen found one (the search may, where
   the screen does not). Options may arrive one by one (an iterator: the command's helpers trace the next
@@ -57,7 +63,7 @@ from shard_planner.trace.types import ModelTrace
 
 logger = logging.getLogger(__name__)
 
-SCREEN_MARGIN = 0.04  # a degree screened this much slower than the best screened one is not searched in full
+SCREEN_MARGIN = 0.02  # a degree screened this much slower than the best screened one is not searched in full
 
 
 @dataclass(frozen=True)
@@ -123,7 +129,7 @@ def plan_over_degrees(options: Iterable[DegreeOption], request: PlanRequest, *,
     for degree, c in screened.items():
         if degree not in to_search and c is not None:
             outcomes[degree] = _screened_outcome(degree, c)
-    results = _search(by_degree, to_search, request, beside, outcomes, errors)
+    results = _search(by_degree, screened, to_search, request, beside, outcomes, errors)
     if not results:
         if errors:
             raise errors[0]
@@ -135,8 +141,10 @@ def plan_over_degrees(options: Iterable[DegreeOption], request: PlanRequest, *,
                    timings=timings)
 
 
-def _request_for(opt: DegreeOption, request: PlanRequest) -> PlanRequest:
-    return replace(request, tensor_parallel=opt.tensor_parallel)
+def _request_for(opt: DegreeOption, request: PlanRequest, screened: Checked | None = None) -> PlanRequest:
+    """``request`` at ``opt``'s degree; the search starts from the degree's screened plan when there is one."""
+    return replace(request, tensor_parallel=opt.tensor_parallel,
+                   start_plans=(screened.plan,) if screened is not None else ())
 
 
 def _worth_searching(screened: dict[int, Checked | None]) -> list[int]:
@@ -149,17 +157,20 @@ def _worth_searching(screened: dict[int, Checked | None]) -> list[int]:
     return sorted(kept, key=lambda d: -found[d].samples_per_s)
 
 
-def _search(by_degree: dict[int, DegreeOption], degrees: list[int], request: PlanRequest, beside: Beside | None,
-            outcomes: dict[int, DegreeOutcome], errors: list[UserError]) -> list[PlanResult]:
-    """``plan_model`` for each of ``degrees``: the first here, the others ``beside`` when given (started
-    before this process's own search, so that they run at the same time); each outcome recorded."""
-    started = {d: beside(plan_model, by_degree[d].trace, _request_for(by_degree[d], request))
-               for d in degrees[1:]} if beside is not None else {}
+def _search(by_degree: dict[int, DegreeOption], screened: dict[int, Checked | None], degrees: list[int],
+            request: PlanRequest, beside: Beside | None, outcomes: dict[int, DegreeOutcome],
+            errors: list[UserError]) -> list[PlanResult]:
+    """``plan_model`` for each of ``degrees``, from its screened plan: the first here, the others ``beside``
+    when given (started before this process's own search, so that they run at the same time); each outcome
+    recorded."""
+    requests = {d: _request_for(by_degree[d], request, screened.get(d)) for d in degrees}
+    started = ({d: beside(plan_model, by_degree[d].trace, requests[d]) for d in degrees[1:]} if beside is not None
+               else {})
     results = []
     for d in degrees:
         opt = by_degree[d]
         try:
-            r = started[d].result() if d in started else plan_model(opt.trace, _request_for(opt, request))
+            r = started[d].result() if d in started else plan_model(opt.trace, requests[d])
         except (InfeasibleError, UserError) as e:
             errors.append(e)
             outcomes[d] = DegreeOutcome(d, judged="refused", refused=first_line(e))
