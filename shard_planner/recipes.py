@@ -8,7 +8,8 @@ A recipe fixes some knobs and leaves the rest to the planner, as the stack it co
 recipe may fix (:data:`RECIPE_KNOBS`): the wrap (which modules are units), reshard after forward, activation
 checkpointing, CPU offload and the prefetch depths. The planner always keeps the micro-batch, the gradient
 accumulation and the tensor-parallel degree (a recipe is priced at each of the search's global choices), and
-the prefetch depths where the recipe's stack does not expose them (the generic recipes: ZeRO-2-like, full AC).
+the prefetch depths where the recipe's stack does not expose them (the generic recipes: FSDP2 per block,
+ZeRO-2-like, full AC).
 
 - torchtitan (torchtitan/models/llama3/infra/parallelize.py, ``apply_fsdp`` with
   ``reshard_after_forward_policy = "default"``): ``fully_shard`` on ``tok_embeddings`` and on every
@@ -33,6 +34,11 @@ the prefetch depths where the recipe's stack does not expose them (the generic r
   sibling modules; what is left stays in the root. Accelerate's ``fsdp2_prepare_model``
   (src/accelerate/utils/fsdp_utils.py) calls ``fully_shard`` with the plugin's ``reshard_after_forward`` on
   every module its wrap policy matches and then on the root, and sets no explicit prefetch.
+- FSDP2 per block (PyTorch's "Getting Started with FSDP2" tutorial, and ``fully_shard``'s docs: apply it
+  bottom-up, every transformer block, then the root): every block a unit with ``reshard_after_forward=True``
+  (``fully_shard``'s default), the root not resharded (its docs: the root's value is set to False, since its
+  parameters would be all-gathered again at once for backward); no AC, no offload; prefetch left to the
+  planner (the tutorial shows explicit prefetching as an option).
 - ZeRO-2-like: one unit per block with ``reshard_after_forward=False`` everywhere (parameters stay gathered
   from forward to backward), FSDP2's SHARD_GRAD_OP; prefetch left to the planner.
 - full AC: one unit per block, resharded, every block checkpointed; prefetch left to the planner.
@@ -159,6 +165,9 @@ def accelerate_size_wrap(space: SearchSpace, min_num_params: int = SIZE_BASED_MI
 TITAN = "torchtitan/models/llama3/infra/parallelize.py apply_fsdp, _apply_ac_to_transformer_block"
 TUNE = "torchtune/training/_distributed.py shard_model, get_shard_conditions"
 ACCELERATE = "accelerate src/accelerate/utils/fsdp_utils.py fsdp2_prepare_model"
+# PyTorch's "Getting Started with FSDP2" tutorial: fully_shard(layer) for every block, then fully_shard(model); the
+# root's reshard_after_forward is False (fully_shard's docs: the root's parameters are all-gathered again at once)
+FSDP2_DOCS = "pytorch.org/tutorials/intermediate/FSDP_tutorial.html; torch.distributed.fsdp.fully_shard docs"
 _STACK_FIXED = (WRAP, RESHARD, AC, OFFLOAD, PREFETCH)
 _GENERIC_FIXED = (WRAP, RESHARD, AC, OFFLOAD)
 
@@ -176,6 +185,8 @@ RECIPES: tuple[Recipe, ...] = (
     Recipe("accelerate-transformer-wrap", "Accelerate TRANSFORMER_BASED_WRAP", ACCELERATE,
            _per_block(True, True, False)),
     Recipe("accelerate-size-wrap", "Accelerate SIZE_BASED_WRAP (1e8)", ACCELERATE, accelerate_size_wrap),
+    Recipe("fsdp2-per-block", "FSDP2 per block, then the root", FSDP2_DOCS, _per_block(False, True, False),
+           fixes=_GENERIC_FIXED),
     Recipe("zero2-like", "ZeRO-2-like (no reshard)", "FSDP2 reshard_after_forward=False (SHARD_GRAD_OP)",
            _per_block(False, False, False), fixes=_GENERIC_FIXED),
     Recipe("full-ac", "full activation checkpointing", "torch.utils.checkpoint on every block",
