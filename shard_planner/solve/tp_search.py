@@ -30,8 +30,8 @@ cluster: at one global batch, the step time.
   slower than its screen; before, Llama 3 70B on 64 H100s at 80GB answered TP 2 1.9% slower than its screen,
   on the allocator's retries). The margin is the most the full search has been seen to gain over the screen,
   rounded up. With the recipes in the screen (solve/never_worse.py) it gains, at TP 1, 2, 4, 8: Llama 3 8B
-  on 8 GPUs at 40GB 0.00%, 0.00%, +0.26%, +16.2% (TP 4 and 8 screened 14% and 38% behind); 70B on 64 GPUs at
-  80GB 0.00%, 0.00%, 0.00%, -0.03% (the simplification's trade); 70B on 256 GPUs (seq 8192, global batch
+  on 8 GPUs at 40GB 0.00%, +0.02%, +0.26%, +16.2% (TP 4 and 8 screened 14% and 39% behind); 70B on 64 GPUs at
+  80GB 0.00%, 0.00%, +0.01%, -0.03% (the simplification's trade); 70B on 256 GPUs (seq 8192, global batch
   512) +0.08%, 0.00%, +1.68%, +1.20%; 405B on 512 GPUs (seq 8192, global batch 256; TP 1 fits nothing)
   +0.38%, +0.14% and 0.00% at TP 2, 4, 8 (benchmarks/bench_screen_margin.py ->
   reports/benchmarks/screen_margin.md). Hence 2%; before the recipes joined the screen
