@@ -5,7 +5,7 @@ mixed precision is what the export's note says Accelerate runs (bf16 reduce unle
 
 import pytest
 
-from tests.ecosystem.conftest import INSTALL, PLANS_8B
+from tests.ecosystem.conftest import INSTALL, PLANS_8B, llama_size
 
 pytestmark = pytest.mark.ecosystem
 accelerate = pytest.importorskip("accelerate", reason=f"Accelerate: {INSTALL}")
@@ -28,6 +28,8 @@ def test_accelerate_plugin_means_the_plan(name, llama_8b_exports, tmp_path, monk
     from accelerate.utils import FullyShardedDataParallelPlugin
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
+    from shard_planner.report.export import model_info_for_plan
+    from shard_planner.report.export.accelerate import wrap_classes
     from shard_planner.report.export.common import uniform_reshard
 
     plan, exports = llama_8b_exports[name]
@@ -42,9 +44,12 @@ def test_accelerate_plugin_means_the_plan(name, llama_8b_exports, tmp_path, monk
     assert plugin.reshard_after_forward == uniform_reshard(plan)[0]  # the plan's, or true where it mixes (noted)
     assert plugin.activation_checkpointing == any(bool(u.activation_checkpoint) for u in units)
     assert isinstance(plugin.cpu_offload, CPUOffloadPolicy) == plan.training.cpu_offload
-    # one unit per block, or the root alone (NO_WRAP: the 8B plan at --global-batch 512 keeps the whole model
-    # gathered over its 256 micro-steps at TP 4)
-    assert plugin.transformer_cls_names_to_wrap == (["TransformerBlock"] if units else None)
+    # the classes of the plan's units (the blocks, and the embeddings where a recipe made them a unit), or the
+    # root alone (NO_WRAP: a plan that keeps the whole model gathered over its micro-steps)
+    with llama_size("8b"):
+        classes = wrap_classes(plan, model_info_for_plan(plan))[0]
+    assert plugin.transformer_cls_names_to_wrap == (classes or None)
+    assert not units or "TransformerBlock" in classes
     plugin.set_mixed_precision("bf16")  # what AcceleratorState does with mixed_precision: bf16
     assert plugin.mixed_precision_policy.reduce_dtype == torch.bfloat16  # the export's note says so
     assert any("Accelerate reduce-scatters them in bfloat16" in n for n in exports["accelerate"].notes)

@@ -43,7 +43,7 @@ def test_every_candidate_keeps_the_degree_and_its_styles():
     assert styles is not None and styles.sequence_parallel and styles.loss_parallel
     assert "layers.0.attention.wq" in styles.styles_by_fqn
     sources = {t.candidate.source.split(" ")[0].rstrip(":") for t in result.trials}
-    assert {"solver", "policy", "prefetch"} <= sources, sources  # re-solves, neighbours, hand-written policies
+    assert {"solver", "recipe", "prefetch"} <= sources, sources  # re-solves, neighbours, the recipes
     assert len(ran) == len(result.trials) > 5
     for p in [t.candidate.plan for t in result.trials] + ran:
         assert (p.mesh.tp, p.mesh.shard, p.tensor_parallel) == (2, 2, styles), p.mesh
