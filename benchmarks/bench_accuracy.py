@@ -219,7 +219,7 @@ def run_memtracker_part(cases=MEMTRACKER_CASES) -> list[dict]:
     from cost_memtracker import memtracker_peaks  # tests/models/, put on the path by bench_vs_memtracker
 
     from shard_planner.cost import simulate_memory
-    from shard_planner.profile import load_profile
+    from shard_planner.hardware.profile import load_profile
     from shard_planner.trace import trace_model
 
     profile = dataclasses.replace(load_profile("h100-80gb"), reserved_bytes=0, per_process_group_bytes=0)
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     common.quiet_logs()
     common.set_model_size(None)
-    from shard_planner.profile import load_profile
+    from shard_planner.hardware.profile import load_profile
 
     profile = load_profile(args.profile)
     also = [load_profile(p) for p in args.also_profile]

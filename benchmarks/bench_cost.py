@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "tests" / "models"))
 
 from shard_planner.cost import CostModel  # noqa: E402
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit  # noqa: E402
-from shard_planner.profile import load_profile  # noqa: E402
+from shard_planner.hardware.profile import load_profile  # noqa: E402
 
 
 def plans(trace, layer_type: str):

@@ -45,10 +45,10 @@ from shard_planner.cost import estimate  # noqa: E402
 from shard_planner.cost.kernels import MATMUL  # noqa: E402
 from shard_planner.errors import InfeasibleError  # noqa: E402
 from shard_planner.fileio import write_atomic  # noqa: E402
-from shard_planner.finetune import ALL_LINEAR, FineTune  # noqa: E402
-from shard_planner.hf import HfOptions  # noqa: E402
-from shard_planner.modelfile import load_model_file  # noqa: E402
-from shard_planner.profile import load_profile  # noqa: E402
+from shard_planner.plan.finetune import ALL_LINEAR, FineTune  # noqa: E402
+from shard_planner.model.hf import HfOptions  # noqa: E402
+from shard_planner.model.modelfile import load_model_file  # noqa: E402
+from shard_planner.hardware.profile import load_profile  # noqa: E402
 from shard_planner.solve import PlanRequest, plan_model  # noqa: E402
 from shard_planner.trace import trace_model  # noqa: E402
 from shard_planner.units import format_bytes, parse_bytes  # noqa: E402

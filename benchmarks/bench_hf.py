@@ -29,8 +29,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import OUT_DIR, load_text, print_table, quiet_logs, write_csv  # noqa: E402
 from shard_planner.errors import InfeasibleError  # noqa: E402
 from shard_planner.fileio import write_atomic  # noqa: E402
-from shard_planner.modelfile import load_model_file  # noqa: E402
-from shard_planner.profile import load_profile  # noqa: E402
+from shard_planner.model.modelfile import load_model_file  # noqa: E402
+from shard_planner.hardware.profile import load_profile  # noqa: E402
 from shard_planner.solve import PlanRequest, plan_model  # noqa: E402
 from shard_planner.trace import trace_model  # noqa: E402
 from shard_planner.units import format_bytes, parse_bytes  # noqa: E402

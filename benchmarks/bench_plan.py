@@ -46,8 +46,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from shard_planner.errors import InfeasibleError  # noqa: E402
-from shard_planner.modelfile import load_model_file  # noqa: E402
-from shard_planner.profile import load_profile  # noqa: E402
+from shard_planner.model.modelfile import load_model_file  # noqa: E402
+from shard_planner.hardware.profile import load_profile  # noqa: E402
 from shard_planner.solve import PlanRequest, plan_model  # noqa: E402
 from shard_planner.trace import trace_model  # noqa: E402
 from shard_planner.units import format_bytes, parse_bytes  # noqa: E402

@@ -83,10 +83,10 @@ def exhaustive_space(trace, base) -> list[tuple[str, object]]:
 
 def hand_written(trace, base) -> list[tuple[str, object]]:
     """The policies people write by hand, as the solver defines them for its report
-    (shard_planner/recipes.py: torchtitan, torchtune, Accelerate TRANSFORMER_BASED_WRAP and
+    (shard_planner/plan/recipes.py: torchtitan, torchtune, Accelerate TRANSFORMER_BASED_WRAP and
     SIZE_BASED_WRAP, ZeRO-2-like, full activation checkpointing; those that offload left out), plus the
     whole model as one unit."""
-    from shard_planner.recipes import RECIPES
+    from shard_planner.plan.recipes import RECIPES
     from shard_planner.solve.space import build_space
 
     space = build_space(trace, shard_group=base.mesh.shard, gpus_per_node=base.cluster.gpus_per_node)
@@ -117,7 +117,7 @@ def prepare(model: str, profile, planners=()) -> Case:
     ``profile``; and with each of ``planners`` ((suffix, profile) pairs) too, as budget "label suffix"."""
     from shard_planner.cost import estimate
     from shard_planner.errors import InfeasibleError
-    from shard_planner.measurement import plan_fingerprint
+    from shard_planner.plan.measurement import plan_fingerprint
     from shard_planner.solve import PlanRequest, plan_model
     from shard_planner.trace import trace_model
 
@@ -501,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("rounds and steps must be at least 1")
     common.quiet_logs()
     common.set_model_size(None)
-    from shard_planner.profile import load_profile
+    from shard_planner.hardware.profile import load_profile
 
     profile = load_profile(args.profile)
     start = time.perf_counter()

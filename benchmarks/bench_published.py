@@ -68,7 +68,7 @@ from published_classes import by_gpu, class_shares  # noqa: E402
 from shard_planner.cost import simulate_time  # noqa: E402
 from shard_planner.fileio import write_atomic  # noqa: E402
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit  # noqa: E402
-from shard_planner.profile import HardwareProfile, load_profile  # noqa: E402
+from shard_planner.hardware.profile import HardwareProfile, load_profile  # noqa: E402
 from shard_planner.trace import ModelTrace, trace_model  # noqa: E402
 
 logger = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
 """Never worse than a recipe (issue 38): per case, the planner's answer beside every recipe people run
-(shard_planner/recipes.py), each recipe priced here apart from the planner by the same cost model.
+(shard_planner/plan/recipes.py), each recipe priced here apart from the planner by the same cost model.
 
     python benchmarks/bench_recipes.py [--only SUBSTR] [--max-cases N] [--max-s S]
 
@@ -43,12 +43,12 @@ from shard_planner.cost import CostModel  # noqa: E402
 from shard_planner.cost.fits import device_fit  # noqa: E402
 from shard_planner.errors import InfeasibleError  # noqa: E402
 from shard_planner.fileio import write_atomic  # noqa: E402
-from shard_planner.finetune import FineTune  # noqa: E402
-from shard_planner.hf import HfOptions  # noqa: E402
-from shard_planner.modelfile import load_model_file  # noqa: E402
+from shard_planner.plan.finetune import FineTune  # noqa: E402
+from shard_planner.model.hf import HfOptions  # noqa: E402
+from shard_planner.model.modelfile import load_model_file  # noqa: E402
 from shard_planner.plan import Prefetch  # noqa: E402
-from shard_planner.profile import load_profile  # noqa: E402
-from shard_planner.recipes import RECIPES  # noqa: E402
+from shard_planner.hardware.profile import load_profile  # noqa: E402
+from shard_planner.plan.recipes import RECIPES  # noqa: E402
 from shard_planner.solve import PlanRequest, plan_model  # noqa: E402
 from shard_planner.solve.never_worse import RECIPE_TOLERANCE  # noqa: E402
 from shard_planner.solve.planner import PREFETCH_CHOICES  # noqa: E402

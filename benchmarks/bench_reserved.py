@@ -71,8 +71,8 @@ def _trace(key: tuple[str, str], cache: dict):
 
 def rows_for(folder: Path, profile_name: str) -> list[dict]:
     from shard_planner.cost import CostModel
-    from shard_planner.measurement import load_measurement
-    from shard_planner.profile import load_profile
+    from shard_planner.plan.measurement import load_measurement
+    from shard_planner.hardware.profile import load_profile
 
     profile = load_profile(profile_name)
     traces: dict = {}
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
           file=out)
     print(f"- reserved / allocated: measured median {statistics.median(r['measured_ratio'] for r in rows):.3f}, "
           f"simulated median {statistics.median(r['sim_ratio'] for r in rows):.3f}", file=out)
-    from shard_planner.profile import load_profile
+    from shard_planner.hardware.profile import load_profile
 
     gaps = [round((r["measured_alloc_gib"] - r["predicted_alloc_gib"]) * 1024) for r in rows]
     print(f"- the margin this sets (shard_planner/cost/fits.py [Note: The margin on a GPU]): 1 - the median |error| = "

@@ -20,7 +20,7 @@ bf16 parameters, fp32 gradient reduction (torchtitan's mixed_precision_reduce de
 row's local batch, no gradient accumulation. FSDP2's copies on the compute stream are priced (the
 model's default: shard_planner/cost/fsdp_copies.py). Activation checkpointing as torchtitan applies it:
 "op" = selective on every block with torchtitan's own rule (``ac_save_ops = ["alternate_matmul",
-"attention_fwd"]``: SDPA outputs and every other mm kept, shard_planner/checkpointing.py [Note:
+"attention_fwd"]``: SDPA outputs and every other mm kept, shard_planner/plan/checkpointing.py [Note:
 torchtitan's op-level policy]); "layer" = selective_ac_option "2": full AC on every second block
 (torchtitan counts blocks from 1 and checkpoints block i when i % 2 == 0); "full"; "none".
 
@@ -47,11 +47,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import EXAMPLES, OUT_DIR, print_table, write_csv  # noqa: E402
-from shard_planner.checkpointing import TORCHTITAN_OP_SAVE_OPS  # noqa: E402
+from shard_planner.plan.checkpointing import TORCHTITAN_OP_SAVE_OPS  # noqa: E402
 from shard_planner.cost import CostModel  # noqa: E402
 from shard_planner.fileio import write_atomic  # noqa: E402
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit  # noqa: E402
-from shard_planner.profile import HardwareProfile, load_profile  # noqa: E402
+from shard_planner.hardware.profile import HardwareProfile, load_profile  # noqa: E402
 from shard_planner.trace.types import ModelTrace  # noqa: E402
 
 LLAMA = EXAMPLES / "llama.py"

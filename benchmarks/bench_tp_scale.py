@@ -234,8 +234,8 @@ def wall_row(case: Case, runs: list[dict]) -> dict:
 def _code_key(styles) -> str:
     """The trace cache's key material: the model file, the tracer's and tensor parallelism's code, the styles."""
     h = hashlib.sha256(LLAMA.read_bytes())
-    for p in sorted((ROOT / "shard_planner" / "trace").glob("*.py")) + [ROOT / "shard_planner" / "tp_styles.py",
-                                                                       ROOT / "shard_planner" / "tensor_parallel.py"]:
+    code = sorted((ROOT / "shard_planner" / "trace").glob("*.py")) + [ROOT / "shard_planner" / "parallel" / "tensor_parallel.py"]
+    for p in code:
         h.update(p.read_bytes())
     h.update(repr(sorted(styles.styles.items()) if styles is not None else None).encode())
     return h.hexdigest()
@@ -260,8 +260,8 @@ def trace_at(size: str, tp: int, styles, cache_dir: Path | None):
 
 def styles_for(size: str, tp: int):
     """The styles ``plan`` derives for TP ``tp`` (tp_degrees.degree_styles, sequence and loss parallel)."""
-    from shard_planner.modelfile import load_model_file
-    from shard_planner.tp_degrees import degree_styles
+    from shard_planner.model.modelfile import load_model_file
+    from shard_planner.trace.tp_degrees import degree_styles
 
     os.environ.update(SHARD_PLANNER_SIZE=size, SHARD_PLANNER_SEQ=str(SEQ))
     found = degree_styles(load_model_file(str(LLAMA)), [tp], sequence_parallel=True, loss_parallel=True, seq_len=SEQ)
@@ -272,7 +272,7 @@ def styles_for(size: str, tp: int):
 
 def mirror_plan(case: Case, trace, styles):
     """torchtitan's layout for ``case`` (module docstring), as a Plan."""
-    from shard_planner.checkpointing import TORCHTITAN_OP_SAVE_OPS
+    from shard_planner.plan.checkpointing import TORCHTITAN_OP_SAVE_OPS
     from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit
 
     n_layers = sum(1 for m in trace.modules if m.fqn.count(".") == 1 and m.fqn.startswith("layers."))
@@ -290,7 +290,7 @@ def mirror_row(case: Case, cache_dir: Path | None, chosen: dict) -> dict:
     """The planner's prediction for torchtitan's layout of ``case`` beside the published figures."""
     from shard_planner.cost import CostModel
     from shard_planner.cost.fits import device_fit
-    from shard_planner.profile import load_profile
+    from shard_planner.hardware.profile import load_profile
 
     styles = styles_for(case.size, case.mirror_tp) if case.mirror_tp > 1 else None
     trace = trace_at(case.size, case.mirror_tp, styles, cache_dir)

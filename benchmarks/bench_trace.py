@@ -61,7 +61,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from shard_planner.modelfile import load_model_file
+from shard_planner.model.modelfile import load_model_file
 world = int(sys.argv[2])
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
 mesh = init_device_mesh("cpu", (world,))  # outside FakeTensorMode (DESIGN.md)

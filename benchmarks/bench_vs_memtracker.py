@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT / "tests" / "models"))
 
 from shard_planner.cost import simulate_memory  # noqa: E402
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit  # noqa: E402
-from shard_planner.profile import load_profile  # noqa: E402
+from shard_planner.hardware.profile import load_profile  # noqa: E402
 
 MODEL = str(ROOT / "examples" / "llama.py")
 TARGET = 0.05

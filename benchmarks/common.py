@@ -132,7 +132,7 @@ def base_plan(model_path: str, trace, *, world_size: int, mem_budget_bytes: int 
               profile: str = "cpu-gloo"):
     """A plan of ``model_path`` with only its root as a unit, the model file's training settings, for
     ``world_size`` ranks: the starting point of :func:`plan_variants`."""
-    from shard_planner.modelfile import load_model_file
+    from shard_planner.model.modelfile import load_model_file
     from shard_planner.plan import ROOT, Cluster, Mesh, ModelRef, Plan, Training, Unit
 
     training = load_model_file(model_path).training
@@ -167,7 +167,7 @@ def item_runs(trace) -> tuple[list[list[str]], list[str]]:
 def _siblings_before(trace, items, item) -> set[str]:
     """The item before ``item`` when the two may share a unit: same parent, and no sibling holding
     parameters registered between them (the executor's rule, ownership.contiguous_among)."""
-    from shard_planner.ownership import contiguous_among
+    from shard_planner.plan.ownership import contiguous_among
 
     idx = items.index(item)
     if idx == 0 or items[idx - 1].parent != item.parent:

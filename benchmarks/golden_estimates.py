@@ -46,7 +46,7 @@ from common import layout, make_units, plan_variants  # noqa: E402
 from shard_planner.cost import CostModel, estimate, model_state_bytes  # noqa: E402
 from shard_planner.plan import ROOT as ROOT_MODULE  # noqa: E402
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit  # noqa: E402
-from shard_planner.profile import load_profile  # noqa: E402
+from shard_planner.hardware.profile import load_profile  # noqa: E402
 
 EXAMPLES = ("gpt2", "llama", "vit", "encdec", "unet", "shape")
 WORLD = 8  # ranks of every corpus plan but the HSDP and 2-rank ones
@@ -215,7 +215,7 @@ def record_plans() -> dict:
     """The plan ``plan_model`` chooses for bench_plan.py's cases (the 8B timing row and SPEEDUP)."""
     from bench_plan import SPEEDUP, TIMING
     from shard_planner.errors import InfeasibleError
-    from shard_planner.modelfile import load_model_file
+    from shard_planner.model.modelfile import load_model_file
     from shard_planner.solve import PlanRequest, plan_model
     from shard_planner.trace import trace_model
     from shard_planner.units import parse_bytes

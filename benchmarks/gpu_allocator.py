@@ -80,14 +80,14 @@ def make_case(name: str, device: str):
 def _cost_model():
     """The example's trace (at SHARD_PLANNER_SIZE) priced on the profile: traced once per measure."""
     from shard_planner.cost import CostModel
-    from shard_planner.profile import load_profile
+    from shard_planner.hardware.profile import load_profile
     from shard_planner.trace import trace_model
 
     return CostModel(trace_model(MODEL), load_profile(PROFILE))
 
 
 def _planner_plan(mem_bytes: int):
-    from shard_planner.modelfile import load_model_file
+    from shard_planner.model.modelfile import load_model_file
     from shard_planner.solve import PlanRequest, plan_model
 
     mf, cm = load_model_file(MODEL), _cost_model()
@@ -162,7 +162,7 @@ def measure(out: Path, device: str, cases: list[str], steps: int, timeout_s: flo
 def _sweep_caps(plan, predicted_mode: dict) -> list[dict]:
     """The caps to sweep: the predicted smallest cap x FACTORS, and --mem when it is below the device's memory
     (the plan made for a smaller GPU, run under that cap; the child takes off it the outside memory it measures)."""
-    from shard_planner.profile import load_profile
+    from shard_planner.hardware.profile import load_profile
 
     caps = [{"label": f"x{f:g}", "cap_bytes": int(predicted_mode["smallest_cap_bytes"] * f)} for f in FACTORS]
     if plan.cluster.mem_budget_bytes < load_profile(PROFILE).memory_bytes:
@@ -194,7 +194,7 @@ class _Run:
     def __init__(self, plan, device):
         from shard_planner.execute.apply import apply_plan, build_mesh
         from shard_planner.execute.worker import build_on_device, make_optimizer
-        from shard_planner.modelfile import load_model_file
+        from shard_planner.model.modelfile import load_model_file
 
         self.plan, self.device = plan, device
         self.mf = load_model_file(MODEL)
@@ -239,7 +239,7 @@ def child(spec_path: str) -> int:
     import torch
     import torch.distributed as dist
 
-    from shard_planner.allocator_conf import effective_conf
+    from shard_planner.hardware.allocator_conf import effective_conf
     from shard_planner.plan import load_plan
 
     spec = json.loads(Path(spec_path).read_text())

@@ -254,7 +254,7 @@ def price(rows: list[dict], profile_name: str) -> list[dict]:
                                             memory_bound_time_s)
     from shard_planner.cost.optimizer import optimizer_step_bytes
     from shard_planner.execute.calibrate_kernels import attention_ops, matmul_op
-    from shard_planner.profile import load_profile
+    from shard_planner.hardware.profile import load_profile
 
     profile = load_profile(profile_name)
     dev = device_of(profile, "bfloat16")
@@ -319,7 +319,7 @@ def implied_constants(rows: list[dict], profile_name: str) -> dict:
 
     from shard_planner.cost.kernels import Device, attention_time_s, device_of, matmul_time_s
     from shard_planner.execute.calibrate_kernels import _affine_eff, _closed_form_eff, attention_ops, matmul_op
-    from shard_planner.profile import load_profile
+    from shard_planner.hardware.profile import load_profile
 
     profile = load_profile(profile_name)
     dev = device_of(profile, "bfloat16")

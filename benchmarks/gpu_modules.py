@@ -24,7 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from shard_planner.modelfile import load_model_file  # noqa: E402
+from shard_planner.model.modelfile import load_model_file  # noqa: E402
 
 MODEL = str(ROOT / "examples" / "llama.py")
 MODULES = ("tok_embeddings", "layers.0", "layers.0.attention_norm", "layers.0.attention",

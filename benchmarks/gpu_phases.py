@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     from shard_planner.execute.apply import apply_plan, build_mesh
     from shard_planner.execute.kernel_timing import host_samples
     from shard_planner.execute.worker import build_on_device, make_optimizer, make_step_batch
-    from shard_planner.modelfile import load_model_file
+    from shard_planner.model.modelfile import load_model_file
     from shard_planner.plan import load_plan
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

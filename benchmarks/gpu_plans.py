@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from shard_planner.measurement import save_measurement  # noqa: E402
-from shard_planner.modelfile import load_model_file  # noqa: E402
+from shard_planner.plan.measurement import save_measurement  # noqa: E402
+from shard_planner.model.modelfile import load_model_file  # noqa: E402
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit, save_plan  # noqa: E402
 from shard_planner.trace.structure import model_fingerprint  # noqa: E402
 from shard_planner.units import format_bytes  # noqa: E402
@@ -71,7 +71,7 @@ def predict(plans: dict[str, Plan], model_path: str, profile: str) -> dict[str, 
     """Fill ``predicted`` with the cost model; on any failure say why and leave the plans bare."""
     try:
         from shard_planner.cost import estimate
-        from shard_planner.profile import load_profile
+        from shard_planner.hardware.profile import load_profile
         from shard_planner.trace import trace_model
     except ImportError as exc:
         print(f"no prediction: the cost model is not available here ({exc})")
@@ -118,7 +118,7 @@ def table(names: list[str], plans: dict[str, Plan], measurements) -> list[dict]:
 
 def report(folder: Path, profile: str) -> None:
     """Predict the plans a measure left in ``folder`` (plan-i.json, measurement-i.json) with this code."""
-    from shard_planner.measurement import load_measurement
+    from shard_planner.plan.measurement import load_measurement
     from shard_planner.plan import load_plan
 
     paths = sorted(folder.glob("plan-*.json"), key=lambda p: int(p.stem.split("-")[1]))

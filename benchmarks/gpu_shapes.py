@@ -62,7 +62,7 @@ def plans_for(name: str, profile: str) -> list[Plan]:
     """Per-block FSDP2 units at world size 1, without and with full activation checkpointing."""
     import torch
 
-    from shard_planner.modelfile import load_model_file
+    from shard_planner.model.modelfile import load_model_file
     from shard_planner.trace.structure import model_fingerprint
 
     mf = load_model_file(str(SHAPE_FILE))
@@ -80,7 +80,7 @@ def plans_for(name: str, profile: str) -> list[Plan]:
 
 def measure(out: Path, steps: int, warmup: int, timeout_s: float, only: list[str] | None, device: str) -> None:
     from shard_planner.execute import run_plans
-    from shard_planner.measurement import save_measurement
+    from shard_planner.plan.measurement import save_measurement
 
     out.mkdir(parents=True, exist_ok=True)
     shapes = SHAPES if device == "cuda" else DRY_RUN
@@ -114,7 +114,7 @@ def _trace(shape_json: str):
 
 def predictions(plan: Plan, shape: dict, profile_name: str) -> dict:
     from shard_planner.cost import estimate
-    from shard_planner.profile import load_profile
+    from shard_planner.hardware.profile import load_profile
 
     trace = _trace(json.dumps(shape, sort_keys=True))
     plan = replace(plan, model=replace(plan.model, fingerprint=trace.fingerprint))
@@ -128,7 +128,7 @@ def predictions(plan: Plan, shape: dict, profile_name: str) -> dict:
 
 def _measured_on(folder: Path) -> str:
     """The device and torch of the first measurement in ``folder``."""
-    from shard_planner.measurement import load_measurement
+    from shard_planner.plan.measurement import load_measurement
 
     first = next(iter(sorted(folder.glob("*-measurement.json"))), None)
     if first is None:
@@ -142,7 +142,7 @@ def report(folder: Path, profile_name: str) -> None:
 
     from shard_planner.fileio import write_atomic
 
-    from shard_planner.measurement import load_measurement
+    from shard_planner.plan.measurement import load_measurement
 
     rows = []
     for mpath in sorted(folder.glob("*-measurement.json")):

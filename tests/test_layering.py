@@ -1,8 +1,12 @@
-"""The package's layering: no import cycle between its modules, and only shard_planner.cli imports the CLI.
+"""The package's layering: its folders are floors, each importing only floors below it; no import cycle
+between its modules; only shard_planner.cli imports the CLI; the top level holds the package's face and its
+leaves only (docs/extending.md, "The floors").
 
 The graph has an edge A -> B for every ``import`` statement in module A (at any depth, so an import
 inside a function counts too) that names module B of the package (``from pkg import name`` names
-``pkg.name`` where that is a module, else ``pkg``).
+``pkg.name`` where that is a module, else ``pkg``). For the floors, imports under ``if TYPE_CHECKING:`` do
+not count: they name a type for an annotation and run nothing (a recipe's annotation names the solver's
+search space, which the solver builds the recipes from).
 """
 
 from __future__ import annotations
@@ -33,13 +37,38 @@ def module_names() -> dict[str, Path]:
     return out
 
 
-def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
-    """module -> the package modules its import statements name."""
+# The floors, lowest first: a folder of shard_planner/ (a package) imports only packages of lower floors (and
+# itself); "leaf" is the top level's modules besides the face (shard_planner/__init__.py). Two folders on one
+# floor import neither from the other.
+FLOORS: tuple[frozenset[str], ...] = tuple(frozenset(f.split()) for f in (
+    "leaf face",  # errors, units, dtypes, fileio, argtypes, process, progress; the version
+    "parallel",  # the layout (parallel/mesh.py) and a plan's tensor-parallel split: vocabulary
+    "plan",  # the plan file's vocabulary: the plan, its schema, points, prediction, recipes, measurement
+    "model",  # a user's model file or transformers config, loaded; LoRA/QLoRA applied
+    "trace",  # one rank's trace of the model (tensor-parallel styles and degrees derived here)
+    "hardware load",  # device profiles, allocator mode, module timings; a plan read back and its model rebuilt
+    "cost",  # the memory and time model
+    "solve",  # the search
+    "execute report",  # FSDP2 runs of a plan; the report and the exports
+    "tune",  # the measured loop
+    "cli",
+))
+LEAVES = frozenset({"argtypes", "dtypes", "errors", "fileio", "process", "progress", "units"})
+
+
+def import_graph(modules: dict[str, Path], *, runtime_only: bool = False) -> dict[str, set[str]]:
+    """module -> the package modules its import statements name (``runtime_only``: not those under ``if
+    TYPE_CHECKING:``)."""
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         is_package = path.name == "__init__.py"
         edges = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        skipped = {id(n) for block in ast.walk(tree) if runtime_only and _type_checking(block)
+                   for stmt in block.body for n in ast.walk(stmt)}
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -51,6 +80,30 @@ def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
             edges |= {_nearest_module(t, modules) for t in targets}
         graph[name] = edges - {None, name}
     return graph
+
+
+def _type_checking(node: ast.AST) -> bool:
+    """``if TYPE_CHECKING:`` or ``if typing.TYPE_CHECKING:``."""
+    if not isinstance(node, ast.If):
+        return False
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def folder_of(module: str, modules: dict[str, Path]) -> str:
+    """The floor name of ``module``: its folder under shard_planner/, "leaf" for a top-level module, "face" for
+    the package itself."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "face"
+    if len(parts) == 2 and modules[module].name != "__init__.py":
+        return "leaf"
+    return parts[1]
+
+
+def floor_of(folder: str) -> int:
+    return next(i for i, names in enumerate(FLOORS) if folder in names)
 
 
 def _absolute(name: str, is_package: bool, module: str | None, level: int) -> str:
@@ -135,6 +188,39 @@ def test_no_import_cycles():
     cycles = find_cycles(import_graph(module_names()))
     unexpected = [sorted(c) for c in cycles if c not in KNOWN_CYCLES]
     assert not unexpected, f"import cycles: {unexpected}"
+
+
+def test_every_folder_has_a_floor_and_the_top_level_holds_leaves_only():
+    modules = module_names()
+    folders = {folder_of(m, modules) for m in modules}
+    assert folders - {"leaf"} == set().union(*FLOORS) - {"leaf"}, "a folder without a floor, or a floor without one"
+    top = {m.split(".")[1] for m in modules if folder_of(m, modules) == "leaf"}
+    assert top == LEAVES, f"top-level modules that are not leaves: {sorted(top - LEAVES)} (docs/extending.md)"
+
+
+def test_no_upward_import():
+    modules = module_names()
+    graph = import_graph(modules, runtime_only=True)
+    upward = sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets
+                    if folder_of(m, modules) != folder_of(t, modules)
+                    and floor_of(folder_of(t, modules)) >= floor_of(folder_of(m, modules)))
+    assert not upward, "imports of the same or a higher floor (tests/test_layering.py FLOORS): " + "; ".join(upward)
+
+
+def test_the_floor_check_sees_an_upward_import(tmp_path):
+    pkg = tmp_path / "shard_planner"
+    for sub in ("plan", "cost"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "plan" / "a.py").write_text("from shard_planner.cost import b\n")
+    (pkg / "cost" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from shard_planner.plan import a\n")
+    modules = {"shard_planner": pkg / "__init__.py", "shard_planner.plan": pkg / "plan" / "__init__.py",
+               "shard_planner.cost": pkg / "cost" / "__init__.py", "shard_planner.plan.a": pkg / "plan" / "a.py",
+               "shard_planner.cost.b": pkg / "cost" / "b.py"}
+    graph = import_graph(modules, runtime_only=True)
+    assert graph["shard_planner.plan.a"] == {"shard_planner.cost.b"} and graph["shard_planner.cost.b"] == set()
+    assert floor_of(folder_of("shard_planner.cost.b", modules)) > floor_of(folder_of("shard_planner.plan.a", modules))
 
 
 def test_only_the_cli_imports_the_cli():

@@ -1,4 +1,4 @@
-"""The parallel layout (shard_planner/mesh.py ``Mesh``) owns the degrees: no other module of the package
+"""The parallel layout (shard_planner/parallel/mesh.py ``Mesh``) owns the degrees: no other module of the package
 multiplies, divides or takes the remainder of a raw degree, and no other dataclass stores one (issue 37
 item 2; torchtitan's ``ParallelDims``: "nothing else multiplies degrees by hand").
 
@@ -7,10 +7,10 @@ A raw degree is the layout's own fields read off an object (``.shard``, ``.repli
 ``degree``). What the layout derives for a purpose
 (``dp_size``, ``world_size``, ``shard_group_size``, ``replicate_group_size``) is the size to use, and may be
 multiplied or divided by: ``micro_batch * mesh.dp_size`` is a batch and ``nbytes / mesh.shard_group_size`` a
-shard (mesh.py [Note: which size means what]), not a layout. A stored degree is a
+shard (parallel/mesh.py [Note: which size means what]), not a layout. A stored degree is a
 field annotated in a class body under one of those names (or ``degree``).
 
-The search is the AST of every module of shard_planner/ but mesh.py, so a comment or a string that
+The search is the AST of every module of shard_planner/ but parallel/mesh.py, so a comment or a string that
 mentions ``tp * shard`` is not a hit.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import shard_planner
 
 PACKAGE_DIR = Path(shard_planner.__file__).resolve().parent
-LAYOUT_MODULE = PACKAGE_DIR / "mesh.py"
+LAYOUT_MODULE = PACKAGE_DIR / "parallel" / "mesh.py"
 
 DEGREE_ATTRIBUTES = frozenset({"shard", "replicate", "tp", "pp", "tp_size",
                                "mesh_shard", "mesh_replicate", "mesh_tp"})
@@ -46,7 +46,7 @@ ALLOWED_ARITHMETIC: dict[str, str] = {
 ALLOWED_STORED: dict[str, str] = {
     # A trace is one rank's numbers at one tensor-parallel degree: the degree is a fact of the data (as its
     # dtype), checked against the plan's layout where both meet (cost/api.py, report). The planner builds
-    # its layouts from it (Mesh.fsdp / Mesh.per_node_hsdp); see mesh.py's docstring.
+    # its layouts from it (Mesh.fsdp / Mesh.per_node_hsdp); see parallel/mesh.py's docstring.
     "ModelTrace.tp_size": "the degree a trace was made at",
     # A measurement file records the layout its run ran with under these names (its JSON form, as before the
     # layout type); Measurement.mesh reads them back as the layout, whose sizes callers use.
@@ -101,7 +101,7 @@ def test_no_degree_arithmetic_outside_the_layout():
             if allowed is None:
                 hits.append(f"{rel}:{line}: {text}")
             allowed_seen.add(allowed)
-    assert not hits, ("raw degree arithmetic outside shard_planner/mesh.py: ask the layout (Mesh) for the size "
+    assert not hits, ("raw degree arithmetic outside shard_planner/parallel/mesh.py: ask the layout (Mesh) for the size "
                       "or placement instead:\n" + "\n".join(hits))
     stale = sorted(set(ALLOWED_ARITHMETIC) - allowed_seen)
     assert not stale, f"allow-list entries that no longer match any arithmetic: {stale}"
@@ -110,7 +110,7 @@ def test_no_degree_arithmetic_outside_the_layout():
 def test_no_stored_degree_outside_the_layout():
     found = [name for path in _modules() for name in _stored_degrees(ast.parse(path.read_text()))]
     extra = sorted(set(found) - set(ALLOWED_STORED))
-    assert not extra, f"degrees stored outside the layout (shard_planner/mesh.py): {extra}"
+    assert not extra, f"degrees stored outside the layout (shard_planner/parallel/mesh.py): {extra}"
     stale = sorted(set(ALLOWED_STORED) - set(found))
     assert not stale, f"allow-list entries that no longer match a field: {stale}"
 

@@ -67,9 +67,9 @@ class Parser(argparse.ArgumentParser):
 
 def add_hf_arguments(p: argparse.ArgumentParser) -> None:
     """``--hf-task``, ``--seq-len`` and the fine-tune (``--lora``, ``--lora-targets``, ``--qlora``,
-    ``--freeze``: shard_planner/finetune.py): for a MODEL that is a transformers config (shard_planner.hf)."""
-    from shard_planner.finetune import parse_targets
-    from shard_planner.hf import HF_TASKS
+    ``--freeze``: shard_planner/plan/finetune.py): for a MODEL that is a transformers config (shard_planner.model.hf)."""
+    from shard_planner.plan.finetune import parse_targets
+    from shard_planner.model.hf import HF_TASKS
 
     g = p.add_argument_group("when MODEL is a transformers config (config.json, or a folder holding one)")
     g.add_argument("--hf-task", choices=sorted(HF_TASKS), default=None,
@@ -93,10 +93,10 @@ def add_hf_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def hf_options(args: argparse.Namespace):
-    """The :class:`~shard_planner.hf.HfOptions` of :func:`add_hf_arguments`' arguments; None when none
+    """The :class:`~shard_planner.model.hf.HfOptions` of :func:`add_hf_arguments`' arguments; None when none
     is given (a model file then loads as before)."""
-    from shard_planner.finetune import FineTune
-    from shard_planner.hf import HfOptions
+    from shard_planner.plan.finetune import FineTune
+    from shard_planner.model.hf import HfOptions
 
     finetune = None
     if args.lora is not None or args.lora_targets or args.qlora or args.freeze:
@@ -162,16 +162,16 @@ def param_dtype(args: argparse.Namespace) -> str:
         return DTYPE_NAMES["bf16"]
     dtype = DTYPE_NAMES[args.dtype]
     if getattr(args, "model", None):
-        from shard_planner.hf import warn_if_other_dtype
+        from shard_planner.model.hf import warn_if_other_dtype
 
         warn_if_other_dtype(args.model, dtype)
     return dtype
 
 
 def add_recipe(p) -> None:
-    """``--recipe NAME``: one of shard_planner/recipes.py's recipes (light: the planner is not imported). ``p``
+    """``--recipe NAME``: one of shard_planner/plan/recipes.py's recipes (light: the planner is not imported). ``p``
     may be a mutually exclusive group (with ``--plan``)."""
-    from shard_planner.recipes import RECIPE_NAMES
+    from shard_planner.plan.recipes import RECIPE_NAMES
 
     p.add_argument("--recipe", choices=RECIPE_NAMES, default=None, metavar="NAME",
                    help="price a named recipe (the FSDP2 policy a stack applies) instead of a plan file: "

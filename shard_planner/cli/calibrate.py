@@ -1,6 +1,6 @@
 """``shard-planner calibrate``: measure this machine and write a hardware profile (TOML); with
 ``--model FILE``, measure that model's per-module forward/backward times instead and write them as JSON
-(shard_planner/timings.py), for ``profile.with_timings(load_timings(path))``."""
+(shard_planner/hardware/timings.py), for ``profile.with_timings(load_timings(path))``."""
 
 from __future__ import annotations
 
@@ -103,8 +103,8 @@ def run(args: argparse.Namespace) -> int:
 
 def run_timings(args: argparse.Namespace) -> int:
     from shard_planner.execute.module_timing import measure_module_timings
-    from shard_planner.profile import DEFAULT_PROFILE, load_profile
-    from shard_planner.timings import save_timings
+    from shard_planner.hardware.profile import DEFAULT_PROFILE, load_profile
+    from shard_planner.hardware.timings import save_timings
     from shard_planner.trace.tracer import trace_model
 
     out = Path(args.output or "timings.json")

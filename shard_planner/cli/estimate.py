@@ -1,5 +1,5 @@
 """``shard-planner estimate model.py --plan plan.json`` (or ``--recipe NAME --gpus N``): predicted peak memory
-(with its breakdown) and step time of a plan, or of a named recipe (shard_planner/recipes.py) built on the
+(with its breakdown) and step time of a plan, or of a named recipe (shard_planner/plan/recipes.py) built on the
 model without a plan file, from the cost model."""
 
 from __future__ import annotations
@@ -7,14 +7,14 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from shard_planner.allocator_conf import mode_name
-from shard_planner.checked_plan import check_plan, checked_plan_file
+from shard_planner.hardware.allocator_conf import mode_name
+from shard_planner.load.checked_plan import check_plan, checked_plan_file
 from shard_planner.cli.args import (add_dtype, add_gpus, add_hf_arguments, add_mem, add_micro_batch, add_model_argument,
                                     add_profile, add_recipe, add_timings, hf_options)
 from shard_planner.errors import UserError
 from shard_planner.fileio import check_output_file
 from shard_planner.plan import MEMORY_CATEGORIES, Plan, load_plan, save_plan
-from shard_planner.plan_estimate import asked_again, with_prediction
+from shard_planner.plan.estimate import asked_again, with_prediction
 from shard_planner.units import format_bytes, format_duration
 
 
@@ -36,7 +36,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description="Simulate one FSDP2 training step of the plan on the model (traced now, or read from a "
         "trace.json) and print the predicted per-GPU peak memory, its breakdown by category, and the "
         "step time with its compute, communication and optimizer parts. With --recipe NAME instead of --plan, the "
-        "recipe (shard_planner/recipes.py) is built on the model for --gpus, --mem (default: the profile's device "
+        "recipe (shard_planner/plan/recipes.py) is built on the model for --gpus, --mem (default: the profile's device "
         "memory), --micro-batch and --dtype, and priced the same way.",
     )
     add_model_argument(p, more=" (a config's --seq-len defaults to the plan's)")
@@ -58,9 +58,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from shard_planner.cost import CostModel, estimate
     from shard_planner.cost.fits import device_fit
-    from shard_planner.profile import load_priced_profile
-    from shard_planner.hf import HfOptions, config_file
-    from shard_planner.modelfile import load_unless_trace
+    from shard_planner.hardware.profile import load_priced_profile
+    from shard_planner.model.hf import HfOptions, config_file
+    from shard_planner.model.modelfile import load_unless_trace
     from shard_planner.trace import trace_for_plan, trace_or_load
 
     if args.recipe is not None:
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     found = load_plan(req.plan)
     if req.write:
         check_output_file(req.plan, "plan")
-    # the plan as asked here; its cluster says what it was asked (plan_estimate.py [Note: A plan file never
+    # the plan as asked here; its cluster says what it was asked (plan/estimate.py [Note: A plan file never
     # contradicts itself])
     plan = asked_again(found, profile=req.profile, timings=req.timings, gpus=req.gpus, micro_batch=req.micro_batch)
     profile = load_priced_profile(plan.cluster.profile, plan.cluster.timings)
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         options = HfOptions(args.hf_task or plan.model.hf_task, args.seq_len or plan.model.seq_len,
                             (options.finetune if options is not None else None) or plan.model.finetune)
     model_file = load_unless_trace(req.model, options)
-    # a trace.json stands for the model; a model file is checked before it is traced (checked_plan.py)
+    # a trace.json stands for the model; a model file is checked before it is traced (load/checked_plan.py)
     trace = trace_or_load(req.model, dtype=plan.training.param_dtype) if model_file is None else None
     with checked_plan_file(req.plan):
         check_plan(plan, model_file=model_file, trace=trace, source=req.model)
@@ -104,7 +104,7 @@ def _run_recipe(args: argparse.Namespace) -> int:
     from shard_planner.cli.estimate_recipe import recipe_plan_for
     from shard_planner.cost import CostModel, estimate
     from shard_planner.cost.fits import device_fit
-    from shard_planner.recipes import recipe_named
+    from shard_planner.plan.recipes import recipe_named
 
     plan, trace, profile = recipe_plan_for(args)
     est = estimate(trace, plan, profile)

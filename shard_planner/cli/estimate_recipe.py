@@ -1,5 +1,5 @@
 """``shard-planner estimate model.py --recipe NAME --gpus N [--mem SIZE]``: a named recipe
-(shard_planner/recipes.py) built on the model and priced as ``estimate --plan`` prices a plan file, without
+(shard_planner/plan/recipes.py) built on the model and priced as ``estimate --plan`` prices a plan file, without
 one: the recipe's units, reshard, checkpointing, offload and prefetch; the planner's knobs as given (the
 micro-batch; plain FSDP over every GPU, no accumulation, no tensor parallelism)."""
 
@@ -18,8 +18,8 @@ def recipe_plan_for(args: argparse.Namespace):
     """(plan, trace, profile) of ``estimate --recipe``: the model traced, the recipe's plan built on it (no
     prediction), the profile it is priced on; cli/estimate.py prices and prints it as a plan file's."""
     from shard_planner.cli.plan_degrees import load_and_trace
-    from shard_planner.hf import as_planned
-    from shard_planner.profile import load_priced_profile
+    from shard_planner.model.hf import as_planned
+    from shard_planner.hardware.profile import load_priced_profile
     from shard_planner.solve.alternatives import recipe_plan
 
     if args.gpus is None:
@@ -46,7 +46,7 @@ def _traced(args: argparse.Namespace, dtype: str, load_and_trace):
 def _request(args: argparse.Namespace, profile, defaults, dtype: str):
     """The PlanRequest the recipe's plan is built for: --gpus, --mem (the device's memory when not given),
     the micro-batch (--micro-batch, the model file's, else 1) and its optimizer."""
-    from shard_planner.allocator_conf import planned_expandable
+    from shard_planner.hardware.allocator_conf import planned_expandable
     from shard_planner.solve import PlanRequest
 
     micro_batch = args.micro_batch or (defaults.micro_batch if defaults is not None else None) or 1

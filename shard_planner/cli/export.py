@@ -58,13 +58,13 @@ def _plan_and_model_info(plan_path: str, source: str | None):
     """The plan, checked against its model ([Note: A plan checked against its model]), and the module classes and
     sizes the export names: from ``--trace`` (a trace.json, or a model file or transformers config as planned, as
     ``report --trace`` takes it), else from the plan's own model built on the meta device."""
-    from shard_planner.checked_plan import check_plan, checked_plan_file, load_checked_plan, plan_model
+    from shard_planner.load.checked_plan import check_plan, checked_plan_file, load_checked_plan, plan_model
 
     if source is None:
         plan = load_checked_plan(plan_path)
         return plan, model_info_from_model(plan_model(plan.model))  # plan_model is memoized: built once
-    from shard_planner.hf import model_options
-    from shard_planner.modelfile import load_unless_trace
+    from shard_planner.model.hf import model_options
+    from shard_planner.model.modelfile import load_unless_trace
     from shard_planner.plan import load_plan
     from shard_planner.trace import load_trace
 

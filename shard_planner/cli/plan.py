@@ -1,5 +1,5 @@
 """``shard-planner plan model.py --gpus 8 --mem 40GB``: the fastest FSDP2 plan that fits, written to
-plan.json (with the frontier and the recipes, shard_planner/recipes.py), a terminal summary, and a report."""
+plan.json (with the frontier and the recipes, shard_planner/plan/recipes.py), a terminal summary, and a report."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shard_planner.allocator_conf import planned_expandable
+from shard_planner.hardware.allocator_conf import planned_expandable
 from shard_planner.cli.args import (add_batch_search, add_dtype, add_gpus, add_gpus_per_node, add_hf_arguments, add_mem,
                                     add_model_argument, add_output, add_profile, add_report_arguments, add_time_limit,
                                     add_timings, add_tp_arguments, hf_options, param_dtype, report_dir)
@@ -20,10 +20,10 @@ from shard_planner.cli.collector import command_collector, without_collections
 from shard_planner.cli.plan_degrees import DegreeWork, degrees_to_search, load_and_trace
 from shard_planner.errors import ModelFileError
 from shard_planner.fileio import check_output_dir, check_output_file
-from shard_planner.hf import as_planned
+from shard_planner.model.hf import as_planned
 from shard_planner.plan import Plan, save_plan, with_paths_located
-from shard_planner.plan_points import degree_lines
-from shard_planner.profile import load_priced_profile
+from shard_planner.plan.points import degree_lines
+from shard_planner.hardware.profile import load_priced_profile
 from shard_planner.units import format_bytes
 
 if TYPE_CHECKING:  # the planner (torch, CP-SAT) is imported when the command runs, not to build the parser
@@ -151,7 +151,7 @@ def _load_and_trace(model: str, hf, dtype: str):
     a trace.json read."""
     t0 = time.perf_counter()
     with without_collections():
-        from shard_planner.modelfile import is_trace_file
+        from shard_planner.model.modelfile import is_trace_file
 
         if is_trace_file(model):
             from shard_planner.trace import trace_or_load
@@ -205,14 +205,14 @@ def _write_report(result: PlanResult, out_dir: Path, trace, profile, helper: Hel
 
 def _trace_defaults(trace):
     """The TRAINING defaults a trace.json carries (ModelTrace.training), as a model file's."""
-    from shard_planner.modelfile import TrainingDefaults
+    from shard_planner.model.modelfile import TrainingDefaults
 
     return TrainingDefaults.of(trace.training)
 
 
 def summary(result: PlanResult | Plan, profile) -> str:
     """The chosen plan in a few lines, predicted peak vs budget, step time and throughput, and how it
-    compares with the best recipe that fits (shard_planner/recipes.py; and, when the planner preferred a simpler
+    compares with the best recipe that fits (shard_planner/plan/recipes.py; and, when the planner preferred a simpler
     plan, what that costs against the fastest it found)."""
     from shard_planner.solve import summarize_units
 

@@ -8,8 +8,8 @@ each traced and screened in a helper process, then one search over them (solve/t
 [Note: Two helpers for the degrees]
   The degree search is CPU work in pieces that do not wait on each other, and the tracing has to be done
   in the helper processes (cli/background.py: this process never imports torch). The command forks a
-  second helper beside the one that traces degree 1; the second derives the styles (tp_degrees.py, a
-  forward of the model built without memory, each repeated block recorded from its first: tp_call_twins.py;
+  second helper beside the one that traces degree 1; the second derives the styles (trace/tp_degrees.py, a
+  forward of the model built without memory, each repeated block recorded from its first: trace/tp_call_twins.py;
   about 1.2 CPU-s on Llama 3 70B besides that helper's torch import) while the first traces and this process
   imports the planner, where this process would otherwise wait. Then the second traces the first degree
   above 1 and traces and screens (tp_search.screen) the last, the first helper traces those between (0.6-0.8
@@ -39,9 +39,9 @@ logger = logging.getLogger(__name__)
 
 def degrees_to_search(args: argparse.Namespace, gpus_per_node: int, device: str) -> list[int]:
     """``[--tp]`` (checked against the cluster), else the candidate degrees on a GPU profile and ``[1]`` on a
-    CPU one or for a trace.json (tp_degrees.py [Note: Which degrees are searched])."""
-    from shard_planner.modelfile import is_trace_file
-    from shard_planner.tp_degrees import candidate_degrees, check_node_degree
+    CPU one or for a trace.json (trace/tp_degrees.py [Note: Which degrees are searched])."""
+    from shard_planner.model.modelfile import is_trace_file
+    from shard_planner.trace.tp_degrees import candidate_degrees, check_node_degree
 
     from_trace_file = is_trace_file(args.model)
     if args.tp is not None:
@@ -143,7 +143,7 @@ def load_and_trace(model: str, hf, dtype: str):
     from shard_planner.trace.trace_cache import cached
 
     def traced():
-        from shard_planner.modelfile import load_model_file
+        from shard_planner.model.modelfile import load_model_file
         from shard_planner.trace import trace_model
 
         model_file = load_model_file(model, hf)
@@ -169,8 +169,8 @@ def _degree_styles(model: str, hf, degrees: list[int], sequence_parallel: bool, 
     from shard_planner.trace.trace_cache import CacheKey, cached
 
     def derived():
-        from shard_planner.modelfile import load_model_file
-        from shard_planner.tp_degrees import degree_styles
+        from shard_planner.model.modelfile import load_model_file
+        from shard_planner.trace.tp_degrees import degree_styles
 
         return degree_styles(load_model_file(model, hf), degrees, sequence_parallel=sequence_parallel,
                              loss_parallel=loss_parallel)
@@ -185,7 +185,7 @@ def _trace_and_screen(model: str, hf, dtype: str, styles, degree: int, request):
     from shard_planner.trace.trace_cache import cached
 
     def traced():
-        from shard_planner.modelfile import load_model_file
+        from shard_planner.model.modelfile import load_model_file
         from shard_planner.trace import trace_model
 
         return trace_model(load_model_file(model, hf), dtype=dtype, tensor_parallel=styles, tp_size=degree)

@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from shard_planner.checked_plan import check_plan, check_tp_degree, checked_plan_file
+from shard_planner.load.checked_plan import check_plan, check_tp_degree, checked_plan_file
 from shard_planner.errors import UserError
 from shard_planner.fileio import check_output_dir
 from shard_planner.plan import load_plan, report_dir_for
@@ -39,14 +39,14 @@ def run(args) -> int:
     plan = load_plan(args.plan)
     measurement = None
     if args.measurement:
-        from shard_planner.measurement import load_measurement
+        from shard_planner.plan.measurement import load_measurement
 
         measurement = load_measurement(args.measurement)
     profile = None
     if args.profile or not args.no_trace:
         # the timeline is priced with the profile and the module timings the plan records (resolved beside it):
         # one missing here is one line, not a report without its timeline (--no-trace draws the file alone)
-        from shard_planner.profile import load_priced_profile
+        from shard_planner.hardware.profile import load_priced_profile
 
         with checked_plan_file(args.plan):
             profile = load_priced_profile(args.profile or plan.cluster.profile, plan.cluster.timings)
@@ -68,10 +68,10 @@ def run(args) -> int:
 
 def _checked_trace(args, plan):
     """The trace the report draws: ``--trace`` (a trace.json, or a model file traced as the plan runs it) or
-    the plan's own model traced so; the plan checked against it first (checked_plan.py [Note: A plan checked
+    the plan's own model traced so; the plan checked against it first (load/checked_plan.py [Note: A plan checked
     against its model]): nothing is traced for a model the plan was not made for."""
-    from shard_planner.hf import model_options
-    from shard_planner.modelfile import load_unless_trace
+    from shard_planner.model.hf import model_options
+    from shard_planner.model.modelfile import load_unless_trace
     from shard_planner.trace import trace_for_plan, trace_or_load
 
     source = args.trace or plan.model.path

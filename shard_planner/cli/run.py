@@ -76,8 +76,8 @@ def run(args) -> int:
     from shard_planner.execute.launch import resolve_device
     from shard_planner.execute.runner import CheckpointOptions, run_plan_file
     from shard_planner.fileio import check_output_file
-    from shard_planner.checked_plan import load_checked_plan
-    from shard_planner.measurement import measurement_path_for
+    from shard_planner.load.checked_plan import load_checked_plan
+    from shard_planner.plan.measurement import measurement_path_for
 
     plan = load_checked_plan(args.plan)  # checked against its model before any rank starts
     if args.resume_from:
@@ -199,7 +199,7 @@ def _print_checkpoint(c, plan) -> bool:
 def frozen_source(plan) -> str:
     """Where a checkpoint's left-out frozen parameters come from when training resumes: a model file builds
     them; a transformers config's are the pretrained weights the training script loads."""
-    from shard_planner.hf import config_file
+    from shard_planner.model.hf import config_file
 
     if config_file(plan.model.path) is not None:
         return "a transformers config's are its pretrained weights, which the training script loads"

@@ -46,7 +46,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shard_planner.modelfile import load_model_file
+    from shard_planner.model.modelfile import load_model_file
     from shard_planner.trace import compare_with_real_run, trace_model
 
     req = TraceRequest(args.model, args.micro_batch, param_dtype(args), Path(args.output), args.check)

@@ -57,7 +57,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def _resolve(args) -> tuple[str, int, str, int]:
     """(profile, world size, device, GPUs per node) from the arguments, the profile and the machine."""
     from shard_planner.execute.launch import resolve_device
-    from shard_planner.profile import load_profile
+    from shard_planner.hardware.profile import load_profile
 
     device = resolve_device(args.device)
     profile = args.profile

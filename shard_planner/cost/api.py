@@ -6,8 +6,8 @@ imports back (tests/test_layering.py)."""
 
 from __future__ import annotations
 
-from shard_planner.checkpointing import check_checkpointing_allowed
-from shard_planner.comm import TP, GroupCollectiveBytes
+from shard_planner.plan.checkpointing import check_checkpointing_allowed
+from shard_planner.plan.comm import TP, GroupCollectiveBytes
 from shard_planner.cost.model import CostModel
 from shard_planner.cost import optimizer as optimizer_rules
 from shard_planner.cost.schedule import build_schedule
@@ -17,7 +17,7 @@ from shard_planner.cost.types import Estimate, MemoryEstimate, TimeEstimate
 from shard_planner.cost.unit_bytes import unit_bytes
 from shard_planner.errors import PlanError
 from shard_planner.plan import Plan, Unit
-from shard_planner.profile import HardwareProfile
+from shard_planner.hardware.profile import HardwareProfile
 from shard_planner.trace.types import ModelTrace
 
 
@@ -25,7 +25,7 @@ def estimate(trace: ModelTrace, plan: Plan, profile: HardwareProfile, *, timelin
     """Memory and time of ``plan`` for ``trace`` on ``profile``; ``.prediction()`` gives the plan's
     ``predicted`` section. ``timeline=False`` skips the memory timeline (faster; the solver's case).
     A plan that checkpoints a model whose forward builds a cache is refused (PlanError; see
-    [Note: No checkpointing of a forward that builds a cache] in shard_planner/checkpointing.py)."""
+    [Note: No checkpointing of a forward that builds a cache] in shard_planner/plan/checkpointing.py)."""
     check_checkpointing_allowed(plan.units, trace.model_path, trace.forward_cache)
     check_tp_degree(plan, trace)
     return CostModel(trace, profile).estimate(plan, timeline=timeline)

@@ -28,7 +28,7 @@ Every collective of the cost model and the solver's linear model is priced by :f
 
 Rank layout: ranks are numbered node by node (torchrun's default), the shard group is contiguous and
 the replicate group (HSDP) strides by the shard size — the ("replicate", "shard") mesh of
-``init_device_mesh``. Which group leaves a node is the layout's to say (shard_planner/mesh.py
+``init_device_mesh``. Which group leaves a node is the layout's to say (shard_planner/parallel/mesh.py
 ``Mesh.*_group_spans_nodes``, [Note: which size means what]): the functions here take the plan's layout
 and ask it, and :func:`tp_collective_time_s` the layout of the tensor-parallel group (its ranks adjacent:
 inside a node when the degree is at most the node's GPUs).
@@ -36,10 +36,10 @@ inside a node when the degree is at most the node's GPUs).
 
 from __future__ import annotations
 
-from shard_planner.comm import ALL_REDUCE
+from shard_planner.plan.comm import ALL_REDUCE
 from shard_planner.cost import fsdp2_rules  # called through the module: a test changes a rule, every caller follows
-from shard_planner.mesh import Mesh
-from shard_planner.profile import HardwareProfile
+from shard_planner.parallel.mesh import Mesh
+from shard_planner.hardware.profile import HardwareProfile
 
 
 def _link(profile: HardwareProfile, spans_nodes: bool) -> tuple[float, float, float]:
@@ -107,7 +107,7 @@ def reduce_scatter_time_s(profile: HardwareProfile, nbytes: float, mesh: Mesh) -
 def tp_collective_time_s(profile: HardwareProfile, kind: str, nbytes: float, mesh: Mesh) -> float:
     """One tensor-parallel collective of ``nbytes`` (its full tensor: cost/tp_comm.py) over the layout's tp
     group (adjacent ranks): a ring all-gather or reduce-scatter, or an all-reduce (two ring passes,
-    nccl-tests' 2 (n-1)/n bus factor). ``kind``: shard_planner.comm's collective names."""
+    nccl-tests' 2 (n-1)/n bus factor). ``kind``: shard_planner.plan.comm's collective names."""
     lat, bw, half = _link(profile, mesh.tp_group_spans_nodes(profile.interconnect.gpus_per_node))
     one_pass = ring_time_s(nbytes, mesh.tp_size, lat, bw, half)
     return 2 * one_pass if kind == ALL_REDUCE else one_pass

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shard_planner.comm import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CollectiveBytes
+from shard_planner.plan.comm import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CollectiveBytes
 from shard_planner.cost.accumulation import micro_steps
 from shard_planner.cost import fsdp2_rules  # called through the module: a test changes a rule, every caller follows
 from shard_planner.cost.reshard import ReshardAfterForward

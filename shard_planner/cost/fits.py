@@ -16,7 +16,7 @@ survive the memory the allocator can get there (issue 29, build item 3).
   each extra process group's communicator hold the profile's overhead (cost/allocator_accountant.py [Note:
   From walk events to allocator calls]); the allocator gets the rest. A plan fits when the simulation of its
   first two steps (cost/reserved.py [Note: Two steps, not one]), in the allocator mode it runs with
-  (``cluster.expandable_segments``; shard_planner/allocator_conf.py), completes without an out-of-memory error
+  (``cluster.expandable_segments``; shard_planner/hardware/allocator_conf.py), completes without an out-of-memory error
   on ``usable_fraction`` of that rest (:func:`allocator_bytes`; the margin: [Note: The margin on a GPU]).
   The allocator may release its cache and retry on the way: the step survives, slower ([Note: Retries are
   priced]). The allocated peak alone does not decide: the allocator reserves more than it hands out
@@ -64,13 +64,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from shard_planner.allocator_conf import mode_name
+from shard_planner.hardware.allocator_conf import mode_name
 from shard_planner.cost.allocator_blocks import K_LARGE_BUFFER
 from shard_planner.cost.allocator_replay import CAP_GRAIN_BYTES
 from shard_planner.cost.reserved import ReservedEstimate
 from shard_planner.cost.retries import RetryPrice, price_retries
 from shard_planner.plan import Plan, Prediction
-from shard_planner.profile import HardwareProfile
+from shard_planner.hardware.profile import HardwareProfile
 from shard_planner.units import format_bytes
 
 # The GPU profiles' usable_fraction, and what `calibrate` writes for a GPU: [Note: The margin on a GPU]
@@ -133,7 +133,7 @@ class FitVerdict:
         return int(self.free.no_retry_total_bytes)
 
     def prediction_fields(self) -> dict[str, int]:
-        """The plan file's ``predicted`` figures of the allocator (shard_planner/plan.py ``Prediction``)."""
+        """The plan file's ``predicted`` figures of the allocator (shard_planner/plan/__init__.py ``Prediction``)."""
         return {"reserved_peak_bytes": self.reserved_peak_total_bytes, "no_retry_bytes": self.no_retry_total_bytes,
                 "alloc_retries_per_step": self.retries_per_step, "alloc_retry_s": self.retry_s}
 

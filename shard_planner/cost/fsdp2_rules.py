@@ -52,7 +52,7 @@ import math
 from functools import lru_cache
 from typing import NamedTuple
 
-from shard_planner.comm import ALL_GATHER, REDUCE_SCATTER
+from shard_planner.plan.comm import ALL_GATHER, REDUCE_SCATTER
 from shard_planner.cost.reshard import Reshard, ReshardAfterForward
 
 
@@ -114,7 +114,7 @@ class UnitCollective(NamedTuple):
     """One collective FSDP2 issues for a unit in one step (see [Note: The collectives of each reshard
     policy])."""
 
-    collective: str  # ALL_GATHER or REDUCE_SCATTER (shard_planner.comm)
+    collective: str  # ALL_GATHER or REDUCE_SCATTER (shard_planner.plan.comm)
     backward: bool  # issued in backward (the backward all-gather, the reduce-scatter)
     group_size: int  # ranks of its group: the shard group, or r for TO_GROUP's backward all-gather
     from_sharded: bool  # an all-gather from the sharded state (under CPU offload: a host-to-device copy first)

@@ -29,7 +29,7 @@ on an A100 80GB: 2% of torchtitan's 64-GPU step at local batch 1.
 from __future__ import annotations
 
 from shard_planner.cost.kernels import kernel_constants
-from shard_planner.profile import HardwareProfile
+from shard_planner.hardware.profile import HardwareProfile
 
 
 def copy_bandwidth_bytes_per_s(profile: HardwareProfile) -> float:

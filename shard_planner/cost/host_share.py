@@ -39,8 +39,8 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
-from shard_planner.profile import HardwareProfile
-from shard_planner.timings import ModuleTime, ModuleTimings
+from shard_planner.hardware.profile import HardwareProfile
+from shard_planner.hardware.timings import ModuleTime, ModuleTimings
 
 
 def usable_cores() -> int:

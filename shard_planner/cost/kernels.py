@@ -385,7 +385,7 @@ def device_of(profile, dtype: str) -> Device | None:
     kc = kernel_constants(profile, dtype)
     if kc is None:
         return None
-    profile.check_compute_dtype(dtype)  # See [Note: A compute dtype the device lacks] (shard_planner/profile.py)
+    profile.check_compute_dtype(dtype)  # See [Note: A compute dtype the device lacks] (shard_planner/hardware/profile.py)
     return Device(kc, profile.peak_flops_per_s[dtype], profile.memory_bandwidth_bytes_per_s)
 
 

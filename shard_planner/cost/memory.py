@@ -148,7 +148,7 @@ from shard_planner.cost.tables import CostTables
 from shard_planner.cost.types import MemoryEstimate, MemoryEvent
 from shard_planner.cost.unit_bytes import UnitBytes, reduce_scatter_backend_temp_bytes
 from shard_planner.cost.unit_state import Sharding, UnitState
-from shard_planner.profile import HardwareProfile
+from shard_planner.hardware.profile import HardwareProfile
 from shard_planner.trace.types import ModelTrace
 
 logger = logging.getLogger(__name__)

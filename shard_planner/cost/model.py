@@ -58,7 +58,7 @@ from shard_planner.cost.types import Estimate, MemoryEstimate, TimeEstimate
 from shard_planner.cost.unit_bytes import UnitBytes, query_unit_bytes
 from shard_planner.cost.unit_cost import UnitCost, unit_cost
 from shard_planner.plan import Plan, Unit
-from shard_planner.profile import HardwareProfile
+from shard_planner.hardware.profile import HardwareProfile
 from shard_planner.trace.types import Affine, ModelTrace
 
 logger = logging.getLogger(__name__)

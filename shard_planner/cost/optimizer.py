@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from shard_planner.cost.unit_params import UnitParams, built_dtype
 from shard_planner.dtypes import dtype_bytes
-from shard_planner.profile import HardwareProfile
+from shard_planner.hardware.profile import HardwareProfile
 
 # Optimizer states per parameter element, in the sharded (built) dtype (torch/optim: AdamW and Adam
 # keep exp_avg and exp_avg_sq; SGD with momentum keeps momentum_buffer; plain SGD nothing; ZeRO §5

@@ -2,7 +2,7 @@
 see it.
 
 [Note: NF4 dequantisation time]
-torchao's NF4 weight (shard_planner/param_storage.py [Note: NF4 parameters as stored]) is dequantised to
+torchao's NF4 weight (shard_planner/model/param_storage.py [Note: NF4 parameters as stored]) is dequantised to
 the input's dtype wherever it is used, forward and backward (torchao 0.18 nf4_tensor.py: ``linear_nf4`` /
 ``LinearNF4.forward`` and ``.backward`` call ``weight.to(dtype)`` -> ``get_original_weight``), by a chain
 of eager elementwise ops: unpacking the 4-bit codes, looking them up in the code table, dequantising the

@@ -126,7 +126,7 @@ class UnitBytesQuery:
     """Every unit's byte sizes (cost/unit_bytes.py): the units, the shard group and the two dtypes."""
 
     units: tuple[Unit, ...]
-    shard_group_size: int  # the layout's (mesh.py), read here as a key: the one size unit bytes depend on
+    shard_group_size: int  # the layout's (parallel/mesh.py), read here as a key: the one size unit bytes depend on
     param_dtype: str
     reduce_dtype: str
 

@@ -28,7 +28,7 @@ them"). The one place a retry becomes seconds; cost/fits.py attaches the price t
   - ``free_s``: ``cudaFree`` calls x the profile's ``cuda_free_s``, or pages unmapped x ``page_unmap_s``.
   - ``alloc_s``: the driver allocations the retries force (``forced_alloc_calls_per_step``) x
     ``cuda_malloc_s``, or pages mapped x ``page_map_s``.
-  The four per-call times are the GPU profiles' (shard_planner/profile.py), each with its source in the
+  The four per-call times are the GPU profiles' (shard_planner/hardware/profile.py), each with its source in the
   profile: published figures give ranges only (about 50 us per ``cudaMalloc`` up to 512 KB, rising with the
   size beyond: M. Boyer, "Memory allocation overhead", cs.virginia.edu/~mwb7w/cuda_support/
   memory_management_overhead.html; pytorch#172056 finds ``cuMemCreate`` / ``cuMemUnmap`` / ``cuMemRelease``
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 from shard_planner.cost.reserved import ReservedEstimate
 from shard_planner.cost.types import TimeEstimate
-from shard_planner.profile import HardwareProfile
+from shard_planner.hardware.profile import HardwareProfile
 from shard_planner.units import format_bytes
 
 # The per-call times the GPU profiles state (profiles/*.toml, each line with its source) and `calibrate` writes

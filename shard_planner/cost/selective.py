@@ -30,7 +30,7 @@ the roofline when the profile uses it, else their traced FLOPs); every op still 
 dispatcher (a stored op returns its cached output from the Python dispatch mode), so the host time is
 the block's forward op count, as for full checkpointing.
 
-[Note: Alternate matmuls] With ``"alternate_matmul"`` (torchtitan's rule, shard_planner/checkpointing.py
+[Note: Alternate matmuls] With ``"alternate_matmul"`` (torchtitan's rule, shard_planner/plan/checkpointing.py
 [Note: torchtitan's op-level policy]) the block's matmuls are numbered in forward order: the subtree's
 modules by first forward entry (``ModelTrace.forward_order``), a module's own matmuls at its position.
 A module whose own matmuls are numbered i+1..i+c keeps the odd numbers among them: that share of each of
@@ -50,7 +50,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shard_planner.checkpointing import ALTERNATE_MATMUL, is_selective, keeps_alternate_matmuls
+from shard_planner.plan.checkpointing import ALTERNATE_MATMUL, is_selective, keeps_alternate_matmuls
 from shard_planner.cost.tables import CostTables
 from shard_planner.dtypes import dtype_bytes
 from shard_planner.plan import Unit

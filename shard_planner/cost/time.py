@@ -60,7 +60,7 @@ overhead x the model's parameter tensors (each rank steps every tensor, sharded)
 before op counts (all zero) get no overhead.
 
 Measured module times (``profile.module_timings``, from ``shard-planner calibrate --model``; see
-shard_planner/timings.py and shard_planner/execute/module_timing.py): a block whose module was timed on
+shard_planner/hardware/timings.py and shard_planner/execute/module_timing.py): a block whose module was timed on
 the device takes its measured forward and backward at the plan's micro-batch instead of FLOPs /
 throughput + ops x per-op overhead — the measurement holds both (a module block: its subtree's time; a
 container's own operations, a ``self_only`` block: the container less its nearest timed descendants). A
@@ -93,8 +93,8 @@ from shard_planner.cost.stragglers import straggler_factor
 from shard_planner.cost.tables import CostTables
 from shard_planner.cost.types import TimeEstimate, UnitTime
 from shard_planner.cost.unit_cost import UnitCost
-from shard_planner.profile import HardwareProfile
-from shard_planner.timings import ModuleTime, ModuleTimings
+from shard_planner.hardware.profile import HardwareProfile
+from shard_planner.hardware.timings import ModuleTime, ModuleTimings
 from shard_planner.trace.types import ModelTrace
 
 logger = logging.getLogger(__name__)

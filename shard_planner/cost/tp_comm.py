@@ -15,7 +15,7 @@ cost/tables.py gathers them per block (``Block.tp_fwd``, ``Block.tp_bwd``).
   or backward on the compute stream (cost/time.py); FSDP2's all-gathers and reduce-scatters still
   overlap on their own stream. Megatron-LM overlaps them with the GEMMs
   (``--tp-comm-overlap``) and torchtitan with async TP under torch.compile; neither is modelled.
-  The tp group's ranks are adjacent (shard_planner/mesh.py), inside one node when the degree is at most
+  The tp group's ranks are adjacent (shard_planner/parallel/mesh.py), inside one node when the degree is at most
   the node's GPUs: priced over the intra-node link (cost/collectives.py ``tp_collective_time_s``).
   A checkpointed block recomputes its forward with its forward collectives; the recomputation may stop
   before its last ones (trace/capture.py [Note: Early stop of the recomputation]): counted whole, an
@@ -24,15 +24,15 @@ cost/tables.py gathers them per block (``Block.tp_fwd``, ``Block.tp_bwd``).
 
 from __future__ import annotations
 
-from shard_planner.comm import CollectiveBytes
+from shard_planner.plan.comm import CollectiveBytes
 from shard_planner.cost.collectives import tp_collective_time_s
 from shard_planner.cost.tables import CostTables, tp_collectives_of
-from shard_planner.mesh import Mesh
+from shard_planner.parallel.mesh import Mesh
 from shard_planner.plan import Plan
-from shard_planner.profile import HardwareProfile
+from shard_planner.hardware.profile import HardwareProfile
 from shard_planner.trace.types import Affine, ModelTrace
 
-# The device mesh dimension tensor parallelism runs over (mesh.py ``Mesh.device_mesh_dim_names``): the group
+# The device mesh dimension tensor parallelism runs over (parallel/mesh.py ``Mesh.device_mesh_dim_names``): the group
 # ``run`` counts DTensor's collectives under (execute/comm_count.py ``group_roles``).
 TP_GROUP = "tp"
 
@@ -45,7 +45,7 @@ def collectives_s(collectives: tuple[tuple[str, Affine], ...], micro_batch: int,
 
 
 def trace_tp_group(trace: ModelTrace) -> Mesh:
-    """The layout of the tp group ``trace`` is one rank of (its degree: mesh.py ``Mesh.tp_group``)."""
+    """The layout of the tp group ``trace`` is one rank of (its degree: parallel/mesh.py ``Mesh.tp_group``)."""
     return Mesh.tp_group(trace.tp_size)
 
 
@@ -76,7 +76,7 @@ def tp_bytes_per_step(plan: Plan, trace: ModelTrace, t: CostTables, checkpointed
     """Per rank, the tensor-parallel collectives of one optimizer step of ``plan`` over its tp group, one
     :class:`CollectiveBytes` per kind (sorted): every micro-step's forward, loss and backward ones, a
     checkpointed block's forward ones again ([Note: Tensor-parallel collectives are on the critical
-    path]). Sizes as nccl-tests report them (shard_planner/comm.py), rounded to whole bytes per call."""
+    path]). Sizes as nccl-tests report them (shard_planner/plan/comm.py), rounded to whole bytes per call."""
     if trace.tp_size <= 1:
         return ()
     b = plan.training.micro_batch

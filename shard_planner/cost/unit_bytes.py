@@ -22,7 +22,7 @@ from shard_planner.cost.tables import CostTables
 from shard_planner.cost.unit_params import UnitParams
 from shard_planner.dtypes import FLOAT_DTYPES, dtype_bytes
 from shard_planner.plan import Plan
-from shard_planner.profile import HardwareProfile
+from shard_planner.hardware.profile import HardwareProfile
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from shard_planner.cost.collectives import all_gather_time_s, reduce_scatter_time_s, replica_all_reduce_time_s
 from shard_planner.cost import fsdp2_rules  # called through the module: a test changes a rule, every caller follows
 from shard_planner.cost.reshard import ReshardAfterForward
-from shard_planner.mesh import Mesh
+from shard_planner.parallel.mesh import Mesh
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,7 +37,7 @@ from shard_planner.cost.reshard import ReshardAfterForward
 from shard_planner.cost.unit_bytes import UnitBytes
 from shard_planner.cost.unit_collectives import UnitCollectives
 from shard_planner.cost.unit_params import UnitParams
-from shard_planner.profile import HardwareProfile
+from shard_planner.hardware.profile import HardwareProfile
 
 # the module, not the package's ``unit_bytes`` function of the same name (shard_planner.cost re-exports it)
 unit_bytes_rules = importlib.import_module("shard_planner.cost.unit_bytes")

@@ -4,7 +4,7 @@ torch.distributed).
 - :func:`apply_plan` (``apply.py``): shard a model exactly as a plan says, from any training script;
   :func:`describe_sharding` reads back what FSDP2 was told; :func:`build_mesh` makes the plan's mesh.
 - :func:`run_plan` (``runner.py``): launch local ranks, train on synthetic batches, return a
-  :class:`~shard_planner.measurement.Measurement`; the ranks run ``worker.py``, also under torchrun.
+  :class:`~shard_planner.plan.measurement.Measurement`; the ranks run ``worker.py``, also under torchrun.
 - :class:`StorageTracker` (``memtrack.py``): exact live/peak tensor-storage bytes on CPU.
 
 Names are imported on first use, so that ``import shard_planner.execute.memtrack`` stays light.

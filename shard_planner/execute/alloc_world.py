@@ -70,8 +70,8 @@ def record_plan_step(plan: Plan, rank: int, warmup: int) -> list[SeqEvent]:
     from shard_planner.execute.alloc_record import SequenceRecorder, real_sequence
     from shard_planner.execute.apply import apply_plan, build_mesh
     from shard_planner.execute.stepper import build_on_device, make_optimizer, make_step_batch
-    from shard_planner.hf import model_options
-    from shard_planner.modelfile import load_model_file
+    from shard_planner.model.hf import model_options
+    from shard_planner.model.modelfile import load_model_file
 
     model_file = load_model_file(plan.model.path, model_options(plan.model))  # as planned (runner.py)
     device = torch.device("cpu")
@@ -124,9 +124,9 @@ def check_plans(named_plans: dict[str, Plan], world_size: int = 2) -> list[PlanC
     """Record each plan's step in one spawned world and compare every rank with the plan's memory walk
     (each model traced once per param dtype, on the cpu-gloo profile)."""
     from shard_planner.cost.model import CostModel
-    from shard_planner.hf import model_options
-    from shard_planner.modelfile import load_model_file
-    from shard_planner.profile import load_profile
+    from shard_planner.model.hf import model_options
+    from shard_planner.model.modelfile import load_model_file
+    from shard_planner.hardware.profile import load_profile
     from shard_planner.trace import trace_model
 
     recorded = record_sequences(list(named_plans.values()), world_size)
@@ -147,7 +147,7 @@ def example_plans(world_size: int = 2) -> dict[str, Plan]:
     """The plans the check runs on (tests/execute/test_alloc_sequence.py, benchmarks/bench_alloc_sequence.py):
     examples/llama.py, gpt2.py and unet.py (tiny), bf16 with fp32 reduce, AdamW, one unit per block unless
     grouped; with and without checkpointing, reshard_after_forward False and explicit prefetch."""
-    from shard_planner.modelfile import load_model_file
+    from shard_planner.model.modelfile import load_model_file
     from shard_planner.plan import Cluster, Mesh, ModelRef, Prefetch, Training, Unit
     from shard_planner.trace.structure import model_fingerprint
 

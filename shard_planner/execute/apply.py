@@ -14,7 +14,7 @@ parallelism before FSDP2]).
 
 Order of operations (torchtitan, torchtitan/distributed/fsdp.py, does the same):
 
-1. check that the plan matches the model (:func:`check_plan_matches`: shard_planner/checked_plan.py's
+1. check that the plan matches the model (:func:`check_plan_matches`: shard_planner/load/checked_plan.py's
    checks, as every command makes them before launching: fingerprint, every FQN, grouped modules are
    contiguous siblings, tied weights in one unit); a mismatch raises :class:`PlanError` naming what differs;
 2. with tensor parallelism, ``parallelize_module`` over the mesh's "tp" dimension
@@ -80,8 +80,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils.checkpoint import checkpoint
 
-from shard_planner.checked_plan import check_model_matches
-from shard_planner.checkpointing import SELECTIVE
+from shard_planner.load.checked_plan import check_model_matches
+from shard_planner.plan.checkpointing import SELECTIVE
 from shard_planner.cost import fsdp2_rules  # called through the module: a test changes a rule, every caller follows
 from shard_planner.errors import PlanError
 from shard_planner.execute.selective import selective_context_fn

@@ -53,7 +53,7 @@ from shard_planner.execute.kernel_timing import device_time_s, host_samples
 from shard_planner.execute.kernel_calibration import calibrate_kernels, kernels_toml
 from shard_planner.errors import UserError
 from shard_planner.fileio import write_atomic
-from shard_planner.profile import HardwareProfile, Interconnect
+from shard_planner.hardware.profile import HardwareProfile, Interconnect
 
 logger = logging.getLogger(__name__)
 

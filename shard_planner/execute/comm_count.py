@@ -49,11 +49,11 @@ from torch.distributed.distributed_c10d import _get_group_size_by_name, _resolve
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shard_planner.comm import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, FSDP, REDUCE_SCATTER, TP,
+from shard_planner.plan.comm import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, FSDP, REDUCE_SCATTER, TP,
                                 CollectiveBytes, GroupCollectiveBytes)
 from shard_planner.cost.comm_bytes import ParamShape
-from shard_planner.ownership import innermost_unit
-from shard_planner.param_storage import stored_parts
+from shard_planner.plan.ownership import innermost_unit
+from shard_planner.model.param_storage import stored_parts
 from shard_planner.plan import Plan
 
 logger = logging.getLogger(__name__)

@@ -43,11 +43,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from shard_planner.allocator_conf import mode_name, rank_environment
+from shard_planner.hardware.allocator_conf import mode_name, rank_environment
 from shard_planner.cost.host_share import threads_per_rank, usable_cores
 from shard_planner.errors import RunError
 from shard_planner.execute.host_memory import HostMemory, available_host_bytes, rank_need_bytes
-from shard_planner.measurement import Measurement, RestoreCheck, load_measurement
+from shard_planner.plan.measurement import Measurement, RestoreCheck, load_measurement
 from shard_planner.plan import Plan, load_plan, resolve_model_file
 from shard_planner.process import die_with_parent, exit_status
 
@@ -369,10 +369,10 @@ def launch_local(plan_paths: list[str | os.PathLike], *, world_size: int, steps:
 
 
 def check_before_launch(plans: list[Plan], world_size: int, device: str) -> HostMemory | None:
-    """Before any rank starts: every plan checked against its model (checked_plan.py [Note: A plan checked
+    """Before any rank starts: every plan checked against its model (load/checked_plan.py [Note: A plan checked
     against its model]) and, on CPU, the ranks' host memory against what the machine has
     (execute/host_memory.py [Note: A CPU run's host memory]), which is returned (None on GPU)."""
-    from shard_planner.checked_plan import built_bytes, check_plan
+    from shard_planner.load.checked_plan import built_bytes, check_plan
 
     models = [check_plan(p) for p in plans]  # each model built once on the meta device (memoized)
     if device != "cpu":
@@ -385,7 +385,7 @@ def check_before_launch(plans: list[Plan], world_size: int, device: str) -> Host
 
 def allocator_environment(plans: list[Plan]) -> dict[str, str]:
     """The CUDA allocator setting the ranks get for ``plans`` (one launch, one setting: the first plan's);
-    see shard_planner/allocator_conf.py [Note: The allocator mode a plan runs with]."""
+    see shard_planner/hardware/allocator_conf.py [Note: The allocator mode a plan runs with]."""
     modes = {p.cluster.expandable_segments for p in plans}
     if len(modes) > 1:
         logger.warning("these plans were made for different CUDA allocator modes; one launch runs them all "

@@ -65,8 +65,8 @@ from shard_planner.errors import UserError, first_line
 from shard_planner.execute.calibrate import fit_line
 from shard_planner.execute.worker import _device_name, build_on_device, make_step_batch
 from shard_planner.fileio import write_atomic
-from shard_planner.modelfile import load_model_file, map_inputs
-from shard_planner.timings import ModuleTime, ModuleTimings
+from shard_planner.model.modelfile import load_model_file, map_inputs
+from shard_planner.hardware.timings import ModuleTime, ModuleTimings
 from shard_planner.trace.structure import model_fingerprint
 from shard_planner.trace.types import Affine
 from shard_planner.units import DTYPE_NAMES

@@ -9,12 +9,12 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from shard_planner.checkpointing import check_checkpointing_allowed, is_selective
+from shard_planner.plan.checkpointing import check_checkpointing_allowed, is_selective
 from shard_planner.errors import ModelFileError, RunError
 from shard_planner.execute.checkpoint_dir import check_new_directory, read_side_file
 from shard_planner.execute.launch import LaunchResult, launch_local, resolve_device, resolve_model_path
 from shard_planner.fileio import check_output_file
-from shard_planner.measurement import Measurement, RestoreCheck, measurement_path_for, save_measurement
+from shard_planner.plan.measurement import Measurement, RestoreCheck, measurement_path_for, save_measurement
 from shard_planner.plan import Plan, Prediction, load_plan, save_plan
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ def _check_checkpointing_allowed(plans: list[Plan]) -> None:
     """A plan that checkpoints a model whose forward builds a cache fails in backward (selective) or
     runs what was not priced (full): refused here, in one line, before the ranks start. Only plans that
     checkpoint are asked, each model once, by one forward under fake tensors (trace/cache.py; seconds
-    at 8B). See [Note: No checkpointing of a forward that builds a cache] in shard_planner/checkpointing.py."""
+    at 8B). See [Note: No checkpointing of a forward that builds a cache] in shard_planner/plan/checkpointing.py."""
     probed: dict[tuple, str | None] = {}
     for plan in plans:
         if not any(u.activation_checkpoint for u in plan.units):
@@ -70,8 +70,8 @@ def _check_checkpointing_allowed(plans: list[Plan]) -> None:
 def _probe_forward_cache(plan: Plan) -> str | None:
     """trace/cache.py's probe of ``plan``'s model; None (logged) when the probe itself fails: the run
     then goes on, as it did before the probe."""
-    from shard_planner.hf import model_options
-    from shard_planner.modelfile import load_model_file
+    from shard_planner.model.hf import model_options
+    from shard_planner.model.modelfile import load_model_file
     from shard_planner.trace.cache import probe_forward_cache
 
     path = plan.model.path
@@ -100,7 +100,7 @@ def reestimate(plan: Plan, model_path: str, trace=None) -> Prediction | None:
     (:func:`one_rank_trace`), traced here when not given."""
     try:
         from shard_planner.cost import estimate
-        from shard_planner.profile import load_priced_profile
+        from shard_planner.hardware.profile import load_priced_profile
     except ImportError:
         return None
     trace = trace if trace is not None else one_rank_trace(plan, model_path)
@@ -119,8 +119,8 @@ def one_rank_trace(plan: Plan, model_path: str):
     (the model file's options, e.g. a transformers config's sequence length, from the plan), or None when
     the tracer is not available or fails (logged: the run's figures do not need it)."""
     try:
-        from shard_planner.hf import model_options
-        from shard_planner.modelfile import load_model_file
+        from shard_planner.model.hf import model_options
+        from shard_planner.model.modelfile import load_model_file
         from shard_planner.trace import trace_for_plan
     except ImportError:
         return None

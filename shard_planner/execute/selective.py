@@ -1,5 +1,5 @@
 """Selective activation checkpointing as torch runs it: a policy that saves the outputs of the aten ops
-of the plan's ``ac_save_ops`` classes and recomputes every other op (shard_planner/checkpointing.py);
+of the plan's ``ac_save_ops`` classes and recomputes every other op (shard_planner/plan/checkpointing.py);
 ``"alternate_matmul"`` keeps the odd-numbered matmuls of each checkpointed call (torchtitan's rule:
 [Note: torchtitan's op-level policy]), with one counter for the forward and one for the recomputation.
 
@@ -16,7 +16,7 @@ import logging
 
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from shard_planner.checkpointing import keeps_alternate_matmuls
+from shard_planner.plan.checkpointing import keeps_alternate_matmuls
 from shard_planner.trace.kernel_ops import op_class
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ The batch of step s is drawn with seed ``SEED + 1000 * s + d`` where d is the ra
 (execute/apply.py ``data_rank``: its coordinate on the dp sub-mesh), so that a single process can replay the
 same global batch (the tests do). Without tensor parallelism d is the global rank, as before it. The tp ranks
 of one data-parallel group share d, hence their micro-batch: tensor parallelism splits one micro-batch's
-computation, it does not take a batch of its own (mesh.py [Note: which size means what], ``dp_size``).
+computation, it does not take a batch of its own (parallel/mesh.py [Note: which size means what], ``dp_size``).
 
 [Note: loss parallelism in a step]
 With ``tensor_parallel.loss_parallel`` the output layer hands its logits on as a DTensor split on the
@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from shard_planner.errors import RunError, first_line
 from shard_planner.execute.accumulate import batch_index, set_micro_step
 from shard_planner.execute.memtrack import StorageTracker
-from shard_planner.modelfile import ModelFile, map_inputs
+from shard_planner.model.modelfile import ModelFile, map_inputs
 from shard_planner.plan import OPTIMIZER_TORCH, Plan, Training
 
 logger = logging.getLogger(__name__)

@@ -2,8 +2,8 @@
 
     parallelize_module(model, device_mesh["tp"], torch_tp_plan(plan.tensor_parallel))
 
-One function maps every :class:`~shard_planner.tensor_parallel.Style` to the class and layouts that
-shard_planner/tensor_parallel.py [Note: The tensor-parallel styles] describes; the executor applies it
+One function maps every :class:`~shard_planner.parallel.tensor_parallel.Style` to the class and layouts that
+shard_planner/parallel/tensor_parallel.py [Note: The tensor-parallel styles] describes; the executor applies it
 before ``fully_shard`` (execute/apply.py) and the trace's proofs use the same objects.
 """
 
@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from shard_planner.tensor_parallel import SEQUENCE_DIM, ModuleStyle, Style, TensorParallel
+from shard_planner.parallel.tensor_parallel import SEQUENCE_DIM, ModuleStyle, Style, TensorParallel
 
 
 # [Note: gather_input hands on a DTensor]

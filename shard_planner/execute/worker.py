@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from shard_planner.allocator_conf import effective_conf
+from shard_planner.hardware.allocator_conf import effective_conf
 from shard_planner.argtypes import non_negative_int, positive_float, positive_int
 from shard_planner.errors import RunError, UserError, first_line
 from shard_planner.cost.comm_bytes import collective_bytes_per_step
@@ -63,12 +63,12 @@ from shard_planner.execute.comm_count import (CommCounter, FunctionalCollectiveC
 from shard_planner.execute.memtrack import StorageTracker
 from shard_planner.execute.runner import with_prediction
 from shard_planner.fileio import write_atomic
-from shard_planner.measurement import (CheckpointResult, Measurement, RankMemory, RestoreCheck, plan_fingerprint,
+from shard_planner.plan.measurement import (CheckpointResult, Measurement, RankMemory, RestoreCheck, plan_fingerprint,
                                        save_measurement)
-from shard_planner.hf import HfOptions, model_options
+from shard_planner.model.hf import HfOptions, model_options
 from shard_planner.execute.stepper import (SEED, Stepper, build_on_device, make_optimizer,  # noqa: F401
                                            make_step_batch)
-from shard_planner.modelfile import load_model_file
+from shard_planner.model.modelfile import load_model_file
 from shard_planner.plan import Plan, load_plan
 
 logger = logging.getLogger(__name__)

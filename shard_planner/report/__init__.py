@@ -42,8 +42,8 @@ from shard_planner.cost.types import Estimate
 from shard_planner.errors import PlanError
 from shard_planner.fileio import write_atomic
 from shard_planner.plan import Plan
-from shard_planner.plan_points import degree_label
-from shard_planner.profile import HardwareProfile
+from shard_planner.plan.points import degree_label
+from shard_planner.hardware.profile import HardwareProfile
 from shard_planner.report.budget import ReportBudget, load_plan_profile, report_budget
 from shard_planner.report.degrees import degrees_table, plot_degrees, throughput_unit
 from shard_planner.report.measured import check_measurement_matches, measured_figures, predictions_for, run_sections
@@ -158,7 +158,7 @@ def _frontier_section(plan: Plan, budget: ReportBudget) -> ReportSection | None:
         "Memory vs throughput", "frontier.png", fig,
         f"Each point is a plan of the same model, micro-batch and cluster{degree}, as the cost model predicts it. "
         "The line joins the Pareto frontier (no other plan is both smaller and faster); the star is the "
-        "chosen plan; the other markers are the recipes people run (shard_planner/recipes.py; an X: over "
+        "chosen plan; the other markers are the recipes people run (shard_planner/plan/recipes.py; an X: over "
         f"{judged}; a hollow frontier point too). {_budget_text(budget, fig)} The table's fits column is "
         f"against {judged}.",
         frontier_table(plan, budget))

@@ -1,7 +1,7 @@
 """The budget a report judges a plan against: --mem, and the part of it the planner fills.
 
 The planner fills at most ``profile.tensor_budget_bytes(--mem)`` = min(--mem, device memory) x the
-profile's ``usable_fraction`` per GPU by the allocated peak (shard_planner/profile.py): on a CPU profile the
+profile's ``usable_fraction`` per GPU by the allocated peak (shard_planner/hardware/profile.py): on a CPU profile the
 rest of --mem stays free for the OS and the ranks' processes; on a GPU profile it is the margin of the
 caching-allocator simulation, which decides what fits there (cost/fits.py; the plan's ``predicted``
 carries its reserved figures). Every part of the report (summary, frontier plot and table, memory
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from shard_planner.errors import UserError
 from shard_planner.plan import Plan
-from shard_planner.profile import HardwareProfile, rank_word, usable_reason
+from shard_planner.hardware.profile import HardwareProfile, rank_word, usable_reason
 from shard_planner.units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ class ReportBudget:
 def load_plan_profile(plan: Plan) -> tuple[HardwareProfile | None, str]:
     """The plan's profile priced as ``plan`` priced it (its module timings, if any), or None and the
     one-line reason it cannot be loaded here."""
-    from shard_planner.profile import load_priced_profile
+    from shard_planner.hardware.profile import load_priced_profile
 
     try:
         return load_priced_profile(plan.cluster.profile, plan.cluster.timings), ""

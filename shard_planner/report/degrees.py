@@ -18,7 +18,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from shard_planner.plan import Plan
-from shard_planner.plan_points import DegreeOutcome, FrontierPoint
+from shard_planner.plan.points import DegreeOutcome, FrontierPoint
 from shard_planner.report.budget import ReportBudget
 from shard_planner.report.plots import (
     BASELINE_COLORS, GIB, Throughput, _model_name, _wrap, draw_chosen, draw_frontier_line, finish_throughput_axes,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from shard_planner.errors import UserError
-from shard_planner.measurement import Measurement, plan_fingerprint
+from shard_planner.plan.measurement import Measurement, plan_fingerprint
 from shard_planner.plan import Plan
 from shard_planner.report.plots import MeasuredFigures
 from shard_planner.report.render import ReportSection

@@ -13,7 +13,7 @@ import pandas as pd
 from shard_planner import __version__
 from shard_planner.cost.fits import allocator_figures_text
 from shard_planner.plan import Plan
-from shard_planner.plan_points import degree_reason
+from shard_planner.plan.points import degree_reason
 from shard_planner.report.budget import ReportBudget
 from shard_planner.report.plots import MeasuredFigures, plan_throughput, relative_error
 from shard_planner.report.tables import md_escape, to_html, to_markdown

@@ -17,7 +17,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shard_planner.allocator_conf import mode_name
+from shard_planner.hardware.allocator_conf import mode_name
 from shard_planner.cost.reserved import ReservedTimeline
 from shard_planner.cost.types import MemoryEvent
 from shard_planner.plan import Plan

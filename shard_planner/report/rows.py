@@ -1,7 +1,7 @@
 """Per-unit figures for the report: what each FSDP unit holds and what it costs.
 
 A parameter belongs to the innermost unit that contains its module; the root unit owns everything
-else (plan.py's rule, the one FSDP2 applies). Per unit and per rank:
+else (plan/__init__.py's rule, the one FSDP2 applies). Per unit and per rank:
 
 - parameters, and of them the trainable ones (a fine-tune's frozen base has no gradient, reduce-scatter or
   optimizer state: cost/unit_params.py [Note: Frozen parameters in a unit]);
@@ -29,7 +29,7 @@ from shard_planner.dtypes import dtype_bytes
 from shard_planner.cost.selective import flops_price, subtree_selective
 from shard_planner.cost.types import Estimate, ExposedParts, UnitTime
 from shard_planner.plan import Plan, Unit
-from shard_planner import ownership
+from shard_planner.plan import ownership
 from shard_planner.trace.types import ModelTrace
 
 
@@ -62,7 +62,7 @@ class UnitRow:
 
 def unit_owners(plan: Plan, fqns: Iterable[str]) -> dict[str, int]:
     """fqn -> index in ``plan.units`` of the unit that owns the module's own parameters (a plan always
-    has a root unit, so every module has one; see shard_planner.ownership)."""
+    has a root unit, so every module has one; see shard_planner.plan.ownership)."""
     return ownership.owners({fqn: i for i, u in enumerate(plan.units) for fqn in u.modules}, fqns)
 
 

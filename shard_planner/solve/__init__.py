@@ -1,5 +1,5 @@
 """The solver: the fastest FSDP2 plan that fits a memory budget (or a simpler one within 1% of it),
-the memory-vs-time frontier, and the recipes (shard_planner/recipes.py) beside it, never faster than the answer.
+the memory-vs-time frontier, and the recipes (shard_planner/plan/recipes.py) beside it, never faster than the answer.
 
     from shard_planner.solve import PlanRequest, plan_model
     result = plan_model(trace, PlanRequest(gpus=8, mem_budget_bytes=40 * 2**30, profile=load_profile("h100-80gb")))

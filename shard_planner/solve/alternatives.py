@@ -1,5 +1,5 @@
 """What the program cannot express, judged by the same simulators as its plans: the recipes
-(:mod:`shard_planner.recipes`), the whole model as one unit, and the solver's plans with the root resharded after
+(:mod:`shard_planner.plan.recipes`), the whole model as one unit, and the solver's plans with the root resharded after
 forward."""
 
 from __future__ import annotations
@@ -7,13 +7,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import replace
 
-from shard_planner.checkpointing import checkpointing_refusal
+from shard_planner.plan.checkpointing import checkpointing_refusal
 from shard_planner.errors import PlanError
-from shard_planner.mesh import Mesh
+from shard_planner.parallel.mesh import Mesh
 from shard_planner.plan import ROOT, FrontierPoint, Plan, Prefetch, Unit
 from shard_planner.solve.context import Checked, PlanContext
-from shard_planner.solve.linear import GlobalChoice
-from shard_planner.recipes import recipe_named, recipes_for
+from shard_planner.solve.choice import GlobalChoice
+from shard_planner.plan.recipes import recipe_named, recipes_for
 from shard_planner.solve.request import PlanRequest
 from shard_planner.trace.types import ModelTrace
 from shard_planner.solve.survive import priced_step_time_s
@@ -22,7 +22,7 @@ RECIPE_METHOD = "recipe"  # Checked.method of a recipe's plan
 
 
 def recipes(ctx: PlanContext, choices: Iterable[GlobalChoice]) -> list[Checked]:
-    """Every recipe (:data:`shard_planner.recipes.RECIPES`) at each of ``choices``, with the knobs it fixes: its units,
+    """Every recipe (:data:`shard_planner.plan.recipes.RECIPES`) at each of ``choices``, with the knobs it fixes: its units,
     its CPU offload, and FSDP2's default prefetch where its stack exposes none; the planner's knobs
     (micro-batch, accumulation, mesh, and prefetch where the recipe leaves it) are the choice's. Each
     (recipe, resulting choice) is judged once; the status is the recipe's title, the method ``"recipe"``.

@@ -20,7 +20,7 @@ from operator import add
 from shard_planner.cost.queries import UnitSetting
 from shard_planner.cost.unit_cost import UnitCost, unit_cost
 from shard_planner.cost.unit_params import UnitParams
-from shard_planner.profile import HardwareProfile
+from shard_planner.hardware.profile import HardwareProfile
 from shard_planner.solve.item_params import item_params, root_only_params
 from shard_planner.solve.space import SearchSpace
 from shard_planner.trace.types import ModelTrace

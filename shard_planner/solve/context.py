@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
-from shard_planner.checkpointing import checkpointing_refusal
+from shard_planner.plan.checkpointing import checkpointing_refusal
 from shard_planner.cost.fits import FitVerdict, device_fit, smallest_mem_bytes
 from shard_planner.cost.model import CostModel
 from shard_planner.cost.types import Estimate
@@ -28,7 +28,8 @@ from shard_planner.solve import cpsat
 from shard_planner.solve.accumulation import NO_ACCUMULATION, resolve_global_batch
 from shard_planner.cost.queries import UnitSetting
 from shard_planner.solve.candidate_costs import CandidateCosts, candidate_costs
-from shard_planner.solve.linear import (MIB, GlobalChoice, LinearModel, build_linear_model, evaluate, unit_setting,
+from shard_planner.solve.choice import GlobalChoice
+from shard_planner.solve.linear import (MIB, LinearModel, build_linear_model, evaluate, unit_setting,
                                         with_accumulation, with_prefetch)
 from shard_planner.solve.request import PlanRequest, PlanTimings
 from shard_planner.solve.simulate import cover_units, make_plan
@@ -149,7 +150,7 @@ class PlanContext:
     def space(self, mesh: Mesh) -> SearchSpace:
         shard = mesh.shard_group_size
         if shard not in self._spaces:
-            # a shard group's ranks are tp apart: a node holds gpus_per_node / tp of them (mesh.py)
+            # a shard group's ranks are tp apart: a node holds gpus_per_node / tp of them (parallel/mesh.py)
             self._spaces[shard] = build_space(self.trace, shard_group=shard,
                                               gpus_per_node=mesh.shard_ranks_per_node(self.cluster.gpus_per_node),
                                               max_group_size=self.max_group_size)

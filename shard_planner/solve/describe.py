@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import re
 
-from shard_planner.checkpointing import USE_CACHE_FIX
+from shard_planner.plan.checkpointing import USE_CACHE_FIX
 from shard_planner.errors import InfeasibleError
 from shard_planner.plan import Unit
-from shard_planner.profile import HardwareProfile
-from shard_planner.solve.linear import GlobalChoice
+from shard_planner.hardware.profile import HardwareProfile
+from shard_planner.solve.choice import GlobalChoice
 from shard_planner.solve.space import checkpointing_allowed
 from shard_planner.units import format_bytes
 

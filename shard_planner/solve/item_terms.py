@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shard_planner.checkpointing import DEFAULT_SAVE_OPS, is_selective
+from shard_planner.plan.checkpointing import DEFAULT_SAVE_OPS, is_selective
 from shard_planner.cost.model import CostModel
 from shard_planner.solve.space import SearchSpace
 from shard_planner.trace.types import ModelTrace

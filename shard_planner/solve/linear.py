@@ -82,7 +82,7 @@ from dataclasses import dataclass, field, replace
 
 from shard_planner.cost.accumulation import held_between_micro_steps_bytes
 from shard_planner.cost.collectives import ring_bandwidth_s
-from shard_planner.checkpointing import is_selective
+from shard_planner.plan.checkpointing import is_selective
 from shard_planner.cost.model import CostModel
 from shard_planner.cost.queries import UnitSetting
 from shard_planner.cost import fsdp2_rules  # called through the module: a test changes a rule, every caller follows
@@ -93,9 +93,9 @@ from shard_planner.cost.unit_bytes import UnitBytes, reduce_scatter_backend_temp
 from shard_planner.cost.unit_cost import UnitCost
 from shard_planner.cost.unit_params import UnitParams
 from shard_planner.dtypes import DTYPE_BYTES
-from shard_planner.plan import Mesh, Plan, Prefetch, Training
-from shard_planner.profile import HardwareProfile
-from shard_planner.solve.accumulation import NO_ACCUMULATION, Accumulation
+from shard_planner.plan import Training
+from shard_planner.hardware.profile import HardwareProfile
+from shard_planner.solve.choice import GlobalChoice
 from shard_planner.solve.candidate_costs import CandidateCosts, candidate_costs
 from shard_planner.solve.item_terms import ItemTerms, item_terms
 from shard_planner.solve.space import Candidate, SearchSpace
@@ -109,37 +109,6 @@ PEAK_UNDER_COUNT = 0.03  # at most this fraction below the simulated peak (no CP
 PEAK_UNDER_COUNT_OFFLOAD = 0.06  # the same with CPU offload on a GPU profile
 PEAK_OVER_FACTOR, PEAK_OVER_SLACK_MIB = 2.0, 16  # at most 2x the simulated peak + 16 MiB
 TIME_RATIO = (0.45, 1.25)  # linear / simulated step time, the simulator's framework overheads set to 0
-
-
-@dataclass(frozen=True)
-class GlobalChoice:
-    """The decisions the solver loops over outside the program."""
-
-    micro_batch: int
-    prefetch: Prefetch
-    mesh: Mesh
-    cpu_offload: bool = False
-    accumulation: Accumulation = NO_ACCUMULATION  # micro-steps per optimizer step and their policies
-
-    @property
-    def label(self) -> str:
-        mesh = f"{self.mesh.replicate}x{self.mesh.shard} HSDP" if self.mesh.replicate > 1 else f"FSDP {self.mesh.shard}"
-        off = ", CPU offload" if self.cpu_offload else ""
-        acc = f", {self.accumulation.label}" if self.accumulation.steps > 1 else ""
-        return (f"micro-batch {self.micro_batch}{acc}, prefetch fwd {self.prefetch.forward}/bwd "
-                f"{self.prefetch.backward}, {mesh}{off}")
-
-    @classmethod
-    def of_plan(cls, plan: Plan) -> "GlobalChoice":
-        """The choice ``plan`` was made at (its micro-batch, prefetch, mesh, offload and accumulation)."""
-        t = plan.training
-        return cls(t.micro_batch, plan.prefetch, plan.mesh, t.cpu_offload,
-                   Accumulation(t.accumulation_steps, t.gradient_sync, t.keep_params_gathered))
-
-    def training(self, base: Training) -> Training:
-        """The plan's training section for this choice: ``base`` (optimizer, dtypes) with its decisions."""
-        return replace(base, micro_batch=self.micro_batch, cpu_offload=self.cpu_offload,
-                       **self.accumulation.training_fields())
 
 
 @dataclass(frozen=True)

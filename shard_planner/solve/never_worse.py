@@ -1,7 +1,7 @@
 """The planner's answer is never slower than a recipe that fits (issue 38).
 
 [Note: Never worse than a recipe] A user who runs torchtitan, torchtune or Accelerate already has a plan:
-the recipe (:mod:`shard_planner.recipes`). The search judges every recipe at each of its global choices
+the recipe (:mod:`shard_planner.plan.recipes`). The search judges every recipe at each of its global choices
 (:func:`.alternatives.recipes`: the knobs the recipe leaves to the planner, micro-batch, accumulation,
 mesh and, where the stack does not expose it, prefetch, are the search's) and they join the pool the
 answer is chosen from, polished and simplified from. Steps after the choice can still lose to one: the

@@ -15,7 +15,7 @@
    :meth:`.context.PlanContext.estimate` (memoised, no timeline; see [Note: one call to the cost model]).
 3. The best checked plan by simulated throughput, against what the program cannot express, judged
    by the same simulators: the solver's plans with the root resharded after forward
-   (:mod:`.alternatives`), no wrapping at all, and every recipe (:mod:`shard_planner.recipes`) at every global
+   (:mod:`.alternatives`), no wrapping at all, and every recipe (:mod:`shard_planner.plan.recipes`) at every global
    choice the search found;
    the frontier by a budget sweep at its global choice (:mod:`.frontier`). The solver line names
    what won.
@@ -56,7 +56,8 @@ from shard_planner.solve.accumulation import (
 from shard_planner.solve.context import Checked, PlanContext, speed
 from shard_planner.solve.describe import budget_text, infeasible_error
 from shard_planner.solve.frontier import pareto, start_sweep, sweep
-from shard_planner.solve.linear import MIB, GlobalChoice, evaluate
+from shard_planner.solve.choice import GlobalChoice
+from shard_planner.solve.linear import MIB, evaluate
 from shard_planner.solve.never_worse import never_worse
 from shard_planner.solve.polish import polish
 from shard_planner.solve.request import PlanRequest, PlanResult

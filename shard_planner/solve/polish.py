@@ -32,11 +32,11 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from shard_planner.checkpointing import DEFAULT_SAVE_OPS, SELECTIVE
+from shard_planner.plan.checkpointing import DEFAULT_SAVE_OPS, SELECTIVE
 from shard_planner.cost.selective import keeps_something, supports_selective
 from shard_planner.cost.types import Estimate
 from shard_planner.plan import ROOT, Plan, Prefetch, Unit
-from shard_planner.profile import HardwareProfile
+from shard_planner.hardware.profile import HardwareProfile
 from shard_planner.solve.space import DEFAULT_MAX_GROUP_SIZE, checkpointing_allowed, first_calls
 from shard_planner.trace.types import ModelTrace
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from shard_planner.cost.fits import FitVerdict
 from shard_planner.cost.types import Estimate
 from shard_planner.errors import UserError
-from shard_planner.tensor_parallel import TensorParallel
+from shard_planner.parallel.tensor_parallel import TensorParallel
 from shard_planner.plan import DEFAULT_LR, OPTIMIZERS, FrontierPoint, Plan
-from shard_planner.profile import HardwareProfile
+from shard_planner.hardware.profile import HardwareProfile
 from shard_planner.solve.space import DEFAULT_MAX_GROUP_SIZE
 from shard_planner.units import DTYPE_NAMES
 
@@ -68,7 +68,7 @@ class PlanRequest:
     # searches micro-batch x accumulation steps x ranks = it (solve/accumulation.py); None: no accumulation
     global_batch_samples: int | None = None
     global_batch_tokens: int | None = None
-    # The CUDA caching allocator's mode the plan runs with (cluster.expandable_segments, shard_planner/allocator_conf.py),
+    # The CUDA caching allocator's mode the plan runs with (cluster.expandable_segments, shard_planner/hardware/allocator_conf.py),
     # and the allocated peak the search may fill (None: profile.tensor_budget_bytes(mem_budget_bytes); set lower by
     # solve/survive.py when the answer does not survive --mem in the allocator simulation). allocator_check False:
     # on a GPU profile too the allocated peak alone decides, as on a CPU one (the solver's own tests, on

@@ -11,9 +11,10 @@ import logging
 
 from shard_planner.cost.types import Estimate
 from shard_planner.plan import ROOT, Cluster, ModelRef, Plan, Training, Unit
-from shard_planner.profile import HardwareProfile
-from shard_planner.solve.linear import GlobalChoice, LinearModel
-from shard_planner.tensor_parallel import TensorParallel
+from shard_planner.hardware.profile import HardwareProfile
+from shard_planner.solve.choice import GlobalChoice
+from shard_planner.solve.linear import LinearModel
+from shard_planner.parallel.tensor_parallel import TensorParallel
 from shard_planner.trace.types import ModelTrace
 
 logger = logging.getLogger(__name__)

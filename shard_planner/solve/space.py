@@ -18,7 +18,7 @@ Built from the trace's module tree, without running anything:
   ``fully_shard([m1, m2, ...])`` call each.
 - **Options** per segment: ``reshard_after_forward`` in {True, False, an int divisor of the shard
   group}, activation checkpointing off, full or (repeated blocks, traces with ``new_bytes`` records)
-  selective with torchtitan's op-level classes (shard_planner/checkpointing.py), *nested* (a single item whose large children become
+  selective with torchtitan's op-level classes (shard_planner/plan/checkpointing.py), *nested* (a single item whose large children become
   units of their own inside it, e.g. a block's attention and MLP), or *in root* (a single item left
   to the root unit: gathered at the start of the step and kept, as FSDP2 does with the root's own
   parameters). No checkpointing at all for a model whose forward builds a cache
@@ -35,10 +35,10 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
-from shard_planner.checkpointing import DEFAULT_SAVE_OPS, SELECTIVE, checkpointing_refusal, is_selective
+from shard_planner.plan.checkpointing import DEFAULT_SAVE_OPS, SELECTIVE, checkpointing_refusal, is_selective
 from shard_planner.cost.selective import keeps_something, supports_selective
-from shard_planner.mesh import Mesh
-from shard_planner.ownership import contiguous_among, split_groups, tie_groups
+from shard_planner.parallel.mesh import Mesh
+from shard_planner.plan.ownership import contiguous_among, split_groups, tie_groups
 from shard_planner.plan import ROOT
 from shard_planner.trace.types import ModelTrace
 
@@ -77,7 +77,7 @@ class Option:
     """What one candidate unit does. ``in_root``: the segment is left to the root unit."""
 
     reshard_after_forward: bool | int = True
-    activation_checkpoint: bool | str = False  # "selective": DEFAULT_SAVE_OPS kept (shard_planner/checkpointing.py)
+    activation_checkpoint: bool | str = False  # "selective": DEFAULT_SAVE_OPS kept (shard_planner/plan/checkpointing.py)
     nested: bool = False
     in_root: bool = False
 
@@ -196,7 +196,7 @@ def splits_ties(trace: ModelTrace, fqn: str) -> bool:
 
 def checkpointing_allowed(trace: ModelTrace) -> bool:
     """Whether any unit of ``trace``'s model may be checkpointed: the solver's reading of
-    shard_planner/checkpointing.py's [Note: No checkpointing of a forward that builds a cache]."""
+    shard_planner/plan/checkpointing.py's [Note: No checkpointing of a forward that builds a cache]."""
     return checkpointing_refusal(trace.model_path, trace.forward_cache) is None
 
 

@@ -54,11 +54,11 @@ from typing import Any, Callable, Iterable
 
 from shard_planner.errors import InfeasibleError, UserError, first_line
 from shard_planner.plan import Plan
-from shard_planner.plan_points import DegreeOutcome, degree_label
+from shard_planner.plan.points import DegreeOutcome, degree_label
 from shard_planner.solve.context import Checked
 from shard_planner.solve.planner import plan_model, screen_degree
 from shard_planner.solve.request import PlanRequest, PlanResult
-from shard_planner.tensor_parallel import TensorParallel
+from shard_planner.parallel.tensor_parallel import TensorParallel
 from shard_planner.trace.types import ModelTrace
 
 logger = logging.getLogger(__name__)

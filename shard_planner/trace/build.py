@@ -20,7 +20,7 @@ scalers, and the nearest of 16 code values for every element, in chunks of 2^20 
 values: 0.45 s for one 8192 x 28672 weight on this machine, minutes for a 70B model's 560 linears. The
 values are never read in a trace, only the inner tensors' sizes and dtypes, which ``from_tensor`` fixes
 from the weight's: n/2 uint8 codes, n/64 int8 scalers, n/16384 factors and a 0-d mean in the weight's
-dtype, the 16-value table (param_storage.py, [Note: NF4 parameters as stored]). So while a fake model is
+dtype, the 16-value table (model/param_storage.py, [Note: NF4 parameters as stored]). So while a fake model is
 built, ``NF4Tensor.from_tensor`` of a fake weight builds the NF4Tensor from empty fake tensors of those sizes
 (:func:`_nf4_by_shape`); tests/trace/test_finetune_trace.py checks them against the real ``to_nf4``'s.
 
@@ -48,7 +48,7 @@ import torch.nn.init
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shard_planner.modelfile import ModelFile
+from shard_planner.model.modelfile import ModelFile
 
 aten = torch.ops.aten
 
@@ -105,7 +105,7 @@ def _nf4_module(load: bool):
     import importlib
     import sys
 
-    from shard_planner.param_storage import NF4_MODULE
+    from shard_planner.model.param_storage import NF4_MODULE
 
     if NF4_MODULE not in sys.modules and not load:
         return None

@@ -12,7 +12,7 @@ invocation index 4 encountered during backward but not found in storage"), as th
 longer match the forward's. Training never reads the cache. :func:`output_cache` finds one in the output
 generically: a field named like a cache (``past_key_values``, ``cache``, ``*_cache``) holding something,
 or an object whose class is named ``*Cache``; the trace records it (``ModelTrace.forward_cache``) and
-shard_planner/checkpointing.py holds the rule that follows from it.
+shard_planner/plan/checkpointing.py holds the rule that follows from it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shard_planner.modelfile import ModelFile
+from shard_planner.model.modelfile import ModelFile
 from shard_planner.trace.routing import KnownValues
 
 # Output fields that carry a cache for the next call (transformers' names; "*_cache" too)

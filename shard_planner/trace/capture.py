@@ -48,7 +48,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from shard_planner.errors import ModelFileError, first_line
-from shard_planner.modelfile import ModelFile, input_tensors
+from shard_planner.model.modelfile import ModelFile, input_tensors
 from shard_planner.trace.cache import output_cache
 from shard_planner.trace.flops import FlopCounter
 from shard_planner.trace.kernel_ops import classify

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 from shard_planner.errors import UserError, first_line
-from shard_planner.hf import CONFIG_NAME
-from shard_planner.modelfile import is_trace_file
+from shard_planner.model.hf import CONFIG_NAME
+from shard_planner.model.modelfile import is_trace_file
 from shard_planner.trace.types import ModelTrace
 from shard_planner.units import compute_dtype_name
 
@@ -45,7 +45,7 @@ def load_trace(path: str | Path) -> ModelTrace:
 def _taken_for(path: Path) -> str:
     """What a .json argument was taken for: a file named config.json is a transformers config (one that
     has a model_type is read as one before this); any other .json that is not one
-    (:func:`shard_planner.modelfile.is_trace_file`) is read as a trace.json."""
+    (:func:`shard_planner.model.modelfile.is_trace_file`) is read as a trace.json."""
     if path.name == CONFIG_NAME:
         return "taken for a transformers config (by its name)"
     return "taken for a trace.json from shard-planner trace (a .json that is not a transformers config, which has a " \

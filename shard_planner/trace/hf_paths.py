@@ -43,7 +43,7 @@ from typing import Callable
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from shard_planner.modelfile import ModelFile
+from shard_planner.model.modelfile import ModelFile
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
-from shard_planner.param_storage import stored_parts
+from shard_planner.model.param_storage import stored_parts
 
 
 @dataclass

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from shard_planner.errors import UserError
-from shard_planner.modelfile import ModelFile, load_model_file
+from shard_planner.model.modelfile import ModelFile, load_model_file
 from shard_planner.trace.capture import Step, run_step
 from shard_planner.trace.flops import FlopCounter
 from shard_planner.trace.replay import step_result

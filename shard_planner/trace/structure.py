@@ -14,7 +14,7 @@ import hashlib
 
 import torch.nn as nn
 
-from shard_planner.param_storage import stored_parts
+from shard_planner.model.param_storage import stored_parts
 
 
 def _digest(text: str) -> str:

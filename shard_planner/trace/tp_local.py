@@ -94,10 +94,10 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from shard_planner.comm import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
+from shard_planner.plan.comm import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from shard_planner.errors import UserError
-from shard_planner.param_storage import stored_parts
-from shard_planner.tensor_parallel import SEQUENCE_DIM, ModuleStyle, Style, TensorParallel
+from shard_planner.model.param_storage import stored_parts
+from shard_planner.parallel.tensor_parallel import SEQUENCE_DIM, ModuleStyle, Style, TensorParallel
 from shard_planner.trace.types import Affine, TPCollective
 
 aten = torch.ops.aten

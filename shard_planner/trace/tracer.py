@@ -27,9 +27,9 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from shard_planner.errors import ModelFileError, UserError
-from shard_planner.modelfile import ModelFile, load_model_file
+from shard_planner.model.modelfile import ModelFile, load_model_file
 from shard_planner.plan import Plan
-from shard_planner.tensor_parallel import TensorParallel
+from shard_planner.parallel.tensor_parallel import TensorParallel
 from shard_planner.trace.build import build_fake, cast_parameters
 from shard_planner.trace.capture import Step, run_step
 from shard_planner.trace.dynamo_deferred import dynamo_deferred

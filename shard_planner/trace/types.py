@@ -19,7 +19,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 
-from shard_planner.tensor_parallel import TensorParallel
+from shard_planner.parallel.tensor_parallel import TensorParallel
 
 TRACE_SCHEMA_VERSION = 1
 
@@ -174,7 +174,7 @@ class ModuleTrace:
     # ``backward_order``. None in traces written before this field.
     input_requires_grad: bool | None = None
     # Of ``param_bytes_by_dtype`` (and of its sharded and 0-d parts alike), what quantised weights store: an NF4
-    # weight's codes, scalers, factors, mean and code table (shard_planner/param_storage.py, [Note: NF4
+    # weight's codes, scalers, factors, mean and code table (shard_planner/model/param_storage.py, [Note: NF4
     # parameters as stored]). FSDP2 gathers them through the tensor's own fsdp_pre_all_gather, which mixed
     # precision does not cast, floating parts (the factors) included; they never train. Traces written
     # before this field load with none.
@@ -257,12 +257,12 @@ class ModelTrace:
     training: dict = field(default_factory=dict)
     # What the forward's output holds for a later call, e.g. "cache (DynamicCache)": a transformers decoder
     # built with use_cache=True (trace/cache.py, [Note: A forward that builds a cache]); no plan may then
-    # checkpoint (shard_planner/checkpointing.py). None: nothing, or a trace written before this field.
+    # checkpoint (shard_planner/plan/checkpointing.py). None: nothing, or a trace written before this field.
     forward_cache: str | None = None
     # The tensor-parallel degree and styles the trace is one rank of (trace/tp_local.py), and the loss's
     # collectives (loss parallelism's all-reduces). 1, None and none: no tensor parallelism, as traces
     # written before them; their JSON then has none of these keys. The degree is a fact of the numbers (as
-    # compute_dtype): the plan's layout (mesh.py Mesh.tp) is derived from it by the planner
+    # compute_dtype): the plan's layout (parallel/mesh.py Mesh.tp) is derived from it by the planner
     # (solve/context.py PlanContext.layouts) and checked equal to it where both meet (cost/api.py, report).
     tp_size: int = 1
     tensor_parallel: TensorParallel | None = None

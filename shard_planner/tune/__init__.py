@@ -19,10 +19,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from shard_planner.errors import UserError
-from shard_planner.mesh import degree_divides
-from shard_planner.profile import HardwareProfile, load_profile
-from shard_planner.timings import load_timings
-from shard_planner.tp_degrees import check_node_degree
+from shard_planner.parallel.mesh import degree_divides
+from shard_planner.hardware.profile import HardwareProfile, load_profile
+from shard_planner.hardware.timings import load_timings
+from shard_planner.trace.tp_degrees import check_node_degree
 from shard_planner.tune.candidates import Candidate, describe_plan, top_candidates
 from shard_planner.tune.fit import ProfileFit, fit_profile, scale_profile
 from shard_planner.tune.profile_file import write_profile
@@ -68,10 +68,10 @@ def tune_model(model_path: str, *, gpus: int, mem_budget_bytes: int, profile: st
     derives them (:func:`_degree_trace`). ``plan_options``: further :class:`~shard_planner.solve.PlanRequest`
     fields (``time_limit_s``, ...). ``run_plans``: runs a launch's plans (default
     :func:`shard_planner.execute.run_plans`). ``hf_options``: for a transformers config, its task, sequence
-    length and fine-tune (:class:`~shard_planner.hf.HfOptions`), which every candidate records to be run as."""
+    length and fine-tune (:class:`~shard_planner.model.hf.HfOptions`), which every candidate records to be run as."""
     from shard_planner.cost import estimate
-    from shard_planner.modelfile import load_model_file
-    from shard_planner.hf import as_planned
+    from shard_planner.model.modelfile import load_model_file
+    from shard_planner.model.hf import as_planned
     from shard_planner.solve import PlanRequest, plan_model
     from shard_planner.solve.request import requested_micro_batch
     from shard_planner.units import compute_dtype_name
@@ -129,9 +129,9 @@ def check_degree(tp: int, *, gpus: int, gpus_per_node: int, world_size: int | No
 
 def _degree_trace(model_file, param_dtype: str, tp: int, trace, *, sequence_parallel: bool, loss_parallel: bool):
     """(one rank of the model traced at degree ``tp``, its styles; None at degree 1): the styles derived as
-    ``plan --tp`` derives them (tp_degrees.py ``degree_styles``); a degree the model's dimensions refuse is a
+    ``plan --tp`` derives them (trace/tp_degrees.py ``degree_styles``); a degree the model's dimensions refuse is a
     UserError naming the dimension. ``trace``: given (checked to be at ``param_dtype`` and ``tp``) or None."""
-    from shard_planner.tp_degrees import degree_styles
+    from shard_planner.trace.tp_degrees import degree_styles
     from shard_planner.trace import trace_model
 
     if trace is not None:
@@ -153,10 +153,10 @@ def _degree_trace(model_file, param_dtype: str, tp: int, trace, *, sequence_para
 
 
 def recipe_plans(trace, plan) -> list[tuple]:
-    """The recipes (shard_planner/recipes.py) with ``plan``'s global choices and each recipe's CPU offload: its mesh
+    """The recipes (shard_planner/plan/recipes.py) with ``plan``'s global choices and each recipe's CPU offload: its mesh
     (the tensor-parallel degree and styles too) and its shard group's ranks per node, as the solver's space
     has them (solve/context.py ``space``: a shard group's ranks are tp apart)."""
-    from shard_planner.recipes import recipes_for
+    from shard_planner.plan.recipes import recipes_for
     from shard_planner.solve.space import build_space
 
     space = build_space(trace, shard_group=plan.mesh.shard_group_size,

@@ -1,7 +1,7 @@
 """The candidate plans ``tune`` runs: the top-K *distinct* plans that fit, by predicted step time.
 
 Candidates come from two sources, pooled, deduplicated by what they decide
-(:func:`~shard_planner.measurement.plan_fingerprint`), checked against the budget with the cost model
+(:func:`~shard_planner.plan.measurement.plan_fingerprint`), checked against the budget with the cost model
 and ranked by predicted step time:
 
 1. the solver itself, re-solved under usable budgets below its plan's predicted peak (each tighter budget
@@ -27,9 +27,9 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from shard_planner.errors import InfeasibleError
-from shard_planner.measurement import plan_fingerprint
+from shard_planner.plan.measurement import plan_fingerprint
 from shard_planner.plan import Plan, Prefetch
-from shard_planner.profile import HardwareProfile
+from shard_planner.hardware.profile import HardwareProfile
 from shard_planner.trace.types import ModelTrace
 from shard_planner.tune.judge import Judge
 

@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from shard_planner.errors import UserError
-from shard_planner.profile import HardwareProfile
+from shard_planner.hardware.profile import HardwareProfile
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from typing import Callable
 
 from shard_planner.cost.fits import FitVerdict, device_fit
 from shard_planner.plan import Plan, Prediction
-from shard_planner.profile import HardwareProfile
+from shard_planner.hardware.profile import HardwareProfile
 from shard_planner.trace.types import ModelTrace
 
 

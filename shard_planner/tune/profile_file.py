@@ -1,5 +1,5 @@
-"""Write a fitted :class:`~shard_planner.profile.HardwareProfile` as a TOML file that
-:func:`~shard_planner.profile.load_profile` reads back, with comments that say what was fitted, from
+"""Write a fitted :class:`~shard_planner.hardware.profile.HardwareProfile` as a TOML file that
+:func:`~shard_planner.hardware.profile.load_profile` reads back, with comments that say what was fitted, from
 which runs, and where every other number came from."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 from dataclasses import fields
 
 from shard_planner.fileio import write_atomic
-from shard_planner.profile import HardwareProfile, Interconnect
+from shard_planner.hardware.profile import HardwareProfile, Interconnect
 from shard_planner.tune.fit import ProfileFit
 
 # Profile fields each fitted factor changes (see shard_planner.tune.fit).
@@ -21,7 +21,7 @@ FITTED_FIELDS = {
     "inter_node_latency_s": "latency",
 }
 _SKIP = {"source", "notes", "interconnect", "peak_flops_per_s", "kernels",
-         "module_timings"}  # per model, in their own file (shard_planner/timings.py): the plan records it
+         "module_timings"}  # per model, in their own file (shard_planner/hardware/timings.py): the plan records it
 
 
 def _toml_value(v) -> str:

@@ -27,9 +27,9 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from shard_planner.errors import InfeasibleError, RunError, UserError
-from shard_planner.measurement import Measurement, plan_fingerprint
+from shard_planner.plan.measurement import Measurement, plan_fingerprint
 from shard_planner.plan import MeasuredPoint, Plan, Prediction, SolverInfo
-from shard_planner.profile import HardwareProfile
+from shard_planner.hardware.profile import HardwareProfile
 from shard_planner.trace.types import ModelTrace
 from shard_planner.tune.candidates import Candidate, describe_plan
 from shard_planner.tune.fit import ProfileFit, fit_profile

@@ -8,9 +8,9 @@ import json
 import gpu_kernels  # noqa: E402
 import pytest
 
-from shard_planner.measurement import load_measurement
+from shard_planner.plan.measurement import load_measurement
 from shard_planner.plan import load_plan
-from shard_planner.profile import load_profile
+from shard_planner.hardware.profile import load_profile
 from tests.paths import REPO
 
 DATA = REPO / "benchmarks" / "data" / "h200_2026-12-04"

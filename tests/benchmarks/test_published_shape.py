@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from shard_planner.modelfile import load_model_file
+from shard_planner.model.modelfile import load_model_file
 from shard_planner.trace import trace_model
 from tests.paths import EXAMPLES
 

@@ -29,7 +29,7 @@ from shard_planner import fileio
 from shard_planner.cli.main import main
 from shard_planner.errors import ModelFileError, PlanError, RunError
 from shard_planner.fileio import OutputPathError, check_output_dir, check_output_file, write_atomic
-from shard_planner.modelfile import load_model_file
+from shard_planner.model.modelfile import load_model_file
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit, load_plan, save_plan
 from tests.paths import MODELS, REPO as ROOT
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from shard_planner.cost.kernels import KernelConstants
-from shard_planner.profile import load_profile
+from shard_planner.hardware.profile import load_profile
 from tests.paths import EXAMPLES
 
 

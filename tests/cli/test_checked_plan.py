@@ -1,4 +1,4 @@
-"""Every command that reads a plan checks it against its model in one place (shard_planner/checked_plan.py,
+"""Every command that reads a plan checks it against its model in one place (shard_planner/load/checked_plan.py,
 [Note: A plan checked against its model]) before any process starts or anything is traced, and says the
 same line (issue 36, items 2 and 6):
 
@@ -84,7 +84,7 @@ def _fingerprint(size: str) -> str:
     """The structural fingerprint of examples/llama.py at ``size``."""
     import torch
 
-    from shard_planner.modelfile import load_model_file
+    from shard_planner.model.modelfile import load_model_file
     from shard_planner.trace.structure import model_fingerprint
 
     with llama_size(size), torch.device("meta"):

@@ -21,5 +21,5 @@ def test_what_the_readme_commands_write_is_ignored(path):
 def test_sources_are_not_ignored():
     if shutil.which("git") is None or not (REPO / ".git").exists():
         pytest.skip("not a git checkout")
-    for path in ("examples/llama.py", "profiles/h100-80gb.toml", "reports/README.md", "shard_planner/plan.py"):
+    for path in ("examples/llama.py", "profiles/h100-80gb.toml", "reports/README.md", "shard_planner/plan/__init__.py"):
         assert subprocess.run(["git", "-C", str(REPO), "check-ignore", "--no-index", "-q", path]).returncode == 1, path

@@ -11,7 +11,7 @@ from shard_planner.cli.main import main  # noqa: E402
 from shard_planner.cost import CostModel, estimate  # noqa: E402
 from shard_planner.cost.fits import device_fit  # noqa: E402
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit, load_plan, save_plan  # noqa: E402
-from shard_planner.profile import load_profile  # noqa: E402
+from shard_planner.hardware.profile import load_profile  # noqa: E402
 from shard_planner.units import format_bytes  # noqa: E402
 
 

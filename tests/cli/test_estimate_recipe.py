@@ -1,4 +1,4 @@
-"""``estimate --recipe NAME``: a recipe (shard_planner/recipes.py) priced on a model without a plan file, the
+"""``estimate --recipe NAME``: a recipe (shard_planner/plan/recipes.py) priced on a model without a plan file, the
 same figures as the recipe's plan written by hand and priced with ``estimate --plan`` (issue 38, item 1)."""
 
 import pytest
@@ -8,8 +8,8 @@ from tests.execute import test_module_timings as tm
 from shard_planner.cli.main import main
 from shard_planner.cost import estimate
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Training
-from shard_planner.profile import load_profile
-from shard_planner.recipes import recipe_named
+from shard_planner.hardware.profile import load_profile
+from shard_planner.plan.recipes import recipe_named
 from shard_planner.solve.space import build_space
 from shard_planner.units import format_duration
 

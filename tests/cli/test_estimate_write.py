@@ -1,4 +1,4 @@
-"""``estimate --write`` keeps the plan file consistent (plan_estimate.py, [Note: A plan file never
+"""``estimate --write`` keeps the plan file consistent (plan/estimate.py, [Note: A plan file never
 contradicts itself]): asked on another profile, number of GPUs, micro-batch or module timings, the file
 records what was asked beside the prediction, and the search's sections for the old question go (issue 36,
 item 5: ``estimate --profile a100-40gb --gpus 64 --write`` left ``cluster.profile: h100-80gb``)."""
@@ -10,7 +10,7 @@ from tests.execute import test_module_timings as tm
 from shard_planner.cli.main import main
 from shard_planner.cost import estimate
 from shard_planner.plan import load_plan
-from shard_planner.profile import load_priced_profile
+from shard_planner.hardware.profile import load_priced_profile
 
 
 def _plan(tmp_path):

@@ -1,4 +1,4 @@
-"""The fine-tuning options (--lora, --lora-targets, --qlora, --freeze; shard_planner/finetune.py): bad input is
+"""The fine-tuning options (--lora, --lora-targets, --qlora, --freeze; shard_planner/plan/finetune.py): bad input is
 one line and a non-zero exit, never a traceback; the plan's model.finetune round-trips, and plans without it
 read and write as before."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from shard_planner.cli.main import main
 from shard_planner.errors import PlanError
-from shard_planner.finetune import FineTune
+from shard_planner.plan.finetune import FineTune
 from shard_planner.plan import Plan, load_plan, save_plan
 from tests.hf.finetune import need_finetune_extra, write_config
 from tests.paths import MODELS

@@ -11,7 +11,7 @@ import pytest
 
 from shard_planner.cli.main import main
 from shard_planner.errors import PlanError
-from shard_planner.measurement import plan_fingerprint
+from shard_planner.plan.measurement import plan_fingerprint
 from shard_planner.plan import Plan, load_plan, report_dir_for, resolve_model_file
 from tests.paths import MODELS
 

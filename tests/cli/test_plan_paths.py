@@ -1,4 +1,4 @@
-"""Every file a plan records resolves the same way (shard_planner/recorded_paths.py, [Note: Paths in a plan
+"""Every file a plan records resolves the same way (shard_planner/plan/paths.py, [Note: Paths in a plan
 file]): the module timings (``--timings``) and a profile given as a TOML path are recorded, like the model
 file, as absolute paths and relative to the plan file, so ``estimate`` and ``report`` find them from any
 folder and after the project moved (issue 36, item 4: ``--timings cal/timings.json`` was recorded relative
@@ -11,8 +11,8 @@ from tests.execute import test_module_timings as tm
 
 from shard_planner.cli.main import main
 from shard_planner.plan import load_plan
-from shard_planner.profile import PROFILES_DIR
-from shard_planner.timings import save_timings
+from shard_planner.hardware.profile import PROFILES_DIR
+from shard_planner.hardware.timings import save_timings
 
 
 def _project(root):

@@ -131,7 +131,7 @@ def test_mesh_and_throughput_read_the_same_everywhere():
     from dataclasses import replace
 
     from shard_planner.cli.plan import summary
-    from shard_planner.profile import load_profile
+    from shard_planner.hardware.profile import load_profile
     from shard_planner.tune.candidates import describe_plan
 
     assert Mesh(shard=8).description == "FSDP over 8 GPUs"

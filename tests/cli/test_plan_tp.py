@@ -1,4 +1,4 @@
-"""`shard-planner plan` and the tensor-parallel degree (cli/plan_degrees.py, tp_degrees.py, solve/tp_search.py):
+"""`shard-planner plan` and the tensor-parallel degree (cli/plan_degrees.py, trace/tp_degrees.py, solve/tp_search.py):
 searched by default on a GPU profile, each degree an outcome in the plan file and a summary line; fixed by
 --tp; degree 1 on a CPU profile; bad degrees one line."""
 
@@ -64,9 +64,9 @@ def test_a_transformers_config_is_split_by_its_own_plan(tmp_path):
     plan, without sequence or loss parallelism ([Note: Which degrees are searched]); a degree its 2 key/value
     heads do not divide is refused."""
     pytest.importorskip("transformers", reason="needs the transformers extra")
-    from shard_planner.hf import HfOptions
-    from shard_planner.modelfile import load_model_file
-    from shard_planner.tp_degrees import degree_styles
+    from shard_planner.model.hf import HfOptions
+    from shard_planner.model.modelfile import load_model_file
+    from shard_planner.trace.tp_degrees import degree_styles
 
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,

@@ -31,7 +31,7 @@ def _no_tracing(monkeypatch):
         raise AssertionError("traced again: the trace cache was not used")
 
     monkeypatch.setattr("shard_planner.trace.tracer.trace_model", refuse)
-    monkeypatch.setattr("shard_planner.tp_degrees.degree_styles", refuse)
+    monkeypatch.setattr("shard_planner.trace.tp_degrees.degree_styles", refuse)
 
 
 def test_a_second_plan_traces_nothing_and_plans_the_same(tmp_path, monkeypatch):

@@ -15,7 +15,7 @@ import pytest
 
 from shard_planner.cli.main import main as cli_main
 from shard_planner.execute.checkpoint_dir import SIDE_FILE
-from shard_planner.measurement import load_measurement
+from shard_planner.plan.measurement import load_measurement
 from shard_planner.plan import Unit, save_plan
 from tests.execute.test_run import make_plan, reference_losses
 from tests.paths import MODELS

@@ -11,8 +11,8 @@ from tests.execute import test_module_timings as tm  # noqa: E402
 from shard_planner.cli.main import main  # noqa: E402
 from shard_planner.cost import estimate  # noqa: E402
 from shard_planner.plan import load_plan  # noqa: E402
-from shard_planner.profile import load_priced_profile  # noqa: E402
-from shard_planner.timings import save_timings  # noqa: E402
+from shard_planner.hardware.profile import load_priced_profile  # noqa: E402
+from shard_planner.hardware.timings import save_timings  # noqa: E402
 
 
 def _files(tmp_path):

@@ -8,7 +8,7 @@ from shard_planner.cost import CostModel
 from shard_planner.cost.accumulation import micro_steps
 from shard_planner.errors import PlanError
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Training, Unit
-from shard_planner.profile import load_profile
+from shard_planner.hardware.profile import load_profile
 from tests.models import solve_traces
 
 EVERY, LAST = "every_micro_step", "last_micro_step"

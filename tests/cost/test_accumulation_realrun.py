@@ -8,9 +8,9 @@ import pytest
 
 from shard_planner.cost import simulate_memory
 from shard_planner.execute import run_plans
-from shard_planner.modelfile import load_model_file
+from shard_planner.model.modelfile import load_model_file
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit
-from shard_planner.profile import load_profile
+from shard_planner.hardware.profile import load_profile
 from shard_planner.trace.structure import model_fingerprint
 from tests.models import cost_mlp
 from tests.paths import EXAMPLES, MODELS

@@ -30,7 +30,7 @@ def walked():
 
 
 def _gloo():
-    from shard_planner.profile import load_profile
+    from shard_planner.hardware.profile import load_profile
 
     return load_profile("cpu-gloo")
 

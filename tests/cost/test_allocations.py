@@ -14,7 +14,7 @@ from shard_planner.cost.allocations import Kind, Stream
 from shard_planner.cost.memory import simulate_memory_walk
 from shard_planner.cost.queries import BlockQuery, PlanQuery, ScheduleQuery, SelectiveQuery, UnitBytesQuery
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Training, Unit
-from shard_planner.profile import load_profile
+from shard_planner.hardware.profile import load_profile
 from tests.models import solve_traces
 
 # what lives through the whole step: sharded state, the overhead, the batch (the activation level)

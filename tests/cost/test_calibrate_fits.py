@@ -13,7 +13,7 @@ from shard_planner.cost.collectives import ring_time_s
 from shard_planner.cost.kernels import Device, KernelConstants, attention_time_s, matmul_time_s
 from shard_planner.execute import calibrate_kernels as ck
 from shard_planner.execute import kernel_calibration as kcal_mod
-from shard_planner.profile import Interconnect, load_profile
+from shard_planner.hardware.profile import Interconnect, load_profile
 
 PEAK, BW = 1e11, 2e10
 
@@ -145,7 +145,7 @@ def test_slower_collective_is_chosen():
 
 def _written_profile(tmp_path, kcal):
     from shard_planner.execute.calibrate import Overheads, kernels_table, to_toml
-    from shard_planner.profile import HardwareProfile
+    from shard_planner.hardware.profile import HardwareProfile
 
     curve = ck.CurveFit(1e-4, 8e8, 4e5, ((2, 8, 2e-4), (2, 2**20, 1.5e-3)))
     ic = Interconnect(gpus_per_node=64, intra_node_latency_s=1e-4, intra_node_busbw_bytes_per_s=8e8,

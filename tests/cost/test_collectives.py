@@ -9,8 +9,8 @@ from shard_planner.cost.collectives import (
     ring_time_s,
 )
 from shard_planner.errors import ProfileError
-from shard_planner.mesh import Mesh
-from shard_planner.profile import Interconnect, load_profile
+from shard_planner.parallel.mesh import Mesh
+from shard_planner.hardware.profile import Interconnect, load_profile
 
 MB = 1e6
 

@@ -3,7 +3,7 @@ real-run equality with the counted bytes is tests/execute/test_comm_count.py).""
 
 import pytest
 
-from shard_planner.comm import CollectiveBytes
+from shard_planner.plan.comm import CollectiveBytes
 from shard_planner.cost.comm_bytes import ParamShape, collective_bytes_per_step
 from shard_planner.cost.fsdp2_rules import padded_numel
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit

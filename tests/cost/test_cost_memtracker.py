@@ -11,7 +11,7 @@ from tests.models.cost_memtracker import memtracker_peaks  # noqa: E402
 
 from shard_planner.cost import simulate_memory  # noqa: E402
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit  # noqa: E402
-from shard_planner.profile import load_profile  # noqa: E402
+from shard_planner.hardware.profile import load_profile  # noqa: E402
 from tests.paths import EXAMPLES  # noqa: E402
 
 LLAMA = str(EXAMPLES / "llama.py")

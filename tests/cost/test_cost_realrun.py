@@ -20,9 +20,9 @@ from tests.models import cost_mlp  # noqa: E402
 
 from shard_planner.cost import simulate_memory  # noqa: E402
 from shard_planner.execute import run_plans  # noqa: E402
-from shard_planner.modelfile import load_model_file  # noqa: E402
+from shard_planner.model.modelfile import load_model_file  # noqa: E402
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit  # noqa: E402
-from shard_planner.profile import load_profile  # noqa: E402
+from shard_planner.hardware.profile import load_profile  # noqa: E402
 from shard_planner.trace.structure import model_fingerprint  # noqa: E402
 from tests.paths import EXAMPLES, MODELS  # noqa: E402
 

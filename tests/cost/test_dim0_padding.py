@@ -8,7 +8,7 @@ import pytest
 from shard_planner.cost import fsdp2_rules
 from shard_planner.cost.unit_bytes import unit_bytes_of
 from shard_planner.cost.unit_params import UnitParams
-from shard_planner.modelfile import load_model_file
+from shard_planner.model.modelfile import load_model_file
 from shard_planner.trace import trace_model
 from tests.paths import REPO
 

@@ -10,7 +10,7 @@ from shard_planner.cost.allocator_replay import CAP_GRAIN_BYTES
 from shard_planner.cost.fits import (
     GPU_USABLE_FRACTION, allocator_bytes, device_fit, smallest_mem_bytes, smallest_surviving_bytes,
 )
-from shard_planner.profile import load_profile
+from shard_planner.hardware.profile import load_profile
 from tests.cost.test_cost_model import synth_plan
 from tests.models import cost_synth
 

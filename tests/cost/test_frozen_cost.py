@@ -4,16 +4,17 @@ predicted again."""
 
 import pytest
 
-from shard_planner.comm import ALL_GATHER, REDUCE_SCATTER
+from shard_planner.plan.comm import ALL_GATHER, REDUCE_SCATTER
 from shard_planner.cost import CostModel, estimate
 from shard_planner.cost.comm_bytes import ParamShape, collective_bytes_per_step
 from shard_planner.cost.queries import UnitSetting
 from shard_planner.cost.unit_cost import unit_cost
 from shard_planner.cost.unit_params import UnitParams
-from shard_planner.measurement import load_measurement
+from shard_planner.plan.measurement import load_measurement
 from shard_planner.plan import Mesh, Prefetch, load_plan
-from shard_planner.profile import load_profile
-from shard_planner.solve.linear import GlobalChoice, build_linear_model
+from shard_planner.hardware.profile import load_profile
+from shard_planner.solve.choice import GlobalChoice
+from shard_planner.solve.linear import build_linear_model
 from shard_planner.solve.space import build_space
 from shard_planner.trace import trace_model
 from tests.paths import REPO
@@ -92,7 +93,7 @@ def test_a_unit_without_a_pre_backward_is_gathered_only_when_prefetched(monkeypa
     l2 prefetches both."""
     from shard_planner.cost.comm_bytes import gathers_in_backward
     from shard_planner.execute.comm_count import units_with_backward
-    from shard_planner.modelfile import load_model_file
+    from shard_planner.model.modelfile import load_model_file
     from shard_planner.plan import Cluster, ModelRef, Plan, Training, Unit
 
     monkeypatch.setenv("TRACE_FROZEN_MODEL", "chain")

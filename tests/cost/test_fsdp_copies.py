@@ -12,7 +12,7 @@ from shard_planner.cost.queries import UnitSetting
 from shard_planner.cost.tables import build_tables
 from shard_planner.cost.time import unit_copies_s
 from shard_planner.cost.unit_cost import unit_cost
-from shard_planner.profile import load_profile
+from shard_planner.hardware.profile import load_profile
 from tests.cost.test_cost_model import synth_plan
 
 

@@ -2,7 +2,7 @@
 A10G, L40S, V100 SXM2 32GB, B200. Each loads, cites a source for every number, is internally consistent
 (its peak rate follows from its SMs, tensor rate per SM and clock; no fp8 on cards without it; a PCIe-only card's
 ring never beats its PCIe link) and plans a small model. A V100 refuses a bfloat16 plan in one line
-(shard_planner/profile.py [Note: A compute dtype the device lacks]). docs/profiles.md lists every shipped profile."""
+(shard_planner/hardware/profile.py [Note: A compute dtype the device lacks]). docs/profiles.md lists every shipped profile."""
 
 import re
 
@@ -10,7 +10,7 @@ import pytest
 
 from shard_planner.cost.kernels import kernel_constants
 from shard_planner.errors import ProfileError
-from shard_planner.profile import PROFILES_DIR, load_profile
+from shard_planner.hardware.profile import PROFILES_DIR, load_profile
 from shard_planner.solve import PlanRequest, plan_model
 
 GIB = 2**30

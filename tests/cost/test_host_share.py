@@ -7,7 +7,7 @@ import pytest
 from shard_planner.cost import CostModel
 from shard_planner.cost.host_share import core_share, host_factors, shared_profile, threads_per_rank
 from shard_planner.execute.calibrate import CollectiveFit, to_toml
-from shard_planner.profile import load_profile
+from shard_planner.hardware.profile import load_profile
 from tests.cost.test_cost_model import mlp_plan
 from tests.execute.test_module_timings import _timings
 from tests.models import cost_mlp

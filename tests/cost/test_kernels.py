@@ -8,7 +8,7 @@ from shard_planner.cost.kernels import (ATTENTION_BWD, ATTENTION_FWD, MATMUL, De
                                         attention_efficiency, block_time_s, device_of, kernel_constants,
                                         matmul_shape_factor, op_time_s)
 from shard_planner.errors import ProfileError
-from shard_planner.profile import PROFILES_DIR, load_profile
+from shard_planner.hardware.profile import PROFILES_DIR, load_profile
 
 # A toy device: 4 SMs, one 128x128 tile (K slices of 32, 3 stages), ridge 2048 / 32 = 64 FLOP/byte.
 KC = KernelConstants(

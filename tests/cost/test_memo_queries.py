@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from shard_planner.checkpointing import SAVEABLE_OP_CLASSES, SELECTIVE
+from shard_planner.plan.checkpointing import SAVEABLE_OP_CLASSES, SELECTIVE
 from shard_planner.cost import CostModel
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit
 from shard_planner.trace import trace_model

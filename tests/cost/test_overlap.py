@@ -9,7 +9,7 @@ import pytest
 from shard_planner.cost import simulate_time
 from shard_planner.cost.overlap import hidden_comm_cost_share, overlapped_compute_end_s
 from shard_planner.errors import ProfileError
-from shard_planner.profile import load_profile
+from shard_planner.hardware.profile import load_profile
 from tests.cost.test_cost_model import mlp_plan, synth_plan
 from tests.models import cost_mlp
 

@@ -6,7 +6,7 @@ import re
 import pytest
 
 from shard_planner.errors import ProfileError
-from shard_planner.profile import PROFILES_DIR, load_profile
+from shard_planner.hardware.profile import PROFILES_DIR, load_profile
 
 SHIPPED = ("a100-40gb", "a100-80gb", "h100-80gb", "h200", "l4", "mi300x", "cpu-gloo")
 

@@ -9,7 +9,7 @@ from shard_planner.cost.allocator import AllocatorConfig
 from shard_planner.cost.allocator_accountant import AllocatorAccountant
 from shard_planner.cost.reserved import TwoSteps
 from shard_planner.cost.schedule import Phase
-from shard_planner.profile import load_profile
+from shard_planner.hardware.profile import load_profile
 from tests.cost.test_cost_model import synth_plan
 from tests.models import cost_synth
 

@@ -11,7 +11,7 @@ from shard_planner.cost.fits import device_fit
 from shard_planner.cost.reserved import ReservedEstimate, StepRetry
 from shard_planner.cost.retries import price_retries, sync_exposed_s
 from shard_planner.cost.types import TimeEstimate, UnitTime
-from shard_planner.profile import load_profile
+from shard_planner.hardware.profile import load_profile
 from tests.cost.test_cost_model import synth_plan
 from tests.models import cost_synth
 

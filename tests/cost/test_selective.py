@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from shard_planner.checkpointing import ALTERNATE_MATMUL, DEFAULT_SAVE_OPS, SAVEABLE_OP_CLASSES, TORCHTITAN_OP_SAVE_OPS
+from shard_planner.plan.checkpointing import ALTERNATE_MATMUL, DEFAULT_SAVE_OPS, SAVEABLE_OP_CLASSES, TORCHTITAN_OP_SAVE_OPS
 from shard_planner.cost import CostModel
 from shard_planner.cost.kernels import OP_CLASSES
 from shard_planner.cost.selective import subtree_selective, supports_selective, flops_price

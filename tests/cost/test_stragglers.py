@@ -8,7 +8,7 @@ import pytest
 from shard_planner.cost import simulate_time
 from shard_planner.cost.stragglers import expected_max_std_normal, straggler_factor
 from shard_planner.errors import ProfileError
-from shard_planner.profile import load_profile
+from shard_planner.hardware.profile import load_profile
 from tests.cost.test_cost_model import synth_plan
 
 SPREAD = 0.02

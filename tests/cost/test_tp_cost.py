@@ -6,16 +6,16 @@ import dataclasses
 
 import pytest
 
-from shard_planner.comm import ALL_GATHER, REDUCE_SCATTER, CollectiveBytes
+from shard_planner.plan.comm import ALL_GATHER, REDUCE_SCATTER, CollectiveBytes
 from shard_planner.cost import CostModel, estimate
 from shard_planner.cost.collectives import ring_time_s, tp_collective_time_s
 from shard_planner.cost.schedule import build_schedule
 from shard_planner.cost.tables import build_tables
 from shard_planner.cost.tp_comm import tp_bytes_per_step
 from shard_planner.errors import PlanError
-from shard_planner.mesh import Mesh
-from shard_planner.profile import load_profile
-from shard_planner.tensor_parallel import TensorParallel
+from shard_planner.parallel.mesh import Mesh
+from shard_planner.hardware.profile import load_profile
+from shard_planner.parallel.tensor_parallel import TensorParallel
 from tests.cost.test_cost_model import synth_plan
 from tests.models.cost_synth import synthetic_trace
 

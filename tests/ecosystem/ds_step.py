@@ -19,7 +19,7 @@ def main(model_path: str, config_path: str) -> None:
     dist.init_process_group("gloo", rank=0, world_size=1)
     import deepspeed
 
-    from shard_planner.modelfile import load_model_file
+    from shard_planner.model.modelfile import load_model_file
 
     config = json.loads(open(config_path).read())
     config["optimizer"]["params"]["torch_adam"] = True  # DeepSpeed's FusedAdam needs a GPU; same AdamW maths

@@ -21,7 +21,7 @@ def worker(rank: int, model_path: str, config_path: str, world: int, port: str) 
     import deepspeed
     from deepspeed.utils import groups
 
-    from shard_planner.modelfile import load_model_file
+    from shard_planner.model.modelfile import load_model_file
 
     config = json.loads(open(config_path).read())
     config["optimizer"]["params"]["torch_adam"] = True  # DeepSpeed's FusedAdam needs a GPU; same AdamW maths

@@ -35,7 +35,7 @@ def worker(rank: int, model_path: str, snippet_path: str, port: str, world: int)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from torch.distributed.device_mesh import init_device_mesh
 
-    from shard_planner.modelfile import load_model_file
+    from shard_planner.model.modelfile import load_model_file
 
     snippet = open(snippet_path).read()
     namespace: dict = {}

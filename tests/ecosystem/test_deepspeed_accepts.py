@@ -79,7 +79,7 @@ def test_deepspeed_reads_the_autotp_section(name, llama_8b_tp_exports, monkeypat
     from deepspeed.runtime import config as ds_config
     from deepspeed.runtime.tensor_parallel.config import get_tensor_parallel_config
 
-    from shard_planner.tensor_parallel import Style
+    from shard_planner.parallel.tensor_parallel import Style
 
     plan, exports = llama_8b_tp_exports[name]
     config = json.loads(exports["deepspeed"].text)

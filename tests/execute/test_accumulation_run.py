@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from shard_planner.execute import launch_plans
-from shard_planner.modelfile import load_model_file
+from shard_planner.model.modelfile import load_model_file
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit
 from shard_planner.trace.structure import model_fingerprint
 from tests.execute.test_run import reference_losses

@@ -1,4 +1,4 @@
-"""shard_planner/allocator_conf.py: the CUDA allocator's mode a plan is made for, and what `run` gives its ranks
+"""shard_planner/hardware/allocator_conf.py: the CUDA allocator's mode a plan is made for, and what `run` gives its ranks
 ([Note: The allocator mode a plan runs with])."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from shard_planner.allocator_conf import (
+from shard_planner.hardware.allocator_conf import (
     EXPANDABLE_CONF, effective_conf, expandable_in, planned_expandable, rank_environment,
 )
 from shard_planner.execute.launch import allocator_environment

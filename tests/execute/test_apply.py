@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from shard_planner.errors import PlanError
 from shard_planner.execute import apply_plan, build_mesh, describe_sharding
-from shard_planner.modelfile import load_model_file
+from shard_planner.model.modelfile import load_model_file
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit
 from shard_planner.trace.structure import model_fingerprint
 
@@ -169,7 +169,7 @@ def test_plan_splitting_tied_weights_is_a_plan_error(fake_world):
 def test_planned_unet_applies_and_trains(fake_world):
     """Plans for a model with a ModuleList that is never called (unet's ``downs``) wrap only modules
     whose forward runs; the plan applies and one forward/backward goes through FSDP2's hooks."""
-    from shard_planner.profile import load_profile
+    from shard_planner.hardware.profile import load_profile
     from shard_planner.solve import PlanRequest, plan_model
     from shard_planner.trace.tracer import trace_model
 

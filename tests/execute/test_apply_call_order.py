@@ -4,7 +4,7 @@ embeddings as word, token_type, position) applies and trains."""
 import pytest
 
 from shard_planner.execute import apply_plan, describe_sharding
-from shard_planner.modelfile import load_model_file
+from shard_planner.model.modelfile import load_model_file
 from shard_planner.plan import Unit
 from shard_planner.trace import trace_model
 from tests.execute.test_run import make_plan

@@ -5,10 +5,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shard_planner.comm import CollectiveBytes
+from shard_planner.plan.comm import CollectiveBytes
 from shard_planner.execute import launch_plans
 from shard_planner.execute.comm_count import CommCounter, unit_param_shapes
-from shard_planner.modelfile import load_model_file
+from shard_planner.model.modelfile import load_model_file
 from shard_planner.plan import Unit
 from tests.execute.test_run import make_plan
 

@@ -8,11 +8,11 @@ from dataclasses import replace
 
 import pytest
 
-from shard_planner.comm import REDUCE_SCATTER
+from shard_planner.plan.comm import REDUCE_SCATTER
 from shard_planner.cost import estimate
 from shard_planner.execute import launch_plans
 from shard_planner.plan import load_plan
-from shard_planner.profile import load_profile
+from shard_planner.hardware.profile import load_profile
 from shard_planner.trace import trace_model
 from tests.paths import REPO
 
@@ -43,7 +43,7 @@ def test_a_frozen_prefix_is_not_gathered_in_backward_world_size_2(monkeypatch):
     from shard_planner.cost import CostModel
     from shard_planner.cost.queries import PlanQuery, ScheduleQuery
     from shard_planner.cost.schedule import EventKind, Phase
-    from shard_planner.modelfile import load_model_file
+    from shard_planner.model.modelfile import load_model_file
     from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit
     from shard_planner.trace.structure import model_fingerprint
 

@@ -12,7 +12,7 @@ import pytest
 from shard_planner.errors import PlanError
 from shard_planner.execute.launch import COMMUNICATION, _in_collective, _main_thread_frames, free_port
 from shard_planner.execute.worker import _classify
-from shard_planner.measurement import load_measurement
+from shard_planner.plan.measurement import load_measurement
 from shard_planner.plan import Unit, save_plan
 
 from tests.execute.test_run import MODEL, make_plan, reference_losses  # noqa: E402

@@ -1,4 +1,4 @@
-"""Measured per-module compute times (shard_planner/timings.py, execute/module_timing.py) and their use
+"""Measured per-module compute times (shard_planner/hardware/timings.py, execute/module_timing.py) and their use
 by the time model (cost/time.py).
 
 Tier 1: the JSON form and its errors; the backward derivation and the medians of own times on
@@ -21,8 +21,8 @@ from shard_planner.cost import estimate, simulate_time  # noqa: E402
 from shard_planner.errors import ProfileError  # noqa: E402
 from shard_planner.execute.module_timing import LOSS, derive_backward, summarise_steps  # noqa: E402
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit  # noqa: E402
-from shard_planner.profile import load_profile  # noqa: E402
-from shard_planner.timings import ModuleTime, ModuleTimings, load_timings, save_timings  # noqa: E402
+from shard_planner.hardware.profile import load_profile  # noqa: E402
+from shard_planner.hardware.timings import ModuleTime, ModuleTimings, load_timings, save_timings  # noqa: E402
 from shard_planner.trace.types import Affine  # noqa: E402
 from tests.paths import EXAMPLES, MODELS  # noqa: E402
 
@@ -249,7 +249,7 @@ TIMINGS_BOUND = 0.6
 @pytest.mark.multiprocess
 def test_gpt2_real_run_closer_with_timings(gpt2_timings):
     from shard_planner.execute import run_plan
-    from shard_planner.modelfile import load_model_file
+    from shard_planner.model.modelfile import load_model_file
     from shard_planner.trace import trace_model
     from shard_planner.trace.structure import model_fingerprint
 
@@ -328,7 +328,7 @@ def _figures(paths: list[str], steps: int = 7) -> None:
 
     from shard_planner.execute import run_plans
     from shard_planner.execute.module_timing import measure_module_timings
-    from shard_planner.modelfile import load_model_file
+    from shard_planner.model.modelfile import load_model_file
     from shard_planner.trace import trace_model
     from shard_planner.trace.structure import model_fingerprint
 

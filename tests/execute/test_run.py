@@ -12,9 +12,9 @@ from shard_planner.errors import RunError, UserError
 from shard_planner.execute import launch_plans
 from shard_planner.execute.accumulate import batch_index
 from shard_planner.execute.worker import build_on_device, make_optimizer, make_step_batch
-from shard_planner.measurement import (Measurement, RankMemory, load_measurement, plan_fingerprint,
+from shard_planner.plan.measurement import (Measurement, RankMemory, load_measurement, plan_fingerprint,
                                        save_measurement)
-from shard_planner.modelfile import load_model_file
+from shard_planner.model.modelfile import load_model_file
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prediction, Prefetch, Training, Unit, save_plan
 from shard_planner.trace.structure import model_fingerprint
 
@@ -261,7 +261,7 @@ def test_gpu_run_measures_the_cuda_allocator_and_matches_the_unsharded_losses():
 def test_reestimate_traces_in_the_plans_dtype():
     from shard_planner.cost import estimate
     from shard_planner.execute.runner import reestimate
-    from shard_planner.profile import load_profile
+    from shard_planner.hardware.profile import load_profile
     from shard_planner.trace import trace_model
 
     plan = make_plan([Unit(("",), False)], 1)  # param_dtype float32

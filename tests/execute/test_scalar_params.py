@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 
 from shard_planner.cost import cost_tables, model_state_bytes, unit_bytes
 from shard_planner.execute import apply_plan, build_mesh, describe_sharding, launch_plans
-from shard_planner.modelfile import load_model_file
+from shard_planner.model.modelfile import load_model_file
 from shard_planner.plan import Unit
 from shard_planner.solve import plan_model
 from shard_planner.solve.request import PlanRequest

@@ -8,13 +8,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from shard_planner.checkpointing import TORCHTITAN_OP_SAVE_OPS
+from shard_planner.plan.checkpointing import TORCHTITAN_OP_SAVE_OPS
 from shard_planner.cost import simulate_memory
 from shard_planner.execute import launch_plans
 from shard_planner.execute.apply import _checkpoint_forward
-from shard_planner.modelfile import load_model_file
+from shard_planner.model.modelfile import load_model_file
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit
-from shard_planner.profile import load_profile
+from shard_planner.hardware.profile import load_profile
 from shard_planner.trace import trace_model
 from shard_planner.trace.structure import model_fingerprint
 from tests.execute.test_run import reference_losses
@@ -51,7 +51,7 @@ PLANS = {
     "net, every 3rd block (full) fp32": _plan(NET, NET_BLOCKS, [False, False, True] * 2, 64, "float32"),
     "net, selective keeping matmul + elementwise": _plan(NET, NET_BLOCKS, [SEL] * 6, 64, "float32",
                                                           ("matmul", "elementwise")),
-    # torchtitan's "op" policy: every other matmul kept (shard_planner/checkpointing.py)
+    # torchtitan's "op" policy: every other matmul kept (shard_planner/plan/checkpointing.py)
     "llama, torchtitan op policy": _plan(LLAMA, LAYERS, [SEL, SEL], 32, save_ops=TORCHTITAN_OP_SAVE_OPS),
     "net, torchtitan op policy fp32": _plan(NET, NET_BLOCKS, [SEL] * 6, 64, "float32", TORCHTITAN_OP_SAVE_OPS),
 }

@@ -14,15 +14,15 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
 from shard_planner.cli.main import main as cli_main
-from shard_planner.comm import GroupCollectiveBytes
+from shard_planner.plan.comm import GroupCollectiveBytes
 from shard_planner.errors import RunError
 from shard_planner.execute import launch_plans
 from shard_planner.execute.comm_count import FunctionalCollectiveCounter
 from shard_planner.execute.stepper import Stepper
-from shard_planner.hf import HfOptions
-from shard_planner.modelfile import ModelFile, load_model_file
+from shard_planner.model.hf import HfOptions
+from shard_planner.model.modelfile import ModelFile, load_model_file
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit, save_plan
-from shard_planner.tensor_parallel import TensorParallel
+from shard_planner.parallel.tensor_parallel import TensorParallel
 from shard_planner.trace.structure import model_fingerprint
 from tests.execute.test_run import reference_losses
 from tests.models import exec_llama_tp as llama

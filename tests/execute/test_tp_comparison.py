@@ -6,9 +6,9 @@ import json
 from dataclasses import replace
 
 from shard_planner.cli.run import _print_comm
-from shard_planner.comm import FSDP, TP, GroupCollectiveBytes
-from shard_planner.measurement import Measurement, RankMemory
-from shard_planner.mesh import Mesh
+from shard_planner.plan.comm import FSDP, TP, GroupCollectiveBytes
+from shard_planner.plan.measurement import Measurement, RankMemory
+from shard_planner.parallel.mesh import Mesh
 
 AG = GroupCollectiveBytes(TP, "tp", "all_gather", 2, 10, 10 * 4096)
 RS = GroupCollectiveBytes(TP, "tp", "reduce_scatter", 2, 10, 10 * 4096)

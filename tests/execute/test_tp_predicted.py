@@ -12,11 +12,11 @@ import pytest
 
 from shard_planner.cost import estimate, tp_collectives_per_step
 from shard_planner.execute import launch_plans
-from shard_planner.hf import HfOptions, tp_plan as hf_tp_plan
-from shard_planner.modelfile import load_model_file
+from shard_planner.model.hf import HfOptions, tp_plan as hf_tp_plan
+from shard_planner.model.modelfile import load_model_file
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit
-from shard_planner.profile import load_profile
-from shard_planner.tp_styles import derive_tensor_parallel
+from shard_planner.hardware.profile import load_profile
+from shard_planner.trace.tp_styles import derive_tensor_parallel
 from shard_planner.trace import trace_model
 from tests.execute.test_tensor_parallel_run import HF_CONFIG
 from tests.paths import REPO

@@ -33,7 +33,7 @@ def need_finetune_extra(qlora: bool = False) -> None:
     pytest.importorskip("transformers", reason="transformers is not installed (pip install 'shard-planner[hf]')")
     pytest.importorskip("peft", reason=reason)
     if qlora:
-        from shard_planner.hf_finetune import quiet_imports
+        from shard_planner.model.hf_finetune import quiet_imports
 
         with quiet_imports():
             torchao = pytest.importorskip("torchao.quantization", reason=reason)
@@ -43,7 +43,7 @@ def need_finetune_extra(qlora: bool = False) -> None:
 
 def load(path: str, finetune):
     """The ModelFile of the config at ``path``, fine-tuned as ``finetune`` (a FineTune) says."""
-    from shard_planner.hf import HfOptions
-    from shard_planner.modelfile import load_model_file
+    from shard_planner.model.hf import HfOptions
+    from shard_planner.model.modelfile import load_model_file
 
     return load_model_file(path, HfOptions(seq_len=SEQ_LEN, finetune=finetune))

@@ -1,7 +1,7 @@
 """Fine-tuning a transformers config, planned and run with real FSDP2 on 2 gloo ranks (issue 28): the tiny
 Llama of tests/hf/finetune.py with LoRA (``--lora 8``: peft's default targets, q_proj and v_proj, fp32
 adapters on a bf16 base) and with QLoRA (``--lora 8 --qlora``, all-linear: NF4 base weights,
-shard_planner/param_storage.py [Note: NF4 parameters as stored]). Each: the planner's own plan and one unit per
+shard_planner/model/param_storage.py [Note: NF4 parameters as stored]). Each: the planner's own plan and one unit per
 decoder layer (reshard after forward: the NF4 weights all-gathered again in backward), run in one world: the
 measured peak within 3% of the predicted one and the collective bytes exactly as predicted. And the user's
 path through the CLI: ``plan --lora 8`` records the fine-tune in the plan, ``run`` rebuilds it from there and
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from shard_planner.finetune import ALL_LINEAR, FineTune
+from shard_planner.plan.finetune import ALL_LINEAR, FineTune
 from tests.hf.finetune import LAYERS, load, need_finetune_extra, write_config
 
 TOLERANCE = 0.03  # the peak within 3% of the prediction, as tests/hf/test_zoo.py asks of every architecture
@@ -30,7 +30,7 @@ def _plans(path: str, finetune: FineTune):
     each with its prediction and the fine-tune recorded (so the ranks build the same model)."""
     from shard_planner.cost import estimate
     from shard_planner.plan import Unit
-    from shard_planner.profile import load_profile
+    from shard_planner.hardware.profile import load_profile
     from shard_planner.solve import plan_model
     from shard_planner.solve.request import PlanRequest
     from shard_planner.trace import trace_model
@@ -65,7 +65,7 @@ def test_fine_tune_runs_as_predicted_world_size_2(tmp_path, kind):
 def test_cli_plans_lora_and_runs_it_from_the_plan(tmp_path):
     need_finetune_extra()
     from shard_planner.cli.main import main as cli_main
-    from shard_planner.measurement import load_measurement
+    from shard_planner.plan.measurement import load_measurement
     from shard_planner.plan import load_plan
 
     path = write_config(tmp_path / "cfg")

@@ -17,7 +17,7 @@ pytest.importorskip("transformers", reason="transformers is not installed (the o
                     "pip install 'shard-planner[hf]')")
 
 from shard_planner.execute import launch_plans  # noqa: E402
-from shard_planner.profile import load_profile  # noqa: E402
+from shard_planner.hardware.profile import load_profile  # noqa: E402
 from shard_planner.solve import plan_model  # noqa: E402
 from shard_planner.solve.request import PlanRequest  # noqa: E402
 from shard_planner.trace import trace_model  # noqa: E402

@@ -105,8 +105,8 @@ def write_arch(arch: Arch, folder: Path) -> str:
 
 def load_arch(arch: Arch, path: str):
     """The ModelFile of ``arch`` written at ``path``."""
-    from shard_planner.hf import HfOptions
-    from shard_planner.modelfile import load_model_file
+    from shard_planner.model.hf import HfOptions
+    from shard_planner.model.modelfile import load_model_file
 
     return load_model_file(path, HfOptions(seq_len=SEQ_LEN) if arch.text and arch.given_as != "model file" else None)
 

@@ -27,7 +27,7 @@ def _peaks_here(model_path: str, plan_jsons: list[str]) -> list[int]:
 
     from shard_planner.execute.apply import apply_plan, build_mesh
     from shard_planner.execute.worker import make_optimizer
-    from shard_planner.modelfile import load_model_file
+    from shard_planner.model.modelfile import load_model_file
     from shard_planner.plan import Plan
 
     plans = [Plan.from_dict(json.loads(t)) for t in plan_jsons]

@@ -11,7 +11,7 @@ from shard_planner.cost.types import Estimate, MemoryEstimate, MemoryEvent, Time
 from shard_planner.plan import (
     MEMORY_CATEGORIES, Cluster, FrontierPoint, Mesh, ModelRef, Plan, Prediction, Prefetch, SolverInfo, Training, Unit,
 )
-from shard_planner.profile import load_profile
+from shard_planner.hardware.profile import load_profile
 from shard_planner.trace.types import Affine, ModelTrace, ModuleTrace
 
 GIB = 2**30

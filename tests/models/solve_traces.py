@@ -4,7 +4,7 @@ tracer or on profiles/."""
 
 from __future__ import annotations
 
-from shard_planner.profile import HardwareProfile, Interconnect
+from shard_planner.hardware.profile import HardwareProfile, Interconnect
 from shard_planner.trace.types import Affine, ModelTrace, ModuleTrace
 
 MIB = 2**20

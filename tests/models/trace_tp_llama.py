@@ -2,7 +2,7 @@
 then split whole heads (the example's 2 kv heads would cut one in half). examples/llama.py's attention views
 its projections with ``-1`` heads, so it runs on a rank's local column shards. Every other size
 (``SHARD_PLANNER_SIZE``), the batch, the loss and ``TRAINING`` are the example's; :func:`tp_styles` is
-torchtitan's Llama plan as shard_planner/tensor_parallel.py styles, for these tests and the executor's
+torchtitan's Llama plan as shard_planner/parallel/tensor_parallel.py styles, for these tests and the executor's
 (tests/models/exec_llama_tp.py)."""
 
 import importlib.util

@@ -10,14 +10,14 @@ import pytest
 from shard_planner.cost import CostModel
 from shard_planner.execute.accumulate import set_micro_step
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit
-from shard_planner.profile import load_profile
+from shard_planner.hardware.profile import load_profile
 from shard_planner.report.accumulation import held_gradient_bytes, micro_step_spans
 from shard_planner.report.budget import report_budget
 from shard_planner.report.export import export_plan, model_info_for_plan
 from shard_planner.report.export.fsdp2 import export_fsdp2
 from shard_planner.report.timeline import plot_memory_timeline
 from shard_planner.report.render import summary_lines
-from shard_planner.modelfile import load_model_file
+from shard_planner.model.modelfile import load_model_file
 from shard_planner.trace.structure import model_fingerprint
 from tests.models import solve_traces
 from tests.report.test_export import torchtitan_settings

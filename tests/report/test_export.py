@@ -10,7 +10,7 @@ import pytest
 from tests.models.report_fixtures import make_plan, make_trace
 from shard_planner.cli.main import main
 from shard_planner.errors import PlanError, UserError
-from shard_planner.modelfile import load_model_file
+from shard_planner.model.modelfile import load_model_file
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit, save_plan
 from shard_planner.report.export import TARGETS, export_plan, model_info_for_plan, model_info_from_trace
 from shard_planner.report.export.common import split_number, uniform_reshard

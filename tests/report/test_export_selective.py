@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from shard_planner.modelfile import load_model_file
+from shard_planner.model.modelfile import load_model_file
 from shard_planner.plan import Unit
 from shard_planner.report.export import export_plan, model_info_from_trace
 from shard_planner.trace.kernel_ops import op_class
@@ -84,7 +84,7 @@ def test_fsdp2_export_checkpoints_selectively_like_apply_plan(fake_world):
 
 
 def test_torchtitan_op_policy_plan_exports_as_op_without_a_difference_note():
-    from shard_planner.checkpointing import TORCHTITAN_OP_SAVE_OPS
+    from shard_planner.plan.checkpointing import TORCHTITAN_OP_SAVE_OPS
     export = export_plan(_with_blocks([SEL] * 4, TORCHTITAN_OP_SAVE_OPS), "torchtitan")
     assert torchtitan_settings(export.text)["ACTIVATION_CHECKPOINT"] == "selective"
     assert not any("every second mm" in n or "saves op classes" in n for n in export.notes), export.notes
@@ -93,7 +93,7 @@ def test_torchtitan_op_policy_plan_exports_as_op_without_a_difference_note():
 def test_fsdp2_export_keeps_every_other_matmul_under_the_torchtitan_policy():
     """The generated policy numbers the matmuls of each checkpointed call: 1st, 3rd, ... kept, the 2nd
     recomputed, attention kept, elementwise recomputed; each call starts its count afresh."""
-    from shard_planner.checkpointing import TORCHTITAN_OP_SAVE_OPS
+    from shard_planner.plan.checkpointing import TORCHTITAN_OP_SAVE_OPS
     source = export_plan(_with_blocks([SEL] * 2, TORCHTITAN_OP_SAVE_OPS), "fsdp2").text
     namespace: dict = {}
     exec(compile(source, "apply_sharding.py", "exec"), namespace)

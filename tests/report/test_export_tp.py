@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from shard_planner.report.export import export_plan, model_info_for_plan
-from shard_planner.tensor_parallel import Style, TensorParallel
+from shard_planner.parallel.tensor_parallel import Style, TensorParallel
 from tests.ecosystem.conftest import llama_size
 from tests.report.tp_plans import llama_tp_plan
 
@@ -65,7 +65,7 @@ def test_fsdp2_snippet_splits_and_shards_like_apply_plan(fake_world):
     from torch.distributed.device_mesh import init_device_mesh
 
     from shard_planner.execute.apply import apply_plan
-    from shard_planner.modelfile import load_model_file
+    from shard_planner.model.modelfile import load_model_file
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "tp"))
     with llama_size("tiny"):

@@ -9,7 +9,7 @@ from shard_planner.errors import PlanError
 from shard_planner.plan import load_plan
 from shard_planner.report import check_trace_rank
 from shard_planner.trace import trace_model
-from shard_planner.modelfile import load_model_file
+from shard_planner.model.modelfile import load_model_file
 from tests.paths import EXAMPLES
 
 LLAMA = str(EXAMPLES / "llama.py")

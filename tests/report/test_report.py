@@ -14,12 +14,12 @@ from matplotlib.text import Text
 from tests.models.report_fixtures import GIB, MIB, _module, make_estimate, make_plan, make_trace
 from shard_planner.cli.main import main
 from shard_planner.errors import UserError
-from shard_planner.measurement import Measurement, RankMemory, plan_fingerprint, save_measurement
+from shard_planner.plan.measurement import Measurement, RankMemory, plan_fingerprint, save_measurement
 from shard_planner.plan import (
     MEMORY_CATEGORIES, Cluster, FrontierPoint, MeasuredPoint, Mesh, ModelRef, Plan, Prefetch, Training, Unit,
     save_plan,
 )
-from shard_planner.profile import load_profile
+from shard_planner.hardware.profile import load_profile
 from shard_planner.progress import Progress, progress, progress_enabled
 from shard_planner.report import build_sections, write_report, write_sections
 from shard_planner.report.budget import report_budget
@@ -371,7 +371,7 @@ def test_report_for_every_example(name, example_traces, tmp_path):
     unsharded, so the solver's own plan is often the root alone): both reports render, with every
     parameter in exactly one unit and no overlapping text."""
     from shard_planner.cost import estimate as estimate_fn
-    from shard_planner.profile import load_profile
+    from shard_planner.hardware.profile import load_profile
     from shard_planner.solve import PlanRequest, plan_model
 
     trace, path = example_traces[name], f"examples/{name}.py"

@@ -15,8 +15,8 @@ import pytest
 
 from shard_planner import __version__
 from shard_planner.plan import Mesh, ModelRef, Plan
-from shard_planner.plan_points import DegreeOutcome, FrontierPoint, degree_reason
-from shard_planner.profile import load_profile
+from shard_planner.plan.points import DegreeOutcome, FrontierPoint, degree_reason
+from shard_planner.hardware.profile import load_profile
 from shard_planner.report import build_sections, write_report
 from shard_planner.report.budget import report_budget
 from shard_planner.report.degrees import degrees_table, plot_degrees
@@ -25,7 +25,7 @@ from shard_planner.report.render import summary_lines
 from shard_planner.report.tables import to_markdown
 from shard_planner.solve import PlanRequest, tp_search
 from shard_planner.solve.tp_search import DegreeOption, plan_over_degrees
-from shard_planner.tensor_parallel import TensorParallel
+from shard_planner.parallel.tensor_parallel import TensorParallel
 from tests.models.cost_synth import synthetic_trace
 from tests.models.report_fixtures import GIB, make_plan
 from tests.report.test_report import gid_artists, texts_overlap

@@ -10,8 +10,8 @@ import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 from shard_planner.plan import Plan
-from shard_planner.plan_points import DegreeOutcome, degree_lines
-from shard_planner.profile import load_profile
+from shard_planner.plan.points import DegreeOutcome, degree_lines
+from shard_planner.hardware.profile import load_profile
 from shard_planner.report import build_sections
 from shard_planner.report.budget import report_budget
 from shard_planner.report.plots import plot_frontier
@@ -152,7 +152,7 @@ def test_text_columns_are_left_aligned():
 def test_the_summary_names_what_trains(gpt2):
     """A fine-tune is named in the summary, not only under the units table: the plan's (LoRA, QLoRA, frozen
     modules) or, for a model file that freezes its own, the count from the trace."""
-    from shard_planner.finetune import FineTune
+    from shard_planner.plan.finetune import FineTune
     from shard_planner.trace.tracer import trace_model
 
     trace, _, _ = gpt2

@@ -27,7 +27,7 @@ def test_gpu_timeline_draws_the_simulated_reserved_memory(gpt2_trace):
     allocator figures; on a CPU profile neither."""
     from shard_planner.cost import CostModel
     from shard_planner.cost.fits import device_fit
-    from shard_planner.profile import load_profile
+    from shard_planner.hardware.profile import load_profile
     from shard_planner.report.render import summary_lines
 
     trace = gpt2_trace

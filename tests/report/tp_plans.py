@@ -4,9 +4,9 @@ has no tensor-parallel option to ask for a degree)."""
 
 from __future__ import annotations
 
-from shard_planner.modelfile import load_model_file
+from shard_planner.model.modelfile import load_model_file
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit
-from shard_planner.tensor_parallel import TensorParallel
+from shard_planner.parallel.tensor_parallel import TensorParallel
 from shard_planner.trace.structure import model_fingerprint
 from tests.ecosystem.conftest import LLAMA, llama_size
 from tests.models.trace_tp_llama import llama, tp_styles

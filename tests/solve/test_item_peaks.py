@@ -7,10 +7,11 @@ import random
 import pytest
 
 from shard_planner.plan import Mesh, Prefetch, Training
-from shard_planner.profile import load_profile
+from shard_planner.hardware.profile import load_profile
 from shard_planner.solve.cpsat import _singles, item_greedy_cover
 from shard_planner.solve.item_peaks import ItemCoverPeaks
-from shard_planner.solve.linear import GlobalChoice, build_linear_model, evaluate
+from shard_planner.solve.choice import GlobalChoice
+from shard_planner.solve.linear import build_linear_model, evaluate
 from shard_planner.solve.space import build_space
 from tests.models import cost_synth, solve_traces
 

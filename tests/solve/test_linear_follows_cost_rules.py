@@ -17,7 +17,8 @@ from shard_planner.cost import unit_collectives as collective_rules
 from shard_planner.plan import Cluster, Mesh, Prefetch, Training
 from shard_planner.solve import linear
 from shard_planner.solve.candidate_costs import candidate_costs
-from shard_planner.solve.linear import MIB, US_PER_S, GlobalChoice, build_linear_model, evaluate
+from shard_planner.solve.choice import GlobalChoice
+from shard_planner.solve.linear import MIB, US_PER_S, build_linear_model, evaluate
 from shard_planner.solve.simulate import cover_units, make_plan
 from shard_planner.solve.space import build_space
 from tests.models import solve_traces

@@ -10,9 +10,10 @@ import pytest
 
 from shard_planner.cost.model import CostModel
 from shard_planner.plan import Mesh, Prefetch, Training
-from shard_planner.profile import load_profile
+from shard_planner.hardware.profile import load_profile
 from shard_planner.solve.candidate_costs import candidate_costs
-from shard_planner.solve.linear import GlobalChoice, build_linear_model, unit_setting, with_prefetch
+from shard_planner.solve.choice import GlobalChoice
+from shard_planner.solve.linear import build_linear_model, unit_setting, with_prefetch
 from shard_planner.solve.space import build_space
 from tests.models import cost_synth, solve_traces
 

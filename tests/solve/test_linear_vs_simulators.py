@@ -9,9 +9,10 @@ import pytest
 
 from shard_planner.cost import CostModel
 from shard_planner.plan import Cluster, Mesh, Prefetch, Training
-from shard_planner.profile import load_profile
+from shard_planner.hardware.profile import load_profile
 from shard_planner.solve import linear
-from shard_planner.solve.linear import MIB, GlobalChoice, build_linear_model, evaluate
+from shard_planner.solve.choice import GlobalChoice
+from shard_planner.solve.linear import MIB, build_linear_model, evaluate
 from shard_planner.solve.simulate import cover_units, make_plan
 from shard_planner.solve.space import build_space
 from tests.models import cost_mlp, cost_synth, solve_traces

@@ -1,8 +1,8 @@
-"""The one ownership / tie helper (shard_planner/ownership.py)."""
+"""The one ownership / tie helper (shard_planner/plan/ownership.py)."""
 
 import pytest
 
-from shard_planner.ownership import innermost_unit, owners, split_groups, tie_groups
+from shard_planner.plan.ownership import innermost_unit, owners, split_groups, tie_groups
 from tests.paths import EXAMPLES, MODELS
 
 
@@ -29,7 +29,7 @@ def test_split_groups_names_the_groups_with_two_owners():
 
 
 def test_contiguous_among_is_an_unbroken_run_in_any_listed_order():
-    from shard_planner.ownership import contiguous_among
+    from shard_planner.plan.ownership import contiguous_among
 
     siblings = ["conv1", "norm1", "conv2", "norm2"]
     assert contiguous_among(siblings, ["norm1", "conv2"])
@@ -46,8 +46,8 @@ def test_planner_groups_only_what_the_executor_applies(path):
     consecutive in call order, not a run of siblings)."""
     import torch
 
-    from shard_planner.checked_plan import check_group
-    from shard_planner.modelfile import load_model_file
+    from shard_planner.load.checked_plan import check_group
+    from shard_planner.model.modelfile import load_model_file
     from shard_planner.plan import Unit
     from shard_planner.solve.space import build_space
     from shard_planner.trace import trace_model

@@ -1,4 +1,4 @@
-"""The recipes (shard_planner/recipes.py) and the planner's promise never to answer worse than one that fits
+"""The recipes (shard_planner/plan/recipes.py) and the planner's promise never to answer worse than one that fits
 (shard_planner/solve/never_worse.py [Note: Never worse than a recipe]), on hand-written traces."""
 
 from dataclasses import replace
@@ -6,16 +6,16 @@ from dataclasses import replace
 import pytest
 
 from tests.models.solve_traces import GIB, profile, stack_trace
-from shard_planner.checkpointing import SELECTIVE, TORCHTITAN_OP_SAVE_OPS
+from shard_planner.plan.checkpointing import SELECTIVE, TORCHTITAN_OP_SAVE_OPS
 from shard_planner.cost import estimate
 from shard_planner.errors import InfeasibleError
-from shard_planner.mesh import Mesh
+from shard_planner.parallel.mesh import Mesh
 from shard_planner.plan import ROOT, Prefetch, Unit
-from shard_planner.recipes import PLANNER_KNOBS, PREFETCH, RECIPE_NAMES, RECIPES, recipe_named, recipes_for
+from shard_planner.plan.recipes import PLANNER_KNOBS, PREFETCH, RECIPE_NAMES, RECIPES, recipe_named, recipes_for
 from shard_planner.solve import PlanRequest, plan_model
 from shard_planner.solve.alternatives import RECIPE_METHOD, recipe_plan, recipes
 from shard_planner.solve.context import PlanContext
-from shard_planner.solve.linear import GlobalChoice
+from shard_planner.solve.choice import GlobalChoice
 from shard_planner.solve.never_worse import RECIPE_TOLERANCE, never_worse, priced_time_per_sample_s
 from shard_planner.solve.space import build_space
 

@@ -19,7 +19,8 @@ from shard_planner.plan import Cluster, Mesh, Prefetch, Training
 from shard_planner.solve import PlanRequest, plan_model
 from shard_planner.solve.cpsat import greedy_cover, lagrangian_cover, solve_min_peak, solve_min_time
 from shard_planner.solve.exact import all_covers, solve_brute_force, solve_dp
-from shard_planner.solve.linear import GlobalChoice, build_linear_model, evaluate
+from shard_planner.solve.choice import GlobalChoice
+from shard_planner.solve.linear import build_linear_model, evaluate
 from shard_planner.solve.simulate import cover_units, make_plan, simulate
 from shard_planner.solve.space import build_space, find_items
 from shard_planner.units import parse_bytes
@@ -270,7 +271,7 @@ def example_traces():
 
 
 def _cpu_gloo():
-    from shard_planner.profile import load_profile
+    from shard_planner.hardware.profile import load_profile
 
     return load_profile("cpu-gloo")
 
@@ -294,7 +295,7 @@ def _unit_of(trace, units, fqn):
 
 
 def _every_plans_units(trace, budgets_mib, micro_batches):
-    from shard_planner.recipes import RECIPES
+    from shard_planner.plan.recipes import RECIPES
     from shard_planner.solve.space import build_space
 
     prof = _cpu_gloo()
@@ -378,7 +379,7 @@ def _alternatives(trace, plan, budget_bytes, prof):
     root's reshard flipped."""
     from shard_planner.cost import estimate
     from shard_planner.plan import ROOT, Unit
-    from shard_planner.recipes import RECIPES
+    from shard_planner.plan.recipes import RECIPES
 
     space = build_space(trace, shard_group=plan.mesh.shard, gpus_per_node=plan.cluster.gpus_per_node)
     base = replace(plan, predicted=None, prefetch=Prefetch())

@@ -19,10 +19,10 @@ import shard_planner.solve.planner as planner
 from shard_planner.cost import estimate
 from shard_planner.execute import apply_plan, describe_sharding
 from shard_planner.execute.apply import check_plan_matches
-from shard_planner.modelfile import load_model_file
+from shard_planner.model.modelfile import load_model_file
 from shard_planner.plan import ROOT, Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit
 from shard_planner.solve import PlanRequest, plan_model, simpler
-from shard_planner.recipes import RECIPES
+from shard_planner.plan.recipes import RECIPES
 from shard_planner.solve.polish import MIN_GAIN, neighbours, polish
 from shard_planner.solve.space import build_space
 from shard_planner.trace.structure import model_fingerprint

@@ -16,10 +16,11 @@ from tests.models.solve_traces import profile, stack_trace
 from shard_planner.cost import module_compute_s
 from shard_planner.plan import Mesh, Prefetch, Training
 from shard_planner.solve import PlanRequest, plan_model
-from shard_planner.solve.linear import GlobalChoice, build_linear_model
+from shard_planner.solve.choice import GlobalChoice
+from shard_planner.solve.linear import build_linear_model
 from shard_planner.solve.simulate import simulate
 from shard_planner.solve.space import build_space
-from shard_planner.timings import ModuleTime, ModuleTimings
+from shard_planner.hardware.timings import ModuleTime, ModuleTimings
 from shard_planner.trace.types import Affine
 
 MS = 1e-3

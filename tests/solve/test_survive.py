@@ -9,7 +9,7 @@ from tests.models.solve_traces import GIB, MIB, profile, stack_trace
 from shard_planner.cost import CostModel
 from shard_planner.cost.fits import device_fit
 from shard_planner.errors import InfeasibleError
-from shard_planner.profile import load_profile
+from shard_planner.hardware.profile import load_profile
 from shard_planner.solve import PlanRequest, plan_model
 
 PROFILE = profile()

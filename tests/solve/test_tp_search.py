@@ -8,12 +8,12 @@ import pytest
 
 from shard_planner.errors import UserError
 from shard_planner.plan import Plan
-from shard_planner.plan_points import DegreeOutcome
-from shard_planner.profile import load_profile
+from shard_planner.plan.points import DegreeOutcome
+from shard_planner.hardware.profile import load_profile
 from shard_planner.solve import PlanRequest, plan_model, tp_search
-from shard_planner.plan_points import degree_reason
+from shard_planner.plan.points import degree_reason
 from shard_planner.solve.tp_search import DegreeOption, plan_over_degrees
-from shard_planner.tensor_parallel import TensorParallel
+from shard_planner.parallel.tensor_parallel import TensorParallel
 from tests.models.cost_synth import synthetic_trace
 
 STYLES = TensorParallel(styles={"embed": "embedding", "head": "head"}, sequence_parallel=False, loss_parallel=False)
@@ -109,7 +109,7 @@ def test_a_degree_is_never_slower_than_its_screen(request_8, monkeypatch):
     Llama 3 70B, 64 H100s, 80GB, TP 2's search answered 1.9% slower than its own screen before."""
     from dataclasses import replace
 
-    from shard_planner.recipes import recipe_named
+    from shard_planner.plan.recipes import recipe_named
     from shard_planner.solve import alternatives, planner
 
     trace = synthetic_trace(LAYERS, H, S, V, tp=1)

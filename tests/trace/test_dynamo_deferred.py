@@ -69,8 +69,8 @@ def test_a_trace_that_needs_the_compiler_gets_the_real_package():
 
 STYLES_TWICE = r"""
 import json, sys, torch
-from shard_planner.modelfile import load_model_file
-from shard_planner.tp_degrees import degree_styles
+from shard_planner.model.modelfile import load_model_file
+from shard_planner.trace.tp_degrees import degree_styles
 
 def styles():
     found = degree_styles(load_model_file(sys.argv[1]), [1, 2, 4], sequence_parallel=True, loss_parallel=True)

@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from shard_planner.cost import CostModel
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit
-from shard_planner.profile import load_profile
+from shard_planner.hardware.profile import load_profile
 from shard_planner.trace import trace_model
 from shard_planner.trace.kernel_ops import classify
 
@@ -84,7 +84,7 @@ class _Kernels(TorchDispatchMode):
 def test_the_tail_is_what_a_checkpointed_recomputation_skips(model_file):
     """Run one block under torch's checkpoint: the forward's kernels that the backward does not run
     again are the down projection and the residual add, and the trace's tail of every block says so."""
-    from shard_planner.modelfile import load_model_file
+    from shard_planner.model.modelfile import load_model_file
 
     block = load_model_file(model_file).build().blocks[0]
     x = torch.randn(4, 16, 64, requires_grad=True)

@@ -1,5 +1,5 @@
 """What the trace records of a fine-tuned transformers config (tests/hf/finetune.py's tiny Llama): LoRA adapters
-in fp32 on a frozen bf16 base (peft), NF4 weights by what they store (shard_planner/param_storage.py [Note: NF4
+in fp32 on a frozen bf16 base (peft), NF4 weights by what they store (shard_planner/model/param_storage.py [Note: NF4
 parameters as stored]; built by shape under fake tensors: trace/build.py [Note: NF4 weights under fake
 tensors]), modules frozen by --freeze, and fingerprints that tell the fine-tunes apart."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shard_planner.finetune import ALL_LINEAR, FineTune
+from shard_planner.plan.finetune import ALL_LINEAR, FineTune
 from tests.hf.finetune import CONFIG, load, need_finetune_extra, write_config
 
 HIDDEN, MLP, VOCAB = CONFIG["hidden_size"], CONFIG["intermediate_size"], CONFIG["vocab_size"]
@@ -61,9 +61,9 @@ def test_nf4_built_by_shape_under_fake_tensors_matches_to_nf4():
     need_finetune_extra(qlora=True)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from shard_planner.hf_finetune import _import_to_nf4
-    from shard_planner.modelfile import ModelFile
-    from shard_planner.param_storage import NF4_REPLICATED, NF4_SHARDED
+    from shard_planner.model.hf_finetune import _import_to_nf4
+    from shard_planner.model.modelfile import ModelFile
+    from shard_planner.model.param_storage import NF4_REPLICATED, NF4_SHARDED
     from shard_planner.trace.build import build_fake
 
     to_nf4 = _import_to_nf4("test")
@@ -103,7 +103,7 @@ def test_nf4_dequantisation_is_priced_on_a_gpu_profile(config):
     from shard_planner.cost import CostModel
     from shard_planner.cost.fsdp_copies import copy_bandwidth_bytes_per_s
     from shard_planner.cost.kernels import MEMORY_BOUND
-    from shard_planner.profile import load_profile
+    from shard_planner.hardware.profile import load_profile
     from shard_planner.trace import trace_model
 
     h100 = load_profile("h100-80gb")

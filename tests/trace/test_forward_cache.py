@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from shard_planner.checkpointing import USE_CACHE_FIX, checkpointing_refusal
-from shard_planner.modelfile import load_model_file
+from shard_planner.plan.checkpointing import USE_CACHE_FIX, checkpointing_refusal
+from shard_planner.model.modelfile import load_model_file
 from shard_planner.trace import trace_model
 from shard_planner.trace.cache import output_cache, probe_forward_cache
 from shard_planner.trace.types import ModelTrace
@@ -53,7 +53,7 @@ def test_the_trace_records_it_and_json_round_trips(monkeypatch):
 
 def test_the_probe_answers_as_the_trace(tmp_path):
     transformers = pytest.importorskip("transformers", reason="transformers is not installed")
-    from shard_planner.hf import HfOptions
+    from shard_planner.model.hf import HfOptions
 
     for use_cache in (True, False):
         folder = tmp_path / str(use_cache)

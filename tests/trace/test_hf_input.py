@@ -13,9 +13,9 @@ transformers = pytest.importorskip(
 
 from shard_planner.cli.main import main as cli_main  # noqa: E402
 from shard_planner.errors import ModelFileError  # noqa: E402
-from shard_planner.hf import HfOptions  # noqa: E402
-from shard_planner.measurement import load_measurement  # noqa: E402
-from shard_planner.modelfile import default_loss_fn, load_model_file  # noqa: E402
+from shard_planner.model.hf import HfOptions  # noqa: E402
+from shard_planner.plan.measurement import load_measurement  # noqa: E402
+from shard_planner.model.modelfile import default_loss_fn, load_model_file  # noqa: E402
 from shard_planner.plan import load_plan  # noqa: E402
 from shard_planner.trace import trace_model  # noqa: E402
 from shard_planner.trace.types import ModelTrace  # noqa: E402

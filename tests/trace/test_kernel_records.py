@@ -8,7 +8,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from shard_planner.cost.kernels import device_of, has_kernel_records, module_kernel_s, records_time_s
-from shard_planner.profile import load_profile
+from shard_planner.hardware.profile import load_profile
 from shard_planner.trace import trace_model
 from shard_planner.trace.kernel_ops import OpSample, classify, fit_records, grouped_mm_dims, grouped_mm_flop
 from shard_planner.trace.types import ModelTrace

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from shard_planner.errors import ModelFileError
-from shard_planner.modelfile import default_loss_fn, load_model_file
+from shard_planner.model.modelfile import default_loss_fn, load_model_file
 from shard_planner.trace import trace_model
 
 VOCAB, SEQ, DIM = 32, 8, 16
@@ -140,7 +140,7 @@ def test_config_without_transformers_says_how_to_install(tmp_path, monkeypatch):
 
 
 def test_hf_options_only_for_configs(tmp_path):
-    from shard_planner.hf import HfOptions
+    from shard_planner.model.hf import HfOptions
 
     path = write(tmp_path, "kw", ONLY_DICT)
     with pytest.raises(ModelFileError, match="transformers config"):

@@ -10,7 +10,7 @@ import pytest
 
 from shard_planner.cli.main import main
 from shard_planner.errors import ModelFileError
-from shard_planner.modelfile import load_model_file
+from shard_planner.model.modelfile import load_model_file
 from shard_planner.trace import trace_model
 
 GOOD_MODEL = """
@@ -118,7 +118,7 @@ def test_a_good_file_traces(tmp_path):
 
 
 def test_training_defaults(tmp_path):
-    from shard_planner.modelfile import TrainingDefaults, training_defaults
+    from shard_planner.model.modelfile import TrainingDefaults, training_defaults
 
     path = tmp_path / "good.py"
     path.write_text(GOOD_MODEL + GOOD_BATCH + "\nTRAINING = {'micro_batch': 3, 'optimizer': 'sgd', 'lr': 0.1}\n")
@@ -131,7 +131,7 @@ def test_training_defaults(tmp_path):
 def test_plan_and_tune_load_the_model_file_once(tmp_path, monkeypatch):
     """plan reads the TRAINING defaults (learning rate included) from the file it traced, and from a trace.json
     of it; tune traces in the dtype asked."""
-    import shard_planner.modelfile as modelfile
+    import shard_planner.model.modelfile as modelfile
     import shard_planner.solve as solve
     from shard_planner.tune import tune_model
 

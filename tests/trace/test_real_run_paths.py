@@ -9,7 +9,7 @@ from dataclasses import fields
 
 import pytest
 
-from shard_planner.modelfile import load_model_file
+from shard_planner.model.modelfile import load_model_file
 from shard_planner.trace import trace_model
 from shard_planner.trace.realrun import compare_with_real_run
 from shard_planner.trace.routing import balanced_indices
@@ -108,7 +108,7 @@ def test_eager_moe_routing_traced_under_the_balanced_assumption(tmp_path, caplog
     config.save_pretrained(tmp_path)
     data = json.loads((tmp_path / "config.json").read_text())  # save_pretrained leaves the implementation out
     (tmp_path / "config.json").write_text(json.dumps({**data, "experts_implementation": "eager"}))
-    from shard_planner.hf import HfOptions
+    from shard_planner.model.hf import HfOptions
 
     mf = load_model_file(str(tmp_path), HfOptions(seq_len=16))
     with caplog.at_level(logging.WARNING, logger="shard_planner.trace.tracer"):
@@ -133,7 +133,7 @@ def write_config(tmp_path, use_cache: bool) -> str:
 
 
 def load_config(path: str):
-    from shard_planner.hf import HfOptions
+    from shard_planner.model.hf import HfOptions
 
     return load_model_file(path, HfOptions(seq_len=16))
 

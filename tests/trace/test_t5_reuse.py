@@ -10,8 +10,8 @@ import pytest
 transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (the optional extra: pip install 'shard-planner[hf]')")
 
-from shard_planner.hf import HfOptions  # noqa: E402
-from shard_planner.modelfile import load_model_file  # noqa: E402
+from shard_planner.model.hf import HfOptions  # noqa: E402
+from shard_planner.model.modelfile import load_model_file  # noqa: E402
 from shard_planner.trace import trace_model  # noqa: E402
 from shard_planner.trace.twins import attribute_signatures  # noqa: E402
 from shard_planner.trace.types import ModelTrace  # noqa: E402

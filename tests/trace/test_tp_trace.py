@@ -17,8 +17,8 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from shard_planner.errors import UserError
 from shard_planner.execute.tensor_parallel import torch_tp_plan
-from shard_planner.modelfile import load_model_file
-from shard_planner.tensor_parallel import Style, TensorParallel
+from shard_planner.model.modelfile import load_model_file
+from shard_planner.parallel.tensor_parallel import Style, TensorParallel
 from shard_planner.trace import trace_model
 from shard_planner.trace.types import ModelTrace
 from tests.models import trace_tp_llama

@@ -16,7 +16,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from shard_planner.cli.main import main
 from shard_planner.errors import UserError
-from shard_planner.modelfile import load_model_file
+from shard_planner.model.modelfile import load_model_file
 from shard_planner.trace import load_trace, trace_model, trace_or_load
 from shard_planner.trace.flops import EXTRA_FLOP_FORMULAS, FlopCounter
 from shard_planner.trace import compare_with_real_run

@@ -11,7 +11,7 @@ from tests.tune.test_tune import _Estimate, _Time  # noqa: E402  (tune's synthet
 
 from shard_planner.errors import InfeasibleError  # noqa: E402
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit  # noqa: E402
-from shard_planner.profile import load_profile  # noqa: E402
+from shard_planner.hardware.profile import load_profile  # noqa: E402
 from shard_planner.tune.candidates import TIGHTER_BUDGET_FRACTIONS, top_candidates  # noqa: E402
 
 MIB = 2**20

@@ -8,7 +8,7 @@ import pytest
 
 from shard_planner.cost import CostModel, estimate
 from shard_planner.cost.fits import device_fit
-from shard_planner.profile import load_profile
+from shard_planner.hardware.profile import load_profile
 from shard_planner.tune.candidates import _neighbours, top_candidates
 from shard_planner.tune.judge import Judge
 from tests.cost.test_cost_model import synth_plan

@@ -9,11 +9,11 @@ from dataclasses import dataclass, replace
 import pytest
 
 from shard_planner.errors import InfeasibleError, UserError
-from shard_planner.measurement import Measurement, RankMemory, plan_fingerprint
+from shard_planner.plan.measurement import Measurement, RankMemory, plan_fingerprint
 from shard_planner.plan import (
     Cluster, MeasuredPoint, Mesh, ModelRef, Plan, Prediction, Prefetch, Training, Unit, load_plan,
 )
-from shard_planner.profile import load_profile
+from shard_planner.hardware.profile import load_profile
 from shard_planner.tune.candidates import Candidate, describe_plan
 from shard_planner.tune.fit import FACTORS, fit_profile, scale_profile
 from shard_planner.tune.profile_file import profile_toml

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from shard_planner.errors import UserError
-from shard_planner.measurement import Measurement, RankMemory, plan_fingerprint
+from shard_planner.plan.measurement import Measurement, RankMemory, plan_fingerprint
 from shard_planner.tune import tune_model
 from tests.cli.test_bad_input import one_error_line
 from tests.paths import REPO

@@ -17,7 +17,7 @@ used; the nearest setting is always the one that needs no more memory than the p
 from __future__ import annotations
 
 from shard_planner import __version__
-from shard_planner.checkpointing import SELECTIVE
+from shard_planner.plan.checkpointing import SELECTIVE
 from shard_planner.plan import Plan
 from shard_planner.report.export.accumulation import accelerate_lines, policy_notes
 from shard_planner.report.export.common import (
@@ -86,7 +86,7 @@ def _reduce_dtype_notes(t) -> list[str]:
 # the model must arrive split, its tp_size set (accelerator.py:1875-1884, get_model_tp_size: utils/other.py:
 # 263-283; transformers' from_pretrained(tp_plan="auto") does both), and it only wraps the parameters left whole
 # as Replicate DTensors over the tp mesh (accelerator.py:1585-1605). transformers splits by the model's own
-# plan, which has no sequence parallelism (shard_planner/tp_styles.py [Note: Sequence parallelism's styles])
+# plan, which has no sequence parallelism (shard_planner/trace/tp_styles.py [Note: Sequence parallelism's styles])
 # and all-gathers the logits (e.g. LlamaForCausalLM's {"lm_head": "colwise_gather_output"}); Accelerate has
 # no loss-parallel setting.
 

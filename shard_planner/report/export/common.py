@@ -8,7 +8,7 @@ import textwrap
 from collections import Counter
 from dataclasses import dataclass
 
-from shard_planner.allocator_conf import launch_env
+from shard_planner.hardware.allocator_conf import launch_env
 from shard_planner.plan import OPTIMIZER_TORCH, Plan, Training, Unit
 
 # The plan's dtype names as torch spells them in generated code and notes.
@@ -41,7 +41,7 @@ def py_str(text: str) -> str:
 
 def allocator_env(plan: Plan) -> str:
     """'PYTORCH_ALLOC_CONF=expandable_segments:True': the CUDA caching allocator's setting ``plan`` was judged to
-    fit --mem with (``cluster.expandable_segments``; shard_planner/allocator_conf.py), as an assignment in the
+    fit --mem with (``cluster.expandable_segments``; shard_planner/hardware/allocator_conf.py), as an assignment in the
     environment of a launch."""
     return launch_env(plan.cluster.expandable_segments)
 
@@ -55,7 +55,7 @@ def allocator_line(plan: Plan, launch: str) -> str:
 
 
 def finetune_recipe(plan: Plan) -> str | None:
-    """How the plan's fine-tune is built (shard_planner/hf_finetune.py does the same), as code a user can
+    """How the plan's fine-tune is built (shard_planner/model/hf_finetune.py does the same), as code a user can
     paste before wrapping the model; None without a fine-tune."""
     ft = plan.model.finetune
     if ft is None:

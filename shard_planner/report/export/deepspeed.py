@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 
 from shard_planner import __version__
-from shard_planner.checkpointing import SELECTIVE
+from shard_planner.plan.checkpointing import SELECTIVE
 from shard_planner.plan import OPTIMIZER_TORCH, Plan
 from shard_planner.report.export.accumulation import policy_notes
 from shard_planner.report.export.common import Export, allocator_line, finetune_notes

@@ -38,7 +38,7 @@ from dataclasses import replace
 from shard_planner.plan import Plan
 from shard_planner.report.export.common import split_number
 from shard_planner.report.export.model_info import ModelInfo
-from shard_planner.tensor_parallel import Style
+from shard_planner.parallel.tensor_parallel import Style
 
 _SPEC_TYPE = {Style.COLWISE: "column", Style.ROWWISE: "row"}
 

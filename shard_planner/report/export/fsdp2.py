@@ -22,7 +22,7 @@ import textwrap
 from dataclasses import dataclass
 
 from shard_planner import __version__
-from shard_planner.checkpointing import ALTERNATE_MATMUL, keeps_alternate_matmuls
+from shard_planner.plan.checkpointing import ALTERNATE_MATMUL, keeps_alternate_matmuls
 from shard_planner.plan import Plan, Unit
 from shard_planner.report.export.accumulation import fsdp2_train_step_source
 from shard_planner.report.export.common import (
@@ -237,7 +237,7 @@ $tp_apply    policy = dict(mesh=$dp_mesh, mp_policy=MixedPrecisionPolicy(param_d
 def _saved_ops(plan: Plan) -> tuple[str, str, str, str]:
     """The op classes the plan's selective units keep, the aten op names of those classes (the tracer's
     classification, trace/kernel_ops.py), the names of which every other one is kept (the matmuls under
-    ``"alternate_matmul"``: shard_planner/checkpointing.py [Note: torchtitan's op-level policy]), and a
+    ``"alternate_matmul"``: shard_planner/plan/checkpointing.py [Note: torchtitan's op-level policy]), and a
     comment for classes no name list covers."""
     classes = sorted({c for u in plan.units if u.activation_checkpoint == "selective" for c in u.ac_save_ops})
     if not classes:

@@ -70,8 +70,8 @@ def model_info_from_model(model) -> ModelInfo:
 
 def model_info_for_plan(plan: Plan) -> ModelInfo:
     """Build the plan's model on the meta device and check it is the model the plan was made for (the line every
-    command says: shard_planner/checked_plan.py, [Note: A plan checked against its model])."""
-    from shard_planner.checked_plan import check_fingerprint, plan_model
+    command says: shard_planner/load/checked_plan.py, [Note: A plan checked against its model])."""
+    from shard_planner.load.checked_plan import check_fingerprint, plan_model
     from shard_planner.trace.structure import model_fingerprint
 
     model = plan_model(plan.model)

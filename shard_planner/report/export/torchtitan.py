@@ -56,9 +56,9 @@ import string
 from collections import Counter
 
 from shard_planner import __version__
-from shard_planner.checkpointing import ALTERNATE_MATMUL, DEFAULT_SAVE_OPS, SELECTIVE
+from shard_planner.plan.checkpointing import ALTERNATE_MATMUL, DEFAULT_SAVE_OPS, SELECTIVE
 from shard_planner.plan import OPTIMIZER_TORCH, Plan
-from shard_planner.tensor_parallel import Style, TensorParallel
+from shard_planner.parallel.tensor_parallel import Style, TensorParallel
 from shard_planner.report.export.accumulation import policy_notes
 from shard_planner.report.export.common import (
     Export, allocator_env, allocator_line, block_units, comment_block, finetune_notes, grouped_note, prefetch_notes, split_number,
@@ -74,7 +74,7 @@ _LLAMA_ROOT_SP = _LLAMA_ROOT + Counter({Style.NORM: 1})  # the final norm
 
 def _covers_torchtitan_op_saves(save_ops: tuple[str, ...]) -> bool:
     """The plan's selective block keeps at least what torchtitan's SelectiveAC keeps (odd-numbered mms and
-    attention; checkpointing.py [Note: torchtitan's op-level policy]), so SelectiveAC needs no more memory."""
+    attention; plan/checkpointing.py [Note: torchtitan's op-level policy]), so SelectiveAC needs no more memory."""
     return ("matmul" in save_ops or ALTERNATE_MATMUL in save_ops) and "attention_fwd" in save_ops
 
 

@@ -1,10 +1,10 @@
-"""Building a transformers model fine-tuned as a :class:`~shard_planner.finetune.FineTune` says: LoRA with
+"""Building a transformers model fine-tuned as a :class:`~shard_planner.plan.finetune.FineTune` says: LoRA with
 peft, QLoRA with torchao's NF4 under peft's LoRA, or frozen modules by name (what each does: the
-docstring of shard_planner/finetune.py).
+docstring of shard_planner/plan/finetune.py).
 
 peft and torchao are an optional extra (``pip install 'shard-planner[finetune]'``), imported only here and
 only when a fine-tune asks for them. :func:`apply_finetune` is called by the ``build_model()`` that
-shard_planner/hf.py makes from a config, so the tracer (under FakeTensorMode), the executor (on the real
+shard_planner/model/hf.py makes from a config, so the tracer (under FakeTensorMode), the executor (on the real
 device) and the exports build the same model; the tracer's build of NF4 weights without their values is
 in trace/build.py ([Note: NF4 weights under fake tensors]).
 """
@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import torch.nn as nn
 
 from shard_planner.errors import ModelFileError, first_line
-from shard_planner.finetune import ALL_LINEAR, NF4_BLOCK, NF4_SCALER_BLOCK, FineTune
+from shard_planner.plan.finetune import ALL_LINEAR, NF4_BLOCK, NF4_SCALER_BLOCK, FineTune
 
 logger = logging.getLogger(__name__)
 

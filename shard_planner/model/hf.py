@@ -2,7 +2,7 @@
 
 :func:`load_hf_config` reads a config (a ``config.json``, or a folder holding one) and returns the
 functions a model file defines (:class:`HfModel`); ``modelfile.load_model_file`` presents them as a
-:class:`~shard_planner.modelfile.ModelFile` (loss: the default, which takes the model's own), so the
+:class:`~shard_planner.model.modelfile.ModelFile` (loss: the default, which takes the model's own), so the
 tracer, planner and executor never ask where a model came from:
 
 - ``build_model()``: the architecture the config names (``architectures[0]``), else the Auto class of
@@ -14,8 +14,8 @@ tracer, planner and executor never ask where a model came from:
 
 :func:`tp_plan` gives a built model's tensor-parallel plan, for ``tp_styles.derive_tensor_parallel``.
 
-``HfOptions.finetune`` (``--lora``, ``--qlora``, ``--freeze``: shard_planner/finetune.py) fine-tunes what
-``build_model()`` builds (shard_planner/hf_finetune.py, with peft and torchao); :func:`model_options` gives a
+``HfOptions.finetune`` (``--lora``, ``--qlora``, ``--freeze``: shard_planner/plan/finetune.py) fine-tunes what
+``build_model()`` builds (shard_planner/model/hf_finetune.py, with peft and torchao); :func:`model_options` gives a
 plan's options back, so ``run`` and ``export`` rebuild the planned model.
 
 transformers is an optional extra (``pip install 'shard-planner[hf]'``); it is imported only here.
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 from shard_planner.errors import ModelFileError
-from shard_planner.finetune import FineTune
+from shard_planner.plan.finetune import FineTune
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ HF_TASKS = {
 @dataclass(frozen=True)
 class HfOptions:
     """What the config alone may not say: the task (``--hf-task``), the sequence length (``--seq-len``) and
-    the fine-tune (``--lora``, ``--qlora``, ``--freeze``: shard_planner/finetune.py)."""
+    the fine-tune (``--lora``, ``--qlora``, ``--freeze``: shard_planner/plan/finetune.py)."""
 
     task: str | None = None
     seq_len: int | None = None
@@ -180,7 +180,7 @@ def load_hf_config(path: str, options: HfOptions = HfOptions()) -> HfModel:
     training = {"seq_len": seq_len} if spec.inputs == "text" else {}
     finetune = None
     if options.finetune is not None:
-        from shard_planner.hf_finetune import resolved
+        from shard_planner.model.hf_finetune import resolved
 
         finetune = resolved(options.finetune, config.model_type, path)
     logger.info("%s: %s (%s), %s%s", path, model_class.__name__, task,
@@ -200,7 +200,7 @@ def _builder(model_class, config, finetune: FineTune | None, path: str) -> Calla
         return lambda: model_class._from_config(config)
 
     def build():
-        from shard_planner.hf_finetune import apply_finetune
+        from shard_planner.model.hf_finetune import apply_finetune
 
         return apply_finetune(model_class._from_config(config), finetune, path)
 
@@ -210,7 +210,7 @@ def _builder(model_class, config, finetune: FineTune | None, path: str) -> Calla
 def _import_transformers(path: str):
     """transformers, with its modeling code (which imports torchao where it is installed: quietly, see
     hf_finetune.quiet_imports)."""
-    from shard_planner.hf_finetune import quiet_imports
+    from shard_planner.model.hf_finetune import quiet_imports
 
     try:
         with quiet_imports():

@@ -16,10 +16,10 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from shard_planner.comm import TP, CollectiveBytes, GroupCollectiveBytes
+from shard_planner.plan.comm import TP, CollectiveBytes, GroupCollectiveBytes
 from shard_planner.errors import UserError
 from shard_planner.fileio import read_json, write_atomic
-from shard_planner.mesh import Mesh
+from shard_planner.parallel.mesh import Mesh
 from shard_planner.plan import Plan
 
 MEASUREMENT_SCHEMA_VERSION = 1
@@ -145,14 +145,14 @@ class Measurement:
     # process group (its device-mesh dimension: "shard", "replicate", "tp"), execute/comm_count.py. comm_measured
     # is its FSDP2 part summed per (collective, group size); the tensor-parallel part is comm_tp.
     comm_by_group: tuple[GroupCollectiveBytes, ...] = ()
-    mesh_tp: int = 1  # tensor-parallel degree (mesh.py); world_size = mesh_replicate x mesh_shard x mesh_tp
+    mesh_tp: int = 1  # tensor-parallel degree (parallel/mesh.py); world_size = mesh_replicate x mesh_shard x mesh_tp
     # samples per optimizer step over the world: micro-batch x accumulation steps x data-parallel ranks (the tp
     # ranks of a group share one micro-batch: Plan.global_batch_samples); None in measurements before it
     samples_per_step: int | None = None
     data_ranks: tuple[int, ...] = ()  # per rank, its data-parallel rank (the micro-batch it trained on)
     rank_losses: tuple[tuple[float, ...], ...] = ()  # per rank, its own loss of every step run
     # the CUDA caching allocator's settings the ranks ran with (PYTORCH_ALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF;
-    # shard_planner/allocator_conf.py); None on CPU, or when none was set (the allocator's defaults)
+    # shard_planner/hardware/allocator_conf.py); None on CPU, or when none was set (the allocator's defaults)
     allocator_conf: str | None = None
     # What the cost model predicts of comm_tp, per group and kind, from a trace of one rank at the plan's degree
     # (cost ``tp_collectives_per_step``, traced by execute/runner.py); None: no tensor parallelism, no trace
@@ -184,7 +184,7 @@ class Measurement:
     @property
     def mesh(self) -> Mesh:
         """The layout the run ran with (the file records its degrees as ``mesh_*`` fields, as before the
-        layout type; every size is the layout's: shard_planner/mesh.py)."""
+        layout type; every size is the layout's: shard_planner/parallel/mesh.py)."""
         return Mesh(shard=self.mesh_shard, replicate=self.mesh_replicate, tp=self.mesh_tp)
 
     @property

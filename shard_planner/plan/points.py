@@ -23,7 +23,7 @@ class MeasuredPoint:
     """One plan run for real by ``shard-planner tune``: a summary of its Measurement."""
 
     description: str
-    plan_fingerprint: str  # shard_planner.measurement.plan_fingerprint of the plan that ran
+    plan_fingerprint: str  # shard_planner.plan.measurement.plan_fingerprint of the plan that ran
     world_size: int  # where it ran (the plan may have been re-derived for it)
     peak_bytes: int  # measured, the largest over ranks
     step_time_s: float  # measured, median of the timed steps

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from shard_planner.errors import ProfileError
-from shard_planner.recorded_paths import is_profile_path
-from shard_planner.timings import ModuleTimings, load_timings
+from shard_planner.plan.paths import is_profile_path
+from shard_planner.hardware.timings import ModuleTimings, load_timings
 from shard_planner.units import DTYPE_NAMES, format_bytes
 
-PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"  # the repository's profiles/
 DEFAULT_PROFILE = "h100-80gb"
 
 

@@ -7,9 +7,9 @@
 ``inputs`` are a batch's inputs (a tuple, passed positionally, or a dict of keyword inputs, as
 ``ModelFile.batch`` gives them); one forward runs on them under FakeTensorMode (or on the meta device
 for a meta model), with hooks recording how each module is called: no real compute, no weights read (a
-repeated block's records are copied from its first twin's: tp_call_twins.py [Note: Twin blocks in the styles'
+repeated block's records are copied from its first twin's: trace/tp_call_twins.py [Note: Twin blocks in the styles'
 forward]).
-The styles are those of shard_planner/tensor_parallel.py [Note: The tensor-parallel styles].
+The styles are those of shard_planner/parallel/tensor_parallel.py [Note: The tensor-parallel styles].
 
 [Note: What tensor parallelism recognises]
   torchtitan's Llama plan (torchtitan 0.3: models/common/decoder_sharding.py:70-98 colwise/rowwise configs,
@@ -47,7 +47,7 @@ The styles are those of shard_planner/tensor_parallel.py [Note: The tensor-paral
   is added here to the structural styles. Not to a transformers plan: transformers' decoders compute
   position ids and the causal mask from the embedding output's length (transformers/models/llama/
   modeling_llama.py:379-388, the same in qwen2 and mistral), the local slice under sequence parallelism,
-  and the attention then fails on mismatched rotary tables (tests/test_tp_styles.py shows it), so
+  and the attention then fails on mismatched rotary tables (tests/trace/test_tp_styles.py shows it), so
   ``derive_tensor_parallel`` refuses ``hf_tp_plan`` with ``sequence_parallel``. The styles added:
   - ``gather_input`` on every module whose ``colwise`` children read its input (the attention and the
     feed-forward), of the first positional argument, or of the keyword argument that carried the
@@ -72,9 +72,9 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from shard_planner.errors import UserError
-from shard_planner.hf import is_transformers_model
-from shard_planner.mesh import degree_divides
-from shard_planner.tensor_parallel import GATHER_KWARG_SEPARATOR, Style, TensorParallel
+from shard_planner.model.hf import is_transformers_model
+from shard_planner.parallel.mesh import degree_divides
+from shard_planner.parallel.tensor_parallel import GATHER_KWARG_SEPARATOR, Style, TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -124,13 +124,13 @@ class CallTrace:
 def derive_tensor_parallel(model: nn.Module, inputs, *, sequence_parallel: bool = True, loss_parallel: bool = True,
                            hf_tp_plan: dict[str, str] | None = None, fake_mode=None) -> TensorParallel:
     """The styles of ``model`` ([Note: What tensor parallelism recognises]), from its structure or from
-    ``hf_tp_plan`` (a transformers model's ``tp_plan``: shard_planner.hf.tp_plan), with sequence
+    ``hf_tp_plan`` (a transformers model's ``tp_plan``: shard_planner.model.hf.tp_plan), with sequence
     parallelism's ([Note: Sequence parallelism's styles]). ``inputs``: one batch's inputs (tuple or dict);
     ``fake_mode``: the FakeTensorMode ``model`` was built in (trace/build.py build_fake), if it was."""
     is_transformers = is_transformers_model(model)
     if is_transformers and hf_tp_plan is None:
         raise UserError(f"tensor parallelism: {type(model).__name__} is a transformers model, split by its own plan "
-                        "only: pass hf_tp_plan=shard_planner.hf.tp_plan(model) (None: it has no plan; plan it "
+                        "only: pass hf_tp_plan=shard_planner.model.hf.tp_plan(model) (None: it has no plan; plan it "
                         "without tp)")
     if hf_tp_plan is not None and sequence_parallel:
         raise UserError(f"sequence parallelism: {type(model).__name__} reads the sequence length off its embedding's "
@@ -154,10 +154,10 @@ def trace_calls(model: nn.Module, inputs, fake_mode=None, reuse: bool = True) ->
     """Run one forward of ``model`` on ``inputs`` without real compute (FakeTensorMode: ``fake_mode``, the one
     the model was built in, or a new one; the meta device for a model on it), recording every module's first
     call and every SDPA call's innermost module; a repeated block's records copied from its first twin's
-    (``reuse=False``: every block run; tp_call_twins.py [Note: Twin blocks in the styles' forward])."""
+    (``reuse=False``: every block run; trace/tp_call_twins.py [Note: Twin blocks in the styles' forward])."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from shard_planner.tp_call_twins import call_twins
+    from shard_planner.trace.tp_call_twins import call_twins
 
     trace = CallTrace()
     on_meta = any(p.device.type == "meta" for p in model.parameters())

@@ -3,13 +3,13 @@
 The JSON form is the contract every consumer reads (DESIGN.md, "What the plan file must contain").
 Everything is validated on construction (``__post_init__``) and on load (:func:`load_plan`, which every
 command that reads a plan uses): one walk over the JSON checks every field's type and range
-(:mod:`shard_planner.plan_schema`, with :data:`PLAN_RULES`), and errors name the field by its JSON path
+(:mod:`shard_planner.plan.schema`, with :data:`PLAN_RULES`), and errors name the field by its JSON path
 (``plan.json: units[3].activation_checkpoint must be true or false, got "yes"``).
 
 Every file a plan records (its model file, a profile given as a TOML path, measured module times) is
 written as an absolute path plus the path relative to the plan file (:func:`save_plan`) and resolved on
 load (:func:`load_plan`), one rule for all three: See [Note: Paths in a plan file] in
-shard_planner/recorded_paths.py. A plan read with :func:`load_plan` holds absolute paths wherever the
+shard_planner/plan/paths.py. A plan read with :func:`load_plan` holds absolute paths wherever the
 command runs. The default report folder is beside the plan (:func:`report_dir_for`).
 
 Units are listed in forward order. The root module (fqn ``""``) is always a unit of its own: FSDP2
@@ -25,16 +25,16 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from shard_planner.checkpointing import DEFAULT_SAVE_OPS, SAVEABLE_OP_CLASSES, SELECTIVE
+from shard_planner.plan.checkpointing import DEFAULT_SAVE_OPS, SAVEABLE_OP_CLASSES, SELECTIVE
 from shard_planner.errors import PlanError
 from shard_planner.fileio import read_json, write_atomic
-from shard_planner.finetune import FineTune  # the plan file's "model.finetune": what was frozen and how
-from shard_planner.mesh import Mesh  # the plan file's "mesh" section: the parallel degrees
-from shard_planner.plan_points import DEGREE_JUDGED, DegreeOutcome, FrontierPoint, MeasuredPoint  # noqa: F401 (the plan file's points)
-from shard_planner.plan_prediction import MEMORY_CATEGORIES, Prediction  # noqa: F401 (the plan file's "predicted")
-from shard_planner.plan_schema import AnyOf, Bool, Int, ListOf, MapOf, Nullable, Number, Section, Text
-from shard_planner.recorded_paths import is_profile_path, locate, resolve
-from shard_planner.tensor_parallel import TensorParallel  # the plan file's "tensor_parallel": how modules split
+from shard_planner.plan.finetune import FineTune  # the plan file's "model.finetune": what was frozen and how
+from shard_planner.parallel.mesh import Mesh  # the plan file's "mesh" section: the parallel degrees
+from shard_planner.plan.points import DEGREE_JUDGED, DegreeOutcome, FrontierPoint, MeasuredPoint  # noqa: F401 (the plan file's points)
+from shard_planner.plan.prediction import MEMORY_CATEGORIES, Prediction  # noqa: F401 (the plan file's "predicted")
+from shard_planner.plan.schema import AnyOf, Bool, Int, ListOf, MapOf, Nullable, Number, Section, Text
+from shard_planner.plan.paths import is_profile_path, locate, resolve
+from shard_planner.parallel.tensor_parallel import TensorParallel  # the plan file's "tensor_parallel": how modules split
 
 PLAN_SCHEMA_VERSION = 1
 # Optimizer name -> (torch.optim class, keyword arguments beyond lr); the executor builds it, the FSDP2
@@ -69,7 +69,7 @@ class Unit:
     modules: tuple[str, ...]
     reshard_after_forward: bool | int = True  # int: reshard to that many ranks (a divisor of the shard group)
     # False, True (full) or "selective": keep the outputs of the ``ac_save_ops`` op classes, recompute
-    # the rest (shard_planner/checkpointing.py; "selective" alone saves DEFAULT_SAVE_OPS)
+    # the rest (shard_planner/plan/checkpointing.py; "selective" alone saves DEFAULT_SAVE_OPS)
     activation_checkpoint: bool | str = False
     ac_save_ops: tuple[str, ...] = ()
 
@@ -130,7 +130,7 @@ class Cluster:
     mem_budget_bytes: int  # per GPU
     # measured module times (shard-planner calibrate --model) the compute was priced from, a path; None: FLOPs
     timings: str | None = None
-    # the CUDA caching allocator's mode the plan was made for and `run` sets (shard_planner/allocator_conf.py,
+    # the CUDA caching allocator's mode the plan was made for and `run` sets (shard_planner/hardware/allocator_conf.py,
     # [Note: The allocator mode a plan runs with]); plans written before the field read True
     expandable_segments: bool = True
     # profile (when a TOML path) and timings relative to the plan file's folder, as written (None: not a path,
@@ -346,7 +346,7 @@ class Plan:
 
     @staticmethod
     def from_dict(d: dict) -> "Plan":
-        """The plan in ``d`` (parsed JSON), every field checked (:mod:`shard_planner.plan_schema`): a bad one
+        """The plan in ``d`` (parsed JSON), every field checked (:mod:`shard_planner.plan.schema`): a bad one
         raises :class:`PlanError` naming its JSON path, e.g. ``units[3].activation_checkpoint``."""
         if not isinstance(d, dict):
             raise PlanError("a plan must be a JSON object")
@@ -398,7 +398,7 @@ PLAN_RULES = {
 }
 
 
-# ---- where a plan's files are: See [Note: Paths in a plan file] in shard_planner/recorded_paths.py ----
+# ---- where a plan's files are: See [Note: Paths in a plan file] in shard_planner/plan/paths.py ----
 def with_paths_located(plan: Plan, plan_path: str | os.PathLike) -> Plan:
     """``plan`` as it is written to ``plan_path``: each file it records (model, a profile's TOML path, module
     timings; paths from the current folder, or absolute) as an absolute path and relative to the plan file's

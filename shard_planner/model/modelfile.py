@@ -16,7 +16,7 @@ defines
 
 Every violation raises :class:`ModelFileError` naming the file and the problem in one line. The model
 is called with a batch's inputs in one place, :meth:`ModelFile.forward`; a transformers config file
-(shard_planner/hf.py) is loaded as a ModelFile too, so nothing downstream asks where the model came from.
+(shard_planner/model/hf.py) is loaded as a ModelFile too, so nothing downstream asks where the model came from.
 """
 
 from __future__ import annotations
@@ -177,9 +177,9 @@ class ModelFile:
 
 def load_model_file(path: str, hf_options=None) -> ModelFile:
     """Import ``path`` (a .py file or ``package.module``) and check the contract; a transformers config
-    (a config.json, or a folder holding one) is built by :mod:`shard_planner.hf` with ``hf_options``
-    (an :class:`~shard_planner.hf.HfOptions`: the task and sequence length where the config does not say)."""
-    from shard_planner import hf
+    (a config.json, or a folder holding one) is built by :mod:`shard_planner.model.hf` with ``hf_options``
+    (an :class:`~shard_planner.model.hf.HfOptions`: the task and sequence length where the config does not say)."""
+    from shard_planner.model import hf
 
     if hf.config_file(path) is not None:
         made = hf.load_hf_config(str(path), hf_options or hf.HfOptions())
@@ -206,7 +206,7 @@ def load_model_file(path: str, hf_options=None) -> ModelFile:
 
 def is_trace_file(model: str) -> bool:
     """Whether a command's MODEL argument is a trace.json: a .json that is not a transformers config."""
-    from shard_planner import hf
+    from shard_planner.model import hf
 
     return str(model).endswith(".json") and hf.config_file(model) is None
 

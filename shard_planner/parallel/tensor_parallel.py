@@ -1,6 +1,6 @@
 """A plan's tensor parallelism: which module is split how over the ``tp`` ranks of a node (issue 30).
 
-The degree is ``Mesh.tp`` (shard_planner/mesh.py owns every size); this record is the rest of the plan
+The degree is ``Mesh.tp`` (shard_planner/parallel/mesh.py owns every size); this record is the rest of the plan
 file's ``tensor_parallel`` section: one :class:`Style` per module (by fully qualified name, as the model
 file or transformers builds it) and the two options, sequence parallelism and loss parallelism.
 
@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from shard_planner.errors import PlanError, UserError
-from shard_planner.mesh import degree_divides
+from shard_planner.parallel.mesh import degree_divides
 
 
 class Style(str, Enum):

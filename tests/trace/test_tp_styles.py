@@ -1,4 +1,4 @@
-"""derive_tensor_parallel and check_divisible (shard_planner/tp_styles.py): the exact styles derived for
+"""derive_tensor_parallel and check_divisible (shard_planner/trace/tp_styles.py): the exact styles derived for
 examples/llama.py and tiny transformers models, the models refused, the divisibility errors, and the proof:
 the derived plan applied with torch's parallelize_module under the fake process group runs a forward and
 backward with every parameter split as the style says."""
@@ -7,20 +7,19 @@ from __future__ import annotations
 
 import importlib.util
 from contextlib import nullcontext
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shard_planner import hf
+from shard_planner.model import hf
 from shard_planner.errors import UserError
-from shard_planner.modelfile import load_model_file
-from shard_planner.tensor_parallel import Style
-from shard_planner.tp_styles import check_divisible, derive_tensor_parallel
+from shard_planner.model.modelfile import load_model_file
+from shard_planner.parallel.tensor_parallel import Style
+from shard_planner.trace.tp_styles import check_divisible, derive_tensor_parallel
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+from tests.paths import EXAMPLES
 
 
 def example(name: str):
@@ -136,7 +135,7 @@ def test_fused_qkv_is_refused(monkeypatch):
 
 def test_sequence_parallel_refuses_parameters_that_are_not_norms(monkeypatch):
     """shape.py's learned position table runs on the hidden states between the embedding and the head."""
-    from shard_planner.tp_styles import _with_sequence_parallel, trace_calls
+    from shard_planner.trace.tp_styles import _with_sequence_parallel, trace_calls
 
     monkeypatch.setenv("SHARD_PLANNER_SHAPE", '{"n_layers": 1, "d_model": 64, "d_ffn": 128, "n_heads": 4, '
                                               '"vocab": 64, "seq_len": 8, "tied_embeddings": false}')
@@ -311,8 +310,8 @@ def test_transformers_fail_under_sequence_parallelism(fake_world):
     from torch.distributed.tensor.parallel import parallelize_module
 
     from shard_planner.execute.tensor_parallel import torch_tp_plan
-    from shard_planner.tensor_parallel import TensorParallel
-    from shard_planner.tp_styles import _hf_styles, _with_sequence_parallel, trace_calls
+    from shard_planner.parallel.tensor_parallel import TensorParallel
+    from shard_planner.trace.tp_styles import _hf_styles, _with_sequence_parallel, trace_calls
 
     model, batch = hf_model("Llama"), hf_batch()
     styles = _with_sequence_parallel(model, trace_calls(model, batch), _hf_styles(model, hf.tp_plan(model)))

@@ -31,7 +31,7 @@ import os
 from typing import TYPE_CHECKING
 
 from shard_planner.errors import ModelFileError, PlanError, UserError, first_line
-from shard_planner.ownership import contiguous_among, owners
+from shard_planner.plan.ownership import contiguous_among, owners
 from shard_planner.plan import ModelRef, Plan, Unit, load_plan
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ def checked_plan_file(path: str | os.PathLike):
 
 def check_plan(plan: Plan, *, model_file=None, trace=None, source: str | None = None) -> nn.Module | None:
     """Check ``plan`` against its model ([Note: A plan checked against its model]) and return the model, built on
-    the meta device. Against ``model_file`` (a :class:`~shard_planner.modelfile.ModelFile`: ``estimate MODEL``)
+    the meta device. Against ``model_file`` (a :class:`~shard_planner.model.modelfile.ModelFile`: ``estimate MODEL``)
     instead of the plan's own; or against a ``trace`` (a ModelTrace read from ``source``), which stands for a
     model that need not be here: its fingerprint alone is checked, and None returned."""
     check_tp_degree(plan)
@@ -77,7 +77,7 @@ def check_plan(plan: Plan, *, model_file=None, trace=None, source: str | None = 
         model, source = build_meta(model_file), model_file.path
     check_model_matches(plan, model, source)
     if plan.tensor_parallel is not None:
-        from shard_planner.tp_styles import check_divisible
+        from shard_planner.trace.tp_styles import check_divisible
 
         check_divisible(model, plan.tensor_parallel, plan.mesh.tp, seq_len=plan.model.seq_len)
     return model
@@ -106,7 +106,7 @@ def check_model_matches(plan: Plan, model: nn.Module, source: str) -> None:
 
 def check_tp_degree(plan: Plan) -> None:
     """The check that needs no model: a tensor-parallel degree stays inside a node, as ``plan --tp`` requires."""
-    from shard_planner.tp_degrees import check_node_degree
+    from shard_planner.trace.tp_degrees import check_node_degree
 
     check_node_degree(plan.mesh.tp, plan.cluster.gpus, plan.cluster.gpus_per_node)
 
@@ -177,8 +177,8 @@ def plan_model(model: ModelRef) -> nn.Module:
 
 @functools.lru_cache(maxsize=4)
 def _plan_model(model: ModelRef, environment: frozenset) -> nn.Module:
-    from shard_planner.hf import model_options
-    from shard_planner.modelfile import load_model_file
+    from shard_planner.model.hf import model_options
+    from shard_planner.model.modelfile import load_model_file
 
     path = model.path
     if path.endswith(".py") and not os.path.isfile(path):

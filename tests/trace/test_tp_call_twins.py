@@ -1,4 +1,4 @@
-"""The styles' forward records a repeated block from its first twin (shard_planner/tp_call_twins.py [Note: Twin
+"""The styles' forward records a repeated block from its first twin (shard_planner/trace/tp_call_twins.py [Note: Twin
 blocks in the styles' forward]): what it records equals the forward with every block run."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import shard_planner.tp_call_twins as call_twins
-from shard_planner import hf
-from shard_planner.modelfile import load_model_file
-from shard_planner.tp_styles import derive_tensor_parallel, trace_calls
+import shard_planner.trace.tp_call_twins as call_twins
+from shard_planner.model import hf
+from shard_planner.model.modelfile import load_model_file
+from shard_planner.trace.tp_styles import derive_tensor_parallel, trace_calls
 from tests.paths import EXAMPLES
-from tests.test_tp_styles import hf_batch, hf_model
+from tests.trace.test_tp_styles import hf_batch, hf_model
 
 
 def recorded(model, inputs, reuse: bool, monkeypatch) -> tuple:

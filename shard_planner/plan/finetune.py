@@ -3,7 +3,7 @@
 ``--lora R`` (with ``--lora-targets``), ``--qlora`` and ``--freeze PATTERN`` (cli/args.py, the options of a
 MODEL that is a transformers config) become one :class:`FineTune`; the plan records it in
 ``model.finetune`` so that ``run``, ``export`` and ``report`` rebuild the same model
-(shard_planner/hf_finetune.py builds it with peft and torchao). A model file that freezes parameters
+(shard_planner/model/hf_finetune.py builds it with peft and torchao). A model file that freezes parameters
 itself needs none: its ``build_model()`` is the fine-tune, and the fingerprint already records which
 parameters train.
 

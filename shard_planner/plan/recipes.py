@@ -1,7 +1,7 @@
 """The recipes: the named FSDP2 policies people already run, as values. One list (:data:`RECIPES`) that the
 planner starts from and must never answer worse than (solve/never_worse.py), that ``shard-planner estimate
 --recipe NAME`` prices, and that the report and the summary place beside the answer. It lives beside
-checkpointing.py, outside the solver's package, so that the command line lists the names without importing
+plan/checkpointing.py, outside the solver's package, so that the command line lists the names without importing
 the planner; the units are built on the solver's search space (solve/space.py), which a recipe only reads.
 
 A recipe fixes some knobs and leaves the rest to the planner, as the stack it comes from does. The knobs a
@@ -18,7 +18,7 @@ ZeRO-2-like, full AC).
   forward pass"), then on the root; no explicit prefetch (FSDP2's default); CPU offload off. Its AC modes
   (``activation_checkpoint.mode`` none / full / selective; ``_apply_ac_to_transformer_block`` in the same
   file): ``"full"`` wraps every block in ``checkpoint_wrapper``; selective ``"op"`` keeps the outputs of
-  every other ``mm`` and of SDPA (shard_planner/checkpointing.py [Note: torchtitan's op-level policy]);
+  every other ``mm`` and of SDPA (shard_planner/plan/checkpointing.py [Note: torchtitan's op-level policy]);
   selective ``"2"`` (an int: every k-th layer) checkpoints a block when its 1-based count is a multiple of
   2. Here: the leading one-off items (embeddings) are units of their own, resharded; the trailing ones
   (final norm, head) one unit per run of siblings, not resharded (HF models hold ``norm`` and ``lm_head``
@@ -48,7 +48,7 @@ model without repeated blocks uses every item. Every recipe wraps only the searc
 the solver's plans it never wraps a module whose forward never runs (a ``ModuleList``) nor one that holds
 only part of a group of tied weights: those stay in the root unit (see :mod:`shard_planner.solve.space`).
 A recipe that checkpoints is not offered for a model that may not be checkpointed
-(shard_planner/checkpointing.py [Note: No checkpointing of a forward that builds a cache]).
+(shard_planner/plan/checkpointing.py [Note: No checkpointing of a forward that builds a cache]).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ from dataclasses import dataclass
 
 from typing import TYPE_CHECKING
 
-from shard_planner.checkpointing import SELECTIVE, TORCHTITAN_OP_SAVE_OPS, checkpointing_refusal
+from shard_planner.plan.checkpointing import SELECTIVE, TORCHTITAN_OP_SAVE_OPS, checkpointing_refusal
 from shard_planner.plan import ROOT, Unit
 
 if TYPE_CHECKING:  # a recipe reads the solver's space; the solver imports this module

@@ -13,7 +13,7 @@
   arguments) equal those of a module already run in this forward (its template) is not run: the template's
   records are copied with the fqns moved to the twin's and the call order shifted to where the twin starts,
   and the twin returns fresh tensors of the template's output layout (fake, or meta on a meta model: no
-  memory). What the forward records is then the same as with every block run (tests/test_tp_call_twins.py
+  memory). What the forward records is then the same as with every block run (tests/trace/test_tp_call_twins.py
   compares both for the example model and transformers configs).
   A module is a template only where its records are its subtree's alone and complete: every record made
   while it ran belongs to a module of its subtree (no module outside it, e.g. one shared by all blocks and

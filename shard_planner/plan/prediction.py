@@ -1,5 +1,5 @@
 """What a plan file's ``predicted`` section holds: the chosen plan's predicted peak memory (by category), step
-time, throughput and, on a GPU, the caching allocator's figures. plan.py re-exports both names; the cost model
+time, throughput and, on a GPU, the caching allocator's figures. plan/__init__.py re-exports both names; the cost model
 fills them (cost/types.py ``Estimate.prediction``, cost/fits.py the allocator's figures)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tier 1: the parallel degrees (shard_planner.mesh.Mesh): validation, derived sizes, placement on nodes,
+"""Tier 1: the parallel degrees (shard_planner.parallel.mesh.Mesh): validation, derived sizes, placement on nodes,
 the plan file's JSON form (unchanged for tp == 1) and the device mesh's shape."""
 
 import json
@@ -6,7 +6,7 @@ import json
 import pytest
 
 from shard_planner.errors import PlanError
-from shard_planner.mesh import Mesh, group_spans_nodes
+from shard_planner.parallel.mesh import Mesh, group_spans_nodes
 from shard_planner.plan import Plan, Unit
 from tests.cli.test_plan_schema import make_plan
 
@@ -73,7 +73,7 @@ def test_tp_sizes_and_device_mesh():
 
 
 def test_tp_plan_round_trip_and_checks():
-    from shard_planner.tensor_parallel import Style, TensorParallel
+    from shard_planner.parallel.tensor_parallel import Style, TensorParallel
 
     tp = TensorParallel(styles=dict(TP_STYLES, **{"layers.0.mlp": "gather_input:hidden_states"}))
     plan = make_plan(mesh=Mesh(shard=4, tp=2), tensor_parallel=tp, units=(Unit(("",)), Unit(("layers.0",), 2)))
@@ -93,7 +93,7 @@ def test_tp_plan_round_trip_and_checks():
 
 
 def test_tp_plan_at_another_world_size():
-    from shard_planner.tensor_parallel import TensorParallel
+    from shard_planner.parallel.tensor_parallel import TensorParallel
 
     plan = make_plan(mesh=Mesh(shard=4, tp=2), tensor_parallel=TensorParallel(styles=TP_STYLES),
                      units=(Unit(("",)), Unit(("layers.0",), 2)))
@@ -120,7 +120,7 @@ def test_ranks_per_node_and_the_node_reshard_choice():
 
 
 def test_pipeline_degree_is_validated_and_refused_above_1():
-    """pp is room for pipeline stages: validated, 1 by default, refused above 1 in one PlanError line (mesh.py
+    """pp is room for pipeline stages: validated, 1 by default, refused above 1 in one PlanError line (parallel/mesh.py
     [Note: The layout's name and its pipeline degree]); plan files read and write as before it."""
     with pytest.raises(PlanError, match="mesh.pp must be a positive int"):
         Mesh(shard=8, pp=0)
@@ -140,7 +140,7 @@ def test_pipeline_degree_is_validated_and_refused_above_1():
 
 def test_layouts_of_a_world():
     """The layouts a world of ranks is planned on, built here and nowhere else."""
-    from shard_planner.mesh import degree_divides
+    from shard_planner.parallel.mesh import degree_divides
 
     assert Mesh.fsdp(16, tp=2) == Mesh(shard=8, tp=2) and Mesh.fsdp(8) == Mesh(shard=8)
     with pytest.raises(PlanError, match="mesh.tp 4 does not divide the 6 ranks"):

@@ -42,7 +42,7 @@ write as before it. Context and expert parallelism will be fields beside these, 
 - ``replicate_group_size``: HSDP replicas (1 = plain FSDP); the all-reduce of the reduce-scattered
   gradients runs over it.
 - ``tp_size``: the tensor-parallel degree: the ranks one micro-batch's activations and each split weight
-  are divided over (shard_planner/tensor_parallel.py), adjacent ranks inside a node. FSDP2 then shards what
+  are divided over (shard_planner/parallel/tensor_parallel.py), adjacent ranks inside a node. FSDP2 then shards what
   each tp rank holds over the shard group: a parameter's bytes per rank divide by ``tp_size`` (the split:
   :meth:`Mesh.tp_share`) and by ``shard_group_size`` (FSDP); the shard and replicate groups are the
   data-parallel sub-mesh.
@@ -78,7 +78,7 @@ def degree_divides(degree: int, *rank_counts: int) -> bool:
 class Mesh:
     """The parallel layout: ``shard`` ranks one parameter is sharded over, ``replicate`` HSDP replicas
     (1 = plain FSDP), ``tp`` the tensor-parallel degree (1: none; the plan's ``tensor_parallel`` section says
-    how each module is split, shard_planner/tensor_parallel.py), ``pp`` pipeline stages (1; not yet planned:
+    how each module is split, shard_planner/parallel/tensor_parallel.py), ``pp`` pipeline stages (1; not yet planned:
     [Note: The layout's name and its pipeline degree]). The plan file's ``mesh`` section; ``tp`` and ``pp``
     are written only when they are not 1, so plans read and write as before them."""
 

@@ -24,9 +24,9 @@ import logging
 from dataclasses import dataclass, field
 
 from shard_planner.errors import UserError, first_line
-from shard_planner.mesh import degree_divides
-from shard_planner.plan_points import DegreeOutcome
-from shard_planner.tensor_parallel import TensorParallel
+from shard_planner.parallel.mesh import degree_divides
+from shard_planner.plan.points import DegreeOutcome
+from shard_planner.parallel.tensor_parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +89,8 @@ def _styles_of(model_file, wanted: list[int], sequence_parallel: bool, loss_para
     """:func:`degree_styles` of ``wanted`` (each above 1)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from shard_planner.hf import is_transformers_model, tp_plan
-    from shard_planner.tp_styles import check_divisible, derive_tensor_parallel
+    from shard_planner.model.hf import is_transformers_model, tp_plan
+    from shard_planner.trace.tp_styles import check_divisible, derive_tensor_parallel
     from shard_planner.trace.build import build_fake
     from shard_planner.trace.hf_paths import real_run_paths
 
@@ -100,7 +100,7 @@ def _styles_of(model_file, wanted: list[int], sequence_parallel: bool, loss_para
     is_transformers = is_transformers_model(model)
     if is_transformers and (sequence_parallel or loss_parallel):
         logger.info("%s is a transformers model: tensor parallelism by its own plan, without sequence or loss "
-                    "parallelism (shard_planner/tp_degrees.py [Note: Which degrees are searched])",
+                    "parallelism (shard_planner/trace/tp_degrees.py [Note: Which degrees are searched])",
                     type(model).__name__)
         sequence_parallel = loss_parallel = False
     try:

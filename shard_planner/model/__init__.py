@@ -1,0 +1,1 @@
+"""How a user's model comes in: a model file or a transformers config, and how it is fine-tuned."""
