@@ -74,6 +74,17 @@ def hf_model(kind: str, **extra):
     return getattr(transformers, f"{kind}ForCausalLM")._from_config(config)
 
 
+def skip_without_embedding_style(plan: dict) -> None:
+    """The transformers floor the extras admit (5.15) plans no split of the embedding (its models' ``tp_plan``
+    has no ``model.embed_tokens``), so neither the embedding nor the head is styled there and sequence
+    parallelism is refused (this module's tests ran only on the newest transformers before tests/trace/ held
+    them)."""
+    if not any(k.endswith("embed_tokens") for k in plan):
+        import transformers
+
+        pytest.skip(f"transformers {transformers.__version__}'s tp_plan splits no embedding (no embed_tokens entry)")
+
+
 def hf_batch():
     ids = torch.randint(0, 128, (2, 16))
     return {"input_ids": ids, "labels": ids.clone()}
@@ -94,6 +105,7 @@ def test_transformers_plan_styles(kind):
     model = hf_model(kind)
     plan = hf.tp_plan(model)
     assert plan["model.layers.*.self_attn.k_proj"] == "colwise" and plan["lm_head"] == "colwise_gather_output"
+    skip_without_embedding_style(plan)
     tp = derive_tensor_parallel(model, hf_batch(), sequence_parallel=False, hf_tp_plan=plan)
     assert list(tp.styles.items()) == list(hf_styles(2).items())
 
@@ -314,6 +326,7 @@ def test_transformers_fail_under_sequence_parallelism(fake_world):
     from shard_planner.trace.tp_styles import _hf_styles, _with_sequence_parallel, trace_calls
 
     model, batch = hf_model("Llama"), hf_batch()
+    skip_without_embedding_style(hf.tp_plan(model))
     styles = _with_sequence_parallel(model, trace_calls(model, batch), _hf_styles(model, hf.tp_plan(model)))
     assert styles["model.layers.0.self_attn"] == "gather_input:hidden_states" and styles["model.norm"] == "norm"
     tp = TensorParallel(styles=styles, sequence_parallel=True, loss_parallel=False)
