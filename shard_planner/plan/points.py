@@ -1,5 +1,5 @@
 """The plans a search judged beside the chosen one, as the plan file keeps them for the summary and the
-report: the frontier's and the hand-written policies' points (:class:`FrontierPoint`), the plans ``tune``
+report: the frontier's and the recipes' points (:class:`FrontierPoint`), the plans ``tune``
 ran (:class:`MeasuredPoint`), and each tensor-parallel degree the planner searched (:class:`DegreeOutcome`,
 solve/tp_search.py)."""
 

@@ -146,7 +146,7 @@ def check_trace_rank(plan: Plan, trace: ModelTrace) -> None:
 
 
 def _frontier_section(plan: Plan, budget: ReportBudget) -> ReportSection | None:
-    """Memory vs throughput: the frontier, the chosen plan and the hand-written policies (None without
+    """Memory vs throughput: the frontier, the chosen plan and the recipes (None without
     a point to compare with)."""
     fig = plot_frontier(plan, budget)
     if fig is None:

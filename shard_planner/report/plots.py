@@ -194,7 +194,7 @@ def draw_frontier_line(ax, points: Sequence[FrontierPoint], tp: Throughput, budg
 
 def draw_chosen(ax, plan: Plan, tp: Throughput, budget: ReportBudget) -> None:
     """The chosen plan as a gold star (gid "chosen"), its peak and throughput in the legend, drawn under the
-    hand-written policies' markers; nothing when the plan has no prediction."""
+    recipes' markers; nothing when the plan has no prediction."""
     p = plan.predicted
     if p is None:
         return

@@ -423,7 +423,7 @@ def greedy_cover(lm: LinearModel, budget_mib: int,
 
 def uniform_covers(lm: LinearModel) -> dict[str, tuple[int, ...]]:
     """Per option (by its label), the cover that gives every item one unit with that option (the shape
-    of the hand-written policies: one unit per block, all resharded and checkpointed alike) where the
+    of most recipes: one unit per block, all resharded and checkpointed alike) where the
     item offers it, and the most frugal option elsewhere (an embedding that offers no checkpointing).
     A handful of covers for the simulators to judge directly (solve/planner.py): the linear model
     bounds selective checkpointing's memory loosely (every stash counted at every block's backward

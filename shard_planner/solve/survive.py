@@ -114,7 +114,7 @@ def surviving_choice(ctx: PlanContext, chosen: Checked, pool: list[Checked], sta
 
 
 def priced_step_time_s(ctx: PlanContext, c: Checked) -> float:
-    """``c``'s step time as the planner shows it (the frontier, the hand-written policies): with the price of
+    """``c``'s step time as the planner shows it (the frontier, the recipes): with the price of
     its allocator retries when it survives --mem only with them (on a GPU profile)."""
     fit = ctx.device_fit(c.plan)
     return c.step_time_s + (fit.retry_s if fit is not None and fit.survives else 0.0)

@@ -8,8 +8,8 @@ and ranked by predicted step time:
    forces a different trade-off: more resharding, more checkpointing, smaller units), and
 2. the neighbours of the solver's plan that the solver does not vary per unit: other prefetch depths
    (forward 0-2, backward 1-2), every unit resharding or every unit keeping its parameters, and
-3. whatever else the caller adds (``tune_model`` adds the hand-written policies of
-   :mod:`shard_planner.solve.baselines` with the plan's global choices).
+3. whatever else the caller adds (``tune_model`` adds the recipes of
+   :mod:`shard_planner.plan.recipes` with the plan's global choices).
 
 Plans the cost model cannot tell apart (same predicted peak and step time) teach the fit nothing and
 differ, measured, only by noise: a candidate predicted exactly like a better-ranked one is taken only
@@ -17,7 +17,7 @@ when there are not ``count`` candidates without such a twin.
 
 Every candidate keeps the caller's budget in its cluster section, whatever budget it was solved for, and the
 plan's mesh, tensor-parallel degree and styles included: the re-solves are of the same trace (one rank at that
-degree) and request, the neighbours and hand-written policies are the plan with other units or prefetch.
+degree) and request, the neighbours and recipes are the plan with other units or prefetch.
 """
 
 from __future__ import annotations
