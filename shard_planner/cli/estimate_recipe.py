@@ -11,15 +11,13 @@ import os
 from shard_planner.cli.args import hf_options, param_dtype
 from shard_planner.errors import UserError
 
-DEFAULT_PROFILE = "h100-80gb"  # plan's default profile
-
 
 def recipe_plan_for(args: argparse.Namespace):
     """(plan, trace, profile) of ``estimate --recipe``: the model traced, the recipe's plan built on it (no
     prediction), the profile it is priced on; cli/estimate.py prices and prints it as a plan file's."""
     from shard_planner.cli.plan_degrees import load_and_trace
     from shard_planner.model.hf import as_planned
-    from shard_planner.hardware.profile import load_priced_profile
+    from shard_planner.hardware.profile import DEFAULT_PROFILE, load_priced_profile
     from shard_planner.solve.alternatives import recipe_plan
 
     if args.gpus is None:
@@ -47,6 +45,7 @@ def _request(args: argparse.Namespace, profile, defaults, dtype: str):
     """The PlanRequest the recipe's plan is built for: --gpus, --mem (the device's memory when not given),
     the micro-batch (--micro-batch, the model file's, else 1) and its optimizer."""
     from shard_planner.hardware.allocator_conf import planned_expandable
+    from shard_planner.hardware.profile import DEFAULT_PROFILE
     from shard_planner.solve import PlanRequest
 
     micro_batch = args.micro_batch or (defaults.micro_batch if defaults is not None else None) or 1

@@ -26,7 +26,8 @@
    ``request.simpler_within`` of the fastest (:mod:`.simpler`: fewest distinct unit shapes) is the
    answer, unless a recipe that fits is faster (:mod:`.never_worse`: then the fastest plan found, or
    the recipe).
-5. Nothing found: the smallest-peak plans (CP-SAT's minimum linear peak, and the recipes, per mesh and offload) are judged by the simulators; one that fits is returned (the budget
+5. Nothing found: the smallest-peak plans (CP-SAT's minimum linear peak, and the recipes, per mesh and
+   offload) are judged by the simulators; one that fits is returned (the budget
    solves can miss it: time limits, re-solves exhausted by the linear model's error). Otherwise
    :class:`~shard_planner.errors.InfeasibleError` with the smallest budget any of them needs (always
    larger than the asked one), that plan, and what dominates memory there.

@@ -22,27 +22,27 @@ cluster: at one global batch, the step time.
   FSDP already hides its communication. plan_points.degree_lines gives the figures, for the summary.
 
 [Note: Screening the degrees]
-  A full search costs seconds per degree at scale (Llama 3 70B on 256 GPUs: 5-10 s each), so every degree
-  is first screened (planner.py ``screen_degree``: at each micro-batch, plain FSDP and default prefetch, the
-  heuristic cover, the uniform covers fastest first until one fits and the recipes, under a second; its answer's allocator retries priced as the search prices its own), and only the degrees
-  whose screened speed is within ``SCREEN_MARGIN`` of the best screened one are searched in full, each
-  search starting from its degree's screened plan (``PlanRequest.start_plans``: so a degree's answer is never
-  slower than its screen; before, Llama 3 70B on 64 H100s at 80GB answered TP 2 1.9% slower than its screen,
-  on the allocator's retries). The margin is the most the full search has been seen to gain over the screen,
-  rounded up. With the recipes in the screen (solve/never_worse.py) it gains, at TP 1, 2, 4, 8: Llama 3 8B
-  on 8 GPUs at 40GB 0.00%, +0.02%, +0.26%, +16.2% (TP 4 and 8 screened 14% and 39% behind); 70B on 64 GPUs at
-  80GB 0.00%, 0.00%, +0.01%, -0.03% (the simplification's trade); 70B on 256 GPUs (seq 8192, global batch
-  512) +0.08%, 0.00%, +1.68%, +1.20%; 405B on 512 GPUs (seq 8192, global batch 256; TP 1 fits nothing)
-  +0.38%, +0.14% and 0.00% at TP 2, 4, 8 (benchmarks/bench_screen_margin.py ->
-  reports/benchmarks/screen_margin.md). Hence 2%; before the recipes joined the screen
-  it gained up to +3.1% and the margin was 4% (without the uniform covers the screen missed TP 4's 70B answer
-  by 8.5%: the full search ends on a uniform cover often). A degree screened out keeps its screened
-  figures (``judged="screened"``: what a search would at least find) and the summary says so. A degree
-  whose screen finds no plan is searched only when no degree's screen found one (the search may, where
-  the screen does not). Options may arrive one by one (an iterator: the command's helpers trace the next
-  degree while this process screens the last), screened already or not (:class:`Screened`), and with
-  ``beside`` (the helpers) every degree to search but the best screened one runs there, at the same time as
-  this process's search (cli/plan_degrees.py [Note: Two helpers for the degrees]).
+  A full search costs seconds per degree at scale (Llama 3 70B on 256 GPUs: 5-10 s each), so every degree is
+  first screened (planner.py ``screen_degree``: at each micro-batch, plain FSDP and default prefetch, the
+  heuristic cover, the uniform covers fastest first until one fits and the recipes, under a second; its answer's
+  allocator retries priced as the search prices its own), and only the degrees whose screened speed is within
+  ``SCREEN_MARGIN`` of the best screened one are searched in full, each search starting from its degree's
+  screened plan (``PlanRequest.start_plans``: so a degree's answer is never slower than its screen; before,
+  Llama 3 70B on 64 H100s at 80GB answered TP 2 1.9% slower than its screen, on the allocator's retries). The
+  margin is the most the full search has been seen to gain over the screen, rounded up. With the recipes in the
+  screen (solve/never_worse.py) it gains, at TP 1, 2, 4, 8: Llama 3 8B on 8 GPUs at 40GB 0.00%, +0.02%, +0.26%,
+  +16.2% (TP 4 and 8 screened 14% and 39% behind); 70B on 64 GPUs at 80GB 0.00%, 0.00%, +0.01%, -0.03% (the
+  simplification's trade); 70B on 256 GPUs (seq 8192, global batch 512) +0.08%, 0.00%, +1.68%, +1.20%; 405B on
+  512 GPUs (seq 8192, global batch 256; TP 1 fits nothing) +0.38%, +0.14% and 0.00% at TP 2, 4, 8
+  (benchmarks/bench_screen_margin.py -> reports/benchmarks/screen_margin.md). Hence 2%; before the recipes
+  joined the screen it gained up to +3.1% and the margin was 4% (without the uniform covers the screen missed TP
+  4's 70B answer by 8.5%: the full search ends on a uniform cover often). A degree screened out keeps its
+  screened figures (``judged="screened"``: what a search would at least find) and the summary says so. A degree
+  whose screen finds no plan is searched only when no degree's screen found one (the search may, where the
+  screen does not). Options may arrive one by one (an iterator: the command's helpers trace the next degree
+  while this process screens the last), screened already or not (:class:`Screened`), and with ``beside`` (the
+  helpers) every degree to search but the best screened one runs there, at the same time as this process's
+  search (cli/plan_degrees.py [Note: Two helpers for the degrees]).
 """
 
 from __future__ import annotations
@@ -129,7 +129,8 @@ def plan_over_degrees(options: Iterable[DegreeOption], request: PlanRequest, *,
     for degree, c in screened.items():
         if degree not in to_search and c is not None:
             outcomes[degree] = _screened_outcome(degree, c)
-    results = _search(by_degree, screened, to_search, request, beside, outcomes, errors)
+    searches = {d: (by_degree[d].trace, _request_for(by_degree[d], request, screened.get(d))) for d in to_search}
+    results = _search(searches, beside, outcomes, errors)
     if not results:
         if errors:
             raise errors[0]
@@ -157,20 +158,17 @@ def _worth_searching(screened: dict[int, Checked | None]) -> list[int]:
     return sorted(kept, key=lambda d: -found[d].samples_per_s)
 
 
-def _search(by_degree: dict[int, DegreeOption], screened: dict[int, Checked | None], degrees: list[int],
-            request: PlanRequest, beside: Beside | None, outcomes: dict[int, DegreeOutcome],
-            errors: list[UserError]) -> list[PlanResult]:
-    """``plan_model`` for each of ``degrees``, from its screened plan: the first here, the others ``beside``
-    when given (started before this process's own search, so that they run at the same time); each outcome
-    recorded."""
-    requests = {d: _request_for(by_degree[d], request, screened.get(d)) for d in degrees}
-    started = ({d: beside(plan_model, by_degree[d].trace, requests[d]) for d in degrees[1:]} if beside is not None
-               else {})
+def _search(searches: dict[int, tuple[ModelTrace, PlanRequest]], beside: Beside | None,
+            outcomes: dict[int, DegreeOutcome], errors: list[UserError]) -> list[PlanResult]:
+    """``plan_model`` for each degree of ``searches`` (its trace and request, in order): the first here, the
+    others ``beside`` when given (started before this process's own search, so that they run at the same time);
+    each outcome recorded."""
+    degrees = list(searches)
+    started = {d: beside(plan_model, *searches[d]) for d in degrees[1:]} if beside is not None else {}
     results = []
     for d in degrees:
-        opt = by_degree[d]
         try:
-            r = started[d].result() if d in started else plan_model(opt.trace, requests[d])
+            r = started[d].result() if d in started else plan_model(*searches[d])
         except (InfeasibleError, UserError) as e:
             errors.append(e)
             outcomes[d] = DegreeOutcome(d, judged="refused", refused=first_line(e))
