@@ -1,5 +1,5 @@
 """What a full search gains over the degree screen, per tensor-parallel degree: the figures behind
-``SCREEN_MARGIN`` (shard_planner/solve/tp_search.py [Note: Screening the degrees]).
+``SCREEN_MARGIN`` (shard_planner/solve/layout_search.py [Note: Screening the layouts]).
 
     python benchmarks/bench_screen_margin.py [--cases 8b-8 70b-64 ...]
 
@@ -38,9 +38,9 @@ _CHILD = """
 import json, sys
 import torch  # noqa: F401  (imported first: the command forks no helper, cli/background.py)
 from shard_planner.cli.main import main
-from shard_planner.solve import tp_search
+from shard_planner.solve import layout_search
 screens, searches = {}, {}
-real_screen, real_plan = tp_search.screen, tp_search.plan_model
+real_screen, real_plan = layout_search.screen, layout_search.plan_model
 def screen(trace, request):
     s = real_screen(trace, request)
     screens[trace.tp_size] = s.best.samples_per_s if s.best is not None else None
@@ -49,7 +49,7 @@ def plan_model(trace, request):
     r = real_plan(trace, request)
     searches[trace.tp_size] = r.plan.predicted.samples_per_s
     return r
-tp_search.screen, tp_search.plan_model, tp_search.SCREEN_MARGIN = screen, plan_model, 1.0
+layout_search.screen, layout_search.plan_model, layout_search.SCREEN_MARGIN = screen, plan_model, 1.0
 try:
     main(sys.argv[1:])
 except SystemExit:
@@ -99,7 +99,7 @@ def main() -> None:
             and r["screen_behind_best_pct"] < 10]
     lines = ["# What a full search gains over the degree screen (benchmarks/bench_screen_margin.py)", "",
              "Each degree searched in full from its screened plan (`SCREEN_MARGIN` patched to 1); samples/s as "
-             "the planner predicts them. The margin (shard_planner/solve/tp_search.py) must exceed the gain of "
+             "the planner predicts them. The margin (shard_planner/solve/layout_search.py) must exceed the gain of "
              "any degree that could win.", "",
              "| case | TP | screen samples/s | search samples/s | gain | screen behind the best |",
              "|---|---|---|---|---|---|"]

@@ -200,22 +200,22 @@ def chosen_row(case: Case, runs: list[dict]) -> dict:
 
 
 def degree_rows(case: Case, plan: dict) -> list[dict]:
-    """Every degree's outcome from the plan file's ``tp_degrees``; ``chosen_over_pct``: the chosen degree's
+    """Every degree's outcome from the plan file's ``layouts``; ``chosen_over_pct``: the chosen degree's
     throughput over this one's, in percent (what the docs quote as "+x% over FSDP alone")."""
     chosen = plan["mesh"].get("tp", 1)
-    outcomes = plan.get("tp_degrees") or []
-    chosen_sps = next((o.get("samples_per_s") for o in outcomes if o["degree"] == chosen), None)
+    outcomes = plan.get("layouts") or []
+    chosen_sps = next((o.get("samples_per_s") for o in outcomes if o["split"]["tp"] == chosen), None)
     rows = []
     for o in outcomes:
         sps = o.get("samples_per_s")
-        rows.append(dict(table="degrees", case=case.name, degree=o["degree"], chosen=o["degree"] == chosen,
-                         judged=o["judged"], layout=o.get("layout") or "",
+        rows.append(dict(table="degrees", case=case.name, degree=o["split"]["tp"], chosen=o["split"]["tp"] == chosen,
+                         judged=o["judged"], layout=o.get("fastest_plan") or "",
                          tps_gpu=round(sps * SEQ / case.gpus) if sps else None,
                          chosen_over_pct=round(100 * (chosen_sps / sps - 1), 1) if sps and chosen_sps else None,
                          step_s=round(o["step_time_s"], 3) if o.get("step_time_s") else None,
                          compute_s=round(o["compute_s"], 3) if o.get("compute_s") else None,
                          exposed_comm_s=round(o["exposed_comm_s"], 3) if o.get("exposed_comm_s") is not None else None,
-                         tp_comm_s=round(o["tp_comm_s"], 3) if o.get("tp_comm_s") is not None else None,
+                         tp_comm_s=round(o["split_comm_s"], 3) if o.get("split_comm_s") is not None else None,
                          peak_gib=round(o["peak_bytes"] / GIB, 2) if o.get("peak_bytes") else None,
                          refused=o.get("refused") or ""))
     return rows
@@ -344,7 +344,7 @@ def report(chosen: list[dict], degrees: list[dict], mirrors: list[dict], walls: 
       "H100s are 500 W parts with 96 GB HBM2e (the 405B page: 95 GB), the profile the 700 W 80 GB SXM part.\n")
     print_table(chosen, title="The chosen plans (the last run's answer; `micro_batch` = micro-batch x micro-steps)",
                 columns=CHOSEN_COLS, stream=buf)
-    print_table(degrees, title="Every tensor-parallel degree (plan file's tp_degrees; tokens/s/GPU = samples/s x "
+    print_table(degrees, title="Every tensor-parallel degree (plan file's layouts; tokens/s/GPU = samples/s x "
                 "8192 / GPUs; `screened`: the screen's fastest heuristic plan only)", columns=DEGREE_COLS, stream=buf)
     print_table(mirrors, title="torchtitan's own layout, priced by the planner, beside the published figures "
                 "(`closest`: the published figure nearest to what the planner models)", columns=MIRROR_COLS,

@@ -38,8 +38,6 @@ ALLOWED_ARITHMETIC: dict[str, str] = {
     # tensors, at the degree the trace is made at, before any layout exists (the trace is one rank's
     # numbers, reused by every layout with that degree).
     "trace/tp_local.py": "the traced tensors' local shapes at the trace's degree",
-    # A colour per degree in the report's degree figure, cycling through the palette: not a size.
-    "report/degrees.py: degree % len(BASELINE_COLORS)": "a palette index, not a size",
 }
 
 # "Class.field: why" for each degree stored outside the layout.
@@ -53,8 +51,6 @@ ALLOWED_STORED: dict[str, str] = {
     "Measurement.mesh_shard": "a run's recorded layout (measurement.json)",
     "Measurement.mesh_replicate": "a run's recorded layout (measurement.json)",
     "Measurement.mesh_tp": "a run's recorded layout (measurement.json)",
-    # The degree search's outcome per degree (solve/tp_search.py): issue 37 item 3 keys it by layout.
-    "DegreeOutcome.degree": "the TP degree search's key until it searches layouts",
 }
 
 

@@ -22,7 +22,7 @@ from shard_planner.errors import ModelFileError
 from shard_planner.fileio import check_output_dir, check_output_file
 from shard_planner.model.hf import as_planned
 from shard_planner.plan import Plan, save_plan, with_paths_located
-from shard_planner.plan.points import degree_lines
+from shard_planner.plan.points import layout_lines
 from shard_planner.hardware.profile import load_priced_profile
 from shard_planner.units import format_bytes
 
@@ -137,10 +137,10 @@ def time_line(result: PlanResult, trace_s: float | None, report_s: float | None,
         f"screen {t.screen_s:.2f} s", f"solve {t.solve_s:.2f} s", f"frontier {t.frontier_s:.2f} s",
         f"baselines {t.baselines_s:.2f} s", f"polish {t.polish_s:.2f} s", f"simplify {t.simplify_s:.2f} s",
     ] + ([f"report {report_s:.2f} s"] if report_s is not None else [])
-    degrees = (f"; tensor-parallel degrees: {t.degrees_screened} screened ({t.degree_screen_s:.2f} s of it in this "
-               f"process), {t.degrees_searched} searched in full (the stages above: the chosen one's search"
-               + (", the others beside it in the helper process)" if traced_beside and t.degrees_searched > 1
-                  else ")")) if t.degrees_screened else ""
+    degrees = (f"; tensor-parallel degrees: {t.layouts_screened} screened ({t.layout_screen_s:.2f} s of it in this "
+               f"process), {t.layouts_searched} searched in full (the stages above: the chosen one's search"
+               + (", the others beside it in the helper process)" if traced_beside and t.layouts_searched > 1
+                  else ")")) if t.layouts_screened else ""
     return (", ".join(parts) + f" (CP-SAT {t.cpsat_s:.2f} s in {t.cpsat_solves} solves, simulators "
             f"{t.simulate_s:.2f} s for {t.simulated_plans} plans, hints {t.hints_s:.2f} s)" + degrees)
 
@@ -243,9 +243,9 @@ def summary(result: PlanResult | Plan, profile) -> str:
     step = "optimizer step" if tr.accumulation_steps > 1 else "step"
     lines.append(f"predicted {step} {pr.step_time_s * 1e3:.1f} ms, {pr.throughput_text} on {plan.cluster.gpus} {rank}s{mfu}"
                  f"{priced}")
-    if plan.tp_degrees:
-        lines.append("tensor-parallel degrees (the fastest plan of each):")
-        lines += [f"  {line}" for line in degree_lines(plan.mesh.tp, plan.tp_degrees)]
+    if plan.layouts:
+        lines.append("layouts searched (the fastest plan of each):")
+        lines += [f"  {line}" for line in layout_lines(plan.mesh.split, plan.layouts)]
     fitting = [b for b in plan.baselines if b.fits]
     if fitting:
         best = min(fitting, key=lambda b: b.step_time_s)

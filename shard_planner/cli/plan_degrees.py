@@ -1,5 +1,6 @@
 """``plan``'s tensor-parallel degrees: which to search (``--tp``, or each that divides the node on a GPU profile),
-each traced and screened in a helper process, then one search over them (solve/tp_search.py).
+each traced and screened in a helper process, then the layout search over their splits (solve/layout_search.py;
+the splits are tensor-parallel degrees alone until pipeline stages join them).
 
     work = DegreeWork.start(args, hf, dtype, degrees, second)   # before degree 1's trace is back
     result = work.plan(trace, request, helper)
@@ -12,7 +13,7 @@ each traced and screened in a helper process, then one search over them (solve/t
   forward of the model built without memory, each repeated block recorded from its first: trace/tp_call_twins.py;
   about 1.2 CPU-s on Llama 3 70B besides that helper's torch import) while the first traces and this process
   imports the planner, where this process would otherwise wait. Then the second traces the first degree
-  above 1 and traces and screens (tp_search.screen) the last, the first helper traces those between (0.6-0.8
+  above 1 and traces and screens (layout_search.screen) the last, the first helper traces those between (0.6-0.8
   s each at 70B), and this process screens degree 1 and each of the others as it comes (0.6-0.9 s each):
   three processes on two cores, each with about the same work. On Llama 3 70B at 256 GPUs the screens end
   at about 6 s where one helper doing it all took 8.2 s. The degrees to search in full but the best
@@ -33,6 +34,7 @@ import logging
 from dataclasses import dataclass, field, replace
 
 from shard_planner.errors import UserError
+from shard_planner.parallel.mesh import ModelSplit
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +67,7 @@ class DegreeWork:
     degrees: list[int]
     second: object  # cli/background.py Helper
     styles_call: object | None  # its Call, None when only degree 1 is planned
-    traces: dict = field(default_factory=dict)  # degree -> the trace of one rank there, as each arrives
+    traces: dict = field(default_factory=dict)  # ModelSplit -> the trace of one rank of it, as each arrives
 
     @classmethod
     def start(cls, args: argparse.Namespace, hf, dtype: str, degrees: list[int], second) -> "DegreeWork":
@@ -83,9 +85,9 @@ class DegreeWork:
         """The plan over the degrees (``trace``: the model traced at degree 1), [Note: Two helpers for the
         degrees]."""
         from shard_planner.solve import plan_model
-        from shard_planner.solve.tp_search import DegreeOption, plan_over_degrees
+        from shard_planner.solve.layout_search import LayoutOption, plan_over_layouts
 
-        self.traces[trace.tp_size] = trace
+        self.traces[ModelSplit()] = trace
         if self.styles_call is None:
             return plan_model(trace, request)
         found = self.styles_call.result().with_sequence(trace.tokens_per_sample)
@@ -102,25 +104,25 @@ class DegreeWork:
 
         def options():  # those not screened in a helper are screened here, as they come
             if 1 in self.degrees:
-                yield DegreeOption(None, trace)
+                yield LayoutOption(ModelSplit(), trace)
             for call in calls.values():
                 yield self._kept(call.result())
 
         searching = itertools.cycle([self.second, helper])
         beside = (lambda fn, *a: next(searching).submit(fn, *a)) if helper.forked else None
-        return plan_over_degrees(options(), request, refused=found.refused, beside=beside)
+        return plan_over_layouts(options(), request, refused=found.refused, beside=beside)
 
 
     def _kept(self, option):
-        """``option`` (a DegreeOption), its trace kept for :meth:`trace_of`."""
-        self.traces[option.trace.tp_size] = option.trace
+        """``option`` (a LayoutOption), its trace kept for :meth:`trace_of`."""
+        self.traces[option.split] = option.trace
         return option
 
     def trace_of(self, plan):
         """The trace of one rank at ``plan``'s tensor-parallel degree, the one its prediction was made on (the
         report's units, timeline and allocator line are that rank's: report/__init__.py [Note: One rank's
         trace])."""
-        return self.traces[plan.mesh.tp_size]
+        return self.traces[plan.mesh.split]
 
 
 def _deal(degrees: list[int], second, first, cached: bool = False) -> dict[int, tuple[object, bool]]:
@@ -161,7 +163,7 @@ def _model_key(model: str, hf, dtype: str):
 
 def _import_screen() -> None:
     """In a helper: import what screening a degree imports (the planner, CP-SAT), ahead of the first screen."""
-    import shard_planner.solve.tp_search  # noqa: F401
+    import shard_planner.solve.layout_search  # noqa: F401
 
 
 def _degree_styles(model: str, hf, degrees: list[int], sequence_parallel: bool, loss_parallel: bool):
@@ -180,8 +182,8 @@ def _degree_styles(model: str, hf, degrees: list[int], sequence_parallel: bool, 
 
 def _trace_and_screen(model: str, hf, dtype: str, styles, degree: int, request):
     """In a helper: one rank of the model at ``degree`` with ``styles``, traced (or from the trace cache), and
-    its screen (solve/tp_search.py ``screen``; none when ``request`` is None), as a DegreeOption."""
-    from shard_planner.solve.tp_search import DegreeOption, screen
+    its screen (solve/layout_search.py ``screen``; none when ``request`` is None), as a LayoutOption."""
+    from shard_planner.solve.layout_search import LayoutOption, screen
     from shard_planner.trace.trace_cache import cached
 
     def traced():
@@ -191,7 +193,7 @@ def _trace_and_screen(model: str, hf, dtype: str, styles, degree: int, request):
         return trace_model(load_model_file(model, hf), dtype=dtype, tensor_parallel=styles, tp_size=degree)
 
     trace = cached(_trace_key(model, hf, dtype, degree, styles), traced)
-    return DegreeOption(styles, trace, screen(trace, request) if request is not None else None)
+    return LayoutOption(ModelSplit(tp=degree), trace, styles, screen(trace, request) if request is not None else None)
 
 
 def _trace_key(model: str, hf, dtype: str, degree: int, styles):

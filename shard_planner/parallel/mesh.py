@@ -74,6 +74,50 @@ def degree_divides(degree: int, *rank_counts: int) -> bool:
     return all(count % degree == 0 for count in rank_counts)
 
 
+@dataclass(frozen=True, order=True)
+class ModelSplit:
+    """How one model replica is split over ranks: the layout's dimensions that change what one rank traces and
+    computes, tensor parallelism ``tp`` and pipeline stages ``pp`` (1; refused above it as :class:`Mesh`
+    refuses it), as opposed to the data-parallel ones (shard, replicate), which the solver searches on one
+    rank's trace. The layout search's candidates and the key of its outcomes (solve/layout_search.py,
+    ``Plan.layouts``); :attr:`Mesh.split` is a layout's. Ordered as its fields: the search's outcomes are
+    listed by it. Pipeline stages become the second dimension searched here (their stages' sizes and labels
+    beside tp's), the search itself unchanged."""
+
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self):
+        Mesh(shard=1, tp=self.tp, pp=self.pp)  # the same checks, in the same words
+
+    @property
+    def is_split(self) -> bool:
+        """Whether one replica spans more than one rank."""
+        return self.tp > 1 or self.pp > 1
+
+    @property
+    def label(self) -> str:
+        """For people: ``TP 2``; ``no tensor parallelism`` for a replica on one rank (pipeline stages, when
+        planned, add `` x PP n``)."""
+        parts = [f"{name} {n}" for name, n in (("TP", self.tp), ("PP", self.pp)) if n > 1]
+        return " x ".join(parts) if parts else "no tensor parallelism"
+
+    @property
+    def comm_label(self) -> str:
+        """What the split's own collectives are called in the summary (``LayoutOutcome.split_comm_s``): ``TP``
+        (the pipeline's sends and receives will join them)."""
+        return "TP"
+
+    @property
+    def key(self) -> str:
+        """A short name for files and figure ids: ``tp2``; ``tp1`` for a replica on one rank."""
+        return f"tp{self.tp}" + (f"-pp{self.pp}" if self.pp > 1 else "")
+
+    def mesh_fsdp(self, world_size: int) -> "Mesh":
+        """Plain FSDP over the data-parallel ranks of ``world_size`` with this split (:meth:`Mesh.fsdp`)."""
+        return Mesh.fsdp(world_size, self.tp)
+
+
 @dataclass(frozen=True)
 class Mesh:
     """The parallel layout: ``shard`` ranks one parameter is sharded over, ``replicate`` HSDP replicas
@@ -157,6 +201,11 @@ class Mesh:
     def pp_size(self) -> int:
         """Pipeline stages (1: all that is planned; [Note: The layout's name and its pipeline degree])."""
         return self.pp
+
+    @property
+    def split(self) -> ModelSplit:
+        """How this layout splits one model replica over ranks (its tp and pp): the layout search's key."""
+        return ModelSplit(tp=self.tp, pp=self.pp)
 
     @property
     def is_hsdp(self) -> bool:

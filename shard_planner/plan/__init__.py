@@ -30,7 +30,7 @@ from shard_planner.errors import PlanError
 from shard_planner.fileio import read_json, write_atomic
 from shard_planner.plan.finetune import FineTune  # the plan file's "model.finetune": what was frozen and how
 from shard_planner.parallel.mesh import Mesh  # the plan file's "mesh" section: the parallel degrees
-from shard_planner.plan.points import DEGREE_JUDGED, DegreeOutcome, FrontierPoint, MeasuredPoint  # noqa: F401 (the plan file's points)
+from shard_planner.plan.points import LAYOUT_JUDGED, FrontierPoint, LayoutOutcome, MeasuredPoint  # noqa: F401 (the plan file's points)
 from shard_planner.plan.prediction import MEMORY_CATEGORIES, Prediction  # noqa: F401 (the plan file's "predicted")
 from shard_planner.plan.schema import AnyOf, Bool, Int, ListOf, MapOf, Nullable, Number, Section, Text
 from shard_planner.plan.paths import is_profile_path, locate, resolve
@@ -225,15 +225,16 @@ class Plan:
     measurements: tuple[MeasuredPoint, ...] = ()  # plans run by `shard-planner tune` (optional)
     # how each module is split over mesh.tp ranks; None without tensor parallelism (plans before it have none)
     tensor_parallel: TensorParallel | None = None
-    # each tensor-parallel degree `plan` searched, the chosen one's too (solve/tp_search.py); () when one was
-    tp_degrees: tuple[DegreeOutcome, ...] = ()
+    # each split of the model over ranks (tensor-parallel degree) `plan` searched, the chosen one's too
+    # (solve/layout_search.py); () when one was
+    layouts: tuple[LayoutOutcome, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "units", tuple(self.units))
         object.__setattr__(self, "frontier", tuple(self.frontier))
         object.__setattr__(self, "baselines", tuple(self.baselines))
         object.__setattr__(self, "measurements", tuple(self.measurements))
-        object.__setattr__(self, "tp_degrees", tuple(self.tp_degrees))
+        object.__setattr__(self, "layouts", tuple(self.layouts))
         _require(self.schema_version == PLAN_SCHEMA_VERSION,
                  f"plan schema_version {self.schema_version!r} is not {PLAN_SCHEMA_VERSION}: re-run shard-planner plan")
         _require(self.mesh.world_size == self.cluster.gpus,
@@ -313,7 +314,7 @@ class Plan:
             training=replace(self.training, global_batch_asked=None),  # another size, another global batch
             predicted=None,
             tensor_parallel=self.tensor_parallel if mesh.is_tp else None,
-            tp_degrees=(),  # searched for the old size
+            layouts=(),  # searched for the old size
         )
 
     # ---- JSON ----
@@ -332,8 +333,11 @@ class Plan:
             del d["tensor_parallel"]
         if self.mesh.pp == 1:  # plans without pipeline stages (all of them today) read as before the field
             d["mesh"].pop("pp")
-        if not self.tp_degrees:  # plans of one degree read as they did before the degree search
-            del d["tp_degrees"]
+        if not self.layouts:  # plans of one layout read as they did before the layout search
+            del d["layouts"]
+        for outcome in d.get("layouts", ()):  # splits without pipeline stages read as before the field
+            if outcome["split"]["pp"] == 1:
+                outcome["split"].pop("pp")
         if self.training.accumulation_steps == 1:  # plans without accumulation read as they did before it
             for name in _ACCUMULATION_FIELDS:
                 d["training"].pop(name)
@@ -355,7 +359,20 @@ class Plan:
             raise PlanError("plan has no schema_version: not a plan written by shard-planner plan")
         _require(version == PLAN_SCHEMA_VERSION,  # before the fields: another version has other fields
                  f"plan schema_version {version!r} is not {PLAN_SCHEMA_VERSION}: re-run shard-planner plan")
-        return Section(Plan, PLAN_RULES).load(d, "")
+        return Section(Plan, PLAN_RULES).load(_layouts_from_degrees(d), "")
+
+
+def _layouts_from_degrees(d: dict) -> dict:
+    """``d`` with a plan file's ``tp_degrees`` (written before the layout search keyed its outcomes by the
+    split, ``layouts``) read as ``layouts``: each degree's ``degree`` its split's ``tp``, its ``tp_comm_s``
+    the split's collectives, its ``layout`` its fastest plan; anything else in an entry is checked as
+    ``layouts`` is, where its JSON path names it."""
+    if "tp_degrees" not in d or "layouts" in d or not isinstance(d["tp_degrees"], list):
+        return d
+    renamed = {"degree": "split", "tp_comm_s": "split_comm_s", "layout": "fastest_plan"}
+    layouts = [{renamed.get(k, k): ({"tp": v} if k == "degree" else v) for k, v in o.items()}
+               if isinstance(o, dict) else o for o in d["tp_degrees"]]
+    return {**{k: v for k, v in d.items() if k != "tp_degrees"}, "layouts": layouts}
 
 
 _ACCUMULATION_FIELDS = ("accumulation_steps", "gradient_sync", "keep_params_gathered")
@@ -391,10 +408,10 @@ PLAN_RULES = {
     "FrontierPoint.peak_bytes": _BYTES, "FrontierPoint.step_time_s": _SECONDS,
     "MeasuredPoint.world_size": _COUNT, "MeasuredPoint.peak_bytes": _BYTES, "MeasuredPoint.step_time_s": _SECONDS,
     "MeasuredPoint.predicted_peak_bytes": Nullable(_BYTES), "MeasuredPoint.predicted_step_time_s": Nullable(_SECONDS),
-    "DegreeOutcome.degree": _COUNT, "DegreeOutcome.judged": Text(DEGREE_JUDGED),
-    **{f"DegreeOutcome.{name}": Nullable(_SECONDS) for name in ("step_time_s", "samples_per_s", "compute_s",
-                                                                "exposed_comm_s", "tp_comm_s")},
-    "DegreeOutcome.peak_bytes": Nullable(_BYTES), "DegreeOutcome.samples_per_step": Nullable(_COUNT),
+    "ModelSplit.tp": _COUNT, "ModelSplit.pp": _COUNT, "LayoutOutcome.judged": Text(LAYOUT_JUDGED),
+    **{f"LayoutOutcome.{name}": Nullable(_SECONDS) for name in ("step_time_s", "samples_per_s", "compute_s",
+                                                                "exposed_comm_s", "split_comm_s")},
+    "LayoutOutcome.peak_bytes": Nullable(_BYTES), "LayoutOutcome.samples_per_step": Nullable(_COUNT),
 }
 
 

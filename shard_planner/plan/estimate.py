@@ -4,7 +4,7 @@
 [Note: A plan file never contradicts itself]
 Every section of a plan file describes the same question: ``cluster`` (GPUs, profile, timings) and
 ``training`` are what ``predicted`` was computed for, and ``solver``, ``frontier``, ``baselines``,
-``tp_degrees`` and ``measurements`` are the search (and ``tune``'s runs) that answered that question. A plan
+``layouts`` and ``measurements`` are the search (and ``tune``'s runs) that answered that question. A plan
 asked again (:func:`asked_again`) records what it was asked in ``cluster`` and ``training``; written with
 its new prediction (:func:`with_prediction`), the sections that answered the old question go, and the
 solver says the decisions were given, found by the search for the old question.
@@ -40,7 +40,7 @@ def with_prediction(found: Plan, asked: Plan, prediction: Prediction) -> Plan:
         return answered
     how = found.solver.method if found.solver is not None else "given"
     old = found.cluster
-    return replace(answered, frontier=(), baselines=(), tp_degrees=(), measurements=(), solver=SolverInfo(
+    return replace(answered, frontier=(), baselines=(), layouts=(), measurements=(), solver=SolverInfo(
         method="given",
         status=(f"estimated on {asked.cluster.profile} for {asked.cluster.gpus} GPUs, micro-batch "
                 f"{asked.training.micro_batch}; the decisions were found by {how} on {old.profile} for {old.gpus} "

@@ -7,8 +7,8 @@ writes into the folder:
 - ``report.html``: self-contained (every PNG embedded as a ``data:image/png;base64`` URI, CSS inline), so
   it opens offline in any browser and can be mailed as one file;
 - ``report.md``: the same content, with the PNGs beside it;
-- the PNGs: ``frontier.png`` (memory vs throughput), ``tp_degrees.png`` (the same per tensor-parallel degree,
-  when the plan searched more than one: report/degrees.py), ``memory_timeline.png`` (the chosen plan over one
+- the PNGs: ``frontier.png`` (memory vs throughput), ``layouts.png`` (the same per layout, each tensor-parallel
+  degree, when the plan searched more than one: report/layouts.py), ``memory_timeline.png`` (the chosen plan over one
   step: report/timeline.py; ``memory_at_peak.png`` when there is no trace to simulate), ``units.png`` (per-unit bars, with a
   trace), ``predicted_vs_measured.png`` (with a measurement), ``tune_runs.png`` (plans ``tune`` ran).
 
@@ -20,7 +20,7 @@ the planner's, ``PlanResult.estimate``, so the cost model runs once per command)
 [Note: One rank's trace]
   Every per-unit figure, the memory timeline and the allocator's line are one rank's, so the trace they
   come from must be one rank's at the plan's tensor-parallel degree (trace ``tp_size``), the trace the
-  planner priced the plan on: ``plan`` passes the chosen degree's (cli/plan_degrees.py
+  planner priced the plan on: ``plan`` passes the chosen layout's (cli/plan_degrees.py
   ``DegreeWork.trace_of``), ``report`` traces the plan's model at its degree (trace/tracer.py
   ``trace_for_plan``). A trace of the whole model drawn for a TP plan reads every split block at its full
   size; :func:`check_trace_rank` refuses it. Both commands write the report with :func:`write_report`.
@@ -41,11 +41,11 @@ from typing import TYPE_CHECKING, Callable
 from shard_planner.cost.types import Estimate
 from shard_planner.errors import PlanError
 from shard_planner.fileio import write_atomic
+from shard_planner.parallel.mesh import ModelSplit
 from shard_planner.plan import Plan
-from shard_planner.plan.points import degree_label
 from shard_planner.hardware.profile import HardwareProfile
 from shard_planner.report.budget import ReportBudget, load_plan_profile, report_budget
-from shard_planner.report.degrees import degrees_table, plot_degrees, throughput_unit
+from shard_planner.report.layouts import layouts_table, plot_layouts, throughput_unit
 from shard_planner.report.measured import check_measurement_matches, measured_figures, predictions_for, run_sections
 from shard_planner.report.plots import (
     figures_png, plot_frontier, plot_measured_plans, plot_memory_at_peak, plot_predicted_vs_measured, plot_units,
@@ -120,7 +120,7 @@ def build_sections(plan: Plan, *, trace: ModelTrace | None = None, profile: Hard
         else:
             estimate = _estimate(plan, trace, profile)
     reserved = reserved_timeline(plan, trace, profile) if estimate is not None else None
-    sections = [_frontier_section(plan, budget), _degrees_section(plan, budget),
+    sections = [_frontier_section(plan, budget), _layouts_section(plan, budget),
                 _memory_section(plan, trace, estimate, budget, reserved),
                 _units_section(plan, trace, estimate, budget)]
     if plan.measurements:
@@ -140,8 +140,8 @@ def build_sections(plan: Plan, *, trace: ModelTrace | None = None, profile: Hard
 def check_trace_rank(plan: Plan, trace: ModelTrace) -> None:
     """``trace`` is one rank's at ``plan``'s tensor-parallel degree ([Note: One rank's trace]), else one line."""
     if trace.tp_size != plan.mesh.tp_size:
-        raise PlanError(f"the trace holds one rank at {degree_label(trace.tp_size)} where the plan runs "
-                        f"{degree_label(plan.mesh.tp_size)}: give the model file (--trace MODEL), which is traced "
+        raise PlanError(f"the trace holds one rank at {ModelSplit(tp=trace.tp_size).label} where the plan runs "
+                        f"{plan.mesh.split.label}: give the model file (--trace MODEL), which is traced "
                         "at the plan's degree, or --no-trace")
 
 
@@ -152,8 +152,8 @@ def _frontier_section(plan: Plan, budget: ReportBudget) -> ReportSection | None:
     if fig is None:
         return None
     judged = "the usable budget" if budget.has_usable else "--mem"
-    degree = (f" at the chosen tensor-parallel degree ({degree_label(plan.mesh.tp)}; every degree: Tensor "
-              "parallelism, below)") if plan.tp_degrees else ""
+    degree = (f" at the chosen layout ({plan.mesh.split.label}; every layout: Layouts, below)"
+              if plan.layouts else "")
     return ReportSection(
         "Memory vs throughput", "frontier.png", fig,
         f"Each point is a plan of the same model, micro-batch and cluster{degree}, as the cost model predicts it. "
@@ -164,27 +164,27 @@ def _frontier_section(plan: Plan, budget: ReportBudget) -> ReportSection | None:
         frontier_table(plan, budget))
 
 
-def _degrees_section(plan: Plan, budget: ReportBudget) -> ReportSection | None:
-    """Every tensor-parallel degree the planner searched, drawn and tabled (report/degrees.py); None for a
-    plan of one degree (--tp given, a CPU profile, a plan from before the degree search)."""
-    if not plan.tp_degrees:
+def _layouts_section(plan: Plan, budget: ReportBudget) -> ReportSection | None:
+    """Every layout (split of the model over ranks) the planner searched, drawn and tabled (report/layouts.py);
+    None for a plan of one layout (--tp given, a CPU profile, a plan from before the layout search)."""
+    if not plan.layouts:
         return None
-    degrees = ", ".join(f"{o.label} ({o.judged})" for o in plan.tp_degrees)
+    layouts = ", ".join(f"{o.label} ({o.judged})" for o in plan.layouts)
     work = throughput_unit(plan).removesuffix("/s")  # tokens or samples
-    fig = plot_degrees(plan, budget)
+    fig = plot_layouts(plan, budget)
     return ReportSection(
-        "Tensor parallelism", "tp_degrees.png", fig,
-        f"The planner chose the tensor-parallel degree too: {degrees}; {degree_label(plan.mesh.tp)} chosen. "
-        "Every degree of 1, 2, 4 and 8 that divides the GPUs per node is screened (its heuristic and hand-written "
-        "plans at each micro-batch) and those close to the best screened one are searched in full (solve/tp_search.py "
-        "[Note: Screening the degrees]). Each line is a searched degree's Pareto frontier, a hollow diamond a "
-        "degree screened only (its fastest heuristic plan: a full search finds at least that), the star the "
-        "chosen plan; a refused degree is in the table only, with why. A degree's throughput is its own global "
-        f"batch (micro-batch x accumulation x GPUs / degree) in {work} over its step time, the whole cluster's. "
-        "Why a degree wins or loses (memory, the global batch, exposed communication, the tensor-parallel "
-        "collectives) is the summary's tensor parallelism line, from the table's figures (solve/tp_search.py "
-        f"[Note: Why a degree wins or loses]). {_budget_text(budget, fig)}",
-        degrees_table(plan))
+        "Layouts", "layouts.png", fig,
+        f"The planner chose how the model is split over ranks too, here its tensor-parallel degree: {layouts}; "
+        f"{plan.mesh.split.label} chosen. Every degree of 1, 2, 4 and 8 that divides the GPUs per node is "
+        "screened (its heuristic plans and the recipes at each micro-batch) and those close to the best screened "
+        "one are searched in full (solve/layout_search.py [Note: Screening the layouts]). Each line is a searched "
+        "layout's Pareto frontier, a hollow diamond a layout screened only (its fastest heuristic plan: a full "
+        "search finds at least that), the star the chosen plan; a refused layout is in the table only, with why. "
+        f"A layout's throughput is its own global batch (micro-batch x accumulation x data-parallel ranks) in "
+        f"{work} over its step time, the whole cluster's. Why a layout wins or loses (memory, the global batch, "
+        "exposed communication, the tensor-parallel collectives) is the summary's layouts line, from the table's "
+        f"figures (solve/layout_search.py [Note: Why a layout wins or loses]). {_budget_text(budget, fig)}",
+        layouts_table(plan))
 
 
 def _memory_section(plan: Plan, trace: ModelTrace | None, estimate: Estimate | None,

@@ -4,7 +4,7 @@ Figures are built with ``matplotlib.figure.Figure`` (no pyplot: no global state,
 rendered by Agg), so tests can inspect the artists before anything is saved. Each plot puts its units in
 the axis labels (GiB, MiB, s, ms, tokens/s) and keeps legends outside the data so no text overlaps.
 Artists the tests look for carry a ``gid`` ("frontier", "chosen", "budget", "usable-budget", "budget-off-scale",
-"baseline:<name>"; per tensor-parallel degree "frontier:tp<d>" and "screened:tp<d>", report/degrees.py; the
+"baseline:<name>"; per layout "frontier:tp<d>" and "screened:tp<d>", report/layouts.py; the
 memory timeline's: report/timeline.py). Every memory plot draws the same two budget lines (:func:`draw_budget`):
 --mem, dashed, and the usable budget the planner fills (--mem less the fragmentation share), dotted; or, zoomed
 to data far under them, names them in the legend ([Note: Zoom to the data]).

@@ -13,7 +13,7 @@ import pandas as pd
 from shard_planner import __version__
 from shard_planner.cost.fits import allocator_figures_text
 from shard_planner.plan import Plan
-from shard_planner.plan.points import degree_reason
+from shard_planner.plan.points import layout_reason
 from shard_planner.report.budget import ReportBudget
 from shard_planner.report.plots import MeasuredFigures, plan_throughput, relative_error
 from shard_planner.report.tables import md_escape, to_html, to_markdown
@@ -52,7 +52,7 @@ def summary_lines(plan: Plan, budget: ReportBudget, measured: tuple[MeasuredFigu
                     f"budget {budget.describe()}"),
         ("mesh", mesh),
         *_trains_line(plan, trace),
-        *_degrees_line(plan),
+        *_layouts_line(plan),
         ("training", f"micro-batch {t.micro_batch} per {budget.rank_word}, {t.optimizer}, params in {t.param_dtype}, "
                      f"gradients reduced in {t.reduce_dtype}" + (", CPU offload" if t.cpu_offload else "")
                      + (f"; {plan.accumulation_text}" if plan.accumulation_text else "")),
@@ -112,12 +112,12 @@ def _trains_line(plan: Plan, trace: ModelTrace | None) -> list[tuple[str, str]]:
     return [("trains", f"every parameter ({trace.param_count:,}): full training or full fine-tuning")]
 
 
-def _degrees_line(plan: Plan) -> list[tuple[str, str]]:
-    """Why the chosen tensor-parallel degree beat the others (plan_points.degree_reason), when the planner
-    searched more than one."""
-    if not plan.tp_degrees:
+def _layouts_line(plan: Plan) -> list[tuple[str, str]]:
+    """Why the chosen layout beat the others (plan/points.py ``layout_reason``), when the planner searched
+    more than one."""
+    if not plan.layouts:
         return []
-    return [("tensor parallelism", degree_reason(plan.mesh.tp, plan.tp_degrees))]
+    return [("layouts", layout_reason(plan.mesh.split, plan.layouts))]
 
 
 def _allocator_line(plan: Plan) -> list[tuple[str, str]]:

@@ -156,7 +156,7 @@ def _plan(ctx: PlanContext) -> PlanResult:
 
 def screen_degree(trace: ModelTrace, request: PlanRequest) -> Checked | None:
     """The fastest plan of a cheap look at ``trace``'s degree, for screening tensor-parallel degrees
-    (solve/tp_search.py [Note: Screening the degrees]): at every micro-batch the global batch allows (or
+    (solve/layout_search.py [Note: Screening the layouts]): at every micro-batch the global batch allows (or
     the request's), plain FSDP over the data-parallel ranks, FSDP2's default prefetch and the leanest
     accumulation policy, the heuristic cover (:func:`cpsat.greedy_cover`), every uniform cover
     (:func:`cpsat.uniform_covers`: the full search often ends on one) and the recipes judged by

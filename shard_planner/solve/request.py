@@ -77,13 +77,13 @@ class PlanRequest:
     allocated_budget_bytes: int | None = None
     allocator_check: bool = True
     # how the model splits over the trace's tensor-parallel degree (trace.tp_size > 1; None without TP):
-    # the plans of that degree record it (solve/tp_search.py searches the degrees, one trace each)
+    # the plans of that degree record it (solve/layout_search.py searches the layouts, one trace each)
     tensor_parallel: TensorParallel | None = None
     # the ranks that will run the plan's step on this host, when not the plan's gpus (tune runs an 8-GPU plan
     # re-derived for 2 CPU ranks): the "N ranks share this host's cores" warning names them; None: gpus
     run_ranks: int | None = None
-    # plans the search judges beside its own and may answer with: the degree screen's best (solve/tp_search.py
-    # [Note: Screening the degrees]), so that a degree's full search is never slower than its screen
+    # plans the search judges beside its own and may answer with: the layout screen's best (solve/layout_search.py
+    # [Note: Screening the layouts]), so that a layout's full search is never slower than its screen
     start_plans: tuple[Plan, ...] = ()
 
     def __post_init__(self):
@@ -142,11 +142,11 @@ class PlanTimings:
     simulate_s: float
     simulated_plans: int  # distinct plans the simulators judged (each once: the memo)
     cpsat_solves: int
-    # the tensor-parallel degree search around the searches (solve/tp_search.py); the fields above are
-    # the chosen degree's search alone
-    degrees_screened: int = 0
-    degree_screen_s: float = 0.0  # the screens, in this process
-    degrees_searched: int = 0  # in full, the chosen one among them
+    # the layout search around the searches (solve/layout_search.py); the fields above are the chosen
+    # layout's search alone
+    layouts_screened: int = 0
+    layout_screen_s: float = 0.0  # the screens, in this process
+    layouts_searched: int = 0  # in full, the chosen one among them
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
     degrees = candidate_degrees(gpus=256, gpus_per_node=8)             # [1, 2, 4, 8]
     found = degree_styles(model_file, degrees, sequence_parallel=True, loss_parallel=True)
     found.styles    # degree -> TensorParallel (the same styles for every degree above 1)
-    found.refused   # DegreeOutcome per degree ruled out, with the reason (a dimension it does not divide)
+    found.refused   # LayoutOutcome per degree ruled out, with the reason (a dimension it does not divide)
 
 [Note: Which degrees are searched]
   Tensor parallelism stays inside a node (its collectives are on the compute stream's critical path,
@@ -24,8 +24,8 @@ import logging
 from dataclasses import dataclass, field
 
 from shard_planner.errors import UserError, first_line
-from shard_planner.parallel.mesh import degree_divides
-from shard_planner.plan.points import DegreeOutcome
+from shard_planner.parallel.mesh import ModelSplit, degree_divides
+from shard_planner.plan.points import LayoutOutcome
 from shard_planner.parallel.tensor_parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class DegreeStyles:
     """The styles to trace each searchable degree above 1 with, and the degrees ruled out with their reason."""
 
     styles: dict[int, TensorParallel] = field(default_factory=dict)
-    refused: tuple[DegreeOutcome, ...] = ()
+    refused: tuple[LayoutOutcome, ...] = ()
 
     def with_sequence(self, seq_len: int | None) -> "DegreeStyles":
         """The degrees whose sequence parallelism ``seq_len`` tokens per sample do not divide moved to the
@@ -62,10 +62,10 @@ class DegreeStyles:
             try:
                 tp.check_sequence(t, seq_len)
             except UserError as e:
-                refused.append(DegreeOutcome(t, judged="refused", refused=first_line(e)))
+                refused.append(_refused(t, first_line(e)))
                 continue
             styles[t] = tp
-        return DegreeStyles(styles, tuple(sorted(refused, key=lambda o: o.degree)))
+        return DegreeStyles(styles, tuple(sorted(refused, key=lambda o: o.split)))
 
 
 def degree_styles(model_file, degrees: list[int], *, sequence_parallel: bool, loss_parallel: bool,
@@ -113,13 +113,18 @@ def _styles_of(model_file, wanted: list[int], sequence_parallel: bool, loss_para
                                         loss_parallel=loss_parallel, hf_tp_plan=hf_plan, fake_mode=fake_mode)
     except UserError as e:
         why = first_line(e)
-        return DegreeStyles(refused=tuple(DegreeOutcome(t, judged="refused", refused=why) for t in wanted))
+        return DegreeStyles(refused=tuple(_refused(t, why) for t in wanted))
     styles, refused = {}, []
     for t in wanted:
         try:
             check_divisible(model, tp, t, seq_len=seq_len)
         except UserError as e:
-            refused.append(DegreeOutcome(t, judged="refused", refused=first_line(e)))
+            refused.append(_refused(t, first_line(e)))
             continue
         styles[t] = tp
     return DegreeStyles(styles, tuple(refused))
+
+
+def _refused(degree: int, why: str) -> LayoutOutcome:
+    """The outcome of a degree ruled out before tracing, with why."""
+    return LayoutOutcome(ModelSplit(tp=degree), judged="refused", refused=why)

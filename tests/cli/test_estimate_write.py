@@ -35,7 +35,7 @@ def test_estimate_write_on_another_cluster_records_it(tmp_path):
     assert plan.predicted.peak_bytes == estimate(trace, plan, load_priced_profile("h100-80gb")).memory.peak_bytes
     assert plan.solver.method == "given" and "cpu-gloo for 2 GPUs" in plan.solver.status
     assert plan.solver.objective == plan.predicted.step_time_s
-    assert (plan.frontier, plan.baselines, plan.tp_degrees, plan.measurements) == ((), (), (), ())
+    assert (plan.frontier, plan.baselines, plan.layouts, plan.measurements) == ((), (), (), ())
 
 
 def test_estimate_write_on_the_same_cluster_keeps_the_search(tmp_path):

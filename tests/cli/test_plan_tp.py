@@ -23,22 +23,22 @@ def test_every_degree_is_screened_on_a_gpu_profile(tmp_path, capsys):
     rc, out = _plan(tmp_path, "--mem", "4GB")
     assert rc == 0
     plan = load_plan(out)
-    by_degree = {o.degree: o for o in plan.tp_degrees}
+    by_degree = {o.split.tp: o for o in plan.layouts}
     assert sorted(by_degree) == [1, 2, 4, 8] and plan.mesh.tp in by_degree
     assert by_degree[plan.mesh.tp].judged == "solved" and (plan.tensor_parallel is None) == (plan.mesh.tp == 1)
     for t in (4, 8):  # 2 key/value heads split no further than 2 ways
         assert by_degree[t].judged == "refused" and f"tensor parallelism of degree {t}" in by_degree[t].refused
     assert by_degree[2].judged in ("solved", "screened") and by_degree[2].step_time_s > 0
     text = capsys.readouterr().out
-    assert "tensor-parallel degrees (the fastest plan of each):" in text and "TP 4: tensor parallelism of degree 4" in text
+    assert "layouts searched (the fastest plan of each):" in text and "TP 4: tensor parallelism of degree 4" in text
     assert "tensor-parallel degrees: 2 screened (" in text  # 1 and 2: 4 and 8 refused before a trace
-    assert "tp_degrees" in json.loads(out.read_text())
+    assert "layouts" in json.loads(out.read_text())
 
 
 def test_tp_fixes_the_degree(tmp_path):
     rc, out = _plan(tmp_path, "--mem", "1GB", "--profile", "cpu-gloo", "--tp", "2", "--no-sequence-parallel")
     plan = load_plan(out)
-    assert rc == 0 and plan.mesh.tp == 2 and plan.mesh.dp_size == 4 and plan.tp_degrees == ()
+    assert rc == 0 and plan.mesh.tp == 2 and plan.mesh.dp_size == 4 and plan.layouts == ()
     assert plan.tensor_parallel is not None and not plan.tensor_parallel.sequence_parallel
     assert plan.tensor_parallel.loss_parallel
 
@@ -46,7 +46,7 @@ def test_tp_fixes_the_degree(tmp_path):
 def test_a_cpu_profile_plans_degree_1(tmp_path):
     rc, out = _plan(tmp_path, "--mem", "1GB", "--profile", "cpu-gloo")
     plan = load_plan(out)
-    assert rc == 0 and plan.mesh.tp == 1 and plan.tp_degrees == ()
+    assert rc == 0 and plan.mesh.tp == 1 and plan.layouts == ()
 
 
 @pytest.mark.parametrize("args, message", [
@@ -77,4 +77,4 @@ def test_a_transformers_config_is_split_by_its_own_plan(tmp_path):
     tp = found.styles[2]
     assert list(found.styles) == [2] and not tp.sequence_parallel and not tp.loss_parallel
     assert tp.styles_by_fqn["model.layers.0.self_attn.q_proj"].style.value == "colwise"
-    assert [o.degree for o in found.refused] == [4] and "degree 4" in found.refused[0].refused
+    assert [o.split.tp for o in found.refused] == [4] and "degree 4" in found.refused[0].refused

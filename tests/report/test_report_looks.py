@@ -10,7 +10,8 @@ import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 from shard_planner.plan import Plan
-from shard_planner.plan.points import DegreeOutcome, degree_lines
+from shard_planner.parallel.mesh import ModelSplit
+from shard_planner.plan.points import LayoutOutcome, layout_lines
 from shard_planner.hardware.profile import load_profile
 from shard_planner.report import build_sections
 from shard_planner.report.budget import report_budget
@@ -172,8 +173,8 @@ def test_the_summary_names_what_trains(gpt2):
 def test_durations_never_in_exponent_form():
     assert [format_duration(s) for s in (10.74, 0.3341, 4.048e-5, 12_345.0, 1.5)] == [
         "10.74 s", "334.1 ms", "0.04048 ms", "12,345 s", "1.5 s"]
-    slow = DegreeOutcome(1, "solved", 10.74, 10.0, 30 * GIB, 9.5, 1.2, 0.0, 64)
-    (line,) = degree_lines(1, (slow,))
+    slow = LayoutOutcome(ModelSplit(), "solved", 10.74, 10.0, 30 * GIB, 9.5, 1.2, 0.0, 64)
+    (line,) = layout_lines(ModelSplit(), (slow,))
     assert "step 10.74 s: compute 9.5 s, exposed communication 1.2 s" in line and "e+" not in line
 
 
