@@ -10,11 +10,11 @@ from shard_planner.plan.checkpointing import check_checkpointing_allowed
 from shard_planner.plan.comm import TP, GroupCollectiveBytes
 from shard_planner.cost.model import CostModel
 from shard_planner.cost import optimizer as optimizer_rules
-from shard_planner.cost.schedule import build_schedule
+from shard_planner.cost.engines import engine_named
+from shard_planner.cost.queries import UnitBytesQuery
 from shard_planner.cost.tables import CostTables, build_tables
 from shard_planner.cost.tp_comm import TP_GROUP, tp_bytes_per_step
 from shard_planner.cost.types import Estimate, MemoryEstimate, TimeEstimate
-from shard_planner.cost.unit_bytes import unit_bytes
 from shard_planner.errors import PlanError
 from shard_planner.plan import Plan, Unit
 from shard_planner.hardware.profile import HardwareProfile
@@ -66,7 +66,7 @@ def cost_tables(trace: ModelTrace, units: tuple[Unit, ...]) -> CostTables:
 
 def model_state_bytes(trace: ModelTrace, plan: Plan) -> dict[str, int]:
     """Sharded parameters, gradients and optimizer states per rank (the ZeRO model state)."""
-    ub = unit_bytes(build_tables(trace, plan.units), plan)
+    ub = engine_named(plan.engine).unit_bytes(build_tables(trace, plan.units), UnitBytesQuery.of(plan))
     grads = sum(x.sharded_grad for x in ub)
     return {
         "sharded_params": int(round(sum(x.sharded for x in ub))),
@@ -83,6 +83,6 @@ def tp_collectives_per_step(trace: ModelTrace, plan: Plan) -> tuple[GroupCollect
     the plan's."""
     check_tp_degree(plan, trace)
     t = build_tables(trace, plan.units)
-    checkpointed = build_schedule(t, plan.units, plan.prefetch).checkpointed
+    checkpointed = engine_named(plan.engine).schedule(t, plan.units, plan.prefetch).checkpointed
     return tuple(GroupCollectiveBytes(TP, TP_GROUP, c.collective, c.group_size, c.calls, c.bytes)
                  for c in tp_bytes_per_step(plan, trace, t, checkpointed))

@@ -33,12 +33,13 @@ import logging
 from collections import OrderedDict
 from dataclasses import replace
 
-from shard_planner.cost.accumulation import accumulated_time, simulate_accumulated_memory
+from shard_planner.cost.accumulation import accumulated_time
+from shard_planner.cost.engines import engine_named
 from shard_planner.cost.kernels import (
     block_kernel_s, cpu_loss_memory_bound_s, cpu_memory_bound_s, device_of, has_kernel_records, loss_kernel_s,
     module_kernel_s, records_time_s,
 )
-from shard_planner.cost.schedule import Schedule, build_schedule
+from shard_planner.cost.schedule import Schedule
 from shard_planner.cost.selective import (SelectiveBlocks, early_stop_share, flops_price, selective_blocks,
                                          subtree_selective)
 from shard_planner.cost.queries import (BatchQuery, BlockQuery, PlanQuery, ReservedQuery, ScheduleQuery,
@@ -47,17 +48,17 @@ from shard_planner.cost.queries import (BatchQuery, BlockQuery, PlanQuery, Reser
 from shard_planner.cost.tables import CostTables, segment_tables, subtree_summer, unit_params_of
 from shard_planner.cost.host_share import shared_profile
 from shard_planner.cost.tp_comm import block_tp_s, subtree_tp_s
-from shard_planner.cost.time import (BlockCompute, measured_block_times, simulate_time_walk, unit_collectives_s,
+from shard_planner.cost.time import (BlockCompute, measured_block_times, unit_collectives_s,
                                     unit_copies_s)
 from shard_planner.cost.activations import BlockActivations, block_activations
-from shard_planner.cost.memory import simulate_memory_walk
 from shard_planner.cost.quantized import dequantisation_s, subtree_dequantisation_s
 from shard_planner.cost.reserved import (ReservedEstimate, ReservedTimeline, simulate_reserved, simulate_reserved_timeline,
                                          simulated_events, unlimited_run)
 from shard_planner.cost.types import Estimate, MemoryEstimate, TimeEstimate
-from shard_planner.cost.unit_bytes import UnitBytes, query_unit_bytes
-from shard_planner.cost.unit_cost import UnitCost, unit_cost
+from shard_planner.cost.unit_bytes import UnitBytes
+from shard_planner.cost.unit_cost import UnitCost
 from shard_planner.plan import Plan, Unit
+from shard_planner.plan.engine import FSDP2
 from shard_planner.hardware.profile import HardwareProfile
 from shard_planner.trace.types import Affine, ModelTrace
 
@@ -154,25 +155,27 @@ class CostModel:
         return self._tables.get_or(segmentation, lambda seg: segment_tables(self.trace, seg, self._subtree_sum,
                                                                             self._params_of))
 
-    def schedule(self, units: tuple[Unit, ...], prefetch) -> Schedule:
-        """The step's event sequence (cost/schedule.py) for ``units`` and ``prefetch``."""
-        return self._schedule(ScheduleQuery(units, prefetch))
+    def schedule(self, units: tuple[Unit, ...], prefetch, engine: str = FSDP2) -> Schedule:
+        """The step's event sequence (``engine``'s: FSDP2's is cost/schedule.py) for ``units`` and ``prefetch``."""
+        return self._schedule(ScheduleQuery(units, prefetch, engine))
 
     def _schedule(self, q: ScheduleQuery) -> Schedule:
-        return self._schedules.get_or(q, lambda q: build_schedule(self.tables(q.units), q.units, q.prefetch))
+        return self._schedules.get_or(q, lambda q: engine_named(q.engine).schedule(self.tables(q.units), q.units,
+                                                                                   q.prefetch))
 
     def unit_bytes(self, plan: Plan) -> tuple[UnitBytes, ...]:
         """Every unit's byte sizes under ``plan`` (cost/unit_bytes.py)."""
         return self._unit_bytes_of(UnitBytesQuery.of(plan))
 
     def _unit_bytes_of(self, q: UnitBytesQuery) -> tuple[UnitBytes, ...]:
-        return self._unit_bytes.get_or(q, lambda q: query_unit_bytes(self.tables(q.units), q))
+        return self._unit_bytes.get_or(q, lambda q: engine_named(q.engine).unit_bytes(self.tables(q.units), q))
 
     def unit_costs_of(self, q: UnitCostsQuery) -> tuple[UnitCost, ...]:
         """What each unit of ``q`` costs on this model's profile (cost/unit_cost.py): the per-unit query
         the time walk reads here and the solver's linear model asks per candidate unit."""
         setting = q.setting
-        return tuple(unit_cost(p, u.reshard_after_forward, setting, self.profile)
+        engine = engine_named(setting.engine)
+        return tuple(engine.unit_cost(p, u.reshard_after_forward, setting, self.profile)
                      for p, u in zip(self.tables(q.units).unit_params, q.units))
 
     def block_activations(self, plan: Plan) -> BlockActivations:
@@ -381,7 +384,8 @@ class CostModel:
     def _simulate_memory(self, q: PlanQuery, timeline: bool, accountants: tuple = ()) -> MemoryEstimate:
         """The memory walk of ``q`` (cost/memory.py; several micro-steps per optimizer step:
         cost/accumulation.py), its events also to ``accountants``. ``q`` is the ``plan`` the walk reads."""
-        walk = simulate_memory_walk if q.training.accumulation_steps == 1 else simulate_accumulated_memory
+        engine = engine_named(q.engine)
+        walk = engine.memory_walk if q.training.accumulation_steps == 1 else engine.accumulated_memory_walk
         return walk(self.trace, self.tables(q.units), q, self.profile, self._unit_bytes_of(UnitBytesQuery.of(q)),
                     self._schedule(ScheduleQuery.of(q)), self._block_activations(BlockQuery.of(q)),
                     timeline=timeline, selective=self._selective_blocks(SelectiveQuery.of(q)), accountants=accountants)
@@ -432,8 +436,8 @@ class CostModel:
         selective = self._selective_blocks(SelectiveQuery.of(q))
 
         def walk(collectives):
-            return simulate_time_walk(self.trace, t, q, self.profile, schedule, compute, collectives,
-                                      selective=selective, copies=copies)
+            return engine_named(q.engine).time_walk(self.trace, t, q, self.profile, schedule, compute, collectives,
+                                                    selective=selective, copies=copies)
         if q.training.accumulation_steps == 1:
             return walk(comm)
         return accumulated_time(q.training, walk, comm, self.trace.tokens_per_sample, q.mesh.dp_size)

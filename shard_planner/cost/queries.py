@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shard_planner.plan import Mesh, Prefetch, Training, Unit
+from shard_planner.plan.engine import FSDP2
 
 
 def _query(cls):
@@ -98,14 +99,16 @@ class BlockQuery:
 
 @_query
 class ScheduleQuery:
-    """The step's event sequence (cost/schedule.py): the units' decisions and the prefetch depths."""
+    """The step's event sequence (the engine's: FSDP2's is cost/schedule.py): the units' decisions and the
+    prefetch depths."""
 
     units: tuple[Unit, ...]
     prefetch: Prefetch
+    engine: str = FSDP2
 
     @staticmethod
     def of(plan) -> "ScheduleQuery":
-        return ScheduleQuery(units_of(plan), plan.prefetch)
+        return ScheduleQuery(units_of(plan), plan.prefetch, plan.engine)
 
 
 @_query
@@ -129,28 +132,30 @@ class UnitBytesQuery:
     shard_group_size: int  # the layout's (parallel/mesh.py), read here as a key: the one size unit bytes depend on
     param_dtype: str
     reduce_dtype: str
+    engine: str = FSDP2
 
     @staticmethod
     def of(plan) -> "UnitBytesQuery":
         tr = plan.training
-        return UnitBytesQuery(units_of(plan), plan.mesh.shard_group_size, tr.param_dtype, tr.reduce_dtype)
+        return UnitBytesQuery(units_of(plan), plan.mesh.shard_group_size, tr.param_dtype, tr.reduce_dtype, plan.engine)
 
 
 @_query
 class UnitSetting:
-    """What one plan decides for all its units alike, as the per-unit cost (cost/unit_cost.py) reads it:
-    the mesh, the dtypes, the optimizer and CPU offload."""
+    """What one plan decides for all its units alike, as the per-unit cost (the engine's: FSDP2's is
+    cost/unit_cost.py) reads it: the mesh, the dtypes, the optimizer, CPU offload and the engine."""
 
     mesh: Mesh
     param_dtype: str
     reduce_dtype: str
     optimizer: str
     cpu_offload: bool
+    engine: str = FSDP2
 
     @staticmethod
     def of(plan) -> "UnitSetting":
         tr = plan.training
-        return UnitSetting(plan.mesh, tr.param_dtype, tr.reduce_dtype, tr.optimizer, tr.cpu_offload)
+        return UnitSetting(plan.mesh, tr.param_dtype, tr.reduce_dtype, tr.optimizer, tr.cpu_offload, plan.engine)
 
 
 @_query
@@ -169,16 +174,18 @@ class UnitCostsQuery:
 @_query
 class PlanQuery:
     """A plan's decisions — what the memory and time simulators read — without its prediction, solver,
-    frontier or cluster: the key of the estimate memos, and the ``plan`` the walks are given."""
+    frontier or cluster: the key of the estimate memos, and the ``plan`` the walks are given. ``engine``:
+    whose rules price them (cost/engines/)."""
 
     units: tuple[Unit, ...]
     prefetch: Prefetch
     mesh: Mesh
     training: Training
+    engine: str = FSDP2
 
     @staticmethod
     def of(plan) -> "PlanQuery":
-        return PlanQuery(units_of(plan), plan.prefetch, plan.mesh, plan.training)
+        return PlanQuery(units_of(plan), plan.prefetch, plan.mesh, plan.training, plan.engine)
 
 
 @_query

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from shard_planner.plan.checkpointing import DEFAULT_SAVE_OPS, SAVEABLE_OP_CLASSES, SELECTIVE
+from shard_planner.plan.engine import ENGINES, FSDP2
 from shard_planner.errors import PlanError
 from shard_planner.fileio import read_json, write_atomic
 from shard_planner.plan.finetune import FineTune  # the plan file's "model.finetune": what was frozen and how
@@ -228,6 +229,9 @@ class Plan:
     # each split of the model over ranks (tensor-parallel degree) `plan` searched, the chosen one's too
     # (solve/layout_search.py); () when one was
     layouts: tuple[LayoutOutcome, ...] = ()
+    # the library that shards the plan and runs its collectives (plan/engine.py); written when it is not FSDP2,
+    # so that plan files read and write as before the field (every one of them was FSDP2's)
+    engine: str = FSDP2
 
     def __post_init__(self):
         object.__setattr__(self, "units", tuple(self.units))
@@ -331,6 +335,8 @@ class Plan:
         if self.mesh.tp == 1:  # plans without tensor parallelism read as they did before it
             d["mesh"].pop("tp")
             del d["tensor_parallel"]
+        if self.engine == FSDP2:  # FSDP2 plans read as before the field: a plan file without one is FSDP2's
+            del d["engine"]
         if self.mesh.pp == 1:  # plans without pipeline stages (all of them today) read as before the field
             d["mesh"].pop("pp")
         if not self.layouts:  # plans of one layout read as they did before the layout search
@@ -408,6 +414,7 @@ PLAN_RULES = {
     "FrontierPoint.peak_bytes": _BYTES, "FrontierPoint.step_time_s": _SECONDS,
     "MeasuredPoint.world_size": _COUNT, "MeasuredPoint.peak_bytes": _BYTES, "MeasuredPoint.step_time_s": _SECONDS,
     "MeasuredPoint.predicted_peak_bytes": Nullable(_BYTES), "MeasuredPoint.predicted_step_time_s": Nullable(_SECONDS),
+    "Plan.engine": Text(ENGINES),
     "ModelSplit.tp": _COUNT, "ModelSplit.pp": _COUNT, "LayoutOutcome.judged": Text(LAYOUT_JUDGED),
     **{f"LayoutOutcome.{name}": Nullable(_SECONDS) for name in ("step_time_s", "samples_per_s", "compute_s",
                                                                 "exposed_comm_s", "split_comm_s")},

@@ -18,7 +18,8 @@ from functools import reduce
 from operator import add
 
 from shard_planner.cost.queries import UnitSetting
-from shard_planner.cost.unit_cost import UnitCost, unit_cost
+from shard_planner.cost.engines import engine_named
+from shard_planner.cost.unit_cost import UnitCost
 from shard_planner.cost.unit_params import UnitParams
 from shard_planner.hardware.profile import HardwareProfile
 from shard_planner.solve.item_params import item_params, root_only_params
@@ -53,15 +54,16 @@ def candidate_costs(trace: ModelTrace, space: SearchSpace, setting: UnitSetting,
     """Every candidate's unit costs (the module docstring), each by :func:`unit_cost` of its units'
     parameters (solve/item_params.py ``ItemParams.parts``) with the candidate's ``reshard_after_forward``."""
     params = item_params(trace, space)
+    priced = engine_named(setting.engine).unit_cost  # the plan's engine's rule (cost/engines/)
     parts, whole = [], []
     for c in space.candidates:
         param_parts = params.parts(c)
-        costs = tuple(unit_cost(p, c.option.reshard_after_forward, setting, profile) for p in param_parts)
+        costs = tuple(priced(p, c.option.reshard_after_forward, setting, profile) for p in param_parts)
         parts.append(costs)
-        whole.append(costs[0] if len(costs) == 1 else unit_cost(reduce(add, param_parts),
-                                                                 c.option.reshard_after_forward, setting, profile))
+        whole.append(costs[0] if len(costs) == 1 else priced(reduce(add, param_parts),
+                                                              c.option.reshard_after_forward, setting, profile))
     model_params = UnitParams.of_modules(trace.modules)
     return CandidateCosts(
         space=space, setting=setting, profile=profile, parts=tuple(parts), whole=tuple(whole),
-        model_params=model_params, model=unit_cost(model_params, True, setting, profile),
-        root=unit_cost(root_only_params(trace, space), None, setting, profile))
+        model_params=model_params, model=priced(model_params, True, setting, profile),
+        root=priced(root_only_params(trace, space), None, setting, profile))
