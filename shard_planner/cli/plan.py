@@ -17,8 +17,8 @@ from shard_planner.cli.args import (add_batch_search, add_dtype, add_gpus, add_g
                                     add_timings, add_tp_arguments, hf_options, param_dtype, report_dir)
 from shard_planner.cli.background import Helper, HelperDied, helper_process
 from shard_planner.cli.collector import command_collector, without_collections
-from shard_planner.cli.plan_degrees import DegreeWork, degrees_to_search, load_and_trace
-from shard_planner.errors import ModelFileError
+from shard_planner.cli.plan_degrees import DegreeWork, degrees_to_search, load_and_trace, model_cache_key
+from shard_planner.errors import ModelFileError, UserError
 from shard_planner.fileio import check_output_dir, check_output_file
 from shard_planner.model.hf import as_planned
 from shard_planner.plan import Plan, save_plan, with_paths_located
@@ -64,15 +64,44 @@ def run(args: argparse.Namespace) -> int:
     # (see cli/background.py); it ends with the command.
     # A second helper derives and traces the tensor-parallel degrees (cli/plan_degrees.py [Note: Two helpers
     # for the degrees]). For the collector, see [Note: the collector during a command].
-    with command_collector(), helper_process() as helper, helper_process() as second:
-        return _run(args, helper, second)
+    t0 = time.perf_counter()
+    with command_collector():
+        if _traced_before(args):  # [Note: Importing before the helpers fork]
+            with without_collections():
+                _import_planner(args.report)
+        with helper_process() as helper, helper_process() as second:
+            return _run(args, helper, second, t0)
 
 
-def _run(args: argparse.Namespace, helper: Helper, second: Helper) -> int:
+# [Note: Importing before the helpers fork]
+# The helpers are forked before anything is imported so that the trace (torch, ~2 s) runs beside this
+# process's imports (cli/background.py). When the trace cache holds the model's trace there is no trace to
+# overlap: the helpers only screen, search and render, and each would import the planner and the report
+# itself (CP-SAT, numpy, matplotlib, pandas: ~0.9 CPU-s each, three processes on two cores). Then this
+# process imports them once, before forking, and the helpers inherit them. Measured on the README's 8B plan,
+# warm, idle 2 cores: benchmarks/bench_planner_speed.py, reports/benchmarks/planner_speed.md.
+def _traced_before(args: argparse.Namespace) -> bool:
+    """Whether the trace cache holds the model's trace at degree 1 (cli/plan_degrees.py ``load_and_trace``)."""
+    from shard_planner.trace.trace_cache import holds
+
+    try:
+        return holds(model_cache_key(args.model, hf_options(args), param_dtype(args)))
+    except UserError:
+        return False  # a bad argument: _run says so in one line
+
+
+def _import_planner(report: bool) -> None:
+    """Import what planning imports (the planner and CP-SAT), and the report (matplotlib) when asked."""
+    import shard_planner.solve.layout_search  # noqa: F401
+
+    if report:
+        _import_report()
+
+
+def _run(args: argparse.Namespace, helper: Helper, second: Helper, t0: float) -> int:
     check_output_file(args.output, "plan")
     if args.report:
         check_output_dir(report_dir(args), "report")
-    t0 = time.perf_counter()
     dtype = param_dtype(args)
     tracing = helper.submit(_load_and_trace, args.model, hf_options(args), dtype)
     profile = load_priced_profile(args.profile, args.timings)  # light; which degrees to search depends on it

@@ -21,9 +21,10 @@ the splits are tensor-parallel degrees alone until pipeline stages join them).
   process's search. On two cores this keeps both busy from the start: Llama 3 70B on 256 GPUs and 405B on
   512 use about 25 CPU-seconds, so nothing can bring them under about 12.5 s on this machine.
   Each trace and the styles come from the trace cache when it holds them (trace/trace_cache.py: planning
-  the same model again at another budget or GPU count): the helpers then import no torch, and when every
-  degree's trace is there the second helper screens every degree above 1 (``_deal``), since their traces
-  cost nothing, while this process screens degree 1.
+  the same model again at another budget or GPU count): the helpers then import no torch (and are forked
+  after this process imported the planner: cli/plan.py [Note: Importing before the helpers fork]), and when
+  every degree's trace is there the two helpers screen the degrees above 1 in turn (``_deal``), since their
+  traces cost nothing, while this process screens degree 1.
 """
 
 from __future__ import annotations
@@ -73,12 +74,8 @@ class DegreeWork:
     def start(cls, args: argparse.Namespace, hf, dtype: str, degrees: list[int], second) -> "DegreeWork":
         """Start deriving the styles of ``degrees`` above 1 in ``second`` (the sequence length is checked
         later, against degree 1's trace)."""
-        from shard_planner.trace.trace_cache import holds
-
         call = second.submit(_degree_styles, args.model, hf, degrees, args.sequence_parallel,
                              args.loss_parallel) if degrees != [1] else None
-        if call is not None and holds(_model_key(args.model, hf, dtype)):  # traces from the cache: the second
-            second.submit(_import_screen)  # helper is idle while this process imports, and will screen (_deal)
         return cls(args, hf, dtype, degrees, second, call)
 
     def plan(self, trace, request, helper):
@@ -129,11 +126,11 @@ def _deal(degrees: list[int], second, first, cached: bool = False) -> dict[int, 
     """Who traces each of ``degrees`` (above 1), and whether it screens it too (else this process does): the
     second helper traces the first degree and traces and screens the last, the first helper (the one that
     traced degree 1) traces those between; in the order the traces are read ([Note: Two helpers for the
-    degrees]). When the trace cache holds every one of them (``cached``), a "trace" is a file read, so the
-    second helper (which imported the planner while this process did: ``DegreeWork.start``) screens them all
-    while this process screens degree 1 and the first helper imports the report."""
+    degrees]). When the trace cache holds every one of them (``cached``), a "trace" is a file read, so the two
+    helpers (forked after this process imported the planner: cli/plan.py [Note: Importing before the helpers
+    fork]) screen them in turn, the second first, while this process screens degree 1."""
     if cached:
-        return {t: (second, True) for t in degrees}
+        return {t: (second if i % 2 == 0 else first, True) for i, t in enumerate(degrees)}
     if len(degrees) < 2:
         return {t: (second, True) for t in degrees}
     return {degrees[0]: (second, False), **{t: (first, False) for t in degrees[1:-1]}, degrees[-1]: (second, True)}
@@ -151,19 +148,14 @@ def load_and_trace(model: str, hf, dtype: str):
         model_file = load_model_file(model, hf)
         return trace_model(model_file, dtype=dtype), model_file.defaults, model_file.finetune
 
-    return cached(_model_key(model, hf, dtype), traced)
+    return cached(model_cache_key(model, hf, dtype), traced)
 
 
-def _model_key(model: str, hf, dtype: str):
+def model_cache_key(model: str, hf, dtype: str):
     """The trace cache's key of ``model`` at degree 1, with its TRAINING defaults and fine-tune."""
     from shard_planner.trace.trace_cache import CacheKey
 
     return CacheKey("model", model, (hf, dtype, 1))
-
-
-def _import_screen() -> None:
-    """In a helper: import what screening a degree imports (the planner, CP-SAT), ahead of the first screen."""
-    import shard_planner.solve.layout_search  # noqa: F401
 
 
 def _degree_styles(model: str, hf, degrees: list[int], sequence_parallel: bool, loss_parallel: bool):

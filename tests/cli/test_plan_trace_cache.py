@@ -51,9 +51,10 @@ def test_a_second_plan_traces_nothing_and_plans_the_same(tmp_path, monkeypatch):
               "--no-report"])
 
 
-def test_with_every_trace_cached_the_second_helper_screens_every_degree_above_1(tmp_path, monkeypatch):
+def test_with_every_trace_cached_the_helpers_screen_every_degree_above_1(tmp_path, monkeypatch):
     """cli/plan_degrees.py ``_deal``: a cached trace is a file read, so the helper that reads it screens it too
-    (having imported the planner while this process did), and this process screens degree 1 only."""
+    (forked after this process imported the planner: cli/plan.py [Note: Importing before the helpers fork]),
+    and this process screens degree 1 only."""
     import torch  # noqa: F401  (torch imported: the helpers' calls run in this process, where they are recorded)
 
     from shard_planner.cli import background, plan_degrees
@@ -73,13 +74,13 @@ def test_with_every_trace_cached_the_second_helper_screens_every_degree_above_1(
     monkeypatch.setattr(background.Helper, "submit", lambda self, fn, *a: submitted.append(fn) or submit(self, fn, *a))
     assert _plan(model, tmp_path / "second.json") == 0
     assert screened_there == {2: True}  # tiny llama: 4 and 8 refused before a trace
-    assert plan_degrees._import_screen in submitted
+    assert plan_degrees._trace_and_screen in submitted
     assert _decisions(tmp_path / "second.json") == _decisions(tmp_path / "first.json")
 
 
-def test_the_deal_of_cached_degrees_screens_them_all_in_the_second_helper():
+def test_the_deal_of_cached_degrees_screens_them_in_both_helpers_in_turn():
     from shard_planner.cli.plan_degrees import _deal
 
     first, second = object(), object()
-    assert _deal([2, 4, 8], second, first, cached=True) == {2: (second, True), 4: (second, True), 8: (second, True)}
+    assert _deal([2, 4, 8], second, first, cached=True) == {2: (second, True), 4: (first, True), 8: (second, True)}
     assert _deal([2, 4, 8], second, first) == {2: (second, False), 4: (first, False), 8: (second, True)}  # traced

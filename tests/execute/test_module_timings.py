@@ -159,10 +159,11 @@ def test_module_compute_s_measured_or_flops(mlp, gloo):
 
 def test_estimate_builds_unit_bytes_once(mlp, gloo, monkeypatch):
     import shard_planner.cost.model as cost_model  # the CostModel builds them; a fresh one has none yet
+    from shard_planner.cost.engines.fsdp2 import FSDP2_ENGINE
 
     calls = []
-    real = cost_model.query_unit_bytes  # what the CostModel's unit-bytes memo calls (cost/queries.py)
-    monkeypatch.setattr(cost_model, "query_unit_bytes", lambda *a: calls.append(1) or real(*a))
+    real = FSDP2_ENGINE.unit_bytes  # what the CostModel's unit-bytes memo calls (cost/queries.py), via the engine
+    monkeypatch.setattr(FSDP2_ENGINE, "unit_bytes", lambda *a: calls.append(1) or real(*a))
     cost_model.CostModel(mlp, gloo).estimate(_plan([Unit(("",), False)] + [Unit((f"blocks.{i}",)) for i in range(L)]))
     assert len(calls) == 1
 
