@@ -23,7 +23,7 @@ from shard_planner.fileio import check_output_dir, check_output_file
 from shard_planner.model.hf import as_planned
 from shard_planner.plan import Plan, save_plan, with_paths_located
 from shard_planner.plan.points import layout_lines
-from shard_planner.hardware.profile import load_priced_profile
+from shard_planner.hardware.profile import DEFAULT_PROFILE, load_priced_profile
 from shard_planner.units import format_bytes
 
 if TYPE_CHECKING:  # the planner (torch, CP-SAT) is imported when the command runs, not to build the parser
@@ -45,7 +45,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_hf_arguments(p)
     add_gpus(p)
     add_mem(p)
-    add_profile(p, default="h100-80gb", default_text="h100-80gb")
+    add_profile(p, default=DEFAULT_PROFILE, default_text=DEFAULT_PROFILE)
     add_timings(p)
     add_gpus_per_node(p)
     add_batch_search(p)
