@@ -85,13 +85,13 @@ def child(calls_file: str, argv: list[str]) -> int:
     def _layout_screen_s(t) -> float:  # the field's name before the layout search (older checkouts, --code)
         return getattr(t, "layout_screen_s", None) or getattr(t, "degree_screen_s", 0.0)
 
-    def recorded_time_line(result, trace_s, report_s, import_s=None, traced_beside=False):
+    def recorded_time_line(result, trace_s, report_s, import_s=None, *flags):
         t, p = result.timings, result.plan
         found.update(imports_s=import_s, report_s=report_s, screen_s=_layout_screen_s(t) or t.screen_s,
                      solve_s=t.solve_s + t.frontier_s + t.baselines_s + t.polish_s + t.simplify_s,
                      chosen=p.mesh.description, step_ms=p.predicted.step_time_s * 1e3,
                      peak_gib=p.predicted.peak_bytes / 2**30, trace_tp1_s=trace_s)
-        return timed(result, trace_s, report_s, import_s, traced_beside)
+        return timed(result, trace_s, report_s, import_s, *flags)
 
     background._reply, plan_cli.time_line = recorded_reply, recorded_time_line
     code = main(["plan", *argv])

@@ -7,8 +7,11 @@ rendering three figures (~0.25 s each). Only the trace needs dynamo, only the pl
 CP-SAT and matplotlib, and figures render independently, so on a machine with two cores or more the
 command forks a helper before torch is imported: the helper traces while the command imports the planner
 and the report and loads the profile, then imports matplotlib while the command plans, then renders
-figures while the command renders the others. Calls and results travel pickled through pipes (the
-Llama 8B trace: 0.5 MB, 16 ms to pickle; a report figure ~0.1 MB, 8 ms, rendering byte-identical PNGs).
+figures while the command renders the others. When the trace cache already holds the trace there is
+nothing to overlap with the imports, and ``plan`` imports the planner and the report before it forks its
+helpers, which inherit them (cli/plan.py [Note: Importing before the helpers fork]). Calls and results
+travel pickled through pipes (the Llama 8B trace: 0.5 MB, 16 ms to pickle; a report figure ~0.1 MB, 8 ms,
+rendering byte-identical PNGs).
 
 [Note: when the helper is not forked]
 Each call runs in this process instead, when its result is asked for, where forking would not pay or

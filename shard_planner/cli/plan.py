@@ -66,11 +66,12 @@ def run(args: argparse.Namespace) -> int:
     # for the degrees]). For the collector, see [Note: the collector during a command].
     t0 = time.perf_counter()
     with command_collector():
-        if _traced_before(args):  # [Note: Importing before the helpers fork]
+        imported = _traced_before(args)
+        if imported:  # [Note: Importing before the helpers fork]
             with without_collections():
                 _import_planner(args.report)
         with helper_process() as helper, helper_process() as second:
-            return _run(args, helper, second, t0)
+            return _run(args, helper, second, t0, imported)
 
 
 # [Note: Importing before the helpers fork]
@@ -78,16 +79,19 @@ def run(args: argparse.Namespace) -> int:
 # process's imports (cli/background.py). When the trace cache holds the model's trace there is no trace to
 # overlap: the helpers only screen, search and render, and each would import the planner and the report
 # itself (CP-SAT, numpy, matplotlib, pandas: ~0.9 CPU-s each, three processes on two cores). Then this
-# process imports them once, before forking, and the helpers inherit them. Measured on the README's 8B plan,
-# warm, idle 2 cores: benchmarks/bench_planner_speed.py, reports/benchmarks/planner_speed.md.
+# process imports them once, before forking, and the helpers inherit them (README's 8B plan, warm, idle 2
+# cores: 5.29 -> 3.89 s, 8.89 -> 6.21 CPU-s; benchmarks/bench_planner_speed.py, reports/benchmarks/
+# planner_speed.md). What is imported must not import torch (cli/background.py forks no helper from a process
+# that has; tests/cli/test_plan_trace_cache.py checks it); numpy starts OpenBLAS's thread pool, which
+# OpenBLAS itself shuts down and restarts around a fork (its pthread_atfork handlers).
 def _traced_before(args: argparse.Namespace) -> bool:
     """Whether the trace cache holds the model's trace at degree 1 (cli/plan_degrees.py ``load_and_trace``)."""
     from shard_planner.trace.trace_cache import holds
 
     try:
         return holds(model_cache_key(args.model, hf_options(args), param_dtype(args)))
-    except UserError:
-        return False  # a bad argument: _run says so in one line
+    except Exception:  # noqa: BLE001 (a bad argument, an unreadable folder: _run says so in one line, or traces)
+        return False
 
 
 def _import_planner(report: bool) -> None:
@@ -98,7 +102,9 @@ def _import_planner(report: bool) -> None:
         _import_report()
 
 
-def _run(args: argparse.Namespace, helper: Helper, second: Helper, t0: float) -> int:
+def _run(args: argparse.Namespace, helper: Helper, second: Helper, t0: float, imported: bool) -> int:
+    """The command, with the helpers forked; ``t0`` when it started, ``imported``: whether the planner and the
+    report were imported before the helpers forked ([Note: Importing before the helpers fork])."""
     check_output_file(args.output, "plan")
     if args.report:
         check_output_dir(report_dir(args), "report")
@@ -108,14 +114,14 @@ def _run(args: argparse.Namespace, helper: Helper, second: Helper, t0: float) ->
     profile.check_compute_dtype(dtype)  # before the trace's result is waited for
     degrees = degrees_to_search(args, args.gpus_per_node or profile.interconnect.gpus_per_node, profile.device)
     degree_work = DegreeWork.start(args, hf_options(args), dtype, degrees, second)
-    if args.report:
+    if args.report and not imported:
         helper.submit(_import_report)  # once the trace is done, while the styles are derived or this process plans
     with without_collections():
         from shard_planner.solve import PlanRequest
         from shard_planner.solve.request import requested_micro_batch
         from shard_planner.trace.files import trace_model_file
 
-        if args.report:
+        if args.report and not imported:
             _import_report()
         import_s = time.perf_counter() - t0
         try:
@@ -150,19 +156,22 @@ def _run(args: argparse.Namespace, helper: Helper, second: Helper, t0: float) ->
         report_s = time.perf_counter() - t1
         if out is not None:
             print(f"report: {out}")
-    print(f"time: {time_line(result, trace_s, report_s, import_s, helper.forked)}")
+    print(f"time: {time_line(result, trace_s, report_s, import_s, helper.forked, imported)}")
     return 0
 
 
 def time_line(result: PlanResult, trace_s: float | None, report_s: float | None, import_s: float | None = None,
-              traced_beside: bool = False) -> str:
+              traced_beside: bool = False, imported_before: bool = False) -> str:
     """Where the time went, in one line: importing the planner (torch, CP-SAT; matplotlib too when there
-    is a report), trace, the planner's stages, the report. ``traced_beside``: the trace ran in the helper
-    process at the same time as the imports (cli/background.py); its time then includes its own imports."""
+    is a report), trace, the planner's stages, the report. ``traced_beside``: the helper process was forked,
+    so the trace ran there, at the same time as the imports (cli/background.py; its time then includes its
+    own imports) unless the planner was imported before the fork (``imported_before``: the trace was in the
+    trace cache, [Note: Importing before the helpers fork])."""
     t = result.timings
+    where = (" (in the helper process, beside the imports)" if not imported_before
+             else " (from the trace cache, in the helper process)") if traced_beside else ""
     parts = ([f"imports {import_s:.2f} s"] if import_s is not None else []) + (
-        [f"trace {trace_s:.2f} s" + (" (in the helper process, beside the imports)" if traced_beside else "")]
-        if trace_s is not None else []) + [
+        [f"trace {trace_s:.2f} s{where}"] if trace_s is not None else []) + [
         f"screen {t.screen_s:.2f} s", f"solve {t.solve_s:.2f} s", f"frontier {t.frontier_s:.2f} s",
         f"baselines {t.baselines_s:.2f} s", f"polish {t.polish_s:.2f} s", f"simplify {t.simplify_s:.2f} s",
     ] + ([f"report {report_s:.2f} s"] if report_s is not None else [])

@@ -11,7 +11,7 @@ One object per (trace, profile) owns everything that can be reused between plans
     model.module_compute_s(fqn, micro_batch, param_dtype) -> (fwd_s, bwd_s)   # fqn None: the loss
     model.subtree_sum(fqn, attr) -> Affine                    # e.g. attr "fwd_flops_self"
     model.tables(units) -> CostTables                         # per segmentation (cost/tables.py)
-    model.schedule(units, prefetch) -> Schedule               # FSDP2's step as events (cost/schedule.py)
+    model.schedule(units, prefetch) -> Schedule               # the step as events (FSDP2's: cost/schedule.py)
     model.block_compute_s(tables, micro_batch, param_dtype)   # THE per-block compute time (cost/time.py)
 
 Estimates are memoised by the plan's decisions (units, prefetch, mesh, training): evaluating a cover
@@ -20,7 +20,9 @@ checks need only the peak). Results are shared between callers: treat them as re
 timings' fingerprint and dtype check (``profile.module_timings``) runs once per param dtype.
 
 Both simulators walk one event sequence (cost/schedule.py): the memory one tracks live bytes by
-category (cost/memory.py), the time one a compute and a communication stream (cost/time.py).
+category (cost/memory.py), the time one a compute and a communication stream (cost/time.py). Those, the
+units' bytes and costs are the plan's engine's rules, asked through the engine seam (cost/engines/
+[Note: What an engine owns]; FSDP2's are the modules named here).
 
 The functions below (cost/api.py) are thin wrappers that build a CostModel per call, for callers that
 evaluate a few plans (code that judges many holds one CostModel):
@@ -30,6 +32,7 @@ evaluate a few plans (code that judges many holds one CostModel):
     simulate_time(trace, plan, profile) -> TimeEstimate
     module_compute_s(trace, fqn, micro_batch, profile, param_dtype) -> (fwd_s, bwd_s)
     cost_tables(trace, units) -> CostTables;  model_state_bytes(trace, plan) -> dict
+    unit_bytes(tables, plan) -> tuple[UnitBytes, ...]          # every unit's buffers, by the plan's engine
     tp_collectives_per_step(trace, plan) -> tensor-parallel collectives per step (what ``run`` compares)
 
 ~1 ms per plan for an 80-layer model without the memo (benchmarks/bench_cost.py).
@@ -39,13 +42,13 @@ from __future__ import annotations
 
 from shard_planner.cost.api import (
     cost_tables, estimate, model_state_bytes, module_compute_s, simulate_memory, simulate_time,
-    tp_collectives_per_step,
+    tp_collectives_per_step, unit_bytes,
 )
 from shard_planner.cost.model import CostModel
 from shard_planner.cost.schedule import Event, EventKind, Schedule, build_schedule
 from shard_planner.cost.tables import CostTables
 from shard_planner.cost.types import Estimate, MemoryEstimate, MemoryEvent, TimeEstimate, UnitTime
-from shard_planner.cost.unit_bytes import UnitBytes, unit_bytes
+from shard_planner.cost.unit_bytes import UnitBytes
 
 
 __all__ = [

@@ -15,6 +15,7 @@ from shard_planner.cost.queries import UnitBytesQuery
 from shard_planner.cost.tables import CostTables, build_tables
 from shard_planner.cost.tp_comm import TP_GROUP, tp_bytes_per_step
 from shard_planner.cost.types import Estimate, MemoryEstimate, TimeEstimate
+from shard_planner.cost.unit_bytes import UnitBytes
 from shard_planner.errors import PlanError
 from shard_planner.plan import Plan, Unit
 from shard_planner.hardware.profile import HardwareProfile
@@ -66,13 +67,19 @@ def cost_tables(trace: ModelTrace, units: tuple[Unit, ...]) -> CostTables:
 
 def model_state_bytes(trace: ModelTrace, plan: Plan) -> dict[str, int]:
     """Sharded parameters, gradients and optimizer states per rank (the ZeRO model state)."""
-    ub = engine_named(plan.engine).unit_bytes(build_tables(trace, plan.units), UnitBytesQuery.of(plan))
+    ub = unit_bytes(build_tables(trace, plan.units), plan)
     grads = sum(x.sharded_grad for x in ub)
     return {
         "sharded_params": int(round(sum(x.sharded for x in ub))),
         "grads": int(round(grads)),
         "optimizer_states": int(round(optimizer_rules.optimizer_state_bytes(plan.training.optimizer, grads))),
     }
+
+
+def unit_bytes(t: CostTables, plan: Plan) -> tuple[UnitBytes, ...]:
+    """The byte sizes of every unit of ``plan`` (segmented as ``t``), by the plan's engine's rules
+    (cost/engines/; FSDP2's: cost/unit_bytes.py ``query_unit_bytes``)."""
+    return engine_named(plan.engine).unit_bytes(t, UnitBytesQuery.of(plan))
 
 
 def tp_collectives_per_step(trace: ModelTrace, plan: Plan) -> tuple[GroupCollectiveBytes, ...]:

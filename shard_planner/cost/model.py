@@ -33,7 +33,6 @@ import logging
 from collections import OrderedDict
 from dataclasses import replace
 
-from shard_planner.cost.accumulation import accumulated_time
 from shard_planner.cost.engines import engine_named
 from shard_planner.cost.kernels import (
     block_kernel_s, cpu_loss_memory_bound_s, cpu_memory_bound_s, device_of, has_kernel_records, loss_kernel_s,
@@ -48,8 +47,7 @@ from shard_planner.cost.queries import (BatchQuery, BlockQuery, PlanQuery, Reser
 from shard_planner.cost.tables import CostTables, segment_tables, subtree_summer, unit_params_of
 from shard_planner.cost.host_share import shared_profile
 from shard_planner.cost.tp_comm import block_tp_s, subtree_tp_s
-from shard_planner.cost.time import (BlockCompute, measured_block_times, unit_collectives_s,
-                                    unit_copies_s)
+from shard_planner.cost.time import BlockCompute, measured_block_times
 from shard_planner.cost.activations import BlockActivations, block_activations
 from shard_planner.cost.quantized import dequantisation_s, subtree_dequantisation_s
 from shard_planner.cost.reserved import (ReservedEstimate, ReservedTimeline, simulate_reserved, simulate_reserved_timeline,
@@ -435,15 +433,16 @@ class CostModel:
         schedule = self._schedule(ScheduleQuery.of(q))
         selective = self._selective_blocks(SelectiveQuery.of(q))
 
+        engine = engine_named(q.engine)
+
         def walk(collectives):
-            return engine_named(q.engine).time_walk(self.trace, t, q, self.profile, schedule, compute, collectives,
-                                                    selective=selective, copies=copies)
+            return engine.time_walk(self.trace, t, q, self.profile, schedule, compute, collectives,
+                                    selective=selective, copies=copies)
         if q.training.accumulation_steps == 1:
             return walk(comm)
-        return accumulated_time(q.training, walk, comm, self.trace.tokens_per_sample, q.mesh.dp_size)
+        return engine.accumulated_time(q.training, walk, comm, self.trace.tokens_per_sample, q.mesh.dp_size)
 
     def _unit_time_s(self, q: UnitCostsQuery):
-        """Per unit its collectives' and its FSDP2 copies' seconds, the two-stream walk's inputs
-        (cost/time.py), from every unit's cost."""
-        costs = self.unit_costs_of(q)
-        return unit_collectives_s(costs), unit_copies_s(costs)
+        """Per unit its collectives' and its copies' seconds, the two-stream walk's inputs, from every unit's
+        cost (the engine's: FSDP2's are cost/time.py ``unit_collectives_s`` and ``unit_copies_s``)."""
+        return engine_named(q.setting.engine).time_inputs(self.unit_costs_of(q))

@@ -22,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shard_planner.plan import Mesh, Prefetch, Training, Unit
-from shard_planner.plan.engine import FSDP2
 
 
 def _query(cls):
@@ -104,7 +103,7 @@ class ScheduleQuery:
 
     units: tuple[Unit, ...]
     prefetch: Prefetch
-    engine: str = FSDP2
+    engine: str
 
     @staticmethod
     def of(plan) -> "ScheduleQuery":
@@ -132,7 +131,7 @@ class UnitBytesQuery:
     shard_group_size: int  # the layout's (parallel/mesh.py), read here as a key: the one size unit bytes depend on
     param_dtype: str
     reduce_dtype: str
-    engine: str = FSDP2
+    engine: str
 
     @staticmethod
     def of(plan) -> "UnitBytesQuery":
@@ -150,7 +149,7 @@ class UnitSetting:
     reduce_dtype: str
     optimizer: str
     cpu_offload: bool
-    engine: str = FSDP2
+    engine: str
 
     @staticmethod
     def of(plan) -> "UnitSetting":
@@ -181,7 +180,7 @@ class PlanQuery:
     prefetch: Prefetch
     mesh: Mesh
     training: Training
-    engine: str = FSDP2
+    engine: str
 
     @staticmethod
     def of(plan) -> "PlanQuery":

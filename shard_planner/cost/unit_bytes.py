@@ -21,7 +21,6 @@ from shard_planner.cost.reshard import ReshardAfterForward
 from shard_planner.cost.tables import CostTables
 from shard_planner.cost.unit_params import UnitParams
 from shard_planner.dtypes import FLOAT_DTYPES, dtype_bytes
-from shard_planner.plan import Plan
 from shard_planner.hardware.profile import HardwareProfile
 
 
@@ -51,11 +50,6 @@ def reduce_scatter_backend_temp_bytes(rs_input_bytes: float, profile: HardwarePr
     allocates none (the profile's ``reduce_scatter_temp_fraction``; cost/memory.py [Note: Reduce-scatter
     buffers])."""
     return rs_input_bytes * profile.reduce_scatter_temp_fraction
-
-
-def unit_bytes(t: CostTables, plan: Plan) -> tuple[UnitBytes, ...]:
-    """The byte sizes of every unit of ``plan`` (segmented as ``t``): :func:`query_unit_bytes`."""
-    return query_unit_bytes(t, UnitBytesQuery.of(plan))
 
 
 def query_unit_bytes(t: CostTables, q: UnitBytesQuery) -> tuple[UnitBytes, ...]:

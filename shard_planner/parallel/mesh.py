@@ -91,11 +91,6 @@ class ModelSplit:
         Mesh(shard=1, tp=self.tp, pp=self.pp)  # the same checks, in the same words
 
     @property
-    def is_split(self) -> bool:
-        """Whether one replica spans more than one rank."""
-        return self.tp > 1 or self.pp > 1
-
-    @property
     def label(self) -> str:
         """For people: ``TP 2``; ``no tensor parallelism`` for a replica on one rank (pipeline stages, when
         planned, add `` x PP n``)."""
@@ -112,10 +107,6 @@ class ModelSplit:
     def key(self) -> str:
         """A short name for files and figure ids: ``tp2``; ``tp1`` for a replica on one rank."""
         return f"tp{self.tp}" + (f"-pp{self.pp}" if self.pp > 1 else "")
-
-    def mesh_fsdp(self, world_size: int) -> "Mesh":
-        """Plain FSDP over the data-parallel ranks of ``world_size`` with this split (:meth:`Mesh.fsdp`)."""
-        return Mesh.fsdp(world_size, self.tp)
 
 
 @dataclass(frozen=True)

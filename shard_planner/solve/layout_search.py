@@ -148,7 +148,8 @@ def plan_over_layouts(options: Iterable[LayoutOption], request: PlanRequest, *,
     if not results:
         if errors:
             raise errors[0]
-        raise UserError("no layout to plan: " + "; ".join(f"{o.label}: {o.refused}" for o in refused))
+        raise UserError("no layout (tensor-parallel degree) to plan: "
+                        + "; ".join(f"{o.label}: {o.refused}" for o in refused))
     best = max(results, key=lambda r: r.plan.predicted.samples_per_s)
     timings = replace(best.timings, layouts_screened=len(by_split), layout_screen_s=screen_s,
                       layouts_searched=len(to_search))

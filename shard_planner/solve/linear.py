@@ -94,6 +94,7 @@ from shard_planner.cost.unit_cost import UnitCost
 from shard_planner.cost.unit_params import UnitParams
 from shard_planner.dtypes import DTYPE_BYTES
 from shard_planner.plan import Training
+from shard_planner.plan.engine import FSDP2
 from shard_planner.hardware.profile import HardwareProfile
 from shard_planner.solve.choice import GlobalChoice
 from shard_planner.solve.candidate_costs import CandidateCosts, candidate_costs
@@ -170,9 +171,11 @@ def _us(seconds: float) -> int:
 
 
 def unit_setting(choice: GlobalChoice, training: Training) -> UnitSetting:
-    """What ``choice``'s units share, as the per-unit cost reads it (cost/queries.py)."""
+    """What ``choice``'s units share, as the per-unit cost reads it (cost/queries.py). The solver searches
+    FSDP2's decisions (its units, reshard after forward, prefetch), so its plans and their costs are FSDP2's
+    (cost/engines/ [Note: What an engine owns])."""
     return UnitSetting(choice.mesh, training.param_dtype, training.reduce_dtype, training.optimizer,
-                       choice.cpu_offload)
+                       choice.cpu_offload, FSDP2)
 
 
 def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoice, training: Training,

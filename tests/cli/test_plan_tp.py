@@ -1,4 +1,4 @@
-"""`shard-planner plan` and the tensor-parallel degree (cli/plan_degrees.py, trace/tp_degrees.py, solve/tp_search.py):
+"""`shard-planner plan` and the tensor-parallel degree (cli/plan_degrees.py, trace/tp_degrees.py, solve/layout_search.py):
 searched by default on a GPU profile, each degree an outcome in the plan file and a summary line; fixed by
 --tp; degree 1 on a CPU profile; bad degrees one line."""
 

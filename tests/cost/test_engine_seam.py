@@ -71,7 +71,8 @@ def test_a_plan_file_names_its_engine(h100):
 # FSDP2's rules, each called by its own module and by FSDP2's engine alone
 FSDP2_RULES = {"build_schedule": "schedule.py", "query_unit_bytes": "unit_bytes.py", "unit_cost": "unit_cost.py",
                "simulate_memory_walk": "memory.py", "simulate_accumulated_memory": "accumulation.py",
-               "simulate_time_walk": "time.py"}
+               "simulate_time_walk": "time.py", "unit_collectives_s": "time.py", "unit_copies_s": "time.py",
+               "accumulated_time": "accumulation.py"}
 
 
 def _rule_uses(tree: ast.AST) -> set[str]:

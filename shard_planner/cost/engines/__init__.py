@@ -4,22 +4,23 @@
     engine.schedule(tables, units, prefetch)        # the step's events, which both simulators walk
     engine.unit_bytes(tables, q)                    # every unit's buffers (cost/unit_bytes.py's UnitBytes)
     engine.unit_cost(params, reshard, setting, profile)   # one unit's bytes, collectives, copies, state
-    engine.memory_walk(...) / engine.accumulated_memory_walk(...) / engine.time_walk(...)
+    engine.memory_walk(...) / engine.accumulated_memory_walk(...)   # one step; several micro-steps
+    engine.time_inputs(costs) / engine.time_walk(...) / engine.accumulated_time(...)
 
 [Note: What an engine owns]
-The cost model has two kinds of knowledge. What the model computes is the engine's business of no one:
+The cost model has two kinds of knowledge. What the model computes is no engine's business:
 each module's FLOPs and kernels, activations and what checkpointing keeps, the tensor-parallel collectives
 (cost/kernels.py, cost/activations.py, cost/selective.py, cost/tp_comm.py), the caching allocator's
 reserved memory over whatever the walk allocates (cost/reserved.py and the allocator modules), and the
 prediction's format (cost/types.py). How the model's state is sharded, gathered, reduced and freed is the
 engine's: the order of its events in a step, each unit's buffers and collectives, where the optimizer's
-state lives, and the walks that allocate and time them. CostModel (cost/model.py) asks the plan's engine
+state lives, the walks that allocate and time them, and what each micro-step of gradient accumulation
+runs. CostModel (cost/model.py) asks the plan's engine
 for the second kind and keeps its memos keyed by queries that name the engine (cost/queries.py), so two
 engines' answers for the same decisions never share a memo.
 
 FSDP2's engine (cost/engines/fsdp2.py) is the modules it always was (cost/schedule.py, cost/unit_bytes.py,
-cost/unit_cost.py, cost/memory.py, cost/accumulation.py, cost/time.py), called through their modules so that a
-test that changes one rule sees every caller follow (tests/solve/test_linear_follows_cost_rules.py). A
+cost/unit_cost.py, cost/memory.py, cost/accumulation.py, cost/time.py), called through their modules. A
 second engine (DeepSpeed ZeRO) is one more :class:`Engine` here: its own schedule (ZeRO-3's per-module
 fetch and release, ZeRO-1/2's replicated parameters and bucketed reduce-scatter), its own unit bytes and
 collectives, and its own walks (subclasses of FSDP2's where the step has the same shape), registered in
@@ -58,8 +59,14 @@ class Engine(Protocol):
                                 accountants):
         """The memory walk of an optimizer step of several micro-steps."""
 
+    def time_inputs(self, costs):
+        """From every unit's cost, per unit its collectives' and its copies' seconds: the time walk's inputs."""
+
     def time_walk(self, trace, t, plan, profile, schedule, compute, collectives, *, selective, copies):
         """One step's two-stream time walk (cost/types.py ``TimeEstimate``)."""
+
+    def accumulated_time(self, training, walk, collectives, tokens_per_sample, dp_size):
+        """An optimizer step of several micro-steps, each timed by ``walk`` with the collectives it runs."""
 
 
 def _engines() -> dict[str, Engine]:

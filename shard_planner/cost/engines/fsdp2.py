@@ -3,7 +3,7 @@ as the cost model has always priced them, behind the engine seam (cost/engines/_
 engine owns]).
 
 Each method calls its rule through the rule's module at call time, not a name bound at import, so that a
-test that changes one rule (tests/solve/test_linear_follows_cost_rules.py) sees every caller follow:
+test that patches a rule's function in its module patches every caller:
 
     schedule                 cost/schedule.py ``build_schedule``: FSDP2's step as events (pre-forward,
                              all-gather and its wait, reshard, post-backward's reduce-scatter, ...)
@@ -12,7 +12,11 @@ test that changes one rule (tests/solve/test_linear_follows_cost_rules.py) sees 
     unit_cost                cost/unit_cost.py ``unit_cost``: bytes, collectives, copies, optimizer state
     memory_walk              cost/memory.py ``simulate_memory_walk``
     accumulated_memory_walk  cost/accumulation.py ``simulate_accumulated_memory``
+    time_inputs              cost/time.py ``unit_collectives_s`` and ``unit_copies_s``: per unit its
+                             all-gathers', reduce-scatter's and copies' seconds
     time_walk                cost/time.py ``simulate_time_walk``
+    accumulated_time         cost/accumulation.py ``accumulated_time``: which collectives each micro-step
+                             runs (gathered parameters kept, gradient sync on the last micro-step)
 """
 
 from __future__ import annotations
@@ -50,9 +54,15 @@ class _FSDP2Engine:
         return _accumulation.simulate_accumulated_memory(trace, t, plan, profile, ub, sched, acts, timeline=timeline,
                                                         selective=selective, accountants=accountants)
 
+    def time_inputs(self, costs):
+        return _time.unit_collectives_s(costs), _time.unit_copies_s(costs)
+
     def time_walk(self, trace, t, plan, profile, sched, compute, collectives, *, selective, copies):
         return _time.simulate_time_walk(trace, t, plan, profile, sched, compute, collectives, selective=selective,
                                        copies=copies)
+
+    def accumulated_time(self, training, walk, collectives, tokens_per_sample, dp_size):
+        return _accumulation.accumulated_time(training, walk, collectives, tokens_per_sample, dp_size)
 
 
 FSDP2_ENGINE = _FSDP2Engine()
