@@ -128,11 +128,9 @@ def _deal(degrees: list[int], second, first, cached: bool = False) -> dict[int, 
     traced degree 1) traces those between; in the order the traces are read ([Note: Two helpers for the
     degrees]). When the trace cache holds every one of them (``cached``), a "trace" is a file read, so the two
     helpers (forked after this process imported the planner: cli/plan.py [Note: Importing before the helpers
-    fork]) read them in turn, the second first, and screen the first two, while this process screens degree 1
-    and the others (three processes, two cores: Llama 3 8B's four screens end about 0.15 s sooner than with
-    the helpers screening all three above 1)."""
+    fork]) screen them in turn, the second first, while this process screens degree 1."""
     if cached:
-        return {t: (second if i % 2 == 0 else first, i < 2) for i, t in enumerate(degrees)}
+        return {t: (second if i % 2 == 0 else first, True) for i, t in enumerate(degrees)}
     if len(degrees) < 2:
         return {t: (second, True) for t in degrees}
     return {degrees[0]: (second, False), **{t: (first, False) for t in degrees[1:-1]}, degrees[-1]: (second, True)}

@@ -82,7 +82,7 @@ def test_the_deal_of_cached_degrees_screens_them_in_both_helpers_in_turn():
     from shard_planner.cli.plan_degrees import _deal
 
     first, second = object(), object()
-    assert _deal([2, 4, 8], second, first, cached=True) == {2: (second, True), 4: (first, True), 8: (second, False)}
+    assert _deal([2, 4, 8], second, first, cached=True) == {2: (second, True), 4: (first, True), 8: (second, True)}
     assert _deal([2, 4, 8], second, first) == {2: (second, False), 4: (first, False), 8: (second, True)}  # traced
 
 
