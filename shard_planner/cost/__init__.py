@@ -32,7 +32,7 @@ evaluate a few plans (code that judges many holds one CostModel):
     simulate_time(trace, plan, profile) -> TimeEstimate
     module_compute_s(trace, fqn, micro_batch, profile, param_dtype) -> (fwd_s, bwd_s)
     cost_tables(trace, units) -> CostTables;  model_state_bytes(trace, plan) -> dict
-    unit_bytes(tables, plan) -> tuple[UnitBytes, ...]          # every unit's buffers, by the plan's engine
+    plan_unit_bytes(tables, plan) -> tuple[UnitBytes, ...]     # every unit's buffers, by the plan's engine
     tp_collectives_per_step(trace, plan) -> tensor-parallel collectives per step (what ``run`` compares)
 
 ~1 ms per plan for an 80-layer model without the memo (benchmarks/bench_cost.py).
@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from shard_planner.cost.api import (
     cost_tables, estimate, model_state_bytes, module_compute_s, simulate_memory, simulate_time,
-    tp_collectives_per_step, unit_bytes,
+    plan_unit_bytes, tp_collectives_per_step,
 )
 from shard_planner.cost.model import CostModel
 from shard_planner.cost.schedule import Event, EventKind, Schedule, build_schedule
@@ -54,5 +54,5 @@ from shard_planner.cost.unit_bytes import UnitBytes
 __all__ = [
     "CostModel", "CostTables", "Estimate", "Event", "EventKind", "MemoryEstimate", "MemoryEvent", "Schedule",
     "TimeEstimate", "UnitBytes", "UnitTime", "build_schedule", "cost_tables", "estimate", "model_state_bytes",
-    "module_compute_s", "simulate_memory", "simulate_time", "tp_collectives_per_step", "unit_bytes",
+    "module_compute_s", "plan_unit_bytes", "simulate_memory", "simulate_time", "tp_collectives_per_step",
 ]

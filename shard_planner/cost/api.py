@@ -67,7 +67,7 @@ def cost_tables(trace: ModelTrace, units: tuple[Unit, ...]) -> CostTables:
 
 def model_state_bytes(trace: ModelTrace, plan: Plan) -> dict[str, int]:
     """Sharded parameters, gradients and optimizer states per rank (the ZeRO model state)."""
-    ub = unit_bytes(build_tables(trace, plan.units), plan)
+    ub = plan_unit_bytes(build_tables(trace, plan.units), plan)
     grads = sum(x.sharded_grad for x in ub)
     return {
         "sharded_params": int(round(sum(x.sharded for x in ub))),
@@ -76,7 +76,7 @@ def model_state_bytes(trace: ModelTrace, plan: Plan) -> dict[str, int]:
     }
 
 
-def unit_bytes(t: CostTables, plan: Plan) -> tuple[UnitBytes, ...]:
+def plan_unit_bytes(t: CostTables, plan: Plan) -> tuple[UnitBytes, ...]:
     """The byte sizes of every unit of ``plan`` (segmented as ``t``), by the plan's engine's rules
     (cost/engines/; FSDP2's: cost/unit_bytes.py ``query_unit_bytes``)."""
     return engine_named(plan.engine).unit_bytes(t, UnitBytesQuery.of(plan))

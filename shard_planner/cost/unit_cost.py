@@ -26,10 +26,10 @@ the simulators' blocks, both from one :func:`shard_planner.cost.kernels` price p
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 
 from shard_planner.cost import optimizer as optimizer_rules
+from shard_planner.cost import unit_bytes as unit_bytes_rules
 from shard_planner.cost import unit_collectives as collective_rules
 from shard_planner.cost.fsdp_copies import copies_s, copy_bandwidth_bytes_per_s
 from shard_planner.cost.queries import UnitSetting
@@ -38,9 +38,6 @@ from shard_planner.cost.unit_bytes import UnitBytes
 from shard_planner.cost.unit_collectives import UnitCollectives
 from shard_planner.cost.unit_params import UnitParams
 from shard_planner.hardware.profile import HardwareProfile
-
-# the module, not the package's ``unit_bytes`` function of the same name (shard_planner.cost re-exports it)
-unit_bytes_rules = importlib.import_module("shard_planner.cost.unit_bytes")
 
 
 @dataclass(frozen=True, slots=True)

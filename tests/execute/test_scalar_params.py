@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from shard_planner.cost import cost_tables, model_state_bytes, unit_bytes
+from shard_planner.cost import cost_tables, model_state_bytes, plan_unit_bytes
 from shard_planner.execute import apply_plan, build_mesh, describe_sharding, launch_plans
 from shard_planner.model.modelfile import load_model_file
 from shard_planner.plan import Unit
@@ -47,7 +47,7 @@ def test_the_cost_model_holds_0d_parameters_whole(trace, world):
     rest = sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() > 0)
     assert scalars == 5 * 4
     t = cost_tables(trace, plan.units)
-    ub = unit_bytes(t, plan)
+    ub = plan_unit_bytes(t, plan)
     assert sum(x.sharded for x in ub) == pytest.approx(rest / world + scalars, abs=1e-9)
     assert sum(x.sharded_grad for x in ub) == pytest.approx(rest / world + scalars, abs=1e-9)
     assert sum(x.unsharded for x in ub) == rest  # fp32 plan: the all-gathers hold only the sharded ones

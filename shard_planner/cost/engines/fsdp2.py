@@ -21,14 +21,13 @@ test that patches a rule's function in its module patches every caller:
 
 from __future__ import annotations
 
-import importlib
-
+from shard_planner.cost import accumulation as _accumulation
+from shard_planner.cost import memory as _memory
+from shard_planner.cost import schedule as _schedule
+from shard_planner.cost import time as _time
+from shard_planner.cost import unit_bytes as _unit_bytes
+from shard_planner.cost import unit_cost as _unit_cost
 from shard_planner.plan.engine import FSDP2
-
-# the modules, not the names the cost package re-exports (``shard_planner.cost.unit_bytes`` is a function there)
-_schedule, _unit_bytes, _unit_cost, _memory, _accumulation, _time = (
-    importlib.import_module(f"shard_planner.cost.{name}")
-    for name in ("schedule", "unit_bytes", "unit_cost", "memory", "accumulation", "time"))
 
 
 class _FSDP2Engine:
