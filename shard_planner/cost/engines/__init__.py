@@ -32,6 +32,7 @@ buckets) brings them to solve/space.py (docs/extending.md, "DeepSpeed ZeRO 1-3 a
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
 from shard_planner.errors import PlanError
@@ -69,7 +70,10 @@ class Engine(Protocol):
         """An optimizer step of several micro-steps, each timed by ``walk`` with the collectives it runs."""
 
 
+@functools.cache
 def _engines() -> dict[str, Engine]:
+    """Every engine by name, built once (imported here, not at the top: an engine imports the cost package,
+    whose face imports cost/model.py, which imports this module)."""
     from shard_planner.cost.engines.fsdp2 import FSDP2_ENGINE
 
     return {FSDP2_ENGINE.name: FSDP2_ENGINE}
@@ -77,8 +81,7 @@ def _engines() -> dict[str, Engine]:
 
 def engine_named(name: str) -> Engine:
     """The engine a plan names (plan/engine.py ``ENGINES``); a PlanError naming the ones there are."""
-    engines = _engines()
-    engine = engines.get(name)
+    engine = _engines().get(name)
     if engine is None:
         raise PlanError(f"engine {name!r} is not one of {', '.join(ENGINE_NAMES)}")
     return engine
