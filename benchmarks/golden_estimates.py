@@ -46,6 +46,7 @@ from common import layout, make_units, plan_variants  # noqa: E402
 from shard_planner.cost import CostModel, estimate, model_state_bytes  # noqa: E402
 from shard_planner.plan import ROOT as ROOT_MODULE  # noqa: E402
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training, Unit  # noqa: E402
+from shard_planner.plan.numerics import Numerics  # noqa: E402
 from shard_planner.hardware.profile import load_profile  # noqa: E402
 
 EXAMPLES = ("gpt2", "llama", "vit", "encdec", "unet", "shape")
@@ -186,7 +187,7 @@ def record_trace(trace, profiles) -> dict:
         rows = {}
         for label, plan in plans:
             rows[label] = record_plan(model, trace, plan, profile)
-        rows["module_compute_s"] = {str(fqn): record_call(lambda f=fqn: model.module_compute_s(f, 2, "bfloat16"))
+        rows["module_compute_s"] = {str(fqn): record_call(lambda f=fqn: model.module_compute_s(f, 2, Numerics()))
                                     for fqn in (None, ROOT_MODULE, *(g[0] for g in layout(trace, "per-block")[:2]))}
         out[profile.name] = rows
     return out

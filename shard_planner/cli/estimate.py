@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
                             (options.finetune if options is not None else None) or plan.model.finetune)
     model_file = load_unless_trace(req.model, options)
     # a trace.json stands for the model; a model file is checked before it is traced (load/checked_plan.py)
-    trace = trace_or_load(req.model, dtype=plan.training.param_dtype) if model_file is None else None
+    trace = trace_or_load(req.model, dtype=plan.training.numerics.compute_dtype) if model_file is None else None
     with checked_plan_file(req.plan):
         check_plan(plan, model_file=model_file, trace=trace, source=req.model)
     trace = trace if trace is not None else trace_for_plan(model_file, plan)  # one rank at the plan's tp degree
@@ -152,7 +152,7 @@ def report(plan: Plan, profile, est, fit=None) -> str:
         fits = "fits in" if within else "DOES NOT FIT in"
     lines = [
         f"plan: {len(plan.units)} units, {plan.mesh.describe(rank)}, "
-        f"micro-batch {tr.micro_batch}, {tr.optimizer}, params {tr.param_dtype} / reduce {tr.reduce_dtype}"
+        f"micro-batch {tr.micro_batch}, {tr.optimizer}, params {tr.numerics.compute_dtype} / reduce {tr.numerics.reduce_scatter_dtype}"
         f"{', CPU offload' if tr.cpu_offload else ''}; profile {profile.name}"
         f"{'; compute from measured module times' if profile.module_timings is not None else ''}"
         f"{'; ' + accumulation if accumulation else ''}",

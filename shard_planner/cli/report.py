@@ -80,7 +80,7 @@ def _checked_trace(args, plan):
     model_file = load_unless_trace(source, model_options(plan.model, source))  # a config as planned
     with checked_plan_file(args.plan):
         if model_file is None:  # a trace.json: it stands for the model
-            trace = trace_or_load(source, dtype=plan.training.param_dtype)
+            trace = trace_or_load(source, dtype=plan.training.numerics.compute_dtype)
             check_plan(plan, trace=trace, source=source)
             return trace
         check_plan(plan, model_file=model_file)

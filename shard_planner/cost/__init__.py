@@ -8,16 +8,17 @@ One object per (trace, profile) owns everything that can be reused between plans
     model.estimate(plan, timeline=True) -> Estimate          # memory + time; .prediction() for the plan file
     model.memory(plan, timeline=True) -> MemoryEstimate      # peak, breakdown at the peak, timeline
     model.time(plan) -> TimeEstimate                          # step time, overlap, throughput, MFU
-    model.module_compute_s(fqn, micro_batch, param_dtype) -> (fwd_s, bwd_s)   # fqn None: the loss
+    model.module_compute_s(fqn, micro_batch, numerics) -> (fwd_s, bwd_s)   # fqn None: the loss
     model.subtree_sum(fqn, attr) -> Affine                    # e.g. attr "fwd_flops_self"
     model.tables(units) -> CostTables                         # per segmentation (cost/tables.py)
     model.schedule(units, prefetch) -> Schedule               # the step as events (FSDP2's: cost/schedule.py)
-    model.block_compute_s(tables, micro_batch, param_dtype)   # THE per-block compute time (cost/time.py)
+    model.block_compute_s(tables, micro_batch, numerics)   # THE per-block compute time (cost/time.py)
 
 Estimates are memoised by the plan's decisions (units, prefetch, mesh, training): evaluating a cover
 twice costs a dict lookup. ``timeline=False`` skips building the memory timeline (the solver's
 checks need only the peak). Results are shared between callers: treat them as read-only. The
-timings' fingerprint and dtype check (``profile.module_timings``) runs once per param dtype.
+timings' fingerprint and dtype check (``profile.module_timings``) runs once per compute dtype. ``numerics``:
+the plan's dtypes, ``plan.training.numerics`` (plan/numerics.py).
 
 Both simulators walk one event sequence (cost/schedule.py): the memory one tracks live bytes by
 category (cost/memory.py), the time one a compute and a communication stream (cost/time.py). Those, the
@@ -30,7 +31,7 @@ evaluate a few plans (code that judges many holds one CostModel):
     estimate(trace, plan, profile, timeline=True) -> Estimate
     simulate_memory(trace, plan, profile, timeline=True) -> MemoryEstimate
     simulate_time(trace, plan, profile) -> TimeEstimate
-    module_compute_s(trace, fqn, micro_batch, profile, param_dtype) -> (fwd_s, bwd_s)
+    module_compute_s(trace, fqn, micro_batch, profile, numerics) -> (fwd_s, bwd_s)
     cost_tables(trace, units) -> CostTables;  model_state_bytes(trace, plan) -> dict
     plan_unit_bytes(tables, plan) -> tuple[UnitBytes, ...]     # every unit's buffers, by the plan's engine
     tp_collectives_per_step(trace, plan) -> tensor-parallel collectives per step (what ``run`` compares)

@@ -135,8 +135,10 @@ class _AccumulationWalk(_MemoryWalk):
         tr = self.plan.training
         self.steps = micro_steps(tr)
         self.n = tr.accumulation_steps
-        self.converts = tr.reduce_dtype != tr.param_dtype  # FSDP2's reduce dtype is not None
-        self.reduce_per_param_elem = dtype_bytes(tr.reduce_dtype) / dtype_bytes(tr.param_dtype)
+        numerics = tr.numerics
+        self.converts = numerics.reduce_casts  # FSDP2's reduce dtype is not None
+        # a reduce-scatter input element per unsharded gradient element (gradients as computed: plan/numerics.py)
+        self.reduce_per_param_elem = dtype_bytes(numerics.reduce_scatter_dtype) / dtype_bytes(numerics.compute_dtype)
         self.acc = [0.0] * len(self.units)  # unsharded gradients held between micro-steps, per unit
         self.sharded_held = [False] * len(self.units)
         self.step = self.steps[0]

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from shard_planner.cost.tables import CostTables
 from shard_planner.dtypes import dtype_bytes
+from shard_planner.plan.numerics import Numerics
 from shard_planner.trace.types import ModelTrace
 
 
@@ -29,8 +30,8 @@ class BlockActivations:
     names: tuple[str, ...]  # the block's name (the owner of its allocations; ``CostTables.blocks[i].name``)
 
 
-def block_activations(trace: ModelTrace, t: CostTables, micro_batch: int, param_dtype: str) -> BlockActivations:
-    b, elem = micro_batch, dtype_bytes(param_dtype)
+def block_activations(trace: ModelTrace, t: CostTables, micro_batch: int, numerics: Numerics) -> BlockActivations:
+    b, elem = micro_batch, dtype_bytes(numerics.activation_dtype)
     s = elem / dtype_bytes(trace.compute_dtype)
     blocks = t.blocks
     return BlockActivations(

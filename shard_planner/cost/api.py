@@ -18,6 +18,7 @@ from shard_planner.cost.types import Estimate, MemoryEstimate, TimeEstimate
 from shard_planner.cost.unit_bytes import UnitBytes
 from shard_planner.errors import PlanError
 from shard_planner.plan import Plan, Unit
+from shard_planner.plan.numerics import Numerics
 from shard_planner.hardware.profile import HardwareProfile
 from shard_planner.trace.types import ModelTrace
 
@@ -54,10 +55,10 @@ def simulate_time(trace: ModelTrace, plan: Plan, profile: HardwareProfile, *, ub
 
 
 def module_compute_s(trace: ModelTrace, fqn: str | None, micro_batch: int, profile: HardwareProfile,
-                     param_dtype: str) -> tuple[float, float]:
-    """Forward and backward seconds of ``fqn``'s subtree at ``micro_batch``, compute only
+                     numerics: Numerics) -> tuple[float, float]:
+    """Forward and backward seconds of ``fqn``'s subtree at ``micro_batch`` under ``numerics``, compute only
     (``CostModel.module_compute_s``)."""
-    return CostModel(trace, profile).module_compute_s(fqn, micro_batch, param_dtype)
+    return CostModel(trace, profile).module_compute_s(fqn, micro_batch, numerics)
 
 
 def cost_tables(trace: ModelTrace, units: tuple[Unit, ...]) -> CostTables:

@@ -100,8 +100,8 @@ def collective_bytes_per_step(plan: Plan, unit_params: tuple[tuple[ParamShape, .
     if len(unit_params) != len(plan.units):
         raise ValueError(f"{len(unit_params)} parameter lists for {len(plan.units)} units")
     n, replicas = plan.mesh.shard_group_size, plan.mesh.replicate_group_size
-    param_elem = dtype_bytes(plan.training.param_dtype)
-    reduce_elem = dtype_bytes(plan.training.reduce_dtype)
+    numerics = plan.training.numerics  # each tensor's dtype (plan/numerics.py)
+    reduce_elem = dtype_bytes(numerics.reduce_scatter_dtype)
     totals: dict[tuple[str, int], tuple[int, int]] = {}
     # gradient accumulation (cost/accumulation.py): each micro-step gathers, its forward not when the one
     # before kept the parameters gathered; it reduces only when it syncs; 0-d gradients every micro-step
@@ -110,8 +110,8 @@ def collective_bytes_per_step(plan: Plan, unit_params: tuple[tuple[ParamShape, .
         for unit, params, in_backward in zip(plan.units, unit_params, gathers_in_backward(plan, has_backward)):
             if not params:
                 continue  # no parameter group: FSDP2 issues nothing for it
-            gathered = sum(fsdp2_rules.padded_numel(p.dim0, p.numel, n)
-                           * (param_elem if p.dtype in FLOAT_DTYPES else dtype_bytes(p.dtype)) for p in params)
+            gathered = sum(fsdp2_rules.padded_numel(p.dim0, p.numel, n) * dtype_bytes(numerics.gathered_dtype(p.dtype))
+                           for p in params)
             trained = [p for p in params if p.dtype in FLOAT_DTYPES and p.trainable]
             reduced = sum(fsdp2_rules.padded_numel(p.dim0, p.numel, n) * reduce_elem for p in trained)
             # the forward all-gather, the backward one (over the shard group or the 1/r post-forward
@@ -127,5 +127,5 @@ def collective_bytes_per_step(plan: Plan, unit_params: tuple[tuple[ParamShape, .
         for p in scalar_params:  # their hook all-reduces after every backward (execute/apply.py)
             if p.dtype in FLOAT_DTYPES and p.trainable:
                 for group_size in ((n, replicas) if replicas > 1 else (n,)):
-                    _add(totals, ALL_REDUCE, group_size, p.numel * dtype_bytes(p.dtype), k)
+                    _add(totals, ALL_REDUCE, group_size, p.numel * dtype_bytes(numerics.sharded_dtype(p.dtype)), k)
     return tuple(CollectiveBytes(c, g, calls, nbytes) for (c, g), (calls, nbytes) in sorted(totals.items()))

@@ -57,6 +57,7 @@ from shard_planner.cost.unit_bytes import UnitBytes
 from shard_planner.cost.unit_cost import UnitCost
 from shard_planner.plan import Plan, Unit
 from shard_planner.plan.engine import FSDP2
+from shard_planner.plan.numerics import Numerics
 from shard_planner.hardware.profile import HardwareProfile
 from shard_planner.trace.types import Affine, ModelTrace
 
@@ -182,7 +183,7 @@ class CostModel:
 
     def _block_activations(self, q: BlockQuery) -> BlockActivations:
         return self._activations.get_or(q, lambda q: block_activations(
-            self.trace, self.segment_tables(q.segmentation), q.batch.micro_batch, q.batch.param_dtype))
+            self.trace, self.segment_tables(q.segmentation), q.batch.micro_batch, q.batch.numerics))
 
     def selective_blocks(self, plan: Plan) -> SelectiveBlocks | None:
         """Per block, what selective checkpointing keeps and the share of the forward a checkpointed
@@ -192,27 +193,27 @@ class CostModel:
     def _selective_blocks(self, q: SelectiveQuery) -> SelectiveBlocks | None:
         def price(q: SelectiveQuery) -> SelectiveBlocks | None:
             b = q.batch
-            return selective_blocks(self.trace, self.tables(q.units), q.units, b.param_dtype,
+            return selective_blocks(self.trace, self.tables(q.units), q.units, b.numerics,
                                     lambda fqn, ops: self._subtree(SubtreeQuery(fqn, ops, b)),
                                     lambda fqn: self._subtree(SubtreeQuery(fqn, None, b)))
         return self._selective.get_or(q, price)
 
-    def early_stop_share(self, fqn: str, micro_batch: int, param_dtype: str) -> float:
+    def early_stop_share(self, fqn: str, micro_batch: int, numerics: Numerics) -> float:
         """cost/selective.py's :func:`~shard_planner.cost.selective.early_stop_share` of ``fqn``, priced by
         :meth:`forward_price`; computed once per subtree. 0 where the profile's stack reruns the whole
         forward (``HardwareProfile.checkpoint_early_stop``)."""
-        return self._subtree(SubtreeQuery(fqn, None, BatchQuery(micro_batch, param_dtype)))
+        return self._subtree(SubtreeQuery(fqn, None, BatchQuery(micro_batch, numerics)))
 
     def subtree_selective(self, fqn: str, save_ops: tuple[str, ...], micro_batch: int,
-                          param_dtype: str) -> tuple[float, float, float]:
+                          numerics: Numerics) -> tuple[float, float, float]:
         """cost/selective.py's :func:`~shard_planner.cost.selective.subtree_selective` of ``fqn``, priced
         by :meth:`forward_price`; computed once per subtree (the plans the solver checks share blocks)."""
-        return self._subtree(SubtreeQuery(fqn, save_ops, BatchQuery(micro_batch, param_dtype)))
+        return self._subtree(SubtreeQuery(fqn, save_ops, BatchQuery(micro_batch, numerics)))
 
     def _subtree(self, q: SubtreeQuery):
         """:meth:`early_stop_share` (``q.save_ops`` None) or :meth:`subtree_selective` of ``q``."""
         def price(q: SubtreeQuery):
-            forward = self.forward_price(q.batch.micro_batch, q.batch.param_dtype)
+            forward = self.forward_price(q.batch.micro_batch, q.batch.numerics)
             if q.save_ops is not None:
                 return subtree_selective(self.trace, q.fqn, q.save_ops, q.batch.micro_batch, forward)
             if not self.profile.checkpoint_early_stop:
@@ -220,7 +221,7 @@ class CostModel:
             return early_stop_share(self.trace, q.fqn, q.batch.micro_batch, forward)
         return self._subtrees.get_or(q, price)
 
-    def forward_price(self, micro_batch: int, param_dtype: str):
+    def forward_price(self, micro_batch: int, numerics: Numerics):
         """``price(module, records)``: forward device seconds of a module's kernel records (None: its
         whole forward) by the roofline kernel model whenever the profile has a ``[kernels]`` table and the
         trace has kernel records, whatever its ``compute_model``; else by traced FLOPs. cost/selective.py
@@ -229,49 +230,52 @@ class CostModel:
         adds — have next to no FLOPs but are bound by memory bandwidth: priced by FLOPs, recomputing them
         would cost nothing (Llama 3 8B, 8 H100s, seq 8192: selective 6,705 tokens/s/GPU against 6,742
         without checkpointing, where torchtitan measured 5,762 with selective)."""
-        modules = self._roofline_s(micro_batch, param_dtype)
+        modules = self._roofline_s(micro_batch, numerics)
         if modules is None:
             return flops_price(micro_batch)
-        dev = device_of(self.profile, param_dtype)
+        dev = device_of(self.profile, numerics.compute_dtype)
 
         def price(m, records) -> float:
             return modules[0][m.fqn][0] if records is None else records_time_s(records, micro_batch, dev)
         return price
 
     # ---- compute times: the one place that prices a block's compute ----
-    def _check_timings(self, param_dtype: str) -> None:
+    def _check_timings(self, numerics: Numerics) -> None:
         timings = self.profile.module_timings
-        if timings is not None and param_dtype not in self._timings_checked:
-            timings.check(self.trace.fingerprint, param_dtype, f"the trace of {self.trace.model_path}")
-            self._timings_checked.add(param_dtype)
+        dtype = numerics.compute_dtype  # module timings are measured with the parameters cast to it
+        if timings is not None and dtype not in self._timings_checked:
+            timings.check(self.trace.fingerprint, dtype, f"the trace of {self.trace.model_path}")
+            self._timings_checked.add(dtype)
 
-    def block_compute_s(self, t: CostTables, micro_batch: int, param_dtype: str) -> BlockCompute:
+    def block_compute_s(self, t: CostTables, micro_batch: int, numerics: Numerics) -> BlockCompute:
         """Device and host seconds of every block of ``t`` and of the loss at ``micro_batch``:
         measured when the profile's module timings have the block's module, else traced FLOPs at
         the profile's achievable FLOP/s and aten ops x per-op overhead (cost/time.py's docstring).
         The time simulator reads compute only from here."""
         profile, b = self.profile, micro_batch
-        rate = profile.flops_per_s(param_dtype)
+        # each block's FLOPs at the rate of the dtype its GEMMs run in (plan/numerics.py), the loss's at its own
+        rates = [profile.flops_per_s(numerics.gemm_dtype(blk.fqn)) for blk in t.blocks]
+        loss_rate = profile.flops_per_s(numerics.gemm_dtype(None))
         op_s = profile.per_op_overhead_s
         timings = profile.module_timings
         if timings is not None:
-            self._check_timings(param_dtype)
+            self._check_timings(numerics)
             measured = self._measured.get_or(t.segmentation, lambda seg: measured_block_times(
                 self.trace, self.segment_tables(seg), timings))
         else:
             measured = (None,) * len(t.blocks)
         blocks = t.blocks
         # A measured block's time already holds its kernels and its per-op framework time: no op overhead.
-        kernels = self.kernel_module_s(b, param_dtype)
+        kernels = self.kernel_module_s(b, numerics)
         if kernels is not None:  # GPU kernel model (cost/kernels.py) from the trace's kernel records
             priced_fwd, priced_bwd = block_kernel_s(self.trace, blocks, kernels[0])
             loss_priced = kernels[1]
         else:  # FLOPs, and the kernels they do not see (:meth:`_unseen_s`)
-            unseen = self._unseen_s(b, param_dtype)
+            unseen = self._unseen_s(b, numerics)
             extra = [subtree_dequantisation_s(self.trace, blk.fqn, unseen, blk.self_only) for blk in blocks]
-            priced_fwd = tuple(blk.fwd_flops.at(b) / rate + x[0] for blk, x in zip(blocks, extra))
-            priced_bwd = tuple(blk.bwd_flops.at(b) / rate + x[1] for blk, x in zip(blocks, extra))
-            loss_priced = self.trace.loss_flops.at(b) / rate + cpu_loss_memory_bound_s(self.trace, b, profile)
+            priced_fwd = tuple(blk.fwd_flops.at(b) / r + x[0] for blk, x, r in zip(blocks, extra, rates))
+            priced_bwd = tuple(blk.bwd_flops.at(b) / r + x[1] for blk, x, r in zip(blocks, extra, rates))
+            loss_priced = self.trace.loss_flops.at(b) / loss_rate + cpu_loss_memory_bound_s(self.trace, b, profile)
         if timings is not None:
             loss_dev, loss_host = timings.loss_fwd_s.at(b) + timings.loss_bwd_s.at(b), 0.0
         else:
@@ -286,30 +290,30 @@ class CostModel:
             tp_fwd_s=tp_fwd_s, tp_bwd_s=tp_bwd_s, loss_tp_s=loss_tp_s,
         )
 
-    def kernel_module_s(self, micro_batch: int, param_dtype: str) -> tuple[dict, float] | None:
+    def kernel_module_s(self, micro_batch: int, numerics: Numerics) -> tuple[dict, float] | None:
         """Per module its own forward and backward device seconds, and the loss's, from the trace's
         kernel records priced by the profile's ``[kernels]`` table (cost/kernels.py), once per
         (micro-batch, dtype); None unless the profile's ``compute_model`` is "roofline" and the trace has
         records (then compute is traced FLOPs x the profile's efficiency)."""
         if self.profile.compute_model != "roofline":
             return None
-        return self._roofline_s(micro_batch, param_dtype)
+        return self._roofline_s(micro_batch, numerics)
 
-    def _roofline_s(self, micro_batch: int, param_dtype: str) -> tuple[dict, float] | None:
+    def _roofline_s(self, micro_batch: int, numerics: Numerics) -> tuple[dict, float] | None:
         """:meth:`kernel_module_s`'s figures whenever they can be priced (a ``[kernels]`` table and kernel
         records), whatever the profile's ``compute_model``."""
-        dev = device_of(self.profile, param_dtype) if self._kernel_records else None
+        dev = device_of(self.profile, numerics.compute_dtype) if self._kernel_records else None
         if dev is None:
             return None
 
         def price(q: BatchQuery):
-            rate = self.profile.flops_per_s(q.param_dtype)  # for modules whose records did not pair
-            dev = device_of(self.profile, q.param_dtype)
+            rate = self.profile.flops_per_s(q.numerics.compute_dtype)  # for modules whose records did not pair
+            dev = device_of(self.profile, q.numerics.compute_dtype)
             return (module_kernel_s(self.trace, q.micro_batch, dev, rate),
                     loss_kernel_s(self.trace, q.micro_batch, dev, rate))
-        return self._kernel_modules.get_or(BatchQuery(micro_batch, param_dtype), price)
+        return self._kernel_modules.get_or(BatchQuery(micro_batch, numerics), price)
 
-    def _unseen_s(self, micro_batch: int, param_dtype: str) -> dict[str, tuple[float, float]]:
+    def _unseen_s(self, micro_batch: int, numerics: Numerics) -> dict[str, tuple[float, float]]:
         """Per module, the forward and backward seconds of its own kernels that FLOPs do not see: the
         dequantisation of quantised weights on a GPU (cost/quantized.py) and, on a CPU, every memory-bound
         kernel (cost/kernels.py [Note: memory-bound kernels on a CPU priced from FLOPs])."""
@@ -319,40 +323,40 @@ class CostModel:
                 f0, b0 = out.get(fqn, (0.0, 0.0))
                 out[fqn] = (f0 + f, b0 + b)
             return out
-        return self._dequant.get_or(BatchQuery(micro_batch, param_dtype), unseen)
+        return self._dequant.get_or(BatchQuery(micro_batch, numerics), unseen)
 
-    def module_compute_s(self, fqn: str | None, micro_batch: int, param_dtype: str) -> tuple[float, float]:
+    def module_compute_s(self, fqn: str | None, micro_batch: int, numerics: Numerics) -> tuple[float, float]:
         """Forward and backward seconds of ``fqn``'s subtree at ``micro_batch``, compute only (no FSDP2 or
         per-op overhead): measured when the profile's module timings have the module, else FLOPs /
         throughput; plus its tensor-parallel collectives, which hold up the compute stream as long
         (cost/tp_comm.py). For models of the step time outside the simulator (the solver's linear
         model); the loss is ``fqn=None``."""
-        f, b = self._module_device_s(fqn, micro_batch, param_dtype)
+        f, b = self._module_device_s(fqn, micro_batch, numerics)
         if self.trace.tp_size <= 1:
             return f, b
         tp_f, tp_b = subtree_tp_s(self.trace, fqn, micro_batch, self.profile)
         return f + tp_f, b + tp_b
 
-    def _module_device_s(self, fqn: str | None, micro_batch: int, param_dtype: str) -> tuple[float, float]:
+    def _module_device_s(self, fqn: str | None, micro_batch: int, numerics: Numerics) -> tuple[float, float]:
         """:meth:`module_compute_s` without the tensor-parallel collectives."""
         timings = self.profile.module_timings
         if timings is not None:
-            self._check_timings(param_dtype)
+            self._check_timings(numerics)
             if fqn is None:
                 return timings.loss_fwd_s.at(micro_batch), timings.loss_bwd_s.at(micro_batch)
             m = timings.modules.get(fqn)
             if m is not None:
                 return m.fwd_s.at(micro_batch), m.bwd_s.at(micro_batch)
-        kernels = self.kernel_module_s(micro_batch, param_dtype)
+        kernels = self.kernel_module_s(micro_batch, numerics)
         if kernels is not None:
             if fqn is None:
                 return kernels[1], 0.0
             return tuple(sum(kernels[0][m.fqn][i] for m in self.trace.subtree(fqn)) for i in (0, 1))
-        rate = self.profile.flops_per_s(param_dtype)
+        rate = self.profile.flops_per_s(numerics.gemm_dtype(fqn))  # the dtype its GEMMs run in (plan/numerics.py)
         if fqn is None:  # the trace does not split the loss's FLOPs into forward and backward
             return (self.trace.loss_flops.at(micro_batch) / rate
                     + cpu_loss_memory_bound_s(self.trace, micro_batch, self.profile), 0.0)
-        deq_f, deq_b = subtree_dequantisation_s(self.trace, fqn, self._unseen_s(micro_batch, param_dtype))
+        deq_f, deq_b = subtree_dequantisation_s(self.trace, fqn, self._unseen_s(micro_batch, numerics))
         return (self.subtree_sum(fqn, "fwd_flops_self").at(micro_batch) / rate + deq_f,
                 self.subtree_sum(fqn, "bwd_flops_self").at(micro_batch) / rate + deq_b)
 
@@ -428,7 +432,7 @@ class CostModel:
         t = self.tables(q.units)
         block = BlockQuery.of(q)
         compute = self._compute.get_or(block, lambda b: self.block_compute_s(
-            self.segment_tables(b.segmentation), b.batch.micro_batch, b.batch.param_dtype))
+            self.segment_tables(b.segmentation), b.batch.micro_batch, b.batch.numerics))
         comm, copies = self._unit_time.get_or(UnitCostsQuery.of(q), self._unit_time_s)
         schedule = self._schedule(ScheduleQuery.of(q))
         selective = self._selective_blocks(SelectiveQuery.of(q))

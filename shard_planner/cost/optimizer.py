@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from shard_planner.cost.unit_params import UnitParams, built_dtype
 from shard_planner.dtypes import dtype_bytes
+from shard_planner.plan.numerics import Numerics
 from shard_planner.hardware.profile import HardwareProfile
 
 # Optimizer states per parameter element, in the sharded (built) dtype (torch/optim: AdamW and Adam
@@ -94,10 +95,11 @@ def optimizer_step_s(optimizer: str, sharded_elements: float, state_elem_bytes: 
 
 
 def model_step_s(optimizer: str, params: UnitParams, shard_group_size: int, profile: HardwareProfile,
-                 cpu_offload: bool) -> float:
+                 cpu_offload: bool, numerics: Numerics) -> float:
     """Seconds of the step's memory traffic on one rank for a model whose parameters are ``params``
     (cost/unit_params.py): :func:`optimizer_step_s` of its trainable floating elements' 1/N shards (the
-    optimizer steps only parameters with a gradient), in the dtype most of their bytes were built in
-    (FSDP2's sharded dtype). The time walk and the linear model both call it."""
+    optimizer steps only parameters with a gradient), its states in the sharded dtype (``numerics``,
+    plan/numerics.py) of the dtype most of their bytes were built in. The time walk and the linear model both
+    call it."""
     return optimizer_step_s(optimizer, params.trainable_float_numel / shard_group_size,
-                            dtype_bytes(built_dtype(params)), profile, cpu_offload)
+                            dtype_bytes(numerics.sharded_dtype(built_dtype(params))), profile, cpu_offload)

@@ -11,7 +11,7 @@ a query that needs a narrower one derives it with the narrower one's ``of`` (a :
 the plan's ``units``, ``prefetch``, ``mesh`` and ``training``, so every ``of`` takes it as it takes a plan).
 
 The fields are frozen values whose equality is their meaning: tuples, ints, strings and the plan's own
-frozen dataclasses (``Unit``, ``Mesh``, ``Prefetch``, ``Training``), so that a field added to one of those
+frozen dataclasses (``Unit``, ``Mesh``, ``Prefetch``, ``Training``, ``Numerics``), so that a field added to one of those
 is in every key that holds it. ``Unit.reshard_after_forward`` cannot be 1, so True == 1 cannot make two
 decisions one key. A query's hash is computed once (``_query``): a plan's 80 Units take longer to hash
 than a step of the simulation.
@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shard_planner.plan import Mesh, Prefetch, Training, Unit
+from shard_planner.plan.numerics import Numerics
 
 
 def _query(cls):
@@ -63,21 +64,21 @@ def segmentation_of(units: tuple[Unit, ...]) -> tuple[tuple[str, ...], ...]:
 
 @_query
 class BatchQuery:
-    """The forward price of a module (CostModel.forward_price) and its kernel seconds: one micro-batch in
-    one compute dtype."""
+    """The forward price of a module (CostModel.forward_price) and its kernel seconds: one micro-batch under
+    one numerics policy (plan/numerics.py: the activations' dtype, each module's GEMM dtype)."""
 
     micro_batch: int
-    param_dtype: str
+    numerics: Numerics
 
     @staticmethod
     def of(training: Training) -> "BatchQuery":
-        return BatchQuery(training.micro_batch, training.param_dtype)
+        return BatchQuery(training.micro_batch, training.numerics)
 
 
 @_query
 class SubtreeQuery:
     """What selective checkpointing of one subtree keeps and skips recomputing (``save_ops``), or (None)
-    the share of its forward a full checkpoint's early stop skips, at one micro-batch and dtype."""
+    the share of its forward a full checkpoint's early stop skips, at one micro-batch and numerics."""
 
     fqn: str
     save_ops: tuple[str, ...] | None
@@ -86,7 +87,7 @@ class SubtreeQuery:
 
 @_query
 class BlockQuery:
-    """Per block of one segmentation, at one micro-batch and dtype: activations and compute seconds."""
+    """Per block of one segmentation, at one micro-batch and numerics: activations and compute seconds."""
 
     segmentation: tuple[tuple[str, ...], ...]
     batch: BatchQuery
@@ -113,7 +114,7 @@ class ScheduleQuery:
 @_query
 class SelectiveQuery:
     """Per block, what selective checkpointing keeps (cost/selective.py): the units' checkpoint decisions
-    at one micro-batch and dtype."""
+    at one micro-batch and numerics."""
 
     units: tuple[Unit, ...]
     batch: BatchQuery
@@ -125,28 +126,25 @@ class SelectiveQuery:
 
 @_query
 class UnitBytesQuery:
-    """Every unit's byte sizes (cost/unit_bytes.py): the units, the shard group and the two dtypes."""
+    """Every unit's byte sizes (cost/unit_bytes.py): the units, the shard group and the numerics."""
 
     units: tuple[Unit, ...]
     shard_group_size: int  # the layout's (parallel/mesh.py), read here as a key: the one size unit bytes depend on
-    param_dtype: str
-    reduce_dtype: str
+    numerics: Numerics
     engine: str
 
     @staticmethod
     def of(plan) -> "UnitBytesQuery":
-        tr = plan.training
-        return UnitBytesQuery(units_of(plan), plan.mesh.shard_group_size, tr.param_dtype, tr.reduce_dtype, plan.engine)
+        return UnitBytesQuery(units_of(plan), plan.mesh.shard_group_size, plan.training.numerics, plan.engine)
 
 
 @_query
 class UnitSetting:
     """What one plan decides for all its units alike, as the per-unit cost (the engine's: FSDP2's is
-    cost/unit_cost.py) reads it: the mesh, the dtypes, the optimizer, CPU offload and the engine."""
+    cost/unit_cost.py) reads it: the mesh, the numerics, the optimizer, CPU offload and the engine."""
 
     mesh: Mesh
-    param_dtype: str
-    reduce_dtype: str
+    numerics: Numerics
     optimizer: str
     cpu_offload: bool
     engine: str
@@ -154,7 +152,7 @@ class UnitSetting:
     @staticmethod
     def of(plan) -> "UnitSetting":
         tr = plan.training
-        return UnitSetting(plan.mesh, tr.param_dtype, tr.reduce_dtype, tr.optimizer, tr.cpu_offload, plan.engine)
+        return UnitSetting(plan.mesh, tr.numerics, tr.optimizer, tr.cpu_offload, plan.engine)
 
 
 @_query

@@ -54,6 +54,7 @@ from shard_planner.plan.checkpointing import ALTERNATE_MATMUL, is_selective, kee
 from shard_planner.cost.tables import CostTables
 from shard_planner.dtypes import dtype_bytes
 from shard_planner.plan import Unit
+from shard_planner.plan.numerics import Numerics
 from shard_planner.trace.types import ModelTrace, ModuleTrace
 
 logger = logging.getLogger(__name__)
@@ -139,7 +140,7 @@ def early_stop_share(trace: ModelTrace, fqn: str, micro_batch: int,
     return min(1.0, price(m, m.fwd_tail_kernels) / total) if total > 0 else 0.0
 
 
-def selective_blocks(trace: ModelTrace, t: CostTables, units: tuple[Unit, ...], param_dtype: str,
+def selective_blocks(trace: ModelTrace, t: CostTables, units: tuple[Unit, ...], numerics: Numerics,
                      subtree: Callable[[str, tuple[str, ...]], tuple[float, float, float]],
                      tail: Callable[[str], float]) -> SelectiveBlocks | None:
     """The :class:`SelectiveBlocks` of ``units`` segmented as ``t``; None when no unit is checkpointed.
@@ -148,7 +149,7 @@ def selective_blocks(trace: ModelTrace, t: CostTables, units: tuple[Unit, ...], 
     unit's early stop is not priced: its recomputation skips the stored ops already."""
     if not any(u.activation_checkpoint for u in units):
         return None
-    scale = dtype_bytes(param_dtype) / dtype_bytes(trace.compute_dtype)  # memory.py [Note: Activations]
+    scale = dtype_bytes(numerics.activation_dtype) / dtype_bytes(trace.compute_dtype)  # memory.py [Note: Activations]
     stash, share = [], []
     for blk in t.blocks:
         u = units[blk.unit]

@@ -217,7 +217,7 @@ def simulate_time_walk(trace: ModelTrace, t: CostTables, plan: PlanQuery, profil
 
     # ---- optimizer: memory-bound, plus per-tensor overhead ----
     optimizer_s = (optimizer_rules.model_step_s(training.optimizer, t.model_params, plan.mesh.shard_group_size,
-                                                profile, training.cpu_offload)
+                                                profile, training.cpu_offload, training.numerics)
                    + t.param_tensors * profile.per_param_tensor_optimizer_overhead_s)
 
     comm_s = sum(ag_fwd) + sum(ag_bwd[u] for u in range(n_units) if needs_bwd_ag[u]) + sum(rs)
@@ -237,7 +237,8 @@ def simulate_time_walk(trace: ModelTrace, t: CostTables, plan: PlanQuery, profil
 
     samples = b * plan.mesh.dp_size
     model_flops = (t.model_fwd_flops.at(b) + t.model_bwd_flops.at(b) + trace.loss_flops.at(b))
-    peak = profile.peak_flops_per_s.get(training.param_dtype) or profile.flops_per_s(training.param_dtype)
+    compute = training.numerics.compute_dtype  # MFU against the peak of the dtype the model computes in
+    peak = profile.peak_flops_per_s.get(compute) or profile.flops_per_s(compute)
     units = tuple(
         UnitTime(name=plan.units[u].name, fwd_compute_s=unit_fwd[u] - tp_f[u], bwd_compute_s=unit_bwd[u] - tp_b[u],
                  all_gather_s=ag_fwd[u] + (ag_bwd[u] if needs_bwd_ag[u] else 0.0),

@@ -22,6 +22,7 @@ from shard_planner.cost.tables import CostTables
 from shard_planner.cost.unit_params import UnitParams
 from shard_planner.dtypes import FLOAT_DTYPES, dtype_bytes
 from shard_planner.hardware.profile import HardwareProfile
+from shard_planner.plan.numerics import Numerics
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,26 +56,27 @@ def reduce_scatter_backend_temp_bytes(rs_input_bytes: float, profile: HardwarePr
 def query_unit_bytes(t: CostTables, q: UnitBytesQuery) -> tuple[UnitBytes, ...]:
     """The byte sizes of every unit of ``q`` (segmented as ``t``); reads only ``q``
     (cost/queries.py [Note: A memo is keyed by its function's query])."""
-    return tuple(unit_bytes_of(p, u.reshard_after_forward, q.shard_group_size, q.param_dtype, q.reduce_dtype)
+    return tuple(unit_bytes_of(p, u.reshard_after_forward, q.shard_group_size, q.numerics)
                  for p, u in zip(t.unit_params, q.units))
 
 
-def unit_bytes_of(p: UnitParams, reshard_after_forward: bool | int | None, shard_group_size: int, param_dtype: str,
-                  reduce_dtype: str) -> UnitBytes:
+def unit_bytes_of(p: UnitParams, reshard_after_forward: bool | int | None, shard_group_size: int,
+                  numerics: Numerics) -> UnitBytes:
     """The byte sizes of one unit that owns ``p``, under FSDP2 with that ``reshard_after_forward`` over a
-    shard group of ``shard_group_size`` ranks and those dtypes (cost/memory.py's notes say which buffer
-    is which)."""
+    shard group of ``shard_group_size`` ranks and the dtypes of ``numerics`` (cost/memory.py's notes say which
+    buffer is which)."""
     n = shard_group_size
-    pd_elem, rs_elem = dtype_bytes(param_dtype), dtype_bytes(reduce_dtype)
-    # Mixed precision applies to floating parameters whose dtype differs from param_dtype.
-    mp = any(dt != param_dtype for dt in p.float_dtypes)
+    # Floating parameters are gathered, and their gradients computed, in the compute dtype whatever they are
+    # stored in (Numerics.gathered_dtype, gradient_dtype); gradients are reduce-scattered in its reduce dtype.
+    pd_elem, rs_elem = dtype_bytes(numerics.compute_dtype), dtype_bytes(numerics.reduce_scatter_dtype)
+    mp = any(numerics.casts(dt) for dt in p.float_dtypes)  # mixed precision: a cast copy before the all-gather
     # dim 0 padded to ceil(dim0 / N) x N rows: the all-gather output (of which the unsharded parameters are
     # views), the reduce-scatter input, and each rank's shard, ceil(dim0 / N) rows (rank 0's, the largest)
     pad = _padding(p, n)
     unsharded = (p.float_numel + pad.float_numel) * pd_elem + p.other_bytes + pad.other_bytes
     # Gradients, their reduce-scatter and the optimizer's states exist for trainable parameters only; the
     # all-gather and the parameters for all of them (cost/unit_params.py [Note: Frozen parameters in a unit]).
-    # reduce_dtype equal to param_dtype means "no cast" (FSDPParam.init_dtype_attrs): same bytes.
+    # A reduce dtype equal to the compute dtype means "no cast" (FSDPParam.init_dtype_attrs): same bytes.
     rs_input = (p.trainable_float_numel + pad.trainable_float_numel) * rs_elem
     rs_output = fsdp2_rules.shard_bytes(rs_input, n)  # its 1/N output (cost/fsdp2_rules.py)
     sharded_grad = fsdp2_rules.shard_bytes(p.trainable_float_built_bytes + pad.trainable_float_built_bytes,

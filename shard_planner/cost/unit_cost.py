@@ -66,7 +66,7 @@ def unit_cost(params: UnitParams, reshard_after_forward: bool | int | None, sett
     mesh = setting.mesh
     n = mesh.shard_group_size
     # the rules are called through their modules, so that a test that changes one sees every caller follow
-    x = unit_bytes_rules.unit_bytes_of(params, reshard_after_forward, n, setting.param_dtype, setting.reduce_dtype)
+    x = unit_bytes_rules.unit_bytes_of(params, reshard_after_forward, n, setting.numerics)
     offload = setting.cpu_offload
     coll = collective_rules.unit_collectives(
         profile, ReshardAfterForward.of(reshard_after_forward, n), mesh, x.unsharded,

@@ -133,7 +133,7 @@ def check_plans(named_plans: dict[str, Plan], world_size: int = 2) -> list[PlanC
     profile, models = load_profile("cpu-gloo"), {}
     out = []
     for name, rec in zip(named_plans, recorded):
-        key = (rec.plan.model.path, rec.plan.training.param_dtype)
+        key = (rec.plan.model.path, rec.plan.training.numerics.compute_dtype)
         if key not in models:
             model_file = load_model_file(key[0], model_options(rec.plan.model))
             models[key] = CostModel(trace_model(model_file, dtype=key[1]), profile)

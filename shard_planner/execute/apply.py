@@ -150,8 +150,8 @@ def data_rank(mesh: DeviceMesh, plan: Plan) -> int:
 
 
 def mixed_precision_policy(plan: Plan) -> MixedPrecisionPolicy:
-    return MixedPrecisionPolicy(param_dtype=_DTYPES[plan.training.param_dtype],
-                                reduce_dtype=_DTYPES[plan.training.reduce_dtype])
+    """FSDP2's policy of the plan's numerics (plan/numerics.py ``Numerics.mixed_precision``)."""
+    return MixedPrecisionPolicy(**{k: _DTYPES[v] for k, v in plan.training.numerics.mixed_precision().items()})
 
 
 def offload_policy(plan: Plan, device_type: str) -> OffloadPolicy:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 
 from shard_planner.plan.checkpointing import DEFAULT_SAVE_OPS, SAVEABLE_OP_CLASSES, SELECTIVE
@@ -30,6 +31,7 @@ from shard_planner.plan.engine import ENGINES, FSDP2
 from shard_planner.errors import PlanError
 from shard_planner.fileio import read_json, write_atomic
 from shard_planner.plan.finetune import FineTune  # the plan file's "model.finetune": what was frozen and how
+from shard_planner.plan.numerics import Numerics  # the step's dtypes, from training.param_dtype and reduce_dtype
 from shard_planner.parallel.mesh import Mesh  # the plan file's "mesh" section: the parallel degrees
 from shard_planner.plan.points import LAYOUT_JUDGED, FrontierPoint, LayoutOutcome, MeasuredPoint  # noqa: F401 (the plan file's points)
 from shard_planner.plan.prediction import MEMORY_CATEGORIES, Prediction  # noqa: F401 (the plan file's "predicted")
@@ -182,6 +184,12 @@ class Training:
         _require(self.optimizer in OPTIMIZERS, f"training.optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         for name in ("param_dtype", "reduce_dtype"):
             _require(getattr(self, name) in DTYPES, f"training.{name} must be one of {', '.join(DTYPES)}")
+
+    @cached_property  # a frozen dataclass's __dict__: built once per Training (the cost model asks per plan)
+    def numerics(self) -> Numerics:
+        """The step's numerics policy (plan/numerics.py [Note: One numerics policy]): every stage reads the dtypes
+        of the plan's tensors and GEMMs from it, not from ``param_dtype`` and ``reduce_dtype``."""
+        return Numerics(self.param_dtype, self.reduce_dtype)
 
 
 @dataclass(frozen=True)

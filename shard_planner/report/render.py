@@ -53,8 +53,8 @@ def summary_lines(plan: Plan, budget: ReportBudget, measured: tuple[MeasuredFigu
         ("mesh", mesh),
         *_trains_line(plan, trace),
         *_layouts_line(plan),
-        ("training", f"micro-batch {t.micro_batch} per {budget.rank_word}, {t.optimizer}, params in {t.param_dtype}, "
-                     f"gradients reduced in {t.reduce_dtype}" + (", CPU offload" if t.cpu_offload else "")
+        ("training", f"micro-batch {t.micro_batch} per {budget.rank_word}, {t.optimizer}, params in {t.numerics.compute_dtype}, "
+                     f"gradients reduced in {t.numerics.reduce_scatter_dtype}" + (", CPU offload" if t.cpu_offload else "")
                      + (f"; {plan.accumulation_text}" if plan.accumulation_text else "")),
         ("units", f"{len(inner)} units + root ({grouped} grouped, {checkpointed} checkpointed); "
                   f"reshard after forward: {', '.join(reshard) or '-'}; root: {_reshard_text(plan.root.reshard_after_forward)}"),

@@ -7,8 +7,8 @@ else (plan/__init__.py's rule, the one FSDP2 applies). Per unit and per rank:
   optimizer state: cost/unit_params.py [Note: Frozen parameters in a unit]);
 - sharded parameter bytes: the unit's parameters as built, divided over the shard group (FSDP2 shards
   every parameter on dim 0; padding to a multiple of the group size is ignored, < 1 row per tensor);
-- unsharded parameter bytes: the same parameters in ``training.param_dtype``, the dtype FSDP2
-  all-gathers in under ``MixedPrecisionPolicy(param_dtype=...)``;
+- unsharded parameter bytes: the same parameters in the plan's compute dtype, the dtype FSDP2
+  all-gathers in under ``MixedPrecisionPolicy(param_dtype=...)`` (plan/numerics.py);
 - activations kept for backward at the plan's micro-batch: the traced saved tensors of the unit's own
   modules, or, for a checkpointed unit, only the inputs of its modules (what checkpointing keeps);
 - compute, FSDP collectives and exposed communication time, the last in its parts (waiting, FSDP2's copies,
@@ -112,7 +112,7 @@ def unit_rows(plan: Plan, trace: ModelTrace | None = None, estimate: Estimate | 
     sizes = _unit_sizes(plan, trace) if trace is not None else None
     hashes = {m.fqn: m.structural_hash for m in trace.modules} if trace is not None else None
     times: dict[str, UnitTime] = {t.name: t for t in estimate.time.units} if estimate is not None else {}
-    param_bytes = dtype_bytes(plan.training.param_dtype)
+    param_bytes = dtype_bytes(plan.training.numerics.compute_dtype)  # floating parameters' gathered dtype
 
     # Runs of consecutive units of the same block shape (never the root, which owns the leftovers).
     runs: list[list[int]] = []

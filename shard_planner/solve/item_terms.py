@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from shard_planner.plan.checkpointing import DEFAULT_SAVE_OPS, is_selective
 from shard_planner.cost.model import CostModel
+from shard_planner.plan.numerics import Numerics
 from shard_planner.solve.space import SearchSpace
 from shard_planner.trace.types import ModelTrace
 
@@ -28,11 +29,11 @@ class ItemTerms:
     sac: tuple | None
 
 
-def item_terms(cm: CostModel, trace: ModelTrace, space: SearchSpace, micro_batch: int, param_dtype: str,
+def item_terms(cm: CostModel, trace: ModelTrace, space: SearchSpace, micro_batch: int, numerics: Numerics,
                act_scale: float) -> ItemTerms:
-    """Every item's terms at ``micro_batch`` (bytes / FLOPs at that batch; activations x ``act_scale``,
-    the param dtype's bytes over the compute dtype's), ``cm`` the CostModel as the choice's ranks see
-    the profile."""
+    """Every item's terms at ``micro_batch`` under ``numerics`` (bytes / FLOPs at that batch; activations x
+    ``act_scale``, the activation dtype's bytes over the traced compute dtype's), ``cm`` the CostModel as the
+    choice's ranks see the profile."""
     b = micro_batch
     items = space.items
     saved = [cm.subtree_sum(it.fqn, "saved_bytes_self").at(b) * act_scale for it in items]
@@ -41,13 +42,13 @@ def item_terms(cm: CostModel, trace: ModelTrace, space: SearchSpace, micro_batch
     bwd_rise = [trace.module(it.fqn).bwd_peak_rise_bytes.at(b) * act_scale for it in items]
     # compute seconds: measured when the profile has module timings, else FLOPs / throughput
     # (cost.module_compute_s; see "Time per candidate" in solve/linear.py's docstring)
-    fwd_s, bwd_s = zip(*(cm.module_compute_s(it.fqn, b, param_dtype) for it in items))
-    sac = selective_terms(cm, space, b, param_dtype, act_scale)
+    fwd_s, bwd_s = zip(*(cm.module_compute_s(it.fqn, b, numerics) for it in items))
+    sac = selective_terms(cm, space, b, numerics, act_scale)
     return ItemTerms(tuple(saved), tuple(inputs), tuple(fwd_rise), tuple(bwd_rise), fwd_s, bwd_s, sac)
 
 
-def selective_terms(cm: CostModel, space: SearchSpace, micro_batch: int, param_dtype: str, act_scale: float):
-    """Per item, selective checkpointing's stash (bytes in the param dtype), the share of its forward
+def selective_terms(cm: CostModel, space: SearchSpace, micro_batch: int, numerics: Numerics, act_scale: float):
+    """Per item, selective checkpointing's stash (bytes in the activation dtype), the share of its forward
     that recomputation skips, and the share full checkpointing's early stop skips (cost/selective.py);
     None when no candidate is checkpointed."""
     options = [c.option.activation_checkpoint for c in space.candidates]
@@ -56,9 +57,9 @@ def selective_terms(cm: CostModel, space: SearchSpace, micro_batch: int, param_d
     stash, share, tail = [], [], []
     any_selective = any(is_selective(o) for o in options)
     for it in space.items:
-        s, skipped, total = (cm.subtree_selective(it.fqn, DEFAULT_SAVE_OPS, micro_batch, param_dtype)
+        s, skipped, total = (cm.subtree_selective(it.fqn, DEFAULT_SAVE_OPS, micro_batch, numerics)
                              if any_selective else (0.0, 0.0, 0.0))
         stash.append(s * act_scale)
         share.append(min(1.0, skipped / total) if total > 0 else 0.0)
-        tail.append(cm.early_stop_share(it.fqn, micro_batch, param_dtype))
+        tail.append(cm.early_stop_share(it.fqn, micro_batch, numerics))
     return stash, share, tail

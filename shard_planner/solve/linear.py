@@ -174,8 +174,7 @@ def unit_setting(choice: GlobalChoice, training: Training) -> UnitSetting:
     """What ``choice``'s units share, as the per-unit cost reads it (cost/queries.py). The solver searches
     FSDP2's decisions (its units, reshard after forward, prefetch), so its plans and their costs are FSDP2's
     (cost/engines/ [Note: What an engine owns])."""
-    return UnitSetting(choice.mesh, training.param_dtype, training.reduce_dtype, training.optimizer,
-                       choice.cpu_offload, FSDP2)
+    return UnitSetting(choice.mesh, training.numerics, training.optimizer, choice.cpu_offload, FSDP2)
 
 
 def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoice, training: Training,
@@ -197,11 +196,12 @@ def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoi
         raise ValueError(f"{choice.label}: the candidate costs given are of another space, setting or profile")
     b = choice.micro_batch
     shard = choice.mesh.shard_group_size
-    bp = DTYPE_BYTES[training.param_dtype]  # unsharded (all-gathered) parameters and their gradients
-    act_scale = bp / DTYPE_BYTES.get(trace.compute_dtype, bp)  # activations follow the compute dtype
+    numerics = training.numerics  # the plan's dtypes (plan/numerics.py)
+    act_elem = DTYPE_BYTES[numerics.activation_dtype]
+    act_scale = act_elem / DTYPE_BYTES.get(trace.compute_dtype, act_elem)  # activations in their dtype, traced in the trace's
 
     # ---- per item, in bytes / FLOPs at micro-batch b (solve/item_terms.py) ----
-    per_item = item_terms(cm, trace, space, b, training.param_dtype, act_scale)
+    per_item = item_terms(cm, trace, space, b, numerics, act_scale)
     saved, fwd_s, bwd_s = per_item.saved, per_item.fwd_s, per_item.bwd_s
     shared = _choice_terms(space, choice, costs)
     coeffs = [_candidate_coeffs(k, c, per_item, shared) for k, c in enumerate(space.candidates)]
@@ -266,8 +266,8 @@ def _constant_time_s(cm: CostModel, fwd_s, bwd_s, choice: GlobalChoice, training
     b = choice.micro_batch
     # compute outside every item: the root's subtree less the items', and the loss (the root's measured
     # time does not hold the loss: timings.py times loss_fn outside every module)
-    root_f, root_b = cm.module_compute_s("", b, training.param_dtype)
-    loss_f, loss_b = cm.module_compute_s(None, b, training.param_dtype)
+    root_f, root_b = cm.module_compute_s("", b, training.numerics)
+    loss_f, loss_b = cm.module_compute_s(None, b, training.numerics)
     outside_s = max(0.0, root_f + root_b - sum(fwd_s) - sum(bwd_s)) + loss_f + loss_b
     # the root's all-gather at the start and its reduce-scatter (+ HSDP all-reduce) at the end; FSDP2
     # does not reshard the root (None): the per-unit rule (cost/unit_cost.py)
@@ -275,7 +275,8 @@ def _constant_time_s(cm: CostModel, fwd_s, bwd_s, choice: GlobalChoice, training
     root_comm = rc.all_gather_fwd_s + rc.reduce_scatter_s + rc.replica_all_reduce_s
     # the step is memory-bound, on the host under offload (cost/optimizer.py)
     const_s = outside_s + root_comm + optimizer_rules.model_step_s(
-        training.optimizer, model_params, choice.mesh.shard_group_size, cm.profile, choice.cpu_offload)
+        training.optimizer, model_params, choice.mesh.shard_group_size, cm.profile, choice.cpu_offload,
+        training.numerics)
     if choice.cpu_offload:
         # every parameter's shard to the device before its all-gather and its gradient back, once per
         # step (PCIe, profile): the whole model's host copies as one unit's (cost/unit_collectives.py)

@@ -128,8 +128,8 @@ def trace_model(
 
 def trace_for_plan(model_file: ModelFile | str, plan: Plan) -> ModelTrace:
     """``model_file`` traced as ``plan`` runs it: one rank at the plan's tensor-parallel degree and styles, in
-    its mixed-precision dtype (what ``estimate``, ``report`` and ``run``'s prediction price the plan on)."""
-    return trace_model(model_file, dtype=plan.training.param_dtype, tensor_parallel=plan.tensor_parallel,
+    its numerics' compute dtype (what ``estimate``, ``report`` and ``run``'s prediction price the plan on)."""
+    return trace_model(model_file, dtype=plan.training.numerics.compute_dtype, tensor_parallel=plan.tensor_parallel,
                        tp_size=plan.mesh.tp_size)
 
 

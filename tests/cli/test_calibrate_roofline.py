@@ -20,7 +20,7 @@ def _prices_with_the_roofline(profile):
     trace = trace_model(str(EXAMPLES / "gpt2.py"), dtype="float32")
     plan = plan_model(trace, PlanRequest(gpus=2, gpus_per_node=2, mem_budget_bytes=2**33, profile=profile,
                                          time_limit_s=5.0)).plan
-    assert CostModel(trace, profile).kernel_module_s(plan.training.micro_batch, plan.training.param_dtype) is not None
+    assert CostModel(trace, profile).kernel_module_s(plan.training.micro_batch, plan.training.numerics) is not None
     return estimate(trace, plan, profile).time.step_time_s
 
 

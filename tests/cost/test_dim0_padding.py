@@ -7,6 +7,7 @@ import pytest
 
 from shard_planner.cost import fsdp2_rules
 from shard_planner.cost.unit_bytes import unit_bytes_of
+from shard_planner.plan.numerics import Numerics
 from shard_planner.cost.unit_params import UnitParams
 from shard_planner.model.modelfile import load_model_file
 from shard_planner.trace import trace_model
@@ -37,7 +38,7 @@ def test_unit_bytes_are_fsdp2s_padded_shards(fake_world):
     shard_bytes = sum(fp._sharded_param_data.numel() * fp._sharded_param_data.element_size() for fp in fsdp_params)
     unpadded_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
 
-    x = unit_bytes_of(UnitParams.of_modules(trace.modules), True, 8, "float32", "float32")
+    x = unit_bytes_of(UnitParams.of_modules(trace.modules), True, 8, Numerics("float32", "float32"))
     assert shard_bytes > unpadded_bytes / 8  # the 1-row tensors are whole on every rank
     assert x.sharded == shard_bytes  # rank 0's padded shards
     assert x.sharded_grad == shard_bytes  # its gradient: a view of the padded reduce-scatter output

@@ -9,6 +9,7 @@ from shard_planner.cost.kernels import (ATTENTION_BWD, ATTENTION_FWD, MATMUL, De
                                         matmul_shape_factor, op_time_s)
 from shard_planner.errors import ProfileError
 from shard_planner.hardware.profile import PROFILES_DIR, load_profile
+from shard_planner.plan.numerics import Numerics
 
 # A toy device: 4 SMs, one 128x128 tile (K slices of 32, 3 stages), ridge 2048 / 32 = 64 FLOP/byte.
 KC = KernelConstants(
@@ -225,10 +226,10 @@ def test_a_cpu_prices_memory_bound_kernels_bytes_beside_the_flops():
     cpu = load_profile("cpu-gloo")
     bw = cpu.memory_bandwidth_bytes_per_s
     before, after = CostModel(plain, cpu), CostModel(traced, cpu)
-    f0, b0 = before.module_compute_s("ln_f", 4, "bfloat16")
-    f1, b1 = after.module_compute_s("ln_f", 4, "bfloat16")
+    f0, b0 = before.module_compute_s("ln_f", 4, Numerics())
+    f1, b1 = after.module_compute_s("ln_f", 4, Numerics())
     assert f1 - f0 == pytest.approx(24e6 / bw) and b1 - b0 == pytest.approx(36e6 / bw)
-    assert after.module_compute_s(None, 4, "bfloat16")[0] - before.module_compute_s(None, 4, "bfloat16")[0] \
+    assert after.module_compute_s(None, 4, Numerics())[0] - before.module_compute_s(None, 4, Numerics())[0] \
         == pytest.approx(12e6 / bw)
     # the step simulator's compute holds them too (ln_f's forward and backward, the loss), at the
     # bandwidth of a rank's share of the host's cores (cost/host_share.py)
@@ -241,5 +242,5 @@ def test_a_cpu_prices_memory_bound_kernels_bytes_beside_the_flops():
         pytest.approx(per_sample_bytes * plan.training.micro_batch / share_bw)
     # a GPU's FLOP model is fitted to whole steps, memory-bound kernels included: unchanged
     gpu = load_profile("h100-80gb")
-    assert CostModel(traced, gpu).module_compute_s("ln_f", 4, "bfloat16") == \
-        CostModel(plain, gpu).module_compute_s("ln_f", 4, "bfloat16")
+    assert CostModel(traced, gpu).module_compute_s("ln_f", 4, Numerics()) == \
+        CostModel(plain, gpu).module_compute_s("ln_f", 4, Numerics())

@@ -24,6 +24,7 @@ from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training
 from shard_planner.hardware.profile import load_profile  # noqa: E402
 from shard_planner.hardware.timings import ModuleTime, ModuleTimings, load_timings, save_timings  # noqa: E402
 from shard_planner.trace.types import Affine  # noqa: E402
+from shard_planner.plan.numerics import Numerics
 from tests.paths import EXAMPLES, MODELS  # noqa: E402
 
 GPT2 = str(EXAMPLES / "gpt2.py")
@@ -147,14 +148,14 @@ def test_module_compute_s_measured_or_flops(mlp, gloo):
     from shard_planner.cost import module_compute_s
 
     t = _timings()
-    assert module_compute_s(mlp, "blocks.1", 6, gloo.with_timings(t), "bfloat16") == (
+    assert module_compute_s(mlp, "blocks.1", 6, gloo.with_timings(t), Numerics()) == (
         t.modules["blocks.1"].fwd_s.at(6), t.modules["blocks.1"].bwd_s.at(6))
-    assert module_compute_s(mlp, None, 6, gloo.with_timings(t), "bfloat16") == (0.3 * MS, 0.7 * MS)
+    assert module_compute_s(mlp, None, 6, gloo.with_timings(t), Numerics()) == (0.3 * MS, 0.7 * MS)
     rate = gloo.flops_per_s("bfloat16")
-    assert module_compute_s(mlp, "blocks.1", 6, gloo, "bfloat16") == (
+    assert module_compute_s(mlp, "blocks.1", 6, gloo, Numerics()) == (
         mlp.subtree_sum("blocks.1", "fwd_flops_self").at(6) / rate, mlp.subtree_sum("blocks.1", "bwd_flops_self").at(6) / rate)
     with pytest.raises(ProfileError, match="measured in bfloat16"):
-        module_compute_s(mlp, "blocks.1", 6, gloo.with_timings(t), "float32")
+        module_compute_s(mlp, "blocks.1", 6, gloo.with_timings(t), Numerics("float32"))
 
 
 def test_estimate_builds_unit_bytes_once(mlp, gloo, monkeypatch):

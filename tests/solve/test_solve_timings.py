@@ -22,6 +22,7 @@ from shard_planner.solve.simulate import simulate
 from shard_planner.solve.space import build_space
 from shard_planner.hardware.timings import ModuleTime, ModuleTimings
 from shard_planner.trace.types import Affine
+from shard_planner.plan.numerics import Numerics
 
 MS = 1e-3
 MB = 4  # micro-batch
@@ -67,7 +68,7 @@ def _single(space, fqn):
 
 def test_the_blocks_flop_times_are_what_the_timings_assume(models):
     trace, _, _, _, _ = models
-    assert module_compute_s(trace, "layers.1", MB, profile(), "bfloat16") == pytest.approx((BLOCK_FWD_S, BLOCK_BWD_S))
+    assert module_compute_s(trace, "layers.1", MB, profile(), Numerics()) == pytest.approx((BLOCK_FWD_S, BLOCK_BWD_S))
 
 
 def test_compute_coefficients_follow_the_timings(models):

@@ -16,6 +16,7 @@ from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training
 from shard_planner.hardware.profile import load_profile
 from shard_planner.trace import trace_model
 from shard_planner.trace.kernel_ops import classify
+from shard_planner.plan.numerics import Numerics
 
 MODEL = textwrap.dedent('''
     import torch
@@ -125,8 +126,8 @@ def test_full_checkpointing_recomputes_the_forward_less_its_tail(model_file, com
     profile = replace(load_profile("h200"), compute_model=compute_model, per_op_overhead_s=0.0,
                       per_unit_overhead_s=0.0)
     cm = CostModel(trace, profile)
-    share = cm.early_stop_share("blocks.0", 4, "bfloat16")
-    price = cm.forward_price(4, "bfloat16")
+    share = cm.early_stop_share("blocks.0", 4, Numerics())
+    price = cm.forward_price(4, Numerics())
     block = trace.module("blocks.0")
     whole = sum(price(m, None) for m in trace.subtree("blocks.0") if m.fwd_ops_self)
     assert share == pytest.approx(price(block, block.fwd_tail_kernels) / whole)
@@ -139,5 +140,5 @@ def test_full_checkpointing_recomputes_the_forward_less_its_tail(model_file, com
     assert recompute_s == pytest.approx((full_old.compute_s - no_ac.compute_s) * (1 - share), rel=1e-6)
     # a stack that reruns the whole forward (reentrant, torch < 2.1: benchmarks/bench_published.py)
     rerun = CostModel(trace, replace(profile, checkpoint_early_stop=False))
-    assert rerun.early_stop_share("blocks.0", 4, "bfloat16") == 0.0
+    assert rerun.early_stop_share("blocks.0", 4, Numerics()) == 0.0
     assert rerun.time(_plan(trace, model_file, True)).compute_s == pytest.approx(full_old.compute_s, rel=1e-9)

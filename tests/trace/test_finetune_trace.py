@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from shard_planner.plan.finetune import ALL_LINEAR, FineTune
+from shard_planner.plan.numerics import Numerics
 from tests.hf.finetune import CONFIG, load, need_finetune_extra, write_config
 
 HIDDEN, MLP, VOCAB = CONFIG["hidden_size"], CONFIG["intermediate_size"], CONFIG["vocab_size"]
@@ -115,8 +116,8 @@ def test_nf4_dequantisation_is_priced_on_a_gpu_profile(config):
     expected = sum(r.bytes.at(2) for m in nf4 for r in m.fwd_kernels if r.op_class in MEMORY_BOUND) / bw
     rate = h100.flops_per_s("bfloat16")
     cm = CostModel(qlora, h100)
-    fwd, _ = cm.module_compute_s("", 2, "bfloat16")
+    fwd, _ = cm.module_compute_s("", 2, Numerics())
     assert expected > 0 and fwd == pytest.approx(cm.subtree_sum("", "fwd_flops_self").at(2) / rate + expected)
     lora_cm = CostModel(lora, h100)
-    assert lora_cm.module_compute_s("", 2, "bfloat16")[0] == pytest.approx(
+    assert lora_cm.module_compute_s("", 2, Numerics())[0] == pytest.approx(
         lora_cm.subtree_sum("", "fwd_flops_self").at(2) / rate)

@@ -12,6 +12,7 @@ from shard_planner.hardware.profile import load_profile
 from shard_planner.trace import trace_model
 from shard_planner.trace.kernel_ops import OpSample, classify, fit_records, grouped_mm_dims, grouped_mm_flop
 from shard_planner.trace.types import ModelTrace
+from shard_planner.plan.numerics import Numerics
 
 aten = torch.ops.aten
 
@@ -194,23 +195,23 @@ def test_cost_model_prices_kernels_on_gpu_profiles_only(tiny_trace):
     shipped = load_profile("a100-80gb")  # ships compute_model "roofline" (h100-80gb ships "flops")
     flops = dataclasses.replace(shipped, compute_model="flops")
     assert load_profile("h100-80gb").compute_model == "flops"
-    assert CostModel(tiny_trace, flops).kernel_module_s(4, "bfloat16") is None
+    assert CostModel(tiny_trace, flops).kernel_module_s(4, Numerics()) is None
     gpu = dataclasses.replace(shipped, compute_model="roofline")
     model = CostModel(tiny_trace, gpu)
-    kernels = model.kernel_module_s(4, "bfloat16")
+    kernels = model.kernel_module_s(4, Numerics())
     assert kernels is not None
-    blocks = model.block_compute_s(model.tables(plan.units), 4, "bfloat16")
+    blocks = model.block_compute_s(model.tables(plan.units), 4, Numerics())
     t = model.tables(plan.units)
     i = next(j for j, blk in enumerate(t.blocks) if blk.fqn == "blocks.0")
     expected = sum(kernels[0][m.fqn][0] for m in tiny_trace.subtree("blocks.0"))
     assert blocks.device_fwd_s[i] == pytest.approx(expected)
     assert blocks.loss_device_s == pytest.approx(kernels[1])
     flops_only = CostModel(tiny_trace, flops)
-    assert flops_only.kernel_module_s(4, "bfloat16") is None
+    assert flops_only.kernel_module_s(4, Numerics()) is None
     rate = gpu.flops_per_s("bfloat16")
-    assert (flops_only.block_compute_s(t, 4, "bfloat16").device_fwd_s[i]
+    assert (flops_only.block_compute_s(t, 4, Numerics()).device_fwd_s[i]
             == pytest.approx(t.blocks[i].fwd_flops.at(4) / rate))
-    assert CostModel(tiny_trace, load_profile("cpu-gloo")).kernel_module_s(4, "bfloat16") is None
+    assert CostModel(tiny_trace, load_profile("cpu-gloo")).kernel_module_s(4, Numerics()) is None
 
 
 def test_roofline_needs_a_kernels_table_and_a_known_model():

@@ -19,6 +19,7 @@ from __future__ import annotations
 from shard_planner import __version__
 from shard_planner.plan.checkpointing import SELECTIVE
 from shard_planner.plan import Plan
+from shard_planner.plan.numerics import Numerics
 from shard_planner.report.export.accumulation import accelerate_lines, policy_notes
 from shard_planner.report.export.common import (
     TORCH_DTYPES, Export, allocator_env, allocator_line, comment_block, emit_yaml, finetune_notes, optimizer_call, grouped_note, prefetch_notes,
@@ -63,17 +64,18 @@ def wrap_classes(plan: Plan, info: ModelInfo) -> tuple[list[str], list[str]]:
 # reads everything else from the same environment.
 
 
-def _reduce_dtype_notes(t) -> list[str]:
+def _reduce_dtype_notes(numerics: Numerics) -> list[str]:
     """What Accelerate reduces gradients in, when it is not the plan's reduce dtype, and the code that
     makes it the plan's. See [Note: Accelerate reduces in the compute dtype]."""
-    if t.param_dtype == "float32" or t.reduce_dtype == t.param_dtype:
+    compute, reduce = numerics.compute_dtype, numerics.reduce_scatter_dtype
+    if compute == "float32" or not numerics.reduce_casts:
         return []
-    return [f"the plan reduces gradients in {t.reduce_dtype} (it was priced for {t.reduce_dtype} reduce-scatters); with "
-            f"this config alone Accelerate reduce-scatters them in {t.param_dtype} (its FSDP2 plugin builds "
-            f"MixedPrecisionPolicy(param_dtype={t.param_dtype}, reduce_dtype={t.param_dtype}); the config file "
+    return [f"the plan reduces gradients in {reduce} (it was priced for {reduce} reduce-scatters); with "
+            f"this config alone Accelerate reduce-scatters them in {compute} (its FSDP2 plugin builds "
+            f"MixedPrecisionPolicy(param_dtype={compute}, reduce_dtype={compute}); the config file "
             "cannot hold a reduce dtype). To run the plan, create the Accelerator with fsdp_plugin=FullyShardedDataParallelPlugin(mixed_precision_policy="
-            f"MixedPrecisionPolicy(param_dtype={TORCH_DTYPES[t.param_dtype]}, reduce_dtype="
-            f"{TORCH_DTYPES[t.reduce_dtype]})) (torch.distributed.fsdp.MixedPrecisionPolicy); the plugin reads "
+            f"MixedPrecisionPolicy(param_dtype={TORCH_DTYPES[compute]}, reduce_dtype="
+            f"{TORCH_DTYPES[reduce]})) (torch.distributed.fsdp.MixedPrecisionPolicy); the plugin reads "
             "the rest of this file from accelerate launch's environment"]
 
 
@@ -173,12 +175,12 @@ def export_accelerate(plan: Plan, info: ModelInfo) -> Export:
     fsdp["fsdp_state_dict_type"] = "SHARDED_STATE_DICT"
     fsdp["fsdp_sync_module_states"] = True  # accelerate launch requires it with cpu_ram_efficient_loading
     t = plan.training
-    notes += _reduce_dtype_notes(t)
+    notes += _reduce_dtype_notes(t.numerics)
 
     config: dict = {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": "FSDP",
-        "mixed_precision": _MIXED_PRECISION[t.param_dtype],
+        "mixed_precision": _MIXED_PRECISION[t.numerics.compute_dtype],
         "num_machines": max(1, plan.cluster.gpus // plan.cluster.gpus_per_node),
         "num_processes": plan.cluster.gpus,
         "machine_rank": 0,

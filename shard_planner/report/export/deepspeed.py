@@ -187,6 +187,7 @@ def _json_value(value):
 
 def export_deepspeed(plan: Plan, info: ModelInfo) -> Export:
     t = plan.training
+    numerics = t.numerics  # the plan's dtypes (plan/numerics.py)
     zero, how = derive_zero3(plan, autotp_local_info(plan, info))  # per tp rank with tensor parallelism
     if t.cpu_offload:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
@@ -211,8 +212,8 @@ def export_deepspeed(plan: Plan, info: ModelInfo) -> Export:
         "gradient_accumulation_steps": t.accumulation_steps,
         "train_batch_size": plan.global_batch_samples,  # micro-batch x accumulation steps x ranks
         "gradient_clipping": 0.0,
-        "bf16": {"enabled": t.param_dtype == "bfloat16"},
-        "fp16": {"enabled": t.param_dtype == "float16"},
+        "bf16": {"enabled": numerics.compute_dtype == "bfloat16"},
+        "fp16": {"enabled": numerics.compute_dtype == "float16"},
         "zero_optimization": zero,
     }
     if tensor_parallel:  # DeepSpeed derives train_batch_size over every rank: see deepspeed_tp.py
@@ -221,7 +222,7 @@ def export_deepspeed(plan: Plan, info: ModelInfo) -> Export:
     config["optimizer"] = _optimizer_section(plan)
     if config["optimizer"]["type"] not in ("Adam", "AdamW"):  # ZeRO refuses others unless told (engine.py)
         config["zero_allow_untested_optimizer"] = True
-    if t.param_dtype != "float32" and t.reduce_dtype == "float32":
+    if numerics.compute_dtype != "float32" and numerics.reduce_scatter_dtype == "float32":
         config["communication_data_type"] = "fp32"
     return Export("deepspeed", json.dumps(config, indent=2) + "\n", ".json", tuple(notes))
 

@@ -146,8 +146,8 @@ def export_fsdp2(plan: Plan) -> str:
         fingerprint=plan.model.fingerprint, predicted=predicted, mesh_shape=mesh_shape, mesh_names=mesh_names,
         optimizer=optimizer_call(t, plan.model.finetune is not None), fsdp_imports=fsdp_imports,
         finetune=_finetune_text(plan), units=units, forward=plan.prefetch.forward,
-        backward=plan.prefetch.backward, param_dtype=TORCH_DTYPES[t.param_dtype],
-        reduce_dtype=TORCH_DTYPES[t.reduce_dtype], offload=offload,
+        backward=plan.prefetch.backward, offload=offload,
+        **{k: TORCH_DTYPES[v] for k, v in t.numerics.mixed_precision().items()},  # param_dtype, reduce_dtype
         allocator=textwrap.fill(allocator_line(plan, "torchrun ..."), 100, subsequent_indent="    "),
     ) + fsdp2_train_step_source(plan)  # gradient accumulation: report/export/accumulation.py
 

@@ -126,12 +126,13 @@ def _tables(plan: Plan) -> tuple[dict, dict, list[str]]:
         notes += policy_notes(plan, "torchtitan", syncs_every_step=True)
     if plan.model.seq_len:
         training["seq_len"] = plan.model.seq_len
-    param_dtype = t.param_dtype if t.param_dtype in ("bfloat16", "float32") else "bfloat16"
-    if param_dtype != t.param_dtype:
-        notes.append(f"torchtitan's mixed_precision_param is bfloat16 or float32; the plan computes in {t.param_dtype}: "
+    compute, reduce = t.numerics.compute_dtype, t.numerics.reduce_scatter_dtype
+    param_dtype = compute if compute in ("bfloat16", "float32") else "bfloat16"
+    if param_dtype != compute:
+        notes.append(f"torchtitan's mixed_precision_param is bfloat16 or float32; the plan computes in {compute}: "
                      "using bfloat16 (the same bytes)")
-    if t.reduce_dtype != "float32":
-        notes.append(f"torchtitan only accepts mixed_precision_reduce = float32; the plan reduces in {t.reduce_dtype}")
+    if reduce != "float32":
+        notes.append(f"torchtitan only accepts mixed_precision_reduce = float32; the plan reduces in {reduce}")
     training.update(mixed_precision_param=param_dtype, mixed_precision_reduce="float32", enable_cpu_offload=t.cpu_offload)
     return parallelism, training, notes
 
