@@ -8,7 +8,6 @@ from pathlib import Path
 
 from shard_planner.errors import UserError
 from shard_planner.fileio import check_output_file, write_atomic
-from shard_planner.report.export import TARGETS, export_plan, model_info_from_model, model_info_from_trace
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -19,7 +18,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "--module/--config) and deepspeed (JSON) write configs and list what the plan decides that the "
                     "stack cannot express, with the nearest setting used.")
     p.add_argument("plan", help="plan.json written by shard-planner plan")
-    p.add_argument("--to", required=True, choices=TARGETS, help="the training stack")
+    p.add_argument("--to", required=True, choices=tuple(KINDS), help="the training stack")
     p.add_argument("-o", "--output", help="file to write (default: standard output)")
     p.add_argument("--trace", metavar="TRACE_OR_MODEL",
                    help="the plan's trace.json, or its model file or transformers config, for module classes and sizes "
@@ -27,14 +26,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-# What each export is, and the names its file may have by its suffix (report/export: Export.suffix): `-o x.toml`
-# for torchtitan wrote a Python config module into a .toml file.
-KINDS = {"fsdp2": "Python code", "torchtitan": "a Python config module (for torchtitan's --module/--config)",
-         "accelerate": "a YAML config", "deepspeed": "a JSON config"}
+# What each export is (the targets of report/export's TARGETS, named here so that building the parser imports no
+# report: the report package imports matplotlib and pandas, a second of every command's start; tests/cli/
+# test_cli_args.py checks both lists agree), and the names its file may have by its suffix (report/export:
+# Export.suffix): `-o x.toml` for torchtitan wrote a Python config module into a .toml file.
+KINDS = {"fsdp2": "Python code", "accelerate": "a YAML config",
+         "torchtitan": "a Python config module (for torchtitan's --module/--config)", "deepspeed": "a JSON config"}
 SUFFIXES = {".py": (".py",), ".yaml": (".yaml", ".yml"), ".json": (".json",)}
 
 
 def run(args) -> int:
+    from shard_planner.report.export import export_plan
+
     if args.output:
         check_output_file(args.output, "export")
     plan, info = _plan_and_model_info(args.plan, args.trace)
@@ -59,6 +62,7 @@ def _plan_and_model_info(plan_path: str, source: str | None):
     sizes the export names: from ``--trace`` (a trace.json, or a model file or transformers config as planned, as
     ``report --trace`` takes it), else from the plan's own model built on the meta device."""
     from shard_planner.load.checked_plan import check_plan, checked_plan_file, load_checked_plan, plan_model
+    from shard_planner.report.export import model_info_from_model, model_info_from_trace
 
     if source is None:
         plan = load_checked_plan(plan_path)

@@ -188,3 +188,19 @@ def test_calibrate_quick_promises_what_it_does():
     framework overheads (most of the command) are the same either way; the help now says so."""
     text = _options("calibrate")["--quick"].help
     assert "half the time" not in text and "kernel sweep" in text and "collectives" in text
+
+
+def test_the_parser_imports_no_report():
+    """Building every command's parser (a bare ``shard-planner --help``) imports neither matplotlib nor pandas:
+    the export command names its targets itself (cli/export.py KINDS), the same as report/export's TARGETS."""
+    import subprocess
+    import sys
+
+    from shard_planner.cli.export import KINDS
+    from shard_planner.report.export import TARGETS
+
+    assert tuple(KINDS) == TARGETS
+    code = ("import sys; from shard_planner.cli.main import build_parser; build_parser(); "
+            "print(sorted(m for m in ('matplotlib', 'pandas', 'shard_planner.report') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
