@@ -17,6 +17,7 @@ from shard_planner.solve.choice import GlobalChoice
 from shard_planner.solve.linear import build_linear_model
 from shard_planner.solve.space import build_space
 from shard_planner.trace import trace_model
+from shard_planner.plan.numerics import Numerics
 from tests.paths import REPO
 
 MODEL = str(REPO / "examples" / "llama_lora.py")
@@ -47,7 +48,7 @@ def test_the_measured_fine_tunes_are_predicted_within_0_2_percent(traces, kind, 
 def test_a_frozen_unit_is_gathered_but_reduces_nothing():
     frozen = UnitParams.of({"float32": 1000}, trainable_numel_by_dtype={})
     mixed = UnitParams.of({"bfloat16": 1000, "float32": 100}, 0, trainable_numel_by_dtype={"float32": 100})
-    setting = UnitSetting(Mesh(4), "bfloat16", "float32", "adamw", False, "fsdp2")
+    setting = UnitSetting(Mesh(4), Numerics("bfloat16", "float32"), "adamw", False, "fsdp2")
     h100 = load_profile("h100-80gb")
     f = unit_cost(frozen, True, setting, h100)
     assert f.bytes.all_gather_output == 2000 and f.bytes.sharded == 1000  # 1000 x bf16 gathered; fp32 / 4 kept
