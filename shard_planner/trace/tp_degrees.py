@@ -90,6 +90,7 @@ def _styles_of(model_file, wanted: list[int], sequence_parallel: bool, loss_para
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from shard_planner.model.hf import is_transformers_model, tp_plan
+    from shard_planner.trace.tp_adapters import lora_layers
     from shard_planner.trace.tp_styles import check_divisible, derive_tensor_parallel
     from shard_planner.trace.build import build_fake
     from shard_planner.trace.hf_paths import real_run_paths
@@ -103,6 +104,10 @@ def _styles_of(model_file, wanted: list[int], sequence_parallel: bool, loss_para
                     "parallelism (shard_planner/trace/tp_degrees.py [Note: Which degrees are searched])",
                     type(model).__name__)
         sequence_parallel = loss_parallel = False
+    if sequence_parallel and lora_layers(model):
+        logger.info("%s has LoRA layers: tensor parallelism without sequence parallelism (shard_planner/trace/"
+                    "tp_adapters.py [Note: LoRA adapters under tensor parallelism])", type(model).__name__)
+        sequence_parallel = False
     try:
         if is_transformers and hf_plan is None:
             raise UserError(f"transformers has no tensor-parallel plan for {type(model).__name__}")

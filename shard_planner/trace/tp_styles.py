@@ -34,6 +34,8 @@ The styles are those of shard_planner/parallel/tensor_parallel.py [Note: The ten
   - names cross-check the roles: a Linear whose name says the other role (``wo`` found as a q/k/v
     projection, ``up_proj`` as the down projection) refuses the model rather than guessing.
   With sequence parallelism (SEQUENCE_PARALLEL below) the norms and the ``gather_input`` modules are added.
+  A LoRA layer (peft's, or one laid out as it) stands for the Linear it wraps, and its style is then given to
+  its base layer and adapters (trace/tp_adapters.py [Note: LoRA adapters under tensor parallelism]).
   Anything else refuses with a :class:`UserError` saying what was not found (a U-Net has no attention, a
   ViT fuses q/k/v and classifies one token). A transformers plan (``hf_tp_plan``) replaces the first four
   items: :func:`_hf_styles`. A transformers model (its ``config`` has ``base_model_tp_plan``) is split by its
@@ -75,6 +77,8 @@ from shard_planner.errors import UserError
 from shard_planner.model.hf import is_transformers_model
 from shard_planner.parallel.mesh import degree_divides
 from shard_planner.parallel.tensor_parallel import GATHER_KWARG_SEPARATOR, Style, TensorParallel
+from shard_planner.trace.tp_adapters import (check_not_quantised, inside_lora_layer, layer_of, linear_of, lora_layers,
+                                             with_adapters)
 
 logger = logging.getLogger(__name__)
 
@@ -138,8 +142,15 @@ def derive_tensor_parallel(model: nn.Module, inputs, *, sequence_parallel: bool 
                         "a rank's slice under sequence parallelism; pass sequence_parallel=False")
     trace = trace_calls(model, inputs, fake_mode)
     styles = _hf_styles(model, hf_tp_plan) if hf_tp_plan is not None else _structural_styles(model, trace)
+    adapted = sorted(lora_layers(model) & set(styles))
+    if sequence_parallel and adapted:
+        raise UserError(f"sequence parallelism: {adapted[0]} is a LoRA layer, whose replicated lora_A cannot take the "
+                        "gathered input sequence parallelism hands it (trace/tp_adapters.py); pass "
+                        "sequence_parallel=False")
     if sequence_parallel:
         styles = _with_sequence_parallel(model, trace, styles)
+    styles = with_adapters(model, styles)  # each LoRA layer's style to its base layer and adapters
+    check_not_quantised(model, styles)
     if loss_parallel and Style.HEAD.value not in styles.values():
         raise UserError("loss parallelism needs an output layer (\"head\") and none was found; pass "
                         "loss_parallel=False")
@@ -245,8 +256,11 @@ def _called(model: nn.Module, trace: CallTrace, kind: type) -> list[str]:
     block's Linears, 0.65 s at Llama 3.1 405B when every question walked the model again)."""
     if kind not in trace.called:
         modules = dict(model.named_modules())
-        trace.called[kind] = sorted((f for f in trace.calls if isinstance(modules[f], kind)),
-                                    key=lambda f: trace.calls[f].order)
+        found = [f for f in trace.calls if isinstance(modules[f], kind)]
+        if kind is nn.Linear:  # a LoRA layer stands for its Linear, its parts for nothing (trace/tp_adapters.py)
+            layers = lora_layers(model) & set(trace.calls)
+            found = [f for f in found if not inside_lora_layer(f, layers)] + sorted(layers)
+        trace.called[kind] = sorted(found, key=lambda f: trace.calls[f].order)
     return trace.called[kind]
 
 
@@ -282,7 +296,7 @@ def _embedding_and_head(model: nn.Module, trace: CallTrace) -> tuple[str, str]:
         raise UserError(f"tensor parallelism: the last layer {head} reads {trace.calls[head].input_shape}, not the "
                         f"per-token hidden states {hidden} the embedding {embedding} returns (not a language-model "
                         "head); plan it without tp")
-    if model.get_submodule(head).weight is model.get_submodule(embedding).weight:
+    if linear_of(model, head).weight is model.get_submodule(embedding).weight:
         raise UserError(f"tensor parallelism: {head}.weight is {embedding}.weight (tied embeddings); each style "
                         "would distribute it on its own, untying them; untie them or plan without tp")
     return embedding, head
@@ -301,7 +315,7 @@ def _attention_projections(model: nn.Module, trace: CallTrace, attention: str) -
     before = [f for f in linears if trace.calls[f].order < sdpa.order]
     after = [f for f in linears if trace.calls[f].order > sdpa.order]
     packed = (sdpa.q_heads + 2 * sdpa.kv_heads) * sdpa.head_dim
-    if len(before) == 1 and model.get_submodule(before[0]).out_features == packed:
+    if len(before) == 1 and linear_of(model, before[0]).out_features == packed:
         raise UserError(f"tensor parallelism: {before[0]} projects q, k and v in one Linear ([q | k | v] packed), "
                         "which a colwise split would cut across q, k and v instead of by heads; use three "
                         "Linears (q, k, v) or plan without tp")
@@ -309,7 +323,7 @@ def _attention_projections(model: nn.Module, trace: CallTrace, attention: str) -
         raise UserError(f"tensor parallelism: attention {attention} calls {len(before)} Linear children before "
                         f"scaled_dot_product_attention and {len(after)} after; recognised are three (q, k, v) "
                         "and one (output); plan it without tp")
-    mods = [model.get_submodule(f) for f in before]
+    mods = [linear_of(model, f) for f in before]
     head_dim = getattr(model.get_submodule(attention), "head_dim", None)
     expected = [sdpa.q_heads * sdpa.head_dim] + [sdpa.kv_heads * sdpa.head_dim] * 2
     if [m.out_features for m in mods] != expected or head_dim != sdpa.head_dim:
@@ -332,7 +346,7 @@ def _feed_forward(model: nn.Module, trace: CallTrace, attention: str, dim: int) 
                         f"children besides its attention ({holders}); recognised is one feed-forward; plan it "
                         "without tp")
     linears = _linear_children(model, trace, holders[0])
-    mods = {f: model.get_submodule(f) for f in linears}
+    mods = {f: linear_of(model, f) for f in linears}
     up = [f for f in linears if mods[f].in_features == dim]
     down = [f for f in linears if mods[f].out_features == dim and f not in up]
     hidden = {mods[f].out_features for f in up}
@@ -376,11 +390,17 @@ def _hf_styles(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     """A transformers ``tp_plan`` (patterns with ``*`` for layer numbers, as transformers' mixin.py:79-101
     ``init_parallel_plans`` merges the class's ``_tp_plan`` and the config's ``base_model_tp_plan``) expanded over
     the model's module names the way transformers matches them (distributed/parallel_utils.py:39-64: every
-    ``.<digits>`` between dots is ``*``), each style mapped by :func:`_hf_style`."""
+    ``.<digits>`` between dots is ``*``), each style mapped by :func:`_hf_style`. The plan names the transformers
+    model's modules: under peft's wrapper (``PeftModel.get_base_model()``, ``base_model.model.``) they are matched
+    below its prefix, and a LoRA layer where the plan names a Linear takes its style (trace/tp_adapters.py)."""
+    prefix = _transformers_prefix(model)
     styles, matched = {}, set()
     for fqn, _ in model.named_modules():
-        pattern = re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), fqn)
-        if fqn and pattern in plan:
+        if prefix and not fqn.startswith(prefix):
+            continue
+        name = fqn[len(prefix):]
+        pattern = re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), name)
+        if name and pattern in plan:
             styles[fqn] = _hf_style(plan[pattern], fqn)
             matched.add(pattern)
     unmatched = sorted(set(plan) - matched)
@@ -391,6 +411,16 @@ def _hf_styles(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     if not styles:
         raise UserError(f"tensor parallelism: the transformers plan is empty for {type(model).__name__}")
     return styles
+
+
+def _transformers_prefix(model: nn.Module) -> str:
+    """Where the transformers model sits in ``model`` (``"base_model.model."`` under peft's ``PeftModel``; ``""``
+    when ``model`` is it)."""
+    get_base_model = getattr(model, "get_base_model", None)
+    inner = get_base_model() if callable(get_base_model) else model
+    if inner is model:
+        return ""
+    return next(f"{fqn}." for fqn, module in model.named_modules() if module is inner)
 
 
 def _with_sequence_parallel(model: nn.Module, trace: CallTrace, styles: dict[str, str]) -> dict[str, str]:
@@ -452,7 +482,7 @@ def _split_sizes(model: nn.Module, fqn: str, module: nn.Module, style: Style) ->
     match style:
         case Style.COLWISE:
             sizes = []
-            head_dim = getattr(model.get_submodule(_parent(fqn)), "head_dim", None)
+            head_dim = getattr(model.get_submodule(_parent(layer_of(fqn))), "head_dim", None)  # past a LoRA layer
             if isinstance(head_dim, int) and head_dim > 0 and module.out_features % head_dim == 0:
                 sizes.append((f"holds attention heads of head_dim {head_dim}: heads", module.out_features // head_dim))
             return sizes + [("splits its output features", module.out_features)]

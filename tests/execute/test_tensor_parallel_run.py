@@ -25,6 +25,7 @@ from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prefetch, Training
 from shard_planner.parallel.tensor_parallel import TensorParallel
 from shard_planner.trace.structure import model_fingerprint
 from tests.execute.test_run import reference_losses
+from tests.paths import EXAMPLES
 from tests.models import exec_llama_tp as llama
 
 MODEL = "tests/models/exec_llama_tp.py"
@@ -175,3 +176,52 @@ def test_loss_parallel_takes_a_cross_entropy_and_refuses_another_loss(fake_world
     else:
         with pytest.raises(RunError, match=f"{error}.*set tensor_parallel.loss_parallel false"):
             step(0)
+
+
+@pytest.mark.multiprocess
+def test_transformers_llama_with_lora_on_every_linear_2x2(tmp_path):
+    """A tiny transformers Llama fine-tuned with LoRA on every Linear, planned at TP 2 (trace/tp_adapters.py: the
+    colwise layers' lora_B split with them, the rowwise layers' lora_A) and run on dp 2 x tp 2: both tp ranks
+    of a group get the same loss, the peak is the predicted one and FSDP2's and DTensor's collectives are the
+    predicted ones, call for call (each rowwise adapter's (b, s, r) all-reduce forward, each colwise adapter's
+    input-gradient all-reduce backward among them)."""
+    from tests.hf.finetune import need_finetune_extra
+
+    need_finetune_extra()
+    from shard_planner.plan import load_plan
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(HF_CONFIG))
+    path = tmp_path / "plan.json"
+    assert cli_main(["plan", str(config), "--seq-len", "16", "--lora", "8", "--lora-targets", "all-linear",
+                     "--dtype", "fp32", "--gpus", "4", "--mem", "1GB", "--profile", "cpu-gloo", "--tp", "2",
+                     "--no-report", "-o", str(path)]) == 0
+    plan = load_plan(path)
+    styles = {f: s.style.value for f, s in plan.tensor_parallel.styles_by_fqn.items()}
+    assert styles["base_model.model.model.layers.0.self_attn.q_proj.lora_B.default"] == "colwise"
+    assert styles["base_model.model.model.layers.0.mlp.down_proj.lora_A.default"] == "rowwise"
+    m = launch_plans([plan], steps=1, warmup=1, device="cpu", timeout_s=240).measurements[0]
+    assert m.rank_losses[0] == m.rank_losses[1] and all(math.isfinite(v) for v in m.losses)
+    assert m.comm_matches, m.comm_comparison()
+    assert m.comm_tp_matches, m.comm_tp_comparison()
+    (name, predicted, measured, error), = [row for row in m.comparison() if row[0] == "peak_bytes"]
+    assert abs(error) <= 3.0, (predicted, measured)
+
+
+@pytest.mark.multiprocess
+def test_the_example_lora_model_file_2x2(tmp_path, monkeypatch):
+    """examples/llama_lora.py (LoRA layers laid out as peft's on wq and wv) planned at TP 2 from its structure,
+    without sequence parallelism, and run on dp 2 x tp 2: the predicted peak and collectives."""
+    from shard_planner.plan import load_plan
+
+    monkeypatch.setenv("SHARD_PLANNER_FINETUNE", "lora")
+    path = tmp_path / "plan.json"
+    assert cli_main(["plan", str(EXAMPLES / "llama_lora.py"), "--gpus", "4", "--mem", "1GB", "--profile", "cpu-gloo",
+                     "--tp", "2", "--no-report", "-o", str(path)]) == 0
+    plan = load_plan(path)
+    assert not plan.tensor_parallel.sequence_parallel
+    m = launch_plans([plan], steps=1, warmup=1, device="cpu", timeout_s=240).measurements[0]
+    assert m.rank_losses[0] == m.rank_losses[1]
+    assert m.comm_matches and m.comm_tp_matches, (m.comm_comparison(), m.comm_tp_comparison())
+    (name, predicted, measured, error), = [row for row in m.comparison() if row[0] == "peak_bytes"]
+    assert abs(error) <= 3.0, (predicted, measured)
