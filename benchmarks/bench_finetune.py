@@ -128,30 +128,38 @@ def formula_check(trace, plan, profile_name: str) -> dict:
             "offload": plan.training.cpu_offload}
 
 
-def plan_command(case: str, cluster: tuple[str, str, str]) -> list[str]:
+def plan_command(case: str, cluster: tuple[str, str, str], layouts: bool = False) -> list[str]:
     """The ``shard-planner plan`` command a (LoRA or QLoRA) row answers, as a user types it from the repository's
     root: the report lists these, and the docs quote them (tests/test_readme_figures.py checks that they agree).
-    Full fine-tuning needs a copy of the config in fp32 (:func:`config_for`), so it has none."""
+    Full fine-tuning needs a copy of the config in fp32 (:func:`config_for`), so it has none. The rows plan FSDP
+    alone (``--tp 1``: ``plan_model`` on the trace of the whole model); ``layouts``: the command without it, which
+    also searches the tensor-parallel layouts (:func:`cli_plan`)."""
     _label, profile_name, mem = cluster
     finetune = CASES[case]
     argv = ["shard-planner", "plan", str(CONFIG.relative_to(ROOT)), "--lora", str(finetune.lora_rank), "--lora-targets",
             ALL_LINEAR]
     argv += ["--qlora"] if finetune.qlora else []
     return argv + ["--gpus", str(GPUS), "--mem", mem, "--profile", profile_name, "--batch-size", str(MICRO_BATCH),
-                   "--seq-len", str(SEQ_LEN)]
+                   "--seq-len", str(SEQ_LEN)] + ([] if layouts else ["--tp", "1"])
 
 
-def cli_plan_seconds(folder: Path) -> tuple[float, str]:
-    """``shard-planner plan`` for LoRA on 8 x 80GB in a fresh process (--no-report): wall seconds, its time line."""
+def cli_plan(folder: Path) -> tuple[float, str, list[str]]:
+    """``shard-planner plan`` for LoRA on 8 x 80GB in a fresh process (--no-report), searching the tensor-parallel
+    layouts as it does by default (LoRA splits with its base layers: trace/tp_adapters.py): wall seconds, its time
+    line, and the chosen plan's layout lines from the summary."""
     out = folder / "plan.json"
-    argv = [sys.executable, "-m", "shard_planner.cli.main", *plan_command("lora", CLUSTERS[0])[1:], "-o", str(out),
-            "--no-report"]
+    argv = [sys.executable, "-m", "shard_planner.cli.main", *plan_command("lora", CLUSTERS[0], layouts=True)[1:],
+            "-o", str(out), "--no-report"]
     t0 = time.perf_counter()
     done = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     seconds = time.perf_counter() - t0
-    time_line = next((line for line in done.stdout.splitlines() if line.startswith("time:")), done.stderr.strip()[-200:])
-    return seconds, time_line
+    lines = done.stdout.splitlines()
+    time_line = next((line for line in lines if line.startswith("time:")), done.stderr.strip()[-200:])
+    searched = lines.index("layouts searched (the fastest plan of each):") if done.returncode == 0 else len(lines)
+    layouts = [line.strip() for line in lines[searched + 1:] if line.startswith("  ")]
+    summary = [line for line in lines if line.startswith(("predicted peak", "predicted step"))]
+    return seconds, time_line, summary + layouts
 
 
 def main() -> int:
@@ -173,12 +181,12 @@ def main() -> int:
                 if case == "lora" and cluster[1] == "h100-80gb" and plan is not None:
                     check = formula_check(trace, plan, cluster[1])
                     print(json.dumps(check), flush=True)
-        cli = None if args.skip_cli else cli_plan_seconds(Path(tmp))
+        cli = None if args.skip_cli else cli_plan(Path(tmp))
     write_report(rows, check, cli, load_text())
     return 0
 
 
-def write_report(rows: list[dict], check: dict | None, cli: tuple[float, str] | None, load: str) -> None:
+def write_report(rows: list[dict], check: dict | None, cli: tuple[float, str, list[str]] | None, load: str) -> None:
     """Print the tables and write finetune.csv (the side-by-side rows) and finetune.md."""
     columns = ["case", "cluster", "profile", "params", "trainable", "trace_s", "plan_s", "fits", "units", "ac",
                "offload", "peak", "tokens_per_s", "alloc_retries", "mfu", "step_s", "dequant_s"]
@@ -202,10 +210,15 @@ def write_report(rows: list[dict], check: dict | None, cli: tuple[float, str] | 
                "the estimate's `sharded_params` + `optimizer_states` at the peak. Must agree within 1%, and the plan "
                "must not offload.", "", _markdown([check], list(check))]
     if cli is not None:
-        seconds, line = cli
-        print(f"shard-planner plan (LoRA, 8 x 80GB, fresh process, --no-report): {seconds:.2f} s wall; {line}")
-        md += ["", "## `shard-planner plan` end to end", "",
-               f"LoRA on 8 x 80GB in a fresh process with `--no-report`: {seconds:.2f} s wall clock ({line})."]
+        seconds, line, layouts = cli
+        print(f"shard-planner plan (LoRA, 8 x 80GB, layouts searched, fresh process, --no-report): {seconds:.2f} s "
+              f"wall; {line}", *layouts, sep="\n")
+        md += ["", "## `shard-planner plan` end to end, the layouts searched", "",
+               "LoRA on 8 x 80GB without `--tp 1`: the tensor-parallel layouts searched as well (the adapters split "
+               "with their base layers: shard_planner/trace/tp_adapters.py), in a fresh process with `--no-report`:",
+               "", f"    {' '.join(plan_command('lora', CLUSTERS[0], layouts=True))}", "",
+               f"{seconds:.2f} s wall clock ({line}). What it printed of the chosen plan and each layout:", "",
+               *(f"    {text}" for text in layouts)]
     write_atomic(OUT_DIR / "finetune.md", "\n".join(md) + "\n")
 
 
