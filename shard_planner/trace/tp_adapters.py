@@ -85,6 +85,16 @@ def layer_of(fqn: str) -> str:
     return fqn
 
 
+def transformers_prefix(model: nn.Module) -> str:
+    """Where the transformers model sits in ``model`` (``"base_model.model."`` under peft's ``PeftModel``; ``""``
+    when ``model`` is it)."""
+    get_base_model = getattr(model, "get_base_model", None)
+    inner = get_base_model() if callable(get_base_model) else model
+    if inner is model:
+        return ""
+    return next(f"{fqn}." for fqn, module in model.named_modules() if module is inner)
+
+
 def with_adapters(model: nn.Module, styles: dict[str, str]) -> dict[str, str]:
     """``styles`` with each LoRA layer's style given to its parts: [Note: LoRA adapters under tensor parallelism]."""
     out = {}

@@ -78,7 +78,7 @@ from shard_planner.model.hf import is_transformers_model
 from shard_planner.parallel.mesh import degree_divides
 from shard_planner.parallel.tensor_parallel import GATHER_KWARG_SEPARATOR, Style, TensorParallel
 from shard_planner.trace.tp_adapters import (check_not_quantised, inside_lora_layer, layer_of, linear_of, lora_layers,
-                                             with_adapters)
+                                             transformers_prefix, with_adapters)
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +142,8 @@ def derive_tensor_parallel(model: nn.Module, inputs, *, sequence_parallel: bool 
                         "a rank's slice under sequence parallelism; pass sequence_parallel=False")
     trace = trace_calls(model, inputs, fake_mode)
     styles = _hf_styles(model, hf_tp_plan) if hf_tp_plan is not None else _structural_styles(model, trace)
+    if hf_tp_plan is not None:
+        _check_untied(model, styles)  # the structure's path checks as it finds the two (_embedding_and_head)
     adapted = sorted(lora_layers(model) & set(styles))
     if sequence_parallel and adapted:
         raise UserError(f"sequence parallelism: {adapted[0]} is a LoRA layer, whose replicated lora_A cannot take the "
@@ -296,10 +298,17 @@ def _embedding_and_head(model: nn.Module, trace: CallTrace) -> tuple[str, str]:
         raise UserError(f"tensor parallelism: the last layer {head} reads {trace.calls[head].input_shape}, not the "
                         f"per-token hidden states {hidden} the embedding {embedding} returns (not a language-model "
                         "head); plan it without tp")
-    if linear_of(model, head).weight is model.get_submodule(embedding).weight:
-        raise UserError(f"tensor parallelism: {head}.weight is {embedding}.weight (tied embeddings); each style "
-                        "would distribute it on its own, untying them; untie them or plan without tp")
+    _check_untied(model, {embedding: Style.EMBEDDING.value, head: Style.HEAD.value})
     return embedding, head
+
+
+def _check_untied(model: nn.Module, styles: dict[str, str]) -> None:
+    """Refuse an output layer whose weight is the embedding's (tied embeddings, Gemma's default), from the structure
+    or a transformers plan: each style would split the one parameter on its own (the vocabulary twice)."""
+    ends = [next((f for f, s in styles.items() if s == style.value), None) for style in (Style.EMBEDDING, Style.HEAD)]
+    if None not in ends and linear_of(model, ends[1]).weight is model.get_submodule(ends[0]).weight:
+        raise UserError(f"tensor parallelism: {ends[1]}.weight is {ends[0]}.weight (tied embeddings); each style "
+                        "would distribute it on its own, untying them; untie them or plan without tp")
 
 
 def _linear_children(model: nn.Module, trace: CallTrace, fqn: str) -> list[str]:
@@ -393,7 +402,7 @@ def _hf_styles(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     ``.<digits>`` between dots is ``*``), each style mapped by :func:`_hf_style`. The plan names the transformers
     model's modules: under peft's wrapper (``PeftModel.get_base_model()``, ``base_model.model.``) they are matched
     below its prefix, and a LoRA layer where the plan names a Linear takes its style (trace/tp_adapters.py)."""
-    prefix = _transformers_prefix(model)
+    prefix = transformers_prefix(model)
     styles, matched = {}, set()
     for fqn, _ in model.named_modules():
         if prefix and not fqn.startswith(prefix):
@@ -411,16 +420,6 @@ def _hf_styles(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     if not styles:
         raise UserError(f"tensor parallelism: the transformers plan is empty for {type(model).__name__}")
     return styles
-
-
-def _transformers_prefix(model: nn.Module) -> str:
-    """Where the transformers model sits in ``model`` (``"base_model.model."`` under peft's ``PeftModel``; ``""``
-    when ``model`` is it)."""
-    get_base_model = getattr(model, "get_base_model", None)
-    inner = get_base_model() if callable(get_base_model) else model
-    if inner is model:
-        return ""
-    return next(f"{fqn}." for fqn, module in model.named_modules() if module is inner)
 
 
 def _with_sequence_parallel(model: nn.Module, trace: CallTrace, styles: dict[str, str]) -> dict[str, str]:

@@ -334,3 +334,24 @@ def test_transformers_fail_under_sequence_parallelism(fake_world):
                        torch_tp_plan(tp))
     with pytest.raises(RuntimeError, match="must match the size of tensor b"):
         model(**batch)
+
+
+def test_a_transformers_plan_on_tied_embeddings_is_refused(tmp_path):
+    """Gemma ties its output layer to the embedding: its transformers plan styles both, which would split the one
+    weight twice (the trace's logits then covered half the vocabulary); refused as the structure's path refuses."""
+    pytest.importorskip("transformers")
+    import json
+
+    from shard_planner.model.hf import HfOptions
+    from shard_planner.trace.tp_degrees import degree_styles
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(dict(model_type="gemma", architectures=["GemmaForCausalLM"], vocab_size=256,
+                                      hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=16, use_cache=False)))
+    found = degree_styles(load_model_file(str(config), HfOptions(seq_len=16)), [2], sequence_parallel=False,
+                          loss_parallel=False)
+    assert not found.styles
+    assert [o.refused for o in found.refused] == [
+        "tensor parallelism: lm_head.weight is model.embed_tokens.weight (tied embeddings); each style would "
+        "distribute it on its own, untying them; untie them or plan without tp"]
