@@ -10,6 +10,7 @@ before ``fully_shard`` (execute/apply.py) and the trace's proofs use the same ob
 from __future__ import annotations
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -59,6 +60,8 @@ def torch_style(style: ModuleStyle, tp: TensorParallel) -> ParallelStyle:
             return PrepareModuleInput(input_kwarg_layouts={style.kwarg: Shard(SEQUENCE_DIM)},
                                       desired_input_kwarg_layouts={style.kwarg: Replicate()}, use_local_output=False)
         return GatherFirstInput()
+    if s is Style.GRAD_ALL_REDUCE:
+        return GradAllReduce()
     raise AssertionError(f"unhandled tensor-parallel style {s}")
 
 
@@ -81,6 +84,32 @@ class GatherFirstInput(ParallelStyle):
             return (x.redistribute(placements=(Replicate(),)), *args[1:]), kwargs  # a DTensor, not its local
 
         module.register_forward_pre_hook(gather, with_kwargs=True)
+        return module
+
+
+class GradAllReduce(ParallelStyle):
+    """transformers' ``ReplicatedWithGradAllReduce`` (transformers/distributed/tensor_parallel.py): the module's
+    parameters stay whole plain tensors on every tp rank, and each one's gradient, which covers this rank's share of
+    the split axis only (Qwen3's per-head norms), is summed over the tp group once autograd has accumulated it. The
+    hook is put on the parameters the forward sees (FSDP2's unsharded ones, registered while it runs), as
+    transformers puts it, and the sum is a functional all-reduce, counted with DTensor's collectives
+    (execute/comm_count.py [Note: counting tensor parallelism's collectives])."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        group = device_mesh.get_group()
+        hooked: dict[str, torch.Tensor] = {}
+
+        def sum_over_tp(param: torch.Tensor) -> None:
+            param.grad.copy_(funcol.all_reduce(param.grad, "sum", group))
+
+        def hook_parameters(mod, _args):
+            if torch.is_grad_enabled():
+                for name, param in mod.named_parameters(recurse=False):
+                    if param.requires_grad and hooked.get(name) is not param:
+                        param.register_post_accumulate_grad_hook(sum_over_tp)
+                        hooked[name] = param
+
+        module.register_forward_pre_hook(hook_parameters)
         return module
 
 

@@ -37,6 +37,12 @@ torchtitan 0.3's models/common/decoder_sharding.py):
                    projections (the all-gather's backward: a reduce-scatter). Sequence parallelism only. The
                    input is the first positional argument, or the keyword argument named by
                    ``gather_input:NAME`` (transformers' decoder layers call ``self_attn(hidden_states=...)``).
+  ``grad_all_reduce`` transformers' ``replicated_with_grad_allreduce`` (transformers/distributed/tensor_parallel.py
+                   ``ReplicatedWithGradAllReduce``): a module between a colwise and a rowwise layer that normalises
+                   along the split axis (Qwen3's per-head ``q_norm`` / ``k_norm``, which see this rank's heads), its
+                   parameters whole on every rank as plain tensors, no collective in forward; each parameter's
+                   gradient covers this rank's heads only and is summed over the tp group once autograd has
+                   accumulated it (a post-accumulate-grad hook: one all-reduce of its bytes per step).
 
 A model runs under tensor parallelism only if its code never assumes full sizes inside a split region: a
 ``view(B, T, n_heads, head_dim)`` of a colwise output fails on the local tensor; ``view(B, T, -1, head_dim)``
@@ -61,6 +67,7 @@ class Style(str, Enum):
     HEAD = "head"
     NORM = "norm"
     GATHER_INPUT = "gather_input"
+    GRAD_ALL_REDUCE = "grad_all_reduce"
 
 
 SEQUENCE_DIM = 1  # (batch, seq, hidden) activations: sequence parallelism splits dim 1 (torchtitan's Shard(1))

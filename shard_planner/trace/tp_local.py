@@ -164,7 +164,7 @@ def _check_module_class(module: nn.Module, fqn: str, style: ModuleStyle) -> None
 def _split_dim(module: nn.Module, style: ModuleStyle, name: str, p: torch.Tensor) -> int | None:
     """The dimension torch's style splits parameter ``name`` on (None: replicated); style.py cited above."""
     s = style.style
-    if s in (Style.NORM, Style.GATHER_INPUT):
+    if s in (Style.NORM, Style.GATHER_INPUT, Style.GRAD_ALL_REDUCE):
         return None
     if s is Style.ROWWISE:
         return 1 if name == "weight" else None  # bias Replicate
@@ -240,7 +240,7 @@ class RankEmulation:
         if style is None:
             return args, kwargs
         s, sp = style.style, self.tp.sequence_parallel
-        if s is Style.NORM:
+        if s is Style.NORM or s is Style.GRAD_ALL_REDUCE:
             self._norm_grads(call, module)
             return args, kwargs
         if (s is Style.COLWISE or s is Style.HEAD) and not sp:
@@ -280,7 +280,8 @@ class RankEmulation:
         return emulate(out, fwd, bwd, self.tp_size, call.tp_collectives)
 
     def _norm_grads(self, call, module: nn.Module) -> None:
-        """FSDP2's all-reduce of a norm's Partial parameter gradients, once per step."""
+        """The all-reduce of a replicated module's parameter gradients, once per step: a sequence-parallel norm's
+        (DTensor's, of its Partial gradients), a ``grad_all_reduce`` module's (its post-accumulate-grad hook)."""
         if call.fqn in self.norms_seen:
             return
         self.norms_seen.add(call.fqn)

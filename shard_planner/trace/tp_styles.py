@@ -390,9 +390,11 @@ def _hf_style(name: str, fqn: str) -> str:
             return Style.HEAD.value                    # with loss parallelism)
         case "sequence_parallel":  # SequenceParallel(use_local_output=True)
             return Style.NORM.value
+        case "replicated_with_grad_allreduce":  # Qwen3's per-head norms: whole, gradients summed over tp
+            return Style.GRAD_ALL_REDUCE.value
     raise UserError(f"tensor parallelism: the transformers plan gives {fqn} the style {name!r}, which has no "
                     "equivalent here (colwise, rowwise, embedding_rowwise, colwise_gather_output, colwise_rep, "
-                    "sequence_parallel); plan it without tp")
+                    "sequence_parallel, replicated_with_grad_allreduce); plan it without tp")
 
 
 def _hf_styles(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:

@@ -17,6 +17,7 @@ from shard_planner.plan.measurement import (Measurement, RankMemory, load_measur
 from shard_planner.model.modelfile import load_model_file
 from shard_planner.plan import Cluster, Mesh, ModelRef, Plan, Prediction, Prefetch, Training, Unit, save_plan
 from shard_planner.trace.structure import model_fingerprint
+from shard_planner.model.hf import model_options
 
 MODEL = "tests/models/exec_net.py"
 FAULTY = "tests/models/exec_faulty.py"
@@ -37,7 +38,7 @@ def reference_losses(plan: Plan, world_size: int, n_steps: int, device: str = "c
     batch_index), one backward, one optimizer step. On the run's device type: build_on_device seeds that
     device's generator, and CUDA's draws other initial weights than the CPU's (seen on an H200: the first
     losses 2% apart)."""
-    mf = load_model_file(plan.model.path)
+    mf = load_model_file(plan.model.path, model_options(plan.model))  # a transformers config as planned
     device = torch.device(device)
     model = build_on_device(mf, device)
     opt = make_optimizer(plan, model.parameters())
@@ -47,7 +48,7 @@ def reference_losses(plan: Plan, world_size: int, n_steps: int, device: str = "c
         opt.zero_grad()
         batches = [make_step_batch(mf, tr.micro_batch, batch_index(tr, s, m), r, device)
                    for m in range(tr.accumulation_steps) for r in range(world_size)]
-        loss = sum(mf.loss(model(*inputs), targets) for inputs, targets in batches) / len(batches)
+        loss = sum(mf.loss(mf.forward(model, inputs), targets) for inputs, targets in batches) / len(batches)
         loss.backward()
         opt.step()
         losses.append(loss.item())

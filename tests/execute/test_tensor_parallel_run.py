@@ -225,3 +225,30 @@ def test_the_example_lora_model_file_2x2(tmp_path, monkeypatch):
     assert m.comm_matches and m.comm_tp_matches, (m.comm_comparison(), m.comm_tp_comparison())
     (name, predicted, measured, error), = [row for row in m.comparison() if row[0] == "peak_bytes"]
     assert abs(error) <= 3.0, (predicted, measured)
+
+
+QWEN3_CONFIG = dict(HF_CONFIG, model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=16)
+
+
+@pytest.mark.multiprocess
+def test_transformers_qwen3_with_per_head_norms_2x2(tmp_path):
+    """A tiny Qwen3, whose transformers plan styles its per-head q_norm / k_norm replicated_with_grad_allreduce
+    (parallel/tensor_parallel.py grad_all_reduce): planned at TP 2 and run on dp 2 x tp 2, its losses those of one
+    process without any parallelism (so the norms' gradients are summed over the heads of both tp ranks), its
+    peak and every collective as predicted (one all-reduce of each norm's weight gradient a step among them)."""
+    pytest.importorskip("transformers")
+    from shard_planner.plan import load_plan
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(QWEN3_CONFIG))
+    path = tmp_path / "plan.json"
+    assert cli_main(["plan", str(config), "--seq-len", "16", "--dtype", "fp32", "--gpus", "4", "--mem", "1GB",
+                     "--profile", "cpu-gloo", "--tp", "2", "--no-report", "-o", str(path)]) == 0
+    plan = load_plan(path)
+    norms = {f: s.style.value for f, s in plan.tensor_parallel.styles_by_fqn.items() if f.endswith("_norm")}
+    assert norms == {f"model.layers.{i}.self_attn.{n}": "grad_all_reduce" for i in range(2) for n in ("q_norm", "k_norm")}
+    m = launch_plans([plan], steps=4, warmup=0, device="cpu", timeout_s=240).measurements[0]
+    assert m.losses == pytest.approx(reference_losses(plan, 2, len(m.losses)), rel=1e-5)
+    assert m.comm_matches and m.comm_tp_matches, (m.comm_comparison(), m.comm_tp_comparison())
+    (name, predicted, measured, error), = [row for row in m.comparison() if row[0] == "peak_bytes"]
+    assert abs(error) <= 3.0, (predicted, measured)

@@ -35,7 +35,7 @@ def test_fsdp2_snippet_styles_are_the_executors(sequence_parallel, loss_parallel
     from shard_planner.execute.tensor_parallel import torch_style
 
     styles = {"emb": "embedding", "n": "norm", "a": "gather_input", "b": "gather_input:hidden_states", "q": "colwise",
-              "o": "rowwise", "out": "head"}
+              "o": "rowwise", "out": "head", "qn": "grad_all_reduce"}
     if not sequence_parallel:
         styles = {f: s for f, s in styles.items() if not s.startswith(("norm", "gather_input"))}
     plan = llama_tp_plan("tiny", shard=2, tp=2, styles=styles, sequence_parallel=sequence_parallel,

@@ -118,6 +118,11 @@ def autotp_section(plan: Plan) -> tuple[dict, list[str]]:
         notes.append(f"the plan splits the embedding {by_style[Style.EMBEDDING][0]} on the vocabulary; AutoTP splits an "
                      "embedding on its hidden dimension, a different layout: left whole on every tp rank (its "
                      f"parameters, gradients and optimizer states {plan.mesh.tp_size}x the plan's per rank)")
+    if by_style[Style.GRAD_ALL_REDUCE]:
+        notes.append(f"the plan keeps {len(by_style[Style.GRAD_ALL_REDUCE])} modules whole on every tp rank and sums "
+                     f"their weight gradients over the tp group ({by_style[Style.GRAD_ALL_REDUCE][0]}: transformers' "
+                     "replicated_with_grad_allreduce, a per-head norm that sees this rank's heads); AutoTP's config "
+                     "has no such setting: without that sum each tp rank trains its own copy of those weights")
     if tp.loss_parallel:
         notes.append("loss parallelism: vocab_parallel_lm_head installs DeepSpeed's vocabulary-parallel loss as the "
                      "model's loss_function hook, which the model must have (transformers' causal LMs do); a model "

@@ -67,6 +67,8 @@ def tp_source(plan: Plan) -> dict[str, str]:
              "\n    with loss_context():"
              "\n        loss = loss_fn(model(inputs), targets)"
              "\n        loss.backward()")
+    if any(text == "grad_all_reduce" for text in tp.styles.values()):
+        source += "\n\n" + _GRAD_ALL_REDUCE.rstrip("\n") + "\n"
     return dict(tp_imports=_IMPORTS, tp_source=source, tp_apply=_APPLY, dp_mesh="mesh[DP_MESH_DIMS]", tp_usage=usage)
 
 
@@ -84,7 +86,7 @@ _APPLY = '''    apply_tensor_parallel(model, mesh)  # the styles first, then che
 _SOURCE = '''# Tensor parallelism over the mesh's "tp" dimension ($tp_size ranks; $description).
 # TP_STYLES: module name -> style. colwise: ColwiseParallel; rowwise: RowwiseParallel; embedding: RowwiseParallel on the vocabulary; head: the
 # output layer, ColwiseParallel; norm: SequenceParallel; gather_input: the module's input all-gathered on the
-# sequence (a keyword argument after ":").
+# sequence (a keyword argument after ":"); grad_all_reduce: parameters whole, gradients summed over tp.
 TP_STYLES = {
 $styles
 }
@@ -114,6 +116,8 @@ def _parallel_style(text: str) -> ParallelStyle:
                                   desired_input_kwarg_layouts={kwarg: Replicate()}, use_local_output=False)
     if style == "gather_input":
         return _GatherFirstInput()
+    if style == "grad_all_reduce":
+        return _GradAllReduce()  # written below TP_STYLES only where the plan uses it
     raise ValueError(f"unknown tensor-parallel style {text!r}")
 
 
@@ -149,4 +153,27 @@ def loss_context():
     return loss_parallel() if LOSS_PARALLEL else contextlib.nullcontext()
 
 
+'''
+
+_GRAD_ALL_REDUCE = '''class _GradAllReduce(ParallelStyle):
+    """Parameters whole on every tp rank, each gradient summed over the tp group once autograd has accumulated it
+    (transformers' replicated_with_grad_allreduce: Qwen3's per-head q_norm / k_norm see this rank's heads only)."""
+
+    def _apply(self, module: torch.nn.Module, device_mesh) -> torch.nn.Module:
+        import torch.distributed._functional_collectives as funcol
+
+        group, hooked = device_mesh.get_group(), {}
+
+        def sum_over_tp(param):
+            param.grad.copy_(funcol.all_reduce(param.grad, "sum", group))
+
+        def hook_parameters(mod, _args):  # on the parameters the forward sees (FSDP2's unsharded ones)
+            if torch.is_grad_enabled():
+                for name, param in mod.named_parameters(recurse=False):
+                    if param.requires_grad and hooked.get(name) is not param:
+                        param.register_post_accumulate_grad_hook(sum_over_tp)
+                        hooked[name] = param
+
+        module.register_forward_pre_hook(hook_parameters)
+        return module
 '''
