@@ -10,7 +10,6 @@ before ``fully_shard`` (execute/apply.py) and the trace's proofs use the same ob
 from __future__ import annotations
 
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -96,21 +95,28 @@ class GradAllReduce(ParallelStyle):
     (execute/comm_count.py [Note: counting tensor parallelism's collectives])."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        group = device_mesh.get_group()
-        hooked: dict[str, torch.Tensor] = {}
-
-        def sum_over_tp(param: torch.Tensor) -> None:
-            param.grad.copy_(funcol.all_reduce(param.grad, "sum", group))
-
-        def hook_parameters(mod, _args):
-            if torch.is_grad_enabled():
-                for name, param in mod.named_parameters(recurse=False):
-                    if param.requires_grad and hooked.get(name) is not param:
-                        param.register_post_accumulate_grad_hook(sum_over_tp)
-                        hooked[name] = param
-
-        module.register_forward_pre_hook(hook_parameters)
+        sum_gradients_over(module, device_mesh.get_group())
         return module
+
+
+def sum_gradients_over(module: torch.nn.Module, group) -> None:
+    """Hook each parameter the forward of ``module`` sees so that its gradient is summed over the process group
+    ``group`` once autograd has accumulated it (the FSDP2 export writes this function into its file as it is)."""
+    import torch.distributed._functional_collectives as funcol
+
+    hooked = {}
+
+    def sum_over_group(param):
+        param.grad.copy_(funcol.all_reduce(param.grad, "sum", group))
+
+    def hook_parameters(mod, _args):  # on the parameters the forward sees (FSDP2's unsharded ones)
+        if torch.is_grad_enabled():
+            for name, param in mod.named_parameters(recurse=False):
+                if param.requires_grad and hooked.get(name) is not param:
+                    param.register_post_accumulate_grad_hook(sum_over_group)
+                    hooked[name] = param
+
+    module.register_forward_pre_hook(hook_parameters)
 
 
 def torch_tp_plan(tp: TensorParallel) -> dict[str, ParallelStyle]:

@@ -67,8 +67,12 @@ def tp_source(plan: Plan) -> dict[str, str]:
              "\n    with loss_context():"
              "\n        loss = loss_fn(model(inputs), targets)"
              "\n        loss.backward()")
-    if any(text == "grad_all_reduce" for text in tp.styles.values()):
-        source += "\n\n" + _GRAD_ALL_REDUCE.rstrip("\n") + "\n"
+    if any(text == "grad_all_reduce" for text in tp.styles.values()):  # the executor's hook, as it is
+        import inspect
+
+        from shard_planner.execute.tensor_parallel import sum_gradients_over
+
+        source += "\n\n" + _GRAD_ALL_REDUCE + "\n\n" + inspect.getsource(sum_gradients_over)
     return dict(tp_imports=_IMPORTS, tp_source=source, tp_apply=_APPLY, dp_mesh="mesh[DP_MESH_DIMS]", tp_usage=usage)
 
 
@@ -160,20 +164,6 @@ _GRAD_ALL_REDUCE = '''class _GradAllReduce(ParallelStyle):
     (transformers' replicated_with_grad_allreduce: Qwen3's per-head q_norm / k_norm see this rank's heads only)."""
 
     def _apply(self, module: torch.nn.Module, device_mesh) -> torch.nn.Module:
-        import torch.distributed._functional_collectives as funcol
-
-        group, hooked = device_mesh.get_group(), {}
-
-        def sum_over_tp(param):
-            param.grad.copy_(funcol.all_reduce(param.grad, "sum", group))
-
-        def hook_parameters(mod, _args):  # on the parameters the forward sees (FSDP2's unsharded ones)
-            if torch.is_grad_enabled():
-                for name, param in mod.named_parameters(recurse=False):
-                    if param.requires_grad and hooked.get(name) is not param:
-                        param.register_post_accumulate_grad_hook(sum_over_tp)
-                        hooked[name] = param
-
-        module.register_forward_pre_hook(hook_parameters)
+        sum_gradients_over(module, device_mesh.get_group())
         return module
 '''
