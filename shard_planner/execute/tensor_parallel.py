@@ -21,7 +21,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from shard_planner.parallel.tensor_parallel import SEQUENCE_DIM, ModuleStyle, Style, TensorParallel
+from shard_planner.parallel.tensor_parallel import (SEQUENCE_DIM, ModuleStyle, Style, TensorParallel,
+                                                    sum_gradients_over)
 
 
 # [Note: gather_input hands on a DTensor]
@@ -97,26 +98,6 @@ class GradAllReduce(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         sum_gradients_over(module, device_mesh.get_group())
         return module
-
-
-def sum_gradients_over(module: torch.nn.Module, group) -> None:
-    """Hook each parameter the forward of ``module`` sees so that its gradient is summed over the process group
-    ``group`` once autograd has accumulated it (the FSDP2 export writes this function into its file as it is)."""
-    import torch.distributed._functional_collectives as funcol
-
-    hooked = {}
-
-    def sum_over_group(param):
-        param.grad.copy_(funcol.all_reduce(param.grad, "sum", group))
-
-    def hook_parameters(mod, _args):  # on the parameters the forward sees (FSDP2's unsharded ones)
-        if torch.is_grad_enabled():
-            for name, param in mod.named_parameters(recurse=False):
-                if param.requires_grad and hooked.get(name) is not param:
-                    param.register_post_accumulate_grad_hook(sum_over_group)
-                    hooked[name] = param
-
-    module.register_forward_pre_hook(hook_parameters)
 
 
 def torch_tp_plan(tp: TensorParallel) -> dict[str, ParallelStyle]:

@@ -151,3 +151,27 @@ class TensorParallel:
         if self.loss_parallel:
             parts.append("loss parallel")
         return ", ".join(parts)
+
+
+# The grad_all_reduce style at run time, here below its two users: the executor (execute/tensor_parallel.py
+# GradAllReduce) and the FSDP2 export, which writes this function into its file as it is (report/export/
+# fsdp2_tp.py). torch is imported when it runs, so this vocabulary module stays free of it.
+def sum_gradients_over(module: torch.nn.Module, group) -> None:
+    """Hook each parameter the forward of ``module`` sees so that its gradient is summed over the process group
+    ``group`` once autograd has accumulated it."""
+    import torch
+    import torch.distributed._functional_collectives as funcol
+
+    hooked = {}
+
+    def sum_over_group(param):
+        param.grad.copy_(funcol.all_reduce(param.grad, "sum", group))
+
+    def hook_parameters(mod, _args):  # on the parameters the forward sees (FSDP2's unsharded ones)
+        if torch.is_grad_enabled():
+            for name, param in mod.named_parameters(recurse=False):
+                if param.requires_grad and hooked.get(name) is not param:
+                    param.register_post_accumulate_grad_hook(sum_over_group)
+                    hooked[name] = param
+
+    module.register_forward_pre_hook(hook_parameters)

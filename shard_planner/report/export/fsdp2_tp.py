@@ -70,7 +70,7 @@ def tp_source(plan: Plan) -> dict[str, str]:
     if any(text == "grad_all_reduce" for text in tp.styles.values()):  # the executor's hook, as it is
         import inspect
 
-        from shard_planner.execute.tensor_parallel import sum_gradients_over
+        from shard_planner.parallel.tensor_parallel import sum_gradients_over
 
         source += "\n\n" + _GRAD_ALL_REDUCE + "\n\n" + inspect.getsource(sum_gradients_over)
     return dict(tp_imports=_IMPORTS, tp_source=source, tp_apply=_APPLY, dp_mesh="mesh[DP_MESH_DIMS]", tp_usage=usage)
