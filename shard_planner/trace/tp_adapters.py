@@ -39,6 +39,7 @@ from shard_planner.errors import UserError
 from shard_planner.parallel.tensor_parallel import Style
 
 BASE_LAYER = "base_layer"
+ADAPTERS = ("lora_A", "lora_B")  # peft's names of a LoRA layer's two adapter Linears (or ModuleDicts of them)
 
 
 def lora_parts(module: nn.Module) -> tuple[list[str], list[str]] | None:
@@ -48,7 +49,7 @@ def lora_parts(module: nn.Module) -> tuple[list[str], list[str]] | None:
     if not isinstance(getattr(module, BASE_LAYER, None), nn.Linear):
         return None
     parts = []
-    for name in ("lora_A", "lora_B"):
+    for name in ADAPTERS:
         sub = getattr(module, name, None)
         if isinstance(sub, nn.Linear):
             parts.append([name])
@@ -80,7 +81,7 @@ def layer_of(fqn: str) -> str:
     ``....wq.lora_B.default``: ``....wq``), else ``fqn``."""
     parts = fqn.split(".")
     for i in range(len(parts) - 1, 0, -1):
-        if parts[i] == BASE_LAYER or parts[i] in ("lora_A", "lora_B"):
+        if parts[i] == BASE_LAYER or parts[i] in ADAPTERS:
             return ".".join(parts[:i])
     return fqn
 
@@ -118,13 +119,20 @@ def with_adapters(model: nn.Module, styles: dict[str, str]) -> dict[str, str]:
 
 
 def check_not_quantised(model: nn.Module, styles: dict[str, str]) -> None:
+    """:func:`refuse_quantised` for every styled module: the styles are refused where they are derived, so the
+    layout search records why for each degree."""
+    for fqn in styles:
+        refuse_quantised(fqn, model.get_submodule(fqn))
+
+
+def refuse_quantised(fqn: str, module: nn.Module) -> None:
     """Refuse a styled module holding a quantised (NF4) parameter, as QLoRA's base Linears do: torchao's NF4Tensor
     implements FSDP2's all-gather hooks (model/param_storage.py), not the sharding DTensor's styles need, so such a
-    fine-tune is planned without tensor parallelism (the layout search records why)."""
+    fine-tune is planned without tensor parallelism. The styles' derivation and the trace of a hand-written plan's
+    styles (trace/tp_local.py) both refuse here."""
     from shard_planner.model.param_storage import stored_parts
 
-    for fqn in styles:
-        for name, p in model.get_submodule(fqn).named_parameters(recurse=False):
-            if any(part.quantized for part in stored_parts(p)):
-                raise UserError(f"tensor parallelism: {fqn}.{name} is stored in NF4 (QLoRA), which tensor "
-                                "parallelism cannot split; plan a QLoRA fine-tune without --tp")
+    for name, p in module.named_parameters(recurse=False):
+        if any(part.quantized for part in stored_parts(p)):
+            raise UserError(f"tensor parallelism: {fqn}.{name} is stored in NF4 (QLoRA), which tensor "
+                            "parallelism cannot split; plan a QLoRA fine-tune without --tp")

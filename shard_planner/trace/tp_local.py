@@ -96,7 +96,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from shard_planner.plan.comm import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from shard_planner.errors import UserError
-from shard_planner.model.param_storage import stored_parts
+from shard_planner.trace.tp_adapters import refuse_quantised
 from shard_planner.parallel.tensor_parallel import SEQUENCE_DIM, ModuleStyle, Style, TensorParallel
 from shard_planner.trace.types import Affine, TPCollective
 
@@ -135,10 +135,8 @@ def shard_parameters(model: nn.Module, tp: TensorParallel, tp_size: int, fake_mo
         if module is None:
             raise UserError(f"tensor_parallel.styles names {fqn!r}, which is not a module of the model")
         _check_module_class(module, fqn, style)
+        refuse_quantised(fqn, module)
         for name, p in module.named_parameters(recurse=False):
-            if any(part.quantized for part in stored_parts(p)):
-                raise UserError(f"tensor parallelism cannot split the quantised (NF4) parameter {fqn}.{name}; "
-                                "trace a QLoRA fine-tune without tensor_parallel")
             dim = _split_dim(module, style, name, p)
             if dim is None:
                 continue

@@ -54,18 +54,21 @@ def test_the_example_lora_model_splits_its_adapters_without_sequence_parallelism
                       "layers.0.feed_forward.w2": "rowwise"}
 
 
-@pytest.mark.parametrize("targets, expected", [
+@pytest.mark.parametrize("targets, expected, parts, split", [
     ((), {"self_attn.q_proj.base_layer": "colwise", "self_attn.q_proj.lora_B.default": "colwise",
           "self_attn.k_proj": "colwise", "self_attn.v_proj.base_layer": "colwise",
           "self_attn.v_proj.lora_B.default": "colwise", "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise",
-          "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}),
+          "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"},
+     ("self_attn.v_proj.base_layer", "self_attn.v_proj.lora_B.default"),
+     ("colwise", 4, "heads 2, which 4 does not divide")),
     (("o_proj", "down_proj"), {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise",
                                "self_attn.v_proj": "colwise", "self_attn.o_proj.base_layer": "rowwise",
                                "self_attn.o_proj.lora_A.default": "rowwise", "mlp.gate_proj": "colwise",
                                "mlp.up_proj": "colwise", "mlp.down_proj.base_layer": "rowwise",
-                               "mlp.down_proj.lora_A.default": "rowwise"}),
+                               "mlp.down_proj.lora_A.default": "rowwise"},
+     ("mlp.down_proj.base_layer",), ("rowwise", 3, "splits its input features 512, which 3 does not divide")),
 ], ids=["q,v (peft's default)", "o,down (rowwise)"])
-def test_transformers_plan_under_peft_splits_the_adapters(tmp_path, targets, expected):
+def test_transformers_plan_under_peft_splits_the_adapters(tmp_path, targets, expected, parts, split):
     need_finetune_extra()
     model_file = load(write_config(tmp_path), FineTune(lora_rank=8, lora_targets=targets))
     found = degree_styles(model_file, [2, 4], sequence_parallel=False, loss_parallel=False)
@@ -73,15 +76,12 @@ def test_transformers_plan_under_peft_splits_the_adapters(tmp_path, targets, exp
     assert [o.refused for o in found.refused] == [
         f"tensor parallelism of degree 4: {PEFT}self_attn.k_proj holds attention heads of head_dim 64: heads 2, "
         "which 4 does not divide; choose a tp degree that divides it"]
-    # the heads are counted past a LoRA layer: its base layer's and lora_B's split by the attention's head_dim
-    v = PEFT + ("self_attn.v_proj" if not targets else "mlp.down_proj")
-    parts = [f"{v}.base_layer", f"{v}.lora_B.default"] if not targets else [f"{v}.base_layer"]
+    # a LoRA layer's parts are checked as the Linear: colwise ones by the attention's heads past the LoRA layer
+    style, degree, message = split
     model = model_file.build()
     for part in parts:
-        with pytest.raises(UserError, match="heads 2, which 4 does not divide" if not targets else
-                           "splits its input features 512, which 3 does not divide"):
-            check_divisible(model, TensorParallel({part: "colwise" if not targets else "rowwise"}, False, False),
-                            4 if not targets else 3)
+        with pytest.raises(UserError, match=message):
+            check_divisible(model, TensorParallel({PEFT + part: style}, False, False), degree)
     styles = found.styles[2].styles_by_fqn
     assert {f[len(PEFT):]: s.style.value for f, s in styles.items() if f.startswith(PEFT)} == expected
     assert styles["base_model.model.model.embed_tokens"].style.value == "embedding"
@@ -96,3 +96,10 @@ def test_qlora_is_refused_with_why(tmp_path):
     (refused,) = found.refused
     assert "is stored in NF4 (QLoRA), which tensor parallelism cannot split; plan a QLoRA fine-tune without --tp" in (
         refused.refused)
+    # a hand-written plan's styles on an NF4 weight are refused by the trace, in the same words
+    from shard_planner.trace import trace_model
+
+    styles = TensorParallel({f"{PEFT}self_attn.q_proj.base_layer": "colwise"}, False, False)
+    with pytest.raises(UserError, match="q_proj.base_layer.weight is stored in NF4 \\(QLoRA\\), which tensor "
+                                        "parallelism cannot split"):
+        trace_model(model_file, tensor_parallel=styles, tp_size=2)
