@@ -58,7 +58,7 @@ def test_no_module_reads_the_raw_dtypes_but_the_listed():
 def test_the_policy_is_fsdp2s_mixed_precision():
     n = Training(micro_batch=1, param_dtype="bfloat16", reduce_dtype="float32").numerics
     assert n == Numerics("bfloat16", "float32")
-    assert n.gathered_dtype("float32") == n.gradient_dtype("float32") == "bfloat16"
+    assert n.gathered_dtype("float32") == "bfloat16"  # and the unsharded gradient's
     assert n.gathered_dtype("uint8") == "uint8"  # a non-floating parameter is gathered as stored
     assert n.casts("float32") and not n.casts("bfloat16") and not n.casts("uint8")
     assert n.sharded_dtype("float32") == "float32"  # shards, sharded gradients, optimizer states as stored

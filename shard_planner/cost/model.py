@@ -253,7 +253,8 @@ class CostModel:
         the profile's achievable FLOP/s and aten ops x per-op overhead (cost/time.py's docstring).
         The time simulator reads compute only from here."""
         profile, b = self.profile, micro_batch
-        # each block's FLOPs at the rate of the dtype its GEMMs run in (plan/numerics.py), the loss's at its own
+        # each block's FLOPs at the rate of its module's GEMM dtype (plan/numerics.py; the whole subtree at one rate,
+        # as every module has one dtype today: docs/extending.md, float8), the loss's at its own
         rates = [profile.flops_per_s(numerics.gemm_dtype(blk.fqn)) for blk in t.blocks]
         loss_rate = profile.flops_per_s(numerics.gemm_dtype(None))
         op_s = profile.per_op_overhead_s
@@ -352,7 +353,7 @@ class CostModel:
             if fqn is None:
                 return kernels[1], 0.0
             return tuple(sum(kernels[0][m.fqn][i] for m in self.trace.subtree(fqn)) for i in (0, 1))
-        rate = self.profile.flops_per_s(numerics.gemm_dtype(fqn))  # the dtype its GEMMs run in (plan/numerics.py)
+        rate = self.profile.flops_per_s(numerics.gemm_dtype(fqn))  # its GEMM dtype, the subtree's (as above)
         if fqn is None:  # the trace does not split the loss's FLOPs into forward and backward
             return (self.trace.loss_flops.at(micro_batch) / rate
                     + cpu_loss_memory_bound_s(self.trace, micro_batch, self.profile), 0.0)

@@ -67,7 +67,7 @@ def unit_bytes_of(p: UnitParams, reshard_after_forward: bool | int | None, shard
     buffer is which)."""
     n = shard_group_size
     # Floating parameters are gathered, and their gradients computed, in the compute dtype whatever they are
-    # stored in (Numerics.gathered_dtype, gradient_dtype); gradients are reduce-scattered in its reduce dtype.
+    # stored in (Numerics.gathered_dtype); gradients are reduce-scattered in its reduce dtype.
     pd_elem, rs_elem = dtype_bytes(numerics.compute_dtype), dtype_bytes(numerics.reduce_scatter_dtype)
     mp = any(numerics.casts(dt) for dt in p.float_dtypes)  # mixed precision: a cast copy before the all-gather
     # dim 0 padded to ceil(dim0 / N) x N rows: the all-gather output (of which the unsharded parameters are

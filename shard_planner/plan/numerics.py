@@ -12,7 +12,7 @@ FSDP2's ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` (torch/distributed/f
   model is built in fp32, as torchtitan builds it). NF4 is a storage, not a dtype (model/param_storage.py).
 - gathered (unsharded) parameters: ``param_dtype`` for a floating parameter, cast before the all-gather when its
   built dtype differs (the cast copy of the all-gather input, cost/memory.py); a non-floating one as stored.
-- unsharded gradients: as the gathered parameter (autograd computes them in it).
+- unsharded gradients: as the gathered parameter (autograd computes them in it): ``gathered_dtype`` too.
 - the reduce-scatter: ``reduce_dtype``; equal to ``param_dtype`` it means no cast (``init_dtype_attrs`` sets
   it None), and the gradients are reduced as computed.
 - sharded gradients and optimizer states: as stored (FSDP2 casts the reduce-scatter's output to the sharded
@@ -47,16 +47,13 @@ class Numerics:
     reduce_scatter_dtype: str = "float32"
 
     def gathered_dtype(self, stored: str) -> str:
-        """The dtype a parameter stored in ``stored`` is all-gathered in, held unsharded and used by its module."""
+        """The dtype a parameter stored in ``stored`` is all-gathered in, held unsharded and used by its module,
+        and its unsharded gradient's (autograd computes it in the parameter's dtype)."""
         return self.compute_dtype if stored in FLOAT_DTYPES else stored
 
     def casts(self, stored: str) -> bool:
         """Whether a parameter stored in ``stored`` is cast before its all-gather (mixed precision applies)."""
         return stored in FLOAT_DTYPES and stored != self.compute_dtype
-
-    def gradient_dtype(self, stored: str) -> str:
-        """The dtype of the unsharded gradient of a parameter stored in ``stored``: its gathered dtype."""
-        return self.gathered_dtype(stored)
 
     @property
     def reduce_casts(self) -> bool:
