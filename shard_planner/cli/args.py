@@ -210,6 +210,15 @@ def add_time_limit(p: argparse.ArgumentParser) -> None:
                    "solver status says whether the answer was proven optimal")
 
 
+def add_engine(p: argparse.ArgumentParser) -> None:
+    """``--engine``: what runs the plan (plan/engine.py)."""
+    p.add_argument("--engine", choices=("fsdp2", "single"), default=None,
+                   help="what runs the plan: fsdp2 (fully_shard), or single, one device without sharding (plain "
+                   "PyTorch, every parameter cast to the compute dtype, as torchtune's single-device recipes "
+                   "train). Default: single at --gpus 1 when the model is already stored in the compute dtype "
+                   "(nothing is cast), else fsdp2 (on one GPU it keeps fp32 weights as master weights)")
+
+
 def add_tp_arguments(p: argparse.ArgumentParser, *, tp_default, tp_help: str) -> None:
     """``--tp N`` (its default and what it means for the command's search) and the two TP switches."""
     tp = p.add_argument_group("tensor parallelism (inside a node; FSDP or HSDP over the rest)")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from shard_planner.hardware.allocator_conf import mode_name
 from shard_planner.load.checked_plan import check_plan, checked_plan_file
-from shard_planner.cli.args import (add_dtype, add_gpus, add_hf_arguments, add_mem, add_micro_batch, add_model_argument,
+from shard_planner.cli.args import (add_dtype, add_engine, add_gpus, add_hf_arguments, add_mem, add_micro_batch, add_model_argument,
                                     add_profile, add_recipe, add_timings, hf_options)
 from shard_planner.errors import UserError
 from shard_planner.fileio import check_output_file
@@ -51,6 +51,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_timings(p, default_text="the plan's cluster.timings; --timings '' prices from FLOPs")
     add_micro_batch(p, default="the plan's; with --recipe the model file's, else 1")
     add_dtype(p)  # with --recipe: a plan file has its own
+    add_engine(p)  # the same
     p.add_argument("--write", action="store_true", help="store the prediction in the plan file's 'predicted'")
     return p
 
@@ -65,9 +66,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.recipe is not None:
         return _run_recipe(args)
-    if args.mem is not None or args.dtype is not None:
-        raise UserError("--mem and --dtype are for --recipe: a plan file has its own (cluster.mem_budget_bytes, "
-                        "training.param_dtype)")
+    if args.mem is not None or args.dtype is not None or args.engine is not None:
+        raise UserError("--mem, --dtype and --engine are for --recipe: a plan file has its own "
+                        "(cluster.mem_budget_bytes, training.param_dtype, engine)")
     req = EstimateRequest(args.model, args.plan, args.profile, args.timings, args.gpus, args.micro_batch, args.write)
     found = load_plan(req.plan)
     if req.write:

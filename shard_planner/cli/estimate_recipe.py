@@ -53,4 +53,5 @@ def _request(args: argparse.Namespace, profile, defaults, dtype: str):
     return PlanRequest(gpus=args.gpus, mem_budget_bytes=args.mem or profile.memory_bytes, profile=profile,
                        gpus_per_node=profile.interconnect.gpus_per_node, micro_batch=micro_batch, param_dtype=dtype,
                        model_path=args.model, profile_name=args.profile or DEFAULT_PROFILE,
-                       timings_path=args.timings or None, expandable_segments=planned_expandable(os.environ), **extra)
+                       timings_path=args.timings or None, expandable_segments=planned_expandable(os.environ),
+                       engine=args.engine, **extra)

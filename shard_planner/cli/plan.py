@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shard_planner.hardware.allocator_conf import planned_expandable
-from shard_planner.cli.args import (add_batch_search, add_dtype, add_gpus, add_gpus_per_node, add_hf_arguments, add_mem,
+from shard_planner.cli.args import (add_batch_search, add_dtype, add_engine, add_gpus, add_gpus_per_node, add_hf_arguments, add_mem,
                                     add_model_argument, add_output, add_profile, add_report_arguments, add_time_limit,
                                     add_timings, add_tp_arguments, hf_options, param_dtype, report_dir)
 from shard_planner.cli.background import Helper, HelperDied, helper_process
@@ -23,6 +23,7 @@ from shard_planner.fileio import check_output_dir, check_output_file
 from shard_planner.model.hf import as_planned
 from shard_planner.plan import Plan, save_plan, with_paths_located
 from shard_planner.plan.points import layout_lines
+from shard_planner.plan.engine import DESCRIPTIONS, SINGLE
 from shard_planner.hardware.profile import DEFAULT_PROFILE, load_priced_profile
 from shard_planner.units import format_bytes
 
@@ -53,6 +54,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                      "GPUs per node is screened and the promising ones searched; on a CPU profile 1 (gloo's timing "
                      "says nothing of tensor parallelism)")
     add_dtype(p)
+    add_engine(p)
     add_output(p, what="plan", default="plan.json")
     add_time_limit(p)
     add_report_arguments(p)
@@ -141,7 +143,8 @@ def _run(args: argparse.Namespace, helper: Helper, second: Helper, t0: float, im
                       search_batch=args.search_batch, optimizer=defaults.optimizer, lr=defaults.lr, param_dtype=dtype,
                       time_limit_s=args.time_limit, model_path=model_path, profile_name=args.profile,
                       timings_path=args.timings, global_batch_samples=args.global_batch,
-                      global_batch_tokens=args.global_batch_tokens, expandable_segments=planned_expandable(os.environ))
+                      global_batch_tokens=args.global_batch_tokens, expandable_segments=planned_expandable(os.environ),
+                      engine=args.engine)
     result = degree_work.plan(trace, req, helper)
     result = replace(result, plan=with_paths_located(result.plan, args.output))
     result = replace(result, plan=as_planned(result.plan, args.hf_task, finetune))  # run and export rebuild it so
@@ -260,18 +263,30 @@ def summary(result: PlanResult | Plan, profile) -> str:
     tr = plan.training
     finetune = f" ({plan.model.finetune.text})" if plan.model.finetune is not None else ""
     rank = profile.rank_word  # "GPU", "CPU rank" on a CPU profile
-    lines = [f"plan for {plan.model.path}{finetune}: {len(plan.units)} FSDP units, {plan.mesh.describe(rank)}, "
-             f"micro-batch {tr.micro_batch}, "
-             f"prefetch forward {plan.prefetch.forward} / backward {plan.prefetch.backward}"
-             f"{', CPU offload' if tr.cpu_offload else ''}"]
+    single = plan.engine == SINGLE
+    if single:  # plan/engine.py: no sharding, no prefetch; the units are only checkpointed regions or not
+        checkpointed = sum(1 for u in plan.units if u.activation_checkpoint)
+        lines = [f"plan for {plan.model.path}{finetune}: {DESCRIPTIONS[SINGLE]} on one {rank}, every parameter in "
+                 f"{tr.stored_dtype}, {checkpointed} of {len(plan.units) - 1} regions checkpointed, "
+                 f"micro-batch {tr.micro_batch}"]
+    else:
+        lines = [f"plan for {plan.model.path}{finetune}: {len(plan.units)} FSDP units, {plan.mesh.describe(rank)}, "
+                 f"micro-batch {tr.micro_batch}, "
+                 f"prefetch forward {plan.prefetch.forward} / backward {plan.prefetch.backward}"
+                 f"{', CPU offload' if tr.cpu_offload else ''}"]
+        if plan.cluster.gpus == 1:
+            compute = tr.numerics.compute_dtype
+            lines.append(f"  FSDP2 on one {rank}: the parameters train as the model builds them, gathered in "
+                         f"{compute} (MixedPrecisionPolicy: master weights where they are stored wider); "
+                         f"--engine single trains plain PyTorch instead, every parameter cast to {compute}")
     accumulation = plan.accumulation_words(rank)
     if accumulation:
         lines.append(f"  {accumulation}")
-    lines += [f"  {line}" for line in summarize_units(plan.units)]
+    lines += [f"  {line}" for line in summarize_units(plan.units, sharded=not single)]
     lines.append(f"predicted peak {format_bytes(pr.peak_bytes)} per {rank} of {format_bytes(budget)} usable "
                  f"({100 * pr.peak_bytes / budget:.0f}%; {profile.usable_reason(plan.cluster.mem_budget_bytes)}), "
                  "at the peak: " + ", ".join(
-                     f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in sorted(
+                     f"{_category_word(k, single)} {format_bytes(v)}" for k, v in sorted(
                          pr.memory_at_peak.items(), key=lambda kv: -kv[1])[:3]))
     device_line = _device_line(getattr(result, "fit", None), plan)  # a Plan has none
     if device_line:
@@ -296,6 +311,13 @@ def summary(result: PlanResult | Plan, profile) -> str:
     s = plan.solver
     lines.append(f"solver: {s.method}, {s.status}, {s.seconds:.1f} s; frontier of {len(plan.frontier)} plans in the file")
     return "\n".join(lines)
+
+
+def _category_word(category: str, single: bool) -> str:
+    """A memory category as the summary says it: on one device nothing is sharded (plan/engine.py)."""
+    if single and category == "sharded_params":
+        return "parameters"
+    return category.replace("_", " ")
 
 
 def _device_line(fit, plan: Plan) -> str | None:

@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from shard_planner.cli.args import (add_batch_search, add_device, add_dtype, add_gpus, add_gpus_per_node, add_hf_arguments,
+from shard_planner.cli.args import (add_batch_search, add_device, add_dtype, add_engine, add_gpus, add_gpus_per_node, add_hf_arguments,
                                     add_mem, add_model_argument, add_output, add_profile, add_report_arguments,
                                     add_time_limit, add_timings, add_tp_arguments, hf_options, non_negative_int, param_dtype,
                                     positive_float, positive_int, report_dir)
@@ -42,6 +42,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_tp_arguments(p, tp_default=1, tp_help="every candidate keeps it (default 1), its styles derived as plan "
                      "derives them; it must divide --world-size too")
     add_dtype(p)
+    add_engine(p)
     p.add_argument("--steps", type=positive_int, default=5, help="timed steps per plan (default 5)")
     p.add_argument("--warmup", type=non_negative_int, default=2, help="warm-up steps per plan (default 2)")
     p.add_argument("--per-launch", type=positive_int,
@@ -75,6 +76,8 @@ def _plan_options(args) -> dict:
     """The plan search's options (:class:`~shard_planner.solve.PlanRequest` fields) the command line sets,
     as ``plan`` sets them."""
     options = {"time_limit_s": args.time_limit, "search_batch": args.search_batch}
+    if args.engine is not None:
+        options["engine"] = args.engine
     if args.global_batch is not None:
         options["global_batch_samples"] = args.global_batch
     if args.global_batch_tokens is not None:

@@ -50,6 +50,7 @@ from shard_planner.cost import fsdp2_rules  # called through the module: a test 
 from shard_planner.cost.reshard import ReshardAfterForward
 from shard_planner.dtypes import FLOAT_DTYPES, dtype_bytes
 from shard_planner.plan import Plan
+from shard_planner.plan.engine import SINGLE
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,8 @@ def collective_bytes_per_step(plan: Plan, unit_params: tuple[tuple[ParamShape, .
     """
     if len(unit_params) != len(plan.units):
         raise ValueError(f"{len(unit_params)} parameter lists for {len(plan.units)} units")
+    if plan.engine == SINGLE:
+        return ()  # one device: no collectives (plan/engine.py)
     n, replicas = plan.mesh.shard_group_size, plan.mesh.replicate_group_size
     numerics = plan.training.numerics  # each tensor's dtype (plan/numerics.py)
     reduce_elem = dtype_bytes(numerics.reduce_scatter_dtype)

@@ -32,9 +32,10 @@ def batch_index(training: Training, step: int, micro_step: int) -> int:
 
 def set_micro_step(model: FSDPModule, training: Training, micro_step: int) -> None:
     """Set FSDP2's gradient sync and reshard-after-backward for micro-step ``micro_step`` (0-based) on
-    every unit of ``model`` (the root); nothing without accumulation."""
+    every unit of ``model`` (the root); nothing without accumulation, nor on one device without FSDP2
+    (plan/engine.py: autograd adds each micro-step's gradients into ``.grad``)."""
     n = training.accumulation_steps
-    if n == 1:
+    if n == 1 or not isinstance(model, FSDPModule):
         return
     last = micro_step == n - 1
     model.set_requires_gradient_sync(last or training.gradient_sync == GRADIENT_SYNCS[0], recurse=True)

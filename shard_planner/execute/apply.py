@@ -87,6 +87,7 @@ from shard_planner.errors import PlanError
 from shard_planner.execute.selective import selective_context_fn
 from shard_planner.execute.tensor_parallel import torch_tp_plan
 from shard_planner.plan import Plan, Unit
+from shard_planner.plan.engine import SINGLE
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +192,8 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> 
     """Shard ``model`` in place as ``plan`` says and return it. ``mesh``: the plan's mesh (built from
     the default process group with :func:`build_mesh` when None)."""
     check_plan_matches(model, plan)
+    if plan.engine == SINGLE:
+        return apply_single_device(model, plan)
     if mesh is None:
         device_type = next((p.device.type for p in model.parameters()), "cpu")
         mesh = build_mesh(plan, "cuda" if device_type == "cuda" else "cpu")
@@ -216,6 +219,25 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> 
         logger.debug("fully_shard(%s, reshard_after_forward=%s)", unit.name, unit.reshard_after_forward)
 
     _set_prefetch(plan, modules)
+    return model
+
+
+def apply_single_device(model: nn.Module, plan: Plan) -> nn.Module:
+    """The single-device step (plan/engine.py; cost/engines/single.py [Note: The single-device step]): every
+    floating parameter cast to ``training.stored_dtype`` in place (``param.data``: the module keeps its
+    Parameter objects; non-floating ones, NF4 weights among them, and buffers stay as built), then the
+    checkpointed units' modules checkpointed. No wrapper, no hooks, no process group used."""
+    stored = plan.training.stored_dtype
+    if stored is not None:
+        dtype = _DTYPES[stored]
+        for p in model.parameters():
+            if type(p.data) is torch.Tensor and p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+    modules = dict(model.named_modules())
+    for unit in plan.units:
+        if unit.activation_checkpoint:
+            for fqn in unit.modules:
+                _checkpoint_forward(modules[fqn], unit.ac_save_ops)
     return model
 
 

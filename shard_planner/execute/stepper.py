@@ -117,6 +117,10 @@ class Stepper:
             inputs, targets = self.batch_fn(index)
         else:
             inputs, targets = make_step_batch(self.model_file, self.micro_batch, index, self.data_rank, self.device)
+        stored = self.training.stored_dtype
+        if stored is not None:  # the single-device step: floating inputs in the model's dtype, as FSDP2's root
+            dtype = getattr(torch, stored)  # casts them (MixedPrecisionPolicy.cast_forward_inputs)
+            inputs = map_inputs(inputs, lambda t: t.to(dtype) if t.is_floating_point() else t)
         with loss_parallel() if self.loss_parallel else contextlib.nullcontext():
             self._phase("forward")
             loss = self._forward_and_loss(inputs, targets)

@@ -27,7 +27,7 @@ from functools import cached_property
 from pathlib import Path
 
 from shard_planner.plan.checkpointing import DEFAULT_SAVE_OPS, SAVEABLE_OP_CLASSES, SELECTIVE
-from shard_planner.plan.engine import ENGINES, FSDP2
+from shard_planner.plan.engine import ENGINES, FSDP2, engine_refusal
 from shard_planner.errors import PlanError
 from shard_planner.fileio import read_json, write_atomic
 from shard_planner.plan.finetune import FineTune  # the plan file's "model.finetune": what was frozen and how
@@ -169,6 +169,9 @@ class Training:
     # --global-batch (--global-batch-tokens in samples) the plan was asked to reach, which it reaches exactly
     # (solve/accumulation.py), recorded with accumulation or without; None: none was asked
     global_batch_asked: int | None = None
+    # the dtype the executor casts the model's floating parameters to before training (the single-device
+    # step: plan/engine.py, every parameter in the compute dtype); None: they train as built. Written when set
+    stored_dtype: str | None = None
 
     def __post_init__(self):
         _require(isinstance(self.micro_batch, int) and self.micro_batch >= 1,
@@ -184,12 +187,14 @@ class Training:
         _require(self.optimizer in OPTIMIZERS, f"training.optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         for name in ("param_dtype", "reduce_dtype"):
             _require(getattr(self, name) in DTYPES, f"training.{name} must be one of {', '.join(DTYPES)}")
+        _require(self.stored_dtype in (None, *DTYPES),
+                 f"training.stored_dtype must be one of {', '.join(DTYPES)} or absent, got {self.stored_dtype!r}")
 
     @cached_property  # a frozen dataclass's __dict__: built once per Training (the cost model asks per plan)
     def numerics(self) -> Numerics:
         """The step's numerics policy (plan/numerics.py [Note: One numerics policy]): every stage reads the dtypes
         of the plan's tensors and GEMMs from it, not from ``param_dtype`` and ``reduce_dtype``."""
-        return Numerics(self.param_dtype, self.reduce_dtype)
+        return Numerics(self.param_dtype, self.reduce_dtype, self.stored_dtype)
 
 
 @dataclass(frozen=True)
@@ -251,6 +256,8 @@ class Plan:
                  f"plan schema_version {self.schema_version!r} is not {PLAN_SCHEMA_VERSION}: re-run shard-planner plan")
         _require(self.mesh.world_size == self.cluster.gpus,
                  f"mesh {self.mesh.shape_text} does not use the cluster's {self.cluster.gpus} GPUs")
+        refusal = engine_refusal(self.engine, self.mesh, self.training, GRADIENT_SYNCS[0])
+        _require(refusal is None, refusal)
         _require(self.mesh.is_tp == (self.tensor_parallel is not None),
                  f"mesh.tp is {self.mesh.tp}: a plan has a tensor_parallel section exactly when mesh.tp is above 1")
         roots = [u for u in self.units if u.is_root]
@@ -345,6 +352,8 @@ class Plan:
             del d["tensor_parallel"]
         if self.engine == FSDP2:  # FSDP2 plans read as before the field: a plan file without one is FSDP2's
             del d["engine"]
+        if self.training.stored_dtype is None:  # parameters trained as built: plans read as before the field
+            del d["training"]["stored_dtype"]
         if self.mesh.pp == 1:  # plans without pipeline stages (all of them today) read as before the field
             d["mesh"].pop("pp")
         if not self.layouts:  # plans of one layout read as they did before the layout search
@@ -406,7 +415,7 @@ PLAN_RULES = {
     "Training.micro_batch": _COUNT, "Training.optimizer": Text(OPTIMIZERS),
     "Training.param_dtype": Text(DTYPES), "Training.reduce_dtype": Text(DTYPES), "Training.lr": Number(positive=True),
     "Training.accumulation_steps": _COUNT, "Training.gradient_sync": Text(GRADIENT_SYNCS),
-    "Training.global_batch_asked": Nullable(_COUNT),
+    "Training.global_batch_asked": Nullable(_COUNT), "Training.stored_dtype": Nullable(Text(DTYPES)),
     "Unit.modules": ListOf(Text(), min_len=1),
     "Unit.reshard_after_forward": AnyOf(Bool(), Int(least=2), wanted="true, false or an integer >= 2"),
     "Unit.activation_checkpoint": AnyOf(Bool(), Text((SELECTIVE,)), wanted='true, false or "selective"'),

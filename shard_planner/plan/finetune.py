@@ -33,8 +33,14 @@ from dataclasses import dataclass
 from shard_planner.errors import PlanError
 
 ALL_LINEAR = "all-linear"  # peft's name for every Linear but the output layer
+ADAPTERS = ("lora_A", "lora_B")  # peft's names of a LoRA layer's two adapter Linears (or ModuleDicts of them)
 NF4_BLOCK = 64  # torchao to_nf4's block_size: elements per absmax scaler (QLoRA's)
 NF4_SCALER_BLOCK = 256  # to_nf4's scaler_block_size: scalers per quantization factor (QLoRA's double quantisation)
+
+
+def is_adapter(fqn: str) -> bool:
+    """Whether module ``fqn`` is (inside) one of peft's LoRA adapters (``...q_proj.lora_A.default``)."""
+    return any(part in ADAPTERS for part in fqn.split("."))
 
 
 def _require(cond: bool, message: str) -> None:

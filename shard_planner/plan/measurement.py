@@ -35,7 +35,8 @@ def plan_fingerprint(plan: Plan) -> str:
     prefetch): two plans
     with the same fingerprint run the same way, whatever their predictions say."""
     d = plan.to_dict()
-    decisions = {k: d[k] for k in ("cluster", "mesh", "training", "units", "prefetch")}
+    # the engine as the plan file writes it: only when it is not FSDP2, so FSDP2 plans keep their fingerprints
+    decisions = {k: d[k] for k in ("cluster", "mesh", "training", "units", "prefetch", "engine") if k in d}
     decisions["model"] = {k: v for k, v in d["model"].items()  # where the file lies does not matter
                           if k not in ("path", "relative_path")}
     return hashlib.sha256(json.dumps(decisions, sort_keys=True).encode()).hexdigest()[:16]

@@ -9,7 +9,9 @@ FSDP2's ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` (torch/distributed/f
 ``FSDPParam.init_dtype_attrs``, _fsdp_collectives.py) and torch.optim give each class of tensor its dtype:
 
 - stored (sharded) parameters: as built; the trace records each parameter's dtype (fp32 master weights when the
-  model is built in fp32, as torchtitan builds it). NF4 is a storage, not a dtype (model/param_storage.py).
+  model is built in fp32, as torchtitan builds it). NF4 is a storage, not a dtype (model/param_storage.py). The
+  single-device step (plan/engine.py) casts every floating parameter to the compute dtype first
+  (``stored_dtype``, ``Training.stored_dtype``): stored, gradients and optimizer states in it.
 - gathered (unsharded) parameters: ``param_dtype`` for a floating parameter, cast before the all-gather when its
   built dtype differs (the cast copy of the all-gather input, cost/memory.py); a non-floating one as stored.
 - unsharded gradients: as the gathered parameter (autograd computes them in it): ``gathered_dtype`` too.
@@ -45,6 +47,14 @@ class Numerics:
 
     compute_dtype: str = "bfloat16"
     reduce_scatter_dtype: str = "float32"
+    # every floating parameter stored in this dtype (the model cast to it before training: the single-device
+    # step, plan/engine.py); None: as built
+    stored_dtype: str | None = None
+
+    def stored(self, built: str) -> str:
+        """The dtype a parameter built in ``built`` is stored in while it trains: ``stored_dtype`` for a
+        floating one when the model is cast, else as built."""
+        return self.stored_dtype if self.stored_dtype is not None and built in FLOAT_DTYPES else built
 
     def gathered_dtype(self, stored: str) -> str:
         """The dtype a parameter stored in ``stored`` is all-gathered in, held unsharded and used by its module,
@@ -53,7 +63,7 @@ class Numerics:
 
     def casts(self, stored: str) -> bool:
         """Whether a parameter stored in ``stored`` is cast before its all-gather (mixed precision applies)."""
-        return stored in FLOAT_DTYPES and stored != self.compute_dtype
+        return stored in FLOAT_DTYPES and self.stored(stored) != self.compute_dtype
 
     @property
     def reduce_casts(self) -> bool:
@@ -61,8 +71,9 @@ class Numerics:
         return self.reduce_scatter_dtype != self.compute_dtype
 
     def sharded_dtype(self, stored: str) -> str:
-        """The dtype of a parameter's shard, its sharded gradient and its optimizer states: as stored."""
-        return stored
+        """The dtype of a parameter's shard (on one device: the parameter), its sharded gradient and its optimizer
+        states: as stored (:meth:`stored`)."""
+        return self.stored(stored)
 
     @property
     def activation_dtype(self) -> str:

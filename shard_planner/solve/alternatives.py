@@ -53,7 +53,7 @@ def recipe_plan(trace: ModelTrace, request: PlanRequest, name: str) -> Plan:
         refusal = checkpointing_refusal(trace.model_path, trace.forward_cache)
         if refusal is not None and any(u.activation_checkpoint for u in units):
             raise PlanError(f"recipe {name} checkpoints, but {refusal}")
-        choice = GlobalChoice(request.micro_batch or 1, Prefetch(), mesh, recipe.cpu_offload)
+        choice = GlobalChoice(request.micro_batch or 1, Prefetch(), mesh, recipe.cpu_offload, engine=ctx.engine)
         return ctx.check_units(units, choice, recipe.title, method=RECIPE_METHOD).plan
     finally:
         ctx.close()

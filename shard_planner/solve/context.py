@@ -28,15 +28,35 @@ from shard_planner.solve import cpsat
 from shard_planner.solve.accumulation import NO_ACCUMULATION, resolve_global_batch
 from shard_planner.cost.queries import UnitSetting
 from shard_planner.solve.candidate_costs import CandidateCosts, candidate_costs
-from shard_planner.solve.choice import GlobalChoice
+from shard_planner.solve.choice import GlobalChoice, prefetch_choices
 from shard_planner.solve.linear import (MIB, LinearModel, build_linear_model, evaluate, unit_setting,
                                         with_accumulation, with_prefetch)
+from shard_planner.dtypes import FLOAT_DTYPES
+from shard_planner.plan.engine import FSDP2, SINGLE
+from shard_planner.plan.finetune import is_adapter
 from shard_planner.solve.request import PlanRequest, PlanTimings
-from shard_planner.solve.simulate import cover_units, make_plan
+from shard_planner.solve.simulate import cover_units, make_plan, single_device_units
 from shard_planner.solve.space import SearchSpace, build_space
 from shard_planner.trace.types import ModelTrace
 
 logger = logging.getLogger(__name__)
+
+
+def planned_engine(trace: ModelTrace, request: PlanRequest) -> str:
+    """The engine ``request``'s plans run on (plan/engine.py): the one it names; else, at one GPU without
+    tensor parallelism, the single-device step when it keeps the model's numerics (every floating parameter
+    is already stored in the compute dtype, so casting the model changes nothing; LoRA adapters aside, which
+    peft alone keeps in fp32 and torchtune builds in the model's dtype); else FSDP2, which on one GPU keeps
+    fp32 weights as master weights under its MixedPrecisionPolicy (the summary says so: cli/plan.py)."""
+    if request.engine is not None:
+        if request.engine == SINGLE and trace.tp_size != 1:
+            raise UserError(f"--engine single trains on one device without tensor parallelism, not at TP "
+                            f"{trace.tp_size}: drop --tp or plan with --engine fsdp2")
+        return request.engine
+    if request.gpus != 1 or trace.tp_size != 1:
+        return FSDP2
+    built = {dt for m in trace.modules if not is_adapter(m.fqn) for dt in m.param_bytes_by_dtype if dt in FLOAT_DTYPES}
+    return SINGLE if built <= {request.param_dtype} else FSDP2
 
 
 @dataclass(frozen=True)
@@ -111,9 +131,12 @@ class PlanContext:
         self.trace, self.request, self.profile = trace, request, request.profile
         asked = resolve_global_batch(request.global_batch_samples, request.global_batch_tokens,
                                      trace.tokens_per_sample, trace.model_path)
+        self.engine = planned_engine(trace, request)
+        single = self.engine == SINGLE  # every parameter cast to the compute dtype (plan/engine.py)
         self.training = Training(micro_batch=request.micro_batch or 1, optimizer=request.optimizer, lr=request.lr,
                                  param_dtype=request.param_dtype, reduce_dtype=request.reduce_dtype,
-                                 global_batch_asked=asked.samples if asked is not None else None)
+                                 global_batch_asked=asked.samples if asked is not None else None,
+                                 stored_dtype=request.param_dtype if single else None)
         self.cluster = Cluster(gpus=request.gpus, gpus_per_node=min(request.gpus_per_node, request.gpus),
                                profile=request.profile_name or self.profile.name,
                                mem_budget_bytes=request.mem_budget_bytes, timings=request.timings_path,
@@ -125,7 +148,8 @@ class PlanContext:
         self.budget_mib = self.budget_bytes // MIB
         self.time_limit_s = request.time_limit_s
         self.max_group_size = request.max_group_size
-        self.allow_offload = request.allow_offload and self.profile.device != "cpu"
+        # CPU offload is FSDP2's CPUOffloadPolicy: the single-device step has none
+        self.allow_offload = request.allow_offload and self.profile.device != "cpu" and not single
         self.cost_model = CostModel(trace, request.profile)
         # the layouts searched: plain FSDP over every tp group (the trace's degree: ModelTrace.tp_size), and
         # HSDP with one node per shard group when there are several nodes
@@ -153,7 +177,8 @@ class PlanContext:
             # a shard group's ranks are tp apart: a node holds gpus_per_node / tp of them (parallel/mesh.py)
             self._spaces[shard] = build_space(self.trace, shard_group=shard,
                                               gpus_per_node=mesh.shard_ranks_per_node(self.cluster.gpus_per_node),
-                                              max_group_size=self.max_group_size)
+                                              max_group_size=self.max_group_size,
+                                              sharded=self.engine != SINGLE)
             if not self._spaces[shard].items:
                 raise UserError(f"{self.trace.model_path}: the model has no modules with parameters to shard")
         return self._spaces[shard]
@@ -280,8 +305,15 @@ class PlanContext:
         units = cover_units(lm, chosen)
         return replace(self.check_units(units, lm.choice, status, evaluate(lm, chosen).peak_mib), cover=chosen)
 
+    @property
+    def prefetch_choices(self) -> tuple[Prefetch, ...]:
+        """The prefetch depths the search tries (solve/choice.py)."""
+        return prefetch_choices(self.engine)
+
     def check_units(self, units, choice: GlobalChoice, status: str, linear_peak_mib: int = -1,
                     method: str = "cp-sat") -> Checked:
+        if self.engine == SINGLE:  # a unit is only a checkpointed region or not (plan/engine.py)
+            units = single_device_units(self.space(choice.mesh), units)
         plan = make_plan(self.trace, units, choice, training=self.training, cluster=self.cluster,
                          model_path=self.request.model_path, tensor_parallel=self.request.tensor_parallel)
         est = self.estimate(plan)

@@ -19,10 +19,12 @@ def describe_choice(units: tuple[Unit, ...], choice: GlobalChoice) -> str:
     return f"{summarize_units(units, max_lines=3, sep='; ')}; {choice.label}"
 
 
-def summarize_units(units: tuple[Unit, ...], *, max_lines: int = 8, sep: str | None = None):
+def summarize_units(units: tuple[Unit, ...], *, max_lines: int = 8, sep: str | None = None, sharded: bool = True):
     """Units compressed: runs of consecutive units with the same decisions and the same shape of name
     become one line, e.g. ``layers.0..31: 32 units, reshard True, no AC``. A list of lines, or one
-    string joined by ``sep``."""
+    string joined by ``sep``. ``sharded`` False: a single-device plan's (plan/engine.py), whose units are only
+    regions checkpointed or not (``layers.0..31: 32 regions, AC``), the root's reshard unsaid."""
+    word = "unit" if sharded else "region"
 
     def key(u: Unit):
         shape = tuple(re.sub(r"\d+", "#", m) for m in u.modules)
@@ -40,14 +42,14 @@ def summarize_units(units: tuple[Unit, ...], *, max_lines: int = 8, sep: str | N
     for run in runs:
         first, last = run[0], run[-1]
         name = first.name if len(run) == 1 else f"{first.modules[0]}..{last.modules[-1]}"
-        size = f"{len(run)} unit{'s' if len(run) > 1 else ''}"
+        size = f"{len(run)} {word}{'s' if len(run) > 1 else ''}"
         if len(first.modules) > 1:
             size += f" of {len(first.modules)} modules"
         r = first.reshard_after_forward
         ac = {"selective": "selective AC", True: "AC"}.get(first.activation_checkpoint, "no AC")
-        lines.append(f"{name}: {size}, reshard {r}, {ac}")
+        lines.append(f"{name}: {size}, reshard {r}, {ac}" if sharded else f"{name}: {size}, {ac}")
     root = next((u for u in units if u.is_root), None)
-    if root is not None:
+    if root is not None and sharded:
         lines.append(f"<root>: reshard {root.reshard_after_forward}")
     if len(lines) > max_lines:
         lines = lines[:max_lines - 1] + [f"... {len(lines) - max_lines + 1} more runs"]

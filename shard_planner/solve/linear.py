@@ -94,7 +94,6 @@ from shard_planner.cost.unit_cost import UnitCost
 from shard_planner.cost.unit_params import UnitParams
 from shard_planner.dtypes import DTYPE_BYTES
 from shard_planner.plan import Training
-from shard_planner.plan.engine import FSDP2
 from shard_planner.hardware.profile import HardwareProfile
 from shard_planner.solve.choice import GlobalChoice
 from shard_planner.solve.candidate_costs import CandidateCosts, candidate_costs
@@ -171,10 +170,12 @@ def _us(seconds: float) -> int:
 
 
 def unit_setting(choice: GlobalChoice, training: Training) -> UnitSetting:
-    """What ``choice``'s units share, as the per-unit cost reads it (cost/queries.py). The solver searches
-    FSDP2's decisions (its units, reshard after forward, prefetch), so its plans and their costs are FSDP2's
-    (cost/engines/ [Note: What an engine owns])."""
-    return UnitSetting(choice.mesh, training.numerics, training.optimizer, choice.cpu_offload, FSDP2)
+    """What ``choice``'s units share, as the per-unit cost reads it (cost/queries.py), priced by the choice's
+    engine (cost/engines/ [Note: What an engine owns]). The program's structure is FSDP2's decisions (its
+    units, reshard after forward, prefetch); the single-device engine's unit costs have no gathered copies,
+    collectives or copies, so its terms for them are zero and the program chooses checkpointing alone (its
+    space offers one reshard option: solve/space.py)."""
+    return UnitSetting(choice.mesh, training.numerics, training.optimizer, choice.cpu_offload, choice.engine)
 
 
 def build_linear_model(trace: ModelTrace, space: SearchSpace, choice: GlobalChoice, training: Training,

@@ -50,6 +50,7 @@ from dataclasses import replace
 
 from shard_planner.cost.host_share import host_factors, ranks_per_host
 from shard_planner.plan import Prefetch, SolverInfo
+from shard_planner.plan.engine import SINGLE
 from shard_planner.solve import alternatives, cpsat, simpler
 from shard_planner.solve.accumulation import (
     NO_ACCUMULATION, Accumulation, accumulation_options, resolve_global_batch, split_global_batch,
@@ -57,7 +58,7 @@ from shard_planner.solve.accumulation import (
 from shard_planner.solve.context import Checked, PlanContext, speed
 from shard_planner.solve.describe import budget_text, infeasible_error
 from shard_planner.solve.frontier import pareto, start_sweep, sweep
-from shard_planner.solve.choice import GlobalChoice
+from shard_planner.solve.choice import PREFETCH_CHOICES, GlobalChoice  # noqa: F401  (PREFETCH_CHOICES: its old home)
 from shard_planner.solve.linear import MIB, evaluate
 from shard_planner.solve.never_worse import never_worse
 from shard_planner.solve.polish import polish
@@ -69,7 +70,6 @@ from shard_planner.units import format_bytes
 logger = logging.getLogger(__name__)
 
 # (forward, backward) prefetch depths tried: FSDP2's default, one explicit unit ahead, two both ways.
-PREFETCH_CHOICES = (Prefetch(0, 1), Prefetch(1, 1), Prefetch(2, 2))
 MAX_RECHECKS = 4  # re-solves when the simulator rejects the program's cover
 # Global choices (mesh x prefetch) solved with CP-SAT after screening. One: the others' covers are
 # judged at every prefetch depth anyway (_other_prefetch); on bench_plan's 12 cases a second solved
@@ -170,7 +170,7 @@ def screen_degree(trace: ModelTrace, request: PlanRequest) -> Checked | None:
         fitting: list[Checked] = []
         mesh = ctx.layouts[0]
         for mb, accumulations in _batches(ctx):
-            choice = GlobalChoice(mb, PREFETCH_CHOICES[0], mesh, False, accumulations[0])
+            choice = GlobalChoice(mb, ctx.prefetch_choices[0], mesh, False, accumulations[0], ctx.engine)
             lm = ctx.linear(choice)
             cover = ctx.greedy(lm, ctx.budget_mib)
             judged = ([ctx.check(lm, cover, "heuristic")] if cover is not None else []) + alternatives.recipes(
@@ -204,9 +204,9 @@ def _search(ctx: PlanContext) -> list[Checked]:
     found: list[Checked] = []
     for offload in (False, True) if ctx.allow_offload else (False,):
         for mb, accumulations in batches:
-            choices = [GlobalChoice(mb, pf, mesh, offload, acc) for acc in accumulations
+            choices = [GlobalChoice(mb, pf, mesh, offload, acc, ctx.engine) for acc in accumulations
                        for mesh in ctx.layouts
-                       for pf in PREFETCH_CHOICES]
+                       for pf in ctx.prefetch_choices]
             with ctx.clock.stage("screen"):
                 kept = _screen(ctx, choices)
             if kept and not found:
@@ -249,7 +249,8 @@ def _batches(ctx: PlanContext) -> list[tuple[int, list[Accumulation]]]:
         return [(mb, [NO_ACCUMULATION]) for mb in mbs]
     # a tp group shares one micro-batch: every layout searched has the same data-parallel ranks
     pairs = split_global_batch(batch, ctx.layouts[0].dp_size, request.micro_batch, ctx.trace.tokens_per_sample)
-    return [(mb, accumulation_options(steps)) for mb, steps in pairs]
+    # the policies between micro-steps are FSDP2's: one device adds every micro-step's gradients into .grad
+    return [(mb, accumulation_options(steps)[:1 if ctx.engine == SINGLE else None]) for mb, steps in pairs]
 
 
 def _other_accumulation(ctx: PlanContext, checked: Checked, accumulations: list[Accumulation]) -> list[Checked]:
@@ -272,8 +273,9 @@ def _polished(ctx: PlanContext, chosen: Checked, status: str) -> tuple[Checked, 
     """The chosen plan after the simulator-guided local search (:mod:`.polish`), at most
     ``POLISH_MODULE_EVALUATIONS`` module-simulations and ``POLISH_MAX_S``; the status says when it
     improved. The search judges plans through the planner's memo (:meth:`PlanContext.estimate`)."""
-    lo = Prefetch(min(p.forward for p in PREFETCH_CHOICES), min(p.backward for p in PREFETCH_CHOICES))
-    hi = Prefetch(max(p.forward for p in PREFETCH_CHOICES), max(p.backward for p in PREFETCH_CHOICES))
+    choices = ctx.prefetch_choices
+    lo = Prefetch(min(p.forward for p in choices), min(p.backward for p in choices))
+    hi = Prefetch(max(p.forward for p in choices), max(p.backward for p in choices))
     plan, info = polish(ctx.trace, chosen.plan, ctx.profile, ctx.budget_bytes, time_budget_s=POLISH_MAX_S,
                         max_group_size=ctx.max_group_size, prefetch_bounds=(lo, hi), estimate=ctx.estimate,
                         max_evaluations=max(1, POLISH_MODULE_EVALUATIONS // max(1, len(ctx.trace.modules))))
@@ -313,7 +315,7 @@ def _other_prefetch(ctx: PlanContext, checked: Checked) -> list[Checked]:
     where a CP-SAT solve per depth takes a second): prefetch mostly moves memory and exposed
     communication, not which units are best. Only those that fit the budget."""
     out = []
-    for pf in PREFETCH_CHOICES:
+    for pf in ctx.prefetch_choices:
         if pf == checked.choice.prefetch:
             continue
         choice = replace(checked.choice, prefetch=pf)
@@ -409,8 +411,8 @@ def _smallest_peak(ctx: PlanContext, micro_batch: int, accumulation: Accumulatio
     out: list[Checked] = []
     for mesh in ctx.layouts:
         for offload in ((False, True) if ctx.allow_offload else (False,)):
-            for pf in PREFETCH_CHOICES[:1]:  # deeper prefetch only adds memory
-                choice = GlobalChoice(micro_batch, pf, mesh, offload, accumulation)
+            for pf in ctx.prefetch_choices[:1]:  # deeper prefetch only adds memory
+                choice = GlobalChoice(micro_batch, pf, mesh, offload, accumulation, ctx.engine)
                 lm = ctx.linear(choice)
                 res = ctx.min_peak(lm, ctx.time_limit_s)
                 if res.chosen is not None:

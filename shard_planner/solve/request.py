@@ -19,6 +19,7 @@ from shard_planner.cost.types import Estimate
 from shard_planner.errors import UserError
 from shard_planner.parallel.tensor_parallel import TensorParallel
 from shard_planner.plan import DEFAULT_LR, OPTIMIZERS, FrontierPoint, Plan
+from shard_planner.plan.engine import ENGINES, SINGLE
 from shard_planner.hardware.profile import HardwareProfile
 from shard_planner.solve.space import DEFAULT_MAX_GROUP_SIZE
 from shard_planner.units import DTYPE_NAMES
@@ -85,6 +86,8 @@ class PlanRequest:
     # plans the search judges beside its own and may answer with: the layout screen's best (solve/layout_search.py
     # [Note: Screening the layouts]), so that a layout's full search is never slower than its screen
     start_plans: tuple[Plan, ...] = ()
+    # the engine the plans run on (plan/engine.py ENGINES); None: solve/context.py ``planned_engine`` picks it
+    engine: str | None = None
 
     def __post_init__(self):
         if not _positive_int(self.gpus) or not _positive_int(self.gpus_per_node):
@@ -115,6 +118,11 @@ class PlanRequest:
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in dtypes:
                 raise UserError(f"{name} must be one of {', '.join(sorted(dtypes))}, got {getattr(self, name)!r}")
+        if self.engine is not None and self.engine not in ENGINES:
+            raise UserError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.engine == SINGLE and self.gpus != 1:
+            raise UserError(f"--engine single trains on one device, not {self.gpus} GPUs: give --gpus 1, or plan "
+                            "several with --engine fsdp2")
 
 
 def _positive_int(v) -> bool:

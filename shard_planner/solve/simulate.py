@@ -8,12 +8,14 @@ numbers win (see :mod:`shard_planner.solve.planner`).
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from shard_planner.cost.types import Estimate
 from shard_planner.plan import ROOT, Cluster, ModelRef, Plan, Training, Unit
 from shard_planner.hardware.profile import HardwareProfile
 from shard_planner.solve.choice import GlobalChoice
 from shard_planner.solve.linear import LinearModel
+from shard_planner.solve.space import SearchSpace
 from shard_planner.parallel.tensor_parallel import TensorParallel
 from shard_planner.trace.types import ModelTrace
 
@@ -46,6 +48,29 @@ def cover_units(lm: LinearModel, chosen: tuple[int, ...]) -> tuple[Unit, ...]:
     return tuple(units)
 
 
+def single_device_units(space: SearchSpace, units: tuple[Unit, ...]) -> tuple[Unit, ...]:
+    """``units`` as a single-device plan writes them (plan/engine.py): there a unit is only a region that is
+    checkpointed or not, so plans that checkpoint the same modules are one plan, written one way: the root, then
+    every item of ``space`` its own unit (checkpointed as the unit that held it: torch.utils.checkpoint wraps
+    each module of a unit on its own, execute/apply.py), nothing resharded. One segmentation for all of them
+    also prices them alike: the memory walk's blocks follow the units, and a coarse block (the root of a
+    transformers model, whose forward computes the loss) is priced from its whole traced rise, where the finest
+    blocks are the segmentation FSDP2's runs validate. ``units`` naming a module that is no item are returned
+    as they are, nothing resharded."""
+    flat = [u for u in units if not u.is_root]
+    held = {fqn: u for u in flat for fqn in u.modules}
+    items = {it.fqn for it in space.items}
+    if not set(held) <= items:
+        return tuple(replace(u, reshard_after_forward=False) for u in units)
+    root = next(u for u in units if u.is_root)
+    out = [replace(root, reshard_after_forward=False)]
+    for it in space.items:
+        u = held.get(it.fqn)
+        out.append(Unit((it.fqn,), False, u.activation_checkpoint, u.ac_save_ops) if u is not None
+                   else Unit((it.fqn,), False))
+    return tuple(out)
+
+
 def make_plan(trace: ModelTrace, units: tuple[Unit, ...], choice: GlobalChoice, *, training: Training,
               cluster: Cluster, model_path: str | None = None, tensor_parallel: TensorParallel | None = None) -> Plan:
     """A plan without prediction: the decisions only; ``tensor_parallel`` the styles of the trace's degree
@@ -59,4 +84,5 @@ def make_plan(trace: ModelTrace, units: tuple[Unit, ...], choice: GlobalChoice, 
         units=units,
         prefetch=choice.prefetch,
         tensor_parallel=tensor_parallel if choice.mesh.is_tp else None,
+        engine=choice.engine,
     )

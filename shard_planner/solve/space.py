@@ -211,14 +211,17 @@ def reshard_choices(shard_group: int, gpus_per_node: int) -> tuple[bool | int, .
 
 def build_space(trace: ModelTrace, *, shard_group: int, gpus_per_node: int,
                 max_group_size: int = DEFAULT_MAX_GROUP_SIZE, allow_checkpointing: bool = True,
-                allow_nested: bool = True) -> SearchSpace:
+                allow_nested: bool = True, sharded: bool = True) -> SearchSpace:
     """Every candidate segment x option for ``trace`` on a shard group of ``shard_group`` ranks
-    (checkpointing only where ``allow_checkpointing`` and :func:`checkpointing_allowed`)."""
+    (checkpointing only where ``allow_checkpointing`` and :func:`checkpointing_allowed`). ``sharded`` False:
+    the single-device step (plan/engine.py), where a unit is only a region checkpointed or not, so one
+    reshard option (False) and no nested units."""
     allow_checkpointing = allow_checkpointing and checkpointing_allowed(trace)
+    allow_nested = allow_nested and sharded
     items = find_items(trace)
     if len(items) > LONG_SEQUENCE_ITEMS:
         max_group_size = min(max_group_size, LONG_SEQUENCE_MAX_GROUP_SIZE)
-    reshards = reshard_choices(shard_group, gpus_per_node)
+    reshards = reshard_choices(shard_group, gpus_per_node) if sharded else (False,)
     acs = (False, True) if allow_checkpointing else (False,)
     # selective checkpointing for repeated blocks (torchtitan checkpoints blocks only), when the trace
     # records what forward ops allocate (cost/selective.py)

@@ -36,10 +36,10 @@ from __future__ import annotations
 import torch.nn as nn
 
 from shard_planner.errors import UserError
+from shard_planner.plan.finetune import ADAPTERS
 from shard_planner.parallel.tensor_parallel import Style
 
 BASE_LAYER = "base_layer"
-ADAPTERS = ("lora_A", "lora_B")  # peft's names of a LoRA layer's two adapter Linears (or ModuleDicts of them)
 
 
 def lora_parts(module: nn.Module) -> tuple[list[str], list[str]] | None:

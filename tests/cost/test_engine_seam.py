@@ -15,9 +15,10 @@ from shard_planner.cost import CostModel, model_state_bytes
 from shard_planner.cost import engines as engine_registry
 from shard_planner.cost.engines import engine_named
 from shard_planner.cost.engines.fsdp2 import FSDP2_ENGINE, _FSDP2Engine
+from shard_planner.cost.engines.single import SINGLE_ENGINE
 from shard_planner.errors import PlanError
 from shard_planner.plan import Plan
-from shard_planner.plan.engine import ENGINES, FSDP2
+from shard_planner.plan.engine import ENGINES, FSDP2, SINGLE
 from tests.cost.test_memo_queries import _plan
 from tests.models.cost_synth import synthetic_trace
 
@@ -54,8 +55,9 @@ def test_the_plans_engine_prices_it_and_the_memos_keep_engines_apart(two_engines
 
 
 def test_an_engine_is_named_once():
-    assert engine_named(FSDP2) is FSDP2_ENGINE and ENGINES == (FSDP2,)
-    with pytest.raises(PlanError, match="engine 'zero3' is not one of fsdp2"):
+    assert engine_named(FSDP2) is FSDP2_ENGINE and ENGINES == (FSDP2, SINGLE)
+    assert engine_named(SINGLE) is SINGLE_ENGINE
+    with pytest.raises(PlanError, match="engine 'zero3' is not one of fsdp2, single"):
         engine_named("zero3")
 
 
@@ -64,7 +66,7 @@ def test_a_plan_file_names_its_engine(h100):
     d = plan.to_dict()
     assert "engine" not in d and Plan.from_dict(d).engine == FSDP2  # FSDP2's plans read and write as before
     assert Plan.from_dict({**d, "engine": "fsdp2"}).engine == FSDP2
-    with pytest.raises(PlanError, match='engine must be one of "fsdp2", got "deepspeed"'):
+    with pytest.raises(PlanError, match='engine must be one of "fsdp2", "single", got "deepspeed"'):
         Plan.from_dict({**d, "engine": "deepspeed"})
 
 

@@ -75,8 +75,9 @@ def _engines() -> dict[str, Engine]:
     """Every engine by name, built once (imported here, not at the top: an engine imports the cost package,
     whose face imports cost/model.py, which imports this module)."""
     from shard_planner.cost.engines.fsdp2 import FSDP2_ENGINE
+    from shard_planner.cost.engines.single import SINGLE_ENGINE
 
-    return {FSDP2_ENGINE.name: FSDP2_ENGINE}
+    return {e.name: e for e in (FSDP2_ENGINE, SINGLE_ENGINE)}
 
 
 def engine_named(name: str) -> Engine:

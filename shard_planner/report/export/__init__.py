@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from shard_planner.errors import UserError
 from shard_planner.plan import Plan
+from shard_planner.plan.engine import SINGLE
 from shard_planner.report.export.accelerate import export_accelerate
 from shard_planner.report.export.common import Export
 from shard_planner.report.export.deepspeed import export_deepspeed
@@ -22,6 +23,7 @@ from shard_planner.report.export.fsdp2 import export_fsdp2
 from shard_planner.report.export.model_info import (
     ModelInfo, model_info_for_plan, model_info_from_model, model_info_from_trace,
 )
+from shard_planner.report.export.single import export_single_device
 from shard_planner.report.export.torchtitan import export_torchtitan
 
 TARGETS = ("fsdp2", "accelerate", "torchtitan", "deepspeed")
@@ -32,6 +34,8 @@ __all__ = ["TARGETS", "Export", "ModelInfo", "export_plan", "model_info_for_plan
 
 def export_plan(plan: Plan, target: str, info: ModelInfo | None = None) -> Export:
     """``plan`` as ``target`` expects it."""
+    if plan.engine == SINGLE and target in TARGETS:  # one device, no sharding: report/export/single.py
+        return export_single_device(plan, target)
     match target:
         case "fsdp2":
             return Export("fsdp2", export_fsdp2(plan), ".py")

@@ -141,7 +141,7 @@ def export_fsdp2(plan: Plan) -> str:
         offload = ('\n    # Sharded parameters, gradients and optimizer states live on the host; pinned memory needs'
                    '\n    # an accelerator.\n    policy["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")')
     return _SOURCE.substitute(
-        **_checkpoint_source(plan), **tp_source(plan),
+        **checkpoint_source(plan), **tp_source(plan),
         model_path=py_str(plan.model.path), gpus=plan.cluster.gpus, version=__version__,
         fingerprint=plan.model.fingerprint, predicted=predicted, mesh_shape=mesh_shape, mesh_names=mesh_names,
         optimizer=optimizer_call(t, plan.model.finetune is not None), fsdp_imports=fsdp_imports,
@@ -311,7 +311,7 @@ def _policy():
 ''')
 
 
-def _checkpoint_source(plan: Plan) -> dict[str, str]:
+def checkpoint_source(plan: Plan) -> dict[str, str]:
     """The generated file's checkpoint import and ``_checkpoint`` (with ``SAVED_OPS`` and ``_save_policy``
     when some unit is selective)."""
     if not any(u.activation_checkpoint == "selective" for u in plan.units):
