@@ -91,7 +91,9 @@ a note below.
   entered (its first block's), and at least by what it saves. Measured on the zoo's T5 (tests/hf/zoo.py,
   its decoder's last block a unit): the forward peak, at the loss, was predicted 19,972 B low before. With a
   checkpointed block inside, the trace's level (without checkpointing) is not the plan's: only the saved
-  bytes count there.
+  bytes count there. Its own code's backward runs first, rising by the trace's ``bwd_head_rise_bytes``
+  (trace/replay.py ``head_rise``), e.g. that loss's backward: a tiny transformers Llama with LoRA peaks there
+  (reports/benchmarks/single_device.md: -5.4% before it, 0.0% after; FSDP2 a block per unit -3.1%, +2.1%).
 
 [Note: Checkpointed inputs held elsewhere]
   A checkpointed block keeps its input storages, but some of them are already counted: batch tensors,
@@ -137,9 +139,6 @@ from shard_planner.cost.allocations import (
     one_accountant, to_dict,
 )
 from shard_planner.cost.allocations import OPTIMIZER_STATES as OPTIMIZER_STATES_KIND
-from shard_planner.cost.optimizer import (  # noqa: F401  (re-exported: the tables' old home)
-    OPTIMIZER_STATES, OPTIMIZER_TEMPORARIES, OPTIMIZER_TEMPORARIES_SINGLE_TENSOR,
-)
 from shard_planner.cost.queries import PlanQuery
 from shard_planner.cost.reshard import reshard_group_sizes
 from shard_planner.cost.schedule import EventKind, Phase, Schedule

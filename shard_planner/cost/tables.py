@@ -251,7 +251,7 @@ def _block_sequence(trace: ModelTrace, module_unit: dict[str, int], owner: dict[
         blocks.append(Block(
             fqn=fqn, self_only=True, tp_fwd=tp_fwd, tp_bwd=tp_bwd, unit=owner[fqn], nested=(), unit_module=False,
             own_float_numel=float_numel_of(m.trainable_sharded_param_bytes_by_dtype),
-            saved=m.saved_bytes_self, input=ZERO, output=ZERO, fwd_rise=ZERO, bwd_rise=ZERO,
+            saved=m.saved_bytes_self, input=ZERO, output=ZERO, fwd_rise=ZERO, bwd_rise=m.bwd_head_rise_bytes,
             fwd_flops=m.fwd_flops_self, bwd_flops=m.bwd_flops_self,
             fwd_ops=m.fwd_ops_self, bwd_ops=m.bwd_ops_self, held=m.held_bytes_self,
             tail_rise=m.fwd_tail_rise_bytes, first_block=first,

@@ -103,6 +103,7 @@ class ModuleRecord:
     tp_collectives: list = field(default_factory=list)  # Call.tp_collectives, over its calls
     held: int = 0  # bytes the forward's output held until dropped (trace/held.py), over its calls
     fwd_tail_rise: int = 0  # ModuleTrace.fwd_tail_rise_bytes: the largest over its calls
+    bwd_head_rise: int = 0  # ModuleTrace.bwd_head_rise_bytes: the largest over its calls
 
 
 @dataclass(frozen=True)

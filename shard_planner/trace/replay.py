@@ -85,6 +85,18 @@ class Replay:
         tail_peak, _ = self.replay(last + 1, call.fwd.end)
         return at_last + tail_peak
 
+    def head_rise(self, call: Call) -> int:
+        """ModuleTrace.bwd_head_rise_bytes of one call: the highest level of live non-parameter bytes while its
+        own code's backward runs before the first of its children's backward begins, above the level at its
+        backward's entry (0 without children, or without a backward): the mirror of :meth:`tail_rise`, e.g. the
+        backward of a loss computed inside the root's forward."""
+        if not call.children or call.bwd is None or call.bwd.end < 0:
+            return 0
+        starts = [c.bwd.start for c in call.children if c.bwd is not None]
+        first = min(starts) if starts else call.bwd.end
+        peak, _ = self.replay(call.bwd.start + 1, first)
+        return peak
+
     def records(self, call: Call, memo: dict) -> list[ModuleRecord]:
         """The call's numbers and its subtree's, per module (twins expanded from their templates)."""
         cached = memo.get(id(call))
@@ -105,7 +117,7 @@ class Replay:
             fwd_ops=call.fwd_ops, bwd_ops=call.bwd_ops, input_shared_bytes=call.input_shared_bytes,
             fwd_kernels=call.fwd_kernels, bwd_kernels=call.bwd_kernels, output_by_class=call.output_by_class,
             fwd_tail_kernels=call.fwd_tail, input_grad=call.input_grad, tp_collectives=call.tp_collectives,
-            held=self.held.get(id(call), 0), fwd_tail_rise=self.tail_rise(call),
+            held=self.held.get(id(call), 0), fwd_tail_rise=self.tail_rise(call), bwd_head_rise=self.head_rise(call),
         )
         out = [own]
         for child in call.children:
@@ -127,7 +139,7 @@ class Replay:
                 r.fwd_kernels, r.bwd_kernels, r.output_by_class, r.fwd_tail_kernels,
                 call.input_grad if r.fqn == t.fqn else r.input_grad,
                 call.tp_collectives if r.fqn == t.fqn else r.tp_collectives,  # its own style ran for real
-                r.held, r.fwd_tail_rise,
+                r.held, r.fwd_tail_rise, r.bwd_head_rise,
             ))
         return out
 
@@ -192,6 +204,7 @@ def _accumulate(agg: ModuleRecord, r: ModuleRecord) -> None:
     agg.output_bytes += r.output_bytes
     agg.held += r.held
     agg.fwd_tail_rise = max(agg.fwd_tail_rise, r.fwd_tail_rise)
+    agg.bwd_head_rise = max(agg.bwd_head_rise, r.bwd_head_rise)
     agg.output_by_class = {c: agg.output_by_class.get(c, 0) + r.output_by_class.get(c, 0)
                            for c in {*agg.output_by_class, *r.output_by_class}}
     agg.fwd_rise = max(agg.fwd_rise, r.fwd_rise)
@@ -257,6 +270,7 @@ def module_traces(modules: list[tuple[str, nn.Module]], static: StaticFacts, has
             saved_bytes_self=fit("saved"),
             held_bytes_self=fit("held"),
             fwd_tail_rise_bytes=fit("fwd_tail_rise"),
+            bwd_head_rise_bytes=fit("bwd_head_rise"),
             fwd_flops_self=fit("fwd_flops"),
             bwd_flops_self=fit("bwd_flops"),
             fwd_peak_rise_bytes=fit("fwd_rise"),

@@ -141,6 +141,11 @@ class ModuleTrace:
     # loss computed inside the root's forward with its decoder's output still held (cost/memory.py,
     # [Note: A container's own code]). Traces written before this field load with none.
     fwd_tail_rise_bytes: Affine = ZERO
+    # The mirror in backward: the highest level while its own code's backward runs before the first of its
+    # children's backward begins, above the level at its backward's entry (0 without children), e.g. the
+    # backward of that loss (cost/memory.py, [Note: A container's own code]). Traces written before this field
+    # load with none.
+    bwd_head_rise_bytes: Affine = ZERO
     # The kernels of its own forward and backward (trace/kernel_ops.py, [Note: kernel records]), for the
     # GPU kernel model (cost/kernels.py). Traces written before them load with none (priced from FLOPs).
     fwd_kernels: tuple[KernelRecord, ...] = ()

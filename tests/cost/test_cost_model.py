@@ -316,7 +316,7 @@ def test_cpu_adamw_temporaries_as_measured():
     """The constant behind OPTIMIZER_TEMPORARIES_SINGLE_TENSOR, measured with the storage tracker."""
     import torch
 
-    from shard_planner.cost.memory import OPTIMIZER_TEMPORARIES_SINGLE_TENSOR
+    from shard_planner.cost.optimizer import OPTIMIZER_TEMPORARIES_SINGLE_TENSOR
     from shard_planner.execute.memtrack import StorageTracker
 
     params = [torch.nn.Parameter(torch.randn(128, 128)) for _ in range(4)]
