@@ -35,7 +35,7 @@ def set_micro_step(model: FSDPModule, training: Training, micro_step: int) -> No
     every unit of ``model`` (the root); nothing without accumulation, nor on one device without FSDP2
     (plan/engine.py: autograd adds each micro-step's gradients into ``.grad``)."""
     n = training.accumulation_steps
-    if n == 1 or not isinstance(model, FSDPModule):
+    if n == 1 or not hasattr(model, "set_requires_gradient_sync"):  # no FSDP2: the single-device step
         return
     last = micro_step == n - 1
     model.set_requires_gradient_sync(last or training.gradient_sync == GRADIENT_SYNCS[0], recurse=True)

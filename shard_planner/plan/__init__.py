@@ -300,8 +300,10 @@ class Plan:
                     f"{ranks}, no accumulation") if tr.global_batch_asked is not None else ""
         sync = "every micro-step" if tr.gradient_sync == GRADIENT_SYNCS[0] else "the last micro-step only"
         kept = ", parameters kept gathered between them" if tr.keep_params_gathered else ""
+        how = (f"gradients reduce-scattered on {sync}{kept}" if tr.stored_dtype is None
+               else "gradients added into .grad")  # one device: nothing reduced (plan/engine.py)
         return (f"global batch {self.global_batch_samples} = micro-batch {tr.micro_batch} x {tr.accumulation_steps} "
-                f"micro-steps x {ranks}, gradients reduce-scattered on {sync}{kept}")
+                f"micro-steps x {ranks}, {how}")
 
     @property
     def inner_units(self) -> tuple[Unit, ...]:

@@ -25,6 +25,10 @@ the planner's, ``PlanResult.estimate``, so the cost model runs once per command)
   ``trace_for_plan``). A trace of the whole model drawn for a TP plan reads every split block at its full
   size; :func:`check_trace_rank` refuses it. Both commands write the report with :func:`write_report`.
 
+The words for what the plan's engine does (FSDP2's units, reshard, sharded and gathered parameters and
+collectives; on one device, regions and the parameters it holds, nothing communicated) are report/engine_words.py's,
+which every section asks, so that a single-device plan's report names nothing FSDP2 does.
+
 Memory is judged against the usable budget the planner fills, --mem x the profile's usable_fraction
 (report/budget.py); both lines are drawn. On a GPU profile the timeline draws the simulated CUDA caching
 allocator's reserved bytes too (report/reserved.py), and the summary its figures from the plan file. When the plan's profile is not here the report compares
@@ -45,10 +49,12 @@ from shard_planner.parallel.mesh import ModelSplit
 from shard_planner.plan import Plan
 from shard_planner.hardware.profile import HardwareProfile
 from shard_planner.report.budget import ReportBudget, load_plan_profile, report_budget
+from shard_planner.report.engine_words import FSDP2_WORDS, EngineWords, engine_words
 from shard_planner.report.layouts import layouts_table, plot_layouts, throughput_unit
 from shard_planner.report.measured import check_measurement_matches, measured_figures, predictions_for, run_sections
 from shard_planner.report.plots import (
-    figures_png, plot_frontier, plot_measured_plans, plot_memory_at_peak, plot_predicted_vs_measured, plot_units,
+    category_labels, figures_png, plot_frontier, plot_measured_plans, plot_memory_at_peak, plot_predicted_vs_measured,
+    plot_units,
 )
 from shard_planner.report.reserved import reserved_caption, reserved_timeline
 from shard_planner.report.render import ReportSection, render_html, render_markdown, summary_lines
@@ -128,12 +134,7 @@ def build_sections(plan: Plan, *, trace: ModelTrace | None = None, profile: Hard
     if measurement is not None:
         sections.append(_measured_section(plan, measurement))
         sections += run_sections(measurement)
-    sections.append(ReportSection(
-        "Use the plan", None, None,
-        "Check it for real: shard-planner run plan.json (CPU/gloo or GPUs; measured vs predicted). Apply it in your "
-        "own training script: shard_planner.execute.apply_plan(model, plan, mesh), or without shard-planner: "
-        "shard-planner export plan.json --to fsdp2 -o apply_sharding.py. For a training stack: --to accelerate, "
-        "torchtitan or deepspeed (each export lists what that stack cannot express, with the nearest setting)."))
+    sections.append(ReportSection("Use the plan", None, None, engine_words(plan).use))
     return [s for s in sections if s is not None]
 
 
@@ -191,17 +192,19 @@ def _memory_section(plan: Plan, trace: ModelTrace | None, estimate: Estimate | N
                     budget: ReportBudget, reserved=None) -> ReportSection | None:
     """The chosen plan's memory over one step (with an estimate; on a GPU with the allocator's reserved
     bytes beside it, ``reserved``: report/reserved.py), else at its peak (from the plan file)."""
+    words = engine_words(plan)
+    labels = category_labels(words)
     if estimate is not None:
         fig = plot_memory_timeline(estimate.memory, budget, f"Memory over one training step: {_model_name(plan)}, "
-                                   f"chosen plan (predicted, per {budget.rank_word})", reserved)
+                                   f"chosen plan (predicted, per {budget.rank_word})", reserved, labels=labels)
         return ReportSection(
             "Memory over one step", "memory_timeline.png", fig,
-            f"Live bytes on one {budget.rank_word} after each event of the FSDP2 schedule (all-gathers, unit forward and "
-            f"backward, reduce-scatters, optimizer step), stacked by category (allocated). "
+            f"Live bytes on one {budget.rank_word} after each event of {words.schedule}, stacked by "
+            "category (allocated). "
             f"{_budget_text(budget, fig)} {reserved_caption(reserved)}".rstrip())
     if plan.predicted is None:
         return None
-    fig = plot_memory_at_peak(plan.predicted, budget)
+    fig = plot_memory_at_peak(plan.predicted, budget, labels=labels)
     return ReportSection(
         "Memory at the peak", "memory_at_peak.png", fig,
         "The plan's predicted memory at its peak, by category (re-run with the model or its trace"
@@ -211,29 +214,33 @@ def _memory_section(plan: Plan, trace: ModelTrace | None, estimate: Estimate | N
 
 def _units_section(plan: Plan, trace: ModelTrace | None, estimate: Estimate | None,
                    budget: ReportBudget) -> ReportSection:
+    words = engine_words(plan)
     rows = unit_rows(plan, trace, estimate)
-    fig = plot_units(rows, rank_word=budget.rank_word)
+    fig = plot_units(rows, rank_word=budget.rank_word, words=words)
+    exposed = exposed_parts_text(rows) if words.shards else ""  # no communication on one device
+    unit = words.unit
     return ReportSection(
-        "Units", "units.png" if fig is not None else None, fig,
-        "One row per FSDP unit in forward order; consecutive units of the same block are folded into one row "
-        "per decision (reshard, checkpointing), with their count and figures per unit (\"N of M\": every "
+        f"{unit.capitalize()}s", "units.png" if fig is not None else None, fig,
+        f"One row per {words.unit_long} in forward order; consecutive {unit}s of the same block are folded into one "
+        f"row per decision ({words.decisions}), with their count and figures per {unit} (\"N of M\": every "
         f"other block, say). Memory is per {budget.rank_word} at the plan's micro-batch; times are per step."
-        + (" " + exposed_parts_text(rows) if exposed_parts_text(rows) else "")
-        + (" " + fine_tune_text(trace) if trace is not None and trace.has_frozen_params else ""),
-        units_table(rows))
+        + (f" {words.root}" if words.root else "")
+        + (" " + exposed if exposed else "")
+        + (" " + fine_tune_text(trace, words) if trace is not None and trace.has_frozen_params else ""),
+        units_table(rows, words))
 
 
-def fine_tune_text(trace: ModelTrace) -> str:
+def fine_tune_text(trace: ModelTrace, words: EngineWords = FSDP2_WORDS) -> str:
     """A fine-tune's parameters: trainable, frozen and quantised (what NF4 weights store: codes, scalers,
-    factors; ``ModuleTrace.quantized_param_bytes_by_dtype``) bytes as built, and what FSDP2 does with the
-    frozen ones."""
+    factors; ``ModuleTrace.quantized_param_bytes_by_dtype``) bytes as built, and what the plan's engine
+    (``words``) does with the frozen ones."""
     trainable = sum(m.trainable_param_bytes for m in trace.modules)
     frozen = sum(m.frozen_param_bytes for m in trace.modules)
     quantised = sum(sum(m.quantized_param_bytes_by_dtype.values()) for m in trace.modules)
     return (f"Fine-tune: {trace.trainable_param_count:,} of {trace.param_count:,} parameters train "
             f"({format_bytes(trainable)} as built); {format_bytes(frozen)} are frozen"
             + (f", {format_bytes(quantised)} of them quantised" if quantised else "")
-            + ": all-gathered like the others, with no gradient, reduce-scatter or optimizer state.")
+            + f": {words.frozen}.")
 
 
 def _tune_section(plan: Plan) -> ReportSection:

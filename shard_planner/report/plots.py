@@ -26,6 +26,7 @@ from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator  # noqa: 
 
 from shard_planner.plan import MEMORY_CATEGORIES, FrontierPoint, Plan, Prediction  # noqa: E402
 from shard_planner.report.budget import ReportBudget  # noqa: E402
+from shard_planner.report.engine_words import FSDP2_WORDS, EngineWords  # noqa: E402
 from shard_planner.report.rows import UnitRow, exposed_columns  # noqa: E402
 from shard_planner.units import format_bytes  # noqa: E402
 
@@ -44,6 +45,14 @@ CATEGORY_LABELS = {
     "comm_buffers": "communication buffers",
     "overhead": "overhead (CUDA context, NCCL)",
 }
+
+
+def category_labels(words: EngineWords) -> dict[str, str]:
+    """Each memory category's name in the legends, as the plan's engine holds it (``words``: on one device the
+    parameters are not sharded)."""
+    return {**CATEGORY_LABELS, "sharded_params": words.params}
+
+
 EXPOSED_COLORS = ("#d62728", "#e377c2", "#ff9896", "#9467bd")  # the parts of exposed communication, in order
 BASELINE_MARKERS = ("s", "D", "^", "v", "P", "p", "h", "<", ">")
 BASELINE_COLORS = ("#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f")
@@ -244,9 +253,10 @@ def _model_name(plan: Plan) -> str:
 
 # ---- memory at the peak (the timeline: report/timeline.py) ----
 
-def plot_memory_at_peak(prediction: Prediction, budget: ReportBudget, title: str = "") -> Figure:
-    """What the plan file holds without a trace: memory at the peak by category, one stacked bar, and
-    the budget lines (drawn when no timeline can be simulated)."""
+def plot_memory_at_peak(prediction: Prediction, budget: ReportBudget, title: str = "", *,
+                        labels: dict[str, str] = CATEGORY_LABELS) -> Figure:
+    """What the plan file holds without a trace: memory at the peak by category (named by ``labels``: see
+    :func:`category_labels`), one stacked bar, and the budget lines (drawn when no timeline can be simulated)."""
     on_scale = budget_on_scale(prediction.peak_bytes, budget)
     top_bytes = max(prediction.peak_bytes, _budget_top(budget)) if on_scale else prediction.peak_bytes
     cats = [c for c in MEMORY_CATEGORIES if prediction.memory_at_peak.get(c, 0)]
@@ -257,7 +267,7 @@ def plot_memory_at_peak(prediction: Prediction, budget: ReportBudget, title: str
     for c in cats:
         v = prediction.memory_at_peak[c] / scale
         ax.barh([0], [v], left=[left], height=0.5, color=CATEGORY_COLORS[c],
-                label=f"{CATEGORY_LABELS[c]}: {v:.2f} {unit}", gid=f"cat:{c}")
+                label=f"{labels[c]}: {v:.2f} {unit}", gid=f"cat:{c}")
         left += v
     draw_budget(ax, budget, scale, vertical=True, on_scale=on_scale)
     ax.set_yticks([0], ["at the peak"])
@@ -274,20 +284,29 @@ def _time_scale(max_s: float) -> tuple[float, str]:
     return (1.0, "s") if max_s >= 1.0 else (1e-3, "ms")
 
 
-def unit_label(row: UnitRow) -> str:
+# the units figure's parameter bars (report/engine_words.py ``param_columns``), coloured as their memory category
+_PARAM_COLORS = {"sharded_param_bytes": CATEGORY_COLORS["sharded_params"],
+                 "unsharded_param_bytes": CATEGORY_COLORS["unsharded_params"]}
+
+
+def unit_label(row: UnitRow, reshards: bool = True) -> str:
+    """The row's name and its decisions' tags (``reshards`` False: an engine that does not reshard,
+    report/engine_words.py)."""
     tags = []
     if row.count > 1 and not row.interleaved:  # an interleaved row's label already says "N of M"
         tags.append(f"x{row.count}")
     if row.activation_checkpoint:
         tags.append("SAC" if row.activation_checkpoint == "selective" else "AC")
-    if row.reshard_after_forward is not True:
+    if reshards and row.reshard_after_forward is not True:
         tags.append("no reshard" if row.reshard_after_forward is False else f"reshard {row.reshard_after_forward}")
     return row.label + (f"  [{', '.join(tags)}]" if tags else "")
 
 
-def plot_units(rows: Sequence[UnitRow], title: str = "", rank_word: str = "GPU") -> Figure | None:
+def plot_units(rows: Sequence[UnitRow], title: str = "", rank_word: str = "GPU",
+               words: EngineWords = FSDP2_WORDS) -> Figure | None:
     """Horizontal bars per unit (identical consecutive units folded into one row, figures per unit):
-    left, sharded and unsharded parameter bytes and activations kept for backward; right, compute, FSDP's
+    left, the parameter bytes (sharded and unsharded under FSDP2; on one device what it holds: ``words``, the
+    plan's engine's) and activations kept for backward; right, compute and, where the engine communicates, FSDP's
     collectives on their stream and exposed communication in its parts, hatched (the units table's columns).
     None without per-unit sizes. ``rank_word``: what one rank is called ("GPU", "CPU rank": ReportBudget.rank_word)."""
     rows = [r for r in rows if r.param_count is not None]
@@ -301,24 +320,37 @@ def plot_units(rows: Sequence[UnitRow], title: str = "", rank_word: str = "GPU")
     h = 0.26
 
     ax = axes[0]
-    scale, unit = byte_scale(max(max(r.unsharded_param_bytes, r.activation_bytes, r.sharded_param_bytes) for r in rows))
-    series = (("sharded_param_bytes", "sharded params per rank", CATEGORY_COLORS["sharded_params"]),
-              ("unsharded_param_bytes", "unsharded params (while gathered)", CATEGORY_COLORS["unsharded_params"]),
-              ("activation_bytes", "activations kept for backward", CATEGORY_COLORS["activations"]))
+    series = [(attr, label, _PARAM_COLORS[attr]) for attr, _, label in words.param_columns]
+    series.append(("activation_bytes", "activations kept for backward", CATEGORY_COLORS["activations"]))
+    scale, unit = byte_scale(max(getattr(r, attr) for r in rows for attr, _, _ in series))
     for k, (attr, label, color) in enumerate(series):
-        ax.barh([y + (k - 1) * h for y in ys], [getattr(r, attr) / scale for r in rows], height=h,
+        ax.barh([y + (k - (len(series) - 1) / 2) * h for y in ys], [getattr(r, attr) / scale for r in rows], height=h,
                 color=color, label=label, gid=f"mem:{attr}")
-    ax.set_yticks(ys, [unit_label(r) for r in rows], fontsize=8)
+    ax.set_yticks(ys, [unit_label(r, words.shards) for r in rows], fontsize=8)
     ax.invert_yaxis()  # forward order from the top
-    ax.set_xlabel(f"memory per {rank_word}, per unit ({unit})")
+    ax.set_xlabel(f"memory per {rank_word}, per {words.unit} ({unit})")
     ax.set_title("Memory")
     ax.grid(True, axis="x", alpha=0.3)
 
     if has_time:
-        ax = axes[1]
-        tscale, tunit = _time_scale(max(max(r.compute_s, r.comm_s, r.exposed_comm_s) for r in rows))
-        ax.barh([y - h for y in ys], [r.compute_s / tscale for r in rows], height=h, color="#17becf",
-                label="compute (fwd + bwd + recompute)", gid="time:compute")
+        _plot_unit_times(axes[1], rows, h, words)
+    handles = [h for a in axes for h in a.get_legend_handles_labels()[0]]
+    fig.legend(handles=handles, loc="outside lower center", ncols=3, fontsize=8, frameon=False)
+    u = words.unit
+    fig.suptitle(title or f"Per {words.unit_long}, in forward order (xN: N identical consecutive {u}s; N of M: every "
+                 f"other {u} of a run, say; figures per {u})", fontsize=10)
+    return fig
+
+
+def _plot_unit_times(ax, rows: Sequence[UnitRow], h: float, words: EngineWords) -> None:
+    """The units figure's time panel: compute, then, where the engine communicates (``words.shards``), FSDP's
+    collectives and the exposed communication's parts stacked."""
+    n, ys, communicates = len(rows), list(range(len(rows))), words.shards
+    tops = [max(r.compute_s, r.comm_s, r.exposed_comm_s) if communicates else r.compute_s for r in rows]
+    tscale, tunit = _time_scale(max(tops))
+    ax.barh([y - h for y in ys] if communicates else ys, [r.compute_s / tscale for r in rows], height=h,
+            color="#17becf", label="compute (fwd + bwd + recompute)", gid="time:compute")
+    if communicates:
         ax.barh(ys, [r.comm_s / tscale for r in rows], height=h, color="#bcbd22",
                 label="FSDP collectives on their stream (all-gather + reduce-scatter)", gid="time:comm")
         left = [0.0] * n  # exposed communication, its parts stacked (the units table's columns)
@@ -327,14 +359,9 @@ def plot_units(rows: Sequence[UnitRow], title: str = "", rank_word: str = "GPU")
             ax.barh([y + h for y in ys], widths, left=left, height=h, color=color, hatch="////", edgecolor="white",
                     lw=0, label=f"exposed: {name}", gid=f"time:exposed:{field}")
             left = [a + w for a, w in zip(left, widths)]
-        ax.set_xlabel(f"time per step, per unit ({tunit})")
-        ax.set_title("Time")
-        ax.grid(True, axis="x", alpha=0.3)
-    handles = [h for a in axes for h in a.get_legend_handles_labels()[0]]
-    fig.legend(handles=handles, loc="outside lower center", ncols=3, fontsize=8, frameon=False)
-    fig.suptitle(title or "Per FSDP unit, in forward order (xN: N identical consecutive units; N of M: every other "
-                 "unit of a run, say; figures per unit)", fontsize=10)
-    return fig
+    ax.set_xlabel(f"time per step, per {words.unit} ({tunit})")
+    ax.set_title("Time")
+    ax.grid(True, axis="x", alpha=0.3)
 
 
 # ---- predicted vs measured ----

@@ -15,6 +15,7 @@ from shard_planner.cost.fits import allocator_figures_text
 from shard_planner.plan import Plan
 from shard_planner.plan.points import layout_reason
 from shard_planner.report.budget import ReportBudget
+from shard_planner.report.engine_words import EngineWords, engine_words
 from shard_planner.report.plots import MeasuredFigures, plan_throughput, relative_error
 from shard_planner.report.tables import md_escape, to_html, to_markdown
 from shard_planner.trace.types import ModelTrace
@@ -39,26 +40,17 @@ def summary_lines(plan: Plan, budget: ReportBudget, measured: tuple[MeasuredFigu
     """(field, value) pairs that say what the plan is and what it is predicted (and measured) to do; the
     peak and the recipes judged against the usable budget (``budget``); what trains (a
     fine-tune's kind) from the plan's fine-tune or, for a model file that freezes its own, ``trace``."""
-    c, t, m = plan.cluster, plan.training, plan.mesh
-    mesh = f"{m.shard_group_size}-way sharding" + (f" x {m.replicate_group_size} replicas (HSDP)" if m.is_hsdp else "")
-    mesh += f" x TP {m.tp} (tensor parallelism)" if m.is_tp else ""
-    inner = list(plan.inner_units)
-    grouped = sum(1 for u in inner if len(u.modules) > 1)
-    checkpointed = sum(1 for u in inner if u.activation_checkpoint)
-    reshard = [f"{_reshard_text(r)} for {n}" for r, n in Counter(u.reshard_after_forward for u in inner).most_common()]
+    c, t = plan.cluster, plan.training
+    words = engine_words(plan)
+    setup = _sharded_lines(plan, budget) if words.shards else _single_device_lines(plan, budget, words)
     lines = [
         ("model", f"{plan.model.path} (fingerprint {plan.model.fingerprint})"),
         ("cluster", f"{budget.ranks(c.gpus)}, {c.gpus_per_node} per node, profile {c.profile}; "
                     f"budget {budget.describe()}"),
-        ("mesh", mesh),
+        setup[0],  # the mesh
         *_trains_line(plan, trace),
         *_layouts_line(plan),
-        ("training", f"micro-batch {t.micro_batch} per {budget.rank_word}, {t.optimizer}, params in {t.numerics.compute_dtype}, "
-                     f"gradients reduced in {t.numerics.reduce_scatter_dtype}" + (", CPU offload" if t.cpu_offload else "")
-                     + (f"; {plan.accumulation_text}" if plan.accumulation_text else "")),
-        ("units", f"{len(inner)} units + root ({grouped} grouped, {checkpointed} checkpointed); "
-                  f"reshard after forward: {', '.join(reshard) or '-'}; root: {_reshard_text(plan.root.reshard_after_forward)}"),
-        ("prefetch", f"forward {plan.prefetch.forward}, backward {plan.prefetch.backward} unit(s) ahead"),
+        *setup[1:],
     ]
     p = plan.predicted
     if p is not None:
@@ -71,7 +63,8 @@ def summary_lines(plan: Plan, budget: ReportBudget, measured: tuple[MeasuredFigu
                                + ("" if budget.fits(p.peak_bytes) else ": DOES NOT FIT")),
             *_allocator_line(plan),
             ("predicted optimizer step" if t.accumulation_steps > 1 else "predicted step", f"{format_duration(p.step_time_s)}, {tp.of(p.step_time_s):,.0f} {tp.unit} (whole "
-                               f"cluster), exposed communication {format_duration(p.exposed_comm_s)}{extra}"),
+                               f"cluster)" + (f", exposed communication {format_duration(p.exposed_comm_s)}"
+                                              if words.shards else "") + extra),
         ]
         fits = [b for b in plan.baselines if b.fits and budget.fits(b.peak_bytes)]
         if fits:
@@ -93,6 +86,45 @@ def summary_lines(plan: Plan, budget: ReportBudget, measured: tuple[MeasuredFigu
                               f"prediction error {relative_error(step_time_s, m.step_time_s):+.1%}"),
         ]
     return lines
+
+
+def _sharded_lines(plan: Plan, budget: ReportBudget) -> list[tuple[str, str]]:
+    """The summary's mesh, training, units and prefetch lines of a plan that shards (FSDP2)."""
+    t, m = plan.training, plan.mesh
+    mesh = f"{m.shard_group_size}-way sharding" + (f" x {m.replicate_group_size} replicas (HSDP)" if m.is_hsdp else "")
+    mesh += f" x TP {m.tp} (tensor parallelism)" if m.is_tp else ""
+    inner = list(plan.inner_units)
+    grouped = sum(1 for u in inner if len(u.modules) > 1)
+    checkpointed = sum(1 for u in inner if u.activation_checkpoint)
+    reshard = [f"{_reshard_text(r)} for {n}" for r, n in Counter(u.reshard_after_forward for u in inner).most_common()]
+    return [
+        ("mesh", mesh),
+        ("training", f"micro-batch {t.micro_batch} per {budget.rank_word}, {t.optimizer}, params in {t.numerics.compute_dtype}, "
+                     f"gradients reduced in {t.numerics.reduce_scatter_dtype}" + (", CPU offload" if t.cpu_offload else "")
+                     + (f"; {plan.accumulation_text}" if plan.accumulation_text else "")),
+        ("units", f"{len(inner)} units + root ({grouped} grouped, {checkpointed} checkpointed); "
+                  f"reshard after forward: {', '.join(reshard) or '-'}; root: {_reshard_text(plan.root.reshard_after_forward)}"),
+        ("prefetch", f"forward {plan.prefetch.forward}, backward {plan.prefetch.backward} unit(s) ahead"),
+    ]
+
+
+def _single_device_lines(plan: Plan, budget: ReportBudget, words: EngineWords) -> list[tuple[str, str]]:
+    """The summary's mesh, training and regions lines of a single-device plan (cost/engines/single.py [Note: The
+    single-device step]): nothing sharded, reduced, resharded or prefetched."""
+    t = plan.training
+    stored = t.stored_dtype or t.numerics.compute_dtype
+    regions = plan.inner_units
+    checkpointed = sum(1 for u in regions if u.activation_checkpoint)
+    steps = (f"global batch {plan.global_batch_samples} = micro-batch {t.micro_batch} x {t.accumulation_steps} "
+             "micro-steps, autograd adding each one's gradients into .grad" if t.accumulation_steps > 1
+             else plan.accumulation_words(budget.rank_word))
+    return [
+        ("mesh", words.description),
+        ("training", f"micro-batch {t.micro_batch} per {budget.rank_word}, {t.optimizer}, every floating parameter "
+                     f"cast to {stored} and trained in it, gradients and optimizer states too; no gradient "
+                     "reduction" + (", CPU offload" if t.cpu_offload else "") + (f"; {steps}" if steps else "")),
+        ("regions", f"{len(regions)} regions, {checkpointed} checkpointed"),
+    ]
 
 
 def _trains_line(plan: Plan, trace: ModelTrace | None) -> list[tuple[str, str]]:

@@ -9,6 +9,9 @@ else (plan/__init__.py's rule, the one FSDP2 applies). Per unit and per rank:
   every parameter on dim 0; padding to a multiple of the group size is ignored, < 1 row per tensor);
 - unsharded parameter bytes: the same parameters in the plan's compute dtype, the dtype FSDP2
   all-gathers in under ``MixedPrecisionPolicy(param_dtype=...)`` (plan/numerics.py);
+- on an engine that does not shard (one device: report/engine_words.py), both from the plan's engine instead
+  (cost/api.py ``plan_unit_bytes``): what the device holds, each floating parameter in the stored dtype, and no
+  unsharded copy (cost/engines/single.py);
 - activations kept for backward at the plan's micro-batch: the traced saved tensors of the unit's own
   modules, or, for a checkpointed unit, only the inputs of its modules (what checkpointing keeps);
 - compute, FSDP collectives and exposed communication time, the last in its parts (waiting, FSDP2's copies,
@@ -26,10 +29,12 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from shard_planner.dtypes import dtype_bytes
+from shard_planner.cost import cost_tables, plan_unit_bytes
 from shard_planner.cost.selective import flops_price, subtree_selective
 from shard_planner.cost.types import Estimate, ExposedParts, UnitTime
 from shard_planner.plan import Plan, Unit
 from shard_planner.plan import ownership
+from shard_planner.report.engine_words import engine_words
 from shard_planner.trace.types import ModelTrace
 
 
@@ -88,6 +93,12 @@ def _unit_sizes(plan: Plan, trace: ModelTrace) -> list[dict]:
     return sizes
 
 
+def _engine_param_bytes(plan: Plan, trace: ModelTrace) -> list[tuple[int, int]]:
+    """Per unit of ``plan``, (held, unsharded) bytes of its parameters by the plan's engine's rules (cost/api.py
+    ``plan_unit_bytes``: ``UnitBytes.sharded``, what one rank holds, and ``unsharded``, its gathered copy)."""
+    return [(round(b.sharded), round(b.unsharded)) for b in plan_unit_bytes(cost_tables(trace, plan.units), plan)]
+
+
 def _inside(fqn: str, ancestors: set[str]) -> bool:
     """``fqn`` is a proper descendant of one of ``ancestors`` (the root, "", contains everything)."""
     parts = fqn.split(".") if fqn else []
@@ -113,6 +124,8 @@ def unit_rows(plan: Plan, trace: ModelTrace | None = None, estimate: Estimate | 
     hashes = {m.fqn: m.structural_hash for m in trace.modules} if trace is not None else None
     times: dict[str, UnitTime] = {t.name: t for t in estimate.time.units} if estimate is not None else {}
     param_bytes = dtype_bytes(plan.training.numerics.compute_dtype)  # floating parameters' gathered dtype
+    # an engine that does not shard: its figures (cost/engines/); FSDP2's are this module's, padding ignored
+    held = _engine_param_bytes(plan, trace) if trace is not None and not engine_words(plan).shards else None
 
     # Runs of consecutive units of the same block shape (never the root, which owns the leftovers).
     runs: list[list[int]] = []
@@ -149,9 +162,12 @@ def unit_rows(plan: Plan, trace: ModelTrace | None = None, estimate: Estimate | 
         if sizes is not None:
             s = sizes[members[0]]
             row.update(param_count=s["params"], trainable_param_count=s["trainable"],
-                       sharded_param_bytes=-(-s["built_bytes"] // plan.mesh.shard_group_size),
-                       unsharded_param_bytes=s["params"] * param_bytes,
                        activation_bytes=int(_mean([sizes[i]["saved_bytes"] for i in members])))
+            if held is None:  # FSDP2's (module docstring)
+                row.update(sharded_param_bytes=-(-s["built_bytes"] // plan.mesh.shard_group_size),
+                           unsharded_param_bytes=s["params"] * param_bytes)
+            else:
+                row.update(sharded_param_bytes=held[members[0]][0], unsharded_param_bytes=held[members[0]][1])
         unit_times = [times[plan.units[i].name] for i in members if plan.units[i].name in times]
         if len(unit_times) == len(members):
             parts = [t.parts for t in unit_times]

@@ -14,6 +14,7 @@ import pandas as pd
 from shard_planner.cost.types import ExposedParts
 from shard_planner.plan import Plan
 from shard_planner.report.budget import ReportBudget
+from shard_planner.report.engine_words import FSDP2_WORDS, EngineWords
 from shard_planner.report.plots import GIB, byte_scale, plan_throughput
 from shard_planner.report.rows import UnitRow, exposed_columns
 
@@ -21,33 +22,32 @@ MIB = 2**20
 NUM = ' class="num"'  # a numeric column's cells: right-aligned (render.py's CSS)
 
 
-def units_table(rows: Sequence[UnitRow]) -> pd.DataFrame:
+def units_table(rows: Sequence[UnitRow], words: EngineWords = FSDP2_WORDS) -> pd.DataFrame:
     """One line per row of :func:`~shard_planner.report.rows.unit_rows` (folded units: figures per unit);
-    a column of trainable parameters when some are frozen (a fine-tune); exposed communication and a column
-    per part of it some row has (:func:`exposed_parts_text` says what each is)."""
+    a column of trainable parameters when some are frozen (a fine-tune); where the plan's engine shards
+    (``words``), reshard, exposed communication and a column per part of it some row has
+    (:func:`exposed_parts_text` says what each is); on one device the parameters it holds and compute alone."""
     records = []
     frozen = any(r.param_count is not None and r.trainable_param_count != r.param_count for r in rows)
     parts = exposed_columns(rows)
+    unit = words.unit
     for r in rows:
-        rec = {
-            "unit": r.label,
-            "count": r.count,
-            "modules per unit": len(r.modules),
-            "reshard after forward": r.reshard_text,
-            "activation checkpoint": ("selective" if r.activation_checkpoint == "selective"
-                                      else "yes" if r.activation_checkpoint else "no"),
-        }
+        rec = {unit: r.label, "count": r.count, f"modules per {unit}": len(r.modules)}
+        if words.shards:
+            rec["reshard after forward"] = r.reshard_text
+        rec["activation checkpoint"] = ("selective" if r.activation_checkpoint == "selective"
+                                        else "yes" if r.activation_checkpoint else "no")
         if r.param_count is not None:
             rec.update({
                 "params": r.param_count,
                 **({"trainable params": r.trainable_param_count} if frozen else {}),
-                "sharded params/rank (MiB)": r.sharded_param_bytes / MIB,
-                "unsharded params (MiB)": r.unsharded_param_bytes / MIB,
+                **{column: getattr(r, field) / MIB for field, column, _ in words.param_columns},
                 "activations kept (MiB)": r.activation_bytes / MIB,
             })
         if r.compute_s is not None:
+            rec["compute (ms)"] = r.compute_s * 1e3
+        if r.compute_s is not None and words.shards:
             rec.update({
-                "compute (ms)": r.compute_s * 1e3,
                 "FSDP collectives (ms)": r.comm_s * 1e3,
                 "exposed comm. (ms)": r.exposed_comm_s * 1e3,
                 **{f"of it {ExposedParts.SHORT_NAMES[field]} (ms)": getattr(r.exposed_parts, field) * 1e3

@@ -44,8 +44,9 @@ def phase_spans(phases: Sequence[str]) -> list[tuple[str, int, int]]:
 
 
 def plot_memory_timeline(memory: MemoryEstimate, budget: ReportBudget, title: str = "",
-                         reserved: ReservedLine | None = None) -> Figure:
-    """Live bytes per rank after each event of one step, stacked by category (module docstring)."""
+                         reserved: ReservedLine | None = None, *, labels: dict[str, str] = CATEGORY_LABELS) -> Figure:
+    """Live bytes per rank after each event of one step, stacked by category (module docstring), each named by
+    ``labels`` (report/plots.py ``category_labels``: as the plan's engine holds it)."""
     events = memory.timeline
     n = len(events)
     cats = [c for c in MEMORY_CATEGORIES if any(e.bytes_by_category.get(c, 0) for e in events)]
@@ -66,7 +67,7 @@ def plot_memory_timeline(memory: MemoryEstimate, budget: ReportBudget, title: st
         ax.axvspan(lo - 0.5, hi + 0.5, color=PHASE_SHADES.get(ph, "#f2f2f2"), zorder=0, lw=0, label=label,
                    gid=f"phase:{PHASE_NAMES.get(ph, ph)}")
     ax.stackplot(xs, [[e.bytes_by_category.get(c, 0) / scale for e in events for _ in (0, 1)] for c in cats],
-                 labels=[CATEGORY_LABELS[c] for c in cats], colors=[CATEGORY_COLORS[c] for c in cats],
+                 labels=[labels[c] for c in cats], colors=[CATEGORY_COLORS[c] for c in cats],
                  alpha=0.9, zorder=2, gid="stack")
     ax.set_ylim(0, top_bytes / scale * HEADROOM)
     ax.set_xlim(-0.5, n - 0.5)

@@ -34,10 +34,11 @@ class GlobalChoice:
     @property
     def label(self) -> str:
         mesh = f"{self.mesh.replicate}x{self.mesh.shard} HSDP" if self.mesh.replicate > 1 else f"FSDP {self.mesh.shard}"
-        if self.engine == SINGLE:
-            mesh = "one device"
         off = ", CPU offload" if self.cpu_offload else ""
         acc = f", {self.accumulation.label}" if self.accumulation.steps > 1 else ""
+        if self.engine == SINGLE:  # nothing gathered or synced: no prefetch or sync to say (plan/engine.py)
+            steps = f", {self.accumulation.steps} micro-steps" if self.accumulation.steps > 1 else ""
+            return f"micro-batch {self.micro_batch}{steps}, one device"
         return (f"micro-batch {self.micro_batch}{acc}, prefetch fwd {self.prefetch.forward}/bwd "
                 f"{self.prefetch.backward}, {mesh}{off}")
 

@@ -8,6 +8,7 @@ import re
 from shard_planner.plan.checkpointing import USE_CACHE_FIX
 from shard_planner.errors import InfeasibleError
 from shard_planner.plan import Unit
+from shard_planner.plan.engine import SINGLE
 from shard_planner.hardware.profile import HardwareProfile
 from shard_planner.solve.choice import GlobalChoice
 from shard_planner.solve.space import checkpointing_allowed
@@ -16,7 +17,7 @@ from shard_planner.units import format_bytes
 
 def describe_choice(units: tuple[Unit, ...], choice: GlobalChoice) -> str:
     """One line: units in compressed form and the global choices."""
-    return f"{summarize_units(units, max_lines=3, sep='; ')}; {choice.label}"
+    return f"{summarize_units(units, max_lines=3, sep='; ', sharded=choice.engine != SINGLE)}; {choice.label}"
 
 
 def summarize_units(units: tuple[Unit, ...], *, max_lines: int = 8, sep: str | None = None, sharded: bool = True):
