@@ -11,7 +11,9 @@ from shard_planner.plan.checkpointing import checkpointing_refusal
 from shard_planner.errors import PlanError
 from shard_planner.parallel.mesh import Mesh
 from shard_planner.plan import ROOT, FrontierPoint, Plan, Prefetch, Unit
+from shard_planner.plan.engine import SINGLE
 from shard_planner.solve.context import Checked, PlanContext
+from shard_planner.solve.simulate import single_device_units
 from shard_planner.solve.choice import GlobalChoice
 from shard_planner.plan.recipes import recipe_named, recipes_for
 from shard_planner.solve.request import PlanRequest
@@ -26,16 +28,20 @@ def recipes(ctx: PlanContext, choices: Iterable[GlobalChoice]) -> list[Checked]:
     its CPU offload, and FSDP2's default prefetch where its stack exposes none; the planner's knobs
     (micro-batch, accumulation, mesh, and prefetch where the recipe leaves it) are the choice's. Each
     (recipe, resulting choice) is judged once; the status is the recipe's title, the method ``"recipe"``.
-    A recipe that offloads is judged only where the search may offload (a GPU profile, offload allowed)."""
+    A recipe that offloads is judged only where the search may offload (a GPU profile, offload allowed). On one
+    device without sharding (plan/engine.py) recipes that differ only in FSDP2's knobs (wrap, reshard) are one
+    plan: the first of them stands for all (torchtitan's, whose names list its checkpointing)."""
     out, seen = [], set()
     for choice in choices:
-        for recipe, units in recipes_for(ctx.space(choice.mesh), ctx.trace):
+        space = ctx.space(choice.mesh)
+        for recipe, units in recipes_for(space, ctx.trace):
             if recipe.cpu_offload and not ctx.allow_offload:
                 continue
             at = replace(choice, cpu_offload=recipe.cpu_offload,
                          prefetch=Prefetch() if recipe.fixes_prefetch else choice.prefetch)
-            if (recipe.name, at) not in seen:
-                seen.add((recipe.name, at))
+            key = (recipe.name if ctx.engine != SINGLE else single_device_units(space, units), at)
+            if key not in seen:
+                seen.add(key)
                 out.append(ctx.check_units(units, at, recipe.title, method=RECIPE_METHOD))
     return out
 

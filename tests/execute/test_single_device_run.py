@@ -44,6 +44,10 @@ def test_one_gpu_keeps_fsdp2_for_master_weights_and_single_casts_when_asked(tmp_
     assert all(u.reshard_after_forward is False for u in single.units)
     assert len(single.units) > 1  # written one region per module the planner may checkpoint (solve/simulate.py)
     assert single.predicted.peak_bytes < fsdp2.predicted.peak_bytes  # nothing gathered, parameters in bf16
+    # recipes that differ only in FSDP2's knobs are one plan on one device: each checkpointing pattern once
+    recipes = [b.description for b in single.baselines]
+    assert recipes and len(recipes) < len(fsdp2.baselines)
+    assert not any("ZeRO-2" in r or "Accelerate" in r for r in recipes)
     assert json.loads((tmp_path / "gpt2.json").read_text())["engine"] == SINGLE
 
 
