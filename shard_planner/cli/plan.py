@@ -276,9 +276,11 @@ def summary(result: PlanResult | Plan, profile) -> str:
                  f"{', CPU offload' if tr.cpu_offload else ''}"]
         if plan.cluster.gpus == 1:
             compute = tr.numerics.compute_dtype
-            lines.append(f"  FSDP2 on one {rank}: the parameters train as the model builds them, gathered in "
-                         f"{compute} (MixedPrecisionPolicy: master weights where they are stored wider); "
-                         f"--engine single trains plain PyTorch instead, every parameter cast to {compute}")
+            why = ("for its CPU offload: no plan fits the device without it" if tr.cpu_offload else
+                   f"the parameters train as the model builds them, gathered in {compute} (MixedPrecisionPolicy: "
+                   f"master weights where they are stored wider); --engine single trains plain PyTorch instead, "
+                   f"every parameter cast to {compute}")
+            lines.append(f"  FSDP2 on one {rank}: {why}")
     accumulation = plan.accumulation_words(rank)
     if accumulation:
         lines.append(f"  {accumulation}")

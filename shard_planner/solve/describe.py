@@ -83,6 +83,8 @@ def infeasible_error(ctx, micro_batch: int, smallest: list) -> InfeasibleError:
         "overhead": "the profile's fixed overhead (context, NCCL, allocator reserve) alone exceeds the budget: "
                     "raise --mem or use a profile that matches your device",
     }.get(top, "add GPUs")
+    if ctx.engine == SINGLE and ctx.profile.device != "cpu":  # FSDP2's CPU offload holds state on the host
+        advice += "; or --engine fsdp2, whose CPU offload holds the parameters and optimizer states on the host"
     need = ctx.mem_needed(best)
     over = (f", more than the {format_bytes(ctx.profile.memory_bytes)} of a {ctx.profile.name} device"
             if need > ctx.profile.memory_bytes else "")

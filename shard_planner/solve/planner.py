@@ -50,12 +50,13 @@ from dataclasses import replace
 
 from shard_planner.cost.host_share import host_factors, ranks_per_host
 from shard_planner.plan import Prefetch, SolverInfo
-from shard_planner.plan.engine import SINGLE
+from shard_planner.errors import InfeasibleError
+from shard_planner.plan.engine import FSDP2, SINGLE
 from shard_planner.solve import alternatives, cpsat, simpler
 from shard_planner.solve.accumulation import (
     NO_ACCUMULATION, Accumulation, accumulation_options, resolve_global_batch, split_global_batch,
 )
-from shard_planner.solve.context import Checked, PlanContext, speed
+from shard_planner.solve.context import Checked, PlanContext, planned_engine, speed
 from shard_planner.solve.describe import budget_text, infeasible_error
 from shard_planner.solve.frontier import pareto, start_sweep, sweep
 from shard_planner.solve.choice import PREFETCH_CHOICES, GlobalChoice  # noqa: F401  (PREFETCH_CHOICES: its old home)
@@ -93,8 +94,17 @@ def plan_model(trace: ModelTrace, request: PlanRequest) -> PlanResult:
     (its simulated peak within ``profile.tensor_budget_bytes``; on a GPU profile its simulated allocator
     surviving --mem too: :mod:`.survive`), or the simplest within ``request.simpler_within`` of it, with the
     frontier, the recipes as baselines, the chosen plan's estimate and where the time went. Pure: no
-    files, no printing."""
-    return plan_surviving(trace, request, _plan_at_budget)
+    files, no printing. At one GPU the single-device step when the planner picked it (solve/context.py
+    ``planned_engine``) and some plan of it fits, else FSDP2, whose CPU offload may fit what one device
+    cannot hold (a warning says so)."""
+    try:
+        return plan_surviving(trace, request, _plan_at_budget)
+    except InfeasibleError:
+        if request.engine is not None or planned_engine(trace, request) != SINGLE:
+            raise
+        logger.warning("one GPU: no single-device plan fits %s; planning FSDP2 on one GPU, whose CPU offload may "
+                       "fit (--engine single insists)", format_bytes(request.mem_budget_bytes))
+        return plan_surviving(trace, replace(request, engine=FSDP2), _plan_at_budget)
 
 
 def _plan_at_budget(trace: ModelTrace, request: PlanRequest) -> PlanResult:

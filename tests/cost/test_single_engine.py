@@ -102,3 +102,23 @@ def test_a_single_device_plan_file_is_consistent(trace, change, error):
     assert Plan.from_dict(d) == _plan(trace)
     with pytest.raises(PlanError, match=error):
         replace(_plan(trace), **change)
+
+
+def test_one_gpu_falls_back_to_fsdp2_offload_when_the_device_cannot_hold_the_model(h100, caplog):
+    """The planner picks the single-device step at one GPU for a model stored in bf16, unless no plan of it fits:
+    then FSDP2, whose CPU offload holds the state on the host (solve/planner.py ``plan_model``); asked for by
+    name (--engine single) it says what fits instead."""
+    from shard_planner.errors import InfeasibleError
+    from shard_planner.solve import PlanRequest, plan_model
+
+    built = synthetic_trace(4, 4096, 512, 32000)
+    stored = replace(built, modules=tuple(replace(m, param_bytes_by_dtype={"bfloat16": b // 2 for b in
+                                                                          m.param_bytes_by_dtype.values()})
+                                          for m in built.modules))
+    roomy = plan_model(stored, PlanRequest(gpus=1, mem_budget_bytes=12 * 2**30, profile=h100)).plan
+    assert roomy.engine == SINGLE and not roomy.training.cpu_offload
+    tight = plan_model(stored, PlanRequest(gpus=1, mem_budget_bytes=4 * 2**30, profile=h100)).plan
+    assert tight.engine == FSDP2 and tight.training.cpu_offload
+    assert "no single-device plan fits" in caplog.text
+    with pytest.raises(InfeasibleError, match="or --engine fsdp2, whose CPU offload"):
+        plan_model(stored, PlanRequest(gpus=1, mem_budget_bytes=4 * 2**30, profile=h100, engine=SINGLE))
