@@ -7,7 +7,9 @@
    2 of warm-up): examples/llama.py and examples/gpt2.py (built in fp32: the single-device plan casts them to
    bf16, FSDP2 keeps fp32 master weights), and a tiny transformers Llama config in bf16 with LoRA r=8 on q_proj
    and v_proj (hidden 256, 4 layers, sequence 256, micro-batch 4), where the planner picks the single-device
-   step by itself. Columns: the predicted and measured peak and their error, the same for the step time.
+   step by itself; and examples/vit.py at micro-batch 1, whose peak is the optimizer step, also with
+   ``--optimizer-in-backward``. Columns: the predicted and measured peak and their error, the same for the step
+   time.
 2. Published: torchtune's README "Optimization flags" table (pytorch/torchtune README.md, PR #2003, Nov 2024),
    its "+ Packed Dataset" row: Llama 3.2 3B full fine-tune with ``full_finetune_single_device`` on one A100,
    batch 2, every sample packed to 4096 tokens, bf16 (weights, gradients, AdamW states), no activation
@@ -55,12 +57,17 @@ CPU_CASES = {  # name: (model, extra plan arguments)
     "examples/llama.py": (str(EXAMPLES / "llama.py"), []),
     "examples/gpt2.py": (str(EXAMPLES / "gpt2.py"), []),
     "tiny Llama config, LoRA r=8": (None, ["--lora", "8", "--seq-len", "256", "--batch-size", "4"]),
+    "examples/vit.py, micro-batch 1": (str(EXAMPLES / "vit.py"), ["--batch-size", "1"]),
 }
+# the engines each case is planned for: (the row's label, plan arguments); the last only for the ViT case, whose
+# peak is the optimizer step (cost/engines/single.py [Note: Optimizer in backward])
+ENGINES = (("single", ["--engine", "single"]), ("fsdp2", ["--engine", "fsdp2"]),
+           ("single, optimizer in backward", ["--engine", "single", "--optimizer-in-backward"]))
 
 
-def _plan(model: str, engine: str, extra: list[str], out: Path, *more: str) -> object:
+def _plan(model: str, engine: list[str], extra: list[str], out: Path, *more: str) -> object:
     with contextlib.redirect_stdout(io.StringIO()):  # the summaries: the tables below say what matters here
-        assert cli(["plan", model, "--gpus", "1", "--engine", engine, "--no-report", "-o", str(out), *extra, *more]) == 0
+        assert cli(["plan", model, "--gpus", "1", *engine, "--no-report", "-o", str(out), *extra, *more]) == 0
     return load_plan(out)
 
 
@@ -71,9 +78,9 @@ def cpu_rows(folder: Path) -> list[dict]:
     plans = []
     for name, (model, extra) in CPU_CASES.items():
         model = model or str(folder / "tiny" / "config.json")
-        for engine in ("single", "fsdp2"):
+        for engine, args in ENGINES if name.startswith("examples/vit") else ENGINES[:2]:
             out = folder / f"{len(plans)}.json"
-            plans.append((name, engine, _plan(model, engine, extra, out, "--mem", "2GB", "--profile", "cpu-gloo")))
+            plans.append((name, engine, _plan(model, args, extra, out, "--mem", "2GB", "--profile", "cpu-gloo")))
     measured = launch_plans([p for _, _, p in plans], steps=5, warmup=2, device="cpu", timeout_s=600).measurements
     rows = []
     for (name, engine, plan), m in zip(plans, measured):
@@ -92,8 +99,8 @@ def published_rows(folder: Path) -> list[dict]:
     """Part 2: torchtune's packed Llama 3.2 3B row, predicted for both engines."""
     reserved = load_profile("a100-80gb").reserved_bytes
     rows = []
-    for engine in ("single", "fsdp2"):
-        plan = _plan(str(LLAMA_32_3B), engine, ["--seq-len", "4096", "--batch-size", "2"], folder / f"3b-{engine}.json",
+    for engine, args in ENGINES[:2]:
+        plan = _plan(str(LLAMA_32_3B), args, ["--seq-len", "4096", "--batch-size", "2"], folder / f"3b-{engine}.json",
                      "--mem", "80GB", "--profile", "a100-80gb")
         pr = plan.predicted
         allocated_gib = (pr.peak_bytes - reserved) / 2**30

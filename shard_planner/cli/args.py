@@ -217,6 +217,10 @@ def add_engine(p: argparse.ArgumentParser) -> None:
                    "PyTorch, every parameter cast to the compute dtype, as torchtune's single-device recipes "
                    "train). Default: single at --gpus 1 when the model is already stored in the compute dtype "
                    "(nothing is cast), else fsdp2 (on one GPU it keeps fp32 weights as master weights)")
+    p.add_argument("--optimizer-in-backward", action="store_true",
+                   help="with --engine single: step each parameter as soon as its gradient is ready and free the "
+                   "gradient (torchtune's optimizer_in_bwd): the gradients never all live together; no gradient "
+                   "accumulation")
 
 
 def add_tp_arguments(p: argparse.ArgumentParser, *, tp_default, tp_help: str) -> None:

@@ -66,9 +66,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.recipe is not None:
         return _run_recipe(args)
-    if args.mem is not None or args.dtype is not None or args.engine is not None:
-        raise UserError("--mem, --dtype and --engine are for --recipe: a plan file has its own "
-                        "(cluster.mem_budget_bytes, training.param_dtype, engine)")
+    if args.mem is not None or args.dtype is not None or args.engine is not None or args.optimizer_in_backward:
+        raise UserError("--mem, --dtype, --engine and --optimizer-in-backward are for --recipe: a plan file has its "
+                        "own (cluster.mem_budget_bytes, training.param_dtype, engine, training.optimizer_in_backward)")
     req = EstimateRequest(args.model, args.plan, args.profile, args.timings, args.gpus, args.micro_batch, args.write)
     found = load_plan(req.plan)
     if req.write:

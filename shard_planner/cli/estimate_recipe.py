@@ -54,4 +54,4 @@ def _request(args: argparse.Namespace, profile, defaults, dtype: str):
                        gpus_per_node=profile.interconnect.gpus_per_node, micro_batch=micro_batch, param_dtype=dtype,
                        model_path=args.model, profile_name=args.profile or DEFAULT_PROFILE,
                        timings_path=args.timings or None, expandable_segments=planned_expandable(os.environ),
-                       engine=args.engine, **extra)
+                       engine=args.engine, optimizer_in_backward=args.optimizer_in_backward, **extra)

@@ -144,7 +144,7 @@ def _run(args: argparse.Namespace, helper: Helper, second: Helper, t0: float, im
                       time_limit_s=args.time_limit, model_path=model_path, profile_name=args.profile,
                       timings_path=args.timings, global_batch_samples=args.global_batch,
                       global_batch_tokens=args.global_batch_tokens, expandable_segments=planned_expandable(os.environ),
-                      engine=args.engine)
+                      engine=args.engine, optimizer_in_backward=args.optimizer_in_backward)
     result = degree_work.plan(trace, req, helper)
     result = replace(result, plan=with_paths_located(result.plan, args.output))
     result = replace(result, plan=as_planned(result.plan, args.hf_task, finetune))  # run and export rebuild it so
@@ -268,7 +268,7 @@ def summary(result: PlanResult | Plan, profile) -> str:
         checkpointed = sum(1 for u in plan.units if u.activation_checkpoint)
         lines = [f"plan for {plan.model.path}{finetune}: {DESCRIPTIONS[SINGLE]} on one {rank}, every parameter in "
                  f"{tr.stored_dtype}, {checkpointed} of {len(plan.units) - 1} regions checkpointed, "
-                 f"micro-batch {tr.micro_batch}"]
+                 f"micro-batch {tr.micro_batch}{', optimizer stepped in backward' if tr.optimizer_in_backward else ''}"]
     else:
         lines = [f"plan for {plan.model.path}{finetune}: {len(plan.units)} FSDP units, {plan.mesh.describe(rank)}, "
                  f"micro-batch {tr.micro_batch}, "

@@ -78,6 +78,8 @@ def _plan_options(args) -> dict:
     options = {"time_limit_s": args.time_limit, "search_batch": args.search_batch}
     if args.engine is not None:
         options["engine"] = args.engine
+    if args.optimizer_in_backward:
+        options["optimizer_in_backward"] = True
     if args.global_batch is not None:
         options["global_batch_samples"] = args.global_batch
     if args.global_batch_tokens is not None:

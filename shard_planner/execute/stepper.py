@@ -26,6 +26,7 @@ loss is then a replicated DTensor; its value is read with ``full_tensor()`` (no 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 
 import torch
@@ -47,11 +48,40 @@ _NLL_LOSS = ("nll_loss_forward", "nll_loss2d_forward")  # what F.cross_entropy r
 
 def make_optimizer(plan: Plan, params) -> torch.optim.Optimizer:
     """The plan's optimizer over the trainable ones of ``params`` (a fine-tune's frozen base has no state,
-    as the cost model prices it); the hyper-parameters that the plan does not carry are PyTorch defaults."""
-    if plan.training.optimizer in OPTIMIZER_TORCH:
-        cls, kwargs = OPTIMIZER_TORCH[plan.training.optimizer]
-        return getattr(torch.optim, cls)([p for p in params if p.requires_grad], lr=plan.training.lr, **kwargs)
-    raise RunError(f"unknown optimizer {plan.training.optimizer!r}")
+    as the cost model prices it); the hyper-parameters that the plan does not carry are PyTorch defaults.
+    With ``training.optimizer_in_backward``: :class:`InBackwardOptimizers`."""
+    if plan.training.optimizer not in OPTIMIZER_TORCH:
+        raise RunError(f"unknown optimizer {plan.training.optimizer!r}")
+    cls, kwargs = OPTIMIZER_TORCH[plan.training.optimizer]
+    trainable = [p for p in params if p.requires_grad]
+    if plan.training.optimizer_in_backward:
+        return InBackwardOptimizers(getattr(torch.optim, cls), trainable, lr=plan.training.lr, **kwargs)
+    return getattr(torch.optim, cls)(trainable, lr=plan.training.lr, **kwargs)
+
+
+class InBackwardOptimizers(list):
+    """The optimizer in backward (cost/engines/single.py [Note: Optimizer in backward]; PyTorch's tutorial
+    "How to save memory by fusing the optimizer step into the backward pass"): one optimizer per parameter
+    (the single-tensor path: ``foreach=False``), stepped by the parameter's post-accumulate-grad hook, which
+    then frees the gradient. A list of those optimizers, so that the checkpoint (``get_state_dict`` takes an
+    iterable of optimizers) and the storage tracker see every state; ``step`` and ``zero_grad`` have nothing
+    left to do."""
+
+    def __init__(self, cls, params, **kwargs):
+        super().__init__(cls([p], foreach=False, **kwargs) for p in params)
+        for p, opt in zip(params, self):
+            p.register_post_accumulate_grad_hook(functools.partial(self._step, opt))
+
+    @staticmethod
+    def _step(opt, param) -> None:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def step(self) -> None:
+        """Every parameter was stepped in the backward."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Every gradient was freed in the backward."""
 
 
 def make_step_batch(model_file: ModelFile, micro_batch: int, step: int, data_rank: int, device: torch.device):

@@ -172,6 +172,9 @@ class Training:
     # the dtype the executor casts the model's floating parameters to before training (the single-device
     # step: plan/engine.py, every parameter in the compute dtype); None: they train as built. Written when set
     stored_dtype: str | None = None
+    # each parameter stepped as soon as its gradient is accumulated, its gradient freed then (torchtune's
+    # optimizer_in_bwd; the single-device step only, without accumulation: plan/engine.py). Written when set
+    optimizer_in_backward: bool = False
 
     def __post_init__(self):
         _require(isinstance(self.micro_batch, int) and self.micro_batch >= 1,
@@ -354,8 +357,9 @@ class Plan:
             del d["tensor_parallel"]
         if self.engine == FSDP2:  # FSDP2 plans read as before the field: a plan file without one is FSDP2's
             del d["engine"]
-        if self.training.stored_dtype is None:  # parameters trained as built: plans read as before the field
-            del d["training"]["stored_dtype"]
+        for name in ("stored_dtype", "optimizer_in_backward"):  # single-device fields: written when set
+            if not d["training"][name]:
+                del d["training"][name]
         if self.mesh.pp == 1:  # plans without pipeline stages (all of them today) read as before the field
             d["mesh"].pop("pp")
         if not self.layouts:  # plans of one layout read as they did before the layout search
@@ -418,6 +422,7 @@ PLAN_RULES = {
     "Training.param_dtype": Text(DTYPES), "Training.reduce_dtype": Text(DTYPES), "Training.lr": Number(positive=True),
     "Training.accumulation_steps": _COUNT, "Training.gradient_sync": Text(GRADIENT_SYNCS),
     "Training.global_batch_asked": Nullable(_COUNT), "Training.stored_dtype": Nullable(Text(DTYPES)),
+    "Training.optimizer_in_backward": Bool(),
     "Unit.modules": ListOf(Text(), min_len=1),
     "Unit.reshard_after_forward": AnyOf(Bool(), Int(least=2), wanted="true, false or an integer >= 2"),
     "Unit.activation_checkpoint": AnyOf(Bool(), Text((SELECTIVE,)), wanted='true, false or "selective"'),

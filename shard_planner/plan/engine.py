@@ -44,6 +44,9 @@ def engine_refusal(engine: str, mesh, training, no_policy: str) -> str | None:
         return ("training.gradient_sync and keep_params_gathered are FSDP2's between micro-steps: with engine "
                 f"\"single\" autograd adds every micro-step's gradients into .grad; leave them at \"{no_policy}\" "
                 "and false")
+    if training.optimizer_in_backward and (engine != SINGLE or training.accumulation_steps > 1):
+        return ("training.optimizer_in_backward steps each parameter as its gradient is ready: engine \"single\" "
+                "only, without accumulation (the gradients do not wait for later micro-steps)")
     if engine != SINGLE and training.stored_dtype is not None:
         return (f"training.stored_dtype casts the model for engine \"single\" only: engine {engine} keeps the "
                 "parameters as built (remove the field)")

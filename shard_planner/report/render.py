@@ -122,7 +122,9 @@ def _single_device_lines(plan: Plan, budget: ReportBudget, words: EngineWords) -
         ("mesh", words.description),
         ("training", f"micro-batch {t.micro_batch} per {budget.rank_word}, {t.optimizer}, every floating parameter "
                      f"cast to {stored} and trained in it, gradients and optimizer states too; no gradient "
-                     "reduction" + (", CPU offload" if t.cpu_offload else "") + (f"; {steps}" if steps else "")),
+                     "reduction" + (", CPU offload" if t.cpu_offload else "")
+                     + ("; each parameter stepped in the backward as its gradient is ready, the gradient then freed"
+                        if t.optimizer_in_backward else "") + (f"; {steps}" if steps else "")),
         ("regions", f"{len(regions)} regions, {checkpointed} checkpointed"),
     ]
 

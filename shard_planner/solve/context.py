@@ -47,12 +47,14 @@ def planned_engine(trace: ModelTrace, request: PlanRequest) -> str:
     tensor parallelism, the single-device step when it keeps the model's numerics (every floating parameter
     is already stored in the compute dtype, so casting the model changes nothing; LoRA adapters aside, which
     peft alone keeps in fp32 and torchtune builds in the model's dtype); else FSDP2, which on one GPU keeps
-    fp32 weights as master weights under its MixedPrecisionPolicy (the summary says so: cli/plan.py)."""
-    if request.engine is not None:
-        if request.engine == SINGLE and trace.tp_size != 1:
+    fp32 weights as master weights under its MixedPrecisionPolicy (the summary says so: cli/plan.py). The
+    optimizer in backward is the single-device step's (cost/engines/single.py [Note: Optimizer in backward])."""
+    named = request.engine or (SINGLE if request.optimizer_in_backward else None)
+    if named is not None:
+        if named == SINGLE and trace.tp_size != 1:
             raise UserError(f"--engine single trains on one device without tensor parallelism, not at TP "
                             f"{trace.tp_size}: drop --tp or plan with --engine fsdp2")
-        return request.engine
+        return named
     if request.gpus != 1 or trace.tp_size != 1:
         return FSDP2
     built = {dt for m in trace.modules if not is_adapter(m.fqn) for dt in m.param_bytes_by_dtype if dt in FLOAT_DTYPES}
@@ -136,7 +138,8 @@ class PlanContext:
         self.training = Training(micro_batch=request.micro_batch or 1, optimizer=request.optimizer, lr=request.lr,
                                  param_dtype=request.param_dtype, reduce_dtype=request.reduce_dtype,
                                  global_batch_asked=asked.samples if asked is not None else None,
-                                 stored_dtype=request.param_dtype if single else None)
+                                 stored_dtype=request.param_dtype if single else None,
+                                 optimizer_in_backward=request.optimizer_in_backward)
         self.cluster = Cluster(gpus=request.gpus, gpus_per_node=min(request.gpus_per_node, request.gpus),
                                profile=request.profile_name or self.profile.name,
                                mem_budget_bytes=request.mem_budget_bytes, timings=request.timings_path,

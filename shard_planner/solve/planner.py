@@ -50,7 +50,7 @@ from dataclasses import replace
 
 from shard_planner.cost.host_share import host_factors, ranks_per_host
 from shard_planner.plan import Prefetch, SolverInfo
-from shard_planner.errors import InfeasibleError
+from shard_planner.errors import InfeasibleError, UserError
 from shard_planner.plan.engine import FSDP2, SINGLE
 from shard_planner.solve import alternatives, cpsat, simpler
 from shard_planner.solve.accumulation import (
@@ -100,7 +100,7 @@ def plan_model(trace: ModelTrace, request: PlanRequest) -> PlanResult:
     try:
         return plan_surviving(trace, request, _plan_at_budget)
     except InfeasibleError:
-        if request.engine is not None or planned_engine(trace, request) != SINGLE:
+        if request.engine is not None or request.optimizer_in_backward or planned_engine(trace, request) != SINGLE:
             raise
         logger.warning("one GPU: no single-device plan fits %s; planning FSDP2 on one GPU, whose CPU offload may "
                        "fit (--engine single insists)", format_bytes(request.mem_budget_bytes))
@@ -259,7 +259,14 @@ def _batches(ctx: PlanContext) -> list[tuple[int, list[Accumulation]]]:
         return [(mb, [NO_ACCUMULATION]) for mb in mbs]
     # a tp group shares one micro-batch: every layout searched has the same data-parallel ranks
     pairs = split_global_batch(batch, ctx.layouts[0].dp_size, request.micro_batch, ctx.trace.tokens_per_sample)
-    # the policies between micro-steps are FSDP2's: one device adds every micro-step's gradients into .grad
+    # the policies between micro-steps are FSDP2's: one device adds every micro-step's gradients into .grad;
+    # with the optimizer in backward there are no micro-steps to add (cost/engines/single.py)
+    if request.optimizer_in_backward:
+        pairs = [(mb, steps) for mb, steps in pairs if steps == 1]
+        if not pairs:
+            raise UserError(f"--optimizer-in-backward steps every micro-batch: the global batch {batch.samples} "
+                            f"needs accumulation at any micro-batch that fits here; give --batch-size "
+                            f"{batch.samples} or drop one of the two")
     return [(mb, accumulation_options(steps)[:1 if ctx.engine == SINGLE else None]) for mb, steps in pairs]
 
 

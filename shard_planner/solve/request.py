@@ -88,6 +88,8 @@ class PlanRequest:
     start_plans: tuple[Plan, ...] = ()
     # the engine the plans run on (plan/engine.py ENGINES); None: solve/context.py ``planned_engine`` picks it
     engine: str | None = None
+    # each parameter stepped in the backward as its gradient is ready (Training.optimizer_in_backward: one device)
+    optimizer_in_backward: bool = False
 
     def __post_init__(self):
         if not _positive_int(self.gpus) or not _positive_int(self.gpus_per_node):
@@ -120,6 +122,9 @@ class PlanRequest:
                 raise UserError(f"{name} must be one of {', '.join(sorted(dtypes))}, got {getattr(self, name)!r}")
         if self.engine is not None and self.engine not in ENGINES:
             raise UserError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.optimizer_in_backward and (self.gpus != 1 or self.engine not in (None, SINGLE)):
+            raise UserError("--optimizer-in-backward steps each parameter in the backward on one device without "
+                            "sharding: give --gpus 1 (and no --engine fsdp2)")
         if self.engine == SINGLE and self.gpus != 1:
             raise UserError(f"--engine single trains on one device, not {self.gpus} GPUs: give --gpus 1, or plan "
                             "several with --engine fsdp2")

@@ -40,6 +40,6 @@ def test_estimate_recipe_refuses_what_it_cannot_do(trace_path, capsys):
     assert main(["estimate", trace_path, "--recipe", "torchtitan", "--profile", "cpu-gloo"]) == 2
     assert "needs --gpus N" in capsys.readouterr().err
     assert main(["estimate", trace_path, "--plan", "plan.json", "--mem", "1GB"]) == 2
-    assert "--mem, --dtype and --engine are for --recipe" in capsys.readouterr().err
+    assert "--mem, --dtype, --engine and --optimizer-in-backward are for --recipe" in capsys.readouterr().err
     assert main(["estimate", trace_path, "--recipe", "titan", "--gpus", "2"]) == 2  # argparse's choices
     assert "invalid choice: 'titan' (choose from 'torchtitan'," in capsys.readouterr().err

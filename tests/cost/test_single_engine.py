@@ -122,3 +122,21 @@ def test_one_gpu_falls_back_to_fsdp2_offload_when_the_device_cannot_hold_the_mod
     assert "no single-device plan fits" in caplog.text
     with pytest.raises(InfeasibleError, match="or --engine fsdp2, whose CPU offload"):
         plan_model(stored, PlanRequest(gpus=1, mem_budget_bytes=4 * 2**30, profile=h100, engine=SINGLE))
+
+
+def test_the_optimizer_in_backward_keeps_one_gradient_at_a_time(trace, h100):
+    """[Note: Optimizer in backward]: each parameter stepped and its gradient freed as autograd accumulates it,
+    so the gradients never pile up: at most the largest module's (as stored) at any event, and the peak no
+    higher than with the step at the end (here, where the gradients of every block meet at the step, lower)."""
+    cm = CostModel(trace, h100)
+    plain = _plan(trace)
+    fused = replace(plain, training=replace(plain.training, optimizer_in_backward=True))
+    seen = _categories_over_step(cm, fused)
+    largest = max(m.param_bytes for m in trace.modules) / 2  # stored in bf16
+    assert 0 < seen["grads"] <= largest
+    assert cm.estimate(fused).memory.peak_bytes < cm.estimate(plain).memory.peak_bytes
+    assert fused.to_dict()["training"]["optimizer_in_backward"] is True
+    assert "optimizer_in_backward" not in plain.to_dict()["training"]
+    assert Plan.from_dict(fused.to_dict()) == fused
+    with pytest.raises(PlanError, match="engine \"single\" only, without accumulation"):
+        replace(fused, training=replace(fused.training, accumulation_steps=2))

@@ -82,3 +82,26 @@ def test_accelerate_parallelism_config_means_the_tp_plan(name, llama_8b_tp_expor
     names, sizes = config._get_mesh()
     assert tuple(n.replace("dp_", "") for n in names) == m.device_mesh_dim_names and sizes == m.device_mesh_shape
     assert set(config.fsdp_dim_names) <= {"dp_replicate", "dp_shard_cp"}  # FSDP2 over the dp dimensions only
+
+
+def test_accelerate_reads_a_single_device_plans_config(tmp_path):
+    """A single-device plan's config (report/export/single.py): one process, no distributed type, no mixed
+    precision (the model is cast in the script), as Accelerate's own loader and launch validation read it."""
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    from shard_planner.cli.main import main
+    from shard_planner.plan import load_plan
+    from shard_planner.report.export import export_plan
+    from tests.paths import EXAMPLES
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(EXAMPLES / "gpt2.py"), "--gpus", "1", "--mem", "2GB", "--profile", "cpu-gloo",
+                 "--engine", "single", "--no-report", "-o", str(out)]) == 0
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(export_plan(load_plan(out), "accelerate").text)
+    config = load_config_from_file(str(path))
+    assert str(config.distributed_type) in ("NO", "DistributedType.NO") and config.num_processes == 1
+    assert str(config.mixed_precision) == "no"
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(path), "x.py"]))
+    assert not args.multi_gpu and args.num_processes == 1

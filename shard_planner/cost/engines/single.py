@@ -28,6 +28,16 @@ The walks are FSDP2's where the step has the same shape: the schedule is FSDP2's
 their waits and its reshards; the memory walk is cost/accumulation.py's, every micro-step without gradient
 sync and the gradients never converted (held in ``.grad``), ``zero_grad`` freeing them; the time walk is
 FSDP2's with zero collectives and copies and no per-unit overhead.
+
+[Note: Optimizer in backward]
+  ``training.optimizer_in_backward`` (torchtune's ``optimizer_in_bwd``; PyTorch's tutorial "How to save memory
+  by fusing the optimizer step into the backward pass"): one optimizer per parameter, stepped by a
+  ``register_post_accumulate_grad_hook`` that then sets the gradient to None (execute/stepper.py). So a block's
+  gradients live one at a time: each is stepped (the single-tensor path's temporaries) and freed as autograd
+  accumulates it, the walk counting one parameter's gradient (at most the largest module's parameters, as
+  stored) on top of the block's backward, and at the step's end nothing is left to step. The step's time is the
+  same traffic at the same per-tensor overhead (cost/optimizer.py), run inside the backward on the same
+  stream. Without accumulation only: a later micro-step's gradients would find the parameters stepped.
 """
 
 from __future__ import annotations
@@ -39,11 +49,11 @@ from shard_planner.cost.accumulation import _AccumulationWalk
 from shard_planner.cost.allocations import GRADS, ON_DEFAULT
 from shard_planner.cost.engines.fsdp2 import FSDP2_ENGINE
 from shard_planner.cost.memory import _MemoryWalk
-from shard_planner.cost.schedule import EventKind
+from shard_planner.cost.schedule import EventKind, Phase
 from shard_planner.cost.unit_bytes import UnitBytes
 from shard_planner.cost.unit_collectives import UnitCollectives
 from shard_planner.cost.unit_cost import UnitCost
-from shard_planner.cost.unit_params import UnitParams
+from shard_planner.cost.unit_params import UnitParams, built_dtype
 from shard_planner.dtypes import FLOAT_DTYPES, dtype_bytes
 from shard_planner.plan.engine import SINGLE
 from shard_planner.plan.numerics import Numerics
@@ -75,8 +85,44 @@ class _SingleDeviceWalk(_AccumulationWalk):
 
     def __init__(self, *args):
         super().__init__(*args)
+        # the optimizer's temporaries come in sizes of the largest module's parameters: as stored here
+        built = built_dtype(self.t.model_params)
+        stored = self.t.largest_module_float_bytes * dtype_bytes(self.plan.training.numerics.sharded_dtype(built))
+        self.t = replace(self.t, largest_module_float_bytes=stored / dtype_bytes(built))
+        if self.plan.training.optimizer_in_backward:  # one parameter's gradient at a time: [Note: Optimizer in backward]
+            one = self.t.largest_module_float_bytes
+            self.acts = replace(self.acts, own_grads=tuple(min(g, one) for g in self.acts.own_grads))
         self.converts = False  # the gradients stay as autograd stored them, later ones added in place
         self.steps = tuple(replace(s, sync=False, gathered=False, keep=False) for s in self.steps)
+
+    def backward(self, ev) -> None:
+        """With the optimizer in backward ([Note: Optimizer in backward]): the block's new gradients are stepped
+        and freed as soon as autograd has accumulated them."""
+        super().backward(ev)
+        if not self.plan.training.optimizer_in_backward:
+            return
+        blk = self.t.blocks[ev.block]
+        owners = (blk.unit, *blk.nested)
+        stepped = sum(self.units[u].grad_bytes for u in owners)
+        if not stepped:
+            return
+        self.record("optimizer step", self.acts.names[ev.block], Phase.BACKWARD, extra_temp=self.step_temporaries)
+        for u in owners:
+            if self.units[u].grad_bytes:
+                self.out.on_free(GRADS, self.units[u].grad_bytes, self.t.unit_names[u], ON_DEFAULT)
+                self.units[u].grad_bytes = 0.0
+
+    @property
+    def step_temporaries(self) -> float:
+        """One parameter's step on the single-tensor path (one optimizer per parameter): cost/optimizer.py's
+        temporaries in sizes of the largest module's floating parameters, as stored (``__init__``)."""
+        return optimizer_rules.optimizer_temporaries_bytes(self.plan.training.optimizer, "cpu", 0.0,
+                                                           self.t.largest_module_float_bytes, 1)
+
+    def optimizer(self, ev) -> None:
+        if not self.plan.training.optimizer_in_backward:
+            return super().optimizer(ev)
+        self.record("optimizer step (done in backward)", "", Phase.OPTIMIZER)  # nothing left to step or free
 
     def zero_grad(self) -> None:
         names = self.t.unit_names
