@@ -432,7 +432,7 @@ class _MemoryWalk:
         held = min(last_grad_bytes, st.grad_bytes)
         if st.grad_bytes - held:
             out.on_free(GRADS, st.grad_bytes - held, name, ON_DEFAULT)
-        backend_temp = reduce_scatter_backend_temp_bytes(x.rs_input, self.profile)
+        backend_temp = reduce_scatter_backend_temp_bytes(x.rs_input, self.profile, self.plan.mesh.shard_group_size)
         self.record("reduce-scatter", name, Phase.BACKWARD, extra_temp=backend_temp, extra_comm=x.rs_output,
                     stream=ON_REDUCE_SCATTER)
         if held:

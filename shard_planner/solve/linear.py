@@ -376,7 +376,7 @@ def _candidate_coeffs(index: int, c: Candidate, items: ItemTerms, ch: _ChoiceTer
         # output and the backend's copy of the input (gloo) join, the gradients freed but the last one:
         # bounded by all of them (cost/memory.py [Note: Reduce-scatter buffers])
         rs_mem = (_live(parts, "unsharded_grads") + rs_in + fsdp2_rules.shard_bytes(rs_in, shard)
-                  + reduce_scatter_backend_temp_bytes(rs_in, profile))
+                  + reduce_scatter_backend_temp_bytes(rs_in, profile, shard))
         next_gather = gather_live
 
     # ---- time ----
