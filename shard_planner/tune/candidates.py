@@ -29,6 +29,7 @@ from typing import Callable
 from shard_planner.errors import InfeasibleError
 from shard_planner.plan.measurement import plan_fingerprint
 from shard_planner.plan import Plan, Prefetch
+from shard_planner.plan.engine import SINGLE
 from shard_planner.hardware.profile import HardwareProfile
 from shard_planner.trace.types import ModelTrace
 from shard_planner.tune.judge import Judge
@@ -62,6 +63,9 @@ def describe_plan(plan: Plan) -> str:
     for u in units:
         reshard[key(u.reshard_after_forward)] = reshard.get(key(u.reshard_after_forward), 0) + 1
     ac = sum(1 for u in plan.units if u.activation_checkpoint)
+    if plan.engine == SINGLE:  # one device: regions checkpointed or not, nothing resharded or prefetched
+        fused = ", optimizer in backward" if plan.training.optimizer_in_backward else ""
+        return f"one device, {len(units)} regions, AC {ac}, mb {plan.training.micro_batch}{fused}"
     parts = [f"{len(units)}+root units" + (f" ({grouped} grouped)" if grouped else ""),
              "reshard " + ",".join(f"{k}:{v}" for k, v in sorted(reshard.items())) if reshard else "root only",
              f"root reshard {key(plan.root.reshard_after_forward)}",
