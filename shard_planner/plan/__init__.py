@@ -27,7 +27,7 @@ from functools import cached_property
 from pathlib import Path
 
 from shard_planner.plan.checkpointing import DEFAULT_SAVE_OPS, SAVEABLE_OP_CLASSES, SELECTIVE
-from shard_planner.plan.engine import ENGINES, FSDP2, engine_refusal
+from shard_planner.plan.engine import ENGINES, FSDP2, SINGLE, engine_refusal
 from shard_planner.errors import PlanError
 from shard_planner.fileio import read_json, write_atomic
 from shard_planner.plan.finetune import FineTune  # the plan file's "model.finetune": what was frozen and how
@@ -303,7 +303,7 @@ class Plan:
                     f"{ranks}, no accumulation") if tr.global_batch_asked is not None else ""
         sync = "every micro-step" if tr.gradient_sync == GRADIENT_SYNCS[0] else "the last micro-step only"
         kept = ", parameters kept gathered between them" if tr.keep_params_gathered else ""
-        how = (f"gradients reduce-scattered on {sync}{kept}" if tr.stored_dtype is None
+        how = (f"gradients reduce-scattered on {sync}{kept}" if self.engine != SINGLE
                else "gradients added into .grad")  # one device: nothing reduced (plan/engine.py)
         return (f"global batch {self.global_batch_samples} = micro-batch {tr.micro_batch} x {tr.accumulation_steps} "
                 f"micro-steps x {ranks}, {how}")
