@@ -51,7 +51,7 @@ from shard_planner.hardware.profile import load_profile  # noqa: E402
 from shard_planner.plan.recipes import RECIPES  # noqa: E402
 from shard_planner.solve import PlanRequest, plan_model  # noqa: E402
 from shard_planner.solve.never_worse import RECIPE_TOLERANCE  # noqa: E402
-from shard_planner.solve.planner import PREFETCH_CHOICES  # noqa: E402
+from shard_planner.solve.choice import PREFETCH_CHOICES  # noqa: E402
 from shard_planner.solve.space import build_space  # noqa: E402
 from shard_planner.trace import trace_model  # noqa: E402
 

@@ -23,7 +23,7 @@ from shard_planner.fileio import check_output_dir, check_output_file
 from shard_planner.model.hf import as_planned
 from shard_planner.plan import Plan, save_plan, with_paths_located
 from shard_planner.plan.points import layout_lines
-from shard_planner.plan.engine import DESCRIPTIONS, SINGLE
+from shard_planner.plan.engine import DESCRIPTIONS, PARAMETERS, SINGLE
 from shard_planner.hardware.profile import DEFAULT_PROFILE, load_priced_profile
 from shard_planner.units import format_bytes
 
@@ -288,7 +288,8 @@ def summary(result: PlanResult | Plan, profile) -> str:
     lines.append(f"predicted peak {format_bytes(pr.peak_bytes)} per {rank} of {format_bytes(budget)} usable "
                  f"({100 * pr.peak_bytes / budget:.0f}%; {profile.usable_reason(plan.cluster.mem_budget_bytes)}), "
                  "at the peak: " + ", ".join(
-                     f"{_category_word(k, single)} {format_bytes(v)}" for k, v in sorted(
+                     f"{PARAMETERS[plan.engine] if k == 'sharded_params' else k.replace('_', ' ')} {format_bytes(v)}"
+                     for k, v in sorted(
                          pr.memory_at_peak.items(), key=lambda kv: -kv[1])[:3]))
     device_line = _device_line(getattr(result, "fit", None), plan)  # a Plan has none
     if device_line:
@@ -313,13 +314,6 @@ def summary(result: PlanResult | Plan, profile) -> str:
     s = plan.solver
     lines.append(f"solver: {s.method}, {s.status}, {s.seconds:.1f} s; frontier of {len(plan.frontier)} plans in the file")
     return "\n".join(lines)
-
-
-def _category_word(category: str, single: bool) -> str:
-    """A memory category as the summary says it: on one device nothing is sharded (plan/engine.py)."""
-    if single and category == "sharded_params":
-        return "parameters"
-    return category.replace("_", " ")
 
 
 def _device_line(fit, plan: Plan) -> str | None:

@@ -30,7 +30,8 @@ ENGINES = (FSDP2, SINGLE)
 
 # What each engine is, in the words the summary and the report use
 DESCRIPTIONS = {FSDP2: "FSDP2 (fully_shard)", SINGLE: "one device, no sharding (plain PyTorch)"}
-
+# The memory category sharded_params, as each engine holds the parameters: the summary's and the report's word
+PARAMETERS = {FSDP2: "sharded params", SINGLE: "parameters"}
 
 
 def engine_refusal(engine: str, mesh, training, no_policy: str) -> str | None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shard_planner.plan import Plan
-from shard_planner.plan.engine import DESCRIPTIONS, FSDP2, SINGLE
+from shard_planner.plan.engine import DESCRIPTIONS, FSDP2, PARAMETERS, SINGLE
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ FSDP2_WORDS = EngineWords(
     decisions="reshard, checkpointing",
     schedule="the FSDP2 schedule (all-gathers, unit forward and backward, reduce-scatters, optimizer step)",
     frozen="all-gathered like the others, with no gradient, reduce-scatter or optimizer state",
-    params="sharded params",
+    params=PARAMETERS[FSDP2],
     param_columns=(("sharded_param_bytes", "sharded params/rank (MiB)", "sharded params per rank"),
                    ("unsharded_param_bytes", "unsharded params (MiB)", "unsharded params (while gathered)")),
     use="Check it for real: shard-planner run plan.json (CPU/gloo or GPUs; measured vs predicted). Apply it in your "
@@ -57,7 +57,7 @@ SINGLE_WORDS = EngineWords(
     schedule="the single-device step (each region's forward and backward, a checkpointed one's recomputation, the "
              "loss, the optimizer step)",
     frozen="held like the others, with no gradient or optimizer state",
-    params="parameters",
+    params=PARAMETERS[SINGLE],
     param_columns=(("sharded_param_bytes", "params (MiB)", "parameters (as the device holds them)"),),
     root="The first row, the root, holds the modules outside every region.",
     use="Check it for real: shard-planner run plan.json (CPU or one GPU; measured vs predicted). Apply it in your "

@@ -115,9 +115,7 @@ def _single_device_lines(plan: Plan, budget: ReportBudget, words: EngineWords) -
     stored = t.stored_dtype or t.numerics.compute_dtype
     regions = plan.inner_units
     checkpointed = sum(1 for u in regions if u.activation_checkpoint)
-    steps = (f"global batch {plan.global_batch_samples} = micro-batch {t.micro_batch} x {t.accumulation_steps} "
-             "micro-steps, autograd adding each one's gradients into .grad" if t.accumulation_steps > 1
-             else plan.accumulation_words(budget.rank_word))
+    steps = plan.accumulation_words(budget.rank_word)  # one device: "gradients added into .grad"
     return [
         ("mesh", words.description),
         ("training", f"micro-batch {t.micro_batch} per {budget.rank_word}, {t.optimizer}, every floating parameter "

@@ -10,7 +10,8 @@ from shard_planner.plan.engine import FSDP2, SINGLE
 from shard_planner.solve.accumulation import NO_ACCUMULATION, Accumulation
 
 
-# The prefetch depths the search tries (FSDP2's default first); the single-device step has none to choose
+# The (forward, backward) prefetch depths the search tries: FSDP2's default, one explicit unit ahead, two both ways;
+# the single-device step has none to choose
 PREFETCH_CHOICES = (Prefetch(0, 1), Prefetch(1, 1), Prefetch(2, 2))
 
 

@@ -3,7 +3,7 @@
 
 1. Global choices (outer loops): mesh (plain FSDP over every GPU, or HSDP with the node as the shard
    group when the cluster spans nodes), micro-batch (given, or every power of two with
-   ``search_batch``), prefetch depths (``PREFETCH_CHOICES``), and CPU offload only when nothing fits
+   ``search_batch``), prefetch depths (solve/choice.py ``PREFETCH_CHOICES``), and CPU offload only when nothing fits
    without it. Mesh x prefetch are screened by the simulated speed of a heuristic cover; the best
    ``SCREEN_KEEP`` get a CP-SAT solve (:func:`_screen`), each next one hinted with the earlier covers.
 2. For each: the linear model (:mod:`.linear`, built once per choice), the CP-SAT program
@@ -59,7 +59,7 @@ from shard_planner.solve.accumulation import (
 from shard_planner.solve.context import Checked, PlanContext, planned_engine, speed
 from shard_planner.solve.describe import budget_text, infeasible_error
 from shard_planner.solve.frontier import pareto, start_sweep, sweep
-from shard_planner.solve.choice import PREFETCH_CHOICES, GlobalChoice  # noqa: F401  (PREFETCH_CHOICES: its old home)
+from shard_planner.solve.choice import GlobalChoice
 from shard_planner.solve.linear import MIB, evaluate
 from shard_planner.solve.never_worse import never_worse
 from shard_planner.solve.polish import polish
@@ -70,7 +70,6 @@ from shard_planner.units import format_bytes
 
 logger = logging.getLogger(__name__)
 
-# (forward, backward) prefetch depths tried: FSDP2's default, one explicit unit ahead, two both ways.
 MAX_RECHECKS = 4  # re-solves when the simulator rejects the program's cover
 # Global choices (mesh x prefetch) solved with CP-SAT after screening. One: the others' covers are
 # judged at every prefetch depth anyway (_other_prefetch); on bench_plan's 12 cases a second solved

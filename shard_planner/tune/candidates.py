@@ -55,6 +55,10 @@ def describe_plan(plan: Plan) -> str:
     """A short label of a plan's decisions: units (grouped), reshard mix, the root's reshard, AC, prefetch,
     micro-batch (two plans that differ only in the root's reshard get different labels)."""
     units = list(plan.inner_units)
+    ac = sum(1 for u in plan.units if u.activation_checkpoint)
+    if plan.engine == SINGLE:  # one device: regions checkpointed or not, nothing resharded or prefetched
+        fused = ", optimizer in backward" if plan.training.optimizer_in_backward else ""
+        return f"one device, {len(units)} regions, AC {ac}, mb {plan.training.micro_batch}{fused}"
     grouped = sum(1 for u in units if len(u.modules) > 1)
     def key(r) -> str:
         return ("T" if r else "F") if isinstance(r, bool) else str(r)
@@ -62,10 +66,6 @@ def describe_plan(plan: Plan) -> str:
     reshard = {}
     for u in units:
         reshard[key(u.reshard_after_forward)] = reshard.get(key(u.reshard_after_forward), 0) + 1
-    ac = sum(1 for u in plan.units if u.activation_checkpoint)
-    if plan.engine == SINGLE:  # one device: regions checkpointed or not, nothing resharded or prefetched
-        fused = ", optimizer in backward" if plan.training.optimizer_in_backward else ""
-        return f"one device, {len(units)} regions, AC {ac}, mb {plan.training.micro_batch}{fused}"
     parts = [f"{len(units)}+root units" + (f" ({grouped} grouped)" if grouped else ""),
              "reshard " + ",".join(f"{k}:{v}" for k, v in sorted(reshard.items())) if reshard else "root only",
              f"root reshard {key(plan.root.reshard_after_forward)}",
