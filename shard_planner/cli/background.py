@@ -11,7 +11,9 @@ figures while the command renders the others. When the trace cache already holds
 nothing to overlap with the imports, and ``plan`` imports the planner and the report before it forks its
 helpers, which inherit them (cli/plan.py [Note: Importing before the helpers fork]). Calls and results
 travel pickled through pipes (the Llama 8B trace: 0.5 MB, 16 ms to pickle; a report figure ~0.1 MB, 8 ms,
-rendering byte-identical PNGs).
+rendering byte-identical PNGs). What arrives through a pipe is unpickled, and each call runs, without the
+cyclic collector (cli/collector.py [Note: the collector during a command]): traces and searches build objects
+that stay until the command ends.
 
 [Note: when the helper is not forked]
 Each call runs in this process instead, when its result is asked for, where forking would not pay or
@@ -42,6 +44,7 @@ import traceback
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
+from shard_planner.cli.collector import without_collections
 from shard_planner.process import die_with_parent, exit_status
 
 _LENGTH = struct.Struct("<Q")  # every message: its length, then the pickle
@@ -137,7 +140,8 @@ class Helper:
             ended = exit_status(os.waitstatus_to_exitcode(status))
             return "error", HelperDied(f"the helper process {ended} during {call._fn.__name__}", ended), ""
         try:
-            return pickle.loads(data)
+            with without_collections():
+                return pickle.loads(data)
         except Exception as exc:
             return "error", RuntimeError(f"the result of {call._fn.__name__} could not be read from the helper "
                                          f"process: {exc}"), ""
@@ -179,8 +183,10 @@ def _serve(requests_fd: int, replies_fd: int) -> None:
         die_with_parent()
         with os.fdopen(requests_fd, "rb") as requests, os.fdopen(replies_fd, "wb") as replies:
             for data in _drained(requests):
-                fn, args = pickle.loads(data)
-                _write(replies, _reply(fn, args))
+                with without_collections():
+                    fn, args = pickle.loads(data)
+                    reply = _reply(fn, args)
+                _write(replies, reply)
                 _flush_stdio()
     except BaseException:  # the command is gone (broken pipe) or interrupted us: nothing left to tell it
         code = 1

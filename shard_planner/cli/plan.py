@@ -145,7 +145,8 @@ def _run(args: argparse.Namespace, helper: Helper, second: Helper, t0: float, im
                       timings_path=args.timings, global_batch_samples=args.global_batch,
                       global_batch_tokens=args.global_batch_tokens, expandable_segments=planned_expandable(os.environ),
                       engine=args.engine, optimizer_in_backward=args.optimizer_in_backward)
-    result = degree_work.plan(trace, req, helper)
+    with without_collections():  # the search's memos stay until the report ([Note: the collector during a command])
+        result = degree_work.plan(trace, req, helper)
     result = replace(result, plan=with_paths_located(result.plan, args.output))
     result = replace(result, plan=as_planned(result.plan, args.hf_task, finetune))  # run and export rebuild it so
     save_plan(result.plan, args.output)
