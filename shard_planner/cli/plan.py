@@ -24,7 +24,7 @@ from shard_planner.model.hf import as_planned
 from shard_planner.plan import Plan, save_plan, with_paths_located
 from shard_planner.plan.points import layout_lines
 from shard_planner.plan.engine import DESCRIPTIONS, PARAMETERS, SINGLE
-from shard_planner.hardware.profile import DEFAULT_PROFILE, load_priced_profile
+from shard_planner.hardware.profile import DEFAULT_PROFILE, load_priced_profile, ranks_text
 from shard_planner.units import format_bytes
 
 if TYPE_CHECKING:  # the planner (torch, CP-SAT) is imported when the command runs, not to build the parser
@@ -298,7 +298,7 @@ def summary(result: PlanResult | Plan, profile) -> str:
     mfu = f", MFU {100 * pr.mfu:.0f}%" if pr.mfu else ""
     priced = f" (compute from measured module times, {plan.cluster.timings})" if plan.cluster.timings else ""
     step = "optimizer step" if tr.accumulation_steps > 1 else "step"
-    lines.append(f"predicted {step} {pr.step_time_s * 1e3:.1f} ms, {pr.throughput_text} on {plan.cluster.gpus} {rank}s{mfu}"
+    lines.append(f"predicted {step} {pr.step_time_s * 1e3:.1f} ms, {pr.throughput_text} on {ranks_text(profile.device, plan.cluster.gpus)}{mfu}"
                  f"{priced}")
     if plan.layouts:
         lines.append("layouts searched (the fastest plan of each):")

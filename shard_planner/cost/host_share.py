@@ -111,6 +111,8 @@ def shared_profile(profile: HardwareProfile, world_size: int) -> HardwareProfile
         per_op_overhead_s=profile.per_op_overhead_s * compute,
         per_unit_overhead_s=profile.per_unit_overhead_s * over,
         per_param_tensor_optimizer_overhead_s=profile.per_param_tensor_optimizer_overhead_s * over,
+        plain_tensor_optimizer_overhead_s=(profile.plain_tensor_optimizer_overhead_s * over
+                                           if profile.plain_tensor_optimizer_overhead_s is not None else None),
         interconnect=replace(
             ic, intra_node_latency_s=ic.intra_node_latency_s * over,
             intra_node_busbw_bytes_per_s=ic.intra_node_busbw_bytes_per_s / over,

@@ -29,7 +29,8 @@ Framework overheads (the time model's per-op, per-unit and per-tensor terms, sha
   three collectives (all-gather before forward and before backward, reduce-scatter after backward),
   which the time model counts apart. The op count is the same for every U, so ops do not enter the slope.
 - per optimizer parameter tensor: AdamW's ``step()`` over the sharded (DTensor) parameters of the
-  finest model, divided by the tensors (bandwidth is negligible at these sizes).
+  finest model, divided by the tensors (bandwidth is negligible at these sizes); and the same over the plain
+  parameters of the same layers without FSDP2 (the single-device step's, cost/engines/single.py).
 """
 
 from __future__ import annotations
@@ -172,6 +173,13 @@ def _overhead_samples(world_size: int, device: torch.device, repeats: int) -> li
         if units == OVERHEAD_UNITS[-1]:
             tensors = sum(1 for _ in model.parameters())
             lines.append(f"optimizer {tensors} {min(host_samples(opt.step, device, repeats))}")
+    plain = _tiny_stack(OVERHEAD_LAYERS, device)
+    plain(torch.randn(4, OVERHEAD_WIDTH, device=device)).sum().backward()
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    for _ in range(3):
+        opt.step()
+    tensors = sum(1 for _ in plain.parameters())
+    lines.append(f"optimizer_plain {tensors} {min(host_samples(opt.step, device, repeats))}")
     return lines
 
 
@@ -266,7 +274,8 @@ def measure_collectives(world_size: int, device_type: str, repeats: int = 5) -> 
         samples = [(int(r[1]), int(r[2]), float(r[3])) for r in rows if r[0] == kind]
         out[kind] = fit_curve(samples)
     out["unit_samples"] = tuple((int(r[1]), float(r[2])) for r in rows if r[0] == "unit")
-    out["optimizer_samples"] = tuple((int(r[1]), float(r[2])) for r in rows if r[0] == "optimizer")
+    for kind in ("optimizer", "optimizer_plain"):
+        out[f"{kind}_samples"] = tuple((int(r[1]), float(r[2])) for r in rows if r[0] == kind)
     return out
 
 
@@ -281,6 +290,8 @@ class Overheads:
     unit_samples: tuple[tuple[int, float], ...]
     per_tensor_s: float
     optimizer_samples: tuple[tuple[int, float], ...]
+    per_plain_tensor_s: float | None = None  # the same over plain tensors (None: not measured)
+    optimizer_plain_samples: tuple[tuple[int, float], ...] = ()
 
 
 def overheads_from(samples: dict, per_op: tuple[float, int, float], latency_s: float, busbw: float,
@@ -297,9 +308,12 @@ def overheads_from(samples: dict, per_op: tuple[float, int, float], latency_s: f
         logger.warning("calibrate: per-unit step time slope %.3g s is below the collectives' %.3g s; "
                        "per-unit overhead set to 0", slope, comm)
     n, t = samples["optimizer_samples"][0]
+    plain = samples.get("optimizer_plain_samples") or ()
     return Overheads(per_op_s=per_op[0], per_op_ops=per_op[1], per_op_step_s=per_op[2], per_unit_s=per_unit,
                      unit_slope_s=slope, unit_comm_s=comm, unit_samples=tuple(units), per_tensor_s=t / n,
-                     optimizer_samples=tuple(samples["optimizer_samples"]))
+                     optimizer_samples=tuple(samples["optimizer_samples"]),
+                     per_plain_tensor_s=plain[0][1] / plain[0][0] if plain else None,
+                     optimizer_plain_samples=tuple(plain))
 
 
 def _host_memory_bytes() -> int:
@@ -372,6 +386,7 @@ def calibrate(world_size: int = 2, device: str = "auto", name: str = "local",
         reduce_scatter_temp_fraction=1.0 if device == "cpu" else 0.0,
         per_op_overhead_s=over.per_op_s, per_unit_overhead_s=over.per_unit_s,
         per_param_tensor_optimizer_overhead_s=over.per_tensor_s,
+        plain_tensor_optimizer_overhead_s=over.per_plain_tensor_s,
         kernels=kernels_table(kcal), compute_model="roofline",
         host_cores=usable_cores() if device == "cpu" else 0, measured_ranks=world_size if device == "cpu" else 0,
         **(STATED_CALL_S if device == "cuda" else {}),  # not measured: the stated values (cost/retries.py)
@@ -432,6 +447,10 @@ def to_toml(p: HardwareProfile, fits: dict[str, CollectiveFit | CurveFit], world
             f"per_param_tensor_optimizer_overhead_s = {p.per_param_tensor_optimizer_overhead_s:.4g}  # measured: "
             f"AdamW step over {over.optimizer_samples[0][0]} tiny sharded tensors, {over.optimizer_samples[0][1] * 1e3:.2f} ms",
         ]
+        if over.optimizer_plain_samples:
+            (n, t), = over.optimizer_plain_samples
+            lines.append(f"plain_tensor_optimizer_overhead_s = {p.plain_tensor_optimizer_overhead_s:.4g}  # measured: "
+                         f"AdamW step over {n} tiny plain tensors (no FSDP2: the single-device step), {t * 1e3:.2f} ms")
     lines += [
         "",
         "[peak_flops_per_s]",

@@ -85,6 +85,10 @@ class HardwareProfile:
     per_op_overhead_s: float = 0.0
     per_unit_overhead_s: float = 0.0
     per_param_tensor_optimizer_overhead_s: float = 0.0
+    # the same for a plain (not DTensor) parameter tensor: the single-device step (cost/engines/single.py).
+    # On CPU, where AdamW runs one tensor at a time, every op of a DTensor's step goes through DTensor's
+    # sharding propagation and costs several times a plain tensor's; None: as a sharded tensor's
+    plain_tensor_optimizer_overhead_s: float | None = None
     source: str = ""  # where the numbers come from (file path)
     notes: dict[str, str] = field(default_factory=dict)
     # Per-module compute times measured on this device (`shard-planner calibrate --model`); blocks they
@@ -148,12 +152,23 @@ class HardwareProfile:
             value = getattr(self, key)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
                 raise ProfileError(f"profile {self.name}: {key} must be a whole number >= 0, got {value!r}")
+        plain = self.plain_tensor_optimizer_overhead_s
+        if plain is not None and not (plain >= 0.0 and math.isfinite(plain)):
+            raise ProfileError(f"profile {self.name}: plain_tensor_optimizer_overhead_s must be a finite number >= 0, "
+                               f"got {plain!r}")
         if self.compute_model not in COMPUTE_MODELS:
             raise ProfileError(f"profile {self.name}: compute_model must be one of {', '.join(COMPUTE_MODELS)}, "
                                f"got {self.compute_model!r}")
         if self.compute_model == "roofline" and not self.kernels:
             raise ProfileError(f"profile {self.name}: compute_model = \"roofline\" needs a [kernels] table "
                                "(see profiles/h100-80gb.toml)")
+
+    @property
+    def plain_tensor_optimizer_s(self) -> float:
+        """The optimizer's overhead per plain (not DTensor) parameter tensor: ``plain_tensor_optimizer_overhead_s``,
+        else the sharded tensor's."""
+        plain = self.plain_tensor_optimizer_overhead_s
+        return self.per_param_tensor_optimizer_overhead_s if plain is None else plain
 
     def with_timings(self, timings: ModuleTimings | None) -> "HardwareProfile":
         """A copy of this profile that prices compute from ``timings`` (None: from FLOPs again)."""
@@ -224,6 +239,11 @@ class HardwareProfile:
 def rank_word(device: str) -> str:
     """What one rank on ``device`` is called in what people read: ``"GPU"``, or ``"CPU rank"`` on the CPU."""
     return "CPU rank" if device == "cpu" else "GPU"
+
+
+def ranks_text(device: str, count: int) -> str:
+    """``count`` ranks on ``device`` in words: "8 GPUs", "1 CPU rank", "2 CPU ranks"."""
+    return f"{count} {rank_word(device)}{'' if count == 1 else 's'}"
 
 
 def usable_reason(mem_budget_bytes: int, memory_bytes: int | None, usable_fraction: float, device: str, *,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from shard_planner.errors import UserError
 from shard_planner.plan import Plan
-from shard_planner.hardware.profile import HardwareProfile, rank_word, usable_reason
+from shard_planner.hardware.profile import HardwareProfile, rank_word, ranks_text, usable_reason
 from shard_planner.units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class ReportBudget:
 
     def ranks(self, count: int) -> str:
         """``count`` ranks in words: "8 GPUs", "2 CPU ranks"."""
-        return f"{count} {self.rank_word}{'' if count == 1 else 's'}"
+        return ranks_text(self.device, count)
 
     def describe(self) -> str:
         """Both budgets in words, for the summary and captions."""

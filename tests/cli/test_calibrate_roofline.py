@@ -50,4 +50,6 @@ def test_quick_calibrate_writes_a_roofline_profile(tmp_path, capsys):
     profile = load_profile(str(out))
     assert profile.name == "quick"
     _check(profile)
+    # the optimizer's overhead per tensor measured over FSDP2's DTensors and over plain ones (one device)
+    assert profile.per_param_tensor_optimizer_overhead_s > 0 and profile.plain_tensor_optimizer_overhead_s > 0
     assert "compute_model roofline" in capsys.readouterr().out

@@ -169,6 +169,9 @@ def test_a_cpu_plan_speaks_of_cpu_ranks(tmp_path, capsys):
     assert "GPU" not in text, text
     assert "FSDP over 2 CPU ranks" in text and "per CPU rank" in text and "on 2 CPU ranks" in text
     assert "micro-batch 8 x 2 CPU ranks" in text
+    assert main(["plan", model, "--gpus", "1", "--mem", "1GB", "--profile", "cpu-gloo", "--no-report",
+                 "-o", str(out)]) == 0
+    assert "tokens/s on 1 CPU rank," in capsys.readouterr().out  # it said "on 1 CPU ranks"
 
 
 def test_runs_losses_say_which_steps_they_are():

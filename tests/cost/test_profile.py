@@ -112,6 +112,9 @@ def test_overheads_from_samples_subtract_the_units_collectives():
     assert over.per_unit_s == pytest.approx(per_unit, rel=1e-9)
     assert over.unit_comm_s == pytest.approx(comm, rel=1e-12)
     assert over.per_tensor_s == pytest.approx(2e-4) and over.per_op_s == 1e-5
+    assert over.per_plain_tensor_s is None  # samples without the plain tensors' step: not measured
+    samples["optimizer_plain_samples"] = ((32, 32 * 2e-5),)
+    assert overheads_from(samples, (1e-5, 200, 2e-3), alpha, busbw, p).per_plain_tensor_s == pytest.approx(2e-5)
     samples["unit_samples"] = tuple((u, base) for u in OVERHEAD_UNITS)  # flat: no overhead, clamped at 0
     assert overheads_from(samples, (1e-5, 200, 2e-3), alpha, busbw, p).per_unit_s == 0.0
 
@@ -162,3 +165,15 @@ def test_tensor_budget_keeps_the_margin_inside_mem():
     assert p.usable_reason(40 * gib) == "--mem 40.00 GiB less the 5.3% margin of the allocator simulation"
     assert load_profile("cpu-gloo").usable_reason(2 * gib) == ("--mem 2.00 GiB less 20% kept free for the OS and "
                                                                "the ranks' processes")
+
+
+def test_a_plain_tensors_optimizer_overhead_falls_back_to_a_sharded_ones(h100):
+    from dataclasses import replace
+
+    assert h100.plain_tensor_optimizer_overhead_s is None
+    assert h100.plain_tensor_optimizer_s == h100.per_param_tensor_optimizer_overhead_s
+    assert replace(h100, plain_tensor_optimizer_overhead_s=3e-6).plain_tensor_optimizer_s == 3e-6
+    gloo = load_profile("cpu-gloo")  # measured: about a tenth of a DTensor's on CPU (cost/engines/single.py)
+    assert gloo.plain_tensor_optimizer_s < gloo.per_param_tensor_optimizer_overhead_s / 5
+    with pytest.raises(ProfileError, match="plain_tensor_optimizer_overhead_s"):
+        replace(h100, plain_tensor_optimizer_overhead_s=-1.0)

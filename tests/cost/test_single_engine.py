@@ -140,3 +140,20 @@ def test_the_optimizer_in_backward_keeps_one_gradient_at_a_time(trace, h100):
     assert Plan.from_dict(fused.to_dict()) == fused
     with pytest.raises(PlanError, match="engine \"single\" only, without accumulation"):
         replace(fused, training=replace(fused.training, accumulation_steps=2))
+
+
+def test_the_optimizer_steps_plain_tensors_at_their_own_overhead(trace, h100):
+    """FSDP2's optimizer steps DTensors (the profile's per_param_tensor_optimizer_overhead_s), one device plain
+    tensors (plain_tensor_optimizer_overhead_s): each trainable parameter tensor's step costs the difference less."""
+    dtensor_s, plain_s = 300e-6, 25e-6
+    profiles = [replace(h100, per_param_tensor_optimizer_overhead_s=dtensor_s, plain_tensor_optimizer_overhead_s=p)
+                for p in (None, plain_s)]
+    # the hand-written trace counts no tensors: a weight and a bias for every module with parameters
+    trace = replace(trace, modules=tuple(replace(m, param_tensors=2 if m.param_bytes else 0)
+                                         for m in trace.modules))
+    tensors = sum(m.trainable_param_tensors for m in trace.modules)
+    single = [CostModel(trace, p).estimate(_plan(trace)).time for p in profiles]
+    fsdp2 = [CostModel(trace, p).estimate(_plan(trace, FSDP2)).time for p in profiles]
+    assert fsdp2[0].optimizer_s == fsdp2[1].optimizer_s  # FSDP2 steps DTensors either way
+    assert single[0].optimizer_s - single[1].optimizer_s == pytest.approx(tensors * (dtensor_s - plain_s))
+    assert single[0].step_time_s - single[1].step_time_s == pytest.approx(tensors * (dtensor_s - plain_s))

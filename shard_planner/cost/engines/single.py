@@ -27,7 +27,11 @@ parameters live twice while it computes, the root's through the whole step) the 
 The walks are FSDP2's where the step has the same shape: the schedule is FSDP2's without its all-gathers,
 their waits and its reshards; the memory walk is cost/accumulation.py's, every micro-step without gradient
 sync and the gradients never converted (held in ``.grad``), ``zero_grad`` freeing them; the time walk is
-FSDP2's with zero collectives and copies and no per-unit overhead.
+FSDP2's with zero collectives and copies, no per-unit overhead, and the optimizer's per-tensor overhead of a
+plain tensor (the profile's ``plain_tensor_optimizer_overhead_s``): on CPU, where AdamW steps one tensor at a
+time (torch/optim/adamw.py: foreach only for CUDA tensors, optimizer.py ``_default_to_fused_or_foreach``), each
+op on a DTensor adds DTensor's sharding propagation; the profile's ``per_param_tensor_optimizer_overhead_s`` was
+measured on FSDP2's DTensors, about 10x a plain tensor's on cpu-gloo.
 
 [Note: Optimizer in backward]
   ``training.optimizer_in_backward`` (torchtune's ``optimizer_in_bwd``; PyTorch's tutorial "How to save memory
@@ -168,8 +172,10 @@ class _SingleDeviceEngine:
         return FSDP2_ENGINE.time_inputs(costs)  # every collective and copy 0 s (unit_cost above)
 
     def time_walk(self, trace, t, plan, profile, sched, compute, collectives, *, selective, copies):
-        no_hooks = replace(profile, per_unit_overhead_s=0.0)
-        return FSDP2_ENGINE.time_walk(trace, t, plan, no_hooks, sched, compute, collectives, selective=selective,
+        # no FSDP2 hooks, and the optimizer steps plain tensors, not DTensors
+        one_device = replace(profile, per_unit_overhead_s=0.0,
+                             per_param_tensor_optimizer_overhead_s=profile.plain_tensor_optimizer_s)
+        return FSDP2_ENGINE.time_walk(trace, t, plan, one_device, sched, compute, collectives, selective=selective,
                                       copies=copies)
 
     def accumulated_time(self, training, walk, collectives, tokens_per_sample, dp_size):
