@@ -298,8 +298,8 @@ def summary(result: PlanResult | Plan, profile) -> str:
     mfu = f", MFU {100 * pr.mfu:.0f}%" if pr.mfu else ""
     priced = f" (compute from measured module times, {plan.cluster.timings})" if plan.cluster.timings else ""
     step = "optimizer step" if tr.accumulation_steps > 1 else "step"
-    lines.append(f"predicted {step} {pr.step_time_s * 1e3:.1f} ms, {pr.throughput_text} on {ranks_text(profile.device, plan.cluster.gpus)}{mfu}"
-                 f"{priced}")
+    ranks = ranks_text(profile.device, plan.cluster.gpus)  # "8 GPUs", "1 CPU rank"
+    lines.append(f"predicted {step} {pr.step_time_s * 1e3:.1f} ms, {pr.throughput_text} on {ranks}{mfu}{priced}")
     if plan.layouts:
         lines.append("layouts searched (the fastest plan of each):")
         lines += [f"  {line}" for line in layout_lines(plan.mesh.split, plan.layouts)]
