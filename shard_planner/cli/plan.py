@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         imported = _traced_before(args)
         if imported:  # [Note: Importing before the helpers fork]
             with without_collections():
-                _import_planner(args.report)
+                _import_planner()
         with helper_process() as helper, helper_process() as second:
             return _run(args, helper, second, t0, imported)
 
@@ -79,13 +79,17 @@ def run(args: argparse.Namespace) -> int:
 # [Note: Importing before the helpers fork]
 # The helpers are forked before anything is imported so that the trace (torch, ~2 s) runs beside this
 # process's imports (cli/background.py). When the trace cache holds the model's trace there is no trace to
-# overlap: the helpers only screen, search and render, and each would import the planner and the report
-# itself (CP-SAT, numpy, matplotlib, pandas: ~0.9 CPU-s each, three processes on two cores). Then this
-# process imports them once, before forking, and the helpers inherit them (README's 8B plan, warm, idle 2
-# cores: 5.29 -> 3.89 s, 8.89 -> 6.21 CPU-s; benchmarks/bench_planner_speed.py, reports/benchmarks/
-# planner_speed.md). What is imported must not import torch (cli/background.py forks no helper from a process
-# that has; tests/cli/test_plan_trace_cache.py checks it); numpy starts OpenBLAS's thread pool, which
-# OpenBLAS itself shuts down and restarts around a fork (its pthread_atfork handlers).
+# overlap: the helpers only screen, search and render, and each would import the planner itself (CP-SAT,
+# numpy, pandas: ~0.5 CPU-s each, three processes on two cores). Then this process imports the planner once,
+# before forking, and the helpers inherit it (README's 8B plan, warm, idle 2 cores: 5.29 -> 3.89 s, 8.89 ->
+# 6.21 CPU-s). The report (matplotlib and a first figure: ~0.35 s) is not imported before the fork: the
+# helper that renders half the figures imports it as its first call, beside the screens, and this process
+# imports it while it waits for the searches beside its own (solve/layout_search.py ``while_waiting``), a
+# time it otherwise sits idle (warm, 2 cores: 8B 3.44 -> 3.13 s, 70B 6.14 -> 5.94 s; benchmarks/
+# bench_planner_speed.py, reports/benchmarks/planner_speed.md). What is imported must not import torch
+# (cli/background.py forks no helper from a process that has; tests/cli/test_plan_trace_cache.py checks it);
+# numpy starts OpenBLAS's thread pool, which OpenBLAS itself shuts down and restarts around a fork (its
+# pthread_atfork handlers).
 def _traced_before(args: argparse.Namespace) -> bool:
     """Whether the trace cache holds the model's trace at degree 1 (cli/plan_degrees.py ``load_and_trace``)."""
     from shard_planner.trace.trace_cache import holds
@@ -96,12 +100,9 @@ def _traced_before(args: argparse.Namespace) -> bool:
         return False
 
 
-def _import_planner(report: bool) -> None:
-    """Import what planning imports (the planner and CP-SAT), and the report (matplotlib) when asked."""
+def _import_planner() -> None:
+    """Import what planning imports (the planner and CP-SAT)."""
     import shard_planner.solve.layout_search  # noqa: F401
-
-    if report:
-        _import_report()
 
 
 def _run(args: argparse.Namespace, helper: Helper, second: Helper, t0: float, imported: bool) -> int:
@@ -116,8 +117,8 @@ def _run(args: argparse.Namespace, helper: Helper, second: Helper, t0: float, im
     profile.check_compute_dtype(dtype)  # before the trace's result is waited for
     degrees = degrees_to_search(args, args.gpus_per_node or profile.interconnect.gpus_per_node, profile.device)
     degree_work = DegreeWork.start(args, hf_options(args), dtype, degrees, second)
-    if args.report and not imported:
-        helper.submit(_import_report)  # once the trace is done, while the styles are derived or this process plans
+    if args.report:  # after the trace if there is one, while the styles are derived or this process plans
+        helper.submit(_import_report)
     with without_collections():
         from shard_planner.solve import PlanRequest
         from shard_planner.solve.request import requested_micro_batch
@@ -145,8 +146,9 @@ def _run(args: argparse.Namespace, helper: Helper, second: Helper, t0: float, im
                       timings_path=args.timings, global_batch_samples=args.global_batch,
                       global_batch_tokens=args.global_batch_tokens, expandable_segments=planned_expandable(os.environ),
                       engine=args.engine, optimizer_in_backward=args.optimizer_in_backward)
+    while_waiting = _import_report if args.report else None  # [Note: Importing before the helpers fork]
     with without_collections():  # the search's memos stay until the report ([Note: the collector during a command])
-        result = degree_work.plan(trace, req, helper)
+        result = degree_work.plan(trace, req, helper, while_waiting)
     result = replace(result, plan=with_paths_located(result.plan, args.output))
     result = replace(result, plan=as_planned(result.plan, args.hf_task, finetune))  # run and export rebuild it so
     save_plan(result.plan, args.output)
@@ -203,9 +205,16 @@ def _load_and_trace(model: str, hf, dtype: str):
     return trace, defaults, finetune, time.perf_counter() - t0
 
 
+_report_imported = False  # whether _import_report ran in this process (a forked helper inherits it)
+
+
 def _import_report() -> None:
     """Import the report (matplotlib) ahead of time and render one small figure (font caches), while
-    something else runs; :func:`_write_report` says when the report is missing."""
+    something else runs (once per process); :func:`_write_report` says when the report is missing."""
+    global _report_imported
+    if _report_imported:
+        return
+    _report_imported = True
     try:
         from matplotlib.figure import Figure
 
@@ -221,6 +230,7 @@ def _write_report(result: PlanResult, out_dir: Path, trace, profile, helper: Hel
     """The report of the plan as saved, drawn by the code ``shard-planner report plan.json`` runs (write_report)
     from the planner's trace at the chosen degree (``trace``: report/__init__.py [Note: One rank's trace]) and
     estimate, half its figures rendered in the helper."""
+    _import_report()  # here unless it was while the searches ran
     try:
         from shard_planner.report import write_report
         from shard_planner.report.plots import figures_png

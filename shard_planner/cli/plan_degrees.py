@@ -78,9 +78,10 @@ class DegreeWork:
                              args.loss_parallel) if degrees != [1] else None
         return cls(args, hf, dtype, degrees, second, call)
 
-    def plan(self, trace, request, helper):
+    def plan(self, trace, request, helper, while_waiting=None):
         """The plan over the degrees (``trace``: the model traced at degree 1), [Note: Two helpers for the
-        degrees]."""
+        degrees]; ``while_waiting``: what this process does once its own search is done, while it waits for
+        those in the helpers (solve/layout_search.py ``plan_over_layouts``)."""
         from shard_planner.solve import plan_model
         from shard_planner.solve.layout_search import LayoutOption, plan_over_layouts
 
@@ -107,7 +108,8 @@ class DegreeWork:
 
         searching = itertools.cycle([self.second, helper])
         beside = (lambda fn, *a: next(searching).submit(fn, *a)) if helper.forked else None
-        return plan_over_layouts(options(), request, refused=found.refused, beside=beside)
+        return plan_over_layouts(options(), request, refused=found.refused, beside=beside,
+                                 while_waiting=while_waiting)
 
 
     def _kept(self, option):

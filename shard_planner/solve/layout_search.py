@@ -118,9 +118,11 @@ Beside = Callable[..., Any]
 
 
 def plan_over_layouts(options: Iterable[LayoutOption], request: PlanRequest, *,
-                      refused: tuple[LayoutOutcome, ...] = (), beside: Beside | None = None) -> PlanResult:
+                      refused: tuple[LayoutOutcome, ...] = (), beside: Beside | None = None,
+                      while_waiting: Callable[[], None] | None = None) -> PlanResult:
     """The fastest plan over ``options``' splits, its ``layouts`` every split's outcome (``refused``: the
-    splits ruled out before tracing, e.g. by a dimension they do not divide). Each split searched in full
+    splits ruled out before tracing, e.g. by a dimension they do not divide; ``while_waiting``: called once
+    this process's own search is done, before it waits for those ``beside``). Each split searched in full
     ([Note: Screening the layouts]) keeps its fastest plan's figures and its frontier in its outcome (the
     report draws them beside the answer's). A split that cannot be planned (no plan fits; a global batch
     its data-parallel ranks do not divide) is an outcome; all of them raise the first one's error."""
@@ -144,7 +146,7 @@ def plan_over_layouts(options: Iterable[LayoutOption], request: PlanRequest, *,
         if split not in to_search and c is not None:
             outcomes[split] = _screened_outcome(split, c)
     searches = {s: (by_split[s].trace, by_split[s].request(request, screened.get(s))) for s in to_search}
-    results = _search(searches, beside, outcomes, errors)
+    results = _search(searches, beside, outcomes, errors, while_waiting)
     if not results:
         if errors:
             raise errors[0]
@@ -168,10 +170,11 @@ def _worth_searching(screened: dict[ModelSplit, Checked | None]) -> list[ModelSp
 
 
 def _search(searches: dict[ModelSplit, tuple[ModelTrace, PlanRequest]], beside: Beside | None,
-            outcomes: dict[ModelSplit, LayoutOutcome], errors: list[UserError]) -> list[PlanResult]:
+            outcomes: dict[ModelSplit, LayoutOutcome], errors: list[UserError],
+            while_waiting: Callable[[], None] | None = None) -> list[PlanResult]:
     """``plan_model`` for each split of ``searches`` (its trace and request, in order): the first here, the
-    others ``beside`` when given (started before this process's own search, so that they run at the same time);
-    each outcome recorded."""
+    others ``beside`` when given (started before this process's own search, so that they run at the same time,
+    ``while_waiting`` called between this process's search and the wait for theirs); each outcome recorded."""
     splits = list(searches)
     started = {s: beside(plan_model, *searches[s]) for s in splits[1:]} if beside is not None else {}
     results = []
@@ -185,6 +188,8 @@ def _search(searches: dict[ModelSplit, tuple[ModelTrace, PlanRequest]], beside: 
             continue
         results.append(r)
         outcomes[s] = _solved_outcome(r)
+        if s == splits[0] and started and while_waiting is not None:
+            while_waiting()
     return results
 
 

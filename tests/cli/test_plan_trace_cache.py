@@ -87,15 +87,15 @@ def test_the_deal_of_cached_degrees_screens_them_in_both_helpers_in_turn():
 
 
 def test_what_plan_imports_before_forking_its_helpers_is_not_torch():
-    """cli/plan.py [Note: Importing before the helpers fork]: the planner and the report, imported before the
-    fork when the trace is cached, must not import torch (cli/background.py forks no helper from a process
-    that has: the warm command would then run every helper call in itself)."""
+    """cli/plan.py [Note: Importing before the helpers fork]: the planner, imported before the fork when the
+    trace is cached, must not import torch (cli/background.py forks no helper from a process that has: the
+    warm command would then run every helper call in itself), nor the report this process imports later."""
     import subprocess
     import sys
 
-    code = ("import sys; from shard_planner.cli.plan import _import_planner; _import_planner(True); "
-            "assert 'torch' not in sys.modules, 'torch imported'; "
-            "from shard_planner.cli.background import _worth_forking; print(_worth_forking())")
+    code = ("import sys; from shard_planner.cli.plan import _import_planner, _import_report; _import_planner(); "
+            "from shard_planner.cli.background import _worth_forking; print(_worth_forking()); _import_report(); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(os_can_fork())

@@ -90,16 +90,22 @@ def test_the_others_run_beside(request_8, monkeypatch):
     monkeypatch.setattr(layout_search, "SCREEN_MARGIN", 1.0)
     started = []
 
-    class Now:
+    events = []
+    real = layout_search.plan_model
+    monkeypatch.setattr(layout_search, "plan_model", lambda trace, req: events.append("own search") or real(trace, req))
+
+    class Later:  # a search beside: started at once, run when its result is asked for
         def __init__(self, fn, *args):
             started.append(args[0].tp_size)
-            self.value = fn(*args)
+            self.run = lambda: fn(*args)
 
         def result(self):
-            return self.value
+            events.append("wait beside")
+            return self.run()
 
-    result = plan_over_layouts(options(1, 2), request_8, beside=Now)
+    result = plan_over_layouts(options(1, 2), request_8, beside=Later, while_waiting=lambda: events.append("idle"))
     assert len(started) == 1 and {o.judged for o in result.plan.layouts} == {"solved"}
+    assert events[:3] == ["own search", "idle", "wait beside"]
 
 
 def test_a_degree_the_global_batch_does_not_divide_is_an_outcome(request_8):
