@@ -35,7 +35,7 @@ LINK = re.compile(r"\[([^\]\n]+)\]\(([^)\s]+)\)")
 NUMBER = re.compile(r"(?<![\w.])[-+\u2212]?\d[\d,]*(?:\.\d+)?")
 COMMANDS_FROM = re.compile(r"<!--\s*commands-from:\s*(\S+)\s*-->\s*\n```[^\n]*\n(.*?)\n```", re.S)
 # A unit as a report may spell it in a column name or a line; a unit not listed must appear as written.
-UNIT_SPELLINGS = {"%": ("%", "pct"), "tokens/s": ("tokens/s", "tokens_per_s", "tps"), "GiB": ("GiB", "gib"),
+UNIT_SPELLINGS = {"%": ("%", "pct"), "tokens/s": ("tokens/s", "tokens_per_s", "tps"), "GiB": ("GiB", "gib"), "MiB": ("MiB", "mib"),
                   "s": ("s",), "ms": ("ms",)}
 # What a page must not quote outside a link: a number with a unit a measurement or a prediction has.
 FIGURE_UNITS = r"(?:GiB|MiB|TB/s|GB/s|tokens/s|ms|%|s\b)"

@@ -66,11 +66,18 @@ class Parser(argparse.ArgumentParser):
 
 
 def add_hf_arguments(p: argparse.ArgumentParser) -> None:
-    """``--hf-task``, ``--seq-len`` and the fine-tune (``--lora``, ``--lora-targets``, ``--qlora``,
-    ``--freeze``: shard_planner/plan/finetune.py): for a MODEL that is a transformers config (shard_planner.model.hf)."""
+    """``--loss`` (any model file: shard_planner/model/loss.py); ``--hf-task``, ``--seq-len`` and the fine-tune
+    (``--lora``, ``--lora-targets``, ``--qlora``, ``--freeze``: shard_planner/plan/finetune.py): for a MODEL that is
+    a transformers config (shard_planner.model.hf)."""
     from shard_planner.plan.finetune import parse_targets
+    from shard_planner.plan.loss import LOSSES
     from shard_planner.model.hf import HF_TASKS
 
+    p.add_argument("--loss", choices=LOSSES, default=None,
+                   help="the loss over the output layer: model (the model file's loss_fn, or a transformers model's "
+                   "own), chunked (torchtune's CEWithChunkedOutputLoss: the output layer on 8 chunks of the "
+                   "sequence, each upcast to fp32 alone) or fused (Liger Kernel's fused linear cross-entropy: "
+                   "the logits never whole); default: the model file's TRAINING['loss'], else model")
     g = p.add_argument_group("when MODEL is a transformers config (config.json, or a folder holding one)")
     g.add_argument("--hf-task", choices=sorted(HF_TASKS), default=None,
                    help="the kind of model to build (default: the config's architectures[0])")
@@ -101,9 +108,9 @@ def hf_options(args: argparse.Namespace):
     finetune = None
     if args.lora is not None or args.lora_targets or args.qlora or args.freeze:
         finetune = FineTune(args.lora, args.lora_targets, args.qlora, tuple(args.freeze))
-    if args.hf_task is None and args.seq_len is None and finetune is None:
+    if args.hf_task is None and args.seq_len is None and finetune is None and args.loss is None:
         return None
-    return HfOptions(task=args.hf_task, seq_len=args.seq_len, finetune=finetune)
+    return HfOptions(task=args.hf_task, seq_len=args.seq_len, finetune=finetune, loss=args.loss)
 
 
 # The MODEL argument's words, for every command that takes one (see [Note: one definition per flag]).

@@ -5,7 +5,7 @@ model without a plan file, from the cost model."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shard_planner.hardware.allocator_conf import mode_name
 from shard_planner.load.checked_plan import check_plan, checked_plan_file
@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from shard_planner.cost.fits import device_fit
     from shard_planner.hardware.profile import load_priced_profile
     from shard_planner.model.hf import HfOptions, config_file
+    from shard_planner.plan.loss import MODEL
     from shard_planner.model.modelfile import load_unless_trace
     from shard_planner.trace import trace_for_plan, trace_or_load
 
@@ -78,9 +79,12 @@ def run(args: argparse.Namespace) -> int:
     plan = asked_again(found, profile=req.profile, timings=req.timings, gpus=req.gpus, micro_batch=req.micro_batch)
     profile = load_priced_profile(plan.cluster.profile, plan.cluster.timings)
     options = hf_options(args)
+    loss = args.loss or plan.model.loss or MODEL  # the loss the plan was made with, unless given
     if config_file(req.model) is not None:  # the sequence length and fine-tune the plan was made for, unless given
         options = HfOptions(args.hf_task or plan.model.hf_task, args.seq_len or plan.model.seq_len,
-                            (options.finetune if options is not None else None) or plan.model.finetune)
+                            (options.finetune if options is not None else None) or plan.model.finetune, loss)
+    else:
+        options = HfOptions(loss=loss) if options is None else replace(options, loss=loss)
     model_file = load_unless_trace(req.model, options)
     # a trace.json stands for the model; a model file is checked before it is traced (load/checked_plan.py)
     trace = trace_or_load(req.model, dtype=plan.training.numerics.compute_dtype) if model_file is None else None

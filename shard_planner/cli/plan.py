@@ -22,6 +22,7 @@ from shard_planner.errors import ModelFileError, UserError
 from shard_planner.fileio import check_output_dir, check_output_file
 from shard_planner.model.hf import as_planned
 from shard_planner.plan import Plan, save_plan, with_paths_located
+from shard_planner.plan.loss import DESCRIPTIONS as LOSS_DESCRIPTIONS, MODEL
 from shard_planner.plan.points import layout_lines
 from shard_planner.plan.engine import DESCRIPTIONS, PARAMETERS, SINGLE
 from shard_planner.hardware.profile import DEFAULT_PROFILE, load_priced_profile, ranks_text
@@ -292,6 +293,8 @@ def summary(result: PlanResult | Plan, profile) -> str:
                    f"master weights where they are stored wider); --engine single trains plain PyTorch instead, "
                    f"every parameter cast to {compute}")
             lines.append(f"  FSDP2 on one {rank}: {why}")
+    if plan.model.loss not in (None, MODEL):  # model/loss.py
+        lines.append(f"  loss: {LOSS_DESCRIPTIONS[plan.model.loss]}")
     accumulation = plan.accumulation_words(rank)
     if accumulation:
         lines.append(f"  {accumulation}")

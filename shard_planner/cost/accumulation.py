@@ -176,7 +176,8 @@ class _AccumulationWalk(_MemoryWalk):
         owners = (blk.unit, *blk.nested)
         grads = [self.units[u].grad_bytes for u in owners]
         super().backward(ev)
-        new = (self.acts.own_grads[ev.block], *(self.ub[v].unsharded_grads for v in blk.nested))
+        new = (self.acts.own_grads[ev.block] + self.acts.made_grads[ev.block],  # made in forward: added too
+               *(self.ub[v].unsharded_grads for v in blk.nested))
         for u, g, size in zip(owners, grads, new):  # added into the held ones, then freed
             if size:
                 self.out.on_free(GRADS, size, self.t.unit_names[u], ON_DEFAULT)

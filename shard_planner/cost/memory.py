@@ -129,8 +129,6 @@ a note below.
 
 from __future__ import annotations
 
-import logging
-
 from shard_planner.cost import optimizer as optimizer_rules
 from shard_planner.cost.activations import BlockActivations
 from shard_planner.cost.allocations import (
@@ -149,8 +147,6 @@ from shard_planner.cost.unit_bytes import UnitBytes, reduce_scatter_backend_temp
 from shard_planner.cost.unit_state import Sharding, UnitState
 from shard_planner.hardware.profile import HardwareProfile
 from shard_planner.trace.types import ModelTrace
-
-logger = logging.getLogger(__name__)
 
 
 def simulate_memory_walk(trace: ModelTrace, t: CostTables, plan: PlanQuery, profile: HardwareProfile,
@@ -247,7 +243,8 @@ class _MemoryWalk:
         handlers[K.PRE_FORWARD], handlers[K.ALL_GATHER], handlers[K.ALL_GATHER_WAIT] = (
             self.pre_forward, self.all_gather, self.wait)
         handlers[K.FORWARD], handlers[K.RESHARD], handlers[K.FORWARD_END] = self.forward, self.reshard, self.forward_end
-        handlers[K.LOSS], handlers[K.PRE_BACKWARD], handlers[K.RECOMPUTE] = self.loss, _ignore, self.recompute
+        handlers[K.LOSS], handlers[K.RECOMPUTE] = self.loss, self.recompute
+        handlers[K.PRE_BACKWARD] = lambda ev: None  # its all-gather wait and prefetches are events of their own
         handlers[K.BACKWARD], handlers[K.POST_BACKWARD], handlers[K.BACKWARD_END] = (
             self.backward, self.post_backward, self.backward_end)
         handlers[K.OPTIMIZER] = self.optimizer
@@ -338,12 +335,20 @@ class _MemoryWalk:
             self.saved_sum += a.kept[i] + stash
         else:
             self.record("", name, Phase.FORWARD, extra_temp=rise)
-            self.saved_sum += a.saved[i]
+            self.saved_sum += a.saved[i] - self.made_grads(i)
         self.saved_sum += a.held[i]
         self.held_sum += a.held[i]
         if a.flows[i]:
             self.flow = a.output[i]
         self.activation_level = self.batch_bytes + self.saved_sum + self.flow
+
+    def made_grads(self, i: int) -> float:
+        """The parameter gradients block ``i``'s forward (or recomputation) made and saved, allocated as gradients
+        as it ends (of its saved bytes, returned): a fused output layer and loss's (model/loss.py,
+        ModuleTrace.forward_grad_bytes); backward hands them on as the gradients autograd accumulates."""
+        if self.acts.made_grads[i]:
+            self.out.on_alloc(GRADS, self.acts.made_grads[i], self.acts.names[i], ON_DEFAULT)
+        return self.acts.made_grads[i]
 
     def container_rise(self, i: int) -> float:
         """How far a container's own code (block ``i``) rises above the level now: [Note: A container's own code]."""
@@ -378,7 +383,7 @@ class _MemoryWalk:
         self.enter_backward_block(i)
         stash = self.stash[i]  # consumed as the recomputation reaches it (cost/selective.py)
         self.record("recompute", name, Phase.BACKWARD, extra_temp=max(0.0, a.fwd_rise[i] - stash))
-        self.saved_sum += a.saved[i] - a.kept[i] - stash
+        self.saved_sum += a.saved[i] - self.made_grads(i) - a.kept[i] - stash
         self.activation_level = self.batch_bytes + self.saved_sum + self.flow
 
     def backward(self, ev) -> None:
@@ -386,17 +391,17 @@ class _MemoryWalk:
         t = self.t
         blk = t.blocks[i]
         self.enter_backward_block(i)
-        own_grads = a.own_grads[i]
+        own_grads = a.own_grads[i]  # less those its forward made (made_grads)
         # the traced rise excludes parameter gradients: add them on top. See [Note: Activations].
         if own_grads:
             out.on_alloc(GRADS, own_grads, a.names[i], ON_DEFAULT)
-        self.units[blk.unit].grad_bytes += own_grads
+        self.units[blk.unit].grad_bytes += own_grads + a.made_grads[i]
         for v in blk.nested:  # produced by this block's backward too: before the event, not after
             g = self.ub[v].unsharded_grads
             out.on_alloc(GRADS, g, t.unit_names[v], ON_DEFAULT)
             self.units[v].grad_bytes += g
         self.record("", a.names[i], Phase.BACKWARD, extra_temp=a.bwd_rise[i])
-        self.saved_sum -= a.saved[i]
+        self.saved_sum -= a.saved[i] - a.made_grads[i]
         if a.flows[i]:
             self.flow = a.input[i]  # the gradient of the block's input
         self.activation_level = self.batch_bytes + self.saved_sum + self.flow
@@ -493,7 +498,3 @@ class _MemoryWalk:
                     if self.timeline else ())
         return MemoryEstimate(peak_bytes=sum(at_peak.values()), memory_at_peak=at_peak,
                               peak_event=label(what, who, phase), timeline=timeline)
-
-
-def _ignore(ev) -> None:
-    """PRE_BACKWARD: its all-gather wait and prefetches are events of their own."""

@@ -58,6 +58,7 @@ class Block:
     # a container's own code (``self_only``): its trace's fwd_tail_rise_bytes, and the index of the first block
     # of its subtree (where the level it rises from was): cost/memory.py [Note: A container's own code]
     tail_rise: Affine = ZERO
+    forward_grads: Affine = ZERO  # of ``saved``, parameter gradients made in forward (ModuleTrace.forward_grad_bytes)
     first_block: int = -1
     # tensor-parallel collectives of the block's modules (trace ModuleTrace.tp_collectives), forward order:
     # each (kind, full bytes per micro-batch) on the compute stream's critical path (cost/tp_comm.py)
@@ -232,7 +233,7 @@ def _block_sequence(trace: ModelTrace, module_unit: dict[str, int], owner: dict[
             fwd_flops=subtree_sum(fqn, "fwd_flops_self"), bwd_flops=subtree_sum(fqn, "bwd_flops_self"),
             fwd_ops=subtree_sum(fqn, "fwd_ops_self"), bwd_ops=subtree_sum(fqn, "bwd_ops_self"),
             input_shared=m.input_shared_bytes, tp_fwd=tp_fwd, tp_bwd=tp_bwd,
-            held=subtree_sum(fqn, "held_bytes_self"),
+            held=subtree_sum(fqn, "held_bytes_self"), forward_grads=subtree_sum(fqn, "forward_grad_bytes"),
         )
 
     def decompose(fqn: str) -> None:
@@ -254,7 +255,7 @@ def _block_sequence(trace: ModelTrace, module_unit: dict[str, int], owner: dict[
             saved=m.saved_bytes_self, input=ZERO, output=ZERO, fwd_rise=ZERO, bwd_rise=m.bwd_head_rise_bytes,
             fwd_flops=m.fwd_flops_self, bwd_flops=m.bwd_flops_self,
             fwd_ops=m.fwd_ops_self, bwd_ops=m.bwd_ops_self, held=m.held_bytes_self,
-            tail_rise=m.fwd_tail_rise_bytes, first_block=first,
+            tail_rise=m.fwd_tail_rise_bytes, first_block=first, forward_grads=m.forward_grad_bytes,
         ))
 
     decompose(ROOT)

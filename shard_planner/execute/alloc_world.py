@@ -83,7 +83,7 @@ def record_plan_step(plan: Plan, rank: int, warmup: int) -> list[SeqEvent]:
         phase = (lambda name: setattr(tracker, "phase", name)) if tracker is not None else (lambda name: None)
         phase("forward")
         inputs, targets = make_step_batch(model_file, mb, s, rank, device)
-        loss = model_file.loss(model_file.forward(model, inputs), targets)  # as the run's step (worker.py)
+        loss = model_file.loss(model_file.forward(model, inputs, targets), targets)  # as the run's step (worker.py)
         phase("backward")
         loss.backward()
         phase("optimizer")

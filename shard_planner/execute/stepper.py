@@ -162,11 +162,11 @@ class Stepper:
 
     def _forward_and_loss(self, inputs, targets) -> torch.Tensor:
         if self._loss_checked:
-            return self.model_file.loss(self.model_file.forward(self.model, inputs), targets)
+            return self.model_file.loss(self.model_file.forward(self.model, inputs, targets), targets)
         hint = "set tensor_parallel.loss_parallel false in the plan"
         ops = _DTensorOps()
         with ops:  # a transformers model given its labels computes its loss in forward
-            output = self.model_file.forward(self.model, inputs)
+            output = self.model_file.forward(self.model, inputs, targets)
         try:
             with ops:
                 loss = self.model_file.loss(output, targets)

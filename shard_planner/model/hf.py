@@ -31,6 +31,7 @@ from typing import Callable
 
 from shard_planner.errors import ModelFileError
 from shard_planner.plan.finetune import FineTune
+from shard_planner.plan.loss import LOSSES, MODEL
 
 logger = logging.getLogger(__name__)
 
@@ -67,13 +68,17 @@ HF_TASKS = {
 @dataclass(frozen=True)
 class HfOptions:
     """What the config alone may not say: the task (``--hf-task``), the sequence length (``--seq-len``) and
-    the fine-tune (``--lora``, ``--qlora``, ``--freeze``: shard_planner/plan/finetune.py)."""
+    the fine-tune (``--lora``, ``--qlora``, ``--freeze``: shard_planner/plan/finetune.py); and, for any model
+    file, the loss over its output layer (``--loss``, shard_planner/model/loss.py; None: as the file says)."""
 
     task: str | None = None
     seq_len: int | None = None
     finetune: FineTune | None = None
+    loss: str | None = None
 
     def __post_init__(self):
+        if self.loss is not None and self.loss not in LOSSES:
+            raise ModelFileError(f"unknown --loss {self.loss!r}; known: {', '.join(LOSSES)}")
         if self.task is not None and self.task not in HF_TASKS:
             raise ModelFileError(f"unknown --hf-task {self.task!r}; known: {', '.join(HF_TASKS)}")
         if self.seq_len is not None and self.seq_len < 1:
@@ -89,19 +94,24 @@ class HfModel:
     make_batch: Callable[[int], dict]
     training: dict
     finetune: FineTune | None = None
+    task: str = "causal-lm"  # the kind of model it builds (HF_TASKS)
 
 
-def plan_options(path: str, task: str | None, seq_len: int | None,
-                 finetune: FineTune | None = None) -> HfOptions | None:
+def plan_options(path: str, task: str | None, seq_len: int | None, finetune: FineTune | None = None,
+                 loss: str | None = None) -> HfOptions | None:
     """For a plan's model at ``path``: the task, sequence length and fine-tune it was planned with when it
-    is a transformers config (so ``run`` and ``export`` rebuild the planned model), else None."""
-    return HfOptions(task=task, seq_len=seq_len, finetune=finetune) if config_file(path) is not None else None
+    is a transformers config, and the loss for any model file (so ``run`` and ``export`` rebuild the planned
+    model); None when there is nothing to say."""
+    if config_file(path) is not None:
+        return HfOptions(task=task, seq_len=seq_len, finetune=finetune, loss=loss)
+    return HfOptions(loss=loss) if loss is not None else None
 
 
 def model_options(model, path: str | None = None) -> HfOptions | None:
     """:func:`plan_options` of a plan's model section (a :class:`~shard_planner.plan.ModelRef`), for the
-    model file at ``path`` (default: the section's own path)."""
-    return plan_options(path or model.path, model.hf_task, model.seq_len, model.finetune)
+    model file at ``path`` (default: the section's own path); its loss named (``model`` in plans without one:
+    a model file's TRAINING["loss"] then does not change what the plan was made with)."""
+    return plan_options(path or model.path, model.hf_task, model.seq_len, model.finetune, model.loss or MODEL)
 
 
 def as_planned(plan, task: str | None, finetune: FineTune | None):
@@ -191,6 +201,7 @@ def load_hf_config(path: str, options: HfOptions = HfOptions()) -> HfModel:
         make_batch=_with_labels(config, spec, make_inputs, seq_len),
         training=training,
         finetune=finetune,
+        task=task,
     )
 
 

@@ -12,7 +12,8 @@ defines
 - optionally ``loss_fn(output, targets)`` -> scalar loss (default: :func:`default_loss_fn`: the
   ``.loss`` a transformers ModelOutput carries, else cross-entropy over the last dim of the output or
   of its ``.logits``);
-- optionally ``TRAINING``: a dict of defaults (``micro_batch``, ``seq_len``, ``optimizer``, ``lr``).
+- optionally ``TRAINING``: a dict of defaults (``micro_batch``, ``seq_len``, ``optimizer``, ``lr``, ``loss``: one of
+  shard_planner/plan/loss.py's ``LOSSES``, the loss over the output layer, shard_planner/model/loss.py).
 
 Every violation raises :class:`ModelFileError` naming the file and the problem in one line. The model
 is called with a batch's inputs in one place, :meth:`ModelFile.forward`; a transformers config file
@@ -35,10 +36,11 @@ from typing import Any, Callable
 from shard_planner.errors import ModelFileError
 from shard_planner.errors import first_line as _first_line
 from shard_planner.plan import DEFAULT_LR, OPTIMIZERS
+from shard_planner.plan.loss import LOSSES, MODEL
 
 logger = logging.getLogger(__name__)
 
-TRAINING_KEYS = {"micro_batch": int, "seq_len": int, "optimizer": str, "lr": float}
+TRAINING_KEYS = {"micro_batch": int, "seq_len": int, "optimizer": str, "lr": float, "loss": str}
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,10 @@ class ModelFile:
     training: dict = field(default_factory=dict)
     # a transformers config's fine-tune (--lora, --qlora, --freeze), LoRA targets named: what a plan records
     finetune: Any = None
+    # the loss over the output layer (shard_planner/model/loss.py): "model" is loss_fn; chunked or fused are
+    # installed on the output layer by build() and computed by forward() and loss() (training["loss"] names it)
+    loss_name: str = MODEL
+    shift_labels: bool = False  # a transformers causal LM's labels become the targets, shifted by one token
 
     @property
     def defaults(self) -> TrainingDefaults:
@@ -119,6 +125,13 @@ class ModelFile:
             raise ModelFileError(
                 f"{self.path}: build_model() returned {type(model).__name__}, expected a torch.nn.Module"
             )
+        if self.loss_name != MODEL:
+            from shard_planner.model.loss import HeadLoss
+
+            try:
+                HeadLoss.install(model, self.loss_name)
+            except ModelFileError as exc:
+                raise ModelFileError(f"{self.path}: {exc}") from exc
         return model
 
     def batch(self, batch_size: int) -> tuple[tuple | dict, Any]:
@@ -136,6 +149,11 @@ class ModelFile:
                 "or a dict of keyword inputs"
             )
         inputs, targets = result
+        if self.shift_labels and targets is None and isinstance(inputs, dict) and "labels" in inputs:
+            from shard_planner.model.loss import shifted_labels
+
+            inputs = dict(inputs)
+            targets = shifted_labels(inputs.pop("labels"))
         if not isinstance(inputs, dict):
             inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
         tensors = input_tensors(inputs)
@@ -155,17 +173,28 @@ class ModelFile:
             )
         return inputs, targets
 
-    @staticmethod
-    def forward(model, inputs):
+    def forward(self, model, inputs, targets=None):
         """Call ``model`` with a batch's inputs: ``model(**inputs)`` for keyword inputs, else
-        ``model(*inputs)``. Every caller (tracer, executor, timing) goes through here."""
-        return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+        ``model(*inputs)``; a fused loss reads ``targets`` meanwhile. Every caller (tracer, executor, timing)
+        goes through here."""
+        call = (lambda: model(**inputs)) if isinstance(inputs, dict) else (lambda: model(*inputs))
+        if self.loss_name == MODEL:
+            return call()
+        from shard_planner.model.loss import HeadLoss
+
+        return HeadLoss.of(model).run(call, targets)
 
     def loss(self, output, targets):
-        """Call the loss function; check that it returns a scalar tensor."""
+        """Call the loss function (the chunked or fused loss where one is installed); check that it returns a
+        scalar tensor."""
         import torch
 
-        loss = self._call("loss_fn(output, targets)", self.loss_fn, output, targets)
+        if self.loss_name != MODEL:
+            from shard_planner.model.loss import output_loss
+
+            loss = self._call(f"the {self.loss_name} loss", output_loss, self.loss_name, output, targets)
+        else:
+            loss = self._call("loss_fn(output, targets)", self.loss_fn, output, targets)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ModelFileError(f"{self.path}: loss_fn must return a scalar tensor")
         return loss
@@ -181,13 +210,19 @@ def load_model_file(path: str, hf_options=None) -> ModelFile:
     (an :class:`~shard_planner.model.hf.HfOptions`: the task and sequence length where the config does not say)."""
     from shard_planner.model import hf
 
+    asked = hf_options.loss if hf_options is not None else None
     if hf.config_file(path) is not None:
         made = hf.load_hf_config(str(path), hf_options or hf.HfOptions())
-        return ModelFile(str(path), made.build_model, made.make_batch, default_loss_fn, made.training, made.finetune)
+        loss = asked or MODEL
+        if loss != MODEL and made.task != "causal-lm":
+            raise ModelFileError(f"{path}: --loss {loss} applies to a causal language model (this config builds a "
+                                 f"{made.task} model): use --loss model")
+        return ModelFile(str(path), made.build_model, made.make_batch, default_loss_fn,
+                         _with_loss(made.training, loss), made.finetune, loss, shift_labels=loss != MODEL)
     if hf_options is not None and hf_options.finetune is not None:
         raise ModelFileError(f"{path}: --lora, --qlora and --freeze apply to a transformers config (config.json) "
                              "only; a model file freezes parameters itself, in build_model()")
-    if hf_options is not None and hf_options != hf.HfOptions():
+    if hf_options is not None and hf_options != hf.HfOptions(loss=asked):
         raise ModelFileError(f"{path}: --hf-task and --seq-len apply to a transformers config (config.json) only")
     module = _import(path)
     build_model = getattr(module, "build_model", None)
@@ -200,8 +235,16 @@ def load_model_file(path: str, hf_options=None) -> ModelFile:
     loss_fn = getattr(module, "loss_fn", None) or default_loss_fn
     if not callable(loss_fn):
         raise ModelFileError(f"{path}: loss_fn is not a function")
-    training = getattr(module, "TRAINING", None) or {}
-    return ModelFile(path, build_model, make_batch, loss_fn, _check_training(path, training))
+    training = _check_training(path, getattr(module, "TRAINING", None) or {})
+    loss = asked or training.get("loss", MODEL)
+    return ModelFile(path, build_model, make_batch, loss_fn, _with_loss(training, loss), loss_name=loss)
+
+
+def _with_loss(training: dict, loss: str) -> dict:
+    """``training`` naming the loss the model file is built with: ``loss`` unless it is the model's own (a
+    trace of it, and its trace-cache key, then read as before the loss was chosen)."""
+    rest = {k: v for k, v in training.items() if k != "loss"}
+    return rest if loss == MODEL else {**rest, "loss": loss}
 
 
 def is_trace_file(model: str) -> bool:
@@ -241,6 +284,8 @@ def _check_training(path: str, training: Any) -> dict:
             raise ModelFileError(f"{path}: TRAINING[{key!r}] must be {wanted}, got {value!r}")
     if training.get("optimizer", TrainingDefaults.optimizer) not in OPTIMIZERS:
         raise ModelFileError(f"{path}: TRAINING['optimizer'] must be one of {', '.join(OPTIMIZERS)}")
+    if training.get("loss", MODEL) not in LOSSES:
+        raise ModelFileError(f"{path}: TRAINING['loss'] must be one of {', '.join(LOSSES)}")
     return dict(training)
 
 

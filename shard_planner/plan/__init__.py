@@ -31,9 +31,11 @@ from shard_planner.plan.engine import ENGINES, FSDP2, SINGLE, engine_refusal
 from shard_planner.errors import PlanError
 from shard_planner.fileio import read_json, write_atomic
 from shard_planner.plan.finetune import FineTune  # the plan file's "model.finetune": what was frozen and how
+from shard_planner.plan.loss import LOSSES
 from shard_planner.plan.numerics import Numerics  # the step's dtypes, from training.param_dtype and reduce_dtype
 from shard_planner.parallel.mesh import Mesh  # the plan file's "mesh" section: the parallel degrees
-from shard_planner.plan.points import LAYOUT_JUDGED, FrontierPoint, LayoutOutcome, MeasuredPoint  # noqa: F401 (the plan file's points)
+from shard_planner.plan.points import (LAYOUT_JUDGED, FrontierPoint, LayoutOutcome, MeasuredPoint,  # noqa: F401
+                                       layouts_from_degrees)  # (the plan file's points)
 from shard_planner.plan.prediction import MEMORY_CATEGORIES, Prediction  # noqa: F401 (the plan file's "predicted")
 from shard_planner.plan.schema import AnyOf, Bool, Int, ListOf, MapOf, Nullable, Number, Section, Text
 from shard_planner.plan.paths import is_profile_path, locate, resolve
@@ -224,6 +226,7 @@ class ModelRef:
     # a transformers config's --lora / --qlora / --freeze, LoRA targets named: `run`, `export` and `report`
     # rebuild the same fine-tune (None: as transformers builds it; plans written before it have none)
     finetune: FineTune | None = None
+    loss: str | None = None  # the loss over the output layer (plan/loss.py); None: the model file's own
 
 
 @dataclass(frozen=True)
@@ -347,8 +350,9 @@ class Plan:
         for u in d["units"]:  # written for selective units only: other units' JSON stays as before
             if not u["ac_save_ops"]:
                 del u["ac_save_ops"]
-        if self.model.finetune is None:  # plans without a fine-tune read as they did before it
-            del d["model"]["finetune"]
+        for name in ("finetune", "loss"):  # plans without a fine-tune or a loss read as they did before them
+            if d["model"][name] is None:
+                del d["model"][name]
         for name in _CLUSTER_RELATIVE_PATHS:  # plans without recorded paths read as they did before them
             if d["cluster"][name] is None:
                 del d["cluster"][name]
@@ -388,20 +392,7 @@ class Plan:
             raise PlanError("plan has no schema_version: not a plan written by shard-planner plan")
         _require(version == PLAN_SCHEMA_VERSION,  # before the fields: another version has other fields
                  f"plan schema_version {version!r} is not {PLAN_SCHEMA_VERSION}: re-run shard-planner plan")
-        return Section(Plan, PLAN_RULES).load(_layouts_from_degrees(d), "")
-
-
-def _layouts_from_degrees(d: dict) -> dict:
-    """``d`` with a plan file's ``tp_degrees`` (written before the layout search keyed its outcomes by the
-    split, ``layouts``) read as ``layouts``: each degree's ``degree`` its split's ``tp``, its ``tp_comm_s``
-    the split's collectives, its ``layout`` its fastest plan; anything else in an entry is checked as
-    ``layouts`` is, where its JSON path names it."""
-    if "tp_degrees" not in d or "layouts" in d or not isinstance(d["tp_degrees"], list):
-        return d
-    renamed = {"degree": "split", "tp_comm_s": "split_comm_s", "layout": "fastest_plan"}
-    layouts = [{renamed.get(k, k): ({"tp": v} if k == "degree" else v) for k, v in o.items()}
-               if isinstance(o, dict) else o for o in d["tp_degrees"]]
-    return {**{k: v for k, v in d.items() if k != "tp_degrees"}, "layouts": layouts}
+        return Section(Plan, PLAN_RULES).load(layouts_from_degrees(d), "")
 
 
 _ACCUMULATION_FIELDS = ("accumulation_steps", "gradient_sync", "keep_params_gathered")
@@ -412,7 +403,7 @@ _CLUSTER_RELATIVE_PATHS = ("profile_relative_path", "timings_relative_path")
 _COUNT, _BYTES, _SECONDS = Int(least=1), Int(least=0), Number(non_negative=True)
 PLAN_RULES = {
     "ModelRef.seq_len": Nullable(_COUNT), "ModelRef.relative_path": Nullable(Text()),
-    "ModelRef.hf_task": Nullable(Text()),
+    "ModelRef.hf_task": Nullable(Text()), "ModelRef.loss": Nullable(Text(LOSSES)),
     "FineTune.lora_rank": Nullable(_COUNT), "FineTune.lora_targets": ListOf(Text()), "FineTune.freeze": ListOf(Text()),
     "Cluster.gpus": _COUNT, "Cluster.gpus_per_node": _COUNT, "Cluster.mem_budget_bytes": _COUNT,
     "Cluster.profile_relative_path": Nullable(Text()), "Cluster.timings_relative_path": Nullable(Text()),

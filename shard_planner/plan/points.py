@@ -99,3 +99,16 @@ def layout_lines(chosen_split: ModelSplit, outcomes: tuple[LayoutOutcome, ...]) 
 def layout_reason(chosen_split: ModelSplit, outcomes: tuple[LayoutOutcome, ...]) -> str:
     """:func:`layout_lines` as one line."""
     return "; ".join(layout_lines(chosen_split, outcomes))
+
+
+def layouts_from_degrees(d: dict) -> dict:
+    """``d`` with a plan file's ``tp_degrees`` (written before the layout search keyed its outcomes by the
+    split, ``layouts``) read as ``layouts``: each degree's ``degree`` its split's ``tp``, its ``tp_comm_s``
+    the split's collectives, its ``layout`` its fastest plan; anything else in an entry is checked as
+    ``layouts`` is, where its JSON path names it."""
+    if "tp_degrees" not in d or "layouts" in d or not isinstance(d["tp_degrees"], list):
+        return d
+    renamed = {"degree": "split", "tp_comm_s": "split_comm_s", "layout": "fastest_plan"}
+    layouts = [{renamed.get(k, k): ({"tp": v} if k == "degree" else v) for k, v in o.items()}
+               if isinstance(o, dict) else o for o in d["tp_degrees"]]
+    return {**{k: v for k, v in d.items() if k != "tp_degrees"}, "layouts": layouts}

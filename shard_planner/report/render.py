@@ -13,6 +13,7 @@ import pandas as pd
 from shard_planner import __version__
 from shard_planner.cost.fits import allocator_figures_text
 from shard_planner.plan import Plan
+from shard_planner.plan.loss import DESCRIPTIONS as LOSS_DESCRIPTIONS, MODEL
 from shard_planner.plan.points import layout_reason
 from shard_planner.report.budget import ReportBudget
 from shard_planner.report.engine_words import EngineWords, engine_words
@@ -49,6 +50,7 @@ def summary_lines(plan: Plan, budget: ReportBudget, measured: tuple[MeasuredFigu
                     f"budget {budget.describe()}"),
         setup[0],  # the mesh
         *_trains_line(plan, trace),
+        *([("loss", LOSS_DESCRIPTIONS[plan.model.loss])] if plan.model.loss not in (None, MODEL) else []),
         *_layouts_line(plan),
         *setup[1:],
     ]

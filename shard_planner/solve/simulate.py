@@ -77,7 +77,7 @@ def make_plan(trace: ModelTrace, units: tuple[Unit, ...], choice: GlobalChoice, 
     (recorded when the choice's mesh is tensor-parallel)."""
     return Plan(
         model=ModelRef(path=model_path or trace.model_path, fingerprint=trace.fingerprint,
-                       seq_len=trace.tokens_per_sample),
+                       seq_len=trace.tokens_per_sample, loss=trace.training.get("loss")),
         cluster=cluster,
         mesh=choice.mesh,
         training=choice.training(training),

@@ -75,9 +75,9 @@ def probe_forward_cache(model_file: ModelFile) -> str | None:
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         model = build_fake(model_file, fake_mode)
         with fake_mode, torch.no_grad():
-            inputs, _targets = model_file.batch(1)
+            inputs, targets = model_file.batch(1)
             with _Routed():
-                return output_cache(model_file.forward(model, inputs))
+                return output_cache(model_file.forward(model, inputs, targets))
 
 
 class _Routed(TorchDispatchMode):

@@ -43,7 +43,7 @@ from functools import partial
 
 import torch
 import torch.nn as nn
-from torch.autograd.graph import _get_grad_fn_or_grad_acc, register_multi_grad_hook, saved_tensors_hooks
+from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
@@ -52,6 +52,7 @@ from shard_planner.model.modelfile import ModelFile, input_tensors
 from shard_planner.trace.cache import output_cache
 from shard_planner.trace.flops import FlopCounter
 from shard_planner.trace.kernel_ops import classify
+from shard_planner.trace.grad_hooks import register_all_grads_hook
 from shard_planner.trace.records import ENTER, EXIT, Call, Span, is_ancestor
 from shard_planner.trace.routing import KnownValues
 from shard_planner.trace.storages import SavedTensors, StorageLog
@@ -87,6 +88,7 @@ class Step:
         self.flops = flops
         self.log = StorageLog()
         self.saves = SavedTensors()
+        self.saved_by: dict[int, Call] = {}  # storage id -> the call that saved it first (its forward gradients)
         self.twins = Twins(reuse, banned)
         self.known = KnownValues()  # MoE routing under fake tensors: [Note: balanced routing]
         self.calls_by_fqn: dict[str, int] = defaultdict(int)
@@ -216,6 +218,7 @@ class Step:
                 nbytes = self.log.nbytes[sid]
                 if self.saves.note(len(self.log.events), sid, nbytes, call):
                     call.saved_bytes += nbytes
+                    self.saved_by[sid] = call
         return t
 
     # ---- module calls ----
@@ -339,7 +342,7 @@ class Step:
         ins = [t for t in in_tensors if t.requires_grad]
         call.input_grad = bool(ins)
         if ins:
-            _register_all_grads_hook(ins, partial(self._post_backward, call))
+            register_all_grads_hook(ins, partial(self._post_backward, call))
 
     def _pre_backward(self, call: Call, _grads) -> None:
         if call.bwd is not None:
@@ -388,7 +391,7 @@ class Step:
                 self.input_owner[self.log.sid(t)] = None
         with self.log.resize_tracking(), Recorder(self), saved_tensors_hooks(self._pack, lambda t: t):
             self.phase = "fwd"
-            out = self._forward(inputs)
+            out = self._forward(inputs, targets)
             self.forward_cache = output_cache(out)
             self.output_sids = frozenset(self.log.sid(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
             self._open(self.loss_call, "fwd")
@@ -410,15 +413,20 @@ class Step:
             del loss
             self.phase = None
         for p in self.model.parameters():
-            if p.grad is not None:
+            if p.grad is None:
+                continue
+            call = self.saved_by.get(self.log.known_sid(p.grad.untyped_storage()))
+            if call is not None:  # computed in forward and saved: an activation until then (model/loss.py)
+                call.forward_grad_bytes += self.log.nbytes[self.log.sid(p.grad)]
+            else:
                 self.log.register_static(p.grad)  # parameter gradients: not activations
         self.log.closed = True
         if self.unattributed_flops:
             logger.debug("%d FLOPs ran outside every module and the loss", self.unattributed_flops)
 
-    def _forward(self, inputs: tuple | dict):
+    def _forward(self, inputs: tuple | dict, targets):
         try:
-            return self.mf.forward(self.model, inputs)
+            return self.mf.forward(self.model, inputs, targets)
         except ModelFileError:
             raise
         except Exception as exc:
@@ -439,45 +447,22 @@ class Step:
 
 def run_step(step: Step, modules: list[tuple[str, nn.Module]], inputs: tuple | dict, targets) -> None:
     """Wrap every module's forward, run the step, and unwrap them again (also on an error)."""
+    own = {fqn: module.__dict__.get("forward") for fqn, module in modules}  # e.g. a chunked loss's output layer
     for fqn, module in modules:
         step.wrap(module, fqn)
     try:
         step.run(inputs, targets)
     finally:
-        unwrap(modules)
+        unwrap(modules, own)
 
 
-def unwrap(modules) -> None:
-    """Remove the step's forward wrappers (instance attributes) again."""
-    for _fqn, module in modules:
+def unwrap(modules, own: dict) -> None:
+    """Remove the step's forward wrappers (instance attributes) again, restoring a module's ``own`` instance
+    forward where it had one (model/loss.py installs one on the output layer)."""
+    for fqn, module in modules:
         module.__dict__.pop("forward", None)
-
-
-def _register_all_grads_hook(tensors: list[torch.Tensor], fn) -> None:
-    """Call ``fn()`` once the gradients of all ``tensors`` that this backward reaches are computed.
-
-    ``register_multi_grad_hook(tensors, fn, mode="all")`` does this too, but holds each gradient until
-    the last arrives, to pass them all to ``fn``: with an input shared by every block (T5's
-    ``position_bias``, whose gradient is complete only after block 0) each block's input gradient would
-    stay alive to the end of the backward, which a real step does not do. This is its counting, from
-    torch/autograd/graph.py, without the buffer.
-    """
-    grad_fns = [_get_grad_fn_or_grad_acc(t) for t in tensors]
-    count: dict[int, int] = {}
-    expected: dict[int, int] = {}
-
-    def inner_hook(_grad) -> None:
-        task = torch._C._current_graph_task_id()
-        seen = count.get(task, 0)
-        if seen == 0:  # how many of the hooks this backward will run
-            expected[task] = sum(map(torch._C._will_engine_execute_node, grad_fns))
-        count[task] = seen + 1
-        if count[task] == expected[task]:
-            del count[task], expected[task]
-            fn()
-
-    for t in tensors:
-        t.register_hook(inner_hook)
+        if own.get(fqn) is not None:
+            module.forward = own[fqn]
 
 
 _WRITES_FIRST: dict = {}  # op -> whether it writes its first argument (an in-place op), cached

@@ -40,6 +40,7 @@ class Call:
     template: Call | None = None  # set for a twin: the call whose numbers it reuses
     twin_info: object | None = None  # set for a call that can serve as a template (twins.TwinInfo)
     saved_bytes: int = 0
+    forward_grad_bytes: int = 0  # of saved_bytes, parameter gradients made in forward (ModuleTrace.forward_grad_bytes)
     fwd_flops: int = 0
     bwd_flops: int = 0
     input_bytes: int = 0
@@ -104,6 +105,7 @@ class ModuleRecord:
     held: int = 0  # bytes the forward's output held until dropped (trace/held.py), over its calls
     fwd_tail_rise: int = 0  # ModuleTrace.fwd_tail_rise_bytes: the largest over its calls
     bwd_head_rise: int = 0  # ModuleTrace.bwd_head_rise_bytes: the largest over its calls
+    forward_grad: int = 0  # Call.forward_grad_bytes, over its calls
 
 
 @dataclass(frozen=True)

@@ -118,6 +118,7 @@ class Replay:
             fwd_kernels=call.fwd_kernels, bwd_kernels=call.bwd_kernels, output_by_class=call.output_by_class,
             fwd_tail_kernels=call.fwd_tail, input_grad=call.input_grad, tp_collectives=call.tp_collectives,
             held=self.held.get(id(call), 0), fwd_tail_rise=self.tail_rise(call), bwd_head_rise=self.head_rise(call),
+            forward_grad=call.forward_grad_bytes,
         )
         out = [own]
         for child in call.children:
@@ -139,7 +140,7 @@ class Replay:
                 r.fwd_kernels, r.bwd_kernels, r.output_by_class, r.fwd_tail_kernels,
                 call.input_grad if r.fqn == t.fqn else r.input_grad,
                 call.tp_collectives if r.fqn == t.fqn else r.tp_collectives,  # its own style ran for real
-                r.held, r.fwd_tail_rise, r.bwd_head_rise,
+                r.held, r.fwd_tail_rise, r.bwd_head_rise, r.forward_grad,
             ))
         return out
 
@@ -203,6 +204,7 @@ def _accumulate(agg: ModuleRecord, r: ModuleRecord) -> None:
     agg.tp_collectives = agg.tp_collectives + r.tp_collectives
     agg.output_bytes += r.output_bytes
     agg.held += r.held
+    agg.forward_grad += r.forward_grad
     agg.fwd_tail_rise = max(agg.fwd_tail_rise, r.fwd_tail_rise)
     agg.bwd_head_rise = max(agg.bwd_head_rise, r.bwd_head_rise)
     agg.output_by_class = {c: agg.output_by_class.get(c, 0) + r.output_by_class.get(c, 0)
@@ -268,6 +270,7 @@ def module_traces(modules: list[tuple[str, nn.Module]], static: StaticFacts, has
             input_shared_bytes=fit("input_shared_bytes"),
             output_bytes=fit("output_bytes"),
             saved_bytes_self=fit("saved"),
+            forward_grad_bytes=fit("forward_grad"),
             held_bytes_self=fit("held"),
             fwd_tail_rise_bytes=fit("fwd_tail_rise"),
             bwd_head_rise_bytes=fit("bwd_head_rise"),

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from shard_planner.errors import UserError, first_line
 from shard_planner.parallel.mesh import ModelSplit, degree_divides
+from shard_planner.plan.loss import MODEL
 from shard_planner.plan.points import LayoutOutcome
 from shard_planner.parallel.tensor_parallel import TensorParallel
 
@@ -80,6 +81,9 @@ def degree_styles(model_file, degrees: list[int], *, sequence_parallel: bool, lo
     wanted = [t for t in degrees if t > 1]
     if not wanted:
         return DegreeStyles()
+    if model_file.loss_name != MODEL:  # its loss on vocabulary-split logits would need collectives: model/loss.py
+        why = f"--loss {model_file.loss_name} is not combined with tensor parallelism yet"
+        return DegreeStyles(refused=tuple(_refused(t, why) for t in wanted))
     with dynamo_deferred():  # [Note: torch._dynamo during a trace]: this forward needs it no more than a trace
         return _styles_of(model_file, wanted, sequence_parallel, loss_parallel, seq_len)
 

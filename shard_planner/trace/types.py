@@ -133,6 +133,10 @@ class ModuleTrace:
     # every decoder block takes). A checkpointed unit keeps only the rest as new bytes (memory.py,
     # [Note: Checkpointed inputs held elsewhere]). Traces written before this field load with none.
     input_shared_bytes: Affine = ZERO
+    # Of ``saved_bytes_self``, the gradients of parameters its own ops compute in forward and save, which
+    # backward hands to autograd as they are (the parameter's gradient is that storage: no new bytes in
+    # backward): a fused output layer and loss (model/loss.py). Traces written before this field: none.
+    forward_grad_bytes: Affine = ZERO
     # Storages its own forward ops allocated that the forward's output holds beyond its tensors (a KV cache)
     # until it is dropped after the loss: trace/held.py. Traces written before this field load with none.
     held_bytes_self: Affine = ZERO

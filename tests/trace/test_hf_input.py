@@ -183,7 +183,7 @@ def test_hf_task_is_recorded_in_the_plan(configs, tmp_path, capsys):
                      "--no-report", "--hf-task", "sequence-classification", "--seq-len", "16"]) == 0
     plan = load_plan(plan_file)
     assert plan.model.hf_task == "sequence-classification" and plan.model.seq_len == 16
-    assert _hf_options(plan, plan.model.path) == HfOptions(task="sequence-classification", seq_len=16)
+    assert _hf_options(plan, plan.model.path) == HfOptions(task="sequence-classification", seq_len=16, loss="model")
     out = tmp_path / "accelerate.yaml"
     # export builds the plan's model and checks its fingerprint: a LlamaForCausalLM would not match
     assert cli_main(["export", str(plan_file), "--to", "accelerate", "-o", str(out)]) == 0

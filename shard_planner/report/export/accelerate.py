@@ -22,7 +22,7 @@ from shard_planner.plan import Plan
 from shard_planner.plan.numerics import Numerics
 from shard_planner.report.export.accumulation import accelerate_lines, policy_notes
 from shard_planner.report.export.common import (
-    TORCH_DTYPES, Export, allocator_env, allocator_line, comment_block, emit_yaml, finetune_notes, optimizer_call, grouped_note, prefetch_notes,
+    TORCH_DTYPES, Export, allocator_env, allocator_line, comment_block, emit_yaml, finetune_notes, loss_notes, optimizer_call, grouped_note, prefetch_notes,
     uniform_reshard,
 )
 from shard_planner.report.export.model_info import ModelInfo
@@ -131,7 +131,7 @@ def _parallelism_config(plan: Plan) -> dict:
 
 
 def export_accelerate(plan: Plan, info: ModelInfo) -> Export:
-    notes: list[str] = finetune_notes(plan, "Accelerate", expressible=True)
+    notes: list[str] = finetune_notes(plan, "Accelerate", expressible=True) + loss_notes(plan, "Accelerate")
     classes, class_notes = wrap_classes(plan, info)
     notes += class_notes
     fsdp: dict = {"fsdp_version": 2}

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from shard_planner.hardware.allocator_conf import launch_env
 from shard_planner.plan import OPTIMIZER_TORCH, Plan, Training, Unit
+from shard_planner.plan.loss import CHUNKED, CHUNKS, DESCRIPTIONS, FUSED
 
 # The plan's dtype names as torch spells them in generated code and notes.
 TORCH_DTYPES = {"float32": "torch.float32", "bfloat16": "torch.bfloat16", "float16": "torch.float16"}
@@ -82,6 +83,32 @@ def finetune_notes(plan: Plan, stack: str, expressible: bool) -> list[str]:
                 f"did before {stack} wraps it: {recipe}; the optimizer then steps the trainable parameters only"]
     return [f"the plan is a fine-tune ({what}): {stack} cannot express it, so this export trains every parameter "
             f"(not the plan the prediction is for); the fsdp2 export builds it"]
+
+
+# How each loss of plan/loss.py is had in code a user runs (what shard_planner/model/loss.py computes the same way)
+LOSS_CODE = {
+    CHUNKED: (f"torchtune's CEWithChunkedOutputLoss (torchtune.modules.loss): the output layer applied to "
+              f"h.chunk({CHUNKS}, dim=1) (torchtune's TransformerDecoder num_output_chunks={CHUNKS}) and the loss "
+              f"over that list of logits"),
+    FUSED: ("Liger Kernel's fused linear cross-entropy in place of the output layer and the loss "
+            "(liger_kernel.transformers.LigerFusedLinearCrossEntropyLoss()(output_layer.weight, h, targets); "
+            "transformers' Trainer: use_liger_kernel=True)"),
+}
+
+
+def loss_text(plan: Plan) -> str | None:
+    """The plan's loss over the output layer as code a user runs (plan/loss.py); None for the model file's own."""
+    return LOSS_CODE.get(plan.model.loss)
+
+
+def loss_notes(plan: Plan, stack: str) -> list[str]:
+    """What a config-driven stack's export says of the plan's loss: it has no setting for it, the training
+    script computes it (or, for a stack whose step is its own, the prediction assumes what it cannot set)."""
+    code = loss_text(plan)
+    if code is None:
+        return []
+    return [f"the plan's loss is {DESCRIPTIONS[plan.model.loss]}: {stack} has no setting for it; compute it in the "
+            f"training step as {code}, or the step holds the whole logits and peaks above the prediction"]
 
 
 def optimizer_call(t: Training, trainable_only: bool = False) -> str:

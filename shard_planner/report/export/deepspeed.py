@@ -34,7 +34,7 @@ from shard_planner import __version__
 from shard_planner.plan.checkpointing import SELECTIVE
 from shard_planner.plan import OPTIMIZER_TORCH, Plan
 from shard_planner.report.export.accumulation import policy_notes
-from shard_planner.report.export.common import Export, allocator_line, finetune_notes
+from shard_planner.report.export.common import Export, allocator_line, finetune_notes, loss_notes
 from shard_planner.report.export.deepspeed_tp import autotp_local_info, autotp_section
 from shard_planner.report.export.model_info import ModelInfo
 
@@ -194,7 +194,7 @@ def export_deepspeed(plan: Plan, info: ModelInfo) -> Export:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     # ZeRO-3 has no units: grouping and prefetch are expressed through the sizes above
     notes: list[str] = policy_notes(plan, "ZeRO-3", syncs_every_step=True, fsdp2=False)
-    notes += finetune_notes(plan, "DeepSpeed", expressible=True)
+    notes += finetune_notes(plan, "DeepSpeed", expressible=True) + loss_notes(plan, "DeepSpeed")
     if plan.mesh.is_hsdp:  # DeepSpeed 0.19.8 rejects mics_shard_size (runtime/config.py:119-122, _reject_removed_config_keys)
         notes.append(f"HSDP ({plan.mesh.replicate_group_size} replicas x {plan.mesh.shard_group_size}-way sharding) "
                      f"cannot be expressed: ZeRO-3 shards over all {plan.mesh.dp_size} data-parallel ranks (DeepSpeed "

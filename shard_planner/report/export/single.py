@@ -20,7 +20,8 @@ import string
 from shard_planner import __version__
 from shard_planner.errors import UserError
 from shard_planner.plan import OPTIMIZER_TORCH, Plan
-from shard_planner.report.export.common import (TORCH_DTYPES, Export, allocator_line, finetune_recipe,
+from shard_planner.plan.loss import DESCRIPTIONS
+from shard_planner.report.export.common import (TORCH_DTYPES, Export, allocator_line, finetune_recipe, loss_notes, loss_text,
                                                  optimizer_call, py_str)
 from shard_planner.units import format_bytes
 
@@ -56,6 +57,8 @@ def _source(plan: Plan) -> str:
     recipe = finetune_recipe(plan)
     finetune = (f"\nThe plan is a fine-tune ({plan.model.finetune.text}): build_model() is the model file's, then "
                 f"{recipe}." if recipe is not None else "")
+    loss = loss_text(plan)
+    finetune += f"\nThe plan's loss is {DESCRIPTIONS[plan.model.loss]}: compute it as {loss}." if loss else ""
     steps = (f"\nGradient accumulation: {t.accumulation_steps} micro-steps per optimizer step, each loss divided by "
              f"{t.accumulation_steps} before its backward; autograd adds the gradients into .grad."
              if t.accumulation_steps > 1 else "")
@@ -136,6 +139,7 @@ def _accelerate(plan: Plan) -> Export:
     if checkpointed:
         notes += (f"{checkpointed} checkpointed regions -> not an Accelerate setting without FSDP: wrap those modules' "
                   "forward in torch.utils.checkpoint in the training script (export --to fsdp2 writes the code)",)
+    notes += tuple(loss_notes(plan, "Accelerate"))
     lines = ["# Accelerate config for a single-device plan (one process, no sharding), by shard-planner "
              f"{__version__}.", *[f"# not expressed: {n}" for n in notes],
              'compute_environment: LOCAL_MACHINE', 'distributed_type: "NO"', "num_machines: 1", "num_processes: 1",

@@ -61,7 +61,7 @@ from shard_planner.plan import OPTIMIZER_TORCH, Plan
 from shard_planner.parallel.tensor_parallel import Style, TensorParallel
 from shard_planner.report.export.accumulation import policy_notes
 from shard_planner.report.export.common import (
-    Export, allocator_env, allocator_line, block_units, comment_block, finetune_notes, grouped_note, prefetch_notes, split_number,
+    Export, allocator_env, allocator_line, block_units, comment_block, finetune_notes, grouped_note, loss_notes, prefetch_notes, split_number,
     uniform_reshard,
 )
 
@@ -198,6 +198,7 @@ def export_torchtitan(plan: Plan) -> Export:
     parallelism.update(tp_parallelism)
     notes += tp_notes
     notes += finetune_notes(plan, "torchtitan 0.3", expressible=False)  # no LoRA, QLoRA or freezing option
+    notes += loss_notes(plan, "torchtitan 0.3 (its loss is cross_entropy_loss over the whole logits)")
     notes.append("units: torchtitan wraps one unit per transformer block plus embeddings and output in its "
                  f"parallelize function; the plan's {len(plan.inner_units)} units apply where they coincide (the "
                  "fsdp2 export applies them exactly)")
