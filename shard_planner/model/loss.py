@@ -22,7 +22,7 @@
   tensors at once), so a GPU running Liger holds up to that much less than what is traced here, at most
   2 x 4 x 256 x 128256 B = 0.25 GiB for Llama 3 8B at 8,192 tokens per rank; the same ops are what the time
   model prices (about seven fp32 passes over each chunk's logits where Liger's kernel makes about two in bf16:
-  about 10 ms more than Liger per 8,192 tokens of Llama 3 8B at 3 TB/s). Backward scales in place, always
+  about 8 ms more than Liger per 8,192 tokens of Llama 3 8B at 3 TB/s). Backward scales in place, always
   (Liger skips the scaling when the gradient is exactly 1: a data-dependent test the tracer's fake tensors
   cannot take).
 
