@@ -8,8 +8,9 @@ CP-SAT and matplotlib, and figures render independently, so on a machine with tw
 command forks a helper before torch is imported: the helper traces while the command imports the planner
 and the report and loads the profile, then imports matplotlib while the command plans, then renders
 figures while the command renders the others. When the trace cache already holds the trace there is
-nothing to overlap with the imports, and ``plan`` imports the planner and the report before it forks its
-helpers, which inherit them (cli/plan.py [Note: Importing before the helpers fork]). Calls and results
+nothing to overlap with the imports, and ``plan`` imports the planner before it forks its helpers, which
+inherit it; the report is imported by the rendering helper and by the command while it waits for a search
+(cli/plan.py [Note: Importing before the helpers fork]). Calls and results
 travel pickled through pipes (the Llama 8B trace: 0.5 MB, 16 ms to pickle; a report figure ~0.1 MB, 8 ms,
 rendering byte-identical PNGs). What arrives through a pipe is unpickled, and each call runs, without the
 cyclic collector (cli/collector.py [Note: the collector during a command]): traces and searches build objects

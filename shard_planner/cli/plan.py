@@ -107,8 +107,8 @@ def _import_planner() -> None:
 
 
 def _run(args: argparse.Namespace, helper: Helper, second: Helper, t0: float, imported: bool) -> int:
-    """The command, with the helpers forked; ``t0`` when it started, ``imported``: whether the planner and the
-    report were imported before the helpers forked ([Note: Importing before the helpers fork])."""
+    """The command, with the helpers forked; ``t0`` when it started, ``imported``: whether the planner was
+    imported before the helpers forked ([Note: Importing before the helpers fork])."""
     check_output_file(args.output, "plan")
     if args.report:
         check_output_dir(report_dir(args), "report")
