@@ -101,15 +101,20 @@ def add_hf_arguments(p: argparse.ArgumentParser) -> None:
 
 def hf_options(args: argparse.Namespace):
     """The :class:`~shard_planner.model.hf.HfOptions` of :func:`add_hf_arguments`' arguments; None when none
-    is given (a model file then loads as before)."""
+    is given (a model file then loads as before). A trace.json takes none: it is the model as it was traced."""
     from shard_planner.plan.finetune import FineTune
     from shard_planner.model.hf import HfOptions
+    from shard_planner.model.modelfile import is_trace_file
 
     finetune = None
     if args.lora is not None or args.lora_targets or args.qlora or args.freeze:
         finetune = FineTune(args.lora, args.lora_targets, args.qlora, tuple(args.freeze))
     if args.hf_task is None and args.seq_len is None and finetune is None and args.loss is None:
         return None
+    if is_trace_file(args.model):
+        raise UserError(f"{args.model} is a trace.json, the model as it was traced: --loss, --hf-task, --seq-len, "
+                        "--lora, --qlora and --freeze apply to the model file or transformers config it was traced "
+                        "from (shard-planner trace MODEL ... -o trace.json with them, or plan MODEL itself)")
     return HfOptions(task=args.hf_task, seq_len=args.seq_len, finetune=finetune, loss=args.loss)
 
 

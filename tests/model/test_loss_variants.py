@@ -194,3 +194,19 @@ def test_every_export_and_the_report_say_the_loss(tmp_path):
         assert cli_main(["export", str(out), "--to", target, "-o", str(written)]) == 0
         text = "".join(p.read_text() for p in ([written] if written.is_file() else written.rglob("*")) if p.is_file())
         assert "CEWithChunkedOutputLoss" in text and "h.chunk(8, dim=1)" in text, target
+
+
+def test_a_trace_json_takes_no_model_options(tmp_path, capsys):
+    """A trace.json is the model as traced (its loss included): --loss and the transformers options are refused
+    in one line, not silently ignored."""
+    trace = tmp_path / "trace.json"
+    assert cli_main(["trace", LLAMA, "--loss", "fused", "-o", str(trace)]) == 0
+    out = tmp_path / "plan.json"
+    assert cli_main(["plan", str(trace), "--gpus", "2", "--mem", "2GB", "--profile", "cpu-gloo", "-o", str(out),
+                     "--no-report"]) == 0
+    assert load_plan(out).model.loss == "fused"  # the trace's
+    for extra in (["--loss", "chunked"], ["--lora", "8"]):
+        code = cli_main(["plan", str(trace), *extra, "--gpus", "2", "--mem", "2GB", "--profile", "cpu-gloo", "-o",
+                         str(tmp_path / "other.json"), "--no-report"])
+        assert code == 2 and "is a trace.json, the model as it was traced" in capsys.readouterr().err
+        assert not (tmp_path / "other.json").exists()
