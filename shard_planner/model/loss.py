@@ -41,9 +41,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from shard_planner.errors import ModelFileError
-from shard_planner.plan.loss import CHUNKED, CHUNKS, FUSED
+from shard_planner.plan.loss import CHUNKED, CHUNKS, IGNORE_INDEX
 
-IGNORE_INDEX = -100  # targets the loss skips: transformers', torchtune's and Liger's ignore_index
 HEAD_NAMES = ("output", "lm_head")
 
 
@@ -122,17 +121,10 @@ class HeadLoss:
 
 
 def output_loss(name: str, output, targets):
-    """The chunked or fused loss of the model's ``output`` (what its output layer returned, or a ModelOutput
-    whose ``.logits`` it is)."""
-    import torch
-
+    """The chunked or fused loss of the model's ``output``: what its output layer returned (:meth:`HeadLoss.run`
+    checked it), or a ModelOutput whose ``.logits`` it is; the fused layer's is the loss itself."""
     logits = getattr(output, "logits", output)
-    if name == FUSED and isinstance(logits, torch.Tensor) and logits.dim() == 0:
-        return logits
-    if name == CHUNKED and isinstance(logits, (list, tuple)) and len(logits) == len(targets.chunk(CHUNKS, dim=1)):
-        return chunked_cross_entropy(list(logits), targets)
-    raise ModelFileError(f"--loss {name}: the output is not the output layer's ({type(logits).__name__}): "
-                         "use --loss model")
+    return chunked_cross_entropy(list(logits), targets) if name == CHUNKED else logits
 
 
 def chunked_cross_entropy(logits: list, targets):
@@ -140,6 +132,9 @@ def chunked_cross_entropy(logits: list, targets):
     import torch.nn.functional as F
 
     chunks = targets.chunk(CHUNKS, dim=1)
+    if [c.shape for c in chunks] != [lc.shape[:-1] for lc in logits]:
+        raise ModelFileError(f"--loss {CHUNKED}: the targets {tuple(targets.shape)} are not one per logit of the "
+                             f"output layer's chunks {[tuple(lc.shape) for lc in logits]}: use --loss model")
     total = sum(F.cross_entropy(lc.flatten(0, -2).float(), tc.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
                 for lc, tc in zip(logits, chunks))
     return total / (targets != IGNORE_INDEX).sum().clamp_min(1)
@@ -187,11 +182,11 @@ def _define_fused():
                 logits = torch.nn.functional.linear(xc, weight, bias)
                 scores = logits.float()
                 lse = torch.logsumexp(scores, dim=-1)
-                valid = tc != IGNORE_INDEX
-                picked = scores.gather(1, tc.clamp_min(0).unsqueeze(1)).squeeze(1)
+                valid, index = tc != IGNORE_INDEX, tc.clamp_min(0).unsqueeze(1)  # an ignored target's row: class 0
+                picked = scores.gather(1, index).squeeze(1)
                 total = total + ((lse - picked) * valid).sum()
                 probs = scores.sub_(lse.unsqueeze(1)).exp_()  # the softmax, in place of the fp32 logits
-                probs.scatter_add_(1, tc.clamp_min(0).unsqueeze(1), -valid.unsqueeze(1).to(probs.dtype))
+                probs.scatter_add_(1, index, -valid.unsqueeze(1).to(probs.dtype))
                 probs.mul_(valid.unsqueeze(1) / kept)
                 grad_logits = logits.copy_(probs)  # d loss / d logits, in the logits' own buffer (as Liger)
                 del probs, scores

@@ -36,7 +36,7 @@ from typing import Any, Callable
 from shard_planner.errors import ModelFileError
 from shard_planner.errors import first_line as _first_line
 from shard_planner.plan import DEFAULT_LR, OPTIMIZERS
-from shard_planner.plan.loss import LOSSES, MODEL
+from shard_planner.plan.loss import IGNORE_INDEX, LOSSES, MODEL
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +57,6 @@ class TrainingDefaults:
         """The defaults a TRAINING dict names (``seq_len`` is the model's, not the plan's: left out)."""
         return cls(**{k: training[k] for k in ("micro_batch", "optimizer", "lr") if k in training})
 
-
-IGNORE_INDEX = -100  # targets the loss skips: transformers' and F.cross_entropy's ignore_index
 
 
 def default_loss_fn(output, targets):

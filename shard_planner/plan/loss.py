@@ -11,6 +11,7 @@ file's ``TRAINING["loss"]``): the names, which shard_planner/model/loss.py imple
 MODEL, CHUNKED, FUSED = "model", "chunked", "fused"
 LOSSES = (MODEL, CHUNKED, FUSED)
 CHUNKS = 8  # torchtune's num_output_chunks in every recipe that uses CEWithChunkedOutputLoss
+IGNORE_INDEX = -100  # targets every loss skips: transformers', F.cross_entropy's, torchtune's and Liger's
 
 DESCRIPTIONS = {
     MODEL: "the model file's loss",

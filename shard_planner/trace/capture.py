@@ -88,7 +88,6 @@ class Step:
         self.flops = flops
         self.log = StorageLog()
         self.saves = SavedTensors()
-        self.saved_by: dict[int, Call] = {}  # storage id -> the call that saved it first (its forward gradients)
         self.twins = Twins(reuse, banned)
         self.known = KnownValues()  # MoE routing under fake tensors: [Note: balanced routing]
         self.calls_by_fqn: dict[str, int] = defaultdict(int)
@@ -218,7 +217,6 @@ class Step:
                 nbytes = self.log.nbytes[sid]
                 if self.saves.note(len(self.log.events), sid, nbytes, call):
                     call.saved_bytes += nbytes
-                    self.saved_by[sid] = call
         return t
 
     # ---- module calls ----
@@ -415,9 +413,10 @@ class Step:
         for p in self.model.parameters():
             if p.grad is None:
                 continue
-            call = self.saved_by.get(self.log.known_sid(p.grad.untyped_storage()))
+            sid = self.log.known_sid(p.grad.untyped_storage())
+            call = self.saves.counted_by(sid)
             if call is not None:  # computed in forward and saved: an activation until then (model/loss.py)
-                call.forward_grad_bytes += self.log.nbytes[self.log.sid(p.grad)]
+                call.forward_grad_bytes += self.log.nbytes[sid]
             else:
                 self.log.register_static(p.grad)  # parameter gradients: not activations
         self.log.closed = True

@@ -120,6 +120,12 @@ class SavedTensors:
         self.attempts[sid].append(SaveAttempt(pos, call, rel, counted, nbytes))
         return counted
 
+    def counted_by(self, sid: int | None) -> Call | None:
+        """The call whose own save counted storage ``sid`` (its first save); None when it was never saved, or
+        first saved by a twin (trace/twins.py ``run_twin``)."""
+        attempts = self.attempts.get(sid) if sid is not None else None
+        return attempts[0].call if attempts and attempts[0].call.template is None else None
+
     def first_within(self, sid: int, start: int, end: int) -> SaveAttempt | None:
         """The first save of storage ``sid`` strictly between log positions ``start`` and ``end``."""
         for attempt in self.attempts.get(sid, ()):

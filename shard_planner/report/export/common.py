@@ -101,6 +101,12 @@ def loss_text(plan: Plan) -> str | None:
     return LOSS_CODE.get(plan.model.loss)
 
 
+def loss_paragraph(plan: Plan) -> str:
+    """The generated code's paragraph on the plan's loss (the fsdp2 exports' docstring): "" for the model file's own."""
+    code = loss_text(plan)
+    return "" if code is None else f"\nThe plan's loss is {DESCRIPTIONS[plan.model.loss]}: compute it as {code}."
+
+
 def loss_notes(plan: Plan, stack: str) -> list[str]:
     """What a config-driven stack's export says of the plan's loss: it has no setting for it, the training
     script computes it (or, for a stack whose step is its own, the prediction assumes what it cannot set)."""

@@ -24,10 +24,9 @@ from dataclasses import dataclass
 from shard_planner import __version__
 from shard_planner.plan.checkpointing import ALTERNATE_MATMUL, keeps_alternate_matmuls
 from shard_planner.plan import Plan, Unit
-from shard_planner.plan.loss import DESCRIPTIONS
 from shard_planner.report.export.accumulation import fsdp2_train_step_source
 from shard_planner.report.export.common import (
-    TEMPLATE_SAFE, TORCH_DTYPES, allocator_line, finetune_recipe, loss_text, optimizer_call, py_str, split_number,
+    TEMPLATE_SAFE, TORCH_DTYPES, allocator_line, finetune_recipe, loss_paragraph, optimizer_call, py_str, split_number,
 )
 from shard_planner.report.export.fsdp2_tp import tp_source
 from shard_planner.units import format_bytes
@@ -124,12 +123,6 @@ def _finetune_text(plan: Plan) -> str:
             "The optimizer below steps only the parameters that train (those with requires_grad).")
 
 
-def _loss_text(plan: Plan) -> str:
-    """The docstring's paragraph on the plan's loss over the output layer (report/export/common.py ``loss_text``)."""
-    code = loss_text(plan)
-    return "" if code is None else f"\nThe plan's loss is {DESCRIPTIONS[plan.model.loss]}: compute it as {code}."
-
-
 def export_fsdp2(plan: Plan) -> str:
     """The Python source of ``apply_sharding(model, mesh)`` for ``plan``."""
     t = plan.training
@@ -152,7 +145,7 @@ def export_fsdp2(plan: Plan) -> str:
         model_path=py_str(plan.model.path), gpus=plan.cluster.gpus, version=__version__,
         fingerprint=plan.model.fingerprint, predicted=predicted, mesh_shape=mesh_shape, mesh_names=mesh_names,
         optimizer=optimizer_call(t, plan.model.finetune is not None), fsdp_imports=fsdp_imports,
-        finetune=_finetune_text(plan) + _loss_text(plan), units=units, forward=plan.prefetch.forward,
+        finetune=_finetune_text(plan) + loss_paragraph(plan), units=units, forward=plan.prefetch.forward,
         backward=plan.prefetch.backward, offload=offload,
         **{k: TORCH_DTYPES[v] for k, v in t.numerics.mixed_precision().items()},  # param_dtype, reduce_dtype
         allocator=textwrap.fill(allocator_line(plan, "torchrun ..."), 100, subsequent_indent="    "),

@@ -20,8 +20,7 @@ import string
 from shard_planner import __version__
 from shard_planner.errors import UserError
 from shard_planner.plan import OPTIMIZER_TORCH, Plan
-from shard_planner.plan.loss import DESCRIPTIONS
-from shard_planner.report.export.common import (TORCH_DTYPES, Export, allocator_line, finetune_recipe, loss_notes, loss_text,
+from shard_planner.report.export.common import (TORCH_DTYPES, Export, allocator_line, finetune_recipe, loss_notes, loss_paragraph,
                                                  optimizer_call, py_str)
 from shard_planner.units import format_bytes
 
@@ -57,8 +56,7 @@ def _source(plan: Plan) -> str:
     recipe = finetune_recipe(plan)
     finetune = (f"\nThe plan is a fine-tune ({plan.model.finetune.text}): build_model() is the model file's, then "
                 f"{recipe}." if recipe is not None else "")
-    loss = loss_text(plan)
-    finetune += f"\nThe plan's loss is {DESCRIPTIONS[plan.model.loss]}: compute it as {loss}." if loss else ""
+    finetune += loss_paragraph(plan)
     steps = (f"\nGradient accumulation: {t.accumulation_steps} micro-steps per optimizer step, each loss divided by "
              f"{t.accumulation_steps} before its backward; autograd adds the gradients into .grad."
              if t.accumulation_steps > 1 else "")
